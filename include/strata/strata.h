@@ -1,0 +1,523 @@
+/*
+ * strata.h — the stable C ABI of Strata, a memory-tiering runtime for training models larger
+ * than GPU memory on one GPU.
+ *
+ * This is the only public header. It compiles as C99 and as C++.
+ *
+ * Conventions (they hold for every function below unless its comment says otherwise):
+ *   - Functions return strata_status_t. STRATA_OK (0) is success; on any other value the
+ *     calling thread's strata_last_error_message() says what went wrong (the tensor name, the
+ *     numbers, the errno or CUDA error). Output parameters are written only on success.
+ *   - No C++ exception, abort or assert crosses this boundary for bad input.
+ *   - Every argument struct starts with `size_t struct_size`. Set it to the matching
+ *     STRATA_*_STRUCT_SIZE macro of the header you compiled against. The library reads only the
+ *     fields your size covers (later fields take their documented defaults) and rejects a size
+ *     smaller than the v1 struct with STRATA_ERROR_INVALID_ARGUMENT. Fields are only ever
+ *     appended, never reordered or removed.
+ *   - Pointer parameters say whether they are borrowed (read during the call only), transferred
+ *     (ownership passes) or valid until a stated event.
+ *   - Thread-safety: a runtime may be used from any number of threads at once; every function
+ *     taking a strata_runtime_t* is thread-safe unless its comment says otherwise. Destroying an
+ *     object while another thread still uses it is undefined, as in every C API.
+ *   - Streams cross the ABI as opaque `void*`: a cudaStream_t on the cuda backend (NULL means
+ *     the legacy default stream), ignored (pass NULL) on the host backend.
+ *
+ * Versioning: STRATA_VERSION_* are the header's version, strata_version() the library's. The
+ * ABI is stable within a major version (the SONAME carries it); a minor version only appends.
+ */
+#ifndef STRATA_STRATA_H_
+#define STRATA_STRATA_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---------------------------------------------------------------------------------------------
+ * Export and version macros
+ * ------------------------------------------------------------------------------------------- */
+#if defined(STRATA_BUILDING_LIBRARY) && defined(__GNUC__)
+#define STRATA_API __attribute__((visibility("default")))
+#else
+#define STRATA_API
+#endif
+
+#define STRATA_VERSION_MAJOR 1
+#define STRATA_VERSION_MINOR 0
+#define STRATA_VERSION_PATCH 0
+/* MAJOR * 10000 + MINOR * 100 + PATCH, as zstd does: comparable with < and >. */
+#define STRATA_VERSION_NUMBER \
+  (STRATA_VERSION_MAJOR * 10000 + STRATA_VERSION_MINOR * 100 + STRATA_VERSION_PATCH)
+
+/* Size of an argument struct up to and including its last field: what STRATA_*_STRUCT_SIZE
+ * expand to. A field appended in a later minor version moves that version's macro, never an
+ * older one (the library's tests static_assert each macro against its struct's last field). */
+#define STRATA_STRUCT_SIZE(type, last_field) \
+  (offsetof(type, last_field) + sizeof(((type*)0)->last_field))
+
+/* ---------------------------------------------------------------------------------------------
+ * DLPack v1 declarations
+ *
+ * Tensors leave Strata as DLManagedTensorVersioned. If the including program already included
+ * its own <dlpack/dlpack.h> (v1.0 or later) that one is used; otherwise these declarations,
+ * written from the DLPack v1.0 specification, stand in and define its include guard so a later
+ * #include <dlpack/dlpack.h> is skipped rather than conflicting.
+ * ------------------------------------------------------------------------------------------- */
+#if !defined(DLPACK_DLPACK_H_)
+#define DLPACK_DLPACK_H_
+#define DLPACK_MAJOR_VERSION 1
+#define DLPACK_MINOR_VERSION 0
+#ifdef __cplusplus
+#define DLPACK_EXTERN_C extern "C"
+#else
+#define DLPACK_EXTERN_C
+#endif
+#define DLPACK_DLL
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+typedef struct {
+  uint32_t major;
+  uint32_t minor;
+} DLPackVersion;
+
+typedef enum {
+  kDLCPU = 1,
+  kDLCUDA = 2,
+  kDLCUDAHost = 3,
+  kDLOpenCL = 4,
+  kDLVulkan = 7,
+  kDLMetal = 8,
+  kDLVPI = 9,
+  kDLROCM = 10,
+  kDLROCMHost = 11,
+  kDLExtDev = 12,
+  kDLCUDAManaged = 13,
+  kDLOneAPI = 14,
+  kDLWebGPU = 15,
+  kDLHexagon = 16,
+  kDLMAIA = 17
+} DLDeviceType;
+
+typedef struct {
+  DLDeviceType device_type;
+  int32_t device_id;
+} DLDevice;
+
+typedef enum {
+  kDLInt = 0U,
+  kDLUInt = 1U,
+  kDLFloat = 2U,
+  kDLOpaqueHandle = 3U,
+  kDLBfloat = 4U,
+  kDLComplex = 5U,
+  kDLBool = 6U
+} DLDataTypeCode;
+
+typedef struct {
+  uint8_t code;
+  uint8_t bits;
+  uint16_t lanes;
+} DLDataType;
+
+typedef struct {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+} DLTensor;
+
+#define DLPACK_FLAG_BITMASK_READ_ONLY (1UL << 0UL)
+#define DLPACK_FLAG_BITMASK_IS_COPIED (1UL << 1UL)
+
+typedef struct DLManagedTensorVersioned {
+  DLPackVersion version;
+  void* manager_ctx;
+  void (*deleter)(struct DLManagedTensorVersioned* self);
+  uint64_t flags;
+  DLTensor dl_tensor;
+} DLManagedTensorVersioned;
+#ifdef __cplusplus
+}
+#endif
+#elif !defined(DLPACK_MAJOR_VERSION) || DLPACK_MAJOR_VERSION < 1
+#error \
+    "strata.h needs DLPack >= 1.0 (DLManagedTensorVersioned); the dlpack.h included first is older"
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * Status codes. Values are fixed forever; new codes are only appended.
+ * ------------------------------------------------------------------------------------------- */
+typedef int32_t strata_status_t;
+#define STRATA_OK 0
+#define STRATA_ERROR_INVALID_ARGUMENT 1 /* a NULL pointer, bad enum, bad size, wrong struct_size \
+                                         */
+#define STRATA_ERROR_OUT_OF_MEMORY 2    /* a tier's budget or arena cannot hold the request */
+#define STRATA_ERROR_NOT_FOUND 3        /* unknown tensor name or stale handle */
+#define STRATA_ERROR_ALREADY_EXISTS 4   /* a tensor of that name is registered already */
+#define STRATA_ERROR_BUSY 5             /* the tensor is migrating or has live exports */
+#define STRATA_ERROR_NOT_READY 6        /* an event's work has not finished yet (not a failure) */
+#define STRATA_ERROR_UNSUPPORTED 7      /* the backend or build lacks the feature */
+#define STRATA_ERROR_NO_DEVICE 8        /* the cuda backend was asked for and no usable GPU */
+#define STRATA_ERROR_BACKEND 9          /* the device runtime (CUDA) reported an error */
+#define STRATA_ERROR_IO 10              /* a storage read or write failed (errno in message) */
+#define STRATA_ERROR_DATA_CORRUPTION 11 /* a checksum did not match */
+#define STRATA_ERROR_CANCELLED 12       /* work was dropped because its runtime was destroyed */
+#define STRATA_ERROR_TIMEOUT 13         /* a wait with a timeout ran out */
+#define STRATA_ERROR_INVALID_STATE 14   /* the call is not allowed in the object's current state */
+#define STRATA_ERROR_INTERNAL 15        /* a bug in Strata: please report the message */
+
+/* ---------------------------------------------------------------------------------------------
+ * Enumerations (int32 on the wire; values fixed forever)
+ * ------------------------------------------------------------------------------------------- */
+typedef int32_t strata_device_backend_t;
+#define STRATA_DEVICE_BACKEND_AUTO 0 /* cuda where a usable GPU is present, host otherwise */
+#define STRATA_DEVICE_BACKEND_CUDA 1 /* CUDA runtime: HBM arena, pinned DRAM, copy streams */
+#define STRATA_DEVICE_BACKEND_HOST 2 /* simulated device in host memory, copies on threads */
+
+typedef int32_t strata_tier_t;
+#define STRATA_TIER_HBM 0  /* device memory (host memory on the host backend) */
+#define STRATA_TIER_DRAM 1 /* pinned host memory */
+#define STRATA_TIER_NVME 2 /* storage; not available in this build (STRATA_ERROR_UNSUPPORTED) */
+#define STRATA_TIER_COUNT 3
+
+typedef int32_t strata_dtype_t;
+#define STRATA_DTYPE_F32 0
+#define STRATA_DTYPE_F16 1
+#define STRATA_DTYPE_BF16 2
+#define STRATA_DTYPE_F64 3
+#define STRATA_DTYPE_I8 4
+#define STRATA_DTYPE_U8 5
+#define STRATA_DTYPE_I16 6
+#define STRATA_DTYPE_I32 7
+#define STRATA_DTYPE_I64 8
+#define STRATA_DTYPE_BOOL 9
+#define STRATA_DTYPE_COUNT 10
+
+typedef int32_t strata_role_t;
+#define STRATA_ROLE_WEIGHT 0
+#define STRATA_ROLE_GRAD 1
+#define STRATA_ROLE_OPTIMIZER_STATE 2
+#define STRATA_ROLE_ACTIVATION 3
+#define STRATA_ROLE_OTHER 4
+#define STRATA_ROLE_COUNT 5
+
+/* A link is one direction of data movement between two tiers. */
+typedef int32_t strata_link_t;
+#define STRATA_LINK_H2D 0        /* DRAM -> HBM */
+#define STRATA_LINK_D2H 1        /* HBM -> DRAM */
+#define STRATA_LINK_NVME_READ 2  /* NVMe -> DRAM (no traffic in this build) */
+#define STRATA_LINK_NVME_WRITE 3 /* DRAM -> NVMe (no traffic in this build) */
+#define STRATA_LINK_COUNT 4
+
+/* ---------------------------------------------------------------------------------------------
+ * Opaque handles
+ * ------------------------------------------------------------------------------------------- */
+typedef struct strata_runtime strata_runtime_t;
+/* A tensor handle names one registered tensor of one runtime. It is never dereferenced by the
+ * library: a handle whose tensor was unregistered, or that belongs to another runtime, is
+ * answered with STRATA_ERROR_NOT_FOUND, never a crash. */
+typedef struct strata_tensor strata_tensor_t;
+typedef struct strata_event strata_event_t;
+
+/* ---------------------------------------------------------------------------------------------
+ * Library
+ * ------------------------------------------------------------------------------------------- */
+
+/* The library's version as STRATA_VERSION_NUMBER computes it. Thread-safe; never fails. */
+STRATA_API uint32_t strata_version(void);
+
+/* The library's version as "MAJOR.MINOR.PATCH". The string is static (never free it).
+ * Thread-safe; never fails. */
+STRATA_API const char* strata_version_string(void);
+
+/* A short constant name for a status code ("STRATA_ERROR_BUSY"); "STRATA_UNKNOWN_STATUS" for a
+ * value this library does not know. The string is static. Thread-safe; never fails. */
+STRATA_API const char* strata_status_string(strata_status_t status);
+
+/* The message of the last failing call made on this thread, "" if none has failed. The
+ * string is owned by the library and valid until this thread's next strata_ call. A successful
+ * call does not clear it. Thread-safe (each thread has its own); never fails. */
+STRATA_API const char* strata_last_error_message(void);
+
+/* Names of enum values ("hbm", "dram", "nvme"; "cuda", "host"; "f32", ...; "weight", ...;
+ * "h2d", ...), static strings; "unknown" for a value out of range. Thread-safe; never fail. */
+STRATA_API const char* strata_tier_name(strata_tier_t tier);
+STRATA_API const char* strata_device_backend_name(strata_device_backend_t backend);
+STRATA_API const char* strata_dtype_name(strata_dtype_t dtype);
+STRATA_API const char* strata_role_name(strata_role_t role);
+STRATA_API const char* strata_link_name(strata_link_t link);
+
+/* Bytes per element of a dtype (BOOL is 1), 0 for an unknown dtype. Thread-safe. */
+STRATA_API size_t strata_dtype_size(strata_dtype_t dtype);
+
+/* ---------------------------------------------------------------------------------------------
+ * Runtime
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct strata_runtime_config {
+  size_t struct_size; /* STRATA_RUNTIME_CONFIG_STRUCT_SIZE */
+  /* Which device backend. AUTO picks cuda when a usable GPU is present and host otherwise;
+   * strata_runtime_capabilities() says which was chosen and why. */
+  strata_device_backend_t device_backend;
+  /* CUDA device ordinal (0 = first GPU). Must be 0 on the host backend. */
+  int32_t device_ordinal;
+  /* HBM tier budget: one device allocation of this size is made at start-up and all HBM
+   * tensors are sub-allocated from it; never allocated on the hot path. 0 = the default:
+   * half the GPU's free memory on cuda, 1 GiB on host. */
+  uint64_t hbm_budget_bytes;
+  /* DRAM tier budget: one host arena of this size, pinned once at start-up on cuda. 0 = the
+   * default, 1 GiB. Registrations beyond it fail with STRATA_ERROR_OUT_OF_MEMORY. */
+  uint64_t dram_budget_bytes;
+  /* NVMe tier budget. Must be 0 in this build (the tier is not yet available). */
+  uint64_t nvme_budget_bytes;
+  /* Host backend only: simulated link bandwidth per direction in bytes per second, so tests
+   * can make copies slow. 0 = unlimited (memcpy speed). Must be 0 on cuda. */
+  uint64_t host_link_bytes_per_second;
+} strata_runtime_config_t;
+#define STRATA_RUNTIME_CONFIG_STRUCT_SIZE \
+  STRATA_STRUCT_SIZE(strata_runtime_config_t, host_link_bytes_per_second)
+
+/* Fill *config with defaults (AUTO backend, ordinal 0, default budgets) and set its
+ * struct_size to STRATA_RUNTIME_CONFIG_STRUCT_SIZE. config: borrowed.
+ * Errors: INVALID_ARGUMENT if config is NULL. Thread-safe. */
+STRATA_API strata_status_t strata_runtime_config_init(strata_runtime_config_t* config);
+
+/* Create a runtime: pick the device backend, make the HBM arena and the pinned DRAM arena of
+ * the configured budgets, start the copy engines. This is the slow call (it pins memory);
+ * nothing later allocates device or pinned memory.
+ * config: borrowed; NULL means all defaults. out_runtime: on success receives a new runtime,
+ * owned by the caller, released with strata_runtime_destroy().
+ * Errors: INVALID_ARGUMENT (NULL out_runtime, bad struct_size, unknown backend, negative or
+ * out-of-range ordinal, a field that does not apply to the chosen backend), NO_DEVICE (cuda
+ * asked for and no usable GPU, the CUDA error in the message), OUT_OF_MEMORY (a budget that
+ * cannot be allocated or pinned), UNSUPPORTED (a nonzero NVMe budget). Thread-safe. */
+STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* config,
+                                                 strata_runtime_t** out_runtime);
+
+/* Destroy a runtime and everything it owns. NULL is accepted (returns STRATA_OK).
+ * Transfers already running are waited for; transfers queued but not started are cancelled,
+ * their events complete with STRATA_ERROR_CANCELLED and their tensors' data is simply freed
+ * with the runtime. DLPack exports still alive stay valid: the memory they point into is
+ * released only when the last exporter's deleter has run. Events outlive the runtime and must
+ * still be destroyed by their owner. Tensor handles become invalid.
+ * Returns STRATA_OK, or STRATA_ERROR_CANCELLED (with the count in the message) if queued
+ * transfers had to be cancelled; the runtime is destroyed either way.
+ * Not thread-safe with respect to other calls on the same runtime: no other thread may be
+ * inside a call on it. */
+STRATA_API strata_status_t strata_runtime_destroy(strata_runtime_t* runtime);
+
+typedef struct strata_capabilities {
+  size_t struct_size;                     /* caller sets STRATA_CAPABILITIES_STRUCT_SIZE */
+  strata_device_backend_t device_backend; /* the backend in use (never AUTO) */
+  int32_t device_ordinal;
+  int32_t cuda_compiled;                      /* 1 if this build has the cuda backend */
+  int32_t cuda_available;                     /* 1 if a usable GPU was found at create time */
+  int32_t tiers_available[STRATA_TIER_COUNT]; /* 1 per tier this runtime can hold tensors in */
+  uint64_t tier_budget_bytes[STRATA_TIER_COUNT];
+  /* NUMA node closest to the GPU (found with hwloc); -1 if unknown or not applicable. */
+  int32_t device_numa_node;
+  /* The GPU's name ("NVIDIA H200"), "host (simulated device)" on the host backend. */
+  char device_name[128];
+  /* Why this backend was chosen, e.g. "auto: no CUDA device (cudaErrorNoDevice)". */
+  char backend_reason[256];
+} strata_capabilities_t;
+#define STRATA_CAPABILITIES_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_capabilities_t, backend_reason)
+
+/* Describe the runtime. runtime: borrowed. out: borrowed; the caller sets out->struct_size and
+ * the library fills the fields that size covers.
+ * Errors: INVALID_ARGUMENT (NULL runtime or out, bad struct_size). Thread-safe. */
+STRATA_API strata_status_t strata_runtime_capabilities(strata_runtime_t* runtime,
+                                                       strata_capabilities_t* out);
+
+typedef struct strata_tier_usage {
+  size_t struct_size;          /* caller sets STRATA_TIER_USAGE_STRUCT_SIZE */
+  uint64_t budget_bytes;       /* the tier's capacity */
+  uint64_t used_bytes;         /* allocated to tensors, alignment padding included */
+  uint64_t largest_free_bytes; /* the largest single allocation that would succeed now */
+  uint64_t tensor_count;       /* tensors whose data lives in this tier now */
+} strata_tier_usage_t;
+#define STRATA_TIER_USAGE_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_tier_usage_t, tensor_count)
+
+/* How full a tier is. runtime, out: borrowed. Errors: INVALID_ARGUMENT (NULL, bad tier, bad
+ * struct_size). A tier that is not available reports zeros. Thread-safe. */
+STRATA_API strata_status_t strata_runtime_tier_usage(strata_runtime_t* runtime, strata_tier_t tier,
+                                                     strata_tier_usage_t* out);
+
+typedef struct strata_link_stats {
+  size_t struct_size; /* caller sets STRATA_LINK_STATS_STRUCT_SIZE */
+  uint64_t bytes;     /* payload bytes moved over the link since create (or the last reset) */
+  uint64_t transfers; /* completed transfers */
+  uint64_t busy_ns;   /* time the link had at least one transfer running, in nanoseconds */
+} strata_link_stats_t;
+#define STRATA_LINK_STATS_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_link_stats_t, busy_ns)
+
+/* Counters of one link. bytes / busy_ns is the link's achieved bandwidth while busy.
+ * runtime, out: borrowed. Errors: INVALID_ARGUMENT (NULL, unknown link, bad struct_size).
+ * Thread-safe; counts only completed transfers. */
+STRATA_API strata_status_t strata_runtime_link_stats(strata_runtime_t* runtime, strata_link_t link,
+                                                     strata_link_stats_t* out);
+
+/* Reset every link's counters to zero. Errors: INVALID_ARGUMENT (NULL). Thread-safe. */
+STRATA_API strata_status_t strata_runtime_reset_stats(strata_runtime_t* runtime);
+
+/* Block until every transfer submitted so far has finished (successfully or not).
+ * Errors: INVALID_ARGUMENT (NULL). Thread-safe. */
+STRATA_API strata_status_t strata_runtime_synchronize(strata_runtime_t* runtime);
+
+/* ---------------------------------------------------------------------------------------------
+ * Tensors
+ * ------------------------------------------------------------------------------------------- */
+
+#define STRATA_MAX_NDIM 8
+#define STRATA_MAX_NAME_LENGTH 255
+
+typedef struct strata_tensor_desc {
+  size_t struct_size; /* STRATA_TENSOR_DESC_STRUCT_SIZE */
+  /* Unique name within the runtime, 1..STRATA_MAX_NAME_LENGTH bytes, NUL-terminated.
+   * Borrowed: copied during the call. */
+  const char* name;
+  strata_dtype_t dtype;
+  int32_t ndim;         /* 0..STRATA_MAX_NDIM; 0 is a scalar */
+  const int64_t* shape; /* ndim entries, each >= 0; borrowed; may be NULL when ndim == 0 */
+  strata_role_t role;
+  strata_tier_t home_tier; /* where the tensor's memory is allocated at registration */
+} strata_tensor_desc_t;
+#define STRATA_TENSOR_DESC_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_tensor_desc_t, home_tier)
+
+/* Register a tensor and allocate its memory (row-major, contiguous, 256-byte aligned) in its
+ * home tier. The contents are undefined until written.
+ * runtime, desc: borrowed. out_tensor: receives the handle; may be NULL if the caller will
+ * look the tensor up by name. The handle stays valid until strata_tensor_unregister() or
+ * strata_runtime_destroy().
+ * Errors: INVALID_ARGUMENT (NULL, bad struct_size, empty or too long name, unknown dtype, role
+ * or tier, ndim out of range, a negative dimension, a byte size that overflows),
+ * ALREADY_EXISTS (the name is taken), OUT_OF_MEMORY (the home tier cannot hold it: the
+ * message has the requested, free and largest-free bytes), UNSUPPORTED (NVMe home tier).
+ * Thread-safe. */
+STRATA_API strata_status_t strata_tensor_register(strata_runtime_t* runtime,
+                                                  const strata_tensor_desc_t* desc,
+                                                  strata_tensor_t** out_tensor);
+
+/* Find a registered tensor by name. runtime, name: borrowed. out_tensor: receives the handle.
+ * Errors: INVALID_ARGUMENT (NULL), NOT_FOUND (no tensor of that name). Thread-safe. */
+STRATA_API strata_status_t strata_tensor_find(strata_runtime_t* runtime, const char* name,
+                                              strata_tensor_t** out_tensor);
+
+/* Unregister a tensor and free its memory. The handle becomes invalid.
+ * Errors: INVALID_ARGUMENT (NULL runtime or tensor), NOT_FOUND (stale handle), BUSY (a
+ * migration of it is in flight, or DLPack exports of it are alive). Thread-safe. */
+STRATA_API strata_status_t strata_tensor_unregister(strata_runtime_t* runtime,
+                                                    strata_tensor_t* tensor);
+
+typedef struct strata_tensor_info {
+  size_t struct_size; /* caller sets STRATA_TENSOR_INFO_STRUCT_SIZE */
+  char name[STRATA_MAX_NAME_LENGTH + 1];
+  strata_dtype_t dtype;
+  int32_t ndim;
+  int64_t shape[STRATA_MAX_NDIM];
+  uint64_t nbytes; /* element count times dtype size */
+  strata_role_t role;
+  strata_tier_t home_tier;
+  strata_tier_t tier;   /* where the data lives now (the destination once a move completes) */
+  int32_t migrating;    /* 1 while a move of it is in flight */
+  int32_t export_count; /* live DLPack exports */
+} strata_tensor_info_t;
+#define STRATA_TENSOR_INFO_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_tensor_info_t, export_count)
+
+/* Describe a tensor. runtime, tensor, out: borrowed.
+ * Errors: INVALID_ARGUMENT (NULL, bad struct_size), NOT_FOUND (stale handle). Thread-safe. */
+STRATA_API strata_status_t strata_tensor_get_info(strata_runtime_t* runtime,
+                                                  strata_tensor_t* tensor,
+                                                  strata_tensor_info_t* out);
+
+/* The tier the tensor's data lives in now. Errors: INVALID_ARGUMENT (NULL), NOT_FOUND,
+ * BUSY (a move is in flight: the tier is about to change; wait on its event). Thread-safe. */
+STRATA_API strata_status_t strata_tensor_tier(strata_runtime_t* runtime, strata_tensor_t* tensor,
+                                              strata_tier_t* out_tier);
+
+/* Copy `bytes` bytes from host memory `src` into the tensor at byte `offset`, whatever tier it
+ * is in. Synchronous: when it returns the data is in place. src: borrowed, any host memory.
+ * Errors: INVALID_ARGUMENT (NULL, offset + bytes beyond the tensor), NOT_FOUND, BUSY (a move
+ * is in flight), BACKEND (the copy failed: CUDA error in the message). Thread-safe; concurrent
+ * writes to overlapping bytes of one tensor race as plain memory would. */
+STRATA_API strata_status_t strata_tensor_write(strata_runtime_t* runtime, strata_tensor_t* tensor,
+                                               uint64_t offset, const void* src, uint64_t bytes);
+
+/* Copy `bytes` bytes of the tensor from byte `offset` into host memory `dst`. Synchronous.
+ * dst: borrowed. Errors and thread-safety as strata_tensor_write. */
+STRATA_API strata_status_t strata_tensor_read(strata_runtime_t* runtime, strata_tensor_t* tensor,
+                                              uint64_t offset, void* dst, uint64_t bytes);
+
+/* Move a tensor to another tier asynchronously. The copy is ordered after all work already
+ * submitted to `stream` (so the caller's kernels that write the tensor finish first); the
+ * calling thread does not block. Space in the destination tier is reserved before this
+ * returns; the source copy is freed only once the data has landed, so a failed copy loses
+ * nothing (the tensor stays where it was and the event reports the error).
+ * Moving to the tier it is in completes at once. While the move is in flight the tensor
+ * cannot be read, written, moved, exported or unregistered (BUSY).
+ * stream: borrowed, see the stream convention above. out_event: receives a new event owned
+ * by the caller (destroy it with strata_event_destroy); may be NULL to fire and forget.
+ * Errors: INVALID_ARGUMENT (NULL runtime or tensor, unknown tier), NOT_FOUND, BUSY (already
+ * moving, or DLPack exports alive), OUT_OF_MEMORY (the destination cannot hold it, with the
+ * numbers), UNSUPPORTED (NVMe), BACKEND. Thread-safe. */
+STRATA_API strata_status_t strata_tensor_move(strata_runtime_t* runtime, strata_tensor_t* tensor,
+                                              strata_tier_t dst_tier, void* stream,
+                                              strata_event_t** out_event);
+
+/* The address of the tensor's data in its current tier: a device pointer for HBM on cuda, a
+ * pinned host pointer for DRAM. The pointer is borrowed and valid until the tensor is moved or
+ * unregistered or the runtime destroyed; it does not keep the tensor in place (use a DLPack
+ * export for that). Errors: INVALID_ARGUMENT (NULL), NOT_FOUND, BUSY (a move is in flight).
+ * Thread-safe. */
+STRATA_API strata_status_t strata_tensor_data_pointer(strata_runtime_t* runtime,
+                                                      strata_tensor_t* tensor, void** out_ptr);
+
+/* Export the tensor as DLPack (contiguous, strides NULL). Device kDLCUDA for HBM on cuda,
+ * kDLCUDAHost for DRAM on cuda, kDLCPU on the host backend. The export keeps the tensor in
+ * place: while any export is alive the tensor cannot be moved or unregistered (BUSY), and its
+ * memory outlives even strata_runtime_destroy() until the deleter runs.
+ * out: receives a DLManagedTensorVersioned whose ownership passes to the caller, who must call
+ * (*out)->deleter(*out) exactly once (any thread, also after the runtime is destroyed).
+ * Errors: INVALID_ARGUMENT (NULL), NOT_FOUND, BUSY (a move is in flight). Thread-safe. */
+STRATA_API strata_status_t strata_tensor_export_dlpack(strata_runtime_t* runtime,
+                                                       strata_tensor_t* tensor,
+                                                       DLManagedTensorVersioned** out);
+
+/* ---------------------------------------------------------------------------------------------
+ * Events: completion of asynchronous work (a move)
+ * ------------------------------------------------------------------------------------------- */
+
+/* STRATA_OK if the work finished successfully, STRATA_ERROR_NOT_READY if it is still running
+ * (no message is set for that), or the work's own error status (with its message) if it
+ * failed. Errors: INVALID_ARGUMENT (NULL). Thread-safe; never blocks. */
+STRATA_API strata_status_t strata_event_query(strata_event_t* event);
+
+/* Block the calling thread until the work finished, at most timeout_ms milliseconds
+ * (a negative value waits without limit). Returns as strata_event_query, or
+ * STRATA_ERROR_TIMEOUT if the time ran out first. Thread-safe; any number of threads may wait
+ * on one event. */
+STRATA_API strata_status_t strata_event_wait(strata_event_t* event, int64_t timeout_ms);
+
+/* Make `stream` wait for the event's work without blocking the calling thread (cuda:
+ * cudaStreamWaitEvent). On the host backend, where streams are not used, it waits on the
+ * calling thread like strata_event_wait. stream: borrowed.
+ * Errors: INVALID_ARGUMENT (NULL event), BACKEND, or the work's own error if it has already
+ * failed. Thread-safe. */
+STRATA_API strata_status_t strata_event_stream_wait(strata_event_t* event, void* stream);
+
+/* Destroy an event; NULL is accepted. Destroying an event does not cancel its work, and it may
+ * outlive its runtime. Not thread-safe with respect to other calls on the same event. */
+STRATA_API strata_status_t strata_event_destroy(strata_event_t* event);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* STRATA_STRATA_H_ */

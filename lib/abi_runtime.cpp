@@ -1,0 +1,152 @@
+// C ABI: runtime lifecycle, capabilities, usage and link statistics.
+#include <algorithm>
+#include <cstdio>
+
+#include "lib/abi_support.h"
+
+using namespace strata;
+using namespace strata::abi;
+
+namespace {
+
+void copy_string(char* dst, std::size_t capacity, const std::string& src) {
+  std::snprintf(dst, capacity, "%s", src.c_str());
+}
+
+Status runtime_from(strata_runtime_t* runtime) {
+  return require(runtime, "runtime");
+}
+
+}  // namespace
+
+extern "C" {
+
+STRATA_API strata_status_t strata_runtime_config_init(strata_runtime_config_t* config) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(config, "config"));
+    *config = strata_runtime_config_t{};
+    config->struct_size = STRATA_RUNTIME_CONFIG_STRUCT_SIZE;
+    config->device_backend = STRATA_DEVICE_BACKEND_AUTO;
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* config,
+                                                 strata_runtime_t** out_runtime) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(out_runtime, "out_runtime"));
+    strata_runtime_config_t c{};
+    c.struct_size = sizeof c;
+    if (config != nullptr) {
+      STRATA_RETURN_IF_ERROR(
+          read_struct(config, STRATA_RUNTIME_CONFIG_STRUCT_SIZE, "strata_runtime_config_t", &c));
+    }
+    if (c.device_backend < STRATA_DEVICE_BACKEND_AUTO ||
+        c.device_backend > STRATA_DEVICE_BACKEND_HOST) {
+      return error(Code::kInvalidArgument, "unknown device_backend ", c.device_backend);
+    }
+    if (c.device_ordinal < 0) {
+      return error(Code::kInvalidArgument, "device_ordinal is negative (", c.device_ordinal, ")");
+    }
+    RuntimeOptions options;
+    options.device.kind = static_cast<DeviceKind>(c.device_backend);
+    options.device.ordinal = c.device_ordinal;
+    options.device.host_link_bytes_per_second = c.host_link_bytes_per_second;
+    options.budgets = {c.hbm_budget_bytes, c.dram_budget_bytes, c.nvme_budget_bytes};
+    std::shared_ptr<Runtime> impl;
+    STRATA_RETURN_IF_ERROR(Runtime::create(options, &impl));
+    *out_runtime = new strata_runtime{std::move(impl)};
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_runtime_destroy(strata_runtime_t* runtime) {
+  if (runtime == nullptr) return STRATA_OK;
+  return guarded(__func__, [&] {
+    const std::size_t cancelled = runtime->impl->shutdown();
+    delete runtime;
+    if (cancelled > 0) {
+      return error(Code::kCancelled, cancelled,
+                   " queued transfer(s) were cancelled because the runtime was destroyed while "
+                   "they waited; the runtime is destroyed");
+    }
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_runtime_capabilities(strata_runtime_t* runtime,
+                                                       strata_capabilities_t* out) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(runtime_from(runtime));
+    STRATA_RETURN_IF_ERROR(
+        check_out_struct(out, STRATA_CAPABILITIES_STRUCT_SIZE, "strata_capabilities_t"));
+    const Runtime& rt = *runtime->impl;
+    strata_capabilities_t caps{};
+    caps.device_backend = static_cast<strata_device_backend_t>(rt.device().kind);
+    caps.device_ordinal = rt.device().ordinal;
+    caps.cuda_compiled = cuda_backend_compiled() ? 1 : 0;
+    caps.cuda_available = rt.device().kind == DeviceKind::kCuda ? 1 : 0;
+    for (int t = 0; t < kTierCount; ++t) {
+      caps.tiers_available[t] = rt.tier_available(static_cast<Tier>(t)) ? 1 : 0;
+      caps.tier_budget_bytes[t] = rt.tier_budget(static_cast<Tier>(t));
+    }
+    caps.device_numa_node = rt.device_numa_node();
+    copy_string(caps.device_name, sizeof caps.device_name, rt.device().name);
+    copy_string(caps.backend_reason, sizeof caps.backend_reason, rt.backend_reason());
+    write_struct(out, caps);
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_runtime_tier_usage(strata_runtime_t* runtime, strata_tier_t tier,
+                                                     strata_tier_usage_t* out) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(runtime_from(runtime));
+    STRATA_RETURN_IF_ERROR(
+        check_out_struct(out, STRATA_TIER_USAGE_STRUCT_SIZE, "strata_tier_usage_t"));
+    if (!valid_tier(tier)) return error(Code::kInvalidArgument, "unknown tier ", tier);
+    const TierUsage u = runtime->impl->tier_usage(static_cast<Tier>(tier));
+    strata_tier_usage_t usage{};
+    usage.budget_bytes = u.budget;
+    usage.used_bytes = u.used;
+    usage.largest_free_bytes = u.largest_free;
+    usage.tensor_count = u.tensors;
+    write_struct(out, usage);
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_runtime_link_stats(strata_runtime_t* runtime, strata_link_t link,
+                                                     strata_link_stats_t* out) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(runtime_from(runtime));
+    STRATA_RETURN_IF_ERROR(
+        check_out_struct(out, STRATA_LINK_STATS_STRUCT_SIZE, "strata_link_stats_t"));
+    if (!valid_link(link)) return error(Code::kInvalidArgument, "unknown link ", link);
+    const LinkCounters c = runtime->impl->link_counters(static_cast<Link>(link));
+    strata_link_stats_t stats{};
+    stats.bytes = c.bytes;
+    stats.transfers = c.transfers;
+    stats.busy_ns = c.busy_ns;
+    write_struct(out, stats);
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_runtime_reset_stats(strata_runtime_t* runtime) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(runtime_from(runtime));
+    runtime->impl->reset_link_counters();
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_runtime_synchronize(strata_runtime_t* runtime) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(runtime_from(runtime));
+    runtime->impl->synchronize();
+    return Status::ok();
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,96 @@
+// Shared plumbing of the C ABI layer: the handle structs, the thread-local error message, the
+// exception firewall and the struct_size rules. Every exported function goes through guarded(),
+// so no C++ exception reaches a C caller.
+#pragma once
+
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <new>
+#include <string>
+
+#include "runtime/runtime.h"
+#include "strata/strata.h"
+
+struct strata_runtime {
+  std::shared_ptr<strata::Runtime> impl;
+};
+
+struct strata_event {
+  std::shared_ptr<strata::Completion> completion;
+};
+
+namespace strata::abi {
+
+void set_last_error(std::string message);
+const char* last_error_c_str();
+
+// Record `status` (prefixed with the function's name) and return its code.
+strata_status_t report(const char* function, const Status& status);
+
+template <typename... Args>
+strata_status_t fail(const char* function, Code code, const Args&... args) {
+  return report(function, error(code, args...));
+}
+
+// Run `body` (returning Status) behind the firewall: exceptions become statuses.
+template <typename F>
+strata_status_t guarded(const char* function, F&& body) noexcept {
+  try {
+    Status status = body();
+    return status.is_ok() ? STRATA_OK : report(function, status);
+  } catch (const std::bad_alloc&) {
+    return fail(function, Code::kOutOfMemory, "host memory allocation failed");
+  } catch (const std::exception& e) {
+    return fail(function, Code::kInternal, "unexpected exception: ", e.what());
+  } catch (...) {
+    return fail(function, Code::kInternal, "unexpected non-standard exception");
+  }
+}
+
+// Read a caller's argument struct: rejects NULL and sizes below the v1 layout, copies only the
+// bytes the caller's size covers over `*out` (which holds the defaults for the rest).
+template <typename T>
+Status read_struct(const T* user, std::size_t v1_size, const char* type_name, T* out) {
+  if (user == nullptr) return error(Code::kInvalidArgument, type_name, " pointer is NULL");
+  if (user->struct_size < v1_size) {
+    return error(Code::kInvalidArgument, type_name, ".struct_size is ", user->struct_size,
+                 ", smaller than the v1 size ", v1_size,
+                 " (set it to the header's STRATA_*_STRUCT_SIZE macro)");
+  }
+  std::memcpy(static_cast<void*>(out), user, std::min(user->struct_size, sizeof(T)));
+  out->struct_size = sizeof(T);
+  return Status::ok();
+}
+
+// Validate an output struct the caller sized; write_struct() then fills what that size covers.
+template <typename T>
+Status check_out_struct(const T* user, std::size_t v1_size, const char* type_name) {
+  if (user == nullptr) return error(Code::kInvalidArgument, type_name, " pointer is NULL");
+  if (user->struct_size < v1_size) {
+    return error(Code::kInvalidArgument, type_name, ".struct_size is ", user->struct_size,
+                 ", smaller than the v1 size ", v1_size);
+  }
+  return Status::ok();
+}
+
+template <typename T>
+void write_struct(T* user, const T& value) {
+  const std::size_t size = std::min(user->struct_size, sizeof(T));
+  const std::size_t keep = user->struct_size;
+  std::memcpy(static_cast<void*>(user), &value, size);
+  user->struct_size = keep;
+}
+
+inline Status require(const void* ptr, const char* what) {
+  return ptr == nullptr ? error(Code::kInvalidArgument, what, " is NULL") : Status::ok();
+}
+
+inline TensorId tensor_id(const strata_tensor_t* handle) {
+  return static_cast<TensorId>(reinterpret_cast<uintptr_t>(handle));
+}
+inline strata_tensor_t* tensor_handle(TensorId id) {
+  return reinterpret_cast<strata_tensor_t*>(static_cast<uintptr_t>(id));
+}
+
+}  // namespace strata::abi

@@ -1,0 +1,61 @@
+// Arena: best-fit sub-allocation with coalescing over one contiguous region that was allocated
+// once at start-up (the HBM arena, the pinned DRAM arena). It manages offsets only and never
+// touches the memory, so it is the same for every backend and testable without one.
+//
+// Best fit (smallest free block that fits) keeps large holes intact for large tensors; freeing
+// merges a block with free neighbours at once, so free space never stays split needlessly.
+// Every offset and size is a multiple of kAlignment (256 bytes: CUDA's allocation alignment and
+// enough for any vector load).
+//
+// Not thread-safe: the owner (the runtime) serializes calls.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+
+#include "runtime/status.h"
+
+namespace strata {
+
+class Arena {
+ public:
+  static constexpr uint64_t kAlignment = 256;
+
+  // `name` is used in error messages ("hbm"); `capacity` is rounded down to the alignment.
+  Arena(std::string_view name, uint64_t capacity);
+
+  // Reserve `bytes` (0 counts as 1; rounded up to the alignment). On success *offset is the
+  // block's start. Exhaustion returns kOutOfMemory naming `what`, the requested bytes, the free
+  // bytes and the largest free block.
+  Status allocate(uint64_t bytes, std::string_view what, uint64_t* offset);
+
+  // Return a block; `offset` must come from allocate() and not have been freed (kInternal if not:
+  // freeing twice is a bug in the caller, reported rather than corrupting the free lists).
+  Status free(uint64_t offset);
+
+  uint64_t capacity() const { return capacity_; }
+  uint64_t used() const { return used_; }
+  uint64_t free_bytes() const { return capacity_ - used_; }
+  uint64_t largest_free() const;
+  std::size_t free_block_count() const { return free_by_offset_.size(); }
+  std::size_t allocation_count() const { return allocated_.size(); }
+
+  static uint64_t round_up(uint64_t bytes);
+
+ private:
+  void insert_free(uint64_t offset, uint64_t size);
+  void erase_free(uint64_t offset, uint64_t size);
+
+  std::string name_;
+  uint64_t capacity_;
+  uint64_t used_ = 0;
+  std::map<uint64_t, uint64_t> free_by_offset_;           // offset -> size
+  std::set<std::pair<uint64_t, uint64_t>> free_by_size_;  // (size, offset), for best fit
+  std::unordered_map<uint64_t, uint64_t> allocated_;      // offset -> size
+};
+
+}  // namespace strata

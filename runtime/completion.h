@@ -1,0 +1,79 @@
+// Completion: the shared state behind a strata_event. The runtime completes it from a backend
+// thread when the work ends; any number of threads may query or wait on it; it outlives the
+// runtime if its owner keeps the event.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+
+#include "backends/device/device_backend.h"
+#include "runtime/status.h"
+
+namespace strata {
+
+class Completion {
+ public:
+  // An already finished completion (a move to the tier the tensor is in).
+  static std::shared_ptr<Completion> finished(Status status) {
+    auto c = std::make_shared<Completion>();
+    c->complete(std::move(status));
+    return c;
+  }
+
+  // The device-side marker of the work, for enqueue_wait(); set once, after submission.
+  void set_fence(std::shared_ptr<DeviceFence> fence) {
+    std::lock_guard lock(mutex_);
+    if (!done_) fence_ = std::move(fence);
+  }
+
+  void complete(Status status) {
+    {
+      std::lock_guard lock(mutex_);
+      status_ = std::move(status);
+      done_ = true;
+      fence_.reset();  // nothing needs to wait on the device any more
+    }
+    cv_.notify_all();
+  }
+
+  // kNotReady while running, else the work's status.
+  Status query() const {
+    std::lock_guard lock(mutex_);
+    return done_ ? status_ : Status(Code::kNotReady, "");
+  }
+
+  // timeout_ms < 0 waits without limit.
+  Status wait(int64_t timeout_ms) const {
+    std::unique_lock lock(mutex_);
+    auto finished = [&] { return done_; };
+    if (timeout_ms < 0) {
+      cv_.wait(lock, finished);
+    } else if (!cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), finished)) {
+      return error(Code::kTimeout, "event not complete after ", timeout_ms, " ms");
+    }
+    return status_;
+  }
+
+  // Make `stream` wait for the work; immediate if it already finished.
+  Status enqueue_wait(void* stream) const {
+    std::shared_ptr<DeviceFence> fence;
+    {
+      std::lock_guard lock(mutex_);
+      if (done_) return status_;
+      fence = fence_;
+    }
+    if (fence == nullptr) return wait(-1);  // submitted but fence not yet attached: rare, brief
+    return fence->enqueue_wait(stream);
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::condition_variable cv_;
+  bool done_ = false;
+  Status status_;
+  std::shared_ptr<DeviceFence> fence_;
+};
+
+}  // namespace strata

@@ -1,0 +1,119 @@
+// Runtime: the core behind the C ABI. It owns the device backend, one arena per tier (each over
+// a single start-up allocation), the tensor registry, and the migration engine: moves are
+// submitted to the backend's per-direction copy queues and finished by their callbacks, which
+// free the source block, update the registry and the link counters, and complete the event.
+//
+// Thread-safe: one mutex guards the registry and arenas; it is never held across a copy's data
+// movement (synchronous reads and writes pin the tensor and copy outside the lock).
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "backends/device/device_backend.h"
+#include "runtime/arena.h"
+#include "runtime/completion.h"
+#include "runtime/memory_region.h"
+#include "runtime/tensor_registry.h"
+#include "runtime/types.h"
+
+namespace strata {
+
+struct RuntimeOptions {
+  DeviceOptions device;
+  std::array<uint64_t, kTierCount> budgets{};  // 0 = the tier's default
+};
+
+struct LinkCounters {
+  uint64_t bytes = 0;
+  uint64_t transfers = 0;
+  uint64_t busy_ns = 0;
+};
+
+struct TierUsage {
+  uint64_t budget = 0;
+  uint64_t used = 0;
+  uint64_t largest_free = 0;
+  uint64_t tensors = 0;
+};
+
+// What a DLPack export needs: the data, and a lease that keeps it in place and alive.
+struct ExportLease {
+  void* data = nullptr;
+  Tier tier = Tier::kDram;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  // Releases the lease when destroyed: the export count drops (if the runtime still exists)
+  // and the memory region is let go.
+  std::shared_ptr<void> keep_alive;
+};
+
+class Runtime : public std::enable_shared_from_this<Runtime> {
+ public:
+  static constexpr uint64_t kDefaultHostHbmBudget = 1ull << 30;
+  static constexpr uint64_t kDefaultDramBudget = 1ull << 30;
+
+  static Status create(const RuntimeOptions& options, std::shared_ptr<Runtime>* out);
+  ~Runtime();
+
+  // Stop the copy engines: waits for running copies, cancels queued ones. Returns how many were
+  // cancelled. After it, no new work is accepted.
+  std::size_t shutdown();
+
+  const DeviceDescription& device() const { return backend_->description(); }
+  const std::string& backend_reason() const { return backend_reason_; }
+  int device_numa_node() const { return device_numa_node_; }
+  bool tier_available(Tier tier) const { return arenas_[static_cast<int>(tier)] != nullptr; }
+  uint64_t tier_budget(Tier tier) const;
+  double tier_setup_seconds(Tier tier) const;
+
+  Status register_tensor(TensorSpec spec, TensorId* id);
+  Status find(std::string_view name, TensorId* id);
+  Status unregister(TensorId id);
+  Status info(TensorId id, TensorRecord* out);
+  Status write(TensorId id, uint64_t offset, const void* src, uint64_t bytes);
+  Status read(TensorId id, uint64_t offset, void* dst, uint64_t bytes);
+  Status move(TensorId id, Tier dst, void* stream, std::shared_ptr<Completion>* completion);
+  Status data_pointer(TensorId id, void** out);
+  Status export_lease(TensorId id, ExportLease* out);
+
+  TierUsage tier_usage(Tier tier);
+  LinkCounters link_counters(Link link);
+  void reset_link_counters();
+  void synchronize();
+
+ private:
+  explicit Runtime(std::shared_ptr<DeviceBackend> backend) : backend_(std::move(backend)) {}
+
+  Status check_tier(Tier tier) const;
+  Status lookup(TensorId id, TensorRecord** out);  // under mutex_
+  unsigned char* address(const TensorRecord& t) const;
+  // Synchronous copy between host memory and the tensor, with the tensor pinned in place.
+  Status copy_io(TensorId id, uint64_t offset, uint64_t bytes, const char* verb,
+                 const std::function<Status(unsigned char*)>& copy);
+  void finish_move(TensorId id, Tier dst, uint64_t dst_offset, Link link, const CopyResult& result,
+                   const std::shared_ptr<Completion>& completion);
+  void release_export(TensorId id);
+
+  std::shared_ptr<DeviceBackend> backend_;
+  std::string backend_reason_;
+  int device_numa_node_ = -1;
+  std::array<std::shared_ptr<MemoryRegion>, kTierCount> regions_;
+  std::array<std::unique_ptr<Arena>, kTierCount> arenas_;
+
+  std::mutex mutex_;
+  std::condition_variable idle_cv_;  // signalled when in_flight_ drops
+  TensorRegistry registry_;
+  std::array<uint64_t, kTierCount> tensors_in_tier_{};
+  std::size_t in_flight_ = 0;
+  bool shut_down_ = false;
+  std::array<LinkCounters, kLinkCount> links_{};
+};
+
+}  // namespace strata
