@@ -156,8 +156,7 @@ extern "C" {
  * ------------------------------------------------------------------------------------------- */
 typedef int32_t strata_status_t;
 #define STRATA_OK 0
-#define STRATA_ERROR_INVALID_ARGUMENT 1 /* a NULL pointer, bad enum, bad size, wrong struct_size \
-                                         */
+#define STRATA_ERROR_INVALID_ARGUMENT 1 /* NULL pointer, bad enum, size or struct_size */
 #define STRATA_ERROR_OUT_OF_MEMORY 2    /* a tier's budget or arena cannot hold the request */
 #define STRATA_ERROR_NOT_FOUND 3        /* unknown tensor name or stale handle */
 #define STRATA_ERROR_ALREADY_EXISTS 4   /* a tensor of that name is registered already */
