@@ -19,6 +19,8 @@ static_assert(static_cast<int>(Role::kOther) == STRATA_ROLE_OTHER &&
 static_assert(static_cast<int>(Link::kNvmeWrite) == STRATA_LINK_NVME_WRITE &&
               kLinkCount == STRATA_LINK_COUNT);
 static_assert(static_cast<int>(DeviceKind::kHost) == STRATA_DEVICE_BACKEND_HOST);
+static_assert(static_cast<int>(IoEngineKind::kPosix) == STRATA_IO_ENGINE_POSIX);
+static_assert(static_cast<int>(NumaPolicy::kInterleave) == STRATA_NUMA_INTERLEAVE);
 }  // namespace
 
 void set_last_error(std::string message) {

@@ -48,11 +48,34 @@ STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* 
     if (c.device_ordinal < 0) {
       return error(Code::kInvalidArgument, "device_ordinal is negative (", c.device_ordinal, ")");
     }
+    if (c.dram_numa_policy < STRATA_NUMA_AUTO || c.dram_numa_policy > STRATA_NUMA_INTERLEAVE) {
+      return error(Code::kInvalidArgument, "unknown dram_numa_policy ", c.dram_numa_policy);
+    }
+    if (c.io_engine < STRATA_IO_ENGINE_AUTO || c.io_engine > STRATA_IO_ENGINE_POSIX) {
+      return error(Code::kInvalidArgument, "unknown io_engine ", c.io_engine);
+    }
+    if (c.nvme_path_count > 0 && c.nvme_paths == nullptr) {
+      return error(Code::kInvalidArgument, "nvme_paths is NULL with nvme_path_count ",
+                   c.nvme_path_count);
+    }
     RuntimeOptions options;
     options.device.kind = static_cast<DeviceKind>(c.device_backend);
     options.device.ordinal = c.device_ordinal;
     options.device.host_link_bytes_per_second = c.host_link_bytes_per_second;
     options.budgets = {c.hbm_budget_bytes, c.dram_budget_bytes, c.nvme_budget_bytes};
+    options.dram.policy = static_cast<NumaPolicy>(c.dram_numa_policy);
+    options.dram.node = c.dram_numa_node;
+    options.dram.threads = c.dram_fault_threads;
+    for (uint32_t i = 0; i < c.nvme_path_count; ++i) {
+      if (c.nvme_paths[i] == nullptr || c.nvme_paths[i][0] == '\0') {
+        return error(Code::kInvalidArgument, "nvme_paths[", i, "] is NULL or empty");
+      }
+      options.nvme.paths.emplace_back(c.nvme_paths[i]);
+    }
+    options.nvme.engine = static_cast<IoEngineKind>(c.io_engine);
+    if (c.io_block_size != 0) options.nvme.block_size = c.io_block_size;
+    if (c.io_queue_depth != 0) options.nvme.queue_depth = c.io_queue_depth;
+    options.nvme.checksums = c.nvme_checksums != 0;
     std::shared_ptr<Runtime> impl;
     STRATA_RETURN_IF_ERROR(Runtime::create(options, &impl));
     *out_runtime = new strata_runtime{std::move(impl)};
@@ -93,6 +116,17 @@ STRATA_API strata_status_t strata_runtime_capabilities(strata_runtime_t* runtime
     caps.device_numa_node = rt.device_numa_node();
     copy_string(caps.device_name, sizeof caps.device_name, rt.device().name);
     copy_string(caps.backend_reason, sizeof caps.backend_reason, rt.backend_reason());
+    const MemoryRegion& dram = rt.dram_region();
+    copy_string(caps.dram_placement, sizeof caps.dram_placement, dram.host_report().placement);
+    caps.dram_numa_node = dram.host_report().node;
+    caps.dram_huge_pages = dram.host_report().huge_pages ? 1 : 0;
+    caps.dram_fault_threads = dram.host_report().threads;
+    caps.dram_fault_seconds = dram.host_report().fault_seconds;
+    caps.dram_pin_seconds = dram.pin_seconds();
+    if (const NvmeTier* nvme = rt.nvme()) {
+      copy_string(caps.io_engine, sizeof caps.io_engine, nvme->engine_name());
+      copy_string(caps.io_engine_reason, sizeof caps.io_engine_reason, nvme->engine_reason());
+    }
     write_struct(out, caps);
     return Status::ok();
   });

@@ -5,15 +5,15 @@
 
 namespace strata {
 
-Arena::Arena(std::string_view name, uint64_t capacity)
-    : name_(name), capacity_(capacity / kAlignment * kAlignment) {
+Arena::Arena(std::string_view name, uint64_t capacity, uint64_t alignment)
+    : name_(name), alignment_(alignment), capacity_(capacity / alignment * alignment) {
   if (capacity_ > 0) insert_free(0, capacity_);
 }
 
-uint64_t Arena::round_up(uint64_t bytes) {
+uint64_t Arena::round_up(uint64_t bytes, uint64_t alignment) {
   const uint64_t b = std::max<uint64_t>(bytes, 1);
-  if (b > std::numeric_limits<uint64_t>::max() - (kAlignment - 1)) return 0;  // overflow
-  return (b + kAlignment - 1) / kAlignment * kAlignment;
+  if (b > std::numeric_limits<uint64_t>::max() - (alignment - 1)) return 0;  // overflow
+  return (b + alignment - 1) / alignment * alignment;
 }
 
 uint64_t Arena::largest_free() const {
@@ -31,7 +31,7 @@ void Arena::erase_free(uint64_t offset, uint64_t size) {
 }
 
 Status Arena::allocate(uint64_t bytes, std::string_view what, uint64_t* offset) {
-  const uint64_t size = round_up(bytes);
+  const uint64_t size = round_up(bytes, alignment_);
   auto it = size == 0 ? free_by_size_.end() : free_by_size_.lower_bound({size, 0});
   if (it == free_by_size_.end()) {
     return error(Code::kOutOfMemory, name_, " tier: cannot allocate ", bytes, " bytes for '", what,

@@ -4,8 +4,9 @@
 //
 // Best fit (smallest free block that fits) keeps large holes intact for large tensors; freeing
 // merges a block with free neighbours at once, so free space never stays split needlessly.
-// Every offset and size is a multiple of kAlignment (256 bytes: CUDA's allocation alignment and
-// enough for any vector load).
+// Every offset and size is a multiple of the arena's alignment: 256 bytes for HBM (CUDA's
+// allocation alignment, enough for any vector load), 4 KiB for DRAM and NVMe (what O_DIRECT
+// needs of buffers, offsets and lengths).
 //
 // Not thread-safe: the owner (the runtime) serializes calls.
 #pragma once
@@ -23,10 +24,11 @@ namespace strata {
 
 class Arena {
  public:
-  static constexpr uint64_t kAlignment = 256;
+  static constexpr uint64_t kDefaultAlignment = 256;
 
-  // `name` is used in error messages ("hbm"); `capacity` is rounded down to the alignment.
-  Arena(std::string_view name, uint64_t capacity);
+  // `name` is used in error messages ("hbm"); `capacity` is rounded down to `alignment`, a power
+  // of two.
+  Arena(std::string_view name, uint64_t capacity, uint64_t alignment = kDefaultAlignment);
 
   // Reserve `bytes` (0 counts as 1; rounded up to the alignment). On success *offset is the
   // block's start. Exhaustion returns kOutOfMemory naming `what`, the requested bytes, the free
@@ -44,13 +46,16 @@ class Arena {
   std::size_t free_block_count() const { return free_by_offset_.size(); }
   std::size_t allocation_count() const { return allocated_.size(); }
 
-  static uint64_t round_up(uint64_t bytes);
+  uint64_t alignment() const { return alignment_; }
+  // `bytes` (0 counts as 1) rounded up to `alignment`; 0 if that overflows.
+  static uint64_t round_up(uint64_t bytes, uint64_t alignment = kDefaultAlignment);
 
  private:
   void insert_free(uint64_t offset, uint64_t size);
   void erase_free(uint64_t offset, uint64_t size);
 
   std::string name_;
+  uint64_t alignment_;
   uint64_t capacity_;
   uint64_t used_ = 0;
   std::map<uint64_t, uint64_t> free_by_offset_;           // offset -> size

@@ -3,21 +3,42 @@
 #include <chrono>
 
 namespace strata {
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+}  // namespace
 
-Status MemoryRegion::allocate(std::shared_ptr<DeviceBackend> backend, Tier tier, uint64_t bytes,
-                              std::shared_ptr<MemoryRegion>* out) {
+Status MemoryRegion::allocate_device(std::shared_ptr<DeviceBackend> backend, uint64_t bytes,
+                                     std::shared_ptr<MemoryRegion>* out) {
   const auto start = std::chrono::steady_clock::now();
   void* base = nullptr;
-  if (tier == Tier::kHbm) {
-    STRATA_RETURN_IF_ERROR(backend->allocate_device(bytes, &base));
-  } else if (tier == Tier::kDram) {
-    STRATA_RETURN_IF_ERROR(backend->allocate_pinned_host(bytes, &base));
-  } else {
-    return error(Code::kUnsupported, "tier ", tier_name(tier), " has no memory region");
+  STRATA_RETURN_IF_ERROR(backend->allocate_device(bytes, &base));
+  std::shared_ptr<MemoryRegion> region(
+      new MemoryRegion(std::move(backend), Tier::kHbm, base, bytes));
+  region->setup_seconds_ = seconds_since(start);
+  *out = std::move(region);
+  return Status::ok();
+}
+
+Status MemoryRegion::allocate_host(std::shared_ptr<DeviceBackend> backend, uint64_t bytes,
+                                   const HostMemoryOptions& options,
+                                   std::shared_ptr<MemoryRegion>* out) {
+  const auto start = std::chrono::steady_clock::now();
+  void* base = nullptr;
+  HostMemoryReport report;
+  STRATA_RETURN_IF_ERROR(map_host_memory(bytes, options, &base, &report));
+  const auto pin_start = std::chrono::steady_clock::now();
+  Status pinned = backend->pin_host(base, bytes);
+  if (!pinned.is_ok()) {
+    unmap_host_memory(base, bytes);
+    return pinned;
   }
-  std::shared_ptr<MemoryRegion> region(new MemoryRegion(std::move(backend), tier, base, bytes));
-  region->setup_seconds_ =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::shared_ptr<MemoryRegion> region(
+      new MemoryRegion(std::move(backend), Tier::kDram, base, bytes));
+  region->host_report_ = std::move(report);
+  region->pin_seconds_ = seconds_since(pin_start);
+  region->setup_seconds_ = seconds_since(start);
   *out = std::move(region);
   return Status::ok();
 }
@@ -26,7 +47,8 @@ MemoryRegion::~MemoryRegion() {
   if (tier_ == Tier::kHbm) {
     backend_->free_device(base_, size_);
   } else {
-    backend_->free_pinned_host(base_, size_);
+    backend_->unpin_host(base_, size_);
+    unmap_host_memory(base_, size_);
   }
 }
 

@@ -1,28 +1,36 @@
 // MemoryRegion: one start-up allocation backing a tier (the HBM arena, the pinned DRAM arena).
 // Shared ownership lets DLPack exports keep the memory they point into alive after the runtime
-// itself is destroyed; the last owner gives the memory back to the backend.
+// itself is destroyed; the last owner gives the memory back.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 
 #include "backends/device/device_backend.h"
+#include "backends/memory/host_memory.h"
 #include "runtime/types.h"
 
 namespace strata {
 
 class MemoryRegion {
  public:
-  static Status allocate(std::shared_ptr<DeviceBackend> backend, Tier tier, uint64_t bytes,
-                         std::shared_ptr<MemoryRegion>* out);
+  // The HBM arena: one device allocation.
+  static Status allocate_device(std::shared_ptr<DeviceBackend> backend, uint64_t bytes,
+                                std::shared_ptr<MemoryRegion>* out);
+  // The DRAM arena: host memory mapped, NUMA-placed and faulted in, then pinned by the backend.
+  static Status allocate_host(std::shared_ptr<DeviceBackend> backend, uint64_t bytes,
+                              const HostMemoryOptions& options, std::shared_ptr<MemoryRegion>* out);
   ~MemoryRegion();
   MemoryRegion(const MemoryRegion&) = delete;
   MemoryRegion& operator=(const MemoryRegion&) = delete;
 
   unsigned char* base() const { return static_cast<unsigned char*>(base_); }
   uint64_t size() const { return size_; }
-  // Seconds the allocation took (pinning dominates on cuda).
+  // How the DRAM arena was set up (empty for HBM).
+  const HostMemoryReport& host_report() const { return host_report_; }
+  // Seconds spent making the memory usable: faulting in plus pinning for DRAM, cudaMalloc for HBM.
   double setup_seconds() const { return setup_seconds_; }
+  double pin_seconds() const { return pin_seconds_; }
 
  private:
   MemoryRegion(std::shared_ptr<DeviceBackend> backend, Tier tier, void* base, uint64_t size)
@@ -32,7 +40,9 @@ class MemoryRegion {
   Tier tier_;
   void* base_;
   uint64_t size_;
+  HostMemoryReport host_report_;
   double setup_seconds_ = 0;
+  double pin_seconds_ = 0;
 };
 
 }  // namespace strata

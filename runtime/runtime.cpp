@@ -7,9 +7,14 @@
 namespace strata {
 
 Status Runtime::create(const RuntimeOptions& options, std::shared_ptr<Runtime>* out) {
-  if (options.budgets[static_cast<int>(Tier::kNvme)] != 0) {
-    return error(Code::kUnsupported,
-                 "nvme_budget_bytes must be 0: the NVMe tier is not available in this build");
+  const uint64_t nvme_budget = options.budgets[static_cast<int>(Tier::kNvme)];
+  if (nvme_budget != 0 && options.nvme.paths.empty()) {
+    return error(Code::kInvalidArgument, "nvme_budget_bytes is ", nvme_budget,
+                 " but no nvme_paths were given");
+  }
+  if (nvme_budget == 0 && !options.nvme.paths.empty()) {
+    return error(Code::kInvalidArgument, options.nvme.paths.size(),
+                 " nvme path(s) given but nvme_budget_bytes is 0");
   }
   std::shared_ptr<DeviceBackend> backend;
   std::string reason;
@@ -24,9 +29,7 @@ Status Runtime::create(const RuntimeOptions& options, std::shared_ptr<Runtime>* 
 
   uint64_t hbm = options.budgets[static_cast<int>(Tier::kHbm)];
   if (hbm == 0) {
-    hbm = device.kind == DeviceKind::kCuda
-              ? device.free_memory / 2 / Arena::kAlignment * Arena::kAlignment
-              : kDefaultHostHbmBudget;
+    hbm = device.kind == DeviceKind::kCuda ? device.free_memory / 2 : kDefaultHostHbmBudget;
   }
   if (device.kind == DeviceKind::kCuda && hbm > device.free_memory) {
     return error(Code::kOutOfMemory, "hbm_budget_bytes ", hbm, " exceeds the ", device.free_memory,
@@ -35,13 +38,29 @@ Status Runtime::create(const RuntimeOptions& options, std::shared_ptr<Runtime>* 
   uint64_t dram = options.budgets[static_cast<int>(Tier::kDram)];
   if (dram == 0) dram = kDefaultDramBudget;
 
-  const std::array<std::pair<Tier, uint64_t>, 2> tiers = {{{Tier::kHbm, hbm}, {Tier::kDram, dram}}};
-  for (const auto& [tier, budget] : tiers) {
-    const uint64_t size = Arena::round_up(budget);
-    if (size == 0) return error(Code::kInvalidArgument, tier_name(tier), " budget overflows");
-    const int i = static_cast<int>(tier);
-    STRATA_RETURN_IF_ERROR(MemoryRegion::allocate(backend, tier, size, &runtime->regions_[i]));
-    runtime->arenas_[i] = std::make_unique<Arena>(tier_name(tier), size);
+  // HBM: 256-byte blocks (CUDA's alignment). DRAM: 4 KiB blocks, so any block can go to and
+  // from NVMe with O_DIRECT as it is.
+  const uint64_t hbm_size = Arena::round_up(hbm, Arena::kDefaultAlignment);
+  const uint64_t dram_size = Arena::round_up(dram, NvmeTier::kAlignment);
+  if (hbm_size == 0 || dram_size == 0) {
+    return error(Code::kInvalidArgument, "a tier budget overflows when rounded to its alignment");
+  }
+  auto& regions = runtime->regions_;
+  STRATA_RETURN_IF_ERROR(MemoryRegion::allocate_device(backend, hbm_size, &regions[0]));
+  HostMemoryOptions dram_memory = options.dram;
+  dram_memory.preferred_node = runtime->device_numa_node_;
+  STRATA_RETURN_IF_ERROR(MemoryRegion::allocate_host(backend, dram_size, dram_memory, &regions[1]));
+  runtime->arenas_[0] = std::make_unique<Arena>("hbm", hbm_size, Arena::kDefaultAlignment);
+  runtime->arenas_[1] = std::make_unique<Arena>("dram", dram_size, NvmeTier::kAlignment);
+
+  if (nvme_budget != 0) {
+    NvmeOptions nvme = options.nvme;
+    nvme.budget = Arena::round_up(nvme_budget, NvmeTier::kAlignment);
+    Runtime* raw = runtime.get();  // the tier is owned by the runtime and stopped before it
+    STRATA_RETURN_IF_ERROR(NvmeTier::create(
+        nvme, backend, {regions[1]->base(), regions[1]->size()}, dram_memory,
+        [raw](Link link, uint64_t bytes, uint64_t busy) { raw->account(link, bytes, busy); },
+        &runtime->nvme_));
   }
   *out = std::move(runtime);
   return Status::ok();
@@ -57,18 +76,20 @@ std::size_t Runtime::shutdown() {
     if (shut_down_) return 0;
     shut_down_ = true;
   }
-  // Without the lock: cancelled and finishing copies call back into finish_move.
-  return backend_->shutdown();
+  // Without the lock: cancelled and finishing transfers call back into finish_move. NVMe first:
+  // its running transfers may still need the device's copy queues.
+  std::size_t cancelled = nvme_ ? nvme_->shutdown() : 0;
+  return cancelled + backend_->shutdown();
+}
+
+Arena* Runtime::arena(Tier tier) const {
+  if (tier == Tier::kNvme) return nvme_ ? &nvme_->extents() : nullptr;
+  return arenas_[static_cast<int>(tier)].get();
 }
 
 uint64_t Runtime::tier_budget(Tier tier) const {
-  const auto& arena = arenas_[static_cast<int>(tier)];
-  return arena ? arena->capacity() : 0;
-}
-
-double Runtime::tier_setup_seconds(Tier tier) const {
-  const auto& region = regions_[static_cast<int>(tier)];
-  return region ? region->setup_seconds() : 0.0;
+  const Arena* a = arena(tier);
+  return a != nullptr ? a->capacity() : 0;
 }
 
 Status Runtime::check_tier(Tier tier) const {
@@ -77,7 +98,8 @@ Status Runtime::check_tier(Tier tier) const {
   }
   if (!tier_available(tier)) {
     return error(Code::kUnsupported, "the ", tier_name(tier),
-                 " tier is not available in this runtime");
+                 " tier is not available in this runtime",
+                 tier == Tier::kNvme ? " (configure nvme_paths and nvme_budget_bytes)" : "");
   }
   return Status::ok();
 }
@@ -93,7 +115,7 @@ Status Runtime::lookup(TensorId id, TensorRecord** out) {
 }
 
 unsigned char* Runtime::address(const TensorRecord& t) const {
-  return regions_[static_cast<int>(t.tier)]->base() + t.offset;
+  return regions_[static_cast<int>(t.tier)]->base() + t.offset;  // HBM and DRAM only
 }
 
 Status Runtime::register_tensor(TensorSpec spec, TensorId* id) {
@@ -106,13 +128,19 @@ Status Runtime::register_tensor(TensorSpec spec, TensorId* id) {
     return error(Code::kAlreadyExists, "a tensor named '", spec.name, "' is already registered");
   }
   const Tier home = spec.home;
-  Arena& arena = *arenas_[static_cast<int>(home)];
+  Arena& home_arena = *arena(home);
   uint64_t offset = 0;
-  STRATA_RETURN_IF_ERROR(arena.allocate(nbytes, spec.name, &offset));
+  STRATA_RETURN_IF_ERROR(home_arena.allocate(nbytes, spec.name, &offset));
   Status added = registry_.add(std::move(spec), nbytes, home, offset, id);
   if (!added.is_ok()) {
-    (void)arena.free(offset);
+    (void)home_arena.free(offset);
     return added;
+  }
+  if (home == Tier::kNvme && nvme_->checksums()) {
+    // Contents are undefined until written: each piece gets its checksum when first written.
+    auto crcs = std::make_shared<Checksums>();
+    crcs->reset(nvme_->piece_count(offset, Arena::round_up(nbytes, NvmeTier::kAlignment)));
+    registry_.find(*id)->nvme_crcs = std::move(crcs);
   }
   ++tensors_in_tier_[static_cast<int>(home)];
   return Status::ok();
@@ -136,7 +164,7 @@ Status Runtime::unregister(TensorId id) {
                  : t->export_count > 0 ? "DLPack exports of it are alive"
                                        : "a read or write of it is running");
   }
-  STRATA_RETURN_IF_ERROR(arenas_[static_cast<int>(t->tier)]->free(t->offset));
+  STRATA_RETURN_IF_ERROR(arena(t->tier)->free(t->offset));
   --tensors_in_tier_[static_cast<int>(t->tier)];
   return registry_.remove(id);
 }
@@ -150,9 +178,8 @@ Status Runtime::info(TensorId id, TensorRecord* out) {
 }
 
 Status Runtime::copy_io(TensorId id, uint64_t offset, uint64_t bytes, const char* verb,
-                        const std::function<Status(unsigned char*)>& copy) {
-  unsigned char* data = nullptr;
-  std::string name;
+                        const std::function<Status(const TensorRecord&)>& copy) {
+  TensorRecord snapshot;
   {
     std::lock_guard lock(mutex_);
     TensorRecord* t = nullptr;
@@ -165,29 +192,41 @@ Status Runtime::copy_io(TensorId id, uint64_t offset, uint64_t bytes, const char
       return error(Code::kInvalidArgument, "cannot ", verb, " tensor '", t->spec.name, "': bytes [",
                    offset, ", ", offset + bytes, ") exceed its size of ", t->nbytes);
     }
-    ++t->io_count;
-    data = address(*t) + offset;
-    name = t->spec.name;
+    ++t->io_count;  // keeps it in place while the copy runs without the lock
+    snapshot = *t;
   }
-  Status status = bytes == 0 ? Status::ok() : copy(data);
+  Status status = bytes == 0 ? Status::ok() : copy(snapshot);
   {
     std::lock_guard lock(mutex_);
     --registry_.find(id)->io_count;  // pinned by io_count: it cannot have been removed
   }
   if (!status.is_ok()) {
-    return error(status.code(), "cannot ", verb, " tensor '", name, "': ", status.message());
+    return error(status.code(), "cannot ", verb, " tensor '", snapshot.spec.name,
+                 "': ", status.message());
   }
   return Status::ok();
 }
 
 Status Runtime::write(TensorId id, uint64_t offset, const void* src, uint64_t bytes) {
-  return copy_io(id, offset, bytes, "write",
-                 [&](unsigned char* data) { return backend_->copy_sync(data, src, bytes); });
+  return copy_io(id, offset, bytes, "write", [&](const TensorRecord& t) {
+    if (t.tier == Tier::kNvme) {
+      return nvme_->write_range(t.spec.name, t.offset,
+                                Arena::round_up(t.nbytes, NvmeTier::kAlignment), t.nvme_crcs.get(),
+                                offset, src, bytes);
+    }
+    return backend_->copy_sync(address(t) + offset, src, bytes);
+  });
 }
 
 Status Runtime::read(TensorId id, uint64_t offset, void* dst, uint64_t bytes) {
-  return copy_io(id, offset, bytes, "read",
-                 [&](unsigned char* data) { return backend_->copy_sync(dst, data, bytes); });
+  return copy_io(id, offset, bytes, "read", [&](const TensorRecord& t) {
+    if (t.tier == Tier::kNvme) {
+      return nvme_->read_range(t.spec.name, t.offset,
+                               Arena::round_up(t.nbytes, NvmeTier::kAlignment), t.nvme_crcs.get(),
+                               offset, dst, bytes);
+    }
+    return backend_->copy_sync(dst, address(t) + offset, bytes);
+  });
 }
 
 Status Runtime::move(TensorId id, Tier dst, void* stream, std::shared_ptr<Completion>* completion) {
@@ -207,27 +246,19 @@ Status Runtime::move(TensorId id, Tier dst, void* stream, std::shared_ptr<Comple
     return Status::ok();
   }
   uint64_t dst_offset = 0;
-  Arena& dst_arena = *arenas_[static_cast<int>(dst)];
+  Arena& dst_arena = *arena(dst);
   STRATA_RETURN_IF_ERROR(dst_arena.allocate(t->nbytes, t->spec.name, &dst_offset));
 
-  const bool to_device = dst == Tier::kHbm;
-  const Link link = to_device ? Link::kH2D : Link::kD2H;
   auto done = std::make_shared<Completion>();
-  CopyRequest request;
-  request.direction = to_device ? CopyDirection::kHostToDevice : CopyDirection::kDeviceToHost;
-  request.dst = regions_[static_cast<int>(dst)]->base() + dst_offset;
-  request.src = address(*t);
-  request.bytes = t->nbytes;
-  request.after_stream = stream;
-  request.on_complete = [this, id, dst, dst_offset, link, done](CopyResult result) {
-    finish_move(id, dst, dst_offset, link, result, done);
+  FinishMove finish = [this, id, dst, dst_offset, done](Status s, std::shared_ptr<Checksums> crcs) {
+    finish_move(id, dst, dst_offset, std::move(s), std::move(crcs), done);
   };
   std::shared_ptr<DeviceFence> fence;
-  Status submitted = backend_->submit_copy(std::move(request), &fence);
-  if (!submitted.is_ok()) {
+  Status started = start_transfer(*t, dst, dst_offset, stream, std::move(finish), &fence);
+  if (!started.is_ok()) {
     (void)dst_arena.free(dst_offset);
-    return error(submitted.code(), "cannot move tensor '", t->spec.name, "' to ", tier_name(dst),
-                 ": ", submitted.message());
+    return error(started.code(), "cannot move tensor '", t->spec.name, "' to ", tier_name(dst),
+                 ": ", started.message());
   }
   t->migrating = true;
   ++in_flight_;
@@ -236,34 +267,99 @@ Status Runtime::move(TensorId id, Tier dst, void* stream, std::shared_ptr<Comple
   return Status::ok();
 }
 
-void Runtime::finish_move(TensorId id, Tier dst, uint64_t dst_offset, Link link,
-                          const CopyResult& result, const std::shared_ptr<Completion>& completion) {
-  Status outcome = result.status;
+Status Runtime::start_transfer(const TensorRecord& t, Tier dst, uint64_t dst_offset, void* stream,
+                               FinishMove finish, std::shared_ptr<DeviceFence>* fence) {
+  const Tier src = t.tier;
+  if (src != Tier::kNvme && dst != Tier::kNvme) {  // HBM <-> DRAM: one device copy
+    const bool to_device = dst == Tier::kHbm;
+    const Link link = to_device ? Link::kH2D : Link::kD2H;
+    CopyRequest request;
+    request.direction = to_device ? CopyDirection::kHostToDevice : CopyDirection::kDeviceToHost;
+    request.dst = regions_[static_cast<int>(dst)]->base() + dst_offset;
+    request.src = address(t);
+    request.bytes = t.nbytes;
+    request.after_stream = stream;
+    request.on_complete = [this, link, bytes = t.nbytes, finish](CopyResult result) {
+      if (result.status.is_ok()) account(link, bytes, result.busy_ns);
+      finish(std::move(result.status), nullptr);
+    };
+    return backend_->submit_copy(std::move(request), fence);
+  }
+
+  const uint64_t len = Arena::round_up(t.nbytes, NvmeTier::kAlignment);
+  if (dst == Tier::kNvme) {
+    // The caller's stream may still be writing the source: a no-op copy queued after it on
+    // the D2H queue opens the gate the transfer waits on (and orders the staged D2H copies).
+    std::shared_ptr<Completion> gate;
+    if (stream != nullptr) {
+      gate = std::make_shared<Completion>();
+      CopyRequest barrier;
+      barrier.direction = CopyDirection::kDeviceToHost;
+      barrier.dst = regions_[static_cast<int>(Tier::kDram)]->base();
+      barrier.src = barrier.dst;
+      barrier.bytes = 0;
+      barrier.after_stream = stream;
+      barrier.on_complete = [gate](CopyResult r) { gate->complete(std::move(r.status)); };
+      STRATA_RETURN_IF_ERROR(backend_->submit_copy(std::move(barrier), nullptr));
+    }
+    auto crcs = nvme_->checksums() ? std::make_shared<Checksums>() : nullptr;
+    auto done = [finish, crcs](Status s) { finish(std::move(s), crcs); };
+    if (src == Tier::kDram) {
+      nvme_->write_from_host(t.spec.name, address(t), dst_offset, len, crcs, std::move(done), gate);
+    } else {
+      nvme_->write_from_device(t.spec.name, address(t), t.nbytes, dst_offset, len, crcs,
+                               std::move(done), gate);
+    }
+    return Status::ok();
+  }
+
+  // From NVMe. There is no single device event to hand out: a stream wait on the event
+  // blocks the calling thread instead (see strata_event_stream_wait).
+  unsigned char* target = regions_[static_cast<int>(dst)]->base() + dst_offset;
+  auto done = [finish](Status s) { finish(std::move(s), nullptr); };
+  if (dst == Tier::kDram) {
+    nvme_->read_to_host(t.spec.name, target, t.offset, len, t.nvme_crcs, std::move(done));
+  } else {
+    nvme_->read_to_device(t.spec.name, target, t.nbytes, t.offset, len, t.nvme_crcs,
+                          std::move(done));
+  }
+  return Status::ok();
+}
+
+void Runtime::finish_move(TensorId id, Tier dst, uint64_t dst_offset, Status status,
+                          std::shared_ptr<Checksums> crcs,
+                          const std::shared_ptr<Completion>& completion) {
+  Status outcome = status;
   {
     std::lock_guard lock(mutex_);
     TensorRecord* t = registry_.find(id);  // present: a migrating tensor cannot be unregistered
-    if (result.status.is_ok()) {
+    if (status.is_ok()) {
       // The data has landed: only now is the source given up.
-      (void)arenas_[static_cast<int>(t->tier)]->free(t->offset);
+      (void)arena(t->tier)->free(t->offset);
       --tensors_in_tier_[static_cast<int>(t->tier)];
       ++tensors_in_tier_[static_cast<int>(dst)];
       t->tier = dst;
       t->offset = dst_offset;
-      LinkCounters& c = links_[static_cast<int>(link)];
-      c.bytes += t->nbytes;
-      c.transfers += 1;
-      c.busy_ns += result.busy_ns;
+      t->nvme_crcs = dst == Tier::kNvme ? std::move(crcs) : nullptr;
     } else {
       // The source copy is untouched; drop the reservation and report.
-      (void)arenas_[static_cast<int>(dst)]->free(dst_offset);
-      outcome = error(result.status.code(), "move of tensor '", t->spec.name, "' to ",
-                      tier_name(dst), " failed: ", result.status.message());
+      (void)arena(dst)->free(dst_offset);
+      outcome = error(status.code(), "move of tensor '", t->spec.name, "' to ", tier_name(dst),
+                      " failed: ", status.message());
     }
     t->migrating = false;
     --in_flight_;
   }
   idle_cv_.notify_all();
   completion->complete(std::move(outcome));
+}
+
+void Runtime::account(Link link, uint64_t bytes, uint64_t busy_ns) {
+  std::lock_guard lock(mutex_);
+  LinkCounters& c = links_[static_cast<int>(link)];
+  c.bytes += bytes;
+  c.transfers += 1;
+  c.busy_ns += busy_ns;
 }
 
 Status Runtime::data_pointer(TensorId id, void** out) {
@@ -273,6 +369,10 @@ Status Runtime::data_pointer(TensorId id, void** out) {
   if (t->migrating) {
     return error(Code::kBusy, "tensor '", t->spec.name,
                  "' is moving; its address is known once the move's event completes");
+  }
+  if (t->tier == Tier::kNvme) {
+    return error(Code::kInvalidState, "tensor '", t->spec.name,
+                 "' is on nvme, which has no addressable memory; move it to dram or hbm first");
   }
   *out = address(*t);
   return Status::ok();
@@ -285,6 +385,10 @@ Status Runtime::export_lease(TensorId id, ExportLease* out) {
   if (t->migrating) {
     return error(Code::kBusy, "cannot export tensor '", t->spec.name,
                  "': a move of it is in flight");
+  }
+  if (t->tier == Tier::kNvme) {
+    return error(Code::kInvalidState, "cannot export tensor '", t->spec.name,
+                 "': it is on nvme; move it to dram or hbm first");
   }
   ++t->export_count;
   out->data = address(*t);
@@ -310,21 +414,28 @@ void Runtime::release_export(TensorId id) {
 TierUsage Runtime::tier_usage(Tier tier) {
   std::lock_guard lock(mutex_);
   TierUsage usage;
-  const auto& arena = arenas_[static_cast<int>(tier)];
-  if (!arena) return usage;
-  usage.budget = arena->capacity();
-  usage.used = arena->used();
-  usage.largest_free = arena->largest_free();
+  const Arena* a = arena(tier);
+  if (a == nullptr) return usage;
+  usage.budget = a->capacity();
+  usage.used = a->used();
+  usage.largest_free = a->largest_free();
   usage.tensors = tensors_in_tier_[static_cast<int>(tier)];
   return usage;
 }
 
 LinkCounters Runtime::link_counters(Link link) {
+  if (link == Link::kNvmeRead || link == Link::kNvmeWrite) {
+    if (!nvme_) return {};
+    // The engine counts time with any request in flight, which is the link's busy time.
+    const IoCounters io = nvme_->counters(link == Link::kNvmeRead ? IoOp::kRead : IoOp::kWrite);
+    return LinkCounters{io.bytes, io.requests, io.busy_ns};
+  }
   std::lock_guard lock(mutex_);
   return links_[static_cast<int>(link)];
 }
 
 void Runtime::reset_link_counters() {
+  if (nvme_) nvme_->reset_counters();
   std::lock_guard lock(mutex_);
   links_ = {};
 }

@@ -20,6 +20,7 @@
 #include "runtime/arena.h"
 #include "runtime/completion.h"
 #include "runtime/memory_region.h"
+#include "runtime/nvme_tier.h"
 #include "runtime/tensor_registry.h"
 #include "runtime/types.h"
 
@@ -27,7 +28,9 @@ namespace strata {
 
 struct RuntimeOptions {
   DeviceOptions device;
-  std::array<uint64_t, kTierCount> budgets{};  // 0 = the tier's default
+  std::array<uint64_t, kTierCount> budgets{};  // 0 = the tier's default (NVMe: no tier)
+  HostMemoryOptions dram;                      // NUMA placement and fault-in threads
+  NvmeOptions nvme;                            // paths, engine, block size, queue depth...
 };
 
 struct LinkCounters {
@@ -69,9 +72,12 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   const DeviceDescription& device() const { return backend_->description(); }
   const std::string& backend_reason() const { return backend_reason_; }
   int device_numa_node() const { return device_numa_node_; }
-  bool tier_available(Tier tier) const { return arenas_[static_cast<int>(tier)] != nullptr; }
+  bool tier_available(Tier tier) const { return arena(tier) != nullptr; }
   uint64_t tier_budget(Tier tier) const;
-  double tier_setup_seconds(Tier tier) const;
+  // The DRAM arena's set-up: placement, fault-in and pinning times.
+  const MemoryRegion& dram_region() const { return *regions_[static_cast<int>(Tier::kDram)]; }
+  // The NVMe tier, if configured.
+  const NvmeTier* nvme() const { return nvme_.get(); }
 
   Status register_tensor(TensorSpec spec, TensorId* id);
   Status find(std::string_view name, TensorId* id);
@@ -91,21 +97,28 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
  private:
   explicit Runtime(std::shared_ptr<DeviceBackend> backend) : backend_(std::move(backend)) {}
 
+  Arena* arena(Tier tier) const;
   Status check_tier(Tier tier) const;
   Status lookup(TensorId id, TensorRecord** out);  // under mutex_
   unsigned char* address(const TensorRecord& t) const;
   // Synchronous copy between host memory and the tensor, with the tensor pinned in place.
   Status copy_io(TensorId id, uint64_t offset, uint64_t bytes, const char* verb,
-                 const std::function<Status(unsigned char*)>& copy);
-  void finish_move(TensorId id, Tier dst, uint64_t dst_offset, Link link, const CopyResult& result,
-                   const std::shared_ptr<Completion>& completion);
+                 const std::function<Status(const TensorRecord&)>& copy);
+  // Starts the transfer of a move whose destination is reserved; `finish` runs once.
+  using FinishMove = std::function<void(Status, std::shared_ptr<Checksums>)>;
+  Status start_transfer(const TensorRecord& t, Tier dst, uint64_t dst_offset, void* stream,
+                        FinishMove finish, std::shared_ptr<DeviceFence>* fence);
+  void finish_move(TensorId id, Tier dst, uint64_t dst_offset, Status status,
+                   std::shared_ptr<Checksums> crcs, const std::shared_ptr<Completion>& completion);
+  void account(Link link, uint64_t bytes, uint64_t busy_ns);
   void release_export(TensorId id);
 
   std::shared_ptr<DeviceBackend> backend_;
   std::string backend_reason_;
   int device_numa_node_ = -1;
   std::array<std::shared_ptr<MemoryRegion>, kTierCount> regions_;
-  std::array<std::unique_ptr<Arena>, kTierCount> arenas_;
+  std::array<std::unique_ptr<Arena>, 2> arenas_;  // HBM and DRAM; NVMe's is the tier's own
+  std::unique_ptr<NvmeTier> nvme_;
 
   std::mutex mutex_;
   std::condition_variable idle_cv_;  // signalled when in_flight_ drops

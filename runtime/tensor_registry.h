@@ -10,6 +10,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "runtime/checksums.h"
 #include "runtime/status.h"
 #include "runtime/types.h"
 
@@ -34,6 +35,8 @@ struct TensorRecord {
   bool migrating = false;
   int export_count = 0;  // live DLPack exports
   int io_count = 0;      // synchronous reads/writes running outside the runtime lock
+  // Checksums of the NVMe copy, while the tensor lives on NVMe with checksums on.
+  std::shared_ptr<Checksums> nvme_crcs;
 
   // A tensor that may not change place: moving or unregistering it must wait.
   bool pinned_in_place() const { return migrating || export_count > 0 || io_count > 0; }

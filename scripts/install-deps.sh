@@ -3,7 +3,7 @@
 # The CUDA toolkit is not installed here: it is used where present (/usr/local/cuda).
 set -euo pipefail
 
-packages=(build-essential cmake ninja-build pkg-config liburing-dev libhwloc-dev libnuma-dev catch2)
+packages=(build-essential cmake ninja-build pkg-config liburing-dev libhwloc-dev libnuma-dev libisal-dev catch2 fio)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,10 +1,8 @@
 #include "backends/device/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
-#include <sys/mman.h>
 
 #include <array>
-#include <cerrno>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -239,32 +237,21 @@ class CudaBackend final : public DeviceBackend {
     cudaFree(ptr);
   }
 
-  // Pinned host memory: an anonymous mapping registered with CUDA once, at start-up.
-  Status allocate_pinned_host(uint64_t bytes, void** out) override {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
-      const int err = errno;
-      return error(Code::kOutOfMemory, "cuda backend: cannot map ", bytes,
-                   " bytes for the dram tier: ", std::strerror(err), " (errno ", err, ")");
-    }
+  // Pins the runtime's DRAM arena once, at start-up.
+  Status pin_host(void* ptr, uint64_t bytes) override {
     DeviceGuard guard(device_);
-    cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+    cudaError_t err = cudaHostRegister(ptr, bytes, cudaHostRegisterDefault);
     if (err != cudaSuccess) {
       cudaGetLastError();
-      munmap(p, bytes);
       return error(Code::kOutOfMemory, "cuda backend: cudaHostRegister of ", bytes,
                    " bytes for the dram tier failed: ", cudaGetErrorName(err), " (",
                    cudaGetErrorString(err), ")");
     }
-    *out = p;
     return Status::ok();
   }
-  void free_pinned_host(void* ptr, uint64_t bytes) override {
-    {
-      DeviceGuard guard(device_);
-      cudaHostUnregister(ptr);
-    }
-    munmap(ptr, bytes);
+  void unpin_host(void* ptr, uint64_t /*bytes*/) override {
+    DeviceGuard guard(device_);
+    cudaHostUnregister(ptr);
   }
 
   Status submit_copy(CopyRequest request, std::shared_ptr<DeviceFence>* fence) override {

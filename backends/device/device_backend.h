@@ -62,11 +62,12 @@ class DeviceBackend {
 
   virtual const DeviceDescription& description() const = 0;
 
-  // Start-up allocations: the HBM arena and the pinned DRAM arena. Never on the hot path.
+  // Start-up work only, never on the hot path: the HBM arena's allocation, and pinning the DRAM
+  // arena (host memory the runtime mapped and placed) for asynchronous DMA.
   virtual Status allocate_device(uint64_t bytes, void** out) = 0;
   virtual void free_device(void* ptr, uint64_t bytes) = 0;
-  virtual Status allocate_pinned_host(uint64_t bytes, void** out) = 0;
-  virtual void free_pinned_host(void* ptr, uint64_t bytes) = 0;
+  virtual Status pin_host(void* ptr, uint64_t bytes) = 0;
+  virtual void unpin_host(void* ptr, uint64_t bytes) = 0;
 
   // Queue an asynchronous copy in its direction's queue. On success the callback will run
   // exactly once and *fence (if not null) can make other streams wait for the copy. On failure

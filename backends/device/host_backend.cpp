@@ -152,14 +152,13 @@ class HostBackend final : public DeviceBackend {
 
   const DeviceDescription& description() const override { return description_; }
 
-  // Both tiers are anonymous mappings: pages are only backed once touched, so a large simulated
-  // budget costs nothing until tensors use it.
+  // Simulated device memory is an anonymous mapping: pages are only backed once touched, so a
+  // large simulated budget costs nothing until tensors use it.
   Status allocate_device(uint64_t bytes, void** out) override { return map(bytes, "hbm", out); }
   void free_device(void* ptr, uint64_t bytes) override { munmap(ptr, bytes); }
-  Status allocate_pinned_host(uint64_t bytes, void** out) override {
-    return map(bytes, "dram", out);
-  }
-  void free_pinned_host(void* ptr, uint64_t bytes) override { munmap(ptr, bytes); }
+  // Host memory needs no pinning for a simulated device: the runtime already made it resident.
+  Status pin_host(void* /*ptr*/, uint64_t /*bytes*/) override { return Status::ok(); }
+  void unpin_host(void* /*ptr*/, uint64_t /*bytes*/) override {}
 
   Status submit_copy(CopyRequest request, std::shared_ptr<DeviceFence>* fence) override {
     auto state = std::make_shared<HostCopyState>();

@@ -183,7 +183,7 @@ typedef int32_t strata_device_backend_t;
 typedef int32_t strata_tier_t;
 #define STRATA_TIER_HBM 0  /* device memory (host memory on the host backend) */
 #define STRATA_TIER_DRAM 1 /* pinned host memory */
-#define STRATA_TIER_NVME 2 /* storage; not available in this build (STRATA_ERROR_UNSUPPORTED) */
+#define STRATA_TIER_NVME 2 /* files on NVMe (or any O_DIRECT-capable file system) */
 #define STRATA_TIER_COUNT 3
 
 typedef int32_t strata_dtype_t;
@@ -211,9 +211,19 @@ typedef int32_t strata_role_t;
 typedef int32_t strata_link_t;
 #define STRATA_LINK_H2D 0        /* DRAM -> HBM */
 #define STRATA_LINK_D2H 1        /* HBM -> DRAM */
-#define STRATA_LINK_NVME_READ 2  /* NVMe -> DRAM (no traffic in this build) */
-#define STRATA_LINK_NVME_WRITE 3 /* DRAM -> NVMe (no traffic in this build) */
+#define STRATA_LINK_NVME_READ 2  /* NVMe -> host memory (DRAM or a staging buffer) */
+#define STRATA_LINK_NVME_WRITE 3 /* host memory -> NVMe */
 #define STRATA_LINK_COUNT 4
+
+typedef int32_t strata_io_engine_t;
+#define STRATA_IO_ENGINE_AUTO 0  /* io_uring where the kernel allows it, posix otherwise */
+#define STRATA_IO_ENGINE_URING 1 /* io_uring only; create fails if the kernel refuses it */
+#define STRATA_IO_ENGINE_POSIX 2 /* pread/pwrite on a thread pool */
+
+typedef int32_t strata_numa_policy_t;
+#define STRATA_NUMA_AUTO 0       /* the GPU's NUMA node (found with hwloc); local if unknown */
+#define STRATA_NUMA_NODE 1       /* the node in dram_numa_node */
+#define STRATA_NUMA_INTERLEAVE 2 /* pages spread over all nodes */
 
 /* ---------------------------------------------------------------------------------------------
  * Opaque handles
@@ -271,17 +281,38 @@ typedef struct strata_runtime_config {
    * tensors are sub-allocated from it; never allocated on the hot path. 0 = the default:
    * half the GPU's free memory on cuda, 1 GiB on host. */
   uint64_t hbm_budget_bytes;
-  /* DRAM tier budget: one host arena of this size, pinned once at start-up on cuda. 0 = the
-   * default, 1 GiB. Registrations beyond it fail with STRATA_ERROR_OUT_OF_MEMORY. */
+  /* DRAM tier budget: one host arena of this size, made resident and pinned once at start-up,
+   * a hard cap: tensors beyond it fail with STRATA_ERROR_OUT_OF_MEMORY, and a budget larger
+   * than the host's available memory fails at create, never with an OOM kill. 0 = 1 GiB. */
   uint64_t dram_budget_bytes;
-  /* NVMe tier budget. Must be 0 in this build (the tier is not yet available). */
+  /* NVMe tier budget over all nvme_paths together; 0 = no NVMe tier. */
   uint64_t nvme_budget_bytes;
   /* Host backend only: simulated link bandwidth per direction in bytes per second, so tests
    * can make copies slow. 0 = unlimited (memcpy speed). Must be 0 on cuda. */
   uint64_t host_link_bytes_per_second;
+  /* Where the DRAM arena's pages live (see strata_numa_policy_t), and the node for
+   * STRATA_NUMA_NODE. */
+  strata_numa_policy_t dram_numa_policy;
+  int32_t dram_numa_node;
+  /* Threads that fault the DRAM arena in at start-up, before it is pinned; 0 = one per core,
+   * at most 16. */
+  uint32_t dram_fault_threads;
+  /* NVMe tier backing files, one per path, striped. Each is created if absent (and then
+   * removed at destroy), opened with O_DIRECT and preallocated to its share of
+   * nvme_budget_bytes. The array and strings are borrowed: copied during create. */
+  const char* const* nvme_paths;
+  uint32_t nvme_path_count;
+  strata_io_engine_t io_engine;
+  /* Bytes per storage request and stripe unit: a multiple of 4096; 0 = 1 MiB. */
+  uint32_t io_block_size;
+  /* Storage requests in flight (and pinned staging slots per direction); 0 = 32. */
+  uint32_t io_queue_depth;
+  /* 1: a CRC-32C of every piece written to NVMe, checked on every read
+   * (STRATA_ERROR_DATA_CORRUPTION on a mismatch). 0: none. */
+  int32_t nvme_checksums;
 } strata_runtime_config_t;
 #define STRATA_RUNTIME_CONFIG_STRUCT_SIZE \
-  STRATA_STRUCT_SIZE(strata_runtime_config_t, host_link_bytes_per_second)
+  STRATA_STRUCT_SIZE(strata_runtime_config_t, nvme_checksums)
 
 /* Fill *config with defaults (AUTO backend, ordinal 0, default budgets) and set its
  * struct_size to STRATA_RUNTIME_CONFIG_STRUCT_SIZE. config: borrowed.
@@ -294,9 +325,12 @@ STRATA_API strata_status_t strata_runtime_config_init(strata_runtime_config_t* c
  * config: borrowed; NULL means all defaults. out_runtime: on success receives a new runtime,
  * owned by the caller, released with strata_runtime_destroy().
  * Errors: INVALID_ARGUMENT (NULL out_runtime, bad struct_size, unknown backend, negative or
- * out-of-range ordinal, a field that does not apply to the chosen backend), NO_DEVICE (cuda
+ * out-of-range ordinal or NUMA node, a field that does not apply to the chosen backend, NVMe
+ * paths without a budget or the reverse, a bad block size or queue depth), NO_DEVICE (cuda
  * asked for and no usable GPU, the CUDA error in the message), OUT_OF_MEMORY (a budget that
- * cannot be allocated or pinned), UNSUPPORTED (a nonzero NVMe budget). Thread-safe. */
+ * cannot be allocated or pinned, or exceeds available host memory), IO (an NVMe path cannot
+ * be opened with O_DIRECT or preallocated: path and errno in the message), UNSUPPORTED
+ * (io_engine URING where the kernel refuses io_uring). Thread-safe. */
 STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* config,
                                                  strata_runtime_t** out_runtime);
 
@@ -326,8 +360,20 @@ typedef struct strata_capabilities {
   char device_name[128];
   /* Why this backend was chosen, e.g. "auto: no CUDA device (cudaErrorNoDevice)". */
   char backend_reason[256];
+  /* The DRAM arena: where its pages were placed ("node 0 (the GPU's)"), the node (-1 if
+   * interleaved or unbound), whether huge pages were granted, and how long start-up took to
+   * fault it in (with dram_fault_threads threads) and to pin it. Pinning rate = budget / time. */
+  char dram_placement[64];
+  int32_t dram_numa_node;
+  int32_t dram_huge_pages;
+  uint32_t dram_fault_threads;
+  double dram_fault_seconds;
+  double dram_pin_seconds;
+  /* The storage engine of the NVMe tier ("io_uring", "posix"; "" without one) and why. */
+  char io_engine[16];
+  char io_engine_reason[256];
 } strata_capabilities_t;
-#define STRATA_CAPABILITIES_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_capabilities_t, backend_reason)
+#define STRATA_CAPABILITIES_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_capabilities_t, io_engine_reason)
 
 /* Describe the runtime. runtime: borrowed. out: borrowed; the caller sets out->struct_size and
  * the library fills the fields that size covers.
@@ -398,8 +444,8 @@ typedef struct strata_tensor_desc {
  * Errors: INVALID_ARGUMENT (NULL, bad struct_size, empty or too long name, unknown dtype, role
  * or tier, ndim out of range, a negative dimension, a byte size that overflows),
  * ALREADY_EXISTS (the name is taken), OUT_OF_MEMORY (the home tier cannot hold it: the
- * message has the requested, free and largest-free bytes), UNSUPPORTED (NVMe home tier).
- * Thread-safe. */
+ * message has the requested, free and largest-free bytes), UNSUPPORTED (a home tier this
+ * runtime does not have, e.g. NVMe without nvme_paths). Thread-safe. */
 STRATA_API strata_status_t strata_tensor_register(strata_runtime_t* runtime,
                                                   const strata_tensor_desc_t* desc,
                                                   strata_tensor_t** out_tensor);
@@ -442,10 +488,12 @@ STRATA_API strata_status_t strata_tensor_tier(strata_runtime_t* runtime, strata_
                                               strata_tier_t* out_tier);
 
 /* Copy `bytes` bytes from host memory `src` into the tensor at byte `offset`, whatever tier it
- * is in. Synchronous: when it returns the data is in place. src: borrowed, any host memory.
+ * is in (on NVMe, the pieces touched are read, patched and written back with new checksums).
+ * Synchronous: when it returns the data is in place. src: borrowed, any host memory.
  * Errors: INVALID_ARGUMENT (NULL, offset + bytes beyond the tensor), NOT_FOUND, BUSY (a move
- * is in flight), BACKEND (the copy failed: CUDA error in the message). Thread-safe; concurrent
- * writes to overlapping bytes of one tensor race as plain memory would. */
+ * is in flight), BACKEND (the copy failed: CUDA error in the message), IO, DATA_CORRUPTION.
+ * Thread-safe; concurrent writes to overlapping bytes of one tensor race as plain memory
+ * would. */
 STRATA_API strata_status_t strata_tensor_write(strata_runtime_t* runtime, strata_tensor_t* tensor,
                                                uint64_t offset, const void* src, uint64_t bytes);
 
@@ -460,12 +508,14 @@ STRATA_API strata_status_t strata_tensor_read(strata_runtime_t* runtime, strata_
  * returns; the source copy is freed only once the data has landed, so a failed copy loses
  * nothing (the tensor stays where it was and the event reports the error).
  * Moving to the tier it is in completes at once. While the move is in flight the tensor
- * cannot be read, written, moved, exported or unregistered (BUSY).
+ * cannot be read, written, moved, exported or unregistered (BUSY). Moves between HBM and NVMe
+ * are pipelined through pinned staging buffers; moves out of NVMe check checksums (if on) and
+ * fail with DATA_CORRUPTION naming the tensor and the offset, leaving the tensor on NVMe.
  * stream: borrowed, see the stream convention above. out_event: receives a new event owned
  * by the caller (destroy it with strata_event_destroy); may be NULL to fire and forget.
  * Errors: INVALID_ARGUMENT (NULL runtime or tensor, unknown tier), NOT_FOUND, BUSY (already
  * moving, or DLPack exports alive), OUT_OF_MEMORY (the destination cannot hold it, with the
- * numbers), UNSUPPORTED (NVMe), BACKEND. Thread-safe. */
+ * numbers), UNSUPPORTED (a tier this runtime does not have), BACKEND. Thread-safe. */
 STRATA_API strata_status_t strata_tensor_move(strata_runtime_t* runtime, strata_tensor_t* tensor,
                                               strata_tier_t dst_tier, void* stream,
                                               strata_event_t** out_event);
@@ -473,8 +523,8 @@ STRATA_API strata_status_t strata_tensor_move(strata_runtime_t* runtime, strata_
 /* The address of the tensor's data in its current tier: a device pointer for HBM on cuda, a
  * pinned host pointer for DRAM. The pointer is borrowed and valid until the tensor is moved or
  * unregistered or the runtime destroyed; it does not keep the tensor in place (use a DLPack
- * export for that). Errors: INVALID_ARGUMENT (NULL), NOT_FOUND, BUSY (a move is in flight).
- * Thread-safe. */
+ * export for that). Errors: INVALID_ARGUMENT (NULL), NOT_FOUND, BUSY (a move is in flight),
+ * INVALID_STATE (the tensor is on NVMe, which has no address). Thread-safe. */
 STRATA_API strata_status_t strata_tensor_data_pointer(strata_runtime_t* runtime,
                                                       strata_tensor_t* tensor, void** out_ptr);
 
@@ -484,7 +534,8 @@ STRATA_API strata_status_t strata_tensor_data_pointer(strata_runtime_t* runtime,
  * memory outlives even strata_runtime_destroy() until the deleter runs.
  * out: receives a DLManagedTensorVersioned whose ownership passes to the caller, who must call
  * (*out)->deleter(*out) exactly once (any thread, also after the runtime is destroyed).
- * Errors: INVALID_ARGUMENT (NULL), NOT_FOUND, BUSY (a move is in flight). Thread-safe. */
+ * Errors: INVALID_ARGUMENT (NULL), NOT_FOUND, BUSY (a move is in flight), INVALID_STATE (the
+ * tensor is on NVMe). Thread-safe. */
 STRATA_API strata_status_t strata_tensor_export_dlpack(strata_runtime_t* runtime,
                                                        strata_tensor_t* tensor,
                                                        DLManagedTensorVersioned** out);
@@ -505,8 +556,9 @@ STRATA_API strata_status_t strata_event_query(strata_event_t* event);
 STRATA_API strata_status_t strata_event_wait(strata_event_t* event, int64_t timeout_ms);
 
 /* Make `stream` wait for the event's work without blocking the calling thread (cuda:
- * cudaStreamWaitEvent). On the host backend, where streams are not used, it waits on the
- * calling thread like strata_event_wait. stream: borrowed.
+ * cudaStreamWaitEvent). On the host backend, where streams are not used, and for moves out of
+ * NVMe (which end in several staged copies), it waits on the calling thread like
+ * strata_event_wait. stream: borrowed.
  * Errors: INVALID_ARGUMENT (NULL event), BACKEND, or the work's own error if it has already
  * failed. Thread-safe. */
 STRATA_API strata_status_t strata_event_stream_wait(strata_event_t* event, void* stream);

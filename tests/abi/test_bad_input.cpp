@@ -72,7 +72,25 @@ TEST_CASE("runtime creation rejects bad configs", "[abi]") {
                        "device_ordinal must be 0");
   strata_runtime_config_t nvme = c;
   nvme.nvme_budget_bytes = kMiB;
-  STRATA_REQUIRE_ERROR(strata_runtime_create(&nvme, &r), STRATA_ERROR_UNSUPPORTED, "NVMe");
+  STRATA_REQUIRE_ERROR(strata_runtime_create(&nvme, &r), STRATA_ERROR_INVALID_ARGUMENT,
+                       "no nvme_paths");
+  strata_runtime_config_t policy = c;
+  policy.dram_numa_policy = 5;
+  STRATA_REQUIRE_ERROR(strata_runtime_create(&policy, &r), STRATA_ERROR_INVALID_ARGUMENT,
+                       "dram_numa_policy 5");
+  strata_runtime_config_t node = c;
+  node.dram_numa_policy = STRATA_NUMA_NODE;
+  node.dram_numa_node = 4096;
+  STRATA_REQUIRE_ERROR(strata_runtime_create(&node, &r), STRATA_ERROR_INVALID_ARGUMENT,
+                       "dram_numa_node 4096 does not exist");
+  strata_runtime_config_t engine = c;
+  engine.io_engine = 9;
+  STRATA_REQUIRE_ERROR(strata_runtime_create(&engine, &r), STRATA_ERROR_INVALID_ARGUMENT,
+                       "io_engine 9");
+  strata_runtime_config_t too_much_dram = c;
+  too_much_dram.dram_budget_bytes = 1ull << 50;
+  STRATA_REQUIRE_ERROR(strata_runtime_create(&too_much_dram, &r), STRATA_ERROR_OUT_OF_MEMORY,
+                       "available");
   strata_runtime_config_t huge = c;
   huge.hbm_budget_bytes = UINT64_MAX;
   const strata_status_t s = strata_runtime_create(&huge, &r);
@@ -80,6 +98,48 @@ TEST_CASE("runtime creation rejects bad configs", "[abi]") {
   REQUIRE(r == nullptr);  // nothing written on failure
 
   REQUIRE(strata_runtime_destroy(nullptr) == STRATA_OK);
+}
+
+TEST_CASE("NVMe configuration errors name the problem", "[abi][nvme]") {
+  ScratchDir scratch;
+  strata_runtime_t* r = nullptr;
+  const std::string file = scratch.file("tier");
+  const char* paths[1] = {file.c_str()};
+  strata_runtime_config_t c = config_for(STRATA_DEVICE_BACKEND_HOST, kMiB, 8 * kMiB);
+  c.nvme_paths = paths;
+  c.nvme_path_count = 1;
+  STRATA_REQUIRE_ERROR(strata_runtime_create(&c, &r), STRATA_ERROR_INVALID_ARGUMENT,
+                       "nvme_budget_bytes is 0");
+  c.nvme_budget_bytes = 16 * kMiB;
+  strata_runtime_config_t block = c;
+  block.io_block_size = 1000;
+  STRATA_REQUIRE_ERROR(strata_runtime_create(&block, &r), STRATA_ERROR_INVALID_ARGUMENT,
+                       "io_block_size 1000");
+  strata_runtime_config_t depth = c;
+  depth.io_queue_depth = 100000;
+  STRATA_REQUIRE_ERROR(strata_runtime_create(&depth, &r), STRATA_ERROR_INVALID_ARGUMENT,
+                       "io_queue_depth 100000");
+  strata_runtime_config_t null_paths = c;
+  null_paths.nvme_paths = nullptr;
+  STRATA_REQUIRE_ERROR(strata_runtime_create(&null_paths, &r), STRATA_ERROR_INVALID_ARGUMENT,
+                       "nvme_paths is NULL");
+  const std::string missing = scratch.file("no/such/dir/tier");
+  const char* bad_paths[1] = {missing.c_str()};
+  strata_runtime_config_t bad_dir = c;
+  bad_dir.nvme_paths = bad_paths;
+  STRATA_REQUIRE_ERROR(strata_runtime_create(&bad_dir, &r), STRATA_ERROR_IO, missing);
+  REQUIRE_THAT(std::string(strata_last_error_message()), Catch::Contains("errno 2"));
+  const char* dir_paths[1] = {scratch.path().c_str()};
+  strata_runtime_config_t is_dir = c;
+  is_dir.nvme_paths = dir_paths;
+  STRATA_REQUIRE_ERROR(strata_runtime_create(&is_dir, &r), STRATA_ERROR_INVALID_ARGUMENT,
+                       "not a regular file");
+  REQUIRE(r == nullptr);
+  // A good config works, and the file it created is removed at destroy.
+  STRATA_REQUIRE_OK(strata_runtime_create(&c, &r));
+  REQUIRE(std::filesystem::exists(file));
+  strata_runtime_destroy(r);
+  REQUIRE(!std::filesystem::exists(file));
 }
 
 TEST_CASE("a larger struct_size from a newer header is accepted", "[abi]") {
@@ -193,7 +253,7 @@ TEST_CASE("tensor registration rejects bad descriptions", "[abi]") {
   STRATA_REQUIRE_ERROR(with([](auto& x) { x.home_tier = 9; }), STRATA_ERROR_INVALID_ARGUMENT,
                        "unknown home tier 9");
   STRATA_REQUIRE_ERROR(with([](auto& x) { x.home_tier = STRATA_TIER_NVME; }),
-                       STRATA_ERROR_UNSUPPORTED, "nvme");
+                       STRATA_ERROR_UNSUPPORTED, "nvme_paths");
   STRATA_REQUIRE_ERROR(with([](auto& x) { x.ndim = 9; }), STRATA_ERROR_INVALID_ARGUMENT, "ndim 9");
   STRATA_REQUIRE_ERROR(with([](auto& x) { x.ndim = -1; }), STRATA_ERROR_INVALID_ARGUMENT,
                        "ndim -1");

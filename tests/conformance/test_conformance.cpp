@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "support/test_support.h"
@@ -14,10 +15,26 @@ using namespace strata_test;
 namespace {
 
 constexpr uint64_t kMiB = 1ull << 20;
-const strata_tier_t kTiers[] = {STRATA_TIER_HBM, STRATA_TIER_DRAM};
+const strata_tier_t kTiers[] = {STRATA_TIER_HBM, STRATA_TIER_DRAM, STRATA_TIER_NVME};
+const strata_tier_t kAddressableTiers[] = {STRATA_TIER_HBM, STRATA_TIER_DRAM};
 
-RuntimePtr runtime_under_test(uint64_t hbm = 256 * kMiB, uint64_t dram = 256 * kMiB) {
-  return make_runtime(config_for(backend_under_test(), hbm, dram));
+// Every runtime under test has all three tiers; NVMe striped over two files.
+ScratchDir* scratch = nullptr;
+
+RuntimePtr runtime_under_test(uint64_t hbm = 256 * kMiB, uint64_t dram = 256 * kMiB,
+                              uint64_t nvme = 256 * kMiB) {
+  static int serial = 0;
+  const std::string a = scratch->file("nvme" + std::to_string(serial) + "a");
+  const std::string b = scratch->file("nvme" + std::to_string(serial++) + "b");
+  const char* paths[2] = {a.c_str(), b.c_str()};
+  strata_runtime_config_t c = config_for(backend_under_test(), hbm, dram);
+  c.nvme_paths = paths;
+  c.nvme_path_count = 2;
+  c.nvme_budget_bytes = nvme;
+  c.io_engine = io_engine_under_test();
+  c.io_queue_depth = 8;
+  c.nvme_checksums = 1;
+  return make_runtime(c);
 }
 
 void wait_ok(strata_event_t* e) {
@@ -77,6 +94,7 @@ TEST_CASE("round trips of random bytes through every pair of tiers", "[conforman
 TEST_CASE("partial reads and writes at offsets", "[conformance]") {
   RuntimePtr rt = runtime_under_test();
   for (strata_tier_t tier : kTiers) {
+    INFO(strata_tier_name(tier));
     const std::string name = std::string("partial.") + strata_tier_name(tier);
     const uint64_t size = 3 * kMiB + 11;
     strata_tensor_t* t = register_bytes(rt.get(), name, size, tier);
@@ -96,8 +114,15 @@ TEST_CASE("concurrent migrations from many threads keep every byte", "[conforman
   RuntimePtr rt = runtime_under_test();
   constexpr int kThreads = 6;
   constexpr int kTensorsPerThread = 4;
-  constexpr int kRounds = 8;
+  constexpr int kRounds = 8;  // HBM, DRAM, NVMe, ...: the last round (7) ends in DRAM
   std::atomic<int> failures{0};
+  std::mutex first_error_mutex;
+  std::string first_error;
+  auto failed = [&](const std::string& what) {
+    std::lock_guard lock(first_error_mutex);
+    if (first_error.empty()) first_error = what + ": " + strata_last_error_message();
+    ++failures;
+  };
   std::vector<std::thread> threads;
   for (int th = 0; th < kThreads; ++th) {
     threads.emplace_back([&, th] {
@@ -111,26 +136,27 @@ TEST_CASE("concurrent migrations from many threads keep every byte", "[conforman
         const strata_tensor_desc_t d = desc(name.c_str(), shape, 1, STRATA_TIER_DRAM);
         strata_tensor_t* t = nullptr;
         if (strata_tensor_register(rt.get(), &d, &t) != STRATA_OK) {
-          ++failures;
+          failed("register");
           return;
         }
         data.push_back(random_bytes(size, 1000 + th * 10 + i));
-        if (strata_tensor_write(rt.get(), t, 0, data.back().data(), size) != STRATA_OK) ++failures;
+        if (strata_tensor_write(rt.get(), t, 0, data.back().data(), size) != STRATA_OK)
+          failed("write");
         tensors.push_back(t);
       }
       for (int round = 0; round < kRounds; ++round) {
-        const strata_tier_t dst = round % 2 == 0 ? STRATA_TIER_HBM : STRATA_TIER_DRAM;
+        const strata_tier_t dst = kTiers[round % 3];
         std::vector<strata_event_t*> events;
         for (auto* t : tensors) {  // all of this thread's moves in flight at once
           strata_event_t* e = nullptr;
           if (strata_tensor_move(rt.get(), t, dst, nullptr, &e) != STRATA_OK) {
-            ++failures;
+            failed("move");
             continue;
           }
           events.push_back(e);
         }
         for (auto* e : events) {
-          if (strata_event_wait(e, 60000) != STRATA_OK) ++failures;
+          if (strata_event_wait(e, 60000) != STRATA_OK) failed("wait");
           strata_event_destroy(e);
         }
       }
@@ -138,16 +164,17 @@ TEST_CASE("concurrent migrations from many threads keep every byte", "[conforman
         std::vector<unsigned char> back(data[i].size());
         if (strata_tensor_read(rt.get(), tensors[i], 0, back.data(), back.size()) != STRATA_OK ||
             back != data[i]) {
-          ++failures;
+          failed("read back");
         }
         strata_tier_t tier = -1;
         if (strata_tensor_tier(rt.get(), tensors[i], &tier) != STRATA_OK ||
             tier != STRATA_TIER_DRAM)
-          ++failures;
+          failed("final tier");
       }
     });
   }
   for (auto& t : threads) t.join();
+  INFO(first_error);
   REQUIRE(failures.load() == 0);
 }
 
@@ -213,10 +240,29 @@ TEST_CASE("link statistics count every completed byte", "[conformance]") {
     REQUIRE(s.transfers == 3);
     REQUIRE(s.busy_ns > 0);
   }
-  strata_link_stats_t nvme{};
-  nvme.struct_size = STRATA_LINK_STATS_STRUCT_SIZE;
-  STRATA_REQUIRE_OK(strata_runtime_link_stats(rt.get(), STRATA_LINK_NVME_READ, &nvme));
-  REQUIRE(nvme.bytes == 0);
+  for (strata_link_t link : {STRATA_LINK_NVME_READ, STRATA_LINK_NVME_WRITE}) {
+    strata_link_stats_t s{};
+    s.struct_size = STRATA_LINK_STATS_STRUCT_SIZE;
+    STRATA_REQUIRE_OK(strata_runtime_link_stats(rt.get(), link, &s));
+    REQUIRE(s.bytes == 0);
+  }
+  // Through NVMe: DRAM -> NVMe -> HBM -> NVMe -> DRAM, each leg counted on its links.
+  move_and_wait(rt.get(), t, STRATA_TIER_NVME);
+  move_and_wait(rt.get(), t, STRATA_TIER_HBM);
+  move_and_wait(rt.get(), t, STRATA_TIER_NVME);
+  move_and_wait(rt.get(), t, STRATA_TIER_DRAM);
+  strata_link_stats_t w{}, r{}, h2d{}, d2h{};
+  for (auto* s : {&w, &r, &h2d, &d2h}) s->struct_size = STRATA_LINK_STATS_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_runtime_link_stats(rt.get(), STRATA_LINK_NVME_WRITE, &w));
+  STRATA_REQUIRE_OK(strata_runtime_link_stats(rt.get(), STRATA_LINK_NVME_READ, &r));
+  STRATA_REQUIRE_OK(strata_runtime_link_stats(rt.get(), STRATA_LINK_H2D, &h2d));
+  STRATA_REQUIRE_OK(strata_runtime_link_stats(rt.get(), STRATA_LINK_D2H, &d2h));
+  REQUIRE(w.bytes == 2 * size);
+  REQUIRE(r.bytes == 2 * size);
+  REQUIRE(w.busy_ns > 0);
+  REQUIRE(r.busy_ns > 0);
+  REQUIRE(h2d.bytes == 4 * size);  // three DRAM->HBM moves before, one staged NVMe->HBM
+  REQUIRE(d2h.bytes == 4 * size);
   STRATA_REQUIRE_OK(strata_runtime_reset_stats(rt.get()));
   strata_link_stats_t after{};
   after.struct_size = STRATA_LINK_STATS_STRUCT_SIZE;
@@ -235,7 +281,7 @@ TEST_CASE("DLPack export describes the tensor and pins it in place", "[conforman
   STRATA_REQUIRE_OK(strata_runtime_capabilities(rt.get(), &caps));
   const bool cuda = caps.device_backend == STRATA_DEVICE_BACKEND_CUDA;
 
-  for (strata_tier_t tier : kTiers) {
+  for (strata_tier_t tier : kAddressableTiers) {
     move_and_wait(rt.get(), t, tier);
     void* ptr = nullptr;
     STRATA_REQUIRE_OK(strata_tensor_data_pointer(rt.get(), t, &ptr));
@@ -267,6 +313,14 @@ TEST_CASE("DLPack export describes the tensor and pins it in place", "[conforman
     STRATA_REQUIRE_OK(strata_tensor_get_info(rt.get(), t, &info));
     REQUIRE(info.export_count == 0);
   }
+  // NVMe has no address to hand out.
+  move_and_wait(rt.get(), t, STRATA_TIER_NVME);
+  void* ptr = nullptr;
+  DLManagedTensorVersioned* m = nullptr;
+  STRATA_REQUIRE_ERROR(strata_tensor_data_pointer(rt.get(), t, &ptr), STRATA_ERROR_INVALID_STATE,
+                       "nvme");
+  STRATA_REQUIRE_ERROR(strata_tensor_export_dlpack(rt.get(), t, &m), STRATA_ERROR_INVALID_STATE,
+                       "nvme");
 }
 
 TEST_CASE("a DLPack export outlives its runtime", "[conformance]") {
@@ -305,6 +359,36 @@ TEST_CASE("a full tier reports out-of-memory with the numbers and loses nothing"
                        "'huge'");
 }
 
+TEST_CASE("a full NVMe tier reports out-of-memory and the tensor stays put", "[conformance]") {
+  RuntimePtr rt = runtime_under_test(64 * kMiB, 64 * kMiB, 8 * kMiB);
+  strata_tensor_t* a = register_bytes(rt.get(), "a", 6 * kMiB, STRATA_TIER_DRAM);
+  strata_tensor_t* b = register_bytes(rt.get(), "b", 6 * kMiB, STRATA_TIER_HBM);
+  const auto data = random_bytes(6 * kMiB, 3);
+  STRATA_REQUIRE_OK(strata_tensor_write(rt.get(), b, 0, data.data(), data.size()));
+  move_and_wait(rt.get(), a, STRATA_TIER_NVME);
+  STRATA_REQUIRE_ERROR(strata_tensor_move(rt.get(), b, STRATA_TIER_NVME, nullptr, nullptr),
+                       STRATA_ERROR_OUT_OF_MEMORY, "nvme tier");
+  REQUIRE_THAT(std::string(strata_last_error_message()), Catch::Contains("'b'"));
+  strata_tier_t tier = -1;
+  STRATA_REQUIRE_OK(strata_tensor_tier(rt.get(), b, &tier));
+  REQUIRE(tier == STRATA_TIER_HBM);
+  REQUIRE(read_all(rt.get(), b, data.size()) == data);
+}
+
+TEST_CASE("tensors registered straight on NVMe can be written, read and moved", "[conformance]") {
+  RuntimePtr rt = runtime_under_test();
+  const uint64_t size = 5 * kMiB + 123;
+  strata_tensor_t* t = register_bytes(rt.get(), "cold", size, STRATA_TIER_NVME);
+  const auto data = random_bytes(size, 8);
+  STRATA_REQUIRE_OK(strata_tensor_write(rt.get(), t, 0, data.data(), size));
+  REQUIRE(read_all(rt.get(), t, size) == data);
+  move_and_wait(rt.get(), t, STRATA_TIER_HBM);
+  REQUIRE(read_all(rt.get(), t, size) == data);
+  move_and_wait(rt.get(), t, STRATA_TIER_NVME);
+  move_and_wait(rt.get(), t, STRATA_TIER_DRAM);
+  REQUIRE(read_all(rt.get(), t, size) == data);
+}
+
 TEST_CASE("destroying a runtime with transfers in flight neither hangs nor leaks",
           "[conformance]") {
   std::vector<strata_event_t*> events;
@@ -336,14 +420,25 @@ TEST_CASE("capabilities describe the backend under test", "[conformance]") {
   REQUIRE(caps.device_backend == backend_under_test());
   REQUIRE(caps.tiers_available[STRATA_TIER_HBM] == 1);
   REQUIRE(caps.tiers_available[STRATA_TIER_DRAM] == 1);
-  REQUIRE(caps.tiers_available[STRATA_TIER_NVME] == 0);
+  REQUIRE(caps.tiers_available[STRATA_TIER_NVME] == 1);
   REQUIRE(caps.tier_budget_bytes[STRATA_TIER_HBM] == 16 * kMiB);
   REQUIRE(caps.tier_budget_bytes[STRATA_TIER_DRAM] == 32 * kMiB);
+  REQUIRE(caps.tier_budget_bytes[STRATA_TIER_NVME] == 256 * kMiB);
   REQUIRE(std::strlen(caps.device_name) > 0);
   REQUIRE(std::strlen(caps.backend_reason) > 0);
-  std::printf("backend %s: %s (%s), NUMA node %d\n",
+  REQUIRE(std::strlen(caps.dram_placement) > 0);
+  REQUIRE(caps.dram_fault_threads >= 1);
+  const std::string engine = caps.io_engine;
+  if (io_engine_under_test() == STRATA_IO_ENGINE_POSIX) REQUIRE(engine == "posix");
+  if (io_engine_under_test() == STRATA_IO_ENGINE_URING) REQUIRE(engine == "io_uring");
+  REQUIRE((engine == "posix" || engine == "io_uring"));
+  std::printf("backend %s: %s (%s), GPU NUMA node %d\n",
               strata_device_backend_name(caps.device_backend), caps.device_name,
               caps.backend_reason, caps.device_numa_node);
+  std::printf("dram: %s, huge pages %d, faulted in by %u threads in %.3f s, pinned in %.3f s\n",
+              caps.dram_placement, caps.dram_huge_pages, caps.dram_fault_threads,
+              caps.dram_fault_seconds, caps.dram_pin_seconds);
+  std::printf("storage engine %s (%s)\n", caps.io_engine, caps.io_engine_reason);
 }
 
 int main(int argc, char** argv) {
@@ -363,5 +458,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   strata_runtime_destroy(r);
+  ScratchDir dir;
+  scratch = &dir;
   return Catch::Session().run(argc, argv);
 }

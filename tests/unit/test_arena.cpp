@@ -14,7 +14,7 @@ TEST_CASE("arena rounds to 256 bytes and aligns every block", "[arena]") {
   REQUIRE(arena.allocate(1, "a", &a).is_ok());
   REQUIRE(arena.allocate(257, "b", &b).is_ok());
   REQUIRE(arena.allocate(0, "c", &c).is_ok());
-  for (uint64_t off : {a, b, c}) REQUIRE(off % Arena::kAlignment == 0);
+  for (uint64_t off : {a, b, c}) REQUIRE(off % Arena::kDefaultAlignment == 0);
   REQUIRE(arena.used() == 256 + 512 + 256);
 }
 

@@ -1,0 +1,122 @@
+#include "backends/memory/host_memory.h"
+
+#include <numa.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace strata {
+namespace {
+
+Status apply_numa_policy(void* ptr, uint64_t bytes, const HostMemoryOptions& options,
+                         HostMemoryReport* report) {
+  const bool numa = numa_available() >= 0;
+  const int max_node = numa ? numa_max_node() : 0;
+  switch (options.policy) {
+    case NumaPolicy::kNode:
+      if (options.node < 0 || options.node > max_node) {
+        return error(Code::kInvalidArgument, "dram_numa_node ", options.node,
+                     " does not exist: this host has NUMA nodes 0..", max_node);
+      }
+      if (numa) numa_tonode_memory(ptr, bytes, options.node);
+      report->node = options.node;
+      report->placement = "node " + std::to_string(options.node);
+      return Status::ok();
+    case NumaPolicy::kInterleave:
+      if (numa && max_node > 0) {
+        numa_interleave_memory(ptr, bytes, numa_all_nodes_ptr);
+        report->placement = "interleaved over " + std::to_string(max_node + 1) + " nodes";
+      } else {
+        report->placement = "interleave asked, single NUMA node";
+      }
+      return Status::ok();
+    case NumaPolicy::kAuto:
+      if (!numa || max_node == 0) {
+        report->node = 0;
+        report->placement = "node 0 (single NUMA node)";
+      } else if (options.preferred_node >= 0 && options.preferred_node <= max_node) {
+        numa_tonode_memory(ptr, bytes, options.preferred_node);
+        report->node = options.preferred_node;
+        report->placement = "node " + std::to_string(options.preferred_node) + " (the GPU's)";
+      } else {
+        report->placement = "local to the faulting threads (GPU node unknown)";
+      }
+      return Status::ok();
+  }
+  return error(Code::kInvalidArgument, "unknown dram_numa_policy ",
+               static_cast<int32_t>(options.policy));
+}
+
+// Writing one byte per page makes each page resident (and, with a bound policy, places it).
+void fault_in(unsigned char* base, uint64_t bytes, unsigned threads) {
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t pages = bytes / page;
+  std::vector<std::thread> workers;
+  for (unsigned t = 0; t < threads; ++t) {
+    const uint64_t first = pages * t / threads;
+    const uint64_t last = pages * (t + 1) / threads;
+    workers.emplace_back([=] {
+      for (uint64_t p = first; p < last; ++p) base[p * page] = 0;
+    });
+  }
+  for (auto& w : workers) w.join();
+}
+
+}  // namespace
+
+uint64_t host_available_memory() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t value = 0;
+  std::string unit;
+  while (in >> key >> value) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") return value * 1024;
+  }
+  return 0;
+}
+
+Status map_host_memory(uint64_t bytes, const HostMemoryOptions& options, void** out,
+                       HostMemoryReport* report) {
+  const uint64_t available = host_available_memory();
+  if (available != 0 && bytes > available) {
+    return error(Code::kOutOfMemory, "dram budget of ", bytes, " bytes exceeds the ", available,
+                 " bytes of host memory available (MemAvailable); lower dram_budget_bytes");
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    return error(Code::kOutOfMemory, "cannot map ", bytes,
+                 " bytes for the dram tier: ", std::strerror(err), " (errno ", err, ")");
+  }
+  *report = HostMemoryReport{};
+  report->huge_pages = madvise(p, bytes, MADV_HUGEPAGE) == 0;
+  Status placed = apply_numa_policy(p, bytes, options, report);
+  if (!placed.is_ok()) {
+    munmap(p, bytes);
+    return placed;
+  }
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  report->threads = options.threads != 0 ? options.threads : std::min(cores, 16u);
+  const auto start = std::chrono::steady_clock::now();
+  fault_in(static_cast<unsigned char*>(p), bytes, report->threads);
+  report->fault_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  *out = p;
+  return Status::ok();
+}
+
+void unmap_host_memory(void* ptr, uint64_t bytes) {
+  munmap(ptr, bytes);
+}
+
+}  // namespace strata

@@ -1,0 +1,60 @@
+// strata-bench: one CLI, one output format (bench_report.h), a subcommand per part of the system.
+//   strata-bench io [--size 1G] [--block 1M] [--qd 32] [--reps 3] [--dir .] [--fio fio]
+//                   [--engine auto|uring|posix] [--backend auto|cuda|host] [--link-size 256M]
+//                   [--no-nvme] [--json]
+#include <cstdio>
+#include <exception>
+#include <string>
+
+#include "bench_options.h"
+#include "bench_report.h"
+
+namespace strata_bench {
+int run_io(const Options& opt, Report* report);
+}
+
+namespace {
+void usage() {
+  std::fprintf(stderr,
+               "usage: strata-bench SUBCOMMAND [options] [--json]\n"
+               "  io   NVMe read/write vs fio, DRAM<->HBM vs cudaMemcpyAsync, pinning rate\n"
+               "       --size 1G --block 1M --qd 32 --reps 3 --dir . --fio fio\n"
+               "       --engine auto|uring|posix --backend auto|cuda|host --link-size 256M "
+               "--no-nvme\n");
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
+    usage();
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  try {
+    strata_bench::Options opt(argc, argv, 2);
+    const bool json = opt.flag("json");
+    strata_bench::Report report;
+    report.bench = command;
+    int rc = 0;
+    if (command == "io") {
+      rc = strata_bench::run_io(opt, &report);
+    } else {
+      std::fprintf(stderr, "strata-bench: unknown subcommand '%s'\n", command.c_str());
+      usage();
+      return 2;
+    }
+    if (const auto unused = opt.unused(); !unused.empty()) {
+      std::fprintf(stderr, "strata-bench: unknown option %s\n", unused.front().c_str());
+      return 2;
+    }
+    if (json) {
+      report.print_json();
+    } else {
+      report.print_table();
+    }
+    return rc;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "strata-bench %s: %s\n", command.c_str(), e.what());
+    return 1;
+  }
+}

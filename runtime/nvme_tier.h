@@ -1,0 +1,146 @@
+// NvmeTier: the storage tier. Files on one or more paths are striped into one logical address
+// space (stripe unit = the I/O block size) managed by a 4 KiB-aligned extent arena. Transfers
+// run on two worker threads, one per direction, so reads and writes overlap:
+//   DRAM <-> NVMe  straight between the pinned DRAM arena (registered with io_uring) and disk;
+//   HBM  <-> NVMe  pipelined through pinned bounce slots: while chunk i crosses PCIe, chunks
+//                  i+1.. are being read from (or written to) disk, queue_depth of them at once.
+// With checksums on, each piece (a stripe unit or less) gets a CRC-32C when written and is
+// checked when read; a mismatch is STRATA_ERROR_DATA_CORRUPTION naming tensor and offset.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backends/device/device_backend.h"
+#include "backends/memory/host_memory.h"
+#include "backends/storage/storage_engine.h"
+#include "backends/storage/storage_files.h"
+#include "runtime/arena.h"
+#include "runtime/checksums.h"
+#include "runtime/completion.h"
+#include "runtime/types.h"
+
+namespace strata {
+
+struct NvmeOptions {
+  std::vector<std::string> paths;
+  uint64_t budget = 0;  // total over all paths
+  IoEngineKind engine = IoEngineKind::kAuto;
+  uint64_t block_size = 1 << 20;  // I/O size and stripe unit; a 4 KiB multiple
+  unsigned queue_depth = 32;
+  bool checksums = false;
+  IoFaultHook fault_hook;  // tests only
+};
+
+class NvmeTier {
+ public:
+  static constexpr uint64_t kAlignment = 4096;
+  using Done = std::function<void(Status)>;
+  // Reports device copies the staged transfers make, for the runtime's link counters.
+  using AccountCopy = std::function<void(Link, uint64_t bytes, uint64_t busy_ns)>;
+
+  // `dram` is the pinned DRAM arena (registered as fixed buffers); staging buffers are mapped
+  // and pinned here with `staging_memory`.
+  static Status create(const NvmeOptions& options, std::shared_ptr<DeviceBackend> device,
+                       std::pair<void*, uint64_t> dram, const HostMemoryOptions& staging_memory,
+                       AccountCopy account, std::unique_ptr<NvmeTier>* out);
+  ~NvmeTier();
+
+  // The extent allocator over the logical space. The runtime guards it with its own mutex.
+  Arena& extents() { return *extents_; }
+  const std::string& engine_name() const { return engine_name_; }
+  const std::string& engine_reason() const { return engine_reason_; }
+  bool checksums() const { return options_.checksums; }
+  IoCounters counters(IoOp op) { return engine_->counters(op); }
+  void reset_counters() { engine_->reset_counters(); }
+
+  // Asynchronous transfers of the extent [extent, extent + len) (len a 4 KiB multiple). The
+  // host variants move all `len` bytes (the DRAM block is 4 KiB-rounded too); the device
+  // variants move `nbytes` real bytes to or from `device` and pad the disk piece. Writes fill
+  // *crcs (if checksums are on); reads check against it. `done` runs on a worker thread.
+  // A write starts only once `gate` (if any) completes: the caller's stream has finished
+  // producing the source.
+  void write_from_host(std::string tensor, const unsigned char* src, uint64_t extent, uint64_t len,
+                       std::shared_ptr<Checksums> crcs, Done done,
+                       std::shared_ptr<Completion> gate = nullptr);
+  void read_to_host(std::string tensor, unsigned char* dst, uint64_t extent, uint64_t len,
+                    std::shared_ptr<const Checksums> crcs, Done done);
+  void write_from_device(std::string tensor, const unsigned char* device, uint64_t nbytes,
+                         uint64_t extent, uint64_t len, std::shared_ptr<Checksums> crcs, Done done,
+                         std::shared_ptr<Completion> gate = nullptr);
+  void read_to_device(std::string tensor, unsigned char* device, uint64_t nbytes, uint64_t extent,
+                      uint64_t len, std::shared_ptr<const Checksums> crcs, Done done);
+
+  // Synchronous byte-range access for strata_tensor_read/write of an NVMe-resident tensor:
+  // whole pieces are read (and checked), patched and written back (with a fresh checksum).
+  Status read_range(const std::string& tensor, uint64_t extent, uint64_t len, const Checksums* crcs,
+                    uint64_t offset, void* dst, uint64_t bytes);
+  Status write_range(const std::string& tensor, uint64_t extent, uint64_t len, Checksums* crcs,
+                     uint64_t offset, const void* src, uint64_t bytes);
+
+  // Number of pieces (and checksums) of an extent of `len` bytes at `extent`.
+  std::size_t piece_count(uint64_t extent, uint64_t len) const;
+
+  // Waits for running transfers, cancels queued ones (their `done` gets kCancelled), stops the
+  // engine. Returns how many were cancelled.
+  std::size_t shutdown();
+
+ private:
+  struct Piece {
+    std::size_t index;
+    uint64_t rel;  // offset within the extent
+    uint64_t len;
+    int file;
+    uint64_t file_offset;
+  };
+  struct Job {
+    std::function<Status()> body;
+    Done done;
+  };
+  class Worker;
+
+  NvmeTier() = default;
+  std::vector<Piece> pieces(uint64_t extent, uint64_t len) const;
+  Status submit_io(IoOp op, const Piece& p, unsigned char* buf, std::function<void(Status)> done);
+  Status io_sync(IoOp op, const Piece& p, unsigned char* buf);
+  Status copy_sync(CopyDirection dir, void* dst, const void* src, uint64_t bytes);
+  Status verify(const std::string& tensor, const Piece& p, const unsigned char* data,
+                const Checksums* crcs) const;
+
+  Status run_write_from_host(const std::string& tensor, const unsigned char* src, uint64_t extent,
+                             uint64_t len, Checksums* crcs);
+  Status run_read_to_host(const std::string& tensor, unsigned char* dst, uint64_t extent,
+                          uint64_t len, const Checksums* crcs);
+  Status run_write_from_device(const std::string& tensor, const unsigned char* device,
+                               uint64_t nbytes, uint64_t extent, uint64_t len, Checksums* crcs);
+  Status run_read_to_device(const std::string& tensor, unsigned char* device, uint64_t nbytes,
+                            uint64_t extent, uint64_t len, const Checksums* crcs);
+
+  NvmeOptions options_;
+  std::shared_ptr<DeviceBackend> device_;
+  AccountCopy account_;
+  StorageFileSet files_;
+  std::unique_ptr<StorageEngine> engine_;
+  std::string engine_name_;
+  std::string engine_reason_;
+  std::unique_ptr<Arena> extents_;
+  uint64_t file_size_ = 0;
+  // Pinned bounce slots, queue_depth of block_size per direction.
+  unsigned slots_ = 0;
+  void* staging_ = nullptr;
+  uint64_t staging_bytes_ = 0;
+  unsigned char* to_disk_slots_ = nullptr;
+  unsigned char* from_disk_slots_ = nullptr;
+  std::mutex range_write_mutex_;  // read-modify-write of pieces is serialized
+  std::unique_ptr<Worker> to_disk_;
+  std::unique_ptr<Worker> from_disk_;
+};
+
+}  // namespace strata
