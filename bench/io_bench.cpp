@@ -139,6 +139,8 @@ int run_io(const Options& opt, Report* report) {
   const std::string engine = opt.str("engine", "auto");
   const std::string backend = opt.str("backend", "auto");
   const bool skip_nvme = opt.flag("no-nvme");
+  const bool dram_direct = opt.flag("dram-direct");
+  const bool checksums = opt.flag("checksums");
   if (reps < 1 || depth < 1) throw std::invalid_argument("--reps and --qd must be >= 1");
 
   const std::string file = dir + "/strata-bench-io.bin";
@@ -154,7 +156,7 @@ int run_io(const Options& opt, Report* report) {
   c.device_backend = backend == "cuda"   ? STRATA_DEVICE_BACKEND_CUDA
                      : backend == "host" ? STRATA_DEVICE_BACKEND_HOST
                                          : STRATA_DEVICE_BACKEND_AUTO;
-  c.hbm_budget_bytes = 2 * link_size + (64 << 20);
+  c.hbm_budget_bytes = std::max(2 * link_size, skip_nvme ? 0 : size) + (64 << 20);
   c.dram_budget_bytes = std::max(size, 2 * link_size) + (64 << 20);
   if (!skip_nvme) {
     c.nvme_paths = paths;
@@ -165,6 +167,8 @@ int run_io(const Options& opt, Report* report) {
                                       : STRATA_IO_ENGINE_AUTO;
     c.io_block_size = static_cast<uint32_t>(block);
     c.io_queue_depth = depth;
+    c.io_dram_direct = dram_direct ? 1 : 0;
+    c.nvme_checksums = checksums ? 1 : 0;
   }
   progress("creating the runtime (pins " + std::to_string(c.dram_budget_bytes >> 20) + " MiB)");
   Runtime r;
@@ -175,7 +179,11 @@ int run_io(const Options& opt, Report* report) {
   const bool cuda = caps.device_backend == STRATA_DEVICE_BACKEND_CUDA;
   report->device = std::string(caps.device_name) + " (" +
                    strata_device_backend_name(caps.device_backend) + " backend" +
-                   (skip_nvme ? "" : std::string(", ") + caps.io_engine) + ")";
+                   (skip_nvme ? ""
+                              : std::string(", ") + caps.io_engine +
+                                    (dram_direct ? ", direct dram" : ", staged dram") +
+                                    (checksums ? ", crc32c" : "")) +
+                   ")";
 
   // Pinning rate of the DRAM arena vs cudaHostAlloc of the same size.
   const double pin_seconds = caps.dram_fault_seconds + caps.dram_pin_seconds;
@@ -196,15 +204,21 @@ int run_io(const Options& opt, Report* report) {
     const bool have_fio = fio_available(fio);
     if (!have_fio) progress("fio not found ('" + fio + "'): NVMe results have no peer");
     // Strata and fio alternate within each repetition, so drift in the device (caches, thermal
-    // state, a virtual disk's write-back) hits both alike.
-    std::vector<double> writes, reads, fio_writes, fio_reads;
+    // state, a virtual disk's write-back) hits both alike. fio reuses Strata's file region.
+    std::vector<double> writes, reads, fio_writes, fio_reads, staged_writes, staged_reads;
     for (int i = 0; i < reps; ++i) {
       progress("nvme write/read, strata and fio, rep " + std::to_string(i + 1) + "/" +
                std::to_string(reps));
+      // Strata reads back what it wrote (fio in between would break --checksums).
       writes.push_back(static_cast<double>(size) / timed_move(r.rt, t, STRATA_TIER_NVME));
-      if (have_fio) fio_writes.push_back(run_fio(fio, file, "write", size, block, depth));
       reads.push_back(static_cast<double>(size) / timed_move(r.rt, t, STRATA_TIER_DRAM));
+      if (have_fio) fio_writes.push_back(run_fio(fio, file, "write", size, block, depth));
       if (have_fio) fio_reads.push_back(run_fio(fio, file, "read", size, block, depth));
+      // HBM <-> NVMe, pipelined through the pinned staging slots.
+      timed_move(r.rt, t, STRATA_TIER_HBM);
+      staged_writes.push_back(static_cast<double>(size) / timed_move(r.rt, t, STRATA_TIER_NVME));
+      staged_reads.push_back(static_cast<double>(size) / timed_move(r.rt, t, STRATA_TIER_HBM));
+      timed_move(r.rt, t, STRATA_TIER_DRAM);
     }
     const double strata_write = median(writes) / kGB;
     const double strata_read = median(reads) / kGB;
@@ -215,9 +229,17 @@ int run_io(const Options& opt, Report* report) {
                      median(fio_writes) / kGB);
       report->add_vs("nvme_read", strata_read, "GB/s", "fio io_uring " + settings,
                      median(fio_reads) / kGB);
+      report->add_vs("nvme_write_from_hbm", median(staged_writes) / kGB, "GB/s",
+                     "fio io_uring " + settings, median(fio_writes) / kGB);
+      report->add_vs("nvme_read_to_hbm", median(staged_reads) / kGB, "GB/s",
+                     "fio io_uring " + settings, median(fio_reads) / kGB);
     } else {
       report->add(Result{"nvme_write", strata_write, "GB/s", "", 0, 0, "no fio"});
       report->add(Result{"nvme_read", strata_read, "GB/s", "", 0, 0, "no fio"});
+      report->add(
+          Result{"nvme_write_from_hbm", median(staged_writes) / kGB, "GB/s", "", 0, 0, "no fio"});
+      report->add(
+          Result{"nvme_read_to_hbm", median(staged_reads) / kGB, "GB/s", "", 0, 0, "no fio"});
     }
     check(strata_tensor_unregister(r.rt, t), "unregister");
   }

@@ -1,7 +1,7 @@
 // strata-bench: one CLI, one output format (bench_report.h), a subcommand per part of the system.
 //   strata-bench io [--size 1G] [--block 1M] [--qd 32] [--reps 3] [--dir .] [--fio fio]
 //                   [--engine auto|uring|posix] [--backend auto|cuda|host] [--link-size 256M]
-//                   [--no-nvme] [--json]
+//                   [--no-nvme] [--dram-direct] [--checksums] [--json]
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -20,7 +20,7 @@ void usage() {
                "  io   NVMe read/write vs fio, DRAM<->HBM vs cudaMemcpyAsync, pinning rate\n"
                "       --size 1G --block 1M --qd 32 --reps 3 --dir . --fio fio\n"
                "       --engine auto|uring|posix --backend auto|cuda|host --link-size 256M "
-               "--no-nvme\n");
+               "--no-nvme --dram-direct --checksums\n");
 }
 }  // namespace
 

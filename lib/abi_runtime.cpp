@@ -76,6 +76,7 @@ STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* 
     if (c.io_block_size != 0) options.nvme.block_size = c.io_block_size;
     if (c.io_queue_depth != 0) options.nvme.queue_depth = c.io_queue_depth;
     options.nvme.checksums = c.nvme_checksums != 0;
+    options.nvme.direct_dram = c.io_dram_direct != 0;
     std::shared_ptr<Runtime> impl;
     STRATA_RETURN_IF_ERROR(Runtime::create(options, &impl));
     *out_runtime = new strata_runtime{std::move(impl)};

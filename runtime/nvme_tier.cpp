@@ -259,8 +259,8 @@ Status NvmeTier::verify(const std::string& tensor, const Piece& p, const unsigne
                p.file_offset, ": stored crc32c ", hex(expected), ", read ", hex(actual));
 }
 
-Status NvmeTier::run_write_from_host(const std::string& /*tensor*/, const unsigned char* src,
-                                     uint64_t extent, uint64_t len, Checksums* crcs) {
+Status NvmeTier::run_direct_write(const unsigned char* src, uint64_t extent, uint64_t len,
+                                  Checksums* crcs) {
   const auto ps = pieces(extent, len);
   if (crcs != nullptr) crcs->reset(ps.size());
   PieceTracker t(ps.size());
@@ -284,8 +284,8 @@ Status NvmeTier::run_write_from_host(const std::string& /*tensor*/, const unsign
   return first;
 }
 
-Status NvmeTier::run_read_to_host(const std::string& tensor, unsigned char* dst, uint64_t extent,
-                                  uint64_t len, const Checksums* crcs) {
+Status NvmeTier::run_direct_read(const std::string& tensor, unsigned char* dst, uint64_t extent,
+                                 uint64_t len, const Checksums* crcs) {
   const auto ps = pieces(extent, len);
   PieceTracker t(ps.size());
   std::size_t issued = 0;
@@ -308,9 +308,8 @@ Status NvmeTier::run_read_to_host(const std::string& tensor, unsigned char* dst,
   return first;
 }
 
-Status NvmeTier::run_write_from_device(const std::string& /*tensor*/, const unsigned char* device,
-                                       uint64_t nbytes, uint64_t extent, uint64_t len,
-                                       Checksums* crcs) {
+Status NvmeTier::run_staged_write(const unsigned char* src, uint64_t nbytes, uint64_t extent,
+                                  uint64_t len, Checksums* crcs, const CopyFn& copy_in) {
   const auto ps = pieces(extent, len);
   if (crcs != nullptr) crcs->reset(ps.size());
   PieceTracker t(ps.size());
@@ -329,7 +328,7 @@ Status NvmeTier::run_write_from_device(const std::string& /*tensor*/, const unsi
     unsigned char* slot = to_disk_slots_ + (p.index % slots_) * block;
     const uint64_t real = p.rel < nbytes ? std::min(p.len, nbytes - p.rel) : 0;
     if (real > 0) {
-      Status s = copy_sync(CopyDirection::kDeviceToHost, slot, device + p.rel, real);
+      Status s = copy_in(slot, src + p.rel, real);
       if (!s.is_ok()) {
         first = s;
         break;
@@ -352,9 +351,9 @@ Status NvmeTier::run_write_from_device(const std::string& /*tensor*/, const unsi
   return first;
 }
 
-Status NvmeTier::run_read_to_device(const std::string& tensor, unsigned char* device,
-                                    uint64_t nbytes, uint64_t extent, uint64_t len,
-                                    const Checksums* crcs) {
+Status NvmeTier::run_staged_read(const std::string& tensor, unsigned char* dst, uint64_t nbytes,
+                                 uint64_t extent, uint64_t len, const Checksums* crcs,
+                                 const CopyFn& copy_out) {
   const auto ps = pieces(extent, len);
   PieceTracker t(ps.size());
   const uint64_t block = options_.block_size;
@@ -375,9 +374,7 @@ Status NvmeTier::run_read_to_device(const std::string& tensor, unsigned char* de
     if (s.is_ok()) s = verify(tensor, ps[i], slot_of(i), crcs);
     const Piece& p = ps[i];
     const uint64_t real = p.rel < nbytes ? std::min(p.len, nbytes - p.rel) : 0;
-    if (s.is_ok() && real > 0) {
-      s = copy_sync(CopyDirection::kHostToDevice, device + p.rel, slot_of(i), real);
-    }
+    if (s.is_ok() && real > 0) s = copy_out(dst + p.rel, slot_of(i), real);
     if (s.is_ok() && issued < ps.size()) {  // this slot is free again: refill it
       s = issue(issued);
       if (s.is_ok()) ++issued;
@@ -387,29 +384,47 @@ Status NvmeTier::run_read_to_device(const std::string& tensor, unsigned char* de
   return first;
 }
 
+Status NvmeTier::host_copy(void* dst, const void* src, uint64_t bytes) {
+  std::memcpy(dst, src, bytes);
+  return Status::ok();
+}
+
 void NvmeTier::write_from_host(std::string tensor, const unsigned char* src, uint64_t extent,
                                uint64_t len, std::shared_ptr<Checksums> crcs, Done done,
                                std::shared_ptr<Completion> gate) {
+  (void)tensor;
   to_disk_->push(Job{[=, this] {
                        if (gate) STRATA_RETURN_IF_ERROR(gate->wait(-1));
-                       return run_write_from_host(tensor, src, extent, len, crcs.get());
+                       if (options_.direct_dram)
+                         return run_direct_write(src, extent, len, crcs.get());
+                       return run_staged_write(src, len, extent, len, crcs.get(), host_copy);
                      },
                      std::move(done)});
 }
 
 void NvmeTier::read_to_host(std::string tensor, unsigned char* dst, uint64_t extent, uint64_t len,
                             std::shared_ptr<const Checksums> crcs, Done done) {
-  from_disk_->push(Job{[=, this] { return run_read_to_host(tensor, dst, extent, len, crcs.get()); },
+  from_disk_->push(Job{[=, this] {
+                         if (options_.direct_dram) {
+                           return run_direct_read(tensor, dst, extent, len, crcs.get());
+                         }
+                         return run_staged_read(tensor, dst, len, extent, len, crcs.get(),
+                                                host_copy);
+                       },
                        std::move(done)});
 }
 
 void NvmeTier::write_from_device(std::string tensor, const unsigned char* device, uint64_t nbytes,
                                  uint64_t extent, uint64_t len, std::shared_ptr<Checksums> crcs,
                                  Done done, std::shared_ptr<Completion> gate) {
+  (void)tensor;
   to_disk_->push(Job{[=, this] {
                        if (gate) STRATA_RETURN_IF_ERROR(gate->wait(-1));
-                       return run_write_from_device(tensor, device, nbytes, extent, len,
-                                                    crcs.get());
+                       return run_staged_write(device, nbytes, extent, len, crcs.get(),
+                                               [this](void* d, const void* s, uint64_t n) {
+                                                 return copy_sync(CopyDirection::kDeviceToHost, d,
+                                                                  s, n);
+                                               });
                      },
                      std::move(done)});
 }
@@ -417,9 +432,14 @@ void NvmeTier::write_from_device(std::string tensor, const unsigned char* device
 void NvmeTier::read_to_device(std::string tensor, unsigned char* device, uint64_t nbytes,
                               uint64_t extent, uint64_t len, std::shared_ptr<const Checksums> crcs,
                               Done done) {
-  from_disk_->push(
-      Job{[=, this] { return run_read_to_device(tensor, device, nbytes, extent, len, crcs.get()); },
-          std::move(done)});
+  from_disk_->push(Job{[=, this] {
+                         return run_staged_read(tensor, device, nbytes, extent, len, crcs.get(),
+                                                [this](void* d, const void* s, uint64_t n) {
+                                                  return copy_sync(CopyDirection::kHostToDevice, d,
+                                                                   s, n);
+                                                });
+                       },
+                       std::move(done)});
 }
 
 Status NvmeTier::read_range(const std::string& tensor, uint64_t extent, uint64_t len,

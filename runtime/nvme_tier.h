@@ -36,6 +36,9 @@ struct NvmeOptions {
   uint64_t block_size = 1 << 20;  // I/O size and stripe unit; a 4 KiB multiple
   unsigned queue_depth = 32;
   bool checksums = false;
+  // DRAM <-> NVMe straight between the DRAM arena and disk (zero copy) instead of through the
+  // pinned staging slots. See docs/architecture.md for why staging is the default.
+  bool direct_dram = false;
   IoFaultHook fault_hook;  // tests only
 };
 
@@ -114,14 +117,20 @@ class NvmeTier {
   Status verify(const std::string& tensor, const Piece& p, const unsigned char* data,
                 const Checksums* crcs) const;
 
-  Status run_write_from_host(const std::string& tensor, const unsigned char* src, uint64_t extent,
-                             uint64_t len, Checksums* crcs);
-  Status run_read_to_host(const std::string& tensor, unsigned char* dst, uint64_t extent,
-                          uint64_t len, const Checksums* crcs);
-  Status run_write_from_device(const std::string& tensor, const unsigned char* device,
-                               uint64_t nbytes, uint64_t extent, uint64_t len, Checksums* crcs);
-  Status run_read_to_device(const std::string& tensor, unsigned char* device, uint64_t nbytes,
-                            uint64_t extent, uint64_t len, const Checksums* crcs);
+  // Copies between a staging slot and the transfer's other end (device or host memory).
+  using CopyFn = std::function<Status(void* dst, const void* src, uint64_t bytes)>;
+  static Status host_copy(void* dst, const void* src, uint64_t bytes);
+
+  // Direct: O_DIRECT straight between host memory and disk, all pieces queued at once.
+  Status run_direct_write(const unsigned char* src, uint64_t extent, uint64_t len, Checksums* crcs);
+  Status run_direct_read(const std::string& tensor, unsigned char* dst, uint64_t extent,
+                         uint64_t len, const Checksums* crcs);
+  // Staged: through the pinned slots; piece i crosses `copy` while pieces i+1.. are on disk.
+  Status run_staged_write(const unsigned char* src, uint64_t nbytes, uint64_t extent, uint64_t len,
+                          Checksums* crcs, const CopyFn& copy_in);
+  Status run_staged_read(const std::string& tensor, unsigned char* dst, uint64_t nbytes,
+                         uint64_t extent, uint64_t len, const Checksums* crcs,
+                         const CopyFn& copy_out);
 
   NvmeOptions options_;
   std::shared_ptr<DeviceBackend> device_;

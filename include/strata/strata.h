@@ -310,9 +310,16 @@ typedef struct strata_runtime_config {
   /* 1: a CRC-32C of every piece written to NVMe, checked on every read
    * (STRATA_ERROR_DATA_CORRUPTION on a mismatch). 0: none. */
   int32_t nvme_checksums;
+  /* 0 (default): DRAM <-> NVMe transfers go through the pinned staging slots, a copy on the
+   * host, pipelined with the disk. 1: O_DIRECT straight into and out of the DRAM arena, no
+   * copy. Staging is the default because on the virtualized GPU servers we measured, direct
+   * reads into a large arena ran at ~57% of fio while staged ones ran at ~96%
+   * (docs/benchmarks.md); on bare-metal NVMe, direct may be faster: measure with
+   * strata-bench io --dram-direct. */
+  int32_t io_dram_direct;
 } strata_runtime_config_t;
 #define STRATA_RUNTIME_CONFIG_STRUCT_SIZE \
-  STRATA_STRUCT_SIZE(strata_runtime_config_t, nvme_checksums)
+  STRATA_STRUCT_SIZE(strata_runtime_config_t, io_dram_direct)
 
 /* Fill *config with defaults (AUTO backend, ordinal 0, default budgets) and set its
  * struct_size to STRATA_RUNTIME_CONFIG_STRUCT_SIZE. config: borrowed.

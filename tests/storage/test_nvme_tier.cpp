@@ -32,7 +32,8 @@ struct Fixture {
   std::shared_ptr<IoFaultHook> fault = std::make_shared<IoFaultHook>();
 
   Fixture(IoEngineKind engine, int path_count = 1, uint64_t block = 256 * 1024,
-          uint64_t nvme = 64 * kMiB, uint64_t dram = 64 * kMiB, uint64_t hbm = 64 * kMiB) {
+          uint64_t nvme = 64 * kMiB, uint64_t dram = 64 * kMiB, uint64_t hbm = 64 * kMiB,
+          bool direct_dram = false) {
     RuntimeOptions o;
     o.device.kind = DeviceKind::kHost;
     o.budgets = {hbm, dram, nvme};
@@ -42,6 +43,7 @@ struct Fixture {
     o.nvme.block_size = block;
     o.nvme.queue_depth = 4;
     o.nvme.checksums = true;
+    o.nvme.direct_dram = direct_dram;
     auto hook = fault;
     o.nvme.fault_hook = [hook](IoOp op, int file, uint64_t offset, uint64_t len, int64_t result) {
       return *hook ? (*hook)(op, file, offset, len, result) : result;
@@ -103,6 +105,20 @@ void flip_bit(const std::string& path, uint64_t byte, int bit) {
   close(fd);
 }
 
+// Every fault case runs on both engines and both DRAM paths (staged and direct).
+struct Variant {
+  IoEngineKind engine;
+  bool direct;
+};
+const Variant kVariants[] = {{IoEngineKind::kUring, false},
+                             {IoEngineKind::kUring, true},
+                             {IoEngineKind::kPosix, false},
+                             {IoEngineKind::kPosix, true}};
+
+Fixture make(const Variant& v) {
+  return Fixture(v.engine, 1, 256 * 1024, 64 * kMiB, 64 * kMiB, 64 * kMiB, v.direct);
+}
+
 }  // namespace
 
 TEST_CASE("crc32c matches the standard check value", "[nvme][crc]") {
@@ -117,8 +133,9 @@ TEST_CASE("crc32c matches the standard check value", "[nvme][crc]") {
 }
 
 TEST_CASE("short reads and writes are resumed to completion", "[nvme]") {
-  for (IoEngineKind engine : {IoEngineKind::kUring, IoEngineKind::kPosix}) {
-    Fixture f(engine);
+  for (const Variant& v : kVariants) {
+    INFO("engine " << static_cast<int>(v.engine) << " direct " << v.direct);
+    Fixture f = make(v);
     std::atomic<int> shortened{0};
     // Every transfer longer than 8 KiB stops after half its length (kept 4 KiB aligned).
     *f.fault = [&](IoOp, int, uint64_t, uint64_t len, int64_t result) -> int64_t {
@@ -140,8 +157,9 @@ TEST_CASE("short reads and writes are resumed to completion", "[nvme]") {
 }
 
 TEST_CASE("EIO on read fails the move with path and errno and keeps the NVMe copy", "[nvme]") {
-  for (IoEngineKind engine : {IoEngineKind::kUring, IoEngineKind::kPosix}) {
-    Fixture f(engine);
+  for (const Variant& v : kVariants) {
+    INFO("engine " << static_cast<int>(v.engine) << " direct " << v.direct);
+    Fixture f = make(v);
     const auto data = random_bytes(2 * kMiB + 3, 3);
     const TensorId t = f.tensor("eio", data.size(), Tier::kDram, &data);
     REQUIRE(f.move(t, Tier::kNvme).is_ok());
@@ -167,8 +185,9 @@ TEST_CASE("EIO on read fails the move with path and errno and keeps the NVMe cop
 }
 
 TEST_CASE("ENOSPC on write fails the move and never releases the source", "[nvme]") {
-  for (IoEngineKind engine : {IoEngineKind::kUring, IoEngineKind::kPosix}) {
-    Fixture f(engine);
+  for (const Variant& v : kVariants) {
+    INFO("engine " << static_cast<int>(v.engine) << " direct " << v.direct);
+    Fixture f = make(v);
     const auto data = random_bytes(2 * kMiB + 999, 4);
     const TensorId from_dram = f.tensor("from_dram", data.size(), Tier::kDram, &data);
     const TensorId from_hbm = f.tensor("from_hbm", data.size(), Tier::kHbm, &data);
@@ -190,8 +209,9 @@ TEST_CASE("ENOSPC on write fails the move and never releases the source", "[nvme
 }
 
 TEST_CASE("a bit flipped on disk is detected every time, naming tensor and offset", "[nvme]") {
-  for (IoEngineKind engine : {IoEngineKind::kUring, IoEngineKind::kPosix}) {
-    Fixture f(engine);
+  for (const Variant& v : kVariants) {
+    INFO("engine " << static_cast<int>(v.engine) << " direct " << v.direct);
+    Fixture f = make(v);
     const uint64_t size = 1 * kMiB + 4097;
     const auto data = random_bytes(size, 5);
     const TensorId t = f.tensor("flip", size, Tier::kDram, &data);
