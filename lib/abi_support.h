@@ -9,6 +9,8 @@
 #include <new>
 #include <string>
 
+#include "runtime/executor.h"
+#include "runtime/planner.h"
 #include "runtime/runtime.h"
 #include "strata/strata.h"
 
@@ -18,6 +20,21 @@ struct strata_runtime {
 
 struct strata_event {
   std::shared_ptr<strata::Completion> completion;
+};
+
+struct strata_graph {
+  std::shared_ptr<strata::Runtime> runtime;
+  strata::LayerGraph graph;
+};
+
+struct strata_plan {
+  std::shared_ptr<strata::Runtime> runtime;
+  strata::Plan plan;
+};
+
+struct strata_executor {
+  std::unique_ptr<strata::Executor> impl;
+  strata::LayerViews views;  // what the last acquire handed out (valid until its release)
 };
 
 namespace strata::abi {

@@ -76,4 +76,17 @@ class Completion {
   std::shared_ptr<DeviceFence> fence_;
 };
 
+// A fence over a Completion: for work that finishes on a host thread (an NVMe transfer), so
+// streams can only be made to wait by blocking the calling thread.
+class CompletionFence final : public DeviceFence {
+ public:
+  explicit CompletionFence(std::shared_ptr<Completion> completion)
+      : completion_(std::move(completion)) {}
+  Status enqueue_wait(void* /*stream*/) override { return completion_->wait(-1); }
+  Status host_wait() override { return completion_->wait(-1); }
+
+ private:
+  std::shared_ptr<Completion> completion_;
+};
+
 }  // namespace strata

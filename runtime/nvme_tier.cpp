@@ -431,8 +431,10 @@ void NvmeTier::write_from_device(std::string tensor, const unsigned char* device
 
 void NvmeTier::read_to_device(std::string tensor, unsigned char* device, uint64_t nbytes,
                               uint64_t extent, uint64_t len, std::shared_ptr<const Checksums> crcs,
-                              Done done) {
+                              Done done, std::vector<std::shared_ptr<DeviceFence>> wait_for) {
   from_disk_->push(Job{[=, this] {
+                         for (const auto& fence : wait_for)
+                           STRATA_RETURN_IF_ERROR(fence->host_wait());
                          return run_staged_read(tensor, device, nbytes, extent, len, crcs.get(),
                                                 [this](void* d, const void* s, uint64_t n) {
                                                   return copy_sync(CopyDirection::kHostToDevice, d,

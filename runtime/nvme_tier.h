@@ -78,8 +78,11 @@ class NvmeTier {
   void write_from_device(std::string tensor, const unsigned char* device, uint64_t nbytes,
                          uint64_t extent, uint64_t len, std::shared_ptr<Checksums> crcs, Done done,
                          std::shared_ptr<Completion> gate = nullptr);
+  // `wait_for`: fences the transfer waits for on its worker thread before touching `device`
+  // (the executor's slot must be free).
   void read_to_device(std::string tensor, unsigned char* device, uint64_t nbytes, uint64_t extent,
-                      uint64_t len, std::shared_ptr<const Checksums> crcs, Done done);
+                      uint64_t len, std::shared_ptr<const Checksums> crcs, Done done,
+                      std::vector<std::shared_ptr<DeviceFence>> wait_for = {});
 
   // Synchronous byte-range access for strata_tensor_read/write of an NVMe-resident tensor:
   // whole pieces are read (and checked), patched and written back (with a fresh checksum).

@@ -1,5 +1,7 @@
 #include "runtime/runtime.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "backends/topology/gpu_numa_node.h"
@@ -92,6 +94,13 @@ uint64_t Runtime::tier_budget(Tier tier) const {
   return a != nullptr ? a->capacity() : 0;
 }
 
+std::string Runtime::busy_reason(const TensorRecord& t) {
+  if (t.migrating) return "a move of it is in flight";
+  if (t.export_count > 0) return "DLPack exports of it are alive";
+  if (t.executor_pins > 0) return "an executor is streaming it (destroy the executor first)";
+  return "a read or write of it is running";
+}
+
 Status Runtime::check_tier(Tier tier) const {
   if (!valid_tier(static_cast<int32_t>(tier))) {
     return error(Code::kInvalidArgument, "unknown tier ", static_cast<int32_t>(tier));
@@ -159,10 +168,7 @@ Status Runtime::unregister(TensorId id) {
   TensorRecord* t = nullptr;
   STRATA_RETURN_IF_ERROR(lookup(id, &t));
   if (t->pinned_in_place()) {
-    return error(Code::kBusy, "cannot unregister tensor '", t->spec.name, "': ",
-                 t->migrating          ? "a move of it is in flight"
-                 : t->export_count > 0 ? "DLPack exports of it are alive"
-                                       : "a read or write of it is running");
+    return error(Code::kBusy, "cannot unregister tensor '", t->spec.name, "': ", busy_reason(*t));
   }
   STRATA_RETURN_IF_ERROR(arena(t->tier)->free(t->offset));
   --tensors_in_tier_[static_cast<int>(t->tier)];
@@ -236,10 +242,7 @@ Status Runtime::move(TensorId id, Tier dst, void* stream, std::shared_ptr<Comple
   TensorRecord* t = nullptr;
   STRATA_RETURN_IF_ERROR(lookup(id, &t));
   if (t->pinned_in_place()) {
-    return error(Code::kBusy, "cannot move tensor '", t->spec.name, "': ",
-                 t->migrating          ? "a move of it is already in flight"
-                 : t->export_count > 0 ? "DLPack exports of it are alive"
-                                       : "a read or write of it is running");
+    return error(Code::kBusy, "cannot move tensor '", t->spec.name, "': ", busy_reason(*t));
   }
   if (t->tier == dst) {
     *completion = Completion::finished(Status::ok());
@@ -443,6 +446,125 @@ void Runtime::reset_link_counters() {
 void Runtime::synchronize() {
   std::unique_lock lock(mutex_);
   idle_cv_.wait(lock, [&] { return in_flight_ == 0; });
+}
+
+}  // namespace strata
+
+namespace strata {
+
+Status Runtime::pin_in_place(TensorId id, const char* holder) {
+  std::lock_guard lock(mutex_);
+  TensorRecord* t = nullptr;
+  STRATA_RETURN_IF_ERROR(lookup(id, &t));
+  if (t->migrating) {
+    return error(Code::kBusy, holder, ": tensor '", t->spec.name,
+                 "' is moving; wait for its move to finish");
+  }
+  ++t->executor_pins;
+  return Status::ok();
+}
+
+void Runtime::unpin(TensorId id) {
+  std::lock_guard lock(mutex_);
+  if (TensorRecord* t = registry_.find(id)) --t->executor_pins;
+}
+
+Status Runtime::reserve_hbm(uint64_t bytes, const std::string& what, uint64_t* offset) {
+  std::lock_guard lock(mutex_);
+  return arena(Tier::kHbm)->allocate(bytes, what, offset);
+}
+
+void Runtime::release_hbm(uint64_t offset) {
+  std::lock_guard lock(mutex_);
+  (void)arena(Tier::kHbm)->free(offset);
+}
+
+namespace {
+// Runs `n` copies of `bytes` in `direction` and returns the best device-timed rate.
+Status time_copies(DeviceBackend& backend, CopyDirection direction, void* dst, const void* src,
+                   uint64_t bytes, int n, double* rate) {
+  double best = 0;
+  for (int i = 0; i < n; ++i) {
+    auto done = std::make_shared<Completion>();
+    uint64_t busy = 0;
+    CopyRequest r;
+    r.direction = direction;
+    r.dst = dst;
+    r.src = src;
+    r.bytes = bytes;
+    r.on_complete = [done, &busy](CopyResult result) {
+      busy = result.busy_ns;
+      done->complete(std::move(result.status));
+    };
+    STRATA_RETURN_IF_ERROR(backend.submit_copy(std::move(r), nullptr));
+    STRATA_RETURN_IF_ERROR(done->wait(-1));
+    if (i > 0 && busy > 0)
+      best = std::max(best, static_cast<double>(bytes) * 1e9 / static_cast<double>(busy));
+  }
+  *rate = best;
+  return Status::ok();
+}
+}  // namespace
+
+Status Runtime::measure_links(double* h2d, double* d2h) {
+  uint64_t hbm_offset = 0, dram_offset = 0, bytes = 64ull << 20;
+  {
+    std::lock_guard lock(mutex_);
+    bytes = std::min(
+        {bytes, arena(Tier::kHbm)->largest_free() / 2, arena(Tier::kDram)->largest_free() / 2});
+    bytes = bytes / NvmeTier::kAlignment * NvmeTier::kAlignment;
+    if (bytes < NvmeTier::kAlignment) {
+      return error(Code::kOutOfMemory,
+                   "no free HBM or DRAM to measure the links with; give the "
+                   "link speeds in the plan config instead");
+    }
+    STRATA_RETURN_IF_ERROR(arena(Tier::kHbm)->allocate(bytes, "link measurement", &hbm_offset));
+    Status s = arena(Tier::kDram)->allocate(bytes, "link measurement", &dram_offset);
+    if (!s.is_ok()) {
+      (void)arena(Tier::kHbm)->free(hbm_offset);
+      return s;
+    }
+  }
+  unsigned char* device = tier_base(Tier::kHbm) + hbm_offset;
+  unsigned char* host = tier_base(Tier::kDram) + dram_offset;
+  Status s = time_copies(*backend_, CopyDirection::kHostToDevice, device, host, bytes, 4, h2d);
+  if (s.is_ok())
+    s = time_copies(*backend_, CopyDirection::kDeviceToHost, host, device, bytes, 4, d2h);
+  std::lock_guard lock(mutex_);
+  (void)arena(Tier::kHbm)->free(hbm_offset);
+  (void)arena(Tier::kDram)->free(dram_offset);
+  return s;
+}
+
+Status Runtime::measure_nvme_read(double* rate) {
+  if (!nvme_) return error(Code::kUnsupported, "no nvme tier");
+  uint64_t extent = 0, dram_offset = 0, bytes = 256ull << 20;
+  {
+    std::lock_guard lock(mutex_);
+    bytes = std::min({bytes, nvme_->extents().largest_free(), arena(Tier::kDram)->largest_free()});
+    bytes = bytes / NvmeTier::kAlignment * NvmeTier::kAlignment;
+    if (bytes < NvmeTier::kAlignment) {
+      return error(Code::kOutOfMemory, "no free NVMe or DRAM space to measure NVMe reads with");
+    }
+    STRATA_RETURN_IF_ERROR(nvme_->extents().allocate(bytes, "nvme measurement", &extent));
+    Status s = arena(Tier::kDram)->allocate(bytes, "nvme measurement", &dram_offset);
+    if (!s.is_ok()) {
+      (void)nvme_->extents().free(extent);
+      return s;
+    }
+  }
+  auto done = std::make_shared<Completion>();
+  const auto start = std::chrono::steady_clock::now();
+  nvme_->read_to_host("(nvme measurement)", tier_base(Tier::kDram) + dram_offset, extent, bytes,
+                      nullptr, [done](Status st) { done->complete(std::move(st)); });
+  Status s = done->wait(-1);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  *rate = seconds > 0 ? static_cast<double>(bytes) / seconds : 0;
+  std::lock_guard lock(mutex_);
+  (void)nvme_->extents().free(extent);
+  (void)arena(Tier::kDram)->free(dram_offset);
+  return s;
 }
 
 }  // namespace strata

@@ -94,10 +94,26 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void reset_link_counters();
   void synchronize();
 
+  // --- for the executor and planner ---
+  const std::shared_ptr<DeviceBackend>& backend() const { return backend_; }
+  NvmeTier* nvme_tier() { return nvme_.get(); }
+  unsigned char* tier_base(Tier tier) const { return regions_[static_cast<int>(tier)]->base(); }
+  // Keeps a tensor where it is (moves and unregistration answer kBusy) while an executor
+  // streams it; writes are still allowed (the optimizer updates masters in place).
+  Status pin_in_place(TensorId id, const char* holder);
+  void unpin(TensorId id);
+  // A block of the HBM arena for the executor's slots, and its release.
+  Status reserve_hbm(uint64_t bytes, const std::string& what, uint64_t* offset);
+  void release_hbm(uint64_t offset);
+  // Measures H2D and D2H with 64 MiB copies (or less, as the arenas allow), device-timed.
+  Status measure_links(double* h2d_bytes_per_second, double* d2h_bytes_per_second);
+  Status measure_nvme_read(double* bytes_per_second);
+
  private:
   explicit Runtime(std::shared_ptr<DeviceBackend> backend) : backend_(std::move(backend)) {}
 
   Arena* arena(Tier tier) const;
+  static std::string busy_reason(const TensorRecord& t);
   Status check_tier(Tier tier) const;
   Status lookup(TensorId id, TensorRecord** out);  // under mutex_
   unsigned char* address(const TensorRecord& t) const;

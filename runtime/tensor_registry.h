@@ -38,8 +38,12 @@ struct TensorRecord {
   // Checksums of the NVMe copy, while the tensor lives on NVMe with checksums on.
   std::shared_ptr<Checksums> nvme_crcs;
 
+  int executor_pins = 0;  // executors streaming it
+
   // A tensor that may not change place: moving or unregistering it must wait.
-  bool pinned_in_place() const { return migrating || export_count > 0 || io_count > 0; }
+  bool pinned_in_place() const {
+    return migrating || export_count > 0 || io_count > 0 || executor_pins > 0;
+  }
 };
 
 // Checks a spec and computes its byte size: name length, shape, overflow.

@@ -93,6 +93,10 @@ class CudaFence final : public DeviceFence {
                        "cudaStreamWaitEvent");
     return Status::ok();
   }
+  Status host_wait() override {
+    STRATA_CUDA_RETURN(cudaEventSynchronize(event_.get()), "cudaEventSynchronize");
+    return Status::ok();
+  }
 
  private:
   int device_;
@@ -129,10 +133,16 @@ class CudaCopyQueue {
           "cudaEventRecord on the caller's stream");
       STRATA_CUDA_RETURN(cudaStreamWaitEvent(stream_, after.get(), 0), "cudaStreamWaitEvent");
     }
+    for (const auto& wait : request.wait_for) STRATA_RETURN_IF_ERROR(wait->enqueue_wait(stream_));
     STRATA_CUDA_RETURN(cudaEventRecord(start.get(), stream_), "cudaEventRecord");
-    STRATA_CUDA_RETURN(
-        cudaMemcpyAsync(request.dst, request.src, request.bytes, cudaMemcpyDefault, stream_),
-        "cudaMemcpyAsync");
+    if (request.src == nullptr) {
+      STRATA_CUDA_RETURN(cudaMemsetAsync(request.dst, 0, request.bytes, stream_),
+                         "cudaMemsetAsync");
+    } else {
+      STRATA_CUDA_RETURN(
+          cudaMemcpyAsync(request.dst, request.src, request.bytes, cudaMemcpyDefault, stream_),
+          "cudaMemcpyAsync");
+    }
     STRATA_CUDA_RETURN(cudaEventRecord(end.get(), stream_), "cudaEventRecord");
     if (fence != nullptr) *fence = std::make_shared<CudaFence>(device_, end);
     pending_.push_back(Pending{std::move(request), std::move(start), std::move(end)});
@@ -185,7 +195,7 @@ class CudaCopyQueue {
           result.busy_ns = static_cast<uint64_t>(static_cast<double>(ms) * 1e6);
         }
       }
-      job.request.on_complete(std::move(result));
+      if (job.request.on_complete) job.request.on_complete(std::move(result));
     }
   }
 
@@ -264,6 +274,16 @@ class CudaBackend final : public DeviceBackend {
     STRATA_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, sync_stream_),
                        "cudaMemcpyAsync");
     STRATA_CUDA_RETURN(cudaStreamSynchronize(sync_stream_), "cudaStreamSynchronize");
+    return Status::ok();
+  }
+
+  Status record_fence(void* stream, std::shared_ptr<DeviceFence>* out) override {
+    DeviceGuard guard(device_);
+    EventRef event;
+    STRATA_RETURN_IF_ERROR(pool_->acquire(&event));
+    STRATA_CUDA_RETURN(cudaEventRecord(event.get(), static_cast<cudaStream_t>(stream)),
+                       "cudaEventRecord on the caller's stream");
+    *out = std::make_shared<CudaFence>(device_, std::move(event));
     return Status::ok();
   }
 

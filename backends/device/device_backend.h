@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "runtime/status.h"
 
@@ -35,6 +36,8 @@ class DeviceFence {
   // Make `stream` (a cudaStream_t on cuda) wait for the copy without blocking the caller.
   // The host backend has no streams, so there it blocks the calling thread until the copy ends.
   virtual Status enqueue_wait(void* stream) = 0;
+  // Block the calling thread until the fenced work is done.
+  virtual Status host_wait() = 0;
 };
 
 struct CopyResult {
@@ -49,10 +52,14 @@ using CopyCallback = std::function<void(CopyResult)>;
 struct CopyRequest {
   CopyDirection direction = CopyDirection::kHostToDevice;
   void* dst = nullptr;
+  // Null: fill `bytes` of dst with zeros instead of copying.
   const void* src = nullptr;
   uint64_t bytes = 0;
   // The copy starts only after all work already submitted to this stream (cuda). May be null.
   void* after_stream = nullptr;
+  // ... and after each of these fences (work on other queues or streams, recorded earlier).
+  std::vector<std::shared_ptr<DeviceFence>> wait_for;
+  // May be empty: then nothing is reported (the fence still tells when it is done).
   CopyCallback on_complete;
 };
 
@@ -76,6 +83,10 @@ class DeviceBackend {
 
   // Synchronous copy between any host memory and device or pinned memory (either direction).
   virtual Status copy_sync(void* dst, const void* src, uint64_t bytes) = 0;
+
+  // A fence for all work submitted to `stream` so far (cuda: an event recorded on it). On the
+  // host backend, where the caller's work is done when it calls, the fence is already done.
+  virtual Status record_fence(void* stream, std::shared_ptr<DeviceFence>* out) = 0;
 
   // Stop accepting copies, wait for the running ones, cancel what never started (its callbacks
   // run with kCancelled). Returns how many were cancelled. Idempotent.

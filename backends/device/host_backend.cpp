@@ -43,7 +43,8 @@ struct HostCopyState {
 class HostFence final : public DeviceFence {
  public:
   explicit HostFence(std::shared_ptr<HostCopyState> state) : state_(std::move(state)) {}
-  Status enqueue_wait(void* /*stream*/) override {
+  Status enqueue_wait(void* /*stream*/) override { return host_wait(); }
+  Status host_wait() override {
     state_->wait();
     return Status::ok();
   }
@@ -107,10 +108,13 @@ class CopyQueue {
         job = std::move(jobs_.front());
         jobs_.pop_front();
       }
+      for (const auto& fence : job.request.wait_for) (void)fence->host_wait();
       const auto start = Clock::now();
       copy_throttled(job.request, start);
       const auto busy = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start);
-      job.request.on_complete(CopyResult{Status::ok(), static_cast<uint64_t>(busy.count())});
+      if (job.request.on_complete) {
+        job.request.on_complete(CopyResult{Status::ok(), static_cast<uint64_t>(busy.count())});
+      }
       job.state->mark_done();
     }
   }
@@ -120,7 +124,11 @@ class CopyQueue {
     const auto* src = static_cast<const unsigned char*>(request.src);
     for (uint64_t done = 0; done < request.bytes;) {
       const uint64_t n = std::min(kSliceBytes, request.bytes - done);
-      std::memcpy(dst + done, src + done, n);
+      if (src != nullptr) {
+        std::memcpy(dst + done, src + done, n);
+      } else {
+        std::memset(dst + done, 0, n);
+      }
       done += n;
       if (bytes_per_second_ > 0) {
         const auto due =
@@ -170,6 +178,13 @@ class HostBackend final : public DeviceBackend {
 
   Status copy_sync(void* dst, const void* src, uint64_t bytes) override {
     std::memcpy(dst, src, bytes);
+    return Status::ok();
+  }
+
+  Status record_fence(void* /*stream*/, std::shared_ptr<DeviceFence>* out) override {
+    auto state = std::make_shared<HostCopyState>();
+    state->mark_done();
+    *out = std::make_shared<HostFence>(std::move(state));
     return Status::ok();
   }
 

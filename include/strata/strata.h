@@ -574,6 +574,226 @@ STRATA_API strata_status_t strata_event_stream_wait(strata_event_t* event, void*
  * outlive its runtime. Not thread-safe with respect to other calls on the same event. */
 STRATA_API strata_status_t strata_event_destroy(strata_event_t* event);
 
+/* ---------------------------------------------------------------------------------------------
+ * Layer graph, plan, executor: streaming a model through HBM
+ *
+ * A framework declares its layers (forward order) and their tensors by role, plans, then runs
+ * each step as:
+ *   strata_step_begin
+ *   for layer in 0..L-1:  strata_layer_acquire(FORWARD)  -> views; compute; strata_layer_release
+ *   for layer in L-1..0:  strata_layer_acquire(BACKWARD) -> views; compute; strata_layer_release
+ *   strata_step_end
+ * Micro-batches are layer-major: run all of a step's micro-batches between one acquire and its
+ * release, so weights cross PCIe once per step; grad buffers start at zero and accumulate.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct strata_graph strata_graph_t;
+typedef struct strata_plan strata_plan_t;
+typedef struct strata_executor strata_executor_t;
+
+typedef int32_t strata_phase_t;
+#define STRATA_PHASE_FORWARD 0
+#define STRATA_PHASE_BACKWARD 1
+
+typedef int32_t strata_view_role_t;
+#define STRATA_VIEW_WEIGHT 0
+#define STRATA_VIEW_GRAD 1
+#define STRATA_VIEW_ACTIVATION 2
+
+typedef int32_t strata_plan_format_t;
+#define STRATA_PLAN_FORMAT_JSON 0
+#define STRATA_PLAN_FORMAT_TEXT 1
+
+/* Create an empty graph over `runtime`'s tensors. out_graph: owned by the caller, released with
+ * strata_graph_destroy(); it keeps the runtime's core alive but must be destroyed before the
+ * runtime handle is. Errors: INVALID_ARGUMENT (NULL). Thread-safe. */
+STRATA_API strata_status_t strata_graph_create(strata_runtime_t* runtime,
+                                               strata_graph_t** out_graph);
+
+/* Destroy a graph; NULL is accepted. Plans made from it are independent of it. */
+STRATA_API strata_status_t strata_graph_destroy(strata_graph_t* graph);
+
+typedef struct strata_layer_desc {
+  size_t struct_size; /* STRATA_LAYER_DESC_STRUCT_SIZE */
+  const char* name;   /* borrowed (copied); NULL = "layer.N" */
+  /* Tensor handle arrays, borrowed (copied during the call). Weights (required, in DRAM or all
+   * on NVMe) are streamed into HBM for both passes; grads (in DRAM) are HBM buffers the
+   * backward pass fills, sent to the grad tensors afterwards; activation checkpoints (in DRAM)
+   * are HBM buffers the forward pass fills, parked in the tensors and brought back for the
+   * backward pass; optimizer state is declared for placement only. A tensor may appear once
+   * in the whole graph. */
+  strata_tensor_t* const* weights;
+  uint32_t weight_count;
+  strata_tensor_t* const* grads;
+  uint32_t grad_count;
+  strata_tensor_t* const* activations;
+  uint32_t activation_count;
+  strata_tensor_t* const* optimizer_state;
+  uint32_t optimizer_state_count;
+  /* Work per micro-batch, for the planner's prediction (0 = unknown). */
+  double forward_flops;
+  double backward_flops;
+} strata_layer_desc_t;
+#define STRATA_LAYER_DESC_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_layer_desc_t, backward_flops)
+
+/* Append a layer (layers are declared in forward order). out_index: receives its index; may
+ * be NULL. Errors: INVALID_ARGUMENT (NULL, bad struct_size, no weights, a NULL array with a
+ * nonzero count), NOT_FOUND (a stale tensor handle). Not thread-safe for one graph. */
+STRATA_API strata_status_t strata_graph_add_layer(strata_graph_t* graph,
+                                                  const strata_layer_desc_t* desc,
+                                                  uint32_t* out_index);
+
+/* Declare a tensor that stays in HBM for the whole step (embedding, final norm, head). The
+ * executor moves it to HBM if it is elsewhere. Errors: INVALID_ARGUMENT (NULL), NOT_FOUND.
+ * Not thread-safe for one graph. */
+STRATA_API strata_status_t strata_graph_add_resident(strata_graph_t* graph,
+                                                     strata_tensor_t* tensor);
+
+typedef struct strata_plan_config {
+  size_t struct_size;     /* STRATA_PLAN_CONFIG_STRUCT_SIZE */
+  uint32_t micro_batches; /* per step, run layer-major; 0 = 1 */
+  /* HBM for streaming slots; 0 = all the HBM arena has left after the resident tensors. */
+  uint64_t hbm_slot_budget_bytes;
+  /* Link speeds in bytes/s for the prediction; 0 = measure them now (a few 64 MiB copies). */
+  double h2d_bytes_per_second;
+  double d2h_bytes_per_second;
+  /* Achieved device FLOP/s for the prediction; 0 = compute unknown (predicted as free). */
+  double device_flops_per_second;
+  uint32_t max_prefetch_depth; /* 0 = as deep as the slots allow */
+  uint64_t chunk_bytes;        /* transfer chunk, >= 4 MiB; 0 = 16 MiB */
+} strata_plan_config_t;
+#define STRATA_PLAN_CONFIG_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_plan_config_t, chunk_bytes)
+
+/* Defaults, and struct_size set. Errors: INVALID_ARGUMENT (NULL). Thread-safe. */
+STRATA_API strata_status_t strata_plan_config_init(strata_plan_config_t* config);
+
+/* Plan the graph: slot size and count (at least two, one per layer at most), prefetch depth
+ * per pass, each layer's layout in a slot, where each tensor lives, and a predicted step time
+ * with its bottleneck (h2d, d2h, nvme or compute) from a simulation of the executor's
+ * schedule. config: borrowed; NULL = defaults. out_plan: owned by the caller.
+ * Errors: INVALID_ARGUMENT (NULL, empty graph, bad config, a tensor declared twice or in the
+ * wrong tier), NOT_FOUND, OUT_OF_MEMORY (the budgets cannot work: the message says what does
+ * not fit and by how much). Thread-safe with respect to other graphs. */
+STRATA_API strata_status_t strata_plan_create(strata_graph_t* graph,
+                                              const strata_plan_config_t* config,
+                                              strata_plan_t** out_plan);
+
+/* Destroy a plan; NULL is accepted. Executors made from it keep their own copy. */
+STRATA_API strata_status_t strata_plan_destroy(strata_plan_t* plan);
+
+typedef struct strata_plan_info {
+  size_t struct_size; /* caller sets STRATA_PLAN_INFO_STRUCT_SIZE */
+  uint32_t layers;
+  uint32_t micro_batches;
+  uint32_t slots;
+  uint32_t forward_prefetch_depth;
+  uint32_t backward_prefetch_depth;
+  int32_t all_layers_fit; /* 1: every layer has its own slot */
+  uint64_t slot_bytes;
+  uint64_t resident_bytes;
+  double h2d_bytes_per_second;
+  double d2h_bytes_per_second;
+  double predicted_step_seconds;
+  double predicted_h2d_seconds; /* busy time of each resource in one step */
+  double predicted_d2h_seconds;
+  double predicted_nvme_seconds;
+  double predicted_compute_seconds;
+  double predicted_gpu_wait_seconds; /* compute idle, waiting for data */
+  char bottleneck[16];               /* "h2d", "d2h", "nvme" or "compute" */
+} strata_plan_info_t;
+#define STRATA_PLAN_INFO_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_plan_info_t, bottleneck)
+
+/* The plan's numbers. Errors: INVALID_ARGUMENT (NULL, bad struct_size). Thread-safe. */
+STRATA_API strata_status_t strata_plan_get_info(strata_plan_t* plan, strata_plan_info_t* out);
+
+/* The whole plan as JSON or readable text, NUL-terminated into `buffer` (borrowed, `capacity`
+ * bytes). *out_length (may be NULL) receives the length without the NUL; call with buffer NULL
+ * to learn it. Errors: INVALID_ARGUMENT (NULL plan, unknown format, a buffer too small: the
+ * message gives the size needed). Thread-safe. */
+STRATA_API strata_status_t strata_plan_dump(strata_plan_t* plan, strata_plan_format_t format,
+                                            char* buffer, size_t capacity, size_t* out_length);
+
+/* Start executing `plan`: reserve its slots in HBM, move resident tensors to HBM, and pin
+ * every tensor of the graph in place (moving or unregistering them answers BUSY until the
+ * executor is destroyed; writing them stays allowed, which is how an optimizer updates
+ * weights between steps). out_executor: owned by the caller; destroy it before the runtime.
+ * Errors: INVALID_ARGUMENT (NULL), OUT_OF_MEMORY (the HBM the plan counted on is gone),
+ * INVALID_STATE (a tensor moved since planning), BUSY. Thread-safe. */
+STRATA_API strata_status_t strata_executor_create(strata_plan_t* plan,
+                                                  strata_executor_t** out_executor);
+
+/* Destroy an executor (NULL accepted): waits for its transfers, frees the slots, unpins the
+ * tensors. Not thread-safe with respect to other calls on the same executor. */
+STRATA_API strata_status_t strata_executor_destroy(strata_executor_t* executor);
+
+/* Begin a step: loads for the first layers start at once. Weights are reloaded each step
+ * (the optimizer may have changed them). Errors: INVALID_ARGUMENT (NULL), INVALID_STATE (a
+ * step is already running). Thread-safe. */
+STRATA_API strata_status_t strata_step_begin(strata_executor_t* executor);
+
+/* End a step: every layer must have been acquired and released in both passes. Blocks until
+ * the step's grads and checkpoints have landed in DRAM. Errors: INVALID_ARGUMENT,
+ * INVALID_STATE (layers still to run: the message names the next one), BACKEND, IO. */
+STRATA_API strata_status_t strata_step_end(strata_executor_t* executor);
+
+typedef struct strata_layer_views {
+  size_t struct_size; /* caller sets STRATA_LAYER_VIEWS_STRUCT_SIZE */
+  /* Device addresses in the layer's slot, in declared order, valid until the matching
+   * release: weights (both passes), grads (backward only, zeroed at the start of the backward
+   * pass; count 0 in forward), activation checkpoints (forward: buffers to fill; backward:
+   * restored). The arrays are owned by the executor. */
+  uint32_t weight_count;
+  void* const* weights;
+  uint32_t grad_count;
+  void* const* grads;
+  uint32_t activation_count;
+  void* const* activations;
+} strata_layer_views_t;
+#define STRATA_LAYER_VIEWS_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_layer_views_t, activations)
+
+#define STRATA_ACQUIRE_DEFAULT 0u
+/* Do not make the stream wait for the whole layer: call strata_layer_wait_tensor before using
+ * each tensor, so compute starts on the first tensor while the rest land. */
+#define STRATA_ACQUIRE_NO_WAIT 1u
+
+/* Acquire the next layer of the step. Makes `stream` wait (device-side; the calling thread
+ * does not block, except for weights homed on NVMe) until the layer's data is in HBM, fills
+ * *views, and lets loads further ahead start. Layers must come in step order.
+ * Errors: INVALID_ARGUMENT (NULL, a layer index the graph does not have, unknown phase or
+ * flags, bad struct_size), INVALID_STATE (outside a step, out of order, already acquired),
+ * BACKEND, IO, DATA_CORRUPTION (an NVMe-homed weight failed its checksum). Thread-safe. */
+STRATA_API strata_status_t strata_layer_acquire(strata_executor_t* executor, uint32_t layer,
+                                                strata_phase_t phase, void* stream, uint32_t flags,
+                                                strata_layer_views_t* views);
+
+/* With STRATA_ACQUIRE_NO_WAIT: make `stream` wait for one tensor of the acquired layer.
+ * Errors: INVALID_ARGUMENT (NULL, unknown role, index out of range), INVALID_STATE (not the
+ * acquired layer). Thread-safe. */
+STRATA_API strata_status_t strata_layer_wait_tensor(strata_executor_t* executor, uint32_t layer,
+                                                    strata_phase_t phase, strata_view_role_t role,
+                                                    uint32_t index, void* stream);
+
+/* Release the acquired layer once its work is queued on `stream`: the slot is refilled only
+ * after the stream gets past this point, and the layer's checkpoints (forward) or grads
+ * (backward) leave for DRAM after it. The calling thread does not block.
+ * Errors: INVALID_ARGUMENT (NULL, unknown layer or phase), INVALID_STATE (no matching acquire:
+ * double release, release without acquire, the wrong layer), BACKEND. Thread-safe. */
+STRATA_API strata_status_t strata_layer_release(strata_executor_t* executor, uint32_t layer,
+                                                strata_phase_t phase, void* stream);
+
+typedef struct strata_executor_stats {
+  size_t struct_size; /* caller sets STRATA_EXECUTOR_STATS_STRUCT_SIZE */
+  uint64_t steps;
+  uint64_t loads;        /* layer loads issued */
+  uint64_t reused_loads; /* loads skipped: the layer was still in its slot */
+  uint64_t bytes_in;     /* queued into HBM */
+  uint64_t bytes_out;    /* queued out of HBM */
+} strata_executor_stats_t;
+#define STRATA_EXECUTOR_STATS_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_executor_stats_t, bytes_out)
+
+/* Counters since the executor was created. Errors: INVALID_ARGUMENT. Thread-safe. */
+STRATA_API strata_status_t strata_executor_get_stats(strata_executor_t* executor,
+                                                     strata_executor_stats_t* out);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

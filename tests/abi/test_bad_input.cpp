@@ -398,7 +398,7 @@ TEST_CASE("a tensor in flight is busy for every conflicting call", "[abi]") {
   strata_tier_t tier = 0;
   DLManagedTensorVersioned* m = nullptr;
   STRATA_REQUIRE_ERROR(strata_tensor_move(rt.get(), t, STRATA_TIER_DRAM, nullptr, nullptr),
-                       STRATA_ERROR_BUSY, "already in flight");
+                       STRATA_ERROR_BUSY, "in flight");
   STRATA_REQUIRE_ERROR(strata_tensor_unregister(rt.get(), t), STRATA_ERROR_BUSY, "in flight");
   STRATA_REQUIRE_ERROR(strata_tensor_write(rt.get(), t, 0, buf, 4), STRATA_ERROR_BUSY, "'slow'");
   STRATA_REQUIRE_ERROR(strata_tensor_read(rt.get(), t, 0, buf, 4), STRATA_ERROR_BUSY, "'slow'");

@@ -1,0 +1,399 @@
+#include "runtime/executor.h"
+
+#include <algorithm>
+
+namespace strata {
+namespace {
+const char* phase_name(Phase p) {
+  return p == Phase::kForward ? "forward" : "backward";
+}
+}  // namespace
+
+Executor::Executor(std::shared_ptr<Runtime> runtime, Plan plan)
+    : runtime_(std::move(runtime)), backend_(runtime_->backend()), plan_(std::move(plan)) {}
+
+Status Executor::create(std::shared_ptr<Runtime> runtime, Plan plan,
+                        std::unique_ptr<Executor>* out) {
+  std::unique_ptr<Executor> e(new Executor(std::move(runtime), std::move(plan)));
+  Runtime& rt = *e->runtime_;
+  // Residents go to HBM (and stay: pinned like everything the executor touches).
+  for (TensorId id : e->plan_.residents) {
+    TensorRecord r;
+    STRATA_RETURN_IF_ERROR(rt.info(id, &r));
+    if (r.tier != Tier::kHbm) {
+      std::shared_ptr<Completion> moved;
+      STRATA_RETURN_IF_ERROR(rt.move(id, Tier::kHbm, nullptr, &moved));
+      STRATA_RETURN_IF_ERROR(moved->wait(-1));
+    }
+  }
+  auto pin = [&](TensorId id) -> Status {
+    STRATA_RETURN_IF_ERROR(rt.pin_in_place(id, "executor"));
+    e->pinned_.push_back(id);
+    return Status::ok();
+  };
+  for (TensorId id : e->plan_.residents) STRATA_RETURN_IF_ERROR(pin(id));
+  unsigned char* dram = rt.tier_base(Tier::kDram);
+  for (const LayerPlan& layer : e->plan_.layers) {
+    LayerHomes homes;
+    for (const SlotTensor& t : layer.weights) {
+      STRATA_RETURN_IF_ERROR(pin(t.id));
+      TensorRecord r;
+      STRATA_RETURN_IF_ERROR(rt.info(t.id, &r));
+      if (r.tier == Tier::kNvme) {
+        homes.nvme_weights.push_back(r);
+      } else if (r.tier == Tier::kDram) {
+        homes.weights.push_back(dram + r.offset);
+      } else {
+        return error(Code::kInvalidState, "weight '", r.spec.name, "' moved to ", tier_name(r.tier),
+                     " after planning; plan again");
+      }
+    }
+    if (layer.weights_as_span) homes.span = dram + layer.span_dram_offset;
+    for (const auto* list : {&layer.grads, &layer.activations}) {
+      for (const SlotTensor& t : *list) {
+        STRATA_RETURN_IF_ERROR(pin(t.id));
+        TensorRecord r;
+        STRATA_RETURN_IF_ERROR(rt.info(t.id, &r));
+        if (r.tier != Tier::kDram) {
+          return error(Code::kInvalidState, "tensor '", r.spec.name, "' moved to ",
+                       tier_name(r.tier), " after planning; plan again");
+        }
+        (list == &layer.grads ? homes.grads : homes.activations).push_back(dram + r.offset);
+      }
+    }
+    e->homes_.push_back(std::move(homes));
+  }
+  STRATA_RETURN_IF_ERROR(
+      rt.reserve_hbm(e->plan_.slot_bytes * e->plan_.slots, "executor slots", &e->slots_offset_));
+  e->slots_reserved_ = true;
+  e->sequence_ = step_sequence(e->plan_.layer_count);
+  e->schedule_ = schedule_slots(e->sequence_, e->plan_.slots, e->plan_.forward_depth);
+  e->slots_.resize(e->plan_.slots);
+  e->activations_out_.resize(e->plan_.layer_count);
+  *out = std::move(e);
+  return Status::ok();
+}
+
+Executor::~Executor() {
+  // Copies may still target the slots or read the homes: let them land first.
+  (void)wait_all_outstanding();
+  if (slots_reserved_) runtime_->release_hbm(slots_offset_);
+  for (TensorId id : pinned_) runtime_->unpin(id);
+}
+
+Status Executor::wait_all_outstanding() {
+  std::lock_guard lock(mutex_);
+  Status first;
+  auto wait = [&](const std::shared_ptr<DeviceFence>& f) {
+    if (!f) return;
+    Status s = f->host_wait();
+    if (first.is_ok() && !s.is_ok()) first = s;
+  };
+  for (Slot& s : slots_) {
+    wait(s.consumer);
+    wait(s.outbound);
+    for (auto& f : s.weight_ready) wait(f);
+    for (auto& f : s.activation_ready) wait(f);
+  }
+  for (Ready& r : ready_) {
+    for (auto* list : {&r.weights, &r.grads, &r.activations}) {
+      for (auto& f : *list) wait(f);
+    }
+  }
+  for (auto& f : activations_out_) wait(f);
+  return first;
+}
+
+ExecutorStats Executor::stats() {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+unsigned char* Executor::slot_base(uint32_t slot) const {
+  return runtime_->tier_base(Tier::kHbm) + slots_offset_ +
+         static_cast<uint64_t>(slot) * plan_.slot_bytes;
+}
+
+Status Executor::step_begin() {
+  std::lock_guard lock(mutex_);
+  if (in_step_) {
+    return error(Code::kInvalidState, "step_begin inside a step: call step_end first (",
+                 sequence_.size() - cursor_, " layer passes of this step not yet run)");
+  }
+  in_step_ = true;
+  cursor_ = 0;
+  issued_ = 0;
+  ready_.assign(sequence_.size(), Ready{});
+  // Weights may have changed since the last step (the optimizer updates them): nothing in a
+  // slot counts as loaded any more.
+  for (Slot& s : slots_) {
+    s.weight_ready.clear();
+    s.activation_ready.clear();
+  }
+  return issue_loads();
+}
+
+Status Executor::step_end() {
+  std::vector<std::shared_ptr<DeviceFence>> outbound;
+  {
+    std::lock_guard lock(mutex_);
+    if (!in_step_) return error(Code::kInvalidState, "step_end without step_begin");
+    if (acquired_ || cursor_ != sequence_.size()) {
+      const StepPosition& p = sequence_[std::min(cursor_, sequence_.size() - 1)];
+      return error(Code::kInvalidState, "step_end before the step finished: layer ", p.layer, " (",
+                   phase_name(p.phase), ") is ",
+                   acquired_ ? "acquired and not released" : "still to run");
+    }
+    for (Slot& s : slots_) {
+      if (s.outbound) outbound.push_back(s.outbound);
+    }
+    in_step_ = false;
+    ++stats_.steps;
+  }
+  // Grads must have landed in DRAM when the step ends: the optimizer reads them next.
+  for (auto& f : outbound) STRATA_RETURN_IF_ERROR(f->host_wait());
+  return Status::ok();
+}
+
+Status Executor::check_position(uint32_t layer, Phase phase, const char* verb) const {
+  if (layer >= plan_.layer_count) {
+    return error(Code::kInvalidArgument, verb, " of layer ", layer, ": the graph declares ",
+                 plan_.layer_count, " layers");
+  }
+  if (!in_step_) return error(Code::kInvalidState, verb, " outside a step: call step_begin first");
+  if (cursor_ >= sequence_.size()) {
+    return error(Code::kInvalidState, verb, " of layer ", layer, " (", phase_name(phase),
+                 ") after every layer of the step has run: call step_end");
+  }
+  const StepPosition& expected = sequence_[cursor_];
+  if (expected.layer != layer || expected.phase != phase) {
+    return error(Code::kInvalidState, verb, " of layer ", layer, " (", phase_name(phase),
+                 ") out of order: layer ", expected.layer, " (", phase_name(expected.phase),
+                 ") is next (forward runs 0..", plan_.layer_count - 1,
+                 ", then backward back to 0)");
+  }
+  return Status::ok();
+}
+
+Status Executor::copy_chunked(CopyDirection direction, unsigned char* dst, const unsigned char* src,
+                              uint64_t bytes,
+                              const std::vector<std::shared_ptr<DeviceFence>>& wait_for,
+                              std::shared_ptr<DeviceFence>* last) {
+  const uint64_t chunk = plan_.config.chunk_bytes;
+  uint64_t done = 0;
+  do {
+    const uint64_t n = std::min(chunk, bytes - done);
+    CopyRequest r;
+    r.direction = direction;
+    r.dst = dst + done;
+    r.src = src == nullptr ? nullptr : src + done;
+    r.bytes = n;
+    if (done == 0) r.wait_for = wait_for;  // the queue is in order: the rest follow
+    STRATA_RETURN_IF_ERROR(backend_->submit_copy(std::move(r), last));
+    done += n;
+  } while (done < bytes);
+  return Status::ok();
+}
+
+Status Executor::issue_loads() {
+  while (issued_ < sequence_.size() && issued_ <= cursor_ + plan_.forward_depth) {
+    STRATA_RETURN_IF_ERROR(issue_load(issued_));
+    ++issued_;
+  }
+  return Status::ok();
+}
+
+Status Executor::issue_load(std::size_t p) {
+  const StepPosition& pos = sequence_[p];
+  const ScheduledPosition& sched = schedule_[p];
+  const LayerPlan& layer = plan_.layers[pos.layer];
+  const LayerHomes& homes = homes_[pos.layer];
+  Slot& slot = slots_[sched.slot];
+  unsigned char* base = slot_base(sched.slot);
+  Ready& ready = ready_[p];
+  const bool backward = pos.phase == Phase::kBackward;
+  ++stats_.loads;
+
+  // Before anything lands in the slot: its previous user is done with it, and what it sent out
+  // has left.
+  std::vector<std::shared_ptr<DeviceFence>> slot_free;
+  if (slot.outbound) slot_free.push_back(slot.outbound);
+  if (sched.reuse && !slot.weight_ready.empty()) {
+    ++stats_.reused_loads;
+    ready.weights = slot.weight_ready;
+    ready.activations = slot.activation_ready;
+  } else {
+    if (slot.consumer) slot_free.push_back(slot.consumer);
+    slot.weight_ready.clear();
+    slot.activation_ready.clear();
+    if (!homes.nvme_weights.empty()) {
+      NvmeTier* nvme = runtime_->nvme_tier();
+      for (std::size_t i = 0; i < homes.nvme_weights.size(); ++i) {
+        const TensorRecord& r = homes.nvme_weights[i];
+        auto done = std::make_shared<Completion>();
+        nvme->read_to_device(
+            r.spec.name, base + layer.weights[i].offset, r.nbytes, r.offset,
+            Arena::round_up(r.nbytes, NvmeTier::kAlignment), r.nvme_crcs,
+            [done](Status s) { done->complete(std::move(s)); }, slot_free);
+        ready.weights.push_back(std::make_shared<CompletionFence>(done));
+        stats_.bytes_in += r.nbytes;
+      }
+    } else if (layer.weights_as_span) {
+      // One span in chunks; a tensor is ready with the chunk that holds its last byte.
+      const uint64_t chunk = plan_.config.chunk_bytes;
+      std::vector<std::shared_ptr<DeviceFence>> chunk_fences;
+      for (uint64_t done = 0; done < layer.span_bytes; done += chunk) {
+        std::shared_ptr<DeviceFence> f;
+        STRATA_RETURN_IF_ERROR(
+            copy_chunked(CopyDirection::kHostToDevice, base + done, homes.span + done,
+                         std::min(chunk, layer.span_bytes - done),
+                         done == 0 ? slot_free : std::vector<std::shared_ptr<DeviceFence>>{}, &f));
+        chunk_fences.push_back(std::move(f));
+      }
+      for (const SlotTensor& t : layer.weights) {
+        const uint64_t last = t.offset + std::max<uint64_t>(t.bytes, 1) - 1;
+        ready.weights.push_back(
+            chunk_fences[std::min<uint64_t>(last / chunk, chunk_fences.size() - 1)]);
+      }
+      stats_.bytes_in += layer.span_bytes;
+    } else {
+      for (std::size_t i = 0; i < layer.weights.size(); ++i) {
+        std::shared_ptr<DeviceFence> f;
+        STRATA_RETURN_IF_ERROR(
+            copy_chunked(CopyDirection::kHostToDevice, base + layer.weights[i].offset,
+                         homes.weights[i], layer.weights[i].bytes,
+                         i == 0 ? slot_free : std::vector<std::shared_ptr<DeviceFence>>{}, &f));
+        ready.weights.push_back(std::move(f));
+        stats_.bytes_in += layer.weights[i].bytes;
+      }
+    }
+    if (backward) {
+      // Checkpoints come back from DRAM, after the forward pass sent them there.
+      std::vector<std::shared_ptr<DeviceFence>> after = slot_free;
+      if (activations_out_[pos.layer]) after.push_back(activations_out_[pos.layer]);
+      for (std::size_t i = 0; i < layer.activations.size(); ++i) {
+        std::shared_ptr<DeviceFence> f;
+        STRATA_RETURN_IF_ERROR(
+            copy_chunked(CopyDirection::kHostToDevice, base + layer.activations[i].offset,
+                         homes.activations[i], layer.activations[i].bytes, after, &f));
+        ready.activations.push_back(std::move(f));
+        stats_.bytes_in += layer.activations[i].bytes;
+      }
+    }
+    slot.weight_ready = ready.weights;
+    slot.activation_ready = ready.activations;
+  }
+  if (backward && !layer.grads.empty()) {
+    // Grad buffers start at zero, so the framework can accumulate micro-batches into them.
+    const uint64_t first = layer.grads.front().offset;
+    const uint64_t end = layer.grads.back().offset + layer.grads.back().bytes;
+    std::shared_ptr<DeviceFence> f;
+    STRATA_RETURN_IF_ERROR(copy_chunked(CopyDirection::kHostToDevice, base + first, nullptr,
+                                        end - first, slot_free, &f));
+    ready.grads.assign(layer.grads.size(), f);
+  }
+  return Status::ok();
+}
+
+Status Executor::acquire(uint32_t layer, Phase phase, void* stream, bool wait, LayerViews* views) {
+  std::vector<std::shared_ptr<DeviceFence>> waits;
+  {
+    std::lock_guard lock(mutex_);
+    STRATA_RETURN_IF_ERROR(check_position(layer, phase, "acquire"));
+    if (acquired_) {
+      return error(Code::kInvalidState, "acquire of layer ", layer, " (", phase_name(phase),
+                   ") while it is already acquired: release it first");
+    }
+    STRATA_RETURN_IF_ERROR(issue_loads());
+    Ready& ready = ready_[cursor_];
+    if (schedule_[cursor_].reuse && phase == Phase::kBackward) {
+      // The checkpoints in the slot are the ones the forward pass wrote: ready once its stream
+      // got past the forward release (known only now, not when the load was issued).
+      ready.activations = slots_[schedule_[cursor_].slot].activation_ready;
+    }
+    const LayerPlan& lp = plan_.layers[layer];
+    unsigned char* base = slot_base(schedule_[cursor_].slot);
+    views->weights.clear();
+    views->grads.clear();
+    views->activations.clear();
+    for (const SlotTensor& t : lp.weights) views->weights.push_back(base + t.offset);
+    if (phase == Phase::kBackward) {
+      for (const SlotTensor& t : lp.grads) views->grads.push_back(base + t.offset);
+    }
+    for (const SlotTensor& t : lp.activations) views->activations.push_back(base + t.offset);
+    if (wait) {
+      for (const auto* list : {&ready.weights, &ready.grads, &ready.activations}) {
+        waits.insert(waits.end(), list->begin(), list->end());
+      }
+    }
+    acquired_ = true;
+  }
+  // Duplicates (tensors sharing a chunk) cost one cudaStreamWaitEvent each: cheap, but skip.
+  std::sort(waits.begin(), waits.end());
+  waits.erase(std::unique(waits.begin(), waits.end()), waits.end());
+  for (const auto& f : waits) STRATA_RETURN_IF_ERROR(f->enqueue_wait(stream));
+  return Status::ok();
+}
+
+Status Executor::wait_tensor(uint32_t layer, Phase phase, ViewRole role, uint32_t index,
+                             void* stream) {
+  std::shared_ptr<DeviceFence> fence;
+  {
+    std::lock_guard lock(mutex_);
+    STRATA_RETURN_IF_ERROR(check_position(layer, phase, "wait_tensor"));
+    if (!acquired_) {
+      return error(Code::kInvalidState, "wait_tensor of layer ", layer, " before it was acquired");
+    }
+    const Ready& ready = ready_[cursor_];
+    const auto& list = role == ViewRole::kWeight ? ready.weights
+                       : role == ViewRole::kGrad ? ready.grads
+                                                 : ready.activations;
+    if (index >= list.size()) {
+      return error(Code::kInvalidArgument, "wait_tensor: layer ", layer, " has ", list.size(),
+                   " tensor(s) of that role in this phase, index ", index, " is out of range");
+    }
+    fence = list[index];
+  }
+  return fence->enqueue_wait(stream);
+}
+
+Status Executor::release(uint32_t layer, Phase phase, void* stream) {
+  std::lock_guard lock(mutex_);
+  if (layer >= plan_.layer_count) {
+    return error(Code::kInvalidArgument, "release of layer ", layer, ": the graph declares ",
+                 plan_.layer_count, " layers");
+  }
+  if (!acquired_) {
+    return error(Code::kInvalidState, "release of layer ", layer, " (", phase_name(phase),
+                 ") without a matching acquire (released twice, or never acquired)");
+  }
+  STRATA_RETURN_IF_ERROR(check_position(layer, phase, "release"));
+  Slot& slot = slots_[schedule_[cursor_].slot];
+  unsigned char* base = slot_base(schedule_[cursor_].slot);
+  std::shared_ptr<DeviceFence> consumer;
+  STRATA_RETURN_IF_ERROR(backend_->record_fence(stream, &consumer));
+  slot.consumer = consumer;
+  const LayerPlan& lp = plan_.layers[layer];
+  const LayerHomes& homes = homes_[layer];
+  const bool backward = phase == Phase::kBackward;
+  const auto& outgoing = backward ? lp.grads : lp.activations;
+  const auto& destinations = backward ? homes.grads : homes.activations;
+  for (std::size_t i = 0; i < outgoing.size(); ++i) {
+    std::shared_ptr<DeviceFence> f;
+    STRATA_RETURN_IF_ERROR(copy_chunked(CopyDirection::kDeviceToHost, destinations[i],
+                                        base + outgoing[i].offset, outgoing[i].bytes, {consumer},
+                                        &f));
+    slot.outbound = f;
+    stats_.bytes_out += outgoing[i].bytes;
+  }
+  if (!backward && !outgoing.empty()) {
+    activations_out_[layer] = slot.outbound;
+    // Checkpoints written in the forward pass stay valid in the slot for a backward reuse.
+    slot.activation_ready.assign(outgoing.size(), consumer);
+  }
+  acquired_ = false;
+  ++cursor_;
+  return issue_loads();
+}
+
+}  // namespace strata

@@ -1,0 +1,102 @@
+// Executor: runs a Plan, step after step. The framework brackets each layer's compute with
+// acquire / release, forward 0..L-1 then backward L-1..0; the executor keeps `depth` layers
+// loading ahead in the other slots, on the H2D queue, while the caller's stream computes, and
+// sends activations (forward) and grads (backward) out on the D2H queue after each release.
+// Every dependency is a device-side fence: a slot is refilled only after the caller's stream
+// has finished with it (a fence recorded at release) and its outbound copies have left; the
+// caller's stream waits for a layer's copies (fences per chunk: a tensor is ready when the
+// chunk holding its last byte has landed). The calling thread blocks only where a host thread
+// does the work (weights homed on NVMe) or at step_end (grads must have landed).
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "runtime/planner.h"
+#include "runtime/runtime.h"
+
+namespace strata {
+
+struct LayerViews {
+  std::vector<void*> weights, grads, activations;  // in declared order
+};
+
+struct ExecutorStats {
+  uint64_t steps = 0;
+  uint64_t loads = 0;         // layer loads issued
+  uint64_t reused_loads = 0;  // positions whose layer was still in its slot
+  uint64_t bytes_in = 0;      // bytes queued DRAM/NVMe -> HBM
+  uint64_t bytes_out = 0;     // bytes queued HBM -> DRAM
+};
+
+enum class ViewRole : int32_t { kWeight = 0, kGrad = 1, kActivation = 2 };
+
+class Executor {
+ public:
+  static Status create(std::shared_ptr<Runtime> runtime, Plan plan, std::unique_ptr<Executor>* out);
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  const Plan& plan() const { return plan_; }
+  ExecutorStats stats();
+
+  Status step_begin();
+  Status step_end();
+  // wait = false: the stream is not made to wait; wait_tensor() per tensor instead.
+  Status acquire(uint32_t layer, Phase phase, void* stream, bool wait, LayerViews* views);
+  Status wait_tensor(uint32_t layer, Phase phase, ViewRole role, uint32_t index, void* stream);
+  Status release(uint32_t layer, Phase phase, void* stream);
+
+ private:
+  struct Slot {
+    std::shared_ptr<DeviceFence> consumer;  // the last user's stream, at its release
+    std::shared_ptr<DeviceFence> outbound;  // the last D2H copy out of the slot
+    std::vector<std::shared_ptr<DeviceFence>> weight_ready, activation_ready;
+  };
+  struct Ready {
+    std::vector<std::shared_ptr<DeviceFence>> weights, grads, activations;
+  };
+
+  Executor(std::shared_ptr<Runtime> runtime, Plan plan);
+  Status check_position(uint32_t layer, Phase phase, const char* verb) const;
+  unsigned char* slot_base(uint32_t slot) const;
+  Status issue_loads();  // under mutex_
+  Status issue_load(std::size_t position);
+  // Queues a copy in `chunk_bytes` pieces; returns the fence of the last piece of each of
+  // `ends` (offsets relative to src/dst), in order.
+  Status copy_chunked(CopyDirection direction, unsigned char* dst, const unsigned char* src,
+                      uint64_t bytes, const std::vector<std::shared_ptr<DeviceFence>>& wait_for,
+                      std::shared_ptr<DeviceFence>* last);
+  Status wait_all_outstanding();
+
+  std::shared_ptr<Runtime> runtime_;
+  std::shared_ptr<DeviceBackend> backend_;
+  Plan plan_;
+  std::vector<StepPosition> sequence_;
+  std::vector<ScheduledPosition> schedule_;
+  uint64_t slots_offset_ = 0;
+  bool slots_reserved_ = false;
+  std::vector<TensorId> pinned_;
+  // Where each layer's tensors live (stable: the executor pins them in place).
+  struct LayerHomes {
+    unsigned char* span = nullptr;           // DRAM span of the weights, when weights_as_span
+    std::vector<unsigned char*> weights;     // per weight in DRAM
+    std::vector<TensorRecord> nvme_weights;  // per weight on NVMe (extent, checksums)
+    std::vector<unsigned char*> grads, activations;
+  };
+  std::vector<LayerHomes> homes_;
+
+  std::mutex mutex_;
+  std::vector<Slot> slots_;
+  std::vector<Ready> ready_;                                   // per position of the current step
+  std::vector<std::shared_ptr<DeviceFence>> activations_out_;  // per layer, forward outbound
+  bool in_step_ = false;
+  bool acquired_ = false;
+  std::size_t cursor_ = 0;  // the position to acquire next
+  std::size_t issued_ = 0;  // positions whose loads are queued
+  ExecutorStats stats_;
+};
+
+}  // namespace strata
