@@ -2,6 +2,8 @@
 //   strata-bench io [--size 1G] [--block 1M] [--qd 32] [--reps 3] [--dir .] [--fio fio]
 //                   [--engine auto|uring|posix] [--backend auto|cuda|host] [--link-size 256M]
 //                   [--no-nvme] [--dram-direct] [--checksums] [--json]
+//   strata-bench stream [--layers 24] [--layer-bytes 256M] [--steps 3] [--compute-ratio 1.2]
+//                       [--grads] [--slot-budget 0] [--backend auto|cuda|host] [--json]
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -11,7 +13,8 @@
 
 namespace strata_bench {
 int run_io(const Options& opt, Report* report);
-}
+int run_stream(const Options& opt, Report* report);
+}  // namespace strata_bench
 
 namespace {
 void usage() {
@@ -20,7 +23,11 @@ void usage() {
                "  io   NVMe read/write vs fio, DRAM<->HBM vs cudaMemcpyAsync, pinning rate\n"
                "       --size 1G --block 1M --qd 32 --reps 3 --dir . --fio fio\n"
                "       --engine auto|uring|posix --backend auto|cuda|host --link-size 256M "
-               "--no-nvme --dram-direct --checksums\n");
+               "--no-nvme --dram-direct --checksums\n"
+               "  stream  a synthetic graph through the executor: h2d vs the link ceiling,\n"
+               "       compute-stream waits, predicted vs measured step time\n"
+               "       --layers 24 --layer-bytes 256M --steps 3 --compute-ratio 1.2 --grads\n"
+               "       --slot-budget 0 --backend auto|cuda|host\n");
 }
 }  // namespace
 
@@ -38,6 +45,8 @@ int main(int argc, char** argv) {
     int rc = 0;
     if (command == "io") {
       rc = strata_bench::run_io(opt, &report);
+    } else if (command == "stream") {
+      rc = strata_bench::run_stream(opt, &report);
     } else {
       std::fprintf(stderr, "strata-bench: unknown subcommand '%s'\n", command.c_str());
       usage();

@@ -175,24 +175,19 @@ Status Executor::check_position(uint32_t layer, Phase phase, const char* verb) c
   return Status::ok();
 }
 
-Status Executor::copy_chunked(CopyDirection direction, unsigned char* dst, const unsigned char* src,
-                              uint64_t bytes,
-                              const std::vector<std::shared_ptr<DeviceFence>>& wait_for,
-                              std::shared_ptr<DeviceFence>* last) {
-  const uint64_t chunk = plan_.config.chunk_bytes;
-  uint64_t done = 0;
-  do {
-    const uint64_t n = std::min(chunk, bytes - done);
-    CopyRequest r;
-    r.direction = direction;
-    r.dst = dst + done;
-    r.src = src == nullptr ? nullptr : src + done;
-    r.bytes = n;
-    if (done == 0) r.wait_for = wait_for;  // the queue is in order: the rest follow
-    STRATA_RETURN_IF_ERROR(backend_->submit_copy(std::move(r), last));
-    done += n;
-  } while (done < bytes);
-  return Status::ok();
+Status Executor::queue_copy(CopyDirection direction, unsigned char* dst, const unsigned char* src,
+                            uint64_t bytes,
+                            const std::vector<std::shared_ptr<DeviceFence>>& wait_for,
+                            std::shared_ptr<DeviceFence>* last) {
+  // One copy: a contiguous range of any size runs at the link's peak as a single transfer
+  // (chunking exists to merge small tensors, not to split large ones).
+  CopyRequest r;
+  r.direction = direction;
+  r.dst = dst;
+  r.src = src;
+  r.bytes = bytes;
+  r.wait_for = wait_for;
+  return backend_->submit_copy(std::move(r), last);
 }
 
 Status Executor::issue_loads() {
@@ -239,30 +234,38 @@ Status Executor::issue_load(std::size_t p) {
         stats_.bytes_in += r.nbytes;
       }
     } else if (layer.weights_as_span) {
-      // One span in chunks; a tensor is ready with the chunk that holds its last byte.
-      const uint64_t chunk = plan_.config.chunk_bytes;
-      std::vector<std::shared_ptr<DeviceFence>> chunk_fences;
-      for (uint64_t done = 0; done < layer.span_bytes; done += chunk) {
+      // The span in chunks cut at tensor ends, each at least chunk_bytes (small tensors merge,
+      // large ones go whole): few, large copies. A tensor is ready with its chunk.
+      std::vector<std::size_t> order(layer.weights.size());
+      for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+        return layer.weights[a].offset < layer.weights[b].offset;
+      });
+      ready.weights.resize(layer.weights.size());
+      uint64_t chunk_start = 0;
+      std::vector<std::size_t> members;
+      for (std::size_t k = 0; k < order.size(); ++k) {
+        members.push_back(order[k]);
+        const uint64_t end =
+            k + 1 < order.size() ? layer.weights[order[k + 1]].offset : layer.span_bytes;
+        if (end - chunk_start < plan_.config.chunk_bytes && k + 1 < order.size()) continue;
         std::shared_ptr<DeviceFence> f;
-        STRATA_RETURN_IF_ERROR(
-            copy_chunked(CopyDirection::kHostToDevice, base + done, homes.span + done,
-                         std::min(chunk, layer.span_bytes - done),
-                         done == 0 ? slot_free : std::vector<std::shared_ptr<DeviceFence>>{}, &f));
-        chunk_fences.push_back(std::move(f));
-      }
-      for (const SlotTensor& t : layer.weights) {
-        const uint64_t last = t.offset + std::max<uint64_t>(t.bytes, 1) - 1;
-        ready.weights.push_back(
-            chunk_fences[std::min<uint64_t>(last / chunk, chunk_fences.size() - 1)]);
+        STRATA_RETURN_IF_ERROR(queue_copy(
+            CopyDirection::kHostToDevice, base + chunk_start, homes.span + chunk_start,
+            end - chunk_start,
+            chunk_start == 0 ? slot_free : std::vector<std::shared_ptr<DeviceFence>>{}, &f));
+        for (std::size_t m : members) ready.weights[m] = f;
+        members.clear();
+        chunk_start = end;
       }
       stats_.bytes_in += layer.span_bytes;
     } else {
       for (std::size_t i = 0; i < layer.weights.size(); ++i) {
         std::shared_ptr<DeviceFence> f;
         STRATA_RETURN_IF_ERROR(
-            copy_chunked(CopyDirection::kHostToDevice, base + layer.weights[i].offset,
-                         homes.weights[i], layer.weights[i].bytes,
-                         i == 0 ? slot_free : std::vector<std::shared_ptr<DeviceFence>>{}, &f));
+            queue_copy(CopyDirection::kHostToDevice, base + layer.weights[i].offset,
+                       homes.weights[i], layer.weights[i].bytes,
+                       i == 0 ? slot_free : std::vector<std::shared_ptr<DeviceFence>>{}, &f));
         ready.weights.push_back(std::move(f));
         stats_.bytes_in += layer.weights[i].bytes;
       }
@@ -273,9 +276,9 @@ Status Executor::issue_load(std::size_t p) {
       if (activations_out_[pos.layer]) after.push_back(activations_out_[pos.layer]);
       for (std::size_t i = 0; i < layer.activations.size(); ++i) {
         std::shared_ptr<DeviceFence> f;
-        STRATA_RETURN_IF_ERROR(
-            copy_chunked(CopyDirection::kHostToDevice, base + layer.activations[i].offset,
-                         homes.activations[i], layer.activations[i].bytes, after, &f));
+        STRATA_RETURN_IF_ERROR(queue_copy(CopyDirection::kHostToDevice,
+                                          base + layer.activations[i].offset, homes.activations[i],
+                                          layer.activations[i].bytes, after, &f));
         ready.activations.push_back(std::move(f));
         stats_.bytes_in += layer.activations[i].bytes;
       }
@@ -288,8 +291,8 @@ Status Executor::issue_load(std::size_t p) {
     const uint64_t first = layer.grads.front().offset;
     const uint64_t end = layer.grads.back().offset + layer.grads.back().bytes;
     std::shared_ptr<DeviceFence> f;
-    STRATA_RETURN_IF_ERROR(copy_chunked(CopyDirection::kHostToDevice, base + first, nullptr,
-                                        end - first, slot_free, &f));
+    STRATA_RETURN_IF_ERROR(queue_copy(CopyDirection::kHostToDevice, base + first, nullptr,
+                                      end - first, slot_free, &f));
     ready.grads.assign(layer.grads.size(), f);
   }
   return Status::ok();
@@ -380,9 +383,9 @@ Status Executor::release(uint32_t layer, Phase phase, void* stream) {
   const auto& destinations = backward ? homes.grads : homes.activations;
   for (std::size_t i = 0; i < outgoing.size(); ++i) {
     std::shared_ptr<DeviceFence> f;
-    STRATA_RETURN_IF_ERROR(copy_chunked(CopyDirection::kDeviceToHost, destinations[i],
-                                        base + outgoing[i].offset, outgoing[i].bytes, {consumer},
-                                        &f));
+    STRATA_RETURN_IF_ERROR(queue_copy(CopyDirection::kDeviceToHost, destinations[i],
+                                      base + outgoing[i].offset, outgoing[i].bytes, {consumer},
+                                      &f));
     slot.outbound = f;
     stats_.bytes_out += outgoing[i].bytes;
   }

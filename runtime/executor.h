@@ -64,11 +64,10 @@ class Executor {
   unsigned char* slot_base(uint32_t slot) const;
   Status issue_loads();  // under mutex_
   Status issue_load(std::size_t position);
-  // Queues a copy in `chunk_bytes` pieces; returns the fence of the last piece of each of
-  // `ends` (offsets relative to src/dst), in order.
-  Status copy_chunked(CopyDirection direction, unsigned char* dst, const unsigned char* src,
-                      uint64_t bytes, const std::vector<std::shared_ptr<DeviceFence>>& wait_for,
-                      std::shared_ptr<DeviceFence>* last);
+  // Queues one copy (src null: zero fill) after `wait_for`; *last receives its fence.
+  Status queue_copy(CopyDirection direction, unsigned char* dst, const unsigned char* src,
+                    uint64_t bytes, const std::vector<std::shared_ptr<DeviceFence>>& wait_for,
+                    std::shared_ptr<DeviceFence>* last);
   Status wait_all_outstanding();
 
   std::shared_ptr<Runtime> runtime_;

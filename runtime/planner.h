@@ -26,7 +26,8 @@ struct PlanConfig {
   double device_flops_per_second = 0;
   // Upper bound on the prefetch depth; 0 = as deep as the slots allow.
   uint32_t max_prefetch_depth = 0;
-  // Bytes per transfer chunk (>= 4 MiB, where PCIe reaches its peak).
+  // Smallest transfer: a layer's small weights are merged into copies of at least this many
+  // bytes (>= 4 MiB, where PCIe reaches its peak); larger tensors travel whole.
   uint64_t chunk_bytes = 16ull << 20;
 };
 

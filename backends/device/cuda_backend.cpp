@@ -121,8 +121,11 @@ class CudaCopyQueue {
 
   Status submit(CopyRequest request, std::shared_ptr<DeviceFence>* fence) {
     DeviceGuard guard(device_);
+    // Copies nobody waits to hear about (the executor's) need neither timing nor the
+    // completion thread: one event, the fence, is all they cost.
+    const bool report = static_cast<bool>(request.on_complete);
     EventRef start, end, after;
-    STRATA_RETURN_IF_ERROR(pool_->acquire(&start));
+    if (report) STRATA_RETURN_IF_ERROR(pool_->acquire(&start));
     STRATA_RETURN_IF_ERROR(pool_->acquire(&end));
     std::lock_guard lock(mutex_);  // keeps the stream's order equal to the pending queue's
     if (stopping_) return error(Code::kInvalidState, "cuda backend: copy queue is shut down");
@@ -134,7 +137,7 @@ class CudaCopyQueue {
       STRATA_CUDA_RETURN(cudaStreamWaitEvent(stream_, after.get(), 0), "cudaStreamWaitEvent");
     }
     for (const auto& wait : request.wait_for) STRATA_RETURN_IF_ERROR(wait->enqueue_wait(stream_));
-    STRATA_CUDA_RETURN(cudaEventRecord(start.get(), stream_), "cudaEventRecord");
+    if (report) STRATA_CUDA_RETURN(cudaEventRecord(start.get(), stream_), "cudaEventRecord");
     if (request.src == nullptr) {
       STRATA_CUDA_RETURN(cudaMemsetAsync(request.dst, 0, request.bytes, stream_),
                          "cudaMemsetAsync");
@@ -145,8 +148,10 @@ class CudaCopyQueue {
     }
     STRATA_CUDA_RETURN(cudaEventRecord(end.get(), stream_), "cudaEventRecord");
     if (fence != nullptr) *fence = std::make_shared<CudaFence>(device_, end);
-    pending_.push_back(Pending{std::move(request), std::move(start), std::move(end)});
-    cv_.notify_one();
+    if (report) {
+      pending_.push_back(Pending{std::move(request), std::move(start), std::move(end)});
+      cv_.notify_one();
+    }
     return Status::ok();
   }
 

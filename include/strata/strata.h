@@ -659,7 +659,9 @@ typedef struct strata_plan_config {
   /* Achieved device FLOP/s for the prediction; 0 = compute unknown (predicted as free). */
   double device_flops_per_second;
   uint32_t max_prefetch_depth; /* 0 = as deep as the slots allow */
-  uint64_t chunk_bytes;        /* transfer chunk, >= 4 MiB; 0 = 16 MiB */
+  /* Smallest transfer: a layer's small weights merge into copies of at least this size
+   * (>= 4 MiB, where PCIe reaches its peak; larger tensors travel whole); 0 = 16 MiB. */
+  uint64_t chunk_bytes;
 } strata_plan_config_t;
 #define STRATA_PLAN_CONFIG_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_plan_config_t, chunk_bytes)
 
