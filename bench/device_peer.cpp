@@ -83,6 +83,22 @@ bool time_peer_copies(bool cuda, int ordinal, void* host, void* device, void* ho
   return true;
 }
 
+double time_pageable_h2d(bool cuda, int ordinal, const void* host, void* device, uint64_t bytes,
+                         int reps) {
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const auto start = Clock::now();
+    if (cuda) {
+      cudaSetDevice(ordinal);
+      cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice);
+    } else {
+      std::memcpy(device, host, bytes);
+    }
+    t.push_back(seconds(start));
+  }
+  return median(t);
+}
+
 double time_cuda_host_alloc(int ordinal, uint64_t bytes) {
   if (cudaSetDevice(ordinal) != cudaSuccess) return -1;
   void* p = nullptr;

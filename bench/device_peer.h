@@ -20,6 +20,11 @@ struct CopyTimes {
 bool time_peer_copies(bool cuda, int ordinal, void* host, void* device, void* host2, void* device2,
                       uint64_t bytes, int reps, CopyTimes* out, std::string* error);
 
+// Median seconds of a synchronous copy of `bytes` from pageable host memory to `device`
+// (cudaMemcpy on cuda, memcpy on host).
+double time_pageable_h2d(bool cuda, int ordinal, const void* host, void* device, uint64_t bytes,
+                         int reps);
+
 // Seconds cudaHostAlloc takes to allocate and pin `bytes` (freed afterwards); <0 if unavailable.
 double time_cuda_host_alloc(int ordinal, uint64_t bytes);
 

@@ -3,7 +3,8 @@
 //                   [--engine auto|uring|posix] [--backend auto|cuda|host] [--link-size 256M]
 //                   [--no-nvme] [--dram-direct] [--checksums] [--json]
 //   strata-bench stream [--layers 24] [--layer-bytes 256M] [--steps 3] [--compute-ratio 1.2]
-//                       [--grads] [--slot-budget 0] [--backend auto|cuda|host] [--json]
+//                       [--grads] [--slot-budget 0] [--backend auto|cuda|host] [--trace F]
+//   strata-bench links [--size 1G] [--dram-size 1G] [--threads 0] [--dir .] [--fio fio]
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -14,6 +15,7 @@
 namespace strata_bench {
 int run_io(const Options& opt, Report* report);
 int run_stream(const Options& opt, Report* report);
+int run_links(const Options& opt, Report* report);
 }  // namespace strata_bench
 
 namespace {
@@ -27,7 +29,10 @@ void usage() {
                "  stream  a synthetic graph through the executor: h2d vs the link ceiling,\n"
                "       compute-stream waits, predicted vs measured step time\n"
                "       --layers 24 --layer-bytes 256M --steps 3 --compute-ratio 1.2 --grads\n"
-               "       --slot-budget 0 --backend auto|cuda|host\n");
+               "       --slot-budget 0 --backend auto|cuda|host --trace FILE (overhead + trace)\n"
+               "  links  every link's ceiling on this machine: pinned h2d/d2h/both, pageable,\n"
+               "       DRAM triad, NVMe read/write (fio)\n"
+               "       --size 1G --dram-size 1G --threads 0 --dir . --fio fio --backend\n");
 }
 }  // namespace
 
@@ -47,6 +52,8 @@ int main(int argc, char** argv) {
       rc = strata_bench::run_io(opt, &report);
     } else if (command == "stream") {
       rc = strata_bench::run_stream(opt, &report);
+    } else if (command == "links") {
+      rc = strata_bench::run_links(opt, &report);
     } else {
       std::fprintf(stderr, "strata-bench: unknown subcommand '%s'\n", command.c_str());
       usage();

@@ -196,6 +196,7 @@ int run_stream(const Options& opt, Report* report) {
   const std::string backend = opt.str("backend", "auto");
   const double compute_ratio = std::strtod(opt.str("compute-ratio", "1.2").c_str(), nullptr);
   const bool grads = opt.flag("grads");
+  const std::string trace = opt.str("trace", "");
   if (layers < 2 || steps < 1 || layer_bytes < (4u << 20)) {
     throw std::invalid_argument("--layers >= 2, --steps >= 1, --layer-bytes >= 4M");
   }
@@ -253,6 +254,20 @@ int run_stream(const Options& opt, Report* report) {
   report->add_vs("compute_bound_busy", k.compute_seconds / k.step_seconds, "frac",
                  "all compute, no waiting", 1.0, false, "bottleneck " + k.bottleneck);
   report->add(agreement("compute_bound_step", k, ""));
+  if (!trace.empty()) {
+    // The same compute-bound graph again with tracing on: the overhead, and the trace file.
+    progress("compute-bound graph, traced");
+    check(strata_trace_start(rt, nullptr), "trace start");
+    const GraphResult traced = run_graph(rt, cuda, layers, layer_bytes, grads, compute_ratio,
+                                         ceiling, steps, slot_budget, "traced");
+    check(strata_trace_stop(rt), "trace stop");
+    check(strata_trace_flush(rt, trace.c_str()), "trace flush");
+    strata_trace_counters_t tc{};
+    tc.struct_size = STRATA_TRACE_COUNTERS_STRUCT_SIZE;
+    check(strata_trace_get_counters(rt, &tc), "trace counters");
+    report->add_vs("traced_compute_bound_step", traced.step_seconds, "s", "untraced",
+                   k.step_seconds, true, std::to_string(tc.dropped) + " records dropped; " + trace);
+  }
   check(strata_runtime_destroy(rt), "destroy");
   return 0;
 }

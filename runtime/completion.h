@@ -84,6 +84,11 @@ class CompletionFence final : public DeviceFence {
       : completion_(std::move(completion)) {}
   Status enqueue_wait(void* /*stream*/) override { return completion_->wait(-1); }
   Status host_wait() override { return completion_->wait(-1); }
+  bool is_done() const override { return completion_->query().code() != Code::kNotReady; }
+  Status elapsed_since(const DeviceFence& /*earlier*/, uint64_t* ns) const override {
+    *ns = 0;  // host-side work: no device timeline to measure on
+    return Status::ok();
+  }
 
  private:
   std::shared_ptr<Completion> completion_;

@@ -62,13 +62,36 @@ class Executor {
   Executor(std::shared_ptr<Runtime> runtime, Plan plan);
   Status check_position(uint32_t layer, Phase phase, const char* verb) const;
   unsigned char* slot_base(uint32_t slot) const;
-  Status issue_loads();  // under mutex_
+  // Issues the loads the prefetch window allows whose slots are free on the device. Loads up
+  // to position `must` (if >= 0) are issued even if that means waiting for their slots: the
+  // caller needs them now. Keeping unissued what cannot start yet bounds how far the host
+  // runs ahead of the device, so CUDA's work queues never fill and block the host.
+  Status issue_loads(long must = -1);  // under mutex_
   Status issue_load(std::size_t position);
+  std::vector<std::shared_ptr<DeviceFence>> slot_free_fences(std::size_t position) const;
   // Queues one copy (src null: zero fill) after `wait_for`; *last receives its fence.
   Status queue_copy(CopyDirection direction, unsigned char* dst, const unsigned char* src,
                     uint64_t bytes, const std::vector<std::shared_ptr<DeviceFence>>& wait_for,
                     std::shared_ptr<DeviceFence>* last);
   Status wait_all_outstanding();
+  // Emits the acquire and release trace records once their device-side times are known.
+  Status resolve_waits();
+  struct PendingWait {
+    TraceRecord record;
+    std::shared_ptr<DeviceFence> before, after;
+  };
+  std::vector<PendingWait> pending_waits_;
+  // Copies of this step, counted on their links (and traced) at step_end from their fences:
+  // no completion-thread work per copy while the step runs.
+  struct PendingCopy {
+    CopyDirection direction;
+    uint64_t bytes;
+    std::vector<std::shared_ptr<DeviceFence>> deps;
+    std::shared_ptr<DeviceFence> end;
+  };
+  std::vector<PendingCopy> pending_copies_;
+  std::shared_ptr<DeviceFence> last_end_[2];  // per direction, across steps
+  Status resolve_copies();
 
   std::shared_ptr<Runtime> runtime_;
   std::shared_ptr<DeviceBackend> backend_;

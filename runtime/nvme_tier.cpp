@@ -113,7 +113,8 @@ class NvmeTier::Worker {
 
 Status NvmeTier::create(const NvmeOptions& options, std::shared_ptr<DeviceBackend> device,
                         std::pair<void*, uint64_t> dram, const HostMemoryOptions& staging_memory,
-                        AccountCopy account, std::unique_ptr<NvmeTier>* out) {
+                        AccountCopy account, std::unique_ptr<NvmeTier>* out,
+                        IoRequestHook on_request) {
   if (options.paths.empty()) return error(Code::kInvalidArgument, "no nvme paths given");
   if (options.block_size < kAlignment || options.block_size % kAlignment != 0 ||
       options.block_size > (1u << 30)) {
@@ -158,6 +159,7 @@ Status NvmeTier::create(const NvmeOptions& options, std::shared_ptr<DeviceBacken
   engine_options.queue_depth = options.queue_depth;
   engine_options.buffers = {dram, {tier->staging_, tier->staging_bytes_}};
   engine_options.fault_hook = options.fault_hook;
+  engine_options.on_request = std::move(on_request);
   Status engine = create_storage_engine(options.engine, tier->files_.files, engine_options,
                                         &tier->engine_, &tier->engine_reason_);
   if (!engine.is_ok()) {

@@ -53,7 +53,8 @@ class NvmeTier {
   // and pinned here with `staging_memory`.
   static Status create(const NvmeOptions& options, std::shared_ptr<DeviceBackend> device,
                        std::pair<void*, uint64_t> dram, const HostMemoryOptions& staging_memory,
-                       AccountCopy account, std::unique_ptr<NvmeTier>* out);
+                       AccountCopy account, std::unique_ptr<NvmeTier>* out,
+                       IoRequestHook on_request = nullptr);
   ~NvmeTier();
 
   // The extent allocator over the logical space. The runtime guards it with its own mutex.

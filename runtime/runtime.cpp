@@ -62,7 +62,18 @@ Status Runtime::create(const RuntimeOptions& options, std::shared_ptr<Runtime>* 
     STRATA_RETURN_IF_ERROR(NvmeTier::create(
         nvme, backend, {regions[1]->base(), regions[1]->size()}, dram_memory,
         [raw](Link link, uint64_t bytes, uint64_t busy) { raw->account(link, bytes, busy); },
-        &runtime->nvme_));
+        &runtime->nvme_,
+        [raw](IoOp op, uint64_t bytes, uint64_t busy_ns) {
+          Tracer& tracer = raw->tracer();
+          if (!tracer.enabled()) return;
+          TraceRecord r;
+          r.kind = static_cast<int32_t>(op == IoOp::kRead ? TraceKind::kNvmeRead
+                                                          : TraceKind::kNvmeWrite);
+          r.end_ns = tracer.now();
+          r.start_ns = r.end_ns > busy_ns ? r.end_ns - busy_ns : 0;
+          r.bytes = bytes;
+          tracer.record(r);
+        }));
   }
   *out = std::move(runtime);
   return Status::ok();
@@ -253,8 +264,10 @@ Status Runtime::move(TensorId id, Tier dst, void* stream, std::shared_ptr<Comple
   STRATA_RETURN_IF_ERROR(dst_arena.allocate(t->nbytes, t->spec.name, &dst_offset));
 
   auto done = std::make_shared<Completion>();
-  FinishMove finish = [this, id, dst, dst_offset, done](Status s, std::shared_ptr<Checksums> crcs) {
-    finish_move(id, dst, dst_offset, std::move(s), std::move(crcs), done);
+  const uint64_t queued = tracer_.enabled() ? tracer_.now() : 0;
+  FinishMove finish = [this, id, dst, dst_offset, done, queued](Status s,
+                                                                std::shared_ptr<Checksums> crcs) {
+    finish_move(id, dst, dst_offset, std::move(s), std::move(crcs), done, queued);
   };
   std::shared_ptr<DeviceFence> fence;
   Status started = start_transfer(*t, dst, dst_offset, stream, std::move(finish), &fence);
@@ -331,11 +344,22 @@ Status Runtime::start_transfer(const TensorRecord& t, Tier dst, uint64_t dst_off
 
 void Runtime::finish_move(TensorId id, Tier dst, uint64_t dst_offset, Status status,
                           std::shared_ptr<Checksums> crcs,
-                          const std::shared_ptr<Completion>& completion) {
+                          const std::shared_ptr<Completion>& completion, uint64_t queued_ns) {
   Status outcome = status;
   {
     std::lock_guard lock(mutex_);
     TensorRecord* t = registry_.find(id);  // present: a migrating tensor cannot be unregistered
+    if (status.is_ok() && tracer_.enabled()) {
+      TraceRecord r;
+      r.kind = static_cast<int32_t>(TraceKind::kMigration);
+      r.start_ns = r.queued_ns = queued_ns;
+      r.end_ns = tracer_.now();
+      r.bytes = t->nbytes;
+      r.tensor = id;
+      r.src_tier = static_cast<int32_t>(t->tier);
+      r.dst_tier = static_cast<int32_t>(dst);
+      tracer_.record(r);
+    }
     if (status.is_ok()) {
       // The data has landed: only now is the source given up.
       (void)arena(t->tier)->free(t->offset);
@@ -358,6 +382,18 @@ void Runtime::finish_move(TensorId id, Tier dst, uint64_t dst_offset, Status sta
 }
 
 void Runtime::account(Link link, uint64_t bytes, uint64_t busy_ns) {
+  if (tracer_.enabled() && (link == Link::kH2D || link == Link::kD2H)) {
+    TraceRecord r;
+    r.kind = static_cast<int32_t>(link == Link::kH2D ? TraceKind::kCopyH2D : TraceKind::kCopyD2H);
+    r.end_ns = tracer_.now();
+    r.start_ns = r.end_ns > busy_ns ? r.end_ns - busy_ns : 0;
+    r.bytes = bytes;
+    tracer_.record(r);
+  }
+  account_counters(link, bytes, busy_ns);
+}
+
+void Runtime::account_counters(Link link, uint64_t bytes, uint64_t busy_ns) {
   std::lock_guard lock(mutex_);
   LinkCounters& c = links_[static_cast<int>(link)];
   c.bytes += bytes;
@@ -565,6 +601,17 @@ Status Runtime::measure_nvme_read(double* rate) {
   (void)nvme_->extents().free(extent);
   (void)arena(Tier::kDram)->free(dram_offset);
   return s;
+}
+
+}  // namespace strata
+
+namespace strata {
+
+std::vector<std::pair<uint64_t, std::string>> Runtime::tensor_names() {
+  std::lock_guard lock(mutex_);
+  std::vector<std::pair<uint64_t, std::string>> out;
+  registry_.for_each([&](const TensorRecord& t) { out.emplace_back(t.id, t.spec.name); });
+  return out;
 }
 
 }  // namespace strata

@@ -22,6 +22,7 @@
 #include "runtime/memory_region.h"
 #include "runtime/nvme_tier.h"
 #include "runtime/tensor_registry.h"
+#include "runtime/trace.h"
 #include "runtime/types.h"
 
 namespace strata {
@@ -94,6 +95,14 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void reset_link_counters();
   void synchronize();
 
+  Tracer& tracer() { return tracer_; }
+  // Names of all registered tensors, for trace files.
+  std::vector<std::pair<uint64_t, std::string>> tensor_names();
+  // Adds a completed copy to the link counters (and the trace, timed as ending now).
+  void account(Link link, uint64_t bytes, uint64_t busy_ns);
+  // The link counters only (for copies whose trace record the caller writes itself).
+  void account_counters(Link link, uint64_t bytes, uint64_t busy_ns);
+
   // --- for the executor and planner ---
   const std::shared_ptr<DeviceBackend>& backend() const { return backend_; }
   NvmeTier* nvme_tier() { return nvme_.get(); }
@@ -125,11 +134,12 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   Status start_transfer(const TensorRecord& t, Tier dst, uint64_t dst_offset, void* stream,
                         FinishMove finish, std::shared_ptr<DeviceFence>* fence);
   void finish_move(TensorId id, Tier dst, uint64_t dst_offset, Status status,
-                   std::shared_ptr<Checksums> crcs, const std::shared_ptr<Completion>& completion);
-  void account(Link link, uint64_t bytes, uint64_t busy_ns);
+                   std::shared_ptr<Checksums> crcs, const std::shared_ptr<Completion>& completion,
+                   uint64_t queued_ns);
   void release_export(TensorId id);
 
   std::shared_ptr<DeviceBackend> backend_;
+  Tracer tracer_;  // before the tiers: their threads record into it until they stop
   std::string backend_reason_;
   int device_numa_node_ = -1;
   std::array<std::shared_ptr<MemoryRegion>, kTierCount> regions_;

@@ -97,6 +97,16 @@ class CudaFence final : public DeviceFence {
     STRATA_CUDA_RETURN(cudaEventSynchronize(event_.get()), "cudaEventSynchronize");
     return Status::ok();
   }
+  bool is_done() const override { return cudaEventQuery(event_.get()) != cudaErrorNotReady; }
+  Status elapsed_since(const DeviceFence& earlier, uint64_t* ns) const override {
+    const auto* e = dynamic_cast<const CudaFence*>(&earlier);
+    if (e == nullptr) return error(Code::kInternal, "fences of different backends");
+    float ms = 0;
+    STRATA_CUDA_RETURN(cudaEventElapsedTime(&ms, e->event_.get(), event_.get()),
+                       "cudaEventElapsedTime");
+    *ns = static_cast<uint64_t>(std::max(0.0f, ms) * 1e6f);
+    return Status::ok();
+  }
 
  private:
   int device_;

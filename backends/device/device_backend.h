@@ -38,6 +38,10 @@ class DeviceFence {
   virtual Status enqueue_wait(void* stream) = 0;
   // Block the calling thread until the fenced work is done.
   virtual Status host_wait() = 0;
+  // Whether the fenced work is done, without blocking.
+  virtual bool is_done() const = 0;
+  // Nanoseconds between an earlier fence of the same backend and this one, both done.
+  virtual Status elapsed_since(const DeviceFence& earlier, uint64_t* ns) const = 0;
 };
 
 struct CopyResult {

@@ -26,11 +26,13 @@ struct HostCopyState {
   std::mutex mutex;
   std::condition_variable done_cv;
   bool done = false;
+  Clock::time_point done_at;
 
   void mark_done() {
     {
       std::lock_guard lock(mutex);
       done = true;
+      done_at = Clock::now();
     }
     done_cv.notify_all();
   }
@@ -46,6 +48,18 @@ class HostFence final : public DeviceFence {
   Status enqueue_wait(void* /*stream*/) override { return host_wait(); }
   Status host_wait() override {
     state_->wait();
+    return Status::ok();
+  }
+  bool is_done() const override {
+    std::lock_guard lock(state_->mutex);
+    return state_->done;
+  }
+  Status elapsed_since(const DeviceFence& earlier, uint64_t* ns) const override {
+    const auto* e = dynamic_cast<const HostFence*>(&earlier);
+    if (e == nullptr) return error(Code::kInternal, "fences of different backends");
+    const auto d = state_->done_at - e->state_->done_at;
+    *ns = static_cast<uint64_t>(
+        std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::nanoseconds>(d).count()));
     return Status::ok();
   }
 

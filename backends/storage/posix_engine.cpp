@@ -31,7 +31,7 @@ class PosixEngine final : public StorageEngine {
     {
       std::lock_guard lock(mutex_);
       if (stopping_) return error(Code::kInvalidState, "storage engine is shut down");
-      begin_request(request.op);
+      begin_request(request);
       queue_.push_back(std::move(request));
     }
     cv_.notify_one();
@@ -49,7 +49,7 @@ class PosixEngine final : public StorageEngine {
     cv_.notify_all();
     for (auto& w : workers_) w.join();
     for (auto& r : cancelled) {
-      end_request(r.op, 0);
+      end_request(r, false);
       r.done(error(Code::kCancelled, "storage request cancelled: the runtime was destroyed"));
     }
   }
@@ -77,7 +77,7 @@ class PosixEngine final : public StorageEngine {
         const int64_t result = filter_result(r, done, n < 0 ? -errno : n);
         if (advance(r, &done, result, &status)) break;
       }
-      end_request(r.op, status.is_ok() ? r.len : 0);
+      end_request(r, status.is_ok());
       r.done(std::move(status));
     }
   }

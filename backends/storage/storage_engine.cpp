@@ -29,19 +29,28 @@ void StorageEngine::reset_counters() {
   }
 }
 
-void StorageEngine::begin_request(IoOp op) {
+void StorageEngine::begin_request(IoRequest& request) {
+  const int64_t now = now_ns();
+  request.submitted_ns = now;
   std::lock_guard lock(counters_mutex_);
-  const int i = static_cast<int>(op);
-  if (in_flight_[i]++ == 0) busy_since_ns_[i] = now_ns();
+  const int i = static_cast<int>(request.op);
+  if (in_flight_[i]++ == 0) busy_since_ns_[i] = now;
 }
 
-void StorageEngine::end_request(IoOp op, uint64_t bytes) {
-  std::lock_guard lock(counters_mutex_);
-  const int i = static_cast<int>(op);
-  counters_[i].bytes += bytes;
-  counters_[i].requests += 1;
-  if (--in_flight_[i] == 0) {
-    counters_[i].busy_ns += static_cast<uint64_t>(now_ns() - busy_since_ns_[i]);
+void StorageEngine::end_request(const IoRequest& request, bool ok) {
+  const int64_t now = now_ns();
+  {
+    std::lock_guard lock(counters_mutex_);
+    const int i = static_cast<int>(request.op);
+    if (ok) {
+      counters_[i].bytes += request.len;
+      counters_[i].requests += 1;
+    }
+    if (--in_flight_[i] == 0)
+      counters_[i].busy_ns += static_cast<uint64_t>(now - busy_since_ns_[i]);
+  }
+  if (ok && options_.on_request) {
+    options_.on_request(request.op, request.len, static_cast<uint64_t>(now - request.submitted_ns));
   }
 }
 

@@ -24,6 +24,9 @@ enum class IoEngineKind : int32_t { kAuto = 0, kUring = 1, kPosix = 2 };
 using IoFaultHook =
     std::function<int64_t(IoOp op, int file, uint64_t offset, uint64_t len, int64_t result)>;
 
+// Called when a request finished successfully, with its bytes and the time it was in flight.
+using IoRequestHook = std::function<void(IoOp op, uint64_t bytes, uint64_t in_flight_ns)>;
+
 struct IoRequest {
   IoOp op = IoOp::kRead;
   int file = 0;                  // index into the engine's files
@@ -32,6 +35,7 @@ struct IoRequest {
   uint64_t len = 0;              // 4 KiB multiple
   // Called exactly once, from an engine thread, when the request finished or failed.
   std::function<void(Status)> done;
+  int64_t submitted_ns = 0;  // set by the engine
 };
 
 struct StorageFile {
@@ -50,6 +54,7 @@ struct StorageEngineOptions {
   // Memory ranges to register as fixed buffers (io_uring only); others still work, unregistered.
   std::vector<std::pair<void*, uint64_t>> buffers;
   IoFaultHook fault_hook;
+  IoRequestHook on_request;  // tracing; may be empty
 };
 
 class StorageEngine {
@@ -69,8 +74,8 @@ class StorageEngine {
       : files_(std::move(files)), options_(std::move(options)) {}
 
   // Bookkeeping every engine shares. `begin` when a request goes in flight, `end` when it leaves.
-  void begin_request(IoOp op);
-  void end_request(IoOp op, uint64_t bytes);
+  void begin_request(IoRequest& request);
+  void end_request(const IoRequest& request, bool ok);
   // Applies the fault hook to one transfer's result.
   int64_t filter_result(const IoRequest& r, uint64_t done, int64_t result) const;
   // Advances a request by one transfer's result. Returns true when it is finished (with *status

@@ -81,7 +81,7 @@ class UringEngine final : public StorageEngine {
       delete op;
       return error(Code::kInvalidState, "storage engine is shut down");
     }
-    begin_request(op->request.op);
+    begin_request(op->request);
     if (in_flight_ >= depth_) {
       overflow_.push_back(op);
       return Status::ok();
@@ -155,7 +155,7 @@ class UringEngine final : public StorageEngine {
   }
 
   void finish(Op* op, Status status) {
-    end_request(op->request.op, status.is_ok() ? op->request.len : 0);
+    end_request(op->request, status.is_ok());
     auto done = std::move(op->request.done);
     delete op;
     done(std::move(status));

@@ -796,6 +796,58 @@ typedef struct strata_executor_stats {
 STRATA_API strata_status_t strata_executor_get_stats(strata_executor_t* executor,
                                                      strata_executor_stats_t* out);
 
+/* ---------------------------------------------------------------------------------------------
+ * Tracing: where the bytes went, how fast each link ran, where the GPU waited
+ *
+ * Off by default. When on, every migration, device copy (moves and the executor's streaming),
+ * NVMe request, and layer acquire (with how long its stream waited) and release is recorded
+ * into per-thread lock-free rings; flushing writes a Chrome trace / Perfetto JSON file with a
+ * track per link and per stream. `tools/strata-prof` summarizes and plots such files.
+ * ------------------------------------------------------------------------------------------- */
+typedef int32_t strata_trace_kind_t;
+#define STRATA_TRACE_MIGRATION 0
+#define STRATA_TRACE_COPY_H2D 1
+#define STRATA_TRACE_COPY_D2H 2
+#define STRATA_TRACE_NVME_READ 3
+#define STRATA_TRACE_NVME_WRITE 4
+#define STRATA_TRACE_ACQUIRE 5
+#define STRATA_TRACE_RELEASE 6
+#define STRATA_TRACE_OPTIMIZER 7
+#define STRATA_TRACE_KIND_COUNT 8
+
+typedef struct strata_trace_config {
+  size_t struct_size;     /* STRATA_TRACE_CONFIG_STRUCT_SIZE */
+  uint32_t ring_capacity; /* records per thread before new ones are dropped; 0 = 65536 */
+} strata_trace_config_t;
+#define STRATA_TRACE_CONFIG_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_trace_config_t, ring_capacity)
+
+/* Start (or restart, discarding earlier records) tracing. config: borrowed; NULL = defaults.
+ * Errors: INVALID_ARGUMENT (NULL runtime, bad struct_size). Thread-safe. */
+STRATA_API strata_status_t strata_trace_start(strata_runtime_t* runtime,
+                                              const strata_trace_config_t* config);
+
+/* Stop recording; what was recorded stays until flushed or restarted. Errors:
+ * INVALID_ARGUMENT. Thread-safe. */
+STRATA_API strata_status_t strata_trace_stop(strata_runtime_t* runtime);
+
+/* Write every record so far to `path` (borrowed) as Chrome trace JSON, atomically (a
+ * temporary file renamed into place). Records acquires only once their wait is known (at
+ * strata_step_end). Errors: INVALID_ARGUMENT (NULL), IO (the file cannot be written).
+ * Thread-safe. */
+STRATA_API strata_status_t strata_trace_flush(strata_runtime_t* runtime, const char* path);
+
+typedef struct strata_trace_counters {
+  size_t struct_size;                        /* caller sets STRATA_TRACE_COUNTERS_STRUCT_SIZE */
+  uint64_t records[STRATA_TRACE_KIND_COUNT]; /* per strata_trace_kind_t */
+  uint64_t bytes[STRATA_TRACE_KIND_COUNT];
+  uint64_t dropped; /* records lost to full rings */
+} strata_trace_counters_t;
+#define STRATA_TRACE_COUNTERS_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_trace_counters_t, dropped)
+
+/* Counts of the records since strata_trace_start. Errors: INVALID_ARGUMENT. Thread-safe. */
+STRATA_API strata_status_t strata_trace_get_counters(strata_runtime_t* runtime,
+                                                     strata_trace_counters_t* out);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -1,0 +1,85 @@
+// Tracer: tier-traffic tracing. Off by default; when on, each thread appends fixed-size
+// records to its own single-producer ring (no lock, no allocation on the hot path: one relaxed
+// load when off, a few stores when on). A full ring drops records and counts the drops rather
+// than block the I/O or copy path. flush() drains every ring into a Chrome trace / Perfetto
+// JSON file with one track per link, per stream and for migrations.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "runtime/status.h"
+
+namespace strata {
+
+enum class TraceKind : int32_t {
+  kMigration = 0,  // a tensor moved between tiers (queued -> end)
+  kCopyH2D = 1,    // a device copy on the H2D queue
+  kCopyD2H = 2,
+  kNvmeRead = 3,  // one storage request
+  kNvmeWrite = 4,
+  kAcquire = 5,  // a layer acquire: wait_ns = how long the stream (or thread) waited
+  kRelease = 6,
+  kOptimizer = 7,
+};
+inline constexpr int kTraceKindCount = 8;
+
+struct TraceRecord {
+  uint64_t start_ns = 0;  // since the trace started
+  uint64_t end_ns = 0;
+  uint64_t queued_ns = 0;  // when it was asked for (migrations)
+  uint64_t bytes = 0;
+  uint64_t tensor = 0;  // tensor id, 0 if none
+  uint64_t stream = 0;  // the caller's stream (acquire/release)
+  uint64_t wait_ns = 0;
+  int32_t kind = 0;
+  int32_t src_tier = -1, dst_tier = -1;
+  int32_t layer = -1;
+  int32_t phase = -1;
+};
+
+struct TraceCounters {
+  uint64_t records[kTraceKindCount] = {};
+  uint64_t bytes[kTraceKindCount] = {};
+  uint64_t dropped = 0;
+};
+
+class Tracer {
+ public:
+  Tracer();
+  ~Tracer();
+
+  bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
+  // Starts a fresh trace: rings of `capacity` records per thread; earlier records are dropped.
+  void start(uint32_t capacity);
+  void stop() { enabled_.store(false, std::memory_order_relaxed); }
+  // Nanoseconds since start(), for timestamps.
+  uint64_t now() const;
+  void record(const TraceRecord& r);
+  TraceCounters counters();
+  // Writes every record so far as Chrome trace JSON to `path` (atomically: temp + rename),
+  // with `names` mapping tensor ids to names. kIo on failure.
+  Status flush(const std::string& path, const std::vector<std::pair<uint64_t, std::string>>& names);
+
+ private:
+  struct Ring;
+  Ring* ring_for_this_thread();
+  void drain(std::vector<TraceRecord>* out);
+
+  const uint64_t id_;
+  std::atomic<bool> enabled_{false};
+  std::atomic<int64_t> origin_ns_{0};
+  uint32_t capacity_ = 1 << 16;
+  std::mutex mutex_;  // guards rings_ (creation and flush), never the append path
+  std::vector<std::unique_ptr<Ring>> rings_;
+  std::vector<TraceRecord> drained_;
+  TraceCounters counters_;  // of drained records
+};
+
+const char* trace_kind_name(TraceKind kind);
+
+}  // namespace strata
