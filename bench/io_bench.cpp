@@ -18,6 +18,7 @@
 
 #include "bench_options.h"
 #include "bench_report.h"
+#include "bench_strata.h"
 #include "device_peer.h"
 #include "fio_peer.h"
 #include "strata/strata.h"
@@ -28,38 +29,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr double kGB = 1e9;
 
-void check(strata_status_t s, const char* what) {
-  if (s != STRATA_OK) {
-    throw std::runtime_error(std::string(what) + ": " + strata_status_string(s) + ": " +
-                             strata_last_error_message());
-  }
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 struct Runtime {
   strata_runtime_t* rt = nullptr;
   ~Runtime() { strata_runtime_destroy(rt); }
 };
-
-strata_tensor_t* make_tensor(strata_runtime_t* rt, const char* name, uint64_t bytes,
-                             strata_tier_t home) {
-  const int64_t shape[1] = {static_cast<int64_t>(bytes)};
-  strata_tensor_desc_t d{};
-  d.struct_size = STRATA_TENSOR_DESC_STRUCT_SIZE;
-  d.name = name;
-  d.dtype = STRATA_DTYPE_U8;
-  d.ndim = 1;
-  d.shape = shape;
-  d.role = STRATA_ROLE_OTHER;
-  d.home_tier = home;
-  strata_tensor_t* t = nullptr;
-  check(strata_tensor_register(rt, &d, &t), name);
-  return t;
-}
 
 void fill(strata_runtime_t* rt, strata_tensor_t* t, uint64_t bytes) {
   std::vector<unsigned char> chunk(64 << 20);
@@ -127,9 +100,7 @@ int run_io(const Options& opt, Report* report) {
   const char* paths[1] = {file.c_str()};
   strata_runtime_config_t c;
   strata_runtime_config_init(&c);
-  c.device_backend = backend == "cuda"   ? STRATA_DEVICE_BACKEND_CUDA
-                     : backend == "host" ? STRATA_DEVICE_BACKEND_HOST
-                                         : STRATA_DEVICE_BACKEND_AUTO;
+  c.device_backend = backend_from(backend);
   c.hbm_budget_bytes = std::max(2 * link_size, skip_nvme ? 0 : size) + (64 << 20);
   c.dram_budget_bytes = std::max(size, 2 * link_size) + (64 << 20);
   if (!skip_nvme) {

@@ -15,6 +15,7 @@
 
 #include "bench_options.h"
 #include "bench_report.h"
+#include "bench_strata.h"
 #include "device_peer.h"
 #include "fio_peer.h"
 #include "strata/strata.h"
@@ -23,28 +24,6 @@ namespace strata_bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-void check(strata_status_t s, const char* what) {
-  if (s != STRATA_OK) {
-    throw std::runtime_error(std::string(what) + ": " + strata_last_error_message());
-  }
-}
-
-strata_tensor_t* tensor(strata_runtime_t* rt, const char* name, uint64_t bytes,
-                        strata_tier_t home) {
-  const int64_t shape[1] = {static_cast<int64_t>(bytes)};
-  strata_tensor_desc_t d{};
-  d.struct_size = STRATA_TENSOR_DESC_STRUCT_SIZE;
-  d.name = name;
-  d.dtype = STRATA_DTYPE_U8;
-  d.ndim = 1;
-  d.shape = shape;
-  d.role = STRATA_ROLE_OTHER;
-  d.home_tier = home;
-  strata_tensor_t* t = nullptr;
-  check(strata_tensor_register(rt, &d, &t), name);
-  return t;
-}
 
 // a = b + s * c over float arrays, split across threads, best of `reps`: bytes counted are the
 // two reads and one write per element.
@@ -96,9 +75,7 @@ int run_links(const Options& opt, Report* report) {
 
   strata_runtime_config_t c;
   strata_runtime_config_init(&c);
-  c.device_backend = backend == "cuda"   ? STRATA_DEVICE_BACKEND_CUDA
-                     : backend == "host" ? STRATA_DEVICE_BACKEND_HOST
-                                         : STRATA_DEVICE_BACKEND_AUTO;
+  c.device_backend = backend_from(backend);
   c.hbm_budget_bytes = 2 * link_size + (64 << 20);
   c.dram_budget_bytes = 2 * link_size + (64 << 20);
   strata_runtime_t* rt = nullptr;
@@ -112,10 +89,14 @@ int run_links(const Options& opt, Report* report) {
                    strata_device_backend_name(caps.device_backend) + " backend), " +
                    std::to_string(std::thread::hardware_concurrency()) + " cores";
   void *h1 = nullptr, *h2 = nullptr, *d1 = nullptr, *d2 = nullptr;
-  check(strata_tensor_data_pointer(rt, tensor(rt, "h1", link_size, STRATA_TIER_DRAM), &h1), "ptr");
-  check(strata_tensor_data_pointer(rt, tensor(rt, "h2", link_size, STRATA_TIER_DRAM), &h2), "ptr");
-  check(strata_tensor_data_pointer(rt, tensor(rt, "d1", link_size, STRATA_TIER_HBM), &d1), "ptr");
-  check(strata_tensor_data_pointer(rt, tensor(rt, "d2", link_size, STRATA_TIER_HBM), &d2), "ptr");
+  check(strata_tensor_data_pointer(rt, make_tensor(rt, "h1", link_size, STRATA_TIER_DRAM), &h1),
+        "ptr");
+  check(strata_tensor_data_pointer(rt, make_tensor(rt, "h2", link_size, STRATA_TIER_DRAM), &h2),
+        "ptr");
+  check(strata_tensor_data_pointer(rt, make_tensor(rt, "d1", link_size, STRATA_TIER_HBM), &d1),
+        "ptr");
+  check(strata_tensor_data_pointer(rt, make_tensor(rt, "d2", link_size, STRATA_TIER_HBM), &d2),
+        "ptr");
   progress("pinned copies");
   CopyTimes pinned;
   std::string error;

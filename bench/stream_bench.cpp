@@ -12,6 +12,7 @@
 
 #include "bench_options.h"
 #include "bench_report.h"
+#include "bench_strata.h"
 #include "busy_compute.h"
 #include "device_peer.h"
 #include "strata/strata.h"
@@ -20,34 +21,6 @@ namespace strata_bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-void check(strata_status_t s, const char* what) {
-  if (s != STRATA_OK) {
-    throw std::runtime_error(std::string(what) + ": " + strata_status_string(s) + ": " +
-                             strata_last_error_message());
-  }
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-strata_tensor_t* tensor(strata_runtime_t* rt, const std::string& name, uint64_t bytes,
-                        strata_tier_t home) {
-  const int64_t shape[1] = {static_cast<int64_t>(bytes / 2)};
-  strata_tensor_desc_t d{};
-  d.struct_size = STRATA_TENSOR_DESC_STRUCT_SIZE;
-  d.name = name.c_str();
-  d.dtype = STRATA_DTYPE_BF16;
-  d.ndim = 1;
-  d.shape = shape;
-  d.role = STRATA_ROLE_WEIGHT;
-  d.home_tier = home;
-  strata_tensor_t* t = nullptr;
-  check(strata_tensor_register(rt, &d, &t), "register");
-  return t;
-}
 
 struct GraphResult {
   double step_seconds = 0;
@@ -73,13 +46,13 @@ GraphResult run_graph(strata_runtime_t* rt, bool cuda, int layers, uint64_t laye
   for (int l = 0; l < layers; ++l) {
     std::vector<strata_tensor_t*> w, g;
     for (int i = 0; i < 4; ++i) {
-      w.push_back(tensor(rt, tag + ".l" + std::to_string(l) + ".w" + std::to_string(i),
-                         layer_bytes / 4, STRATA_TIER_DRAM));
+      w.push_back(make_tensor(rt, tag + ".l" + std::to_string(l) + ".w" + std::to_string(i),
+                              layer_bytes / 4, STRATA_TIER_DRAM, true));
     }
     if (grads) {
       for (int i = 0; i < 4; ++i) {
-        g.push_back(tensor(rt, tag + ".l" + std::to_string(l) + ".g" + std::to_string(i),
-                           layer_bytes / 4, STRATA_TIER_DRAM));
+        g.push_back(make_tensor(rt, tag + ".l" + std::to_string(l) + ".g" + std::to_string(i),
+                                layer_bytes / 4, STRATA_TIER_DRAM, true));
       }
     }
     all.insert(all.end(), w.begin(), w.end());
@@ -202,9 +175,7 @@ int run_stream(const Options& opt, Report* report) {
   }
   strata_runtime_config_t c;
   strata_runtime_config_init(&c);
-  c.device_backend = backend == "cuda"   ? STRATA_DEVICE_BACKEND_CUDA
-                     : backend == "host" ? STRATA_DEVICE_BACKEND_HOST
-                                         : STRATA_DEVICE_BACKEND_AUTO;
+  c.device_backend = backend_from(backend);
   const uint64_t model = static_cast<uint64_t>(layers) * layer_bytes * (grads ? 2 : 1);
   c.dram_budget_bytes = model + 2 * layer_bytes + (256ull << 20);
   c.hbm_budget_bytes = slot_budget != 0 ? slot_budget + 2 * layer_bytes + (256ull << 20)
@@ -221,8 +192,8 @@ int run_stream(const Options& opt, Report* report) {
 
   // The link ceiling, this run: plain copies of one layer between pinned DRAM and HBM.
   progress("measuring the link ceiling");
-  strata_tensor_t* host_a = tensor(rt, "ceiling.h", layer_bytes, STRATA_TIER_DRAM);
-  strata_tensor_t* dev_a = tensor(rt, "ceiling.d", layer_bytes, STRATA_TIER_HBM);
+  strata_tensor_t* host_a = make_tensor(rt, "ceiling.h", layer_bytes, STRATA_TIER_DRAM, true);
+  strata_tensor_t* dev_a = make_tensor(rt, "ceiling.d", layer_bytes, STRATA_TIER_HBM, true);
   void *h = nullptr, *d = nullptr;
   check(strata_tensor_data_pointer(rt, host_a, &h), "pointer");
   check(strata_tensor_data_pointer(rt, dev_a, &d), "pointer");
