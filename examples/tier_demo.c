@@ -1,12 +1,14 @@
 /* strata-demo: the README's main job until the training example exists.
  *
- * Registers the weights of a Llama-style model (bf16, one tensor per projection) in the DRAM
- * tier, then streams them through HBM the way a training step does: each layer is moved in
- * (prefetching `depth` layers ahead) and out again, forward then backward, for a few steps. It
- * verifies a checksum of every tensor at the end and prints the bytes and GB/s of each link.
+ * Declares a Llama-style model to Strata (bf16 weights and grads, one tensor per projection,
+ * all in DRAM; with --nvme, every other layer's weights on NVMe), plans it against an HBM
+ * budget of a few layers, prints the plan, and runs training steps the way a framework does:
+ * acquire each layer forward, then backward, release it, while the executor streams weights
+ * in and grads out. It checks every weight is intact afterwards, and prints the bytes and GB/s
+ * of each link and what the executor did.
  *
  * Usage: strata-demo [--backend auto|cuda|host] [--layers N] [--hidden H] [--steps S]
- *                    [--depth D] */
+ *                    [--slots K] [--nvme PATH] [--trace FILE] */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <stdint.h>
 #include <stdio.h>
@@ -36,15 +38,7 @@ static double now_seconds(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static long arg_long(int argc, char** argv, const char* flag, long fallback) {
-  int i;
-  for (i = 1; i + 1 < argc; ++i) {
-    if (strcmp(argv[i], flag) == 0) return strtol(argv[i + 1], NULL, 10);
-  }
-  return fallback;
-}
-
-static const char* arg_str(int argc, char** argv, const char* flag, const char* fallback) {
+static const char* arg(int argc, char** argv, const char* flag, const char* fallback) {
   int i;
   for (i = 1; i + 1 < argc; ++i) {
     if (strcmp(argv[i], flag) == 0) return argv[i + 1];
@@ -61,181 +55,206 @@ static uint64_t checksum(strata_runtime_t* rt, strata_tensor_t* t, uint64_t nbyt
   return h;
 }
 
-/* Move every tensor of a layer to `tier`; the events are collected so the caller can wait. */
-static void move_layer(strata_runtime_t* rt, strata_tensor_t** layer, strata_tier_t tier,
-                       strata_event_t** events) {
-  int j;
-  for (j = 0; j < kTensorsPerLayer; ++j)
-    CHECK(strata_tensor_move(rt, layer[j], tier, NULL, &events[j]));
-}
-
-static void wait_layer(strata_event_t** events) {
-  int j;
-  for (j = 0; j < kTensorsPerLayer; ++j) {
-    CHECK(strata_event_wait(events[j], -1));
-    CHECK(strata_event_destroy(events[j]));
-    events[j] = NULL;
-  }
-}
-
-/* One pass over the layers in `order`: layer i+depth is prefetched while layer i "computes". */
-static void stream_pass(strata_runtime_t* rt, strata_tensor_t** tensors, const int* order, int n,
-                        int depth, strata_event_t** in_events, strata_event_t** out_events) {
-  int i;
-  for (i = 0; i < depth && i < n; ++i) {
-    move_layer(rt, &tensors[order[i] * kTensorsPerLayer], STRATA_TIER_HBM,
-               &in_events[i * kTensorsPerLayer]);
-  }
-  for (i = 0; i < n; ++i) {
-    const int slot = i % depth;
-    wait_layer(&in_events[slot * kTensorsPerLayer]); /* layer order[i] is resident: compute */
-    move_layer(rt, &tensors[order[i] * kTensorsPerLayer], STRATA_TIER_DRAM, &out_events[0]);
-    wait_layer(&out_events[0]); /* its slot is free again */
-    if (i + depth < n) {
-      move_layer(rt, &tensors[order[i + depth] * kTensorsPerLayer], STRATA_TIER_HBM,
-                 &in_events[slot * kTensorsPerLayer]);
-    }
-  }
+static strata_tensor_t* make(strata_runtime_t* rt, const char* name, const int64_t* shape,
+                             strata_role_t role, strata_tier_t home) {
+  strata_tensor_desc_t d;
+  strata_tensor_t* t = NULL;
+  memset(&d, 0, sizeof d);
+  d.struct_size = STRATA_TENSOR_DESC_STRUCT_SIZE;
+  d.name = name;
+  d.dtype = STRATA_DTYPE_BF16;
+  d.ndim = 2;
+  d.shape = shape;
+  d.role = role;
+  d.home_tier = home;
+  CHECK(strata_tensor_register(rt, &d, &t));
+  return t;
 }
 
 int main(int argc, char** argv) {
-  const char* backend_name = arg_str(argc, argv, "--backend", "auto");
-  const int layers = (int)arg_long(argc, argv, "--layers", 12);
-  const int64_t hidden = arg_long(argc, argv, "--hidden", 768);
-  const int steps = (int)arg_long(argc, argv, "--steps", 3);
-  const int depth = (int)arg_long(argc, argv, "--depth", 2);
+  const char* backend = arg(argc, argv, "--backend", "auto");
+  const int layers = atoi(arg(argc, argv, "--layers", "12"));
+  const int64_t hidden = atoll(arg(argc, argv, "--hidden", "768"));
+  const int steps = atoi(arg(argc, argv, "--steps", "3"));
+  const int slots = atoi(arg(argc, argv, "--slots", "4"));
+  const char* nvme = arg(argc, argv, "--nvme", NULL);
+  const char* trace = arg(argc, argv, "--trace", NULL);
   const int64_t mlp = hidden * 8 / 3 / 64 * 64 + 64;
+  int64_t shapes[kTensorsPerLayer][2];
   strata_runtime_config_t config;
   strata_runtime_t* rt = NULL;
   strata_capabilities_t caps;
-  strata_tensor_t** tensors;
-  uint64_t* sums;
-  uint64_t layer_bytes = 0, model_bytes, max_bytes = 0;
-  strata_event_t **in_events, *out_events[kTensorsPerLayer];
-  int *forward, *backward, i, j, step, link;
+  strata_graph_t* graph = NULL;
+  strata_plan_t* plan = NULL;
+  strata_executor_t* ex = NULL;
+  strata_plan_config_t pc;
+  strata_plan_info_t info;
+  strata_executor_stats_t st;
+  strata_tensor_t **weights, **grads;
+  uint64_t *sums, layer_bytes = 0, max_bytes = 0, model_bytes;
   unsigned char* buf;
+  size_t text_length = 0;
+  char* text;
   double start, elapsed;
+  int i, j, step, pass, link;
 
-  if (layers < 1 || hidden < 64 || steps < 1 || depth < 1) {
-    fprintf(stderr, "strata-demo: --layers >= 1, --hidden >= 64, --steps >= 1, --depth >= 1\n");
+  if (layers < 1 || hidden < 64 || steps < 1 || slots < 2) {
+    fprintf(stderr, "strata-demo: --layers >= 1, --hidden >= 64, --steps >= 1, --slots >= 2\n");
     return 2;
   }
+  for (j = 0; j < kTensorsPerLayer; ++j) {
+    shapes[j][0] = j == 6 ? hidden : (j >= 4 ? mlp : hidden);
+    shapes[j][1] = j == 6 ? mlp : hidden;
+    layer_bytes += (uint64_t)(shapes[j][0] * shapes[j][1]) * 2;
+    if ((uint64_t)(shapes[j][0] * shapes[j][1]) * 2 > max_bytes)
+      max_bytes = (uint64_t)(shapes[j][0] * shapes[j][1]) * 2;
+  }
+  model_bytes = layer_bytes * (uint64_t)layers;
+
   CHECK(strata_runtime_config_init(&config));
-  if (strcmp(backend_name, "cuda") == 0) {
+  if (strcmp(backend, "cuda") == 0) {
     config.device_backend = STRATA_DEVICE_BACKEND_CUDA;
-  } else if (strcmp(backend_name, "host") == 0) {
+  } else if (strcmp(backend, "host") == 0) {
     config.device_backend = STRATA_DEVICE_BACKEND_HOST;
-  } else if (strcmp(backend_name, "auto") != 0) {
-    fprintf(stderr, "strata-demo: --backend must be auto, cuda or host, not '%s'\n", backend_name);
+  } else if (strcmp(backend, "auto") != 0) {
+    fprintf(stderr, "strata-demo: --backend must be auto, cuda or host, not '%s'\n", backend);
     return 2;
   }
-  {
-    const int64_t shapes[kTensorsPerLayer][2] = {
-        {hidden, hidden}, {hidden, hidden}, {hidden, hidden}, {hidden, hidden},
-        {mlp, hidden},    {mlp, hidden},    {hidden, mlp}};
-    for (j = 0; j < kTensorsPerLayer; ++j) {
-      const uint64_t b = (uint64_t)(shapes[j][0] * shapes[j][1]) * 2;
-      layer_bytes += (b + 255) / 256 * 256;
-      if (b > max_bytes) max_bytes = b;
-    }
-    model_bytes = layer_bytes * (uint64_t)layers;
-    /* DRAM holds the model; HBM holds `depth` prefetched layers plus the one being evicted. */
-    config.dram_budget_bytes = model_bytes + (64u << 20);
-    config.hbm_budget_bytes = layer_bytes * (uint64_t)(depth + 1) + (16u << 20);
-    CHECK(strata_runtime_create(&config, &rt));
-
-    tensors = calloc((size_t)layers * kTensorsPerLayer, sizeof *tensors);
-    sums = calloc((size_t)layers * kTensorsPerLayer, sizeof *sums);
-    buf = malloc(max_bytes);
-    if (tensors == NULL || sums == NULL || buf == NULL) {
-      fprintf(stderr, "strata-demo: out of host memory\n");
-      return 1;
-    }
-    for (i = 0; i < layers; ++i) {
-      for (j = 0; j < kTensorsPerLayer; ++j) {
-        char name[96];
-        strata_tensor_desc_t d;
-        strata_tensor_t* t = NULL;
-        const uint64_t nbytes = (uint64_t)(shapes[j][0] * shapes[j][1]) * 2;
-        uint64_t k;
-        snprintf(name, sizeof name, "model.layers.%d.%s.weight", i, kProjections[j]);
-        memset(&d, 0, sizeof d);
-        d.struct_size = STRATA_TENSOR_DESC_STRUCT_SIZE;
-        d.name = name;
-        d.dtype = STRATA_DTYPE_BF16;
-        d.ndim = 2;
-        d.shape = shapes[j];
-        d.role = STRATA_ROLE_WEIGHT;
-        d.home_tier = STRATA_TIER_DRAM;
-        CHECK(strata_tensor_register(rt, &d, &t));
-        for (k = 0; k < nbytes; ++k)
-          buf[k] = (unsigned char)(k * 31 + (uint64_t)i * 7 + (uint64_t)j);
-        CHECK(strata_tensor_write(rt, t, 0, buf, nbytes));
-        tensors[i * kTensorsPerLayer + j] = t;
-        sums[i * kTensorsPerLayer + j] = checksum(rt, t, nbytes, buf);
-      }
-    }
+  /* DRAM holds weights and grads; HBM holds `slots` layers (weights + grad buffers). */
+  config.dram_budget_bytes = 2 * model_bytes + (256u << 20);
+  config.hbm_budget_bytes = 2 * layer_bytes * (uint64_t)slots + (128u << 20);
+  if (nvme != NULL) {
+    config.nvme_paths = &nvme;
+    config.nvme_path_count = 1;
+    config.nvme_budget_bytes = model_bytes + (64u << 20);
+    config.nvme_checksums = 1;
   }
+  CHECK(strata_runtime_create(&config, &rt));
   memset(&caps, 0, sizeof caps);
   caps.struct_size = STRATA_CAPABILITIES_STRUCT_SIZE;
   CHECK(strata_runtime_capabilities(rt, &caps));
   printf("strata %s | backend %s | device %s | GPU NUMA node %d\n", strata_version_string(),
          strata_device_backend_name(caps.device_backend), caps.device_name, caps.device_numa_node);
-  printf("  (%s)\n", caps.backend_reason);
-  printf("model: %d layers x %d bf16 tensors, hidden %lld, mlp %lld: %.1f MB of weights in DRAM\n",
-         layers, kTensorsPerLayer, (long long)hidden, (long long)mlp, (double)model_bytes / 1e6);
-  printf("streaming %d step(s), forward then backward, prefetch depth %d, HBM budget %.1f MB\n",
-         steps, depth, (double)config.hbm_budget_bytes / 1e6);
+  printf("  (%s)\n  dram: %s, pinned %.0f MB in %.3f s", caps.backend_reason, caps.dram_placement,
+         (double)config.dram_budget_bytes / 1e6, caps.dram_fault_seconds + caps.dram_pin_seconds);
+  if (nvme != NULL) printf("; nvme: %s (%s)", nvme, caps.io_engine);
+  printf("\n");
 
-  forward = malloc(sizeof(int) * (size_t)layers);
-  backward = malloc(sizeof(int) * (size_t)layers);
-  in_events = calloc((size_t)depth * kTensorsPerLayer, sizeof *in_events);
-  if (forward == NULL || backward == NULL || in_events == NULL) return 1;
+  weights = calloc((size_t)layers * kTensorsPerLayer, sizeof *weights);
+  grads = calloc((size_t)layers * kTensorsPerLayer, sizeof *grads);
+  sums = calloc((size_t)layers * kTensorsPerLayer, sizeof *sums);
+  buf = malloc(max_bytes);
+  if (weights == NULL || grads == NULL || sums == NULL || buf == NULL) return 1;
+  CHECK(strata_graph_create(rt, &graph));
   for (i = 0; i < layers; ++i) {
-    forward[i] = i;
-    backward[i] = layers - 1 - i;
+    strata_layer_desc_t d;
+    char name[96];
+    const strata_tier_t home = nvme != NULL && i % 2 == 1 ? STRATA_TIER_NVME : STRATA_TIER_DRAM;
+    for (j = 0; j < kTensorsPerLayer; ++j) {
+      const uint64_t nbytes = (uint64_t)(shapes[j][0] * shapes[j][1]) * 2;
+      uint64_t k;
+      snprintf(name, sizeof name, "model.layers.%d.%s.weight", i, kProjections[j]);
+      weights[i * kTensorsPerLayer + j] = make(rt, name, shapes[j], STRATA_ROLE_WEIGHT, home);
+      for (k = 0; k < nbytes; ++k) buf[k] = (unsigned char)(k * 31 + (uint64_t)i * 7 + (uint64_t)j);
+      CHECK(strata_tensor_write(rt, weights[i * kTensorsPerLayer + j], 0, buf, nbytes));
+      sums[i * kTensorsPerLayer + j] = checksum(rt, weights[i * kTensorsPerLayer + j], nbytes, buf);
+    }
+    for (j = 0; j < kTensorsPerLayer; ++j) {
+      snprintf(name, sizeof name, "model.layers.%d.%s.weight.grad", i, kProjections[j]);
+      grads[i * kTensorsPerLayer + j] =
+          make(rt, name, shapes[j], STRATA_ROLE_GRAD, STRATA_TIER_DRAM);
+    }
+    memset(&d, 0, sizeof d);
+    d.struct_size = STRATA_LAYER_DESC_STRUCT_SIZE;
+    snprintf(name, sizeof name, "model.layers.%d", i);
+    d.name = name;
+    d.weights = &weights[i * kTensorsPerLayer];
+    d.weight_count = kTensorsPerLayer;
+    d.grads = &grads[i * kTensorsPerLayer];
+    d.grad_count = kTensorsPerLayer;
+    CHECK(strata_graph_add_layer(graph, &d, NULL));
   }
+  CHECK(strata_plan_config_init(&pc));
+  pc.hbm_slot_budget_bytes =
+      2 * layer_bytes * (uint64_t)slots + 4096u * 2 * kTensorsPerLayer * (uint64_t)slots;
+  CHECK(strata_plan_create(graph, &pc, &plan));
+  CHECK(strata_plan_dump(plan, STRATA_PLAN_FORMAT_TEXT, NULL, 0, &text_length));
+  text = malloc(text_length + 1);
+  if (text == NULL) return 1;
+  CHECK(strata_plan_dump(plan, STRATA_PLAN_FORMAT_TEXT, text, text_length + 1, NULL));
+  printf("%s", text);
+  free(text);
+  memset(&info, 0, sizeof info);
+  info.struct_size = STRATA_PLAN_INFO_STRUCT_SIZE;
+  CHECK(strata_plan_get_info(plan, &info));
+  CHECK(strata_executor_create(plan, &ex));
+  if (trace != NULL) CHECK(strata_trace_start(rt, NULL));
+
   CHECK(strata_runtime_reset_stats(rt));
   start = now_seconds();
   for (step = 0; step < steps; ++step) {
-    stream_pass(rt, tensors, forward, layers, depth, in_events, out_events);
-    stream_pass(rt, tensors, backward, layers, depth, in_events, out_events);
+    CHECK(strata_step_begin(ex));
+    for (pass = 0; pass < 2; ++pass) {
+      for (i = 0; i < layers; ++i) {
+        const uint32_t layer = (uint32_t)(pass == 0 ? i : layers - 1 - i);
+        const strata_phase_t phase = pass == 0 ? STRATA_PHASE_FORWARD : STRATA_PHASE_BACKWARD;
+        strata_layer_views_t views;
+        memset(&views, 0, sizeof views);
+        views.struct_size = STRATA_LAYER_VIEWS_STRUCT_SIZE;
+        CHECK(strata_layer_acquire(ex, layer, phase, NULL, STRATA_ACQUIRE_DEFAULT, &views));
+        /* A framework computes here on views.weights (and fills views.grads backward). */
+        CHECK(strata_layer_release(ex, layer, phase, NULL));
+      }
+    }
+    CHECK(strata_step_end(ex));
     printf("  step %d/%d done\n", step + 1, steps);
     fflush(stdout);
   }
   elapsed = now_seconds() - start;
+  if (trace != NULL) {
+    CHECK(strata_trace_flush(rt, trace));
+    printf("trace written to %s (tools/strata-prof %s)\n", trace, trace);
+  }
+  memset(&st, 0, sizeof st);
+  st.struct_size = STRATA_EXECUTOR_STATS_STRUCT_SIZE;
+  CHECK(strata_executor_get_stats(ex, &st));
+  CHECK(strata_executor_destroy(ex));
 
   for (i = 0; i < layers * kTensorsPerLayer; ++i) {
-    strata_tensor_info_t info;
-    memset(&info, 0, sizeof info);
-    info.struct_size = STRATA_TENSOR_INFO_STRUCT_SIZE;
-    CHECK(strata_tensor_get_info(rt, tensors[i], &info));
-    if (info.tier != STRATA_TIER_DRAM || checksum(rt, tensors[i], info.nbytes, buf) != sums[i]) {
-      fprintf(stderr, "strata-demo: tensor %s came back changed\n", info.name);
+    strata_tensor_info_t ti;
+    memset(&ti, 0, sizeof ti);
+    ti.struct_size = STRATA_TENSOR_INFO_STRUCT_SIZE;
+    CHECK(strata_tensor_get_info(rt, weights[i], &ti));
+    if (checksum(rt, weights[i], ti.nbytes, buf) != sums[i]) {
+      fprintf(stderr, "strata-demo: weight %s came back changed\n", ti.name);
       return 1;
     }
   }
-  printf("all %d tensors verified after streaming\n", layers * kTensorsPerLayer);
-  printf("%-6s %12s %10s %12s %14s\n", "link", "bytes", "transfers", "busy (s)", "GB/s (busy)");
-  for (link = STRATA_LINK_H2D; link <= STRATA_LINK_D2H; ++link) {
+  printf("all %d weights verified after %d streamed steps (%.1f MB of weights, %.1f MB of grads)\n",
+         layers * kTensorsPerLayer, steps, (double)model_bytes / 1e6, (double)model_bytes / 1e6);
+  printf("executor: %llu layer loads, %llu reused from their slot, %.1f MB in, %.1f MB out\n",
+         (unsigned long long)st.loads, (unsigned long long)st.reused_loads,
+         (double)st.bytes_in / 1e6, (double)st.bytes_out / 1e6);
+  printf("%-11s %14s %10s %10s %12s\n", "link", "bytes", "transfers", "busy (s)", "GB/s (busy)");
+  for (link = 0; link < STRATA_LINK_COUNT; ++link) {
     strata_link_stats_t s;
     memset(&s, 0, sizeof s);
     s.struct_size = STRATA_LINK_STATS_STRUCT_SIZE;
     CHECK(strata_runtime_link_stats(rt, link, &s));
-    printf("%-6s %12llu %10llu %12.4f %14.2f\n", strata_link_name(link),
+    printf("%-11s %14llu %10llu %10.4f %12.2f\n", strata_link_name(link),
            (unsigned long long)s.bytes, (unsigned long long)s.transfers, (double)s.busy_ns * 1e-9,
            s.busy_ns > 0 ? (double)s.bytes / (double)s.busy_ns : 0.0);
   }
-  printf("wall time %.3f s for %.1f GB moved (%.2f GB/s over both links)\n", elapsed,
-         2.0 * 2.0 * (double)steps * (double)model_bytes / 1e9,
-         4.0 * (double)steps * (double)model_bytes / 1e9 / elapsed);
+  printf(
+      "wall time %.3f s for %d steps (%.3f s per step; planner predicted %.3f s, bottleneck %s)\n",
+      elapsed, steps, elapsed / steps, info.predicted_step_seconds, info.bottleneck);
 
+  CHECK(strata_plan_destroy(plan));
+  CHECK(strata_graph_destroy(graph));
   CHECK(strata_runtime_destroy(rt));
-  free(tensors);
+  free(weights);
+  free(grads);
   free(sums);
   free(buf);
-  free(forward);
-  free(backward);
-  free(in_events);
   return 0;
 }
