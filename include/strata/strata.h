@@ -412,7 +412,8 @@ typedef struct strata_link_stats {
 
 /* Counters of one link. bytes / busy_ns is the link's achieved bandwidth while busy.
  * runtime, out: borrowed. Errors: INVALID_ARGUMENT (NULL, unknown link, bad struct_size).
- * Thread-safe; counts only completed transfers. */
+ * Thread-safe; counts only completed transfers (an executor's copies are counted when their
+ * step ends, at strata_step_end). */
 STRATA_API strata_status_t strata_runtime_link_stats(strata_runtime_t* runtime, strata_link_t link,
                                                      strata_link_stats_t* out);
 
@@ -757,9 +758,10 @@ typedef struct strata_layer_views {
  * each tensor, so compute starts on the first tensor while the rest land. */
 #define STRATA_ACQUIRE_NO_WAIT 1u
 
-/* Acquire the next layer of the step. Makes `stream` wait (device-side; the calling thread
- * does not block, except for weights homed on NVMe) until the layer's data is in HBM, fills
- * *views, and lets loads further ahead start. Layers must come in step order.
+/* Acquire the next layer of the step. Makes `stream` wait (device-side) until the layer's data
+ * is in HBM, fills *views, and lets loads further ahead start. The calling thread blocks only
+ * when it has run more than the prefetch depth ahead of the device (the layer's slot is still
+ * in use there) or for weights homed on NVMe. Layers must come in step order.
  * Errors: INVALID_ARGUMENT (NULL, a layer index the graph does not have, unknown phase or
  * flags, bad struct_size), INVALID_STATE (outside a step, out of order, already acquired),
  * BACKEND, IO, DATA_CORRUPTION (an NVMe-homed weight failed its checksum). Thread-safe. */
