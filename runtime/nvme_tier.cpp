@@ -261,17 +261,19 @@ Status NvmeTier::verify(const std::string& tensor, const Piece& p, const unsigne
                p.file_offset, ": stored crc32c ", hex(expected), ", read ", hex(actual));
 }
 
-Status NvmeTier::run_direct_write(const unsigned char* src, uint64_t extent, uint64_t len,
-                                  Checksums* crcs) {
+Status NvmeTier::run_direct(IoOp op, const std::string& tensor, unsigned char* host,
+                            uint64_t extent, uint64_t len, Checksums* written,
+                            const Checksums* expected) {
+  const bool write = op == IoOp::kWrite;
   const auto ps = pieces(extent, len);
-  if (crcs != nullptr) crcs->reset(ps.size());
+  if (written != nullptr) written->reset(ps.size());
   PieceTracker t(ps.size());
   std::size_t issued = 0;
   Status first;
   for (const Piece& p : ps) {
-    auto* buf = const_cast<unsigned char*>(src + p.rel);
-    if (options_.checksums && crcs != nullptr) crcs->set(p.index, crc32c(buf, p.len));
-    Status s = submit_io(IoOp::kWrite, p, buf,
+    if (options_.checksums && written != nullptr)
+      written->set(p.index, crc32c(host + p.rel, p.len));
+    Status s = submit_io(op, p, host + p.rel,
                          [&t, i = p.index](Status r) { t.complete(i, std::move(r)); });
     if (!s.is_ok()) {
       first = s;
@@ -279,32 +281,10 @@ Status NvmeTier::run_direct_write(const unsigned char* src, uint64_t extent, uin
     }
     ++issued;
   }
+  // Reads check each piece as it lands, while later pieces are still on their way.
   for (std::size_t i = 0; i < issued; ++i) {
     Status s = t.wait(i);
-    if (first.is_ok() && !s.is_ok()) first = s;
-  }
-  return first;
-}
-
-Status NvmeTier::run_direct_read(const std::string& tensor, unsigned char* dst, uint64_t extent,
-                                 uint64_t len, const Checksums* crcs) {
-  const auto ps = pieces(extent, len);
-  PieceTracker t(ps.size());
-  std::size_t issued = 0;
-  Status first;
-  for (const Piece& p : ps) {
-    Status s = submit_io(IoOp::kRead, p, dst + p.rel,
-                         [&t, i = p.index](Status r) { t.complete(i, std::move(r)); });
-    if (!s.is_ok()) {
-      first = s;
-      break;
-    }
-    ++issued;
-  }
-  // Check each piece as it lands, while later pieces are still being read.
-  for (std::size_t i = 0; i < issued; ++i) {
-    Status s = t.wait(i);
-    if (s.is_ok()) s = verify(tensor, ps[i], dst + ps[i].rel, crcs);
+    if (s.is_ok() && !write) s = verify(tensor, ps[i], host + ps[i].rel, expected);
     if (first.is_ok() && !s.is_ok()) first = s;
   }
   return first;
@@ -394,11 +374,12 @@ Status NvmeTier::host_copy(void* dst, const void* src, uint64_t bytes) {
 void NvmeTier::write_from_host(std::string tensor, const unsigned char* src, uint64_t extent,
                                uint64_t len, std::shared_ptr<Checksums> crcs, Done done,
                                std::shared_ptr<Completion> gate) {
-  (void)tensor;
   to_disk_->push(Job{[=, this] {
                        if (gate) STRATA_RETURN_IF_ERROR(gate->wait(-1));
-                       if (options_.direct_dram)
-                         return run_direct_write(src, extent, len, crcs.get());
+                       if (options_.direct_dram) {
+                         return run_direct(IoOp::kWrite, tensor, const_cast<unsigned char*>(src),
+                                           extent, len, crcs.get(), nullptr);
+                       }
                        return run_staged_write(src, len, extent, len, crcs.get(), host_copy);
                      },
                      std::move(done)});
@@ -406,14 +387,14 @@ void NvmeTier::write_from_host(std::string tensor, const unsigned char* src, uin
 
 void NvmeTier::read_to_host(std::string tensor, unsigned char* dst, uint64_t extent, uint64_t len,
                             std::shared_ptr<const Checksums> crcs, Done done) {
-  from_disk_->push(Job{[=, this] {
-                         if (options_.direct_dram) {
-                           return run_direct_read(tensor, dst, extent, len, crcs.get());
-                         }
-                         return run_staged_read(tensor, dst, len, extent, len, crcs.get(),
-                                                host_copy);
-                       },
-                       std::move(done)});
+  from_disk_->push(
+      Job{[=, this] {
+            if (options_.direct_dram) {
+              return run_direct(IoOp::kRead, tensor, dst, extent, len, nullptr, crcs.get());
+            }
+            return run_staged_read(tensor, dst, len, extent, len, crcs.get(), host_copy);
+          },
+          std::move(done)});
 }
 
 void NvmeTier::write_from_device(std::string tensor, const unsigned char* device, uint64_t nbytes,

@@ -126,9 +126,9 @@ class NvmeTier {
   static Status host_copy(void* dst, const void* src, uint64_t bytes);
 
   // Direct: O_DIRECT straight between host memory and disk, all pieces queued at once.
-  Status run_direct_write(const unsigned char* src, uint64_t extent, uint64_t len, Checksums* crcs);
-  Status run_direct_read(const std::string& tensor, unsigned char* dst, uint64_t extent,
-                         uint64_t len, const Checksums* crcs);
+  // A write fills *written (if any); a read checks each piece against *expected (if any).
+  Status run_direct(IoOp op, const std::string& tensor, unsigned char* host, uint64_t extent,
+                    uint64_t len, Checksums* written, const Checksums* expected);
   // Staged: through the pinned slots; piece i crosses `copy` while pieces i+1.. are on disk.
   Status run_staged_write(const unsigned char* src, uint64_t nbytes, uint64_t extent, uint64_t len,
                           Checksums* crcs, const CopyFn& copy_in);
