@@ -339,14 +339,12 @@ Status Executor::issue_load(std::size_t p) {
 
   // Before anything lands in the slot: its previous user is done with it, and what it sent out
   // has left.
-  std::vector<std::shared_ptr<DeviceFence>> slot_free;
-  if (slot.outbound) slot_free.push_back(slot.outbound);
+  const std::vector<std::shared_ptr<DeviceFence>> slot_free = slot_free_fences(p);
   if (sched.reuse && !slot.weight_ready.empty()) {
     ++stats_.reused_loads;
     ready.weights = slot.weight_ready;
     ready.activations = slot.activation_ready;
   } else {
-    if (slot.consumer) slot_free.push_back(slot.consumer);
     slot.weight_ready.clear();
     slot.activation_ready.clear();
     if (!homes.nvme_weights.empty()) {

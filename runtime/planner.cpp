@@ -20,10 +20,14 @@ uint64_t align(uint64_t v, uint64_t a) {
   return (v + a - 1) / a * a;
 }
 
+// Looks tensors up once for the whole plan: catches a tensor declared twice, and records each
+// layer tensor's home tier for the plan's dump as it goes.
 struct Lookup {
   Runtime& runtime;
+  std::vector<std::pair<std::string, std::string>>& homes;
   std::set<TensorId> seen;
-  Status get(TensorId id, const std::string& layer, const char* role, TensorRecord* out) {
+  Status get(TensorId id, const std::string& layer, const char* role, TensorRecord* out,
+             bool record_home = true) {
     Status s = runtime.info(id, out);
     if (!s.is_ok()) {
       return error(Code::kNotFound, "layer '", layer, "': ", role, " handle ", id,
@@ -33,6 +37,7 @@ struct Lookup {
       return error(Code::kInvalidArgument, "tensor '", out->spec.name,
                    "' is declared twice in the graph (each tensor has one layer and one role)");
     }
+    if (record_home) homes.emplace_back(out->spec.name, std::string(tier_name(out->tier)));
     return Status::ok();
   }
 };
@@ -208,11 +213,11 @@ Status make_plan(Runtime& runtime, const LayerGraph& graph, const PlanConfig& co
   Plan plan;
   plan.config = config;
   plan.layer_count = static_cast<uint32_t>(graph.layers.size());
-  Lookup lookup{runtime, {}};
+  Lookup lookup{runtime, plan.homes, {}};
   uint64_t resident_to_bring = 0;
   for (TensorId id : graph.residents) {
     TensorRecord r;
-    STRATA_RETURN_IF_ERROR(lookup.get(id, "(residents)", "resident", &r));
+    STRATA_RETURN_IF_ERROR(lookup.get(id, "(residents)", "resident", &r, false));
     plan.residents.push_back(id);
     plan.resident_bytes += r.nbytes;
     if (r.tier != Tier::kHbm) resident_to_bring += Arena::round_up(r.nbytes);
@@ -223,16 +228,6 @@ Status make_plan(Runtime& runtime, const LayerGraph& graph, const PlanConfig& co
     STRATA_RETURN_IF_ERROR(
         lay_out_layer(lookup, graph.layers[i], i, config, config.device_flops_per_second, &layer));
     plan.layers.push_back(std::move(layer));
-  }
-  for (const auto& spec : graph.layers) {
-    for (const auto* list :
-         {&spec.weights, &spec.grads, &spec.activations, &spec.optimizer_state}) {
-      for (TensorId id : *list) {
-        TensorRecord r;
-        (void)runtime.info(id, &r);
-        plan.homes.emplace_back(r.spec.name, std::string(tier_name(r.tier)));
-      }
-    }
   }
 
   // Slots: as many as the HBM left after the residents holds, at least two (one computing,
