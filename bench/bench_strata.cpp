@@ -1,5 +1,7 @@
 #include "bench_strata.h"
 
+#include "bench_report.h"
+
 #include <algorithm>
 #include <stdexcept>
 
@@ -32,6 +34,19 @@ strata_tensor_t* make_tensor(strata_runtime_t* rt, const std::string& name, uint
   strata_tensor_t* t = nullptr;
   check(strata_tensor_register(rt, &d, &t), name.c_str());
   return t;
+}
+
+strata_runtime_t* open_runtime(const strata_runtime_config_t& config, strata_capabilities_t* caps) {
+  progress("creating the runtime (pins " + std::to_string(config.dram_budget_bytes >> 20) +
+           " MiB)");
+  strata_runtime_t* rt = nullptr;
+  check(strata_runtime_create(&config, &rt), "strata_runtime_create");
+  *caps = strata_capabilities_t{};
+  caps->struct_size = STRATA_CAPABILITIES_STRUCT_SIZE;
+  const strata_status_t s = strata_runtime_capabilities(rt, caps);
+  if (s != STRATA_OK) strata_runtime_destroy(rt);
+  check(s, "capabilities");
+  return rt;
 }
 
 strata_device_backend_t backend_from(const std::string& name) {

@@ -115,12 +115,9 @@ int run_io(const Options& opt, Report* report) {
     c.io_dram_direct = dram_direct ? 1 : 0;
     c.nvme_checksums = checksums ? 1 : 0;
   }
-  progress("creating the runtime (pins " + std::to_string(c.dram_budget_bytes >> 20) + " MiB)");
   Runtime r;
-  check(strata_runtime_create(&c, &r.rt), "strata_runtime_create");
-  strata_capabilities_t caps{};
-  caps.struct_size = STRATA_CAPABILITIES_STRUCT_SIZE;
-  check(strata_runtime_capabilities(r.rt, &caps), "capabilities");
+  strata_capabilities_t caps;
+  r.rt = open_runtime(c, &caps);
   const bool cuda = caps.device_backend == STRATA_DEVICE_BACKEND_CUDA;
   report->device = std::string(caps.device_name) + " (" +
                    strata_device_backend_name(caps.device_backend) + " backend" +

@@ -78,12 +78,8 @@ int run_links(const Options& opt, Report* report) {
   c.device_backend = backend_from(backend);
   c.hbm_budget_bytes = 2 * link_size + (64 << 20);
   c.dram_budget_bytes = 2 * link_size + (64 << 20);
-  strata_runtime_t* rt = nullptr;
-  progress("pinning " + std::to_string(c.dram_budget_bytes >> 20) + " MiB");
-  check(strata_runtime_create(&c, &rt), "strata_runtime_create");
-  strata_capabilities_t caps{};
-  caps.struct_size = STRATA_CAPABILITIES_STRUCT_SIZE;
-  check(strata_runtime_capabilities(rt, &caps), "capabilities");
+  strata_capabilities_t caps;
+  strata_runtime_t* rt = open_runtime(c, &caps);
   const bool cuda = caps.device_backend == STRATA_DEVICE_BACKEND_CUDA;
   report->device = std::string(caps.device_name) + " (" +
                    strata_device_backend_name(caps.device_backend) + " backend), " +

@@ -180,12 +180,8 @@ int run_stream(const Options& opt, Report* report) {
   c.dram_budget_bytes = model + 2 * layer_bytes + (256ull << 20);
   c.hbm_budget_bytes = slot_budget != 0 ? slot_budget + 2 * layer_bytes + (256ull << 20)
                                         : 8 * layer_bytes * (grads ? 2 : 1) + (512ull << 20);
-  progress("creating the runtime (pins " + std::to_string(c.dram_budget_bytes >> 20) + " MiB)");
-  strata_runtime_t* rt = nullptr;
-  check(strata_runtime_create(&c, &rt), "strata_runtime_create");
-  strata_capabilities_t caps{};
-  caps.struct_size = STRATA_CAPABILITIES_STRUCT_SIZE;
-  check(strata_runtime_capabilities(rt, &caps), "capabilities");
+  strata_capabilities_t caps;
+  strata_runtime_t* rt = open_runtime(c, &caps);
   const bool cuda = caps.device_backend == STRATA_DEVICE_BACKEND_CUDA;
   report->device = std::string(caps.device_name) + " (" +
                    strata_device_backend_name(caps.device_backend) + " backend)";
