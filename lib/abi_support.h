@@ -10,6 +10,7 @@
 #include <string>
 
 #include "runtime/executor.h"
+#include "runtime/optimizer/optimizer.h"
 #include "runtime/planner.h"
 #include "runtime/runtime.h"
 #include "strata/strata.h"
@@ -30,6 +31,10 @@ struct strata_graph {
 struct strata_plan {
   std::shared_ptr<strata::Runtime> runtime;
   strata::Plan plan;
+};
+
+struct strata_optimizer {
+  std::shared_ptr<strata::Optimizer> impl;
 };
 
 struct strata_executor {

@@ -77,6 +77,7 @@ Status Executor::create(std::shared_ptr<Runtime> runtime, Plan plan,
 Executor::~Executor() {
   // Copies may still target the slots or read the homes: let them land first.
   (void)wait_all_outstanding();
+  if (hooks_) hooks_->on_executor_destroyed();
   if (slots_reserved_) runtime_->release_hbm(slots_offset_);
   for (TensorId id : pinned_) runtime_->unpin(id);
 }
@@ -130,7 +131,33 @@ Status Executor::step_begin() {
     s.weight_ready.clear();
     s.activation_ready.clear();
   }
+  if (hooks_) {
+    Status s = hooks_->on_step_begin();
+    if (!s.is_ok()) {
+      in_step_ = false;
+      return s;
+    }
+  }
   return issue_loads();
+}
+
+Status Executor::attach_hooks(std::shared_ptr<ExecutorHooks> hooks) {
+  std::lock_guard lock(mutex_);
+  if (in_step_) return error(Code::kInvalidState, "attach to an executor inside a step");
+  if (hooks_) return error(Code::kBusy, "the executor already has an optimizer attached");
+  hooks_ = std::move(hooks);
+  return Status::ok();
+}
+
+Status Executor::detach_hooks(const ExecutorHooks* hooks) {
+  std::lock_guard lock(mutex_);
+  if (hooks_.get() != hooks) return Status::ok();
+  if (in_step_) {
+    return error(Code::kInvalidState,
+                 "detach from an executor inside a step: call strata_step_end first");
+  }
+  hooks_.reset();
+  return Status::ok();
 }
 
 Status Executor::step_end() {
@@ -313,6 +340,12 @@ std::vector<std::shared_ptr<DeviceFence>> Executor::slot_free_fences(std::size_t
 Status Executor::issue_loads(long must) {
   while (issued_ < sequence_.size() && issued_ <= cursor_ + plan_.forward_depth) {
     const bool needed = static_cast<long>(issued_) <= must;
+    // The optimizer may still be writing this layer's weights in DRAM.
+    const uint32_t layer = sequence_[issued_].layer;
+    if (hooks_ && !hooks_->layer_ready(layer)) {
+      if (!needed) return Status::ok();
+      STRATA_RETURN_IF_ERROR(hooks_->wait_layer(layer));
+    }
     for (const auto& f : slot_free_fences(issued_)) {
       if (needed) {
         STRATA_RETURN_IF_ERROR(f->host_wait());
@@ -524,6 +557,7 @@ Status Executor::release(uint32_t layer, Phase phase, void* stream) {
   const bool backward = phase == Phase::kBackward;
   const auto& outgoing = backward ? lp.grads : lp.activations;
   const auto& destinations = backward ? homes.grads : homes.activations;
+  std::vector<std::shared_ptr<DeviceFence>> landed;
   for (std::size_t i = 0; i < outgoing.size(); ++i) {
     std::shared_ptr<DeviceFence> f;
     STRATA_RETURN_IF_ERROR(queue_copy(CopyDirection::kDeviceToHost, destinations[i],
@@ -531,7 +565,9 @@ Status Executor::release(uint32_t layer, Phase phase, void* stream) {
                                       &f));
     slot.outbound = f;
     stats_.bytes_out += outgoing[i].bytes;
+    landed.push_back(std::move(f));
   }
+  if (backward && hooks_) STRATA_RETURN_IF_ERROR(hooks_->on_grads_queued(layer, std::move(landed)));
   if (!backward && !outgoing.empty()) {
     activations_out_[layer] = slot.outbound;
     // Checkpoints written in the forward pass stay valid in the slot for a backward reuse.

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <vector>
 
+#include "runtime/executor_hooks.h"
 #include "runtime/planner.h"
 #include "runtime/runtime.h"
 
@@ -48,6 +49,11 @@ class Executor {
   Status acquire(uint32_t layer, Phase phase, void* stream, bool wait, LayerViews* views);
   Status wait_tensor(uint32_t layer, Phase phase, ViewRole role, uint32_t index, void* stream);
   Status release(uint32_t layer, Phase phase, void* stream);
+
+  // A service that runs beside the steps (the optimizer): told when grads leave, asked before
+  // a layer's weights are loaded. One at a time, attached and detached between steps.
+  Status attach_hooks(std::shared_ptr<ExecutorHooks> hooks);
+  Status detach_hooks(const ExecutorHooks* hooks);
 
  private:
   struct Slot {
@@ -111,6 +117,7 @@ class Executor {
   std::vector<LayerHomes> homes_;
 
   std::mutex mutex_;
+  std::shared_ptr<ExecutorHooks> hooks_;
   std::vector<Slot> slots_;
   std::vector<Ready> ready_;                                   // per position of the current step
   std::vector<std::shared_ptr<DeviceFence>> activations_out_;  // per layer, forward outbound

@@ -108,7 +108,7 @@ uint64_t Runtime::tier_budget(Tier tier) const {
 std::string Runtime::busy_reason(const TensorRecord& t) {
   if (t.migrating) return "a move of it is in flight";
   if (t.export_count > 0) return "DLPack exports of it are alive";
-  if (t.executor_pins > 0) return "an executor is streaming it (destroy the executor first)";
+  if (t.executor_pins > 0) return "an executor or optimizer holds it in place (destroy them first)";
   return "a read or write of it is running";
 }
 

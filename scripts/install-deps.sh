@@ -3,7 +3,7 @@
 # The CUDA toolkit is not installed here: it is used where present (/usr/local/cuda).
 set -euo pipefail
 
-packages=(build-essential cmake ninja-build pkg-config liburing-dev libhwloc-dev libnuma-dev libisal-dev catch2 fio python3 python3-pip)
+packages=(build-essential cmake ninja-build pkg-config liburing-dev libhwloc-dev libnuma-dev libisal-dev nlohmann-json3-dev catch2 fio python3 python3-pip)
 sudo=""
 [[ $(id -u) -eq 0 ]] || sudo="sudo"
 missing=()

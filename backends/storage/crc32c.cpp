@@ -8,16 +8,21 @@
 namespace strata {
 
 uint32_t crc32c(const void* data, std::size_t bytes) {
-  // ISA-L's crc32_iscsi takes the running CRC without the final inversion and an int length.
+  return crc32c_extend(0, data, bytes);
+}
+
+uint32_t crc32c_extend(uint32_t crc, const void* data, std::size_t bytes) {
+  // ISA-L's crc32_iscsi takes the running CRC without the final inversion and an int length;
+  // undoing the inversion of a finished CRC is what lets it continue.
   const auto* p = static_cast<const unsigned char*>(data);
-  uint32_t crc = 0xFFFFFFFFu;
+  uint32_t running = crc ^ 0xFFFFFFFFu;
   while (bytes > 0) {
     const std::size_t n = std::min<std::size_t>(bytes, INT_MAX / 2);
-    crc = crc32_iscsi(const_cast<unsigned char*>(p), static_cast<int>(n), crc);
+    running = crc32_iscsi(const_cast<unsigned char*>(p), static_cast<int>(n), running);
     p += n;
     bytes -= n;
   }
-  return crc ^ 0xFFFFFFFFu;
+  return running ^ 0xFFFFFFFFu;
 }
 
 }  // namespace strata

@@ -11,4 +11,8 @@ namespace strata {
 // Standard CRC-32C (initial value and final XOR 0xFFFFFFFF): crc32c("123456789") == 0xE3069283.
 uint32_t crc32c(const void* data, std::size_t bytes);
 
+// Continues a CRC-32C over more bytes, for data that arrives in pieces:
+// crc32c_extend(crc32c(a), b) == crc32c(a + b), and crc32c_extend(0, a) == crc32c(a).
+uint32_t crc32c_extend(uint32_t crc, const void* data, std::size_t bytes);
+
 }  // namespace strata

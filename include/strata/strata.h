@@ -799,6 +799,191 @@ STRATA_API strata_status_t strata_executor_get_stats(strata_executor_t* executor
                                                      strata_executor_stats_t* out);
 
 /* ---------------------------------------------------------------------------------------------
+ * Optimizer: fp32 masters and optimizer state in DRAM, updated on the CPU beside the stream
+ *
+ * Per trainable weight the optimizer keeps an fp32 master (the weight itself when it is fp32)
+ * and its state (AdamW: exp_avg and exp_avg_sq; SGD: momentum_buffer) as runtime tensors in
+ * DRAM named "<weight>.master", "<weight>.exp_avg", ..., and writes the working copy the GPU
+ * receives (bf16, fp16 or fp32) from the master at every update. The update is PyTorch's
+ * (torch.optim.AdamW: decoupled weight decay, bias correction; torch.optim.SGD: L2 weight decay,
+ * momentum, dampening, nesterov), vectorized (AVX-512 or AVX2, chosen at run time) on a thread
+ * pool bound to the GPU's NUMA node.
+ *
+ * Attached to an executor, each layer's update starts as soon as its grads have landed in DRAM
+ * (during the backward pass of the layers below), and the next step's load of that layer waits
+ * for it. With clipping or dynamic loss scaling every grad is needed first: the grads' norms
+ * are taken as they land, and the updates run in forward order after the last one, overlapped
+ * with the next step's forward pass (each layer's load waits only for its own update).
+ * ------------------------------------------------------------------------------------------- */
+typedef struct strata_optimizer strata_optimizer_t;
+
+typedef int32_t strata_optimizer_kind_t;
+#define STRATA_OPTIMIZER_ADAMW 0
+#define STRATA_OPTIMIZER_SGD 1
+
+typedef struct strata_optimizer_config {
+  size_t struct_size; /* STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE */
+  strata_optimizer_kind_t kind;
+  /* Hyperparameters of group 0 (and the default of every other group). */
+  float lr;           /* default 1e-3 */
+  float weight_decay; /* AdamW: decoupled, default 1e-2; SGD: L2, default 0 */
+  float beta1, beta2; /* AdamW, default 0.9, 0.999 */
+  float eps;          /* AdamW, default 1e-8 */
+  float momentum;     /* SGD, default 0 (no momentum buffer) */
+  float dampening;    /* SGD, default 0 */
+  int32_t nesterov;   /* SGD: 1 = Nesterov momentum (needs momentum > 0, dampening 0) */
+  /* Global-norm clipping of the unscaled grads, as torch.nn.utils.clip_grad_norm_ (0 = off). */
+  float max_grad_norm;
+  /* Grads arrive multiplied by the loss scale (the framework scaled the loss by it); the
+   * update divides it out. Dynamic: a step whose grads hold inf or NaN is skipped and the scale
+   * multiplied by backoff_factor; after growth_interval good steps it is multiplied by
+   * growth_factor (torch.amp.GradScaler's rule). Read the scale to use from the stats. */
+  float loss_scale;           /* default 1 */
+  int32_t dynamic_loss_scale; /* default 0 */
+  float growth_factor;        /* default 2 */
+  float backoff_factor;       /* default 0.5 */
+  uint32_t growth_interval;   /* default 2000 */
+  /* Executor steps (or strata_optimizer_step calls) per update: grads are summed in fp32 in
+   * DRAM ("<weight>.grad_accum") until the last, which updates. Default 1. */
+  uint32_t accumulation_steps;
+  /* Update threads; 0 = the CPUs of the GPU's NUMA node less one (for the framework). */
+  uint32_t threads;
+} strata_optimizer_config_t;
+#define STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_optimizer_config_t, threads)
+
+/* PyTorch's defaults for `kind`, and struct_size set. Errors: INVALID_ARGUMENT (NULL, unknown
+ * kind). Thread-safe. */
+STRATA_API strata_status_t strata_optimizer_config_init(strata_optimizer_kind_t kind,
+                                                        strata_optimizer_config_t* config);
+
+/* Create an optimizer over `runtime`'s tensors and start its threads. config: borrowed; NULL =
+ * AdamW defaults. out_optimizer: owned by the caller, released with strata_optimizer_destroy()
+ * before the runtime handle. Errors: INVALID_ARGUMENT (NULL, bad struct_size, a value out of
+ * range: the message names it), INVALID_STATE (no DRAM tier). Thread-safe. */
+STRATA_API strata_status_t strata_optimizer_create(strata_runtime_t* runtime,
+                                                   const strata_optimizer_config_t* config,
+                                                   strata_optimizer_t** out_optimizer);
+
+/* Destroy an optimizer (NULL accepted): detaches it from its executor, finishes queued
+ * updates, unregisters its state tensors and unpins the weights and grads. Errors:
+ * INVALID_STATE (its executor is inside a step: call strata_step_end first; the handle stays
+ * valid). Not thread-safe with respect to other calls on the same optimizer. */
+STRATA_API strata_status_t strata_optimizer_destroy(strata_optimizer_t* optimizer);
+
+typedef struct strata_param_desc {
+  size_t struct_size;      /* STRATA_PARAM_DESC_STRUCT_SIZE */
+  strata_tensor_t* weight; /* borrowed: in DRAM, f32/bf16/f16 */
+  strata_tensor_t* grad;   /* borrowed: in DRAM, f32/bf16/f16, as many elements as weight */
+  uint32_t group;          /* hyperparameter group (strata_optimizer_set_group); 0 = default */
+} strata_param_desc_t;
+#define STRATA_PARAM_DESC_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_param_desc_t, group)
+
+/* Make a weight trainable: allocates its state in DRAM (zeroed; the master copied from the
+ * weight) and pins weight and grad in place while the optimizer lives. To start from fp32
+ * values a bf16 weight cannot hold, write them to the master (strata_optimizer_get_state).
+ * Errors: INVALID_ARGUMENT (NULL, bad struct_size, dtypes, element counts differ, weight given
+ * as its own grad), NOT_FOUND, ALREADY_EXISTS (already a param, or a state tensor's name is
+ * taken), UNSUPPORTED (weight or grad not in DRAM), OUT_OF_MEMORY (DRAM budget: nothing is
+ * left allocated), BUSY (moving), INVALID_STATE (already attached). Thread-safe. */
+STRATA_API strata_status_t strata_optimizer_add_param(strata_optimizer_t* optimizer,
+                                                      const strata_param_desc_t* desc);
+
+/* Set a group's learning rate and weight decay (creating the group). Takes effect at the next
+ * update that has not started: for an attached optimizer, the next strata_step_begin that
+ * starts an update (so set the step's learning rate before its step_begin). Errors:
+ * INVALID_ARGUMENT (NULL, negative or non-finite values). Thread-safe. */
+STRATA_API strata_status_t strata_optimizer_set_group(strata_optimizer_t* optimizer, uint32_t group,
+                                                      float lr, float weight_decay);
+
+/* Run the updates from `executor`'s steps: every param must be a weight of one of its layers,
+ * with its grad among that layer's grads. Call between steps. The executor keeps the optimizer
+ * alive until it is destroyed or the optimizer is. Errors: INVALID_ARGUMENT (a param outside
+ * the graph: the message names it), INVALID_STATE (no params, inside a step), BUSY (either is
+ * already attached). Thread-safe. */
+STRATA_API strata_status_t strata_optimizer_attach(strata_optimizer_t* optimizer,
+                                                   strata_executor_t* executor);
+
+/* Without an executor: take every param's grad from its grad tensor now and update (or, short
+ * of accumulation_steps, accumulate); blocks until done, using the optimizer's threads.
+ * Errors: INVALID_ARGUMENT (NULL), INVALID_STATE (attached, no params, a failed update).
+ * Thread-safe (calls are serialized). */
+STRATA_API strata_status_t strata_optimizer_step(strata_optimizer_t* optimizer);
+
+/* Block until every queued update has finished (an attached optimizer's updates otherwise
+ * finish in the background; reading weights or masters needs this first). Errors:
+ * INVALID_ARGUMENT, BACKEND (the grads of a layer failed to land: the message names it; the
+ * optimizer then refuses further steps). Thread-safe. */
+STRATA_API strata_status_t strata_optimizer_synchronize(strata_optimizer_t* optimizer);
+
+typedef int32_t strata_state_kind_t;
+#define STRATA_STATE_MASTER 0     /* fp32 master (the weight itself when it is fp32) */
+#define STRATA_STATE_EXP_AVG 1    /* AdamW m, SGD momentum buffer */
+#define STRATA_STATE_EXP_AVG_SQ 2 /* AdamW v */
+#define STRATA_STATE_GRAD_ACCUM 3 /* fp32 grad sum (accumulation_steps > 1) */
+
+/* The state tensor of one kind for a param's weight (owned by the optimizer: read or write it
+ * between updates; do not unregister it). Errors: INVALID_ARGUMENT (NULL, unknown kind),
+ * NOT_FOUND (not a param, or no state of that kind). Thread-safe. */
+STRATA_API strata_status_t strata_optimizer_get_state(strata_optimizer_t* optimizer,
+                                                      strata_tensor_t* weight,
+                                                      strata_state_kind_t kind,
+                                                      strata_tensor_t** out_tensor);
+
+typedef struct strata_optimizer_stats {
+  size_t struct_size;     /* caller sets STRATA_OPTIMIZER_STATS_STRUCT_SIZE */
+  uint64_t step;          /* updates applied (AdamW's t) */
+  uint64_t skipped_steps; /* steps skipped for inf/NaN grads */
+  uint64_t micro_step;    /* accumulation steps done towards the next update */
+  double last_grad_norm;  /* of the unscaled grads, when computed (clipping or dynamic
+                             loss scaling); -1 otherwise */
+  float loss_scale;       /* to multiply the next step's loss by */
+  uint64_t params;
+  uint64_t elements;
+  uint64_t state_bytes;  /* DRAM the optimizer allocated */
+  double update_seconds; /* thread-pool time spent on updates, norms and accumulation */
+  uint32_t threads;
+  char isa[16];     /* "avx512", "avx2" or "generic" */
+  char binding[32]; /* "NUMA node N" or "unbound" */
+} strata_optimizer_stats_t;
+#define STRATA_OPTIMIZER_STATS_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_optimizer_stats_t, binding)
+
+/* Counters since creation (or since the checkpoint loaded). Errors: INVALID_ARGUMENT.
+ * Thread-safe. */
+STRATA_API strata_status_t strata_optimizer_get_stats(strata_optimizer_t* optimizer,
+                                                      strata_optimizer_stats_t* out);
+
+/* ---------------------------------------------------------------------------------------------
+ * Checkpoints: the whole training state, straight from the tiers
+ *
+ * A checkpoint is a directory: model.safetensors holds every tensor registered with role
+ * WEIGHT, in its dtype, under its name (Hugging Face tools read it: safetensors.safe_open,
+ * transformers' from_pretrained); optimizer.safetensors holds the optimizer's masters and
+ * state and, in its metadata, the step, loss scale and skipped-step counters. Every tensor's
+ * CRC-32C is in its file's metadata and checked on load. Saving is atomic: the files are
+ * written and fsynced in "<path>.partial", which then replaces <path> in one rename, so a crash
+ * at any moment leaves the previous checkpoint whole.
+ * ------------------------------------------------------------------------------------------- */
+
+/* Save to the directory `path` (borrowed). optimizer may be NULL (weights only). Waits for
+ * running updates; must be called between optimizer steps (not inside an accumulation) and
+ * between executor steps. Errors: INVALID_ARGUMENT (NULL runtime or path), INVALID_STATE
+ * (mid-step), IO (the message names the file; the previous checkpoint is untouched).
+ * Thread-safe, but concurrent saves to one path are not supported. */
+STRATA_API strata_status_t strata_checkpoint_save(strata_runtime_t* runtime,
+                                                  strata_optimizer_t* optimizer, const char* path);
+
+/* Load the directory `path` into the registered tensors (and the optimizer's state, when
+ * optimizer is non-NULL), between steps. Everything is checked before any tensor is written:
+ * every registered weight (and, with an optimizer, every param's state) must be in the files
+ * with the same dtype and shape, and the files hold nothing else. Errors: INVALID_ARGUMENT
+ * (NULL, a malformed file, mismatched names, dtypes or shapes: the message names them; nothing
+ * written), NOT_FOUND (no checkpoint at path), INVALID_STATE (mid-step), IO, DATA_CORRUPTION (a
+ * tensor failed its checksum while loading: the tensors are partly loaded, and the optimizer
+ * refuses to step until a load succeeds). Thread-safe with respect to other runtimes. */
+STRATA_API strata_status_t strata_checkpoint_load(strata_runtime_t* runtime,
+                                                  strata_optimizer_t* optimizer, const char* path);
+
+/* ---------------------------------------------------------------------------------------------
  * Tracing: where the bytes went, how fast each link ran, where the GPU waited
  *
  * Off by default. When on, every migration, device copy (moves and the executor's streaming),

@@ -10,18 +10,13 @@
 #include <map>
 #include <thread>
 
-#include "support/test_support.h"
-
-#ifdef STRATA_WITH_CUDA
-#include <cuda_runtime_api.h>
-#endif
+#include "support/device_views.h"
 
 using namespace strata_test;
 
 namespace {
 
 constexpr uint64_t kMiB = 1ull << 20;
-bool g_cuda = false;
 
 // ThreadSanitizer slows this suite ~20x: it checks fewer random graphs there (the same
 // seeds, a prefix of them), and still every code path.
@@ -30,28 +25,6 @@ constexpr int kTrials = 6;
 #else
 constexpr int kTrials = 24;
 #endif
-
-// Views are device memory on cuda, host memory on the host backend.
-void view_to_host(void* dst, const void* view, std::size_t n) {
-#ifdef STRATA_WITH_CUDA
-  if (g_cuda) {
-    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
-    REQUIRE(cudaMemcpy(dst, view, n, cudaMemcpyDeviceToHost) == cudaSuccess);
-    return;
-  }
-#endif
-  std::memcpy(dst, view, n);
-}
-void host_to_view(void* view, const void* src, std::size_t n) {
-#ifdef STRATA_WITH_CUDA
-  if (g_cuda) {
-    REQUIRE(cudaMemcpy(view, src, n, cudaMemcpyHostToDevice) == cudaSuccess);
-    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
-    return;
-  }
-#endif
-  std::memcpy(view, src, n);
-}
 
 // Runs `body` and fails (aborting the process) if it takes longer than `seconds`: a deadlock
 // becomes a test failure instead of a hung CI job.
@@ -489,18 +462,5 @@ TEST_CASE("misuse gets a clear error, never a hang", "[executor]") {
 }
 
 int main(int argc, char** argv) {
-  const strata_device_backend_t backend = backend_under_test();
-  strata_runtime_config_t probe = config_for(backend, 1 << 20, 1 << 20);
-  strata_runtime_t* r = nullptr;
-  if (strata_runtime_create(&probe, &r) != STRATA_OK) {
-    if (backend == STRATA_DEVICE_BACKEND_CUDA) {
-      std::printf("SKIP: cuda backend unavailable: %s\n", strata_last_error_message());
-      return 77;
-    }
-    std::fprintf(stderr, "cannot create a runtime: %s\n", strata_last_error_message());
-    return 1;
-  }
-  strata_runtime_destroy(r);
-  g_cuda = backend == STRATA_DEVICE_BACKEND_CUDA;
-  return Catch::Session().run(argc, argv);
+  return run_on_backend_under_test(argc, argv);
 }

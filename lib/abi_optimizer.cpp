@@ -1,0 +1,210 @@
+// C ABI: the optimizer and checkpoints.
+#include <cmath>
+#include <cstring>
+
+#include "lib/abi_support.h"
+#include "runtime/optimizer/checkpoint.h"
+
+using namespace strata;
+using namespace strata::abi;
+
+static_assert(static_cast<int>(OptimizerKind::kSgd) == STRATA_OPTIMIZER_SGD);
+static_assert(static_cast<int>(StateKind::kGradAccum) == STRATA_STATE_GRAD_ACCUM);
+
+namespace {
+
+OptimizerConfig to_core(const strata_optimizer_config_t& c) {
+  OptimizerConfig o;
+  o.kind = static_cast<OptimizerKind>(c.kind);
+  o.lr = c.lr;
+  o.weight_decay = c.weight_decay;
+  o.beta1 = c.beta1;
+  o.beta2 = c.beta2;
+  o.eps = c.eps;
+  o.momentum = c.momentum;
+  o.dampening = c.dampening;
+  o.nesterov = c.nesterov != 0;
+  o.max_grad_norm = c.max_grad_norm;
+  o.loss_scale = c.loss_scale;
+  o.dynamic_loss_scale = c.dynamic_loss_scale != 0;
+  o.growth_factor = c.growth_factor;
+  o.backoff_factor = c.backoff_factor;
+  o.growth_interval = c.growth_interval;
+  o.accumulation_steps = c.accumulation_steps;
+  o.threads = c.threads;
+  return o;
+}
+
+void copy_string(char* dst, std::size_t capacity, const std::string& s) {
+  const std::size_t n = std::min(capacity - 1, s.size());
+  std::memcpy(dst, s.data(), n);
+  dst[n] = '\0';
+}
+
+}  // namespace
+
+extern "C" {
+
+STRATA_API strata_status_t strata_optimizer_config_init(strata_optimizer_kind_t kind,
+                                                        strata_optimizer_config_t* config) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(config, "config"));
+    if (kind != STRATA_OPTIMIZER_ADAMW && kind != STRATA_OPTIMIZER_SGD) {
+      return error(Code::kInvalidArgument, "unknown optimizer kind ", kind);
+    }
+    *config = strata_optimizer_config_t{};
+    config->struct_size = sizeof(strata_optimizer_config_t);
+    config->kind = kind;
+    config->lr = 1e-3f;
+    config->weight_decay = kind == STRATA_OPTIMIZER_ADAMW ? 1e-2f : 0.f;
+    config->beta1 = 0.9f;
+    config->beta2 = 0.999f;
+    config->eps = 1e-8f;
+    config->loss_scale = 1.f;
+    config->growth_factor = 2.f;
+    config->backoff_factor = 0.5f;
+    config->growth_interval = 2000;
+    config->accumulation_steps = 1;
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_create(strata_runtime_t* runtime,
+                                                   const strata_optimizer_config_t* config,
+                                                   strata_optimizer_t** out_optimizer) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(runtime, "runtime"));
+    STRATA_RETURN_IF_ERROR(require(out_optimizer, "out_optimizer"));
+    strata_optimizer_config_t c{};
+    (void)strata_optimizer_config_init(STRATA_OPTIMIZER_ADAMW, &c);
+    if (config != nullptr) {
+      STRATA_RETURN_IF_ERROR(read_struct(config, STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE,
+                                         "strata_optimizer_config_t", &c));
+    }
+    std::shared_ptr<Optimizer> o;
+    STRATA_RETURN_IF_ERROR(Optimizer::create(runtime->impl, to_core(c), &o));
+    *out_optimizer = new strata_optimizer{std::move(o)};
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_destroy(strata_optimizer_t* optimizer) {
+  return guarded(__func__, [&] {
+    if (optimizer == nullptr) return Status::ok();
+    STRATA_RETURN_IF_ERROR(optimizer->impl->detach());
+    delete optimizer;
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_add_param(strata_optimizer_t* optimizer,
+                                                      const strata_param_desc_t* desc) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    strata_param_desc_t d{};
+    STRATA_RETURN_IF_ERROR(
+        read_struct(desc, STRATA_PARAM_DESC_STRUCT_SIZE, "strata_param_desc_t", &d));
+    STRATA_RETURN_IF_ERROR(require(d.weight, "desc->weight"));
+    STRATA_RETURN_IF_ERROR(require(d.grad, "desc->grad"));
+    return optimizer->impl->add_param(tensor_id(d.weight), tensor_id(d.grad), d.group);
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_set_group(strata_optimizer_t* optimizer, uint32_t group,
+                                                      float lr, float weight_decay) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    return optimizer->impl->set_group(group, GroupHyperparams{lr, weight_decay});
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_attach(strata_optimizer_t* optimizer,
+                                                   strata_executor_t* executor) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    STRATA_RETURN_IF_ERROR(require(executor, "executor"));
+    return optimizer->impl->attach(executor->impl.get());
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_step(strata_optimizer_t* optimizer) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    return optimizer->impl->step();
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_synchronize(strata_optimizer_t* optimizer) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    return optimizer->impl->synchronize();
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_get_state(strata_optimizer_t* optimizer,
+                                                      strata_tensor_t* weight,
+                                                      strata_state_kind_t kind,
+                                                      strata_tensor_t** out_tensor) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    STRATA_RETURN_IF_ERROR(require(weight, "weight"));
+    STRATA_RETURN_IF_ERROR(require(out_tensor, "out_tensor"));
+    if (kind < STRATA_STATE_MASTER || kind > STRATA_STATE_GRAD_ACCUM) {
+      return error(Code::kInvalidArgument, "unknown state kind ", kind);
+    }
+    TensorId id = 0;
+    STRATA_RETURN_IF_ERROR(
+        optimizer->impl->state_tensor(tensor_id(weight), static_cast<StateKind>(kind), &id));
+    *out_tensor = tensor_handle(id);
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_get_stats(strata_optimizer_t* optimizer,
+                                                      strata_optimizer_stats_t* out) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    STRATA_RETURN_IF_ERROR(
+        check_out_struct(out, STRATA_OPTIMIZER_STATS_STRUCT_SIZE, "strata_optimizer_stats_t"));
+    const OptimizerStats s = optimizer->impl->stats();
+    strata_optimizer_stats_t v{};
+    v.step = s.step;
+    v.skipped_steps = s.skipped_steps;
+    v.micro_step = s.micro_step;
+    v.last_grad_norm = s.last_grad_norm;
+    v.loss_scale = s.loss_scale;
+    v.params = s.params;
+    v.elements = s.elements;
+    v.state_bytes = s.state_bytes;
+    v.update_seconds = s.update_seconds;
+    v.threads = s.threads;
+    copy_string(v.isa, sizeof v.isa, s.isa);
+    copy_string(v.binding, sizeof v.binding, s.binding);
+    write_struct(out, v);
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_checkpoint_save(strata_runtime_t* runtime,
+                                                  strata_optimizer_t* optimizer, const char* path) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(runtime, "runtime"));
+    STRATA_RETURN_IF_ERROR(require(path, "path"));
+    if (*path == '\0') return error(Code::kInvalidArgument, "path is empty");
+    return save_checkpoint(*runtime->impl, optimizer != nullptr ? optimizer->impl.get() : nullptr,
+                           path);
+  });
+}
+
+STRATA_API strata_status_t strata_checkpoint_load(strata_runtime_t* runtime,
+                                                  strata_optimizer_t* optimizer, const char* path) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(runtime, "runtime"));
+    STRATA_RETURN_IF_ERROR(require(path, "path"));
+    if (*path == '\0') return error(Code::kInvalidArgument, "path is empty");
+    return load_checkpoint(*runtime->impl, optimizer != nullptr ? optimizer->impl.get() : nullptr,
+                           path);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,31 @@
+// ExecutorHooks: how a service working beside the executor (the optimizer) sees a step. The
+// executor calls them under its own lock, so they must not call back into the executor; only
+// wait_layer() may block, and only on work that needs nothing from the executor.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "backends/device/device_backend.h"
+#include "runtime/status.h"
+
+namespace strata {
+
+class ExecutorHooks {
+ public:
+  virtual ~ExecutorHooks() = default;
+  // A step begins (before any load is issued); an error fails strata_step_begin.
+  virtual Status on_step_begin() = 0;
+  // A layer's backward release queued its grads to DRAM; `landed` fences their copies.
+  virtual Status on_grads_queued(uint32_t layer,
+                                 std::vector<std::shared_ptr<DeviceFence>> landed) = 0;
+  // Whether the layer's weights in DRAM may be loaded now (no update of them is running).
+  virtual bool layer_ready(uint32_t layer) = 0;
+  // Blocks until they may; returns the service's error if its work failed.
+  virtual Status wait_layer(uint32_t layer) = 0;
+  // The executor is going away: forget it (its fences stay valid while they are held).
+  virtual void on_executor_destroyed() = 0;
+};
+
+}  // namespace strata

@@ -1,0 +1,72 @@
+// The optimizer's element-wise kernels: AdamW and SGD over fp32 masters and state, reading
+// grads in their streamed dtype and writing the streamed working copy. Each kernel exists once
+// per instruction set (AVX-512, AVX2, baseline x86-64), compiled from one template with
+// different flags; the best the CPU supports is chosen at run time.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "runtime/types.h"
+
+namespace strata::optim {
+
+enum class Isa : int32_t { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+std::string_view isa_name(Isa isa);
+// The widest the CPU runs (STRATA_OPTIMIZER_ISA=generic|avx2|avx512 may lower it).
+Isa best_isa();
+bool isa_supported(Isa isa);
+
+// One parameter's arrays, all `count` elements long. Pointers not used by a kernel may be null.
+struct ParamArrays {
+  float* master = nullptr;      // fp32 master weights (may be the working copy itself)
+  float* exp_avg = nullptr;     // AdamW m / SGD momentum buffer
+  float* exp_avg_sq = nullptr;  // AdamW v
+  const void* grad = nullptr;   // as it left the GPU
+  DType grad_dtype = DType::kF32;
+  float* grad_accum = nullptr;  // fp32 sum of earlier micro-steps' grads; added when non-null
+  void* weight = nullptr;       // working copy written from the master; null when it is the master
+  DType weight_dtype = DType::kF32;
+  std::size_t count = 0;
+};
+
+// Per-step scalars. The grad used is (grad + grad_accum) * grad_scale, where grad_scale folds
+// loss-scale removal and global-norm clipping into one multiply.
+struct AdamWScalars {
+  float grad_scale = 1.f;
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  float lr_decay = 0.f;        // lr * weight_decay (decoupled): p -= p * lr_decay
+  float step_size = 0.f;       // lr / (1 - beta1^t)
+  float inv_bias2_sqrt = 1.f;  // 1 / sqrt(1 - beta2^t)
+};
+
+struct SgdScalars {
+  float grad_scale = 1.f;
+  float lr = 0.f;
+  float weight_decay = 0.f;  // L2, added to the grad (PyTorch's SGD)
+  float momentum = 0.f;
+  float dampening = 0.f;
+  bool nesterov = false;
+  bool first_step = false;  // the momentum buffer starts as the first grad
+};
+
+struct KernelTable {
+  Isa isa;
+  // Update elements [begin, end) of one parameter.
+  void (*adamw)(const AdamWScalars&, const ParamArrays&, std::size_t begin, std::size_t end);
+  void (*sgd)(const SgdScalars&, const ParamArrays&, std::size_t begin, std::size_t end);
+  // Sum of squares of (grad + grad_accum) over [begin, end), unscaled; inf/NaN if any is.
+  double (*sum_squares)(const ParamArrays&, std::size_t begin, std::size_t end);
+  // grad_accum = grad (first) or grad_accum += grad, over [begin, end).
+  void (*accumulate)(const ParamArrays&, std::size_t begin, std::size_t end, bool first);
+};
+
+const KernelTable& kernels(Isa isa);
+
+// Whether a dtype can be a grad or a working copy (fp32, bf16, fp16).
+inline bool float_dtype(DType d) {
+  return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16;
+}
+
+}  // namespace strata::optim

@@ -1,0 +1,718 @@
+#include "runtime/optimizer/optimizer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "runtime/executor.h"
+
+namespace strata {
+namespace {
+
+// Elements per task: large enough that claiming a task costs nothing next to it, small enough
+// that a layer splits over every thread. A multiple of 64 keeps tasks on cache-line bounds.
+constexpr std::size_t kMinTaskElements = 1 << 16;
+constexpr std::size_t kMaxTaskElements = 1 << 20;
+
+uint64_t element_count(const TensorRecord& r) {
+  return r.nbytes / dtype_size(r.spec.dtype);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+Status check_finite(const char* what, float v, float lo, bool lo_inclusive) {
+  if (!std::isfinite(v) || v < lo || (!lo_inclusive && v == lo)) {
+    return error(Code::kInvalidArgument, "optimizer config: ", what, " is ", v, ", must be ",
+                 lo_inclusive ? ">= " : "> ", lo);
+  }
+  return Status::ok();
+}
+
+Status validate(const OptimizerConfig& c) {
+  if (c.kind != OptimizerKind::kAdamW && c.kind != OptimizerKind::kSgd) {
+    return error(Code::kInvalidArgument, "optimizer config: unknown kind ",
+                 static_cast<int>(c.kind));
+  }
+  STRATA_RETURN_IF_ERROR(check_finite("lr", c.lr, 0.f, true));
+  STRATA_RETURN_IF_ERROR(check_finite("weight_decay", c.weight_decay, 0.f, true));
+  STRATA_RETURN_IF_ERROR(check_finite("max_grad_norm", c.max_grad_norm, 0.f, true));
+  STRATA_RETURN_IF_ERROR(check_finite("loss_scale", c.loss_scale, 0.f, false));
+  if (c.kind == OptimizerKind::kAdamW) {
+    for (auto [name, b] : {std::pair{"beta1", c.beta1}, std::pair{"beta2", c.beta2}}) {
+      if (!(b >= 0.f && b < 1.f)) {
+        return error(Code::kInvalidArgument, "optimizer config: ", name, " is ", b,
+                     ", must be in [0, 1)");
+      }
+    }
+    STRATA_RETURN_IF_ERROR(check_finite("eps", c.eps, 0.f, false));
+  } else {
+    STRATA_RETURN_IF_ERROR(check_finite("momentum", c.momentum, 0.f, true));
+    STRATA_RETURN_IF_ERROR(check_finite("dampening", c.dampening, 0.f, true));
+    if (c.nesterov && (c.momentum <= 0.f || c.dampening != 0.f)) {
+      return error(Code::kInvalidArgument,
+                   "optimizer config: nesterov needs momentum > 0 and dampening 0");
+    }
+  }
+  if (c.dynamic_loss_scale) {
+    if (!(c.growth_factor > 1.f) || !(c.backoff_factor > 0.f && c.backoff_factor < 1.f) ||
+        c.growth_interval == 0) {
+      return error(Code::kInvalidArgument,
+                   "optimizer config: dynamic loss scaling needs growth_factor > 1, "
+                   "0 < backoff_factor < 1 and growth_interval > 0");
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Optimizer::Optimizer(std::shared_ptr<Runtime> runtime, const OptimizerConfig& config)
+    : runtime_(std::move(runtime)), config_(config) {}
+
+Status Optimizer::create(std::shared_ptr<Runtime> runtime, const OptimizerConfig& config,
+                         std::shared_ptr<Optimizer>* out) {
+  STRATA_RETURN_IF_ERROR(validate(config));
+  if (!runtime->tier_available(Tier::kDram)) {
+    return error(Code::kInvalidState, "the optimizer keeps its state in DRAM: no DRAM tier");
+  }
+  std::shared_ptr<Optimizer> o(new Optimizer(std::move(runtime), config));
+  if (o->config_.accumulation_steps == 0) o->config_.accumulation_steps = 1;
+  const int node = o->runtime_->device_numa_node();
+  unsigned threads = o->config_.threads;
+  if (threads == 0) {
+    // One CPU of the node is left for the framework's thread, which feeds the GPU.
+    const unsigned cpus = optim::WorkerPool::cpus_of_node(node);
+    threads = cpus > 1 ? cpus - 1 : 1;
+  }
+  o->pool_ = std::make_unique<optim::WorkerPool>(threads, node);
+  o->kernels_ = &optim::kernels(optim::best_isa());
+  o->groups_.push_back(GroupHyperparams{o->config_.lr, o->config_.weight_decay});
+  o->counters_.loss_scale = o->config_.loss_scale;
+  o->dispatcher_ = std::thread([p = o.get()] { p->dispatcher_main(); });
+  *out = std::move(o);
+  return Status::ok();
+}
+
+Optimizer::~Optimizer() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (dispatcher_.joinable()) dispatcher_.join();
+  unregister_state();
+}
+
+void Optimizer::unregister_state() {
+  for (TensorId id : pinned_) runtime_->unpin(id);
+  pinned_.clear();
+  for (TensorId id : owned_) (void)runtime_->unregister(id);
+  owned_.clear();
+}
+
+Status Optimizer::make_state(const TensorRecord& weight, const char* suffix, TensorId* id,
+                             float** data) {
+  TensorSpec spec;
+  spec.name = weight.spec.name + suffix;
+  spec.dtype = DType::kF32;
+  spec.shape = weight.spec.shape;
+  spec.role = Role::kOptimizerState;
+  spec.home = Tier::kDram;
+  Status s = runtime_->register_tensor(spec, id);
+  if (!s.is_ok()) {
+    return error(s.code(), "optimizer state for '", weight.spec.name, "': ", s.message());
+  }
+  owned_.push_back(*id);
+  STRATA_RETURN_IF_ERROR(runtime_->pin_in_place(*id, "optimizer"));
+  pinned_.push_back(*id);
+  TensorRecord r;
+  STRATA_RETURN_IF_ERROR(runtime_->info(*id, &r));
+  *data = reinterpret_cast<float*>(runtime_->tier_base(Tier::kDram) + r.offset);
+  state_bytes_ += r.nbytes;
+  return Status::ok();
+}
+
+Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
+  std::lock_guard lock(mutex_);
+  if (executor_ != nullptr) {
+    return error(Code::kInvalidState, "add_param after the optimizer was attached to an executor");
+  }
+  TensorRecord w, g;
+  STRATA_RETURN_IF_ERROR(runtime_->info(weight, &w));
+  STRATA_RETURN_IF_ERROR(runtime_->info(grad, &g));
+  if (weight == grad) {
+    return error(Code::kInvalidArgument, "tensor '", w.spec.name, "' given as its own grad");
+  }
+  for (const Param& p : params_) {
+    for (TensorId used : {p.weight, p.grad}) {
+      if (used == weight || used == grad) {
+        TensorRecord r;
+        (void)runtime_->info(used, &r);
+        return error(Code::kAlreadyExists, "tensor '", r.spec.name,
+                     "' already belongs to a parameter of this optimizer");
+      }
+    }
+  }
+  for (const TensorRecord* r : {&w, &g}) {
+    const char* role = r == &w ? "weight" : "grad";
+    if (r->tier != Tier::kDram) {
+      return error(Code::kUnsupported, role, " '", r->spec.name, "' is in ", tier_name(r->tier),
+                   ": the optimizer updates weights and reads grads in DRAM");
+    }
+    if (!optim::float_dtype(r->spec.dtype)) {
+      return error(Code::kInvalidArgument, role, " '", r->spec.name, "' is ",
+                   dtype_name(r->spec.dtype), ": the optimizer takes f32, bf16 or f16");
+    }
+  }
+  if (element_count(w) != element_count(g)) {
+    return error(Code::kInvalidArgument, "grad '", g.spec.name, "' has ", element_count(g),
+                 " elements, weight '", w.spec.name, "' has ", element_count(w));
+  }
+  const std::size_t owned_before = owned_.size(), pinned_before = pinned_.size();
+  const uint64_t bytes_before = state_bytes_;
+  auto roll_back = [&](Status s) {
+    while (pinned_.size() > pinned_before) {
+      runtime_->unpin(pinned_.back());
+      pinned_.pop_back();
+    }
+    while (owned_.size() > owned_before) {
+      (void)runtime_->unregister(owned_.back());
+      owned_.pop_back();
+    }
+    state_bytes_ = bytes_before;
+    return s;
+  };
+  Param p;
+  p.weight = weight;
+  p.grad = grad;
+  p.group = group;
+  for (TensorId id : {weight, grad}) {
+    Status s = runtime_->pin_in_place(id, "optimizer");
+    if (!s.is_ok()) return roll_back(s);
+    pinned_.push_back(id);
+  }
+  unsigned char* dram = runtime_->tier_base(Tier::kDram);
+  const std::size_t n = element_count(w);
+  optim::ParamArrays& a = p.arrays;
+  a.count = n;
+  a.grad = dram + g.offset;
+  a.grad_dtype = g.spec.dtype;
+  if (w.spec.dtype == DType::kF32) {
+    // The fp32 weight is its own master: no second copy to keep in step.
+    p.master = weight;
+    a.master = reinterpret_cast<float*>(dram + w.offset);
+  } else {
+    Status s = make_state(w, ".master", &p.master, &a.master);
+    if (!s.is_ok()) return roll_back(s);
+    a.weight = dram + w.offset;
+    a.weight_dtype = w.spec.dtype;
+    // The master starts as the working copy, exactly (bf16 and f16 widen without rounding).
+    const optim::ParamArrays widen{a.master, nullptr, nullptr,     a.weight, w.spec.dtype,
+                                   a.master, nullptr, DType::kF32, n};
+    kernels_->accumulate(widen, 0, n, true);
+  }
+  const bool adamw = config_.kind == OptimizerKind::kAdamW;
+  if (adamw || config_.momentum > 0.f) {
+    Status s = make_state(w, adamw ? ".exp_avg" : ".momentum_buffer", &p.exp_avg, &a.exp_avg);
+    if (!s.is_ok()) return roll_back(s);
+    std::memset(a.exp_avg, 0, n * sizeof(float));
+  }
+  if (adamw) {
+    Status s = make_state(w, ".exp_avg_sq", &p.exp_avg_sq, &a.exp_avg_sq);
+    if (!s.is_ok()) return roll_back(s);
+    std::memset(a.exp_avg_sq, 0, n * sizeof(float));
+  }
+  if (config_.accumulation_steps > 1) {
+    Status s = make_state(w, ".grad_accum", &p.accum, &a.grad_accum);
+    if (!s.is_ok()) return roll_back(s);
+  }
+  if (group >= groups_.size()) groups_.resize(group + 1, groups_.front());
+  params_.push_back(std::move(p));
+  return Status::ok();
+}
+
+Status Optimizer::set_group(uint32_t group, const GroupHyperparams& h) {
+  STRATA_RETURN_IF_ERROR(check_finite("lr", h.lr, 0.f, true));
+  STRATA_RETURN_IF_ERROR(check_finite("weight_decay", h.weight_decay, 0.f, true));
+  std::lock_guard lock(mutex_);
+  if (group >= groups_.size()) groups_.resize(group + 1, groups_.front());
+  groups_[group] = h;
+  return Status::ok();
+}
+
+Status Optimizer::state_tensor(TensorId weight, StateKind kind, TensorId* out) {
+  std::lock_guard lock(mutex_);
+  for (const Param& p : params_) {
+    if (p.weight != weight) continue;
+    const TensorId id = kind == StateKind::kMaster     ? p.master
+                        : kind == StateKind::kExpAvg   ? p.exp_avg
+                        : kind == StateKind::kExpAvgSq ? p.exp_avg_sq
+                                                       : p.accum;
+    if (id == 0) {
+      return error(Code::kNotFound, "this optimizer keeps no such state (kind ",
+                   static_cast<int>(kind), ") for the weight");
+    }
+    *out = id;
+    return Status::ok();
+  }
+  return error(Code::kNotFound, "the tensor is not a parameter of this optimizer");
+}
+
+std::vector<Optimizer::ParamView> Optimizer::params() {
+  std::lock_guard lock(mutex_);
+  std::vector<ParamView> out;
+  for (const Param& p : params_) {
+    out.push_back(ParamView{p.weight, p.grad, p.master, p.exp_avg, p.exp_avg_sq});
+  }
+  return out;
+}
+
+std::vector<Optimizer::Task> Optimizer::tasks_for(const std::vector<std::size_t>& params) const {
+  uint64_t total = 0;
+  for (std::size_t i : params) total += params_[i].arrays.count;
+  const uint64_t per_thread = total / (4ull * pool_->size()) + 1;
+  const std::size_t chunk =
+      (std::clamp<uint64_t>(per_thread, kMinTaskElements, kMaxTaskElements) + 63) / 64 * 64;
+  std::vector<Task> tasks;
+  for (std::size_t i : params) {
+    const std::size_t n = params_[i].arrays.count;
+    for (std::size_t b = 0; b < n; b += chunk) tasks.push_back(Task{i, b, std::min(n, b + chunk)});
+    if (n == 0) tasks.push_back(Task{i, 0, 0});
+  }
+  return tasks;
+}
+
+Status Optimizer::attach(Executor* executor) {
+  std::vector<std::vector<std::size_t>> layer_params;
+  {
+    std::lock_guard lock(mutex_);
+    if (executor_ != nullptr) return error(Code::kBusy, "the optimizer is already attached");
+    if (params_.empty()) return error(Code::kInvalidState, "attach: the optimizer has no params");
+    const Plan& plan = executor->plan();
+    layer_params.resize(plan.layer_count);
+    std::vector<int> layer_of(params_.size(), -1);
+    for (uint32_t l = 0; l < plan.layer_count; ++l) {
+      const LayerPlan& lp = plan.layers[l];
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        const auto has = [](const std::vector<SlotTensor>& list, TensorId id) {
+          return std::any_of(list.begin(), list.end(),
+                             [&](const SlotTensor& t) { return t.id == id; });
+        };
+        if (!has(lp.weights, params_[i].weight)) continue;
+        if (!has(lp.grads, params_[i].grad)) {
+          TensorRecord g;
+          (void)runtime_->info(params_[i].grad, &g);
+          return error(Code::kInvalidArgument, "grad '", g.spec.name, "' is not a grad of layer ",
+                       l, ", whose weight it belongs to: declare it in that layer's grads");
+        }
+        layer_of[i] = static_cast<int>(l);
+        layer_params[l].push_back(i);
+      }
+    }
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (layer_of[i] < 0) {
+        TensorRecord w;
+        (void)runtime_->info(params_[i].weight, &w);
+        return error(Code::kInvalidArgument, "weight '", w.spec.name,
+                     "' is not a weight of any layer of the executor's graph (an attached "
+                     "optimizer updates layer weights as their grads land)");
+      }
+    }
+    for (std::size_t i = 0; i < params_.size(); ++i) params_[i].layer = layer_of[i];
+    layer_params_ = layer_params;
+    layer_tasks_.clear();
+    layers_with_params_ = 0;
+    for (const auto& lp : layer_params_) {
+      layer_tasks_.push_back(tasks_for(lp));
+      if (!lp.empty()) ++layers_with_params_;
+    }
+    pending_.assign(plan.layer_count, 0);
+    grads_in_ = 0;
+    executor_ = executor;
+  }
+  // Outside mutex_: the executor calls the hooks under its own lock, so it is always taken first.
+  Status s = executor->attach_hooks(shared_from_this());
+  if (!s.is_ok()) {
+    std::lock_guard lock(mutex_);
+    executor_ = nullptr;
+  }
+  return s;
+}
+
+Status Optimizer::detach() {
+  Executor* e = nullptr;
+  {
+    std::lock_guard lock(mutex_);
+    e = executor_;
+  }
+  if (e == nullptr) return Status::ok();
+  STRATA_RETURN_IF_ERROR(e->detach_hooks(this));
+  Status s = synchronize();
+  std::lock_guard lock(mutex_);
+  executor_ = nullptr;
+  return s;
+}
+
+void Optimizer::on_executor_destroyed() {
+  std::lock_guard lock(mutex_);
+  executor_ = nullptr;
+}
+
+void Optimizer::fail(Status s) {
+  if (failure_.is_ok()) failure_ = std::move(s);
+}
+
+void Optimizer::wait_for_norms(std::unique_lock<std::mutex>& lock) {
+  cv_.wait(lock, [&] {
+    return !failure_.is_ok() || !current_ || !deferred() ||
+           current_->norms_in >= layers_with_params_ || grads_in_ < layers_with_params_;
+  });
+}
+
+Status Optimizer::on_step_begin() {
+  std::unique_lock lock(mutex_);
+  if (!failure_.is_ok()) return failure_;
+  // A deferred step settles t and the loss scale when its last norm is in: wait for that (a
+  // few milliseconds after the previous step's last grads landed, and before this step's first
+  // load could start anyway, since that waits for its layer's update), so this step's values
+  // and what the framework reads from the stats are settled.
+  wait_for_norms(lock);
+  if (!failure_.is_ok()) return failure_;
+  final_micro_ = micro_ + 1 >= config_.accumulation_steps;
+  grads_in_ = 0;
+  if (final_micro_) {
+    auto s = std::make_shared<StepScalars>();
+    s->t = counters_.step + 1;
+    s->grad_scale = 1.f / counters_.loss_scale;
+    s->groups = groups_;
+    current_ = std::move(s);
+  }
+  return Status::ok();
+}
+
+Status Optimizer::on_grads_queued(uint32_t layer,
+                                  std::vector<std::shared_ptr<DeviceFence>> landed) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!failure_.is_ok()) return failure_;
+    if (layer >= layer_params_.size() || layer_params_[layer].empty()) return Status::ok();
+    Job job;
+    job.layer = static_cast<int>(layer);
+    job.landed = std::move(landed);
+    job.scalars = current_;
+    if (!final_micro_) {
+      job.kind = JobKind::kAccumulate;
+      job.first_micro = micro_ == 0;
+    } else {
+      // Deferred: the norm now, the update (counted as pending from now) after the last norm.
+      job.kind = deferred() ? JobKind::kNorm : JobKind::kUpdate;
+    }
+    ++pending_[layer];
+    queue_.push_back(std::move(job));
+    if (++grads_in_ == layers_with_params_) {
+      // The step's last grads are queued: the next executor step is the next micro-step.
+      if (final_micro_) {
+        micro_ = 0;
+        if (!deferred()) counters_.step = current_->t;
+      } else {
+        ++micro_;
+      }
+    }
+  }
+  cv_.notify_all();
+  return Status::ok();
+}
+
+bool Optimizer::layer_ready(uint32_t layer) {
+  std::lock_guard lock(mutex_);
+  return failure_.is_ok() && (layer >= pending_.size() || pending_[layer] == 0);
+}
+
+Status Optimizer::wait_layer(uint32_t layer) {
+  std::unique_lock lock(mutex_);
+  cv_.wait(lock,
+           [&] { return !failure_.is_ok() || layer >= pending_.size() || pending_[layer] == 0; });
+  return failure_;
+}
+
+Status Optimizer::synchronize() {
+  std::unique_lock lock(mutex_);
+  cv_.wait(lock, [&] {
+    if (!failure_.is_ok()) return true;
+    if (!queue_.empty() || running_ > 0) return false;
+    return std::all_of(pending_.begin(), pending_.end(), [](int p) { return p == 0; });
+  });
+  return failure_;
+}
+
+void Optimizer::finish_norms(double total_squared, StepScalars* s) {
+  const float scale = counters_.loss_scale;
+  last_norm_ = std::sqrt(total_squared) / scale;
+  if (!std::isfinite(total_squared)) {
+    // Overflowed grads: no update this step (t does not advance), and a smaller scale.
+    s->skip = true;
+    ++counters_.skipped_steps;
+    if (config_.dynamic_loss_scale) {
+      counters_.loss_scale = scale * config_.backoff_factor;
+      counters_.growth_tracker = 0;
+    }
+    return;
+  }
+  double coef = 1.0;
+  if (config_.max_grad_norm > 0) {
+    // PyTorch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
+    coef = std::min(1.0, static_cast<double>(config_.max_grad_norm) / (last_norm_ + 1e-6));
+  }
+  s->grad_scale = static_cast<float>(coef / scale);
+  counters_.step = s->t;
+  if (config_.dynamic_loss_scale && ++counters_.growth_tracker >= config_.growth_interval) {
+    counters_.loss_scale = scale * config_.growth_factor;
+    counters_.growth_tracker = 0;
+  }
+}
+
+double Optimizer::run_tasks(const std::vector<Task>& tasks, JobKind kind, const StepScalars* s,
+                            bool first) {
+  std::vector<double> sums(kind == JobKind::kNorm ? tasks.size() : 0);
+  optim::AdamWScalars adam;
+  optim::SgdScalars sgd;
+  std::vector<optim::AdamWScalars> adam_groups;
+  std::vector<optim::SgdScalars> sgd_groups;
+  if (kind == JobKind::kUpdate) {
+    const double t = static_cast<double>(s->t);
+    for (const GroupHyperparams& g : s->groups) {
+      if (config_.kind == OptimizerKind::kAdamW) {
+        // Bias corrections in double, as PyTorch computes them in Python floats.
+        optim::AdamWScalars a;
+        a.grad_scale = s->grad_scale;
+        a.beta1 = config_.beta1;
+        a.beta2 = config_.beta2;
+        a.eps = config_.eps;
+        a.lr_decay = static_cast<float>(static_cast<double>(g.lr) * g.weight_decay);
+        a.step_size = static_cast<float>(g.lr / (1.0 - std::pow(double{config_.beta1}, t)));
+        a.inv_bias2_sqrt =
+            static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double{config_.beta2}, t)));
+        adam_groups.push_back(a);
+      } else {
+        optim::SgdScalars q;
+        q.grad_scale = s->grad_scale;
+        q.lr = g.lr;
+        q.weight_decay = g.weight_decay;
+        q.momentum = config_.momentum;
+        q.dampening = config_.dampening;
+        q.nesterov = config_.nesterov;
+        q.first_step = s->t == 1;
+        sgd_groups.push_back(q);
+      }
+    }
+  }
+  (void)adam;
+  (void)sgd;
+  pool_->run(tasks.size(), [&](std::size_t k) {
+    const Task& task = tasks[k];
+    const Param& p = params_[task.param];
+    switch (kind) {
+      case JobKind::kAccumulate:
+        kernels_->accumulate(p.arrays, task.begin, task.end, first);
+        break;
+      case JobKind::kNorm:
+        sums[k] = kernels_->sum_squares(p.arrays, task.begin, task.end);
+        break;
+      case JobKind::kUpdate:
+        if (config_.kind == OptimizerKind::kAdamW) {
+          kernels_->adamw(adam_groups[p.group], p.arrays, task.begin, task.end);
+        } else {
+          kernels_->sgd(sgd_groups[p.group], p.arrays, task.begin, task.end);
+        }
+        break;
+    }
+  });
+  double total = 0;
+  for (double v : sums) total += v;
+  return total;
+}
+
+uint64_t Optimizer::job_bytes(const std::vector<Task>& tasks, JobKind kind) const {
+  uint64_t bytes = 0;
+  for (const Task& t : tasks) {
+    const optim::ParamArrays& a = params_[t.param].arrays;
+    const uint64_t n = t.end - t.begin;
+    uint64_t per = dtype_size(a.grad_dtype) + (a.grad_accum != nullptr ? 4 : 0);
+    if (kind == JobKind::kAccumulate) per = dtype_size(a.grad_dtype) + 8;
+    if (kind == JobKind::kUpdate) {
+      per += 8;  // master read and write
+      if (a.exp_avg != nullptr) per += 8;
+      if (a.exp_avg_sq != nullptr) per += 8;
+      if (a.weight != nullptr) per += dtype_size(a.weight_dtype);
+    }
+    bytes += n * per;
+  }
+  return bytes;
+}
+
+void Optimizer::dispatcher_main() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock lock(mutex_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and nothing left to finish
+      job = std::move(queue_.front());
+      queue_.pop_front();
+      ++running_;
+    }
+    Status status;
+    for (const auto& f : job.landed) {
+      Status s = f->host_wait();
+      if (status.is_ok() && !s.is_ok()) status = s;
+    }
+    const auto& tasks = layer_tasks_[static_cast<std::size_t>(job.layer)];
+    double norm = 0;
+    const bool skip = job.kind == JobKind::kUpdate && job.scalars->skip;
+    Tracer& tracer = runtime_->tracer();
+    const uint64_t trace_start = tracer.enabled() ? tracer.now() : 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (status.is_ok() && !skip) {
+      norm = run_tasks(tasks, job.kind, job.scalars.get(), job.first_micro);
+    }
+    const double seconds = seconds_since(t0);
+    if (tracer.enabled() && status.is_ok() && !skip) {
+      TraceRecord r;
+      r.kind = static_cast<int32_t>(TraceKind::kOptimizer);
+      r.start_ns = trace_start;
+      r.end_ns = tracer.now();
+      r.bytes = job_bytes(tasks, job.kind);
+      r.layer = job.layer;
+      r.phase = static_cast<int32_t>(job.kind);
+      tracer.record(r);
+    }
+    {
+      std::lock_guard lock(mutex_);
+      update_seconds_ += seconds;
+      --running_;
+      if (!status.is_ok()) {
+        fail(error(status.code(), "optimizer: grads of layer ", job.layer,
+                   " did not land: ", status.message()));
+      }
+      if (job.kind == JobKind::kNorm) {
+        StepScalars& step = *job.scalars;
+        step.norm_squared += norm;
+        if (++step.norms_in == layers_with_params_) {
+          // Every grad is in: decide the step, then update in forward order, which is the
+          // order the next step's forward pass loads the layers in.
+          finish_norms(step.norm_squared, &step);
+          for (std::size_t l = 0; l < layer_params_.size(); ++l) {
+            if (layer_params_[l].empty()) continue;
+            Job u;
+            u.kind = JobKind::kUpdate;
+            u.layer = static_cast<int>(l);
+            u.scalars = job.scalars;
+            queue_.push_back(std::move(u));
+          }
+        }
+      } else {
+        --pending_[static_cast<std::size_t>(job.layer)];
+      }
+    }
+    cv_.notify_all();
+  }
+}
+
+Status Optimizer::step() {
+  std::unique_lock lock(mutex_);
+  if (executor_ != nullptr) {
+    return error(Code::kInvalidState,
+                 "step: the optimizer is attached to an executor, whose steps run its updates");
+  }
+  if (!failure_.is_ok()) return failure_;
+  if (params_.empty()) return error(Code::kInvalidState, "step: the optimizer has no params");
+  if (all_tasks_.size() == 0 || all_tasks_params_ != params_.size()) {
+    std::vector<std::size_t> all(params_.size());
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+    all_tasks_ = tasks_for(all);
+    all_tasks_params_ = params_.size();
+  }
+  // One manual step at a time; the pool is not shared with a dispatcher job (none run unattached).
+  const auto t0 = std::chrono::steady_clock::now();
+  if (micro_ + 1 < config_.accumulation_steps) {
+    const bool first = micro_ == 0;
+    ++micro_;
+    lock.unlock();
+    run_tasks(all_tasks_, JobKind::kAccumulate, nullptr, first);
+    lock.lock();
+    update_seconds_ += seconds_since(t0);
+    return Status::ok();
+  }
+  micro_ = 0;
+  StepScalars s;
+  s.t = counters_.step + 1;
+  s.grad_scale = 1.f / counters_.loss_scale;
+  s.groups = groups_;
+  if (deferred()) {
+    lock.unlock();
+    const double total = run_tasks(all_tasks_, JobKind::kNorm, nullptr, false);
+    lock.lock();
+    finish_norms(total, &s);
+  } else {
+    counters_.step = s.t;
+  }
+  if (!s.skip) {
+    lock.unlock();
+    run_tasks(all_tasks_, JobKind::kUpdate, &s, false);
+    lock.lock();
+  }
+  update_seconds_ += seconds_since(t0);
+  return Status::ok();
+}
+
+Status Optimizer::quiesce_for_checkpoint(OptimizerCounters* counters) {
+  STRATA_RETURN_IF_ERROR(synchronize());
+  std::lock_guard lock(mutex_);
+  if (micro_ != 0 || (executor_ != nullptr && grads_in_ != 0 && grads_in_ < layers_with_params_)) {
+    return error(Code::kInvalidState, "checkpoint in the middle of an optimizer step (", micro_,
+                 " of ", config_.accumulation_steps,
+                 " accumulation steps done): save or load after the step's last micro-step");
+  }
+  *counters = counters_;
+  return Status::ok();
+}
+
+Status Optimizer::restore_counters(const OptimizerCounters& counters) {
+  std::lock_guard lock(mutex_);
+  counters_ = counters;
+  micro_ = 0;
+  failure_ = Status::ok();
+  return Status::ok();
+}
+
+void Optimizer::invalidate(Status why) {
+  {
+    std::lock_guard lock(mutex_);
+    failure_ = std::move(why);
+  }
+  cv_.notify_all();
+}
+
+OptimizerStats Optimizer::stats() {
+  std::unique_lock lock(mutex_);
+  wait_for_norms(lock);
+  OptimizerStats s;
+  s.step = counters_.step;
+  s.skipped_steps = counters_.skipped_steps;
+  s.micro_step = micro_;
+  s.last_grad_norm = last_norm_;
+  s.loss_scale = counters_.loss_scale;
+  s.params = params_.size();
+  for (const Param& p : params_) s.elements += p.arrays.count;
+  s.state_bytes = state_bytes_;
+  s.update_seconds = update_seconds_;
+  s.threads = pool_->size();
+  s.isa = std::string(optim::isa_name(kernels_->isa));
+  s.binding = pool_->binding();
+  return s;
+}
+
+}  // namespace strata

@@ -1,0 +1,201 @@
+// Optimizer: the training state beside the streamed weights, and its update. Per trainable
+// weight it keeps an fp32 master (the weight itself when that is fp32) and the optimizer's
+// state (AdamW m and v, or SGD momentum) as runtime tensors in DRAM, and it writes the working
+// copy the executor streams to the GPU from the master.
+//
+// Attached to an executor, each layer's update runs on a NUMA-local thread pool as soon as its
+// grads have landed in DRAM, overlapped with the backward pass of the layers below; the next
+// step's load of that layer waits for it (ExecutorHooks). Clipping and dynamic loss scaling
+// need every grad before any update: then the grads' norms are taken as they land (during
+// backward) and the updates run in forward order once the last norm is in, overlapped with the
+// next step's forward pass instead. Without an executor, step() updates everything at once.
+//
+// Thread-safe: one mutex guards the bookkeeping; the update kernels run outside it.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/executor_hooks.h"
+#include "runtime/optimizer/kernels.h"
+#include "runtime/optimizer/worker_pool.h"
+#include "runtime/runtime.h"
+
+namespace strata {
+
+class Executor;
+
+enum class OptimizerKind : int32_t { kAdamW = 0, kSgd = 1 };
+
+struct OptimizerConfig {
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  float lr = 1e-3f;
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  float weight_decay = 0.f;
+  float momentum = 0.f, dampening = 0.f;
+  bool nesterov = false;
+  float max_grad_norm = 0.f;  // 0: no clipping
+  float loss_scale = 1.f;     // grads arrive multiplied by it
+  bool dynamic_loss_scale = false;
+  float growth_factor = 2.f, backoff_factor = 0.5f;
+  uint32_t growth_interval = 2000;
+  uint32_t accumulation_steps = 1;  // executor steps per update (grads summed in fp32)
+  uint32_t threads = 0;             // 0: the GPU node's CPUs less one
+};
+
+struct GroupHyperparams {
+  float lr = 0.f;
+  float weight_decay = 0.f;
+};
+
+enum class StateKind : int32_t { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kGradAccum = 3 };
+
+struct OptimizerStats {
+  uint64_t step = 0;           // updates applied (AdamW's t)
+  uint64_t skipped_steps = 0;  // non-finite grads
+  uint64_t micro_step = 0;     // executor steps into the current accumulation
+  double last_grad_norm = -1;  // of the unscaled grads, when it was computed (clipping, dynamic)
+  float loss_scale = 1.f;
+  uint64_t params = 0;
+  uint64_t elements = 0;
+  uint64_t state_bytes = 0;   // DRAM the optimizer allocated
+  double update_seconds = 0;  // time the pool spent updating (all jobs)
+  uint32_t threads = 0;
+  std::string isa;
+  std::string binding;
+};
+
+// What a checkpoint carries besides the tensors.
+struct OptimizerCounters {
+  uint64_t step = 0;
+  uint64_t skipped_steps = 0;
+  float loss_scale = 1.f;
+  uint32_t growth_tracker = 0;
+};
+
+class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Optimizer> {
+ public:
+  static Status create(std::shared_ptr<Runtime> runtime, const OptimizerConfig& config,
+                       std::shared_ptr<Optimizer>* out);
+  ~Optimizer() override;
+
+  // Adds a trainable weight (DRAM, fp32/bf16/fp16) and its grad (DRAM, same element count,
+  // fp32/bf16/fp16): allocates and initializes its state. Not once attached.
+  Status add_param(TensorId weight, TensorId grad, uint32_t group);
+  Status set_group(uint32_t group, const GroupHyperparams& h);
+  Status state_tensor(TensorId weight, StateKind kind, TensorId* out);
+
+  Status attach(Executor* executor);
+  Status detach();
+  // Updates every parameter now from its grad tensor (no executor attached).
+  Status step();
+  // Waits for every queued update; returns the first error of any.
+  Status synchronize();
+  OptimizerStats stats();
+
+  const OptimizerConfig& config() const { return config_; }
+  struct ParamView {
+    TensorId weight, grad;
+    TensorId master, exp_avg, exp_avg_sq;  // 0 where the kind has none; master may be weight
+  };
+  std::vector<ParamView> params();
+  // For checkpoints: between updates only (kInvalidState inside an accumulation or a step).
+  Status quiesce_for_checkpoint(OptimizerCounters* counters);
+  // A successful load: the counters, and a clean slate after an earlier failed load.
+  Status restore_counters(const OptimizerCounters& counters);
+  // A failed load left the state inconsistent: every later step reports `why`.
+  void invalidate(Status why);
+
+  // ExecutorHooks
+  Status on_step_begin() override;
+  Status on_grads_queued(uint32_t layer, std::vector<std::shared_ptr<DeviceFence>> landed) override;
+  bool layer_ready(uint32_t layer) override;
+  Status wait_layer(uint32_t layer) override;
+  void on_executor_destroyed() override;
+
+ private:
+  struct Param {
+    TensorId weight = 0, grad = 0, master = 0, exp_avg = 0, exp_avg_sq = 0, accum = 0;
+    uint32_t group = 0;
+    int layer = -1;
+    optim::ParamArrays arrays;
+  };
+  struct Task {
+    std::size_t param;
+    std::size_t begin, end;
+  };
+  // Per-step values every update of the step uses, latched when the step's first grads leave.
+  struct StepScalars {
+    uint64_t t = 0;
+    float grad_scale = 1.f;
+    bool skip = false;
+    std::vector<GroupHyperparams> groups;
+    // Deferred steps: the layers' norms as they come in (the next step may already have begun).
+    std::size_t norms_in = 0;
+    double norm_squared = 0;
+  };
+
+  enum class JobKind { kAccumulate, kNorm, kUpdate };
+  struct Job {
+    JobKind kind;
+    int layer;  // -1: every parameter
+    std::vector<std::shared_ptr<DeviceFence>> landed;
+    bool first_micro = false;              // kAccumulate: the accumulator starts from this grad
+    std::shared_ptr<StepScalars> scalars;  // kNorm, kUpdate: the step they belong to
+  };
+  Optimizer(std::shared_ptr<Runtime> runtime, const OptimizerConfig& config);
+  Status make_state(const TensorRecord& weight, const char* suffix, TensorId* id, float** data);
+  std::vector<Task> tasks_for(const std::vector<std::size_t>& params) const;
+  // Runs one kind of work over `tasks` on the pool; kNorm returns the sum of squares.
+  double run_tasks(const std::vector<Task>& tasks, JobKind kind, const StepScalars* scalars,
+                   bool first_micro);
+  uint64_t job_bytes(const std::vector<Task>& tasks, JobKind kind) const;  // for the trace
+  // After every norm is in: the step's grad scale and skip decision, and loss-scale update.
+  void finish_norms(double total_squared, StepScalars* scalars);  // under mutex_
+  void dispatcher_main();
+  // Until the latest deferred step has all its norms (its t and loss scale are then settled).
+  void wait_for_norms(std::unique_lock<std::mutex>& lock);
+  bool deferred() const { return config_.max_grad_norm > 0 || config_.dynamic_loss_scale; }
+  void fail(Status s);  // under mutex_: the first failure sticks
+  void unregister_state();
+
+  std::shared_ptr<Runtime> runtime_;
+  OptimizerConfig config_;
+  const optim::KernelTable* kernels_;
+  std::unique_ptr<optim::WorkerPool> pool_;
+  std::vector<Param> params_;
+  std::vector<TensorId> owned_, pinned_;
+  uint64_t state_bytes_ = 0;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;  // jobs queued, a layer done, idle
+  std::vector<GroupHyperparams> groups_;
+  Executor* executor_ = nullptr;
+  std::vector<std::vector<std::size_t>> layer_params_;  // per executor layer
+  std::vector<std::vector<Task>> layer_tasks_;
+  std::vector<int> pending_;  // per layer: queued jobs that write its weights
+  std::size_t layers_with_params_ = 0;
+  std::deque<Job> queue_;
+  std::size_t running_ = 0;
+  bool stopping_ = false;
+  Status failure_;
+  // The step in flight (attached mode).
+  std::shared_ptr<StepScalars> current_;
+  std::size_t grads_in_ = 0;  // layers whose grads this step queued
+  uint64_t micro_ = 0;        // executor steps into the accumulation
+  bool final_micro_ = false;
+  std::vector<Task> all_tasks_;  // every parameter (manual steps)
+  std::size_t all_tasks_params_ = 0;
+  // Counters.
+  OptimizerCounters counters_;
+  double last_norm_ = -1;
+  double update_seconds_ = 0;
+  std::thread dispatcher_;
+};
+
+}  // namespace strata

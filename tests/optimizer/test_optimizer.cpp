@@ -1,0 +1,630 @@
+// The optimizer and checkpoints through the C ABI, on the backend under test: updates driven by
+// the executor's steps equal the same updates run by hand (so each layer's update lands before
+// its next load, and grads are whole when read); clipping, loss scaling, accumulation; misuse;
+// checkpoints round-trip, resume bit for bit, detect corruption, survive SIGKILL mid-save.
+#define CATCH_CONFIG_RUNNER
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "support/device_views.h"
+
+using namespace strata_test;
+
+namespace {
+
+constexpr uint64_t kMiB = 1ull << 20;
+
+uint16_t to_bf16(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+float from_bf16(uint16_t h) {
+  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
+
+// The "framework's" grad: a function of the weights it was handed and of the step, so a stale
+// or half-updated load shows up as different grads, and so as different weights later.
+std::vector<uint16_t> grads_for(const std::vector<uint16_t>& w, int step, int layer, int micro) {
+  std::vector<uint16_t> g(w.size());
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    const float x = 0.5f * from_bf16(w[i]) +
+                    0.1f * std::sin(0.37f * static_cast<float>(i) + static_cast<float>(step) +
+                                    0.5f * static_cast<float>(layer) + 0.25f * micro);
+    g[i] = to_bf16(x);
+  }
+  return g;
+}
+
+struct OptimizerDeleter {
+  void operator()(strata_optimizer_t* o) const { strata_optimizer_destroy(o); }
+};
+using OptimizerPtr = std::unique_ptr<strata_optimizer_t, OptimizerDeleter>;
+
+// A small bf16 model: `layers` layers of two weights each, bf16 grads, in DRAM.
+struct Model {
+  RuntimePtr rt;
+  std::vector<std::vector<strata_tensor_t*>> weights, grads;
+  std::vector<int64_t> sizes{3000, 1100};
+};
+
+strata_tensor_t* register_tensor(strata_runtime_t* rt, const std::string& name, int64_t n,
+                                 strata_dtype_t dtype, strata_role_t role) {
+  const int64_t shape[1] = {n};
+  const strata_tensor_desc_t d = desc(name.c_str(), shape, 1, STRATA_TIER_DRAM, dtype, role);
+  strata_tensor_t* t = nullptr;
+  STRATA_REQUIRE_OK(strata_tensor_register(rt, &d, &t));
+  return t;
+}
+
+Model make_model(int layers, uint64_t seed, strata_device_backend_t backend) {
+  Model m;
+  m.rt = make_runtime(config_for(backend, 64 * kMiB, 256 * kMiB));
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::normal_distribution<float> dist(0.f, 0.5f);
+  for (int l = 0; l < layers; ++l) {
+    m.weights.emplace_back();
+    m.grads.emplace_back();
+    for (std::size_t k = 0; k < m.sizes.size(); ++k) {
+      const std::string base = "layers." + std::to_string(l) + ".w" + std::to_string(k);
+      strata_tensor_t* w =
+          register_tensor(m.rt.get(), base, m.sizes[k], STRATA_DTYPE_BF16, STRATA_ROLE_WEIGHT);
+      std::vector<uint16_t> init(static_cast<std::size_t>(m.sizes[k]));
+      for (auto& x : init) x = to_bf16(dist(rng));
+      STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), w, 0, init.data(), init.size() * 2));
+      m.weights.back().push_back(w);
+      m.grads.back().push_back(register_tensor(m.rt.get(), base + ".grad", m.sizes[k],
+                                               STRATA_DTYPE_BF16, STRATA_ROLE_GRAD));
+    }
+  }
+  return m;
+}
+
+OptimizerPtr make_optimizer(Model& m, const strata_optimizer_config_t& c) {
+  strata_optimizer_t* o = nullptr;
+  STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
+  OptimizerPtr opt(o);
+  for (std::size_t l = 0; l < m.weights.size(); ++l) {
+    for (std::size_t k = 0; k < m.weights[l].size(); ++k) {
+      strata_param_desc_t p{};
+      p.struct_size = STRATA_PARAM_DESC_STRUCT_SIZE;
+      p.weight = m.weights[l][k];
+      p.grad = m.grads[l][k];
+      p.group = k == 1 ? 1 : 0;  // the second weight of each layer: no weight decay
+      STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
+    }
+  }
+  STRATA_REQUIRE_OK(strata_optimizer_set_group(opt.get(), 1, c.lr, 0.f));
+  return opt;
+}
+
+std::vector<uint16_t> read_bf16(strata_runtime_t* rt, strata_tensor_t* t, int64_t n) {
+  std::vector<uint16_t> v(static_cast<std::size_t>(n));
+  STRATA_REQUIRE_OK(strata_tensor_read(rt, t, 0, v.data(), v.size() * 2));
+  return v;
+}
+
+// Every byte of the weights and the optimizer's state.
+std::vector<std::vector<unsigned char>> snapshot(Model& m, strata_optimizer_t* opt) {
+  std::vector<std::vector<unsigned char>> out;
+  for (std::size_t l = 0; l < m.weights.size(); ++l) {
+    for (std::size_t k = 0; k < m.weights[l].size(); ++k) {
+      strata_tensor_t* w = m.weights[l][k];
+      std::vector<strata_tensor_t*> ts{w};
+      for (strata_state_kind_t kind :
+           {STRATA_STATE_MASTER, STRATA_STATE_EXP_AVG, STRATA_STATE_EXP_AVG_SQ}) {
+        strata_tensor_t* s = nullptr;
+        if (strata_optimizer_get_state(opt, w, kind, &s) == STRATA_OK) ts.push_back(s);
+      }
+      for (strata_tensor_t* t : ts) {
+        strata_tensor_info_t info{};
+        info.struct_size = STRATA_TENSOR_INFO_STRUCT_SIZE;
+        STRATA_REQUIRE_OK(strata_tensor_get_info(m.rt.get(), t, &info));
+        std::vector<unsigned char> bytes(info.nbytes);
+        STRATA_REQUIRE_OK(strata_tensor_read(m.rt.get(), t, 0, bytes.data(), bytes.size()));
+        out.push_back(std::move(bytes));
+      }
+    }
+  }
+  return out;
+}
+
+// Steps by hand: grads from the DRAM weights, written to the grad tensors, then step().
+void run_manual(Model& m, strata_optimizer_t* opt, int first_step, int steps, int micro_batches) {
+  for (int s = first_step; s < first_step + steps; ++s) {
+    STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 0, 1e-2f / (1 + s), 0.1f));
+    STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 1, 1e-2f / (1 + s), 0.f));
+    for (int micro = 0; micro < micro_batches; ++micro) {
+      for (std::size_t l = 0; l < m.weights.size(); ++l) {
+        for (std::size_t k = 0; k < m.weights[l].size(); ++k) {
+          const auto w = read_bf16(m.rt.get(), m.weights[l][k], m.sizes[k]);
+          const auto g = grads_for(w, s, static_cast<int>(l), micro);
+          STRATA_REQUIRE_OK(
+              strata_tensor_write(m.rt.get(), m.grads[l][k], 0, g.data(), g.size() * 2));
+        }
+      }
+      STRATA_REQUIRE_OK(strata_optimizer_step(opt));
+    }
+  }
+}
+
+struct Streamed {
+  strata_graph_t* graph = nullptr;
+  strata_plan_t* plan = nullptr;
+  strata_executor_t* ex = nullptr;
+  ~Streamed() {
+    strata_executor_destroy(ex);
+    strata_plan_destroy(plan);
+    strata_graph_destroy(graph);
+  }
+};
+
+void make_streamed(Model& m, Streamed* st, uint64_t slot_budget) {
+  STRATA_REQUIRE_OK(strata_graph_create(m.rt.get(), &st->graph));
+  for (std::size_t l = 0; l < m.weights.size(); ++l) {
+    strata_layer_desc_t d{};
+    d.struct_size = STRATA_LAYER_DESC_STRUCT_SIZE;
+    d.weights = m.weights[l].data();
+    d.weight_count = static_cast<uint32_t>(m.weights[l].size());
+    d.grads = m.grads[l].data();
+    d.grad_count = static_cast<uint32_t>(m.grads[l].size());
+    STRATA_REQUIRE_OK(strata_graph_add_layer(st->graph, &d, nullptr));
+  }
+  strata_plan_config_t pc;
+  STRATA_REQUIRE_OK(strata_plan_config_init(&pc));
+  pc.hbm_slot_budget_bytes = slot_budget;
+  pc.h2d_bytes_per_second = 1e9;
+  pc.d2h_bytes_per_second = 1e9;
+  STRATA_REQUIRE_OK(strata_plan_create(st->graph, &pc, &st->plan));
+  STRATA_REQUIRE_OK(strata_executor_create(st->plan, &st->ex));
+}
+
+// Steps through the executor: grads from the weights in the slot, written into the grad views.
+void run_streamed(Model& m, strata_optimizer_t* opt, strata_executor_t* ex, int first_step,
+                  int steps, int micro_batches) {
+  const auto layers = static_cast<uint32_t>(m.weights.size());
+  for (int s = first_step; s < first_step + steps; ++s) {
+    for (int micro = 0; micro < micro_batches; ++micro) {
+      if (micro == micro_batches - 1 || micro == 0) {
+        STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 0, 1e-2f / (1 + s), 0.1f));
+        STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 1, 1e-2f / (1 + s), 0.f));
+      }
+      STRATA_REQUIRE_OK(strata_step_begin(ex));
+      strata_layer_views_t v{};
+      v.struct_size = STRATA_LAYER_VIEWS_STRUCT_SIZE;
+      for (uint32_t l = 0; l < layers; ++l) {
+        STRATA_REQUIRE_OK(strata_layer_acquire(ex, l, STRATA_PHASE_FORWARD, nullptr, 0, &v));
+        STRATA_REQUIRE_OK(strata_layer_release(ex, l, STRATA_PHASE_FORWARD, nullptr));
+      }
+      for (uint32_t l = layers; l-- > 0;) {
+        STRATA_REQUIRE_OK(strata_layer_acquire(ex, l, STRATA_PHASE_BACKWARD, nullptr, 0, &v));
+        for (std::size_t k = 0; k < m.sizes.size(); ++k) {
+          std::vector<uint16_t> w(static_cast<std::size_t>(m.sizes[k]));
+          view_to_host(w.data(), v.weights[k], w.size() * 2);
+          const auto g = grads_for(w, s, static_cast<int>(l), micro);
+          host_to_view(v.grads[k], g.data(), g.size() * 2);
+        }
+        STRATA_REQUIRE_OK(strata_layer_release(ex, l, STRATA_PHASE_BACKWARD, nullptr));
+      }
+      STRATA_REQUIRE_OK(strata_step_end(ex));
+    }
+  }
+  STRATA_REQUIRE_OK(strata_optimizer_synchronize(opt));
+}
+
+strata_optimizer_config_t adamw_config() {
+  strata_optimizer_config_t c;
+  strata_optimizer_config_init(STRATA_OPTIMIZER_ADAMW, &c);
+  c.threads = 2;
+  return c;
+}
+
+float max_relative_difference(const std::vector<std::vector<unsigned char>>& a,
+                              const std::vector<std::vector<unsigned char>>& b) {
+  // Compares fp32 state tensors (every second and later tensor of a param); bf16 weights are
+  // compared through their masters.
+  float worst = 0;
+  REQUIRE(a.size() == b.size());
+  for (std::size_t t = 0; t < a.size(); ++t) {
+    REQUIRE(a[t].size() == b[t].size());
+    if (t % 4 == 0) continue;  // the bf16 weight
+    const auto* x = reinterpret_cast<const float*>(a[t].data());
+    const auto* y = reinterpret_cast<const float*>(b[t].data());
+    float scale = 0;
+    for (std::size_t i = 0; i < a[t].size() / 4; ++i) scale = std::max(scale, std::abs(y[i]));
+    for (std::size_t i = 0; i < a[t].size() / 4; ++i) {
+      worst = std::max(worst, std::abs(x[i] - y[i]) / std::max(scale, 1e-30f));
+    }
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("updates driven by the executor equal the same updates run by hand", "[optimizer]") {
+  struct Variant {
+    const char* name;
+    float max_grad_norm;
+    uint32_t accumulation;
+    uint64_t slot_budget;
+  };
+  for (const Variant& var : {Variant{"per layer, overlapped with backward", 0.f, 1, 0},
+                             Variant{"two slots", 0.f, 1, 2 * 4 * 4100 * 2},
+                             Variant{"clipped: deferred to the next forward", 0.5f, 1, 0},
+                             Variant{"three accumulated micro-steps", 0.f, 3, 0}}) {
+    DYNAMIC_SECTION(var.name) {
+      strata_optimizer_config_t c = adamw_config();
+      c.max_grad_norm = var.max_grad_norm;
+      c.accumulation_steps = var.accumulation;
+      Model streamed = make_model(5, 42, backend_under_test());
+      Model manual = make_model(5, 42, STRATA_DEVICE_BACKEND_HOST);
+      OptimizerPtr so = make_optimizer(streamed, c);
+      OptimizerPtr mo = make_optimizer(manual, c);
+      Streamed st;
+      make_streamed(streamed, &st, var.slot_budget);
+      STRATA_REQUIRE_OK(strata_optimizer_attach(so.get(), st.ex));
+      run_streamed(streamed, so.get(), st.ex, 0, 6, static_cast<int>(var.accumulation));
+      run_manual(manual, mo.get(), 0, 6, static_cast<int>(var.accumulation));
+      const auto a = snapshot(streamed, so.get());
+      const auto b = snapshot(manual, mo.get());
+      if (var.max_grad_norm > 0) {
+        // The global norm sums the layers in another order: equal to float rounding.
+        REQUIRE(max_relative_difference(a, b) < 1e-5f);
+      } else {
+        REQUIRE(a == b);
+      }
+      strata_optimizer_stats_t s{};
+      s.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
+      STRATA_REQUIRE_OK(strata_optimizer_get_stats(so.get(), &s));
+      REQUIRE(s.step == 6);
+      REQUIRE(s.params == 10);
+      REQUIRE(s.micro_step == 0);
+      if (var.max_grad_norm > 0) REQUIRE(s.last_grad_norm > 0);
+      // Detach by destroying the optimizer between steps; the executor runs on without it.
+      STRATA_REQUIRE_OK(strata_optimizer_destroy(so.release()));
+      STRATA_REQUIRE_OK(strata_step_begin(st.ex));
+    }
+  }
+}
+
+TEST_CASE("clipping scales by max_norm / (norm + 1e-6), as clip_grad_norm_", "[optimizer]") {
+  // SGD without momentum makes the applied grad visible: w1 = w0 - lr * coef * g.
+  Model m = make_model(1, 1, STRATA_DEVICE_BACKEND_HOST);
+  strata_optimizer_config_t c;
+  strata_optimizer_config_init(STRATA_OPTIMIZER_SGD, &c);
+  c.lr = 1.f;
+  c.max_grad_norm = 1.f;
+  c.threads = 2;
+  strata_optimizer_t* o = nullptr;
+  STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
+  OptimizerPtr opt(o);
+  // fp32 weight (its own master) and fp32 grad.
+  strata_tensor_t* w =
+      register_tensor(m.rt.get(), "w32", 1000, STRATA_DTYPE_F32, STRATA_ROLE_WEIGHT);
+  strata_tensor_t* g = register_tensor(m.rt.get(), "g32", 1000, STRATA_DTYPE_F32, STRATA_ROLE_GRAD);
+  std::vector<float> w0(1000, 1.f), g0(1000);
+  double sq = 0;
+  for (std::size_t i = 0; i < g0.size(); ++i) {
+    g0[i] = 0.01f * static_cast<float>(i % 17) - 0.05f;
+    sq += double{g0[i]} * g0[i];
+  }
+  STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), w, 0, w0.data(), 4000));
+  STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), g, 0, g0.data(), 4000));
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0};
+  STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
+  strata_tensor_t* master = nullptr;
+  STRATA_REQUIRE_OK(strata_optimizer_get_state(opt.get(), w, STRATA_STATE_MASTER, &master));
+  REQUIRE(master == w);  // an fp32 weight is its own master
+  STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
+  const double norm = std::sqrt(sq);
+  const double coef = std::min(1.0, 1.0 / (norm + 1e-6));
+  REQUIRE(norm > 1.0);  // so the clip acts
+  std::vector<float> w1(1000);
+  STRATA_REQUIRE_OK(strata_tensor_read(m.rt.get(), w, 0, w1.data(), 4000));
+  for (std::size_t i = 0; i < w1.size(); ++i) {
+    REQUIRE(std::abs(w1[i] - (1.0 - coef * g0[i])) <= 1e-6);
+  }
+  strata_optimizer_stats_t s{};
+  s.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_optimizer_get_stats(opt.get(), &s));
+  REQUIRE(std::abs(s.last_grad_norm - norm) <= 1e-6 * norm);
+}
+
+TEST_CASE("dynamic loss scaling skips overflowed steps and backs off", "[optimizer]") {
+  Model m = make_model(1, 2, STRATA_DEVICE_BACKEND_HOST);
+  strata_optimizer_config_t c = adamw_config();
+  c.loss_scale = 1024.f;
+  c.dynamic_loss_scale = 1;
+  c.growth_interval = 2;
+  OptimizerPtr opt = make_optimizer(m, c);
+  const auto before = snapshot(m, opt.get());
+  std::vector<uint16_t> g(3000, to_bf16(1.f));
+  g[5] = 0x7F80;  // +inf in bf16
+  STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), m.grads[0][0], 0, g.data(), g.size() * 2));
+  STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
+  strata_optimizer_stats_t s{};
+  s.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_optimizer_get_stats(opt.get(), &s));
+  REQUIRE(s.skipped_steps == 1);
+  REQUIRE(s.step == 0);
+  REQUIRE(s.loss_scale == 512.f);
+  REQUIRE(snapshot(m, opt.get()) == before);  // nothing changed
+  g[5] = to_bf16(1.f);
+  STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), m.grads[0][0], 0, g.data(), g.size() * 2));
+  STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
+  STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
+  STRATA_REQUIRE_OK(strata_optimizer_get_stats(opt.get(), &s));
+  REQUIRE(s.step == 2);
+  REQUIRE(s.loss_scale == 1024.f);  // grown after growth_interval good steps
+  REQUIRE(snapshot(m, opt.get()) != before);
+}
+
+TEST_CASE("optimizer misuse gets clear errors", "[optimizer]") {
+  Model m = make_model(2, 3, STRATA_DEVICE_BACKEND_HOST);
+  strata_optimizer_config_t c = adamw_config();
+  strata_optimizer_t* o = nullptr;
+  c.beta1 = 1.5f;
+  STRATA_REQUIRE_ERROR(strata_optimizer_create(m.rt.get(), &c, &o), STRATA_ERROR_INVALID_ARGUMENT,
+                       "beta1");
+  c = adamw_config();
+  c.lr = NAN;
+  STRATA_REQUIRE_ERROR(strata_optimizer_create(m.rt.get(), &c, &o), STRATA_ERROR_INVALID_ARGUMENT,
+                       "lr");
+  STRATA_REQUIRE_ERROR(strata_optimizer_config_init(7, &c), STRATA_ERROR_INVALID_ARGUMENT, "kind");
+  c = adamw_config();
+  STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
+  OptimizerPtr opt(o);
+  STRATA_REQUIRE_ERROR(strata_optimizer_step(opt.get()), STRATA_ERROR_INVALID_STATE, "no params");
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[0][0], m.weights[0][0], 0};
+  STRATA_REQUIRE_ERROR(strata_optimizer_add_param(opt.get(), &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "its own grad");
+  p.grad = m.grads[0][1];  // 1100 elements for 3000
+  STRATA_REQUIRE_ERROR(strata_optimizer_add_param(opt.get(), &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "elements");
+  strata_tensor_t* bytes = register_bytes(m.rt.get(), "u8", 6000, STRATA_TIER_DRAM);
+  p.grad = bytes;
+  STRATA_REQUIRE_ERROR(strata_optimizer_add_param(opt.get(), &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "u8");
+  p.grad = m.grads[0][0];
+  p.struct_size = 4;
+  STRATA_REQUIRE_ERROR(strata_optimizer_add_param(opt.get(), &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "struct_size");
+  p.struct_size = STRATA_PARAM_DESC_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
+  STRATA_REQUIRE_ERROR(strata_optimizer_add_param(opt.get(), &p), STRATA_ERROR_ALREADY_EXISTS,
+                       "already belongs");
+  // The weight is pinned while the optimizer lives.
+  STRATA_REQUIRE_ERROR(strata_tensor_unregister(m.rt.get(), m.weights[0][0]), STRATA_ERROR_BUSY,
+                       "optimizer");
+  strata_tensor_t* state = nullptr;
+  STRATA_REQUIRE_ERROR(
+      strata_optimizer_get_state(opt.get(), m.weights[1][0], STRATA_STATE_MASTER, &state),
+      STRATA_ERROR_NOT_FOUND, "not a parameter");
+  STRATA_REQUIRE_ERROR(strata_optimizer_set_group(opt.get(), 0, -1.f, 0.f),
+                       STRATA_ERROR_INVALID_ARGUMENT, "lr");
+  // A graph without layer 0's weight param: attach names the stray weight.
+  Streamed st;
+  STRATA_REQUIRE_OK(strata_graph_create(m.rt.get(), &st.graph));
+  strata_layer_desc_t d{};
+  d.struct_size = STRATA_LAYER_DESC_STRUCT_SIZE;
+  d.weights = m.weights[1].data();
+  d.weight_count = 2;
+  STRATA_REQUIRE_OK(strata_graph_add_layer(st.graph, &d, nullptr));
+  STRATA_REQUIRE_OK(strata_plan_create(st.graph, nullptr, &st.plan));
+  STRATA_REQUIRE_OK(strata_executor_create(st.plan, &st.ex));
+  STRATA_REQUIRE_ERROR(strata_optimizer_attach(opt.get(), st.ex), STRATA_ERROR_INVALID_ARGUMENT,
+                       "layers.0.w0");
+  // The optimizer's state counts against the DRAM budget: too big a weight fails cleanly.
+  Model tiny;
+  tiny.rt = make_runtime(config_for(STRATA_DEVICE_BACKEND_HOST, 8 * kMiB, 8 * kMiB));
+  strata_tensor_t* big =
+      register_tensor(tiny.rt.get(), "big", 1 << 20, STRATA_DTYPE_BF16, STRATA_ROLE_WEIGHT);
+  strata_tensor_t* bigg =
+      register_tensor(tiny.rt.get(), "big.grad", 1 << 20, STRATA_DTYPE_BF16, STRATA_ROLE_GRAD);
+  strata_optimizer_t* to = nullptr;
+  STRATA_REQUIRE_OK(strata_optimizer_create(tiny.rt.get(), &c, &to));
+  OptimizerPtr topt(to);
+  strata_param_desc_t bp{STRATA_PARAM_DESC_STRUCT_SIZE, big, bigg, 0};
+  STRATA_REQUIRE_ERROR(strata_optimizer_add_param(topt.get(), &bp), STRATA_ERROR_OUT_OF_MEMORY,
+                       "big");
+  strata_tier_usage_t u{};
+  u.struct_size = STRATA_TIER_USAGE_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_runtime_tier_usage(tiny.rt.get(), STRATA_TIER_DRAM, &u));
+  REQUIRE(u.tensor_count == 2);  // nothing of the failed param left behind
+  STRATA_REQUIRE_OK(strata_tensor_unregister(tiny.rt.get(), big));  // and not pinned
+}
+
+// ------------------------------------------------------------------------------------------
+// Checkpoints
+
+TEST_CASE("a resumed run continues bit for bit", "[checkpoint]") {
+  ScratchDir scratch;
+  const std::string ckpt = scratch.file("ckpt");
+  for (bool streamed : {false, true}) {
+    DYNAMIC_SECTION((streamed ? "executor-driven" : "manual steps")) {
+      strata_optimizer_config_t c = adamw_config();
+      c.loss_scale = 8.f;
+      c.dynamic_loss_scale = 1;
+      c.growth_interval = 3;
+      auto run = [&](Model& m, strata_optimizer_t* opt, int first, int steps) {
+        if (!streamed) return run_manual(m, opt, first, steps, 1);
+        Streamed st;
+        make_streamed(m, &st, 0);
+        STRATA_REQUIRE_OK(strata_optimizer_attach(opt, st.ex));
+        run_streamed(m, opt, st.ex, first, steps, 1);
+      };
+      // Uninterrupted: 8 steps.
+      Model a = make_model(3, 9, STRATA_DEVICE_BACKEND_HOST);
+      OptimizerPtr ao = make_optimizer(a, c);
+      run(a, ao.get(), 0, 8);
+      // Interrupted: 5 steps, save, a new process-like start from the same init, load, 3 more.
+      {
+        Model b = make_model(3, 9, STRATA_DEVICE_BACKEND_HOST);
+        OptimizerPtr bo = make_optimizer(b, c);
+        run(b, bo.get(), 0, 5);
+        STRATA_REQUIRE_OK(strata_checkpoint_save(b.rt.get(), bo.get(), ckpt.c_str()));
+      }
+      Model r = make_model(3, 1234, STRATA_DEVICE_BACKEND_HOST);  // other init: overwritten
+      OptimizerPtr ro = make_optimizer(r, c);
+      STRATA_REQUIRE_OK(strata_checkpoint_load(r.rt.get(), ro.get(), ckpt.c_str()));
+      strata_optimizer_stats_t s{};
+      s.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
+      STRATA_REQUIRE_OK(strata_optimizer_get_stats(ro.get(), &s));
+      REQUIRE(s.step == 5);
+      run(r, ro.get(), 5, 3);
+      REQUIRE(snapshot(r, ro.get()) == snapshot(a, ao.get()));
+      strata_optimizer_stats_t sa{};
+      sa.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
+      STRATA_REQUIRE_OK(strata_optimizer_get_stats(ro.get(), &s));
+      STRATA_REQUIRE_OK(strata_optimizer_get_stats(ao.get(), &sa));
+      REQUIRE(s.step == sa.step);
+      REQUIRE(s.loss_scale == sa.loss_scale);
+    }
+  }
+}
+
+TEST_CASE("bad checkpoints are refused before anything is written", "[checkpoint]") {
+  ScratchDir scratch;
+  const std::string ckpt = scratch.file("ckpt");
+  Model m = make_model(2, 5, STRATA_DEVICE_BACKEND_HOST);
+  strata_optimizer_config_t c = adamw_config();
+  OptimizerPtr opt = make_optimizer(m, c);
+  run_manual(m, opt.get(), 0, 2, 1);
+  STRATA_REQUIRE_ERROR(strata_checkpoint_load(m.rt.get(), opt.get(), ckpt.c_str()),
+                       STRATA_ERROR_NOT_FOUND, "ckpt");
+  STRATA_REQUIRE_OK(strata_checkpoint_save(m.rt.get(), opt.get(), ckpt.c_str()));
+  const auto saved = snapshot(m, opt.get());
+  REQUIRE(std::filesystem::exists(ckpt + "/model.safetensors"));
+  REQUIRE(!std::filesystem::exists(ckpt + ".partial"));
+
+  // A model with a differently shaped weight: refused, names the tensor, writes nothing.
+  Model other = make_model(2, 6, STRATA_DEVICE_BACKEND_HOST);
+  OptimizerPtr other_opt = make_optimizer(other, c);
+  register_tensor(other.rt.get(), "extra", 10, STRATA_DTYPE_F32, STRATA_ROLE_WEIGHT);
+  const auto other_before = snapshot(other, other_opt.get());
+  STRATA_REQUIRE_ERROR(strata_checkpoint_load(other.rt.get(), other_opt.get(), ckpt.c_str()),
+                       STRATA_ERROR_INVALID_ARGUMENT, "extra");
+  REQUIRE(snapshot(other, other_opt.get()) == other_before);
+
+  // SGD state is not AdamW state.
+  Model sgd_model = make_model(2, 5, STRATA_DEVICE_BACKEND_HOST);
+  strata_optimizer_config_t sc;
+  strata_optimizer_config_init(STRATA_OPTIMIZER_SGD, &sc);
+  OptimizerPtr sgd = make_optimizer(sgd_model, sc);
+  STRATA_REQUIRE_ERROR(strata_checkpoint_load(sgd_model.rt.get(), sgd.get(), ckpt.c_str()),
+                       STRATA_ERROR_INVALID_ARGUMENT, "adamw");
+
+  // A flipped byte in the optimizer's data: DATA_CORRUPTION, and no stepping until a good load.
+  {
+    std::fstream f(ckpt + "/optimizer.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-100, std::ios::end);
+    char b = 0;
+    f.read(&b, 1);
+    b = static_cast<char>(b ^ 0x10);
+    f.seekp(-100, std::ios::end);
+    f.write(&b, 1);
+  }
+  STRATA_REQUIRE_ERROR(strata_checkpoint_load(m.rt.get(), opt.get(), ckpt.c_str()),
+                       STRATA_ERROR_DATA_CORRUPTION, "optimizer.safetensors");
+  STRATA_REQUIRE_ERROR(strata_optimizer_step(opt.get()), STRATA_ERROR_DATA_CORRUPTION,
+                       "partly loaded");
+  // Weights only (no optimizer) still load from the intact model file.
+  STRATA_REQUIRE_OK(strata_checkpoint_load(m.rt.get(), nullptr, ckpt.c_str()));
+  (void)saved;
+}
+
+TEST_CASE("SIGKILL in the middle of a save leaves the previous checkpoint whole",
+          "[checkpoint][slow]") {
+#if defined(__SANITIZE_THREAD__)
+  WARN("skipped: ThreadSanitizer does not support threads in a forked child");
+  return;
+#endif
+  ScratchDir scratch;
+  const std::string ckpt = scratch.file("ckpt");
+  // Each save writes a model whose every weight element holds the generation number: a loaded
+  // checkpoint must hold one generation throughout, and one no older than the last completed.
+  const int64_t n = 4 << 20;  // 4 M fp32 elements per weight, 3 weights: 48 MiB of weights
+  auto build = [&](Model& m) {
+    m.rt = make_runtime(config_for(STRATA_DEVICE_BACKEND_HOST, 8 * kMiB, 512 * kMiB));
+    for (int k = 0; k < 3; ++k) {
+      const std::string name = "w" + std::to_string(k);
+      m.weights.push_back(
+          {register_tensor(m.rt.get(), name, n, STRATA_DTYPE_F32, STRATA_ROLE_WEIGHT)});
+      m.grads.push_back(
+          {register_tensor(m.rt.get(), name + ".grad", n, STRATA_DTYPE_F32, STRATA_ROLE_GRAD)});
+    }
+  };
+  std::mt19937 rng(99);
+  for (int round = 0; round < 6; ++round) {
+    int fds[2];
+    REQUIRE(pipe(fds) == 0);
+    const pid_t child = fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      close(fds[0]);
+      Model m;
+      build(m);
+      strata_optimizer_config_t c = adamw_config();
+      strata_optimizer_t* o = nullptr;
+      if (strata_optimizer_create(m.rt.get(), &c, &o) != STRATA_OK) _exit(2);
+      for (int k = 0; k < 3; ++k) {
+        strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[k][0], m.grads[k][0], 0};
+        if (strata_optimizer_add_param(o, &p) != STRATA_OK) _exit(2);
+      }
+      std::vector<float> v(static_cast<std::size_t>(n));
+      for (int gen = 1;; ++gen) {
+        std::fill(v.begin(), v.end(), static_cast<float>(gen + round * 1000));
+        for (int k = 0; k < 3; ++k) {
+          if (strata_tensor_write(m.rt.get(), m.weights[k][0], 0, v.data(), v.size() * 4) !=
+              STRATA_OK) {
+            _exit(3);
+          }
+        }
+        if (strata_checkpoint_save(m.rt.get(), o, ckpt.c_str()) != STRATA_OK) _exit(4);
+        const int done = gen + round * 1000;
+        if (write(fds[1], &done, sizeof done) != sizeof done) _exit(5);
+      }
+    }
+    close(fds[1]);
+    // Let a few saves complete, then kill at a random moment of a later one.
+    int last = 0;
+    for (int i = 0; i < 2; ++i) REQUIRE(read(fds[0], &last, sizeof last) == sizeof last);
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 60)(rng)));
+    kill(child, SIGKILL);
+    int status = 0;
+    waitpid(child, &status, 0);
+    REQUIRE(WIFSIGNALED(status));
+    int more = 0;
+    while (read(fds[0], &more, sizeof more) == sizeof more) last = more;
+    close(fds[0]);
+
+    Model m;
+    build(m);
+    STRATA_REQUIRE_OK(strata_checkpoint_load(m.rt.get(), nullptr, ckpt.c_str()));
+    std::vector<float> v(static_cast<std::size_t>(n));
+    float gen = -1;
+    for (int k = 0; k < 3; ++k) {
+      STRATA_REQUIRE_OK(strata_tensor_read(m.rt.get(), m.weights[k][0], 0, v.data(), v.size() * 4));
+      if (gen < 0) gen = v[0];
+      REQUIRE(std::all_of(v.begin(), v.end(), [&](float x) { return x == gen; }));
+    }
+    INFO("round " << round << ": loaded generation " << gen << ", last completed " << last);
+    REQUIRE(gen >= static_cast<float>(last));
+    REQUIRE(gen <= static_cast<float>(last + 1));  // at most the save being killed, if it committed
+  }
+}
+
+int main(int argc, char** argv) {
+  return run_on_backend_under_test(argc, argv);
+}

@@ -1,0 +1,60 @@
+// For C ABI tests that run on the backend under test (STRATA_TEST_BACKEND) and touch the views
+// the executor hands out: those are device memory on cuda, host memory on the host backend.
+// The test's main() is run_on_backend_under_test(), which skips (77) where cuda is asked for
+// but unavailable.
+#pragma once
+
+#include <cstdio>
+#include <cstring>
+
+#include "support/test_support.h"
+
+#ifdef STRATA_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace strata_test {
+
+inline bool g_cuda = false;
+
+inline void view_to_host(void* dst, const void* view, std::size_t n) {
+#ifdef STRATA_WITH_CUDA
+  if (g_cuda) {
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    REQUIRE(cudaMemcpy(dst, view, n, cudaMemcpyDeviceToHost) == cudaSuccess);
+    return;
+  }
+#endif
+  std::memcpy(dst, view, n);
+}
+
+inline void host_to_view(void* view, const void* src, std::size_t n) {
+#ifdef STRATA_WITH_CUDA
+  if (g_cuda) {
+    REQUIRE(cudaMemcpy(view, src, n, cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    return;
+  }
+#endif
+  std::memcpy(view, src, n);
+}
+
+// Catch's session, after checking that the backend under test can start.
+inline int run_on_backend_under_test(int argc, char** argv) {
+  const strata_device_backend_t backend = backend_under_test();
+  strata_runtime_config_t probe = config_for(backend, 1 << 20, 1 << 20);
+  strata_runtime_t* r = nullptr;
+  if (strata_runtime_create(&probe, &r) != STRATA_OK) {
+    if (backend == STRATA_DEVICE_BACKEND_CUDA) {
+      std::printf("SKIP: cuda backend unavailable: %s\n", strata_last_error_message());
+      return 77;
+    }
+    std::fprintf(stderr, "cannot create a runtime: %s\n", strata_last_error_message());
+    return 1;
+  }
+  strata_runtime_destroy(r);
+  g_cuda = backend == STRATA_DEVICE_BACKEND_CUDA;
+  return Catch::Session().run(argc, argv);
+}
+
+}  // namespace strata_test
