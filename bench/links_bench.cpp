@@ -18,47 +18,13 @@
 #include "bench_strata.h"
 #include "device_peer.h"
 #include "fio_peer.h"
+#include "host_triad.h"
 #include "strata/strata.h"
 
 namespace strata_bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// a = b + s * c over float arrays, split across threads, best of `reps`: bytes counted are the
-// two reads and one write per element.
-double triad_gbps(uint64_t bytes_per_array, unsigned threads, int reps) {
-  const std::size_t n = bytes_per_array / sizeof(float);
-  std::unique_ptr<float[]> a(new float[n]), b(new float[n]), c(new float[n]);
-  auto run = [&](auto&& body) {
-    std::vector<std::thread> pool;
-    for (unsigned t = 0; t < threads; ++t) {
-      pool.emplace_back([&, t] { body(n * t / threads, n * (t + 1) / threads); });
-    }
-    for (auto& th : pool) th.join();
-  };
-  run([&](std::size_t lo, std::size_t hi) {  // first touch by the thread that uses the pages
-    for (std::size_t i = lo; i < hi; ++i) {
-      a[i] = 0.0f;
-      b[i] = 1.0f;
-      c[i] = 2.0f;
-    }
-  });
-  double best = 0;
-  for (int r = 0; r < reps; ++r) {
-    const auto start = Clock::now();
-    run([&](std::size_t lo, std::size_t hi) {
-      float* __restrict pa = a.get();
-      const float* __restrict pb = b.get();
-      const float* __restrict pc = c.get();
-      for (std::size_t i = lo; i < hi; ++i) pa[i] = pb[i] + 3.0f * pc[i];
-    });
-    const double s = std::chrono::duration<double>(Clock::now() - start).count();
-    best = std::max(best, 3.0 * static_cast<double>(n * sizeof(float)) / s / 1e9);
-  }
-  if (a[n / 2] != 7.0f) throw std::runtime_error("triad computed a wrong value");
-  return best;
-}
 
 }  // namespace
 

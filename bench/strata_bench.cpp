@@ -16,6 +16,7 @@ namespace strata_bench {
 int run_io(const Options& opt, Report* report);
 int run_stream(const Options& opt, Report* report);
 int run_links(const Options& opt, Report* report);
+int run_optim(const Options& opt, Report* report);
 }  // namespace strata_bench
 
 namespace {
@@ -32,7 +33,11 @@ void usage() {
                "       --slot-budget 0 --backend auto|cuda|host --trace FILE (overhead + trace)\n"
                "  links  every link's ceiling on this machine: pinned h2d/d2h/both, pageable,\n"
                "       DRAM triad, NVMe read/write (fio)\n"
-               "       --size 1G --dram-size 1G --threads 0 --dir . --fio fio --backend\n");
+               "       --size 1G --dram-size 1G --threads 0 --dir . --fio fio --backend\n"
+               "  optim  AdamW updates/s and the bandwidth they imply vs a STREAM triad,\n"
+               "       and vs torch.optim.AdamW (foreach, fused) on the CPU\n"
+               "       --params 256M --chunk 16M --threads 0 --reps 5 --python python3 "
+               "--no-torch\n");
 }
 }  // namespace
 
@@ -54,6 +59,8 @@ int main(int argc, char** argv) {
       rc = strata_bench::run_stream(opt, &report);
     } else if (command == "links") {
       rc = strata_bench::run_links(opt, &report);
+    } else if (command == "optim") {
+      rc = strata_bench::run_optim(opt, &report);
     } else {
       std::fprintf(stderr, "strata-bench: unknown subcommand '%s'\n", command.c_str());
       usage();

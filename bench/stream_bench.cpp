@@ -31,13 +31,15 @@ struct GraphResult {
   double bytes_out = 0;
   std::string bottleneck;
   uint32_t slots = 0, depth = 0;
+  double update_seconds = 0;  // optimizer pool time per step
+  uint32_t optimizer_threads = 0;
 };
 
 // One graph: `layers` layers of 4 weight tensors (and grads if asked), compute per layer and
 // pass = ratio x the layer's transfer time at `ceiling`.
 GraphResult run_graph(strata_runtime_t* rt, bool cuda, int layers, uint64_t layer_bytes, bool grads,
                       double ratio, double ceiling, int steps, uint64_t slot_budget,
-                      const std::string& tag) {
+                      const std::string& tag, bool optim = false) {
   strata_graph_t* graph = nullptr;
   check(strata_graph_create(rt, &graph), "graph");
   std::vector<strata_tensor_t*> all;
@@ -83,6 +85,19 @@ GraphResult run_graph(strata_runtime_t* rt, bool cuda, int layers, uint64_t laye
   std::fprintf(stderr, "%s", text.c_str());
   strata_executor_t* ex = nullptr;
   check(strata_executor_create(plan, &ex), "executor");
+  strata_optimizer_t* opt = nullptr;
+  if (optim) {
+    // AdamW on every weight: fp32 masters, m and v in DRAM, each layer's update as its grads
+    // land, the next step's load of the layer after its update.
+    check(strata_optimizer_create(rt, nullptr, &opt), "optimizer");
+    for (std::size_t i = 0; i + 1 < all.size(); i += 8) {
+      for (std::size_t k = 0; k < 4; ++k) {
+        strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, all[i + k], all[i + 4 + k], 0};
+        check(strata_optimizer_add_param(opt, &p), "add_param");
+      }
+    }
+    check(strata_optimizer_attach(opt, ex), "attach");
+  }
 
   void* stream = stream_create(cuda);
   std::vector<StreamTimer> waits(static_cast<std::size_t>(2 * layers));
@@ -125,6 +140,15 @@ GraphResult run_graph(strata_runtime_t* rt, bool cuda, int layers, uint64_t laye
              ": " + std::to_string(seconds * 1e3) + " ms");
   }
   check(strata_executor_get_stats(ex, &after), "stats");
+  GraphResult r;
+  if (opt != nullptr) {
+    strata_optimizer_stats_t os{};
+    os.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
+    check(strata_optimizer_get_stats(opt, &os), "optimizer stats");
+    r.update_seconds = os.update_seconds / (warmup + steps);
+    r.optimizer_threads = os.threads;
+    check(strata_optimizer_destroy(opt), "optimizer destroy");
+  }
   for (auto& t : waits) timer_destroy(cuda, &t);
   stream_destroy(cuda, stream);
   check(strata_executor_destroy(ex), "executor destroy");
@@ -132,7 +156,6 @@ GraphResult run_graph(strata_runtime_t* rt, bool cuda, int layers, uint64_t laye
   check(strata_graph_destroy(graph), "graph destroy");
   for (auto* t : all) check(strata_tensor_unregister(rt, t), "unregister");
 
-  GraphResult r;
   r.step_seconds = median(step_times);
   r.wait_seconds = median(wait_times);
   r.predicted_seconds = info.predicted_step_seconds;
@@ -170,6 +193,8 @@ int run_stream(const Options& opt, Report* report) {
   const double compute_ratio = std::strtod(opt.str("compute-ratio", "1.2").c_str(), nullptr);
   const bool grads = opt.flag("grads");
   const std::string trace = opt.str("trace", "");
+  const bool optim = opt.flag("optim");
+  if (optim && !grads) throw std::invalid_argument("--optim needs --grads");
   if (layers < 2 || steps < 1 || layer_bytes < (4u << 20)) {
     throw std::invalid_argument("--layers >= 2, --steps >= 1, --layer-bytes >= 4M");
   }
@@ -177,7 +202,9 @@ int run_stream(const Options& opt, Report* report) {
   strata_runtime_config_init(&c);
   c.device_backend = backend_from(backend);
   const uint64_t model = static_cast<uint64_t>(layers) * layer_bytes * (grads ? 2 : 1);
-  c.dram_budget_bytes = model + 2 * layer_bytes + (256ull << 20);
+  // With --optim: fp32 master, m and v for every bf16 weight (12 bytes per 2).
+  c.dram_budget_bytes =
+      model + (optim ? 6ull * layers * layer_bytes : 0) + 2 * layer_bytes + (256ull << 20);
   c.hbm_budget_bytes = slot_budget != 0 ? slot_budget + 2 * layer_bytes + (256ull << 20)
                                         : 8 * layer_bytes * (grads ? 2 : 1) + (512ull << 20);
   strata_capabilities_t caps;
@@ -221,19 +248,33 @@ int run_stream(const Options& opt, Report* report) {
   report->add_vs("compute_bound_busy", k.compute_seconds / k.step_seconds, "frac",
                  "all compute, no waiting", 1.0, false, "bottleneck " + k.bottleneck);
   report->add(agreement("compute_bound_step", k, ""));
+  GraphResult optimized;
+  if (optim) {
+    // The same compute-bound graph with the optimizer: what the updates add to the step.
+    progress("compute-bound graph with AdamW");
+    optimized = run_graph(rt, cuda, layers, layer_bytes, grads, compute_ratio, ceiling, steps,
+                          slot_budget, "optim", true);
+    char note[160];
+    std::snprintf(note, sizeof note, "update %.3f s/step on %u threads, compute %.3f s/step",
+                  optimized.update_seconds, optimized.optimizer_threads, optimized.compute_seconds);
+    report->add_vs("compute_bound_step_with_adamw", optimized.step_seconds, "s",
+                   "same step without", k.step_seconds, true, note);
+  }
   if (!trace.empty()) {
-    // The same compute-bound graph again with tracing on: the overhead, and the trace file.
+    // The same compute-bound graph again with tracing on (with the optimizer, if asked for):
+    // the overhead, and the trace file.
     progress("compute-bound graph, traced");
     check(strata_trace_start(rt, nullptr), "trace start");
     const GraphResult traced = run_graph(rt, cuda, layers, layer_bytes, grads, compute_ratio,
-                                         ceiling, steps, slot_budget, "traced");
+                                         ceiling, steps, slot_budget, "traced", optim);
     check(strata_trace_stop(rt), "trace stop");
     check(strata_trace_flush(rt, trace.c_str()), "trace flush");
     strata_trace_counters_t tc{};
     tc.struct_size = STRATA_TRACE_COUNTERS_STRUCT_SIZE;
     check(strata_trace_get_counters(rt, &tc), "trace counters");
     report->add_vs("traced_compute_bound_step", traced.step_seconds, "s", "untraced",
-                   k.step_seconds, true, std::to_string(tc.dropped) + " records dropped; " + trace);
+                   optim ? optimized.step_seconds : k.step_seconds, true,
+                   std::to_string(tc.dropped) + " records dropped; " + trace);
   }
   check(strata_runtime_destroy(rt), "destroy");
   return 0;

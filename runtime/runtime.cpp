@@ -138,10 +138,14 @@ unsigned char* Runtime::address(const TensorRecord& t) const {
   return regions_[static_cast<int>(t.tier)]->base() + t.offset;  // HBM and DRAM only
 }
 
-Status Runtime::register_tensor(TensorSpec spec, TensorId* id) {
+Status Runtime::register_tensor(TensorSpec spec, TensorId* id, uint64_t skew) {
   uint64_t nbytes = 0;
   STRATA_RETURN_IF_ERROR(validate_spec(spec, &nbytes));
   STRATA_RETURN_IF_ERROR(check_tier(spec.home));
+  if (skew != 0 && (spec.home != Tier::kDram || skew % 64 != 0 || skew >= 4096)) {
+    return error(Code::kInternal, "skew ", skew, " for '", spec.name, "' in ",
+                 tier_name(spec.home));
+  }
   std::lock_guard lock(mutex_);
   if (shut_down_) return error(Code::kInvalidState, "the runtime is shutting down");
   if (registry_.find(spec.name) != nullptr) {
@@ -150,12 +154,13 @@ Status Runtime::register_tensor(TensorSpec spec, TensorId* id) {
   const Tier home = spec.home;
   Arena& home_arena = *arena(home);
   uint64_t offset = 0;
-  STRATA_RETURN_IF_ERROR(home_arena.allocate(nbytes, spec.name, &offset));
-  Status added = registry_.add(std::move(spec), nbytes, home, offset, id);
+  STRATA_RETURN_IF_ERROR(home_arena.allocate(nbytes + skew, spec.name, &offset));
+  Status added = registry_.add(std::move(spec), nbytes, home, offset + skew, id);
   if (!added.is_ok()) {
     (void)home_arena.free(offset);
     return added;
   }
+  registry_.find(*id)->skew = skew;
   if (home == Tier::kNvme && nvme_->checksums()) {
     // Contents are undefined until written: each piece gets its checksum when first written.
     auto crcs = std::make_shared<Checksums>();
@@ -181,7 +186,7 @@ Status Runtime::unregister(TensorId id) {
   if (t->pinned_in_place()) {
     return error(Code::kBusy, "cannot unregister tensor '", t->spec.name, "': ", busy_reason(*t));
   }
-  STRATA_RETURN_IF_ERROR(arena(t->tier)->free(t->offset));
+  STRATA_RETURN_IF_ERROR(arena(t->tier)->free(t->offset - t->skew));
   --tensors_in_tier_[static_cast<int>(t->tier)];
   return registry_.remove(id);
 }
@@ -362,7 +367,8 @@ void Runtime::finish_move(TensorId id, Tier dst, uint64_t dst_offset, Status sta
     }
     if (status.is_ok()) {
       // The data has landed: only now is the source given up.
-      (void)arena(t->tier)->free(t->offset);
+      (void)arena(t->tier)->free(t->offset - t->skew);
+      t->skew = 0;
       --tensors_in_tier_[static_cast<int>(t->tier)];
       ++tensors_in_tier_[static_cast<int>(dst)];
       t->tier = dst;

@@ -80,7 +80,11 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   // The NVMe tier, if configured.
   const NvmeTier* nvme() const { return nvme_.get(); }
 
-  Status register_tensor(TensorSpec spec, TensorId* id);
+  // skew (DRAM only, a multiple of 64 below the arena's 4 KiB alignment): start the data that
+  // far into its block. Arrays a kernel streams together at the same offset within a page
+  // conflict in the caches (4K aliasing: the optimizer's update ran at under half speed);
+  // giving each its own skew avoids that.
+  Status register_tensor(TensorSpec spec, TensorId* id, uint64_t skew = 0);
   Status find(std::string_view name, TensorId* id);
   Status unregister(TensorId id);
   Status info(TensorId id, TensorRecord* out);

@@ -32,6 +32,7 @@ struct TensorRecord {
   uint64_t nbytes = 0;
   Tier tier = Tier::kDram;  // where the data lives now
   uint64_t offset = 0;      // of the data in that tier's arena
+  uint64_t skew = 0;        // the data starts this far into its arena block (offset - skew)
   bool migrating = false;
   int export_count = 0;  // live DLPack exports
   int io_count = 0;      // synchronous reads/writes running outside the runtime lock

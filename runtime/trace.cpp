@@ -168,9 +168,18 @@ Status Tracer::flush(const std::string& path,
         track_name = "optimizer";
         break;
     }
+    // Optimizer records carry their job in `phase` (0 accumulate, 1 norm, 2 update).
+    const bool job = kind == TraceKind::kOptimizer;
+    const char* phase_name = job ? (r.phase == 0   ? "accumulate"
+                                    : r.phase == 1 ? "norm"
+                                                   : "update")
+                                 : (r.phase == 1 ? "backward" : "forward");
     std::string name = trace_kind_name(kind);
-    if (r.layer >= 0)
-      name += " layer " + std::to_string(r.layer) + (r.phase == 1 ? " bwd" : " fwd");
+    if (job) name += std::string(" ") + phase_name;
+    if (r.layer >= 0) {
+      name += " layer " + std::to_string(r.layer);
+      if (!job) name += r.phase == 1 ? " bwd" : " fwd";
+    }
     auto tensor = name_of.find(r.tensor);
     if (tensor != name_of.end()) name += " " + tensor->second;
     const double ts = static_cast<double>(r.start_ns) / 1e3;
@@ -182,9 +191,7 @@ Status Tracer::flush(const std::string& path,
         << ", \"queued_us\": " << static_cast<double>(r.queued_ns) / 1e3;
     if (r.src_tier >= 0) out << ", \"src\": \"" << tier_name(static_cast<Tier>(r.src_tier)) << "\"";
     if (r.dst_tier >= 0) out << ", \"dst\": \"" << tier_name(static_cast<Tier>(r.dst_tier)) << "\"";
-    if (r.layer >= 0)
-      out << ", \"layer\": " << r.layer << ", \"phase\": \""
-          << (r.phase == 1 ? "backward" : "forward") << "\"";
+    if (r.layer >= 0) out << ", \"layer\": " << r.layer << ", \"phase\": \"" << phase_name << "\"";
     out << "}}";
     first = false;
   }

@@ -3,7 +3,7 @@
 # The CUDA toolkit is not installed here: it is used where present (/usr/local/cuda).
 set -euo pipefail
 
-packages=(build-essential cmake ninja-build pkg-config liburing-dev libhwloc-dev libnuma-dev libisal-dev nlohmann-json3-dev catch2 fio python3 python3-pip)
+packages=(build-essential cmake ninja-build pkg-config liburing-dev libhwloc-dev libnuma-dev libisal-dev nlohmann-json3-dev catch2 fio python3 python3-pip python3-venv)
 sudo=""
 [[ $(id -u) -eq 0 ]] || sudo="sudo"
 missing=()
@@ -15,16 +15,19 @@ if ((${#missing[@]} > 0)); then
   $sudo apt-get update -q
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
-# Python tools (strata-prof) and their tests.
+# Python: strata-prof, the Python tests, the torch peer of `strata-bench optim`. Debian's
+# Python refuses pip (PEP 668), so they go into a virtual environment outside the repository,
+# made once and reused (scripts/python-env.sh names it: $STRATA_VENV or ~/.cache/strata-venv).
+venv="$(bash "$(dirname "$0")/python-env.sh")"
+if [[ ! -x "$venv/bin/python" ]]; then
+  echo "strata: creating the Python environment $venv"
+  python3 -m venv "$venv"
+fi
 python_missing=()
-for m in pytest matplotlib; do
-  python3 -c "import $m" 2>/dev/null || python_missing+=("$m")
+for m in pytest matplotlib numpy safetensors; do
+  "$venv/bin/python" -c "import $m" 2>/dev/null || python_missing+=("$m")
 done
 if ((${#python_missing[@]} > 0)); then
-  echo "strata: installing Python packages ${python_missing[*]}"
-  # pip where it may install (a virtual environment, pyenv); Debian's packages where the
-  # system Python refuses pip (PEP 668).
-  if ! python3 -m pip install -q "${python_missing[@]}"; then
-    $sudo apt-get install -y -q --no-install-recommends "${python_missing[@]/#/python3-}"
-  fi
+  echo "strata: installing Python packages ${python_missing[*]} into $venv"
+  "$venv/bin/python" -m pip install -q "${python_missing[@]}"
 fi

@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
-cmake --preset release
+cmake --preset release -DPython3_EXECUTABLE="$(bash scripts/python-env.sh)/bin/python"
 cmake --build --preset release
 ctest --preset release "$@"

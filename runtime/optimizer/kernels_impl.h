@@ -59,57 +59,59 @@ inline float raw_grad(const G* __restrict g, const float* __restrict acc, std::s
   return x;
 }
 
-template <typename G, typename W>
-void adamw_typed(const AdamWScalars& s, const ParamArrays& a, std::size_t begin, std::size_t end) {
-  float* __restrict master = a.master;
-  float* __restrict m = a.exp_avg;
-  float* __restrict v = a.exp_avg_sq;
-  const G* __restrict g = static_cast<const G*>(a.grad);
-  W* __restrict w = static_cast<W*>(a.weight);
+// The loop proper: every array a restrict parameter (not a lambda capture, through which GCC
+// loses restrict and versions the loop for aliasing), the accumulator a compile-time choice.
+template <typename G, typename W, bool kAccum>
+void adamw_loop(const AdamWScalars& s, float* __restrict master, float* __restrict m,
+                float* __restrict v, const G* __restrict g, const float* __restrict acc,
+                W* __restrict w, std::size_t begin, std::size_t end) {
   const float omb1 = 1.f - s.beta1, b2 = s.beta2, omb2 = 1.f - s.beta2;
   const float scale = s.grad_scale, lr_decay = s.lr_decay, step = s.step_size;
   const float ib2 = s.inv_bias2_sqrt, eps = s.eps;
   // PyTorch's operation order: decay, lerp m toward g, v = b2 v + (1-b2) g^2,
   // p -= step * m / (sqrt(v) / sqrt(bias2) + eps).
-  auto body = [&](const float* __restrict acc) {
-    for (std::size_t i = begin; i < end; ++i) {
-      const float gi = raw_grad(g, acc, i) * scale;
-      const float mi = m[i] + omb1 * (gi - m[i]);
-      const float vi = v[i] * b2 + omb2 * (gi * gi);
-      const float denom = std::sqrt(vi) * ib2 + eps;
-      // p - p * lr_decay rather than p * (1 - lr_decay): the rounding of (1 - lr_decay) would
-      // bias every step the same way (1e-6 relative after 20 steps); this keeps it at 1 ulp.
-      const float p0 = master[i];
-      const float p = (p0 - p0 * lr_decay) - step * (mi / denom);
-      m[i] = mi;
-      v[i] = vi;
-      master[i] = p;
-      if constexpr (!std::is_same_v<W, void>) store(w, i, p);
-    }
-  };
-  // Separate loops with and without the accumulator, so neither tests a pointer per element.
-  if (a.grad_accum != nullptr) {
-    body(a.grad_accum);
-  } else {
-    body(nullptr);
+  for (std::size_t i = begin; i < end; ++i) {
+    float gi = load(g, i);
+    if constexpr (kAccum) gi += acc[i];
+    gi *= scale;
+    const float mi = m[i] + omb1 * (gi - m[i]);
+    const float vi = v[i] * b2 + omb2 * (gi * gi);
+    const float denom = std::sqrt(vi) * ib2 + eps;
+    // p - p * lr_decay rather than p * (1 - lr_decay): the rounding of (1 - lr_decay) would
+    // bias every step the same way (1e-6 relative after 20 steps); this keeps it at 1 ulp.
+    const float p0 = master[i];
+    const float p = (p0 - p0 * lr_decay) - step * (mi / denom);
+    m[i] = mi;
+    v[i] = vi;
+    master[i] = p;
+    if constexpr (!std::is_same_v<W, void>) store(w, i, p);
   }
 }
 
 template <typename G, typename W>
-void sgd_typed(const SgdScalars& s, const ParamArrays& a, std::size_t begin, std::size_t end) {
-  float* __restrict master = a.master;
-  float* __restrict buf = a.exp_avg;
-  const G* __restrict g = static_cast<const G*>(a.grad);
-  W* __restrict w = static_cast<W*>(a.weight);
+void adamw_typed(const AdamWScalars& s, const ParamArrays& a, std::size_t begin, std::size_t end) {
+  const G* g = static_cast<const G*>(a.grad);
+  W* w = static_cast<W*>(a.weight);
+  if (a.grad_accum != nullptr) {
+    adamw_loop<G, W, true>(s, a.master, a.exp_avg, a.exp_avg_sq, g, a.grad_accum, w, begin, end);
+  } else {
+    adamw_loop<G, W, false>(s, a.master, a.exp_avg, a.exp_avg_sq, g, nullptr, w, begin, end);
+  }
+}
+
+template <typename G, typename W, bool kAccum, bool kMomentum>
+void sgd_loop(const SgdScalars& s, float* __restrict master, float* __restrict buf,
+              const G* __restrict g, const float* __restrict acc, W* __restrict w,
+              std::size_t begin, std::size_t end) {
   const float scale = s.grad_scale, lr = s.lr, wd = s.weight_decay, mom = s.momentum;
   const float omd = 1.f - s.dampening;
-  const bool use_momentum = buf != nullptr && mom != 0.f;
   const bool first = s.first_step, nesterov = s.nesterov;
-  const float* __restrict acc = a.grad_accum;
   for (std::size_t i = begin; i < end; ++i) {
     const float p = master[i];
-    float d = raw_grad(g, acc, i) * scale + wd * p;
-    if (use_momentum) {
+    float gi = load(g, i);
+    if constexpr (kAccum) gi += acc[i];
+    float d = gi * scale + wd * p;
+    if constexpr (kMomentum) {
       const float b = first ? d : mom * buf[i] + omd * d;
       buf[i] = b;
       d = nesterov ? d + mom * b : b;
@@ -117,6 +119,23 @@ void sgd_typed(const SgdScalars& s, const ParamArrays& a, std::size_t begin, std
     const float np = p - lr * d;
     master[i] = np;
     if constexpr (!std::is_same_v<W, void>) store(w, i, np);
+  }
+}
+
+template <typename G, typename W>
+void sgd_typed(const SgdScalars& s, const ParamArrays& a, std::size_t begin, std::size_t end) {
+  const G* g = static_cast<const G*>(a.grad);
+  W* w = static_cast<W*>(a.weight);
+  const bool momentum = a.exp_avg != nullptr && s.momentum != 0.f;
+  const bool accum = a.grad_accum != nullptr;
+  if (momentum && accum) {
+    sgd_loop<G, W, true, true>(s, a.master, a.exp_avg, g, a.grad_accum, w, begin, end);
+  } else if (momentum) {
+    sgd_loop<G, W, false, true>(s, a.master, a.exp_avg, g, nullptr, w, begin, end);
+  } else if (accum) {
+    sgd_loop<G, W, true, false>(s, a.master, nullptr, g, a.grad_accum, w, begin, end);
+  } else {
+    sgd_loop<G, W, false, false>(s, a.master, nullptr, g, nullptr, w, begin, end);
   }
 }
 

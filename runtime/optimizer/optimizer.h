@@ -17,6 +17,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -146,18 +147,22 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     int layer;  // -1: every parameter
     std::vector<std::shared_ptr<DeviceFence>> landed;
     bool first_micro = false;              // kAccumulate: the accumulator starts from this grad
+    std::size_t next_task = 0;             // of the layer's tasks: where a preempted job resumes
     std::shared_ptr<StepScalars> scalars;  // kNorm, kUpdate: the step they belong to
   };
   Optimizer(std::shared_ptr<Runtime> runtime, const OptimizerConfig& config);
-  Status make_state(const TensorRecord& weight, const char* suffix, TensorId* id, float** data);
+  Status make_state(const TensorRecord& weight, const char* suffix, uint64_t skew, TensorId* id,
+                    float** data);
   std::vector<Task> tasks_for(const std::vector<std::size_t>& params) const;
   // Runs one kind of work over `tasks` on the pool; kNorm returns the sum of squares.
-  double run_tasks(const std::vector<Task>& tasks, JobKind kind, const StepScalars* scalars,
+  double run_tasks(std::span<const Task> tasks, JobKind kind, const StepScalars* scalars,
                    bool first_micro);
-  uint64_t job_bytes(const std::vector<Task>& tasks, JobKind kind) const;  // for the trace
+  uint64_t job_bytes(std::span<const Task> tasks, JobKind kind) const;  // for the trace
   // After every norm is in: the step's grad scale and skip decision, and loss-scale update.
   void finish_norms(double total_squared, StepScalars* scalars);  // under mutex_
   void dispatcher_main();
+  // The queued job to run next (queue_.size() if none has its grads yet). Under mutex_.
+  std::size_t pick_job() const;
   // Until the latest deferred step has all its norms (its t and loss scale are then settled).
   void wait_for_norms(std::unique_lock<std::mutex>& lock);
   bool deferred() const { return config_.max_grad_norm > 0 || config_.dynamic_loss_scale; }

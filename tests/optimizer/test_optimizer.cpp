@@ -66,8 +66,10 @@ strata_tensor_t* register_tensor(strata_runtime_t* rt, const std::string& name, 
   return t;
 }
 
-Model make_model(int layers, uint64_t seed, strata_device_backend_t backend) {
+Model make_model(int layers, uint64_t seed, strata_device_backend_t backend,
+                 std::vector<int64_t> sizes = {3000, 1100}) {
   Model m;
+  m.sizes = std::move(sizes);
   m.rt = make_runtime(config_for(backend, 64 * kMiB, 256 * kMiB));
   std::mt19937 rng(static_cast<uint32_t>(seed));
   std::normal_distribution<float> dist(0.f, 0.5f);
@@ -256,17 +258,21 @@ TEST_CASE("updates driven by the executor equal the same updates run by hand", "
     float max_grad_norm;
     uint32_t accumulation;
     uint64_t slot_budget;
+    std::vector<int64_t> sizes = {3000, 1100};
   };
   for (const Variant& var : {Variant{"per layer, overlapped with backward", 0.f, 1, 0},
                              Variant{"two slots", 0.f, 1, 2 * 4 * 4100 * 2},
                              Variant{"clipped: deferred to the next forward", 0.5f, 1, 0},
-                             Variant{"three accumulated micro-steps", 0.f, 3, 0}}) {
+                             Variant{"three accumulated micro-steps", 0.f, 3, 0},
+                             // Layers of several tasks: lower layers preempt higher ones.
+                             Variant{"large layers, preempted", 0.f, 1, 0, {300000, 70000}},
+                             Variant{"large layers, accumulated", 0.f, 2, 0, {300000, 70000}}}) {
     DYNAMIC_SECTION(var.name) {
       strata_optimizer_config_t c = adamw_config();
       c.max_grad_norm = var.max_grad_norm;
       c.accumulation_steps = var.accumulation;
-      Model streamed = make_model(5, 42, backend_under_test());
-      Model manual = make_model(5, 42, STRATA_DEVICE_BACKEND_HOST);
+      Model streamed = make_model(5, 42, backend_under_test(), var.sizes);
+      Model manual = make_model(5, 42, STRATA_DEVICE_BACKEND_HOST, var.sizes);
       OptimizerPtr so = make_optimizer(streamed, c);
       OptimizerPtr mo = make_optimizer(manual, c);
       Streamed st;
@@ -463,17 +469,20 @@ TEST_CASE("a resumed run continues bit for bit", "[checkpoint]") {
         run_streamed(m, opt, st.ex, first, steps, 1);
       };
       // Uninterrupted: 8 steps.
-      Model a = make_model(3, 9, STRATA_DEVICE_BACKEND_HOST);
+      // Executor-driven runs use the backend under test; manual ones need no device.
+      const strata_device_backend_t backend =
+          streamed ? backend_under_test() : STRATA_DEVICE_BACKEND_HOST;
+      Model a = make_model(3, 9, backend);
       OptimizerPtr ao = make_optimizer(a, c);
       run(a, ao.get(), 0, 8);
       // Interrupted: 5 steps, save, a new process-like start from the same init, load, 3 more.
       {
-        Model b = make_model(3, 9, STRATA_DEVICE_BACKEND_HOST);
+        Model b = make_model(3, 9, backend);
         OptimizerPtr bo = make_optimizer(b, c);
         run(b, bo.get(), 0, 5);
         STRATA_REQUIRE_OK(strata_checkpoint_save(b.rt.get(), bo.get(), ckpt.c_str()));
       }
-      Model r = make_model(3, 1234, STRATA_DEVICE_BACKEND_HOST);  // other init: overwritten
+      Model r = make_model(3, 1234, backend);  // another init: the load overwrites it
       OptimizerPtr ro = make_optimizer(r, c);
       STRATA_REQUIRE_OK(strata_checkpoint_load(r.rt.get(), ro.get(), ckpt.c_str()));
       strata_optimizer_stats_t s{};
@@ -623,6 +632,40 @@ TEST_CASE("SIGKILL in the middle of a save leaves the previous checkpoint whole"
     REQUIRE(gen >= static_cast<float>(last));
     REQUIRE(gen <= static_cast<float>(last + 1));  // at most the save being killed, if it committed
   }
+}
+
+// For tests/python/test_safetensors_compat.py: a small checkpoint with known contents, where
+// STRATA_CHECKPOINT_OUT says (ctest sets it; the Python test reads it with Hugging Face's
+// safetensors). Weights: "embed" f32 [2, 3] = 0..5 and "layers.0.w" bf16 [4] = 1, 2, 3, 4, one
+// SGD step (lr 1, no momentum) with grads of 0.5 applied to the bf16 weight: 0.5, 1.5, ...
+TEST_CASE("a checkpoint for the safetensors compatibility test", "[checkpoint]") {
+  const char* out = std::getenv("STRATA_CHECKPOINT_OUT");
+  if (out == nullptr) return;
+  RuntimePtr rt = make_runtime(config_for(STRATA_DEVICE_BACKEND_HOST, 8 * kMiB, 64 * kMiB));
+  const int64_t shape2[2] = {2, 3};
+  strata_tensor_desc_t d = desc("embed", shape2, 2, STRATA_TIER_DRAM, STRATA_DTYPE_F32);
+  strata_tensor_t* embed = nullptr;
+  STRATA_REQUIRE_OK(strata_tensor_register(rt.get(), &d, &embed));
+  const float e[6] = {0, 1, 2, 3, 4, 5};
+  STRATA_REQUIRE_OK(strata_tensor_write(rt.get(), embed, 0, e, sizeof e));
+  strata_tensor_t* w =
+      register_tensor(rt.get(), "layers.0.w", 4, STRATA_DTYPE_BF16, STRATA_ROLE_WEIGHT);
+  strata_tensor_t* g =
+      register_tensor(rt.get(), "layers.0.w.grad", 4, STRATA_DTYPE_BF16, STRATA_ROLE_GRAD);
+  const uint16_t wv[4] = {to_bf16(1), to_bf16(2), to_bf16(3), to_bf16(4)};
+  const uint16_t gv[4] = {to_bf16(0.5f), to_bf16(0.5f), to_bf16(0.5f), to_bf16(0.5f)};
+  STRATA_REQUIRE_OK(strata_tensor_write(rt.get(), w, 0, wv, sizeof wv));
+  STRATA_REQUIRE_OK(strata_tensor_write(rt.get(), g, 0, gv, sizeof gv));
+  strata_optimizer_config_t c;
+  strata_optimizer_config_init(STRATA_OPTIMIZER_SGD, &c);
+  c.lr = 1.f;
+  strata_optimizer_t* o = nullptr;
+  STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &c, &o));
+  OptimizerPtr opt(o);
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0};
+  STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
+  STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
+  STRATA_REQUIRE_OK(strata_checkpoint_save(rt.get(), opt.get(), out));
 }
 
 int main(int argc, char** argv) {
