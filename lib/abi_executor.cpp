@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "lib/abi_support.h"
+#include "lib/dlpack_export.h"
 
 using namespace strata;
 using namespace strata::abi;
@@ -259,6 +260,32 @@ STRATA_API strata_status_t strata_layer_wait_tensor(strata_executor_t* executor,
     }
     return executor->impl->wait_tensor(layer, static_cast<Phase>(phase),
                                        static_cast<ViewRole>(role), index, stream);
+  });
+}
+
+STRATA_API strata_status_t strata_layer_export_dlpack(strata_executor_t* executor, uint32_t layer,
+                                                      strata_phase_t phase, strata_view_role_t role,
+                                                      uint32_t index,
+                                                      DLManagedTensorVersioned** out) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(executor, "executor"));
+    STRATA_RETURN_IF_ERROR(require(out, "out"));
+    STRATA_RETURN_IF_ERROR(check_phase(phase));
+    if (role < STRATA_VIEW_WEIGHT || role > STRATA_VIEW_ACTIVATION) {
+      return error(Code::kInvalidArgument, "unknown view role ", role);
+    }
+    Executor& e = *executor->impl;
+    ExportLease lease;
+    TensorId id = 0;
+    STRATA_RETURN_IF_ERROR(e.view(layer, static_cast<Phase>(phase), static_cast<ViewRole>(role),
+                                  index, &lease.data, &id));
+    TensorRecord r;
+    STRATA_RETURN_IF_ERROR(e.runtime().info(id, &r));
+    lease.tier = Tier::kHbm;
+    lease.dtype = r.spec.dtype;
+    lease.shape = r.spec.shape;
+    *out = make_dlpack(std::move(lease), e.runtime().device());
+    return Status::ok();
   });
 }
 

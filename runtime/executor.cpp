@@ -514,6 +514,28 @@ Status Executor::acquire(uint32_t layer, Phase phase, void* stream, bool wait, L
   return Status::ok();
 }
 
+Status Executor::view(uint32_t layer, Phase phase, ViewRole role, uint32_t index, void** data,
+                      TensorId* tensor) {
+  std::lock_guard lock(mutex_);
+  STRATA_RETURN_IF_ERROR(check_position(layer, phase, "view"));
+  if (!acquired_) return error(Code::kInvalidState, "view of layer ", layer, " before its acquire");
+  if (role == ViewRole::kGrad && phase != Phase::kBackward) {
+    return error(Code::kInvalidArgument, "grads of layer ", layer,
+                 " have views in the backward pass only");
+  }
+  const LayerPlan& lp = plan_.layers[layer];
+  const auto& list = role == ViewRole::kWeight ? lp.weights
+                     : role == ViewRole::kGrad ? lp.grads
+                                               : lp.activations;
+  if (index >= list.size()) {
+    return error(Code::kInvalidArgument, "view: layer ", layer, " has ", list.size(),
+                 " tensor(s) of that role, index ", index, " is out of range");
+  }
+  *data = slot_base(schedule_[cursor_].slot) + list[index].offset;
+  *tensor = list[index].id;
+  return Status::ok();
+}
+
 Status Executor::wait_tensor(uint32_t layer, Phase phase, ViewRole role, uint32_t index,
                              void* stream) {
   std::shared_ptr<DeviceFence> fence;

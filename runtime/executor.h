@@ -41,6 +41,7 @@ class Executor {
   Executor& operator=(const Executor&) = delete;
 
   const Plan& plan() const { return plan_; }
+  Runtime& runtime() const { return *runtime_; }
   ExecutorStats stats();
 
   Status step_begin();
@@ -49,6 +50,9 @@ class Executor {
   Status acquire(uint32_t layer, Phase phase, void* stream, bool wait, LayerViews* views);
   Status wait_tensor(uint32_t layer, Phase phase, ViewRole role, uint32_t index, void* stream);
   Status release(uint32_t layer, Phase phase, void* stream);
+  // The device address and tensor of one view of the acquired layer (for DLPack export).
+  Status view(uint32_t layer, Phase phase, ViewRole role, uint32_t index, void** data,
+              TensorId* tensor);
 
   // A service that runs beside the steps (the optimizer): told when grads leave, asked before
   // a layer's weights are loaded. One at a time, attached and detached between steps.

@@ -15,7 +15,8 @@ if ((${#missing[@]} > 0)); then
   $sudo apt-get update -q
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
-# Python: strata-prof, the Python tests, the torch peer of `strata-bench optim`. Debian's
+# Python: the strata package's dependencies (torch), strata-prof, the Python tests, the
+# torch peer of `strata-bench optim`. Debian's
 # Python refuses pip (PEP 668), so they go into a virtual environment outside the repository,
 # made once and reused (scripts/python-env.sh names it: $STRATA_VENV or ~/.cache/strata-venv).
 venv="$(bash "$(dirname "$0")/python-env.sh")"
@@ -24,7 +25,9 @@ if [[ ! -x "$venv/bin/python" ]]; then
   python3 -m venv "$venv"
 fi
 python_missing=()
-for m in pytest matplotlib numpy safetensors; do
+# torch: the main job (examples/train.py) and strata.torch's tests. PyPI's wheel brings the
+# CUDA libraries (GBs): installed once into the environment, skipped when present.
+for m in pytest matplotlib numpy safetensors torch; do
   "$venv/bin/python" -c "import $m" 2>/dev/null || python_missing+=("$m")
 done
 if ((${#python_missing[@]} > 0)); then

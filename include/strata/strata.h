@@ -776,6 +776,19 @@ STRATA_API strata_status_t strata_layer_wait_tensor(strata_executor_t* executor,
                                                     strata_phase_t phase, strata_view_role_t role,
                                                     uint32_t index, void* stream);
 
+/* One view of the acquired layer as a DLPack tensor (kDLCUDA on the cuda backend, kDLCPU on the
+ * host backend), with the registered tensor's dtype and shape, so a framework binds its
+ * parameters to slot memory zero-copy (torch.from_dlpack, jax.dlpack). *out: transferred to
+ * the caller, who calls its deleter (a consumer such as from_dlpack does); the memory it
+ * points at is valid only until the matching strata_layer_release, after which the slot is
+ * refilled: drop every framework tensor made from it before releasing. Grads have views in the
+ * backward pass only. Errors: INVALID_ARGUMENT (NULL, unknown phase or role, index out of
+ * range), INVALID_STATE (not the acquired layer). Thread-safe. */
+STRATA_API strata_status_t strata_layer_export_dlpack(strata_executor_t* executor, uint32_t layer,
+                                                      strata_phase_t phase, strata_view_role_t role,
+                                                      uint32_t index,
+                                                      DLManagedTensorVersioned** out);
+
 /* Release the acquired layer once its work is queued on `stream`: the slot is refilled only
  * after the stream gets past this point, and the layer's checkpoints (forward) or grads
  * (backward) leave for DRAM after it. The calling thread does not block.

@@ -1,0 +1,245 @@
+"""ctypes declarations of libstrata's C ABI (include/strata/strata.h): the structs, in the
+header's field order, and the functions' signatures. Only this module knows the C layout."""
+import ctypes
+import ctypes.util
+import os
+import pathlib
+
+c_size_t = ctypes.c_size_t
+c_int32 = ctypes.c_int32
+c_uint32 = ctypes.c_uint32
+c_int64 = ctypes.c_int64
+c_uint64 = ctypes.c_uint64
+c_double = ctypes.c_double
+c_float = ctypes.c_float
+c_char_p = ctypes.c_char_p
+c_void_p = ctypes.c_void_p
+
+MAX_NAME_LENGTH = 255
+MAX_NDIM = 8
+TIER_COUNT = 3
+
+
+def _find_library():
+    """$STRATA_LIBRARY, else a build of this checkout, else the system's libstrata.so.1."""
+    env = os.environ.get("STRATA_LIBRARY")
+    if env:
+        return env
+    root = pathlib.Path(__file__).resolve().parents[3]
+    for preset in ("release", "gpu", "debug"):
+        candidate = root / "build" / preset / "lib" / "libstrata.so.1"
+        if candidate.exists():
+            return str(candidate)
+    found = ctypes.util.find_library("strata")
+    if found:
+        return found
+    raise OSError("libstrata.so.1 not found: build it (cmake --preset release && cmake --build "
+                  "--preset release) or set STRATA_LIBRARY to its path")
+
+
+class Struct(ctypes.Structure):
+    """A versioned argument struct: struct_size is set to the full size on creation."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.struct_size = ctypes.sizeof(self)
+
+
+class RuntimeConfig(Struct):
+    _fields_ = [("struct_size", c_size_t), ("device_backend", c_int32), ("device_ordinal", c_int32),
+                ("hbm_budget_bytes", c_uint64), ("dram_budget_bytes", c_uint64),
+                ("nvme_budget_bytes", c_uint64), ("host_link_bytes_per_second", c_uint64),
+                ("dram_numa_policy", c_int32), ("dram_numa_node", c_int32),
+                ("dram_fault_threads", c_uint32), ("nvme_paths", ctypes.POINTER(c_char_p)),
+                ("nvme_path_count", c_uint32), ("io_engine", c_int32), ("io_block_size", c_uint32),
+                ("io_queue_depth", c_uint32), ("nvme_checksums", c_int32),
+                ("io_dram_direct", c_int32)]
+
+
+class Capabilities(Struct):
+    _fields_ = [("struct_size", c_size_t), ("device_backend", c_int32), ("device_ordinal", c_int32),
+                ("cuda_compiled", c_int32), ("cuda_available", c_int32),
+                ("tiers_available", c_int32 * TIER_COUNT),
+                ("tier_budget_bytes", c_uint64 * TIER_COUNT), ("device_numa_node", c_int32),
+                ("device_name", ctypes.c_char * 128), ("backend_reason", ctypes.c_char * 256),
+                ("dram_placement", ctypes.c_char * 64), ("dram_numa_node", c_int32),
+                ("dram_huge_pages", c_int32), ("dram_fault_threads", c_uint32),
+                ("dram_fault_seconds", c_double), ("dram_pin_seconds", c_double),
+                ("io_engine", ctypes.c_char * 16), ("io_engine_reason", ctypes.c_char * 256)]
+
+
+class TierUsage(Struct):
+    _fields_ = [("struct_size", c_size_t), ("budget_bytes", c_uint64), ("used_bytes", c_uint64),
+                ("largest_free_bytes", c_uint64), ("tensor_count", c_uint64)]
+
+
+class LinkStats(Struct):
+    _fields_ = [("struct_size", c_size_t), ("bytes", c_uint64), ("transfers", c_uint64),
+                ("busy_ns", c_uint64)]
+
+
+class TensorDesc(Struct):
+    _fields_ = [("struct_size", c_size_t), ("name", c_char_p), ("dtype", c_int32),
+                ("ndim", c_int32), ("shape", ctypes.POINTER(c_int64)), ("role", c_int32),
+                ("home_tier", c_int32)]
+
+
+class TensorInfo(Struct):
+    _fields_ = [("struct_size", c_size_t), ("name", ctypes.c_char * (MAX_NAME_LENGTH + 1)),
+                ("dtype", c_int32), ("ndim", c_int32), ("shape", c_int64 * MAX_NDIM),
+                ("nbytes", c_uint64), ("role", c_int32), ("home_tier", c_int32), ("tier", c_int32),
+                ("migrating", c_int32), ("export_count", c_int32)]
+
+
+class LayerDesc(Struct):
+    _fields_ = [("struct_size", c_size_t), ("name", c_char_p),
+                ("weights", ctypes.POINTER(c_void_p)), ("weight_count", c_uint32),
+                ("grads", ctypes.POINTER(c_void_p)), ("grad_count", c_uint32),
+                ("activations", ctypes.POINTER(c_void_p)), ("activation_count", c_uint32),
+                ("optimizer_state", ctypes.POINTER(c_void_p)), ("optimizer_state_count", c_uint32),
+                ("forward_flops", c_double), ("backward_flops", c_double)]
+
+
+class PlanConfig(Struct):
+    _fields_ = [("struct_size", c_size_t), ("micro_batches", c_uint32),
+                ("hbm_slot_budget_bytes", c_uint64), ("h2d_bytes_per_second", c_double),
+                ("d2h_bytes_per_second", c_double), ("device_flops_per_second", c_double),
+                ("max_prefetch_depth", c_uint32), ("chunk_bytes", c_uint64)]
+
+
+class PlanInfo(Struct):
+    _fields_ = [("struct_size", c_size_t), ("layers", c_uint32), ("micro_batches", c_uint32),
+                ("slots", c_uint32), ("forward_prefetch_depth", c_uint32),
+                ("backward_prefetch_depth", c_uint32), ("all_layers_fit", c_int32),
+                ("slot_bytes", c_uint64), ("resident_bytes", c_uint64),
+                ("h2d_bytes_per_second", c_double), ("d2h_bytes_per_second", c_double),
+                ("predicted_step_seconds", c_double), ("predicted_h2d_seconds", c_double),
+                ("predicted_d2h_seconds", c_double), ("predicted_nvme_seconds", c_double),
+                ("predicted_compute_seconds", c_double), ("predicted_gpu_wait_seconds", c_double),
+                ("bottleneck", ctypes.c_char * 16)]
+
+
+class LayerViews(Struct):
+    _fields_ = [("struct_size", c_size_t), ("weight_count", c_uint32),
+                ("weights", ctypes.POINTER(c_void_p)), ("grad_count", c_uint32),
+                ("grads", ctypes.POINTER(c_void_p)), ("activation_count", c_uint32),
+                ("activations", ctypes.POINTER(c_void_p))]
+
+
+class ExecutorStats(Struct):
+    _fields_ = [("struct_size", c_size_t), ("steps", c_uint64), ("loads", c_uint64),
+                ("reused_loads", c_uint64), ("bytes_in", c_uint64), ("bytes_out", c_uint64)]
+
+
+class OptimizerConfig(Struct):
+    _fields_ = [("struct_size", c_size_t), ("kind", c_int32), ("lr", c_float),
+                ("weight_decay", c_float), ("beta1", c_float), ("beta2", c_float), ("eps", c_float),
+                ("momentum", c_float), ("dampening", c_float), ("nesterov", c_int32),
+                ("max_grad_norm", c_float), ("loss_scale", c_float),
+                ("dynamic_loss_scale", c_int32), ("growth_factor", c_float),
+                ("backoff_factor", c_float), ("growth_interval", c_uint32),
+                ("accumulation_steps", c_uint32), ("threads", c_uint32)]
+
+
+class ParamDesc(Struct):
+    _fields_ = [("struct_size", c_size_t), ("weight", c_void_p), ("grad", c_void_p),
+                ("group", c_uint32)]
+
+
+class OptimizerStats(Struct):
+    _fields_ = [("struct_size", c_size_t), ("step", c_uint64), ("skipped_steps", c_uint64),
+                ("micro_step", c_uint64), ("last_grad_norm", c_double), ("loss_scale", c_float),
+                ("params", c_uint64), ("elements", c_uint64), ("state_bytes", c_uint64),
+                ("update_seconds", c_double), ("threads", c_uint32), ("isa", ctypes.c_char * 16),
+                ("binding", ctypes.c_char * 32)]
+
+
+# DLPack v1.0 (the header's declarations).
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", c_uint32), ("minor", c_uint32)]
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", c_int32), ("device_id", c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", c_void_p), ("device", DLDevice), ("ndim", c_int32), ("dtype", DLDataType),
+                ("shape", ctypes.POINTER(c_int64)), ("strides", ctypes.POINTER(c_int64)),
+                ("byte_offset", c_uint64)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    pass
+
+
+DLManagedTensorVersioned._fields_ = [
+    ("version", DLPackVersion), ("manager_ctx", c_void_p),
+    ("deleter", ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensorVersioned))),
+    ("flags", c_uint64), ("dl_tensor", DLTensor)]
+
+P = ctypes.POINTER
+_SIGNATURES = {
+    "strata_status_string": (c_char_p, [c_int32]),
+    "strata_last_error_message": (c_char_p, []),
+    "strata_version_string": (c_char_p, []),
+    "strata_runtime_config_init": (c_int32, [P(RuntimeConfig)]),
+    "strata_runtime_create": (c_int32, [P(RuntimeConfig), P(c_void_p)]),
+    "strata_runtime_destroy": (c_int32, [c_void_p]),
+    "strata_runtime_capabilities": (c_int32, [c_void_p, P(Capabilities)]),
+    "strata_runtime_tier_usage": (c_int32, [c_void_p, c_int32, P(TierUsage)]),
+    "strata_runtime_link_stats": (c_int32, [c_void_p, c_int32, P(LinkStats)]),
+    "strata_runtime_reset_stats": (c_int32, [c_void_p]),
+    "strata_runtime_synchronize": (c_int32, [c_void_p]),
+    "strata_tensor_register": (c_int32, [c_void_p, P(TensorDesc), P(c_void_p)]),
+    "strata_tensor_find": (c_int32, [c_void_p, c_char_p, P(c_void_p)]),
+    "strata_tensor_unregister": (c_int32, [c_void_p, c_void_p]),
+    "strata_tensor_get_info": (c_int32, [c_void_p, c_void_p, P(TensorInfo)]),
+    "strata_tensor_write": (c_int32, [c_void_p, c_void_p, c_uint64, c_void_p, c_uint64]),
+    "strata_tensor_read": (c_int32, [c_void_p, c_void_p, c_uint64, c_void_p, c_uint64]),
+    "strata_tensor_export_dlpack": (c_int32, [c_void_p, c_void_p, P(P(DLManagedTensorVersioned))]),
+    "strata_graph_create": (c_int32, [c_void_p, P(c_void_p)]),
+    "strata_graph_destroy": (c_int32, [c_void_p]),
+    "strata_graph_add_layer": (c_int32, [c_void_p, P(LayerDesc), P(c_uint32)]),
+    "strata_graph_add_resident": (c_int32, [c_void_p, c_void_p]),
+    "strata_plan_config_init": (c_int32, [P(PlanConfig)]),
+    "strata_plan_create": (c_int32, [c_void_p, P(PlanConfig), P(c_void_p)]),
+    "strata_plan_destroy": (c_int32, [c_void_p]),
+    "strata_plan_get_info": (c_int32, [c_void_p, P(PlanInfo)]),
+    "strata_plan_dump": (c_int32, [c_void_p, c_int32, c_char_p, c_size_t, P(c_size_t)]),
+    "strata_executor_create": (c_int32, [c_void_p, P(c_void_p)]),
+    "strata_executor_destroy": (c_int32, [c_void_p]),
+    "strata_executor_get_stats": (c_int32, [c_void_p, P(ExecutorStats)]),
+    "strata_step_begin": (c_int32, [c_void_p]),
+    "strata_step_end": (c_int32, [c_void_p]),
+    "strata_layer_acquire": (c_int32, [c_void_p, c_uint32, c_int32, c_void_p, c_uint32,
+                                       P(LayerViews)]),
+    "strata_layer_release": (c_int32, [c_void_p, c_uint32, c_int32, c_void_p]),
+    "strata_layer_export_dlpack": (c_int32, [c_void_p, c_uint32, c_int32, c_int32, c_uint32,
+                                             P(P(DLManagedTensorVersioned))]),
+    "strata_optimizer_config_init": (c_int32, [c_int32, P(OptimizerConfig)]),
+    "strata_optimizer_create": (c_int32, [c_void_p, P(OptimizerConfig), P(c_void_p)]),
+    "strata_optimizer_destroy": (c_int32, [c_void_p]),
+    "strata_optimizer_add_param": (c_int32, [c_void_p, P(ParamDesc)]),
+    "strata_optimizer_set_group": (c_int32, [c_void_p, c_uint32, c_float, c_float]),
+    "strata_optimizer_attach": (c_int32, [c_void_p, c_void_p]),
+    "strata_optimizer_step": (c_int32, [c_void_p]),
+    "strata_optimizer_synchronize": (c_int32, [c_void_p]),
+    "strata_optimizer_get_state": (c_int32, [c_void_p, c_void_p, c_int32, P(c_void_p)]),
+    "strata_optimizer_get_stats": (c_int32, [c_void_p, P(OptimizerStats)]),
+    "strata_checkpoint_save": (c_int32, [c_void_p, c_void_p, c_char_p]),
+    "strata_checkpoint_load": (c_int32, [c_void_p, c_void_p, c_char_p]),
+    "strata_trace_start": (c_int32, [c_void_p, c_void_p]),
+    "strata_trace_stop": (c_int32, [c_void_p]),
+    "strata_trace_flush": (c_int32, [c_void_p, c_char_p]),
+}
+
+lib = ctypes.CDLL(_find_library())
+for _name, (_restype, _argtypes) in _SIGNATURES.items():
+    _fn = getattr(lib, _name)
+    _fn.restype = _restype
+    _fn.argtypes = _argtypes

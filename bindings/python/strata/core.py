@@ -1,0 +1,328 @@
+"""Pythonic owners of the C ABI's handles: Runtime, Tensor, Graph, Plan, Executor, Optimizer.
+Each frees its handle on close() (or garbage collection) in the order the header requires."""
+import ctypes
+
+from . import _lib
+from .errors import check
+from .dlpack import capsule_from_managed, DLPackView
+
+L = _lib.lib
+
+# strata.h constants
+BACKENDS = {"auto": 0, "cuda": 1, "host": 2}
+TIERS = {"hbm": 0, "dram": 1, "nvme": 2}
+DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3, "int8": 4, "uint8": 5,
+          "int16": 6, "int32": 7, "int64": 8, "bool": 9}
+DTYPE_SIZES = {0: 4, 1: 2, 2: 2, 3: 8, 4: 1, 5: 1, 6: 2, 7: 4, 8: 8, 9: 1}
+ROLES = {"weight": 0, "grad": 1, "optimizer_state": 2, "activation": 3, "other": 4}
+FORWARD, BACKWARD = 0, 1
+VIEW_WEIGHT, VIEW_GRAD, VIEW_ACTIVATION = 0, 1, 2
+OPTIMIZERS = {"adamw": 0, "sgd": 1}
+STATES = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2, "grad_accum": 3}
+LINKS = ["h2d", "d2h", "nvme_read", "nvme_write"]
+
+
+def version():
+    return L.strata_version_string().decode()
+
+
+class Runtime:
+    """A Strata runtime: the device backend and the HBM, DRAM (pinned, budgeted) and NVMe tiers.
+
+    backend: "auto" (cuda where a GPU is usable, host otherwise), "cuda" or "host".
+    Budgets in bytes; nvme: list of file paths (striped) or None."""
+
+    def __init__(self, backend="auto", hbm_budget=0, dram_budget=0, nvme=None, nvme_budget=0,
+                 device=0):
+        config = _lib.RuntimeConfig()
+        check(L.strata_runtime_config_init(ctypes.byref(config)))
+        config.device_backend = BACKENDS[backend]
+        config.device_ordinal = device
+        config.hbm_budget_bytes = int(hbm_budget)
+        config.dram_budget_bytes = int(dram_budget)
+        config.nvme_budget_bytes = int(nvme_budget)
+        self._paths = None
+        if nvme:
+            self._paths = (ctypes.c_char_p * len(nvme))(*[str(p).encode() for p in nvme])
+            config.nvme_paths = self._paths
+            config.nvme_path_count = len(nvme)
+        handle = ctypes.c_void_p()
+        check(L.strata_runtime_create(ctypes.byref(config), ctypes.byref(handle)))
+        self._handle = handle
+        self._owned = []  # graphs, plans, executors, optimizers: closed before the runtime
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise ValueError("the runtime is closed")
+        return self._handle
+
+    def capabilities(self):
+        caps = _lib.Capabilities()
+        check(L.strata_runtime_capabilities(self.handle, ctypes.byref(caps)))
+        return caps
+
+    @property
+    def backend(self):
+        return {v: k for k, v in BACKENDS.items()}[self.capabilities().device_backend]
+
+    def tier_usage(self, tier):
+        u = _lib.TierUsage()
+        check(L.strata_runtime_tier_usage(self.handle, TIERS[tier], ctypes.byref(u)))
+        return {"budget": u.budget_bytes, "used": u.used_bytes, "largest_free": u.largest_free_bytes,
+                "tensors": u.tensor_count}
+
+    def link_stats(self):
+        out = {}
+        for i, name in enumerate(LINKS):
+            s = _lib.LinkStats()
+            check(L.strata_runtime_link_stats(self.handle, i, ctypes.byref(s)))
+            out[name] = {"bytes": s.bytes, "transfers": s.transfers, "busy_seconds": s.busy_ns * 1e-9}
+        return out
+
+    def reset_stats(self):
+        check(L.strata_runtime_reset_stats(self.handle))
+
+    def register(self, name, shape, dtype="float32", role="other", tier="dram"):
+        shape = [int(d) for d in shape]
+        dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        desc = _lib.TensorDesc(name=name.encode(), dtype=DTYPES[dtype], ndim=len(shape),
+                               shape=dims, role=ROLES[role], home_tier=TIERS[tier])
+        handle = ctypes.c_void_p()
+        check(L.strata_tensor_register(self.handle, ctypes.byref(desc), ctypes.byref(handle)))
+        return Tensor(self, handle)
+
+    def trace_start(self):
+        check(L.strata_trace_start(self.handle, None))
+
+    def trace_flush(self, path):
+        check(L.strata_trace_stop(self.handle))
+        check(L.strata_trace_flush(self.handle, str(path).encode()))
+
+    def save_checkpoint(self, path, optimizer=None):
+        check(L.strata_checkpoint_save(self.handle, optimizer.handle if optimizer else None,
+                                       str(path).encode()))
+
+    def load_checkpoint(self, path, optimizer=None):
+        check(L.strata_checkpoint_load(self.handle, optimizer.handle if optimizer else None,
+                                       str(path).encode()))
+
+    def close(self):
+        if self._handle is None:
+            return
+        for obj in reversed(self._owned):
+            obj.close()
+        self._owned.clear()
+        handle, self._handle = self._handle, None
+        check(L.strata_runtime_destroy(handle))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Tensor:
+    """A registered tensor (the handle stays valid until unregister())."""
+
+    def __init__(self, runtime, handle):
+        self.runtime = runtime
+        self.handle = handle
+
+    def info(self):
+        i = _lib.TensorInfo()
+        check(L.strata_tensor_get_info(self.runtime.handle, self.handle, ctypes.byref(i)))
+        return i
+
+    @property
+    def name(self):
+        return self.info().name.decode()
+
+    @property
+    def nbytes(self):
+        return self.info().nbytes
+
+    def write(self, data, offset=0):
+        """Copy a bytes-like or contiguous buffer (anything with the buffer protocol) in."""
+        view = memoryview(data).cast("B")
+        buf = (ctypes.c_char * len(view)).from_buffer_copy(view) if view.readonly else \
+            (ctypes.c_char * len(view)).from_buffer(view)
+        check(L.strata_tensor_write(self.runtime.handle, self.handle, offset, buf, len(view)))
+
+    def write_pointer(self, pointer, nbytes, offset=0):
+        check(L.strata_tensor_write(self.runtime.handle, self.handle, offset, pointer, nbytes))
+
+    def read(self, nbytes=None, offset=0):
+        n = self.nbytes - offset if nbytes is None else nbytes
+        buf = ctypes.create_string_buffer(n)
+        check(L.strata_tensor_read(self.runtime.handle, self.handle, offset, buf, n))
+        return buf.raw
+
+    def read_pointer(self, pointer, nbytes, offset=0):
+        check(L.strata_tensor_read(self.runtime.handle, self.handle, offset, pointer, nbytes))
+
+    def __dlpack__(self, stream=None, max_version=None, **kwargs):
+        out = ctypes.POINTER(_lib.DLManagedTensorVersioned)()
+        check(L.strata_tensor_export_dlpack(self.runtime.handle, self.handle, ctypes.byref(out)))
+        return capsule_from_managed(out)
+
+    def __dlpack_device__(self):
+        out = ctypes.POINTER(_lib.DLManagedTensorVersioned)()
+        check(L.strata_tensor_export_dlpack(self.runtime.handle, self.handle, ctypes.byref(out)))
+        device = (out.contents.dl_tensor.device.device_type, out.contents.dl_tensor.device.device_id)
+        out.contents.deleter(out)
+        return device
+
+    def unregister(self):
+        check(L.strata_tensor_unregister(self.runtime.handle, self.handle))
+
+
+class Executor:
+    """A graph of layers, planned and executed: the streaming loop's handle.
+
+    layers: list of dicts {"name", "weights": [Tensor], "grads": [Tensor],
+    "forward_flops", "backward_flops"}."""
+
+    def __init__(self, runtime, layers, slot_budget=0, micro_batches=1, residents=()):
+        self.runtime = runtime
+        self._graph = ctypes.c_void_p()
+        self._plan = ctypes.c_void_p()
+        self._handle = ctypes.c_void_p()
+        check(L.strata_graph_create(runtime.handle, ctypes.byref(self._graph)))
+        try:
+            for i, layer in enumerate(layers):
+                w = (ctypes.c_void_p * len(layer["weights"]))(*[t.handle.value for t in layer["weights"]])
+                grads = layer.get("grads", [])
+                g = (ctypes.c_void_p * max(len(grads), 1))(*[t.handle.value for t in grads])
+                desc = _lib.LayerDesc(name=layer.get("name", "layer.%d" % i).encode(), weights=w,
+                                      weight_count=len(layer["weights"]), grads=g,
+                                      grad_count=len(grads),
+                                      forward_flops=layer.get("forward_flops", 0.0),
+                                      backward_flops=layer.get("backward_flops", 0.0))
+                check(L.strata_graph_add_layer(self._graph, ctypes.byref(desc), None))
+            for t in residents:
+                check(L.strata_graph_add_resident(self._graph, t.handle))
+            config = _lib.PlanConfig()
+            check(L.strata_plan_config_init(ctypes.byref(config)))
+            config.hbm_slot_budget_bytes = int(slot_budget)
+            config.micro_batches = micro_batches
+            check(L.strata_plan_create(self._graph, ctypes.byref(config), ctypes.byref(self._plan)))
+            check(L.strata_executor_create(self._plan, ctypes.byref(self._handle)))
+        except BaseException:
+            self.close()
+            raise
+        runtime._owned.append(self)
+
+    @property
+    def handle(self):
+        return self._handle
+
+    def plan_info(self):
+        info = _lib.PlanInfo()
+        check(L.strata_plan_get_info(self._plan, ctypes.byref(info)))
+        return info
+
+    def plan_text(self):
+        n = ctypes.c_size_t()
+        check(L.strata_plan_dump(self._plan, 1, None, 0, ctypes.byref(n)))
+        buf = ctypes.create_string_buffer(n.value + 1)
+        check(L.strata_plan_dump(self._plan, 1, buf, n.value + 1, ctypes.byref(n)))
+        return buf.value.decode()
+
+    def stats(self):
+        s = _lib.ExecutorStats()
+        check(L.strata_executor_get_stats(self._handle, ctypes.byref(s)))
+        return {k: getattr(s, k) for k in ("steps", "loads", "reused_loads", "bytes_in", "bytes_out")}
+
+    def step_begin(self):
+        check(L.strata_step_begin(self._handle))
+
+    def step_end(self):
+        check(L.strata_step_end(self._handle))
+
+    def acquire(self, layer, phase, stream=None):
+        views = _lib.LayerViews()
+        check(L.strata_layer_acquire(self._handle, layer, phase, stream, 0, ctypes.byref(views)))
+        return views
+
+    def release(self, layer, phase, stream=None):
+        check(L.strata_layer_release(self._handle, layer, phase, stream))
+
+    def view(self, layer, phase, role, index):
+        """A DLPack producer for one view of the acquired layer (valid until release)."""
+        out = ctypes.POINTER(_lib.DLManagedTensorVersioned)()
+        check(L.strata_layer_export_dlpack(self._handle, layer, phase, role, index,
+                                           ctypes.byref(out)))
+        return DLPackView(out)
+
+    def close(self):
+        if self._handle:
+            h, self._handle = self._handle, ctypes.c_void_p()
+            check(L.strata_executor_destroy(h))
+        if self._plan:
+            check(L.strata_plan_destroy(self._plan))
+            self._plan = ctypes.c_void_p()
+        if self._graph:
+            check(L.strata_graph_destroy(self._graph))
+            self._graph = ctypes.c_void_p()
+
+
+class Optimizer:
+    """The runtime's optimizer (AdamW or SGD) over DRAM weights: fp32 masters and state."""
+
+    def __init__(self, runtime, kind="adamw", **hyper):
+        config = _lib.OptimizerConfig()
+        check(L.strata_optimizer_config_init(OPTIMIZERS[kind], ctypes.byref(config)))
+        for key, value in hyper.items():
+            if not hasattr(config, key) or key == "struct_size":
+                raise ValueError("unknown optimizer setting %r" % key)
+            setattr(config, key, value)
+        self.runtime = runtime
+        self._handle = ctypes.c_void_p()
+        check(L.strata_optimizer_create(runtime.handle, ctypes.byref(config), ctypes.byref(self._handle)))
+        runtime._owned.append(self)
+
+    @property
+    def handle(self):
+        return self._handle
+
+    def add_param(self, weight, grad, group=0):
+        desc = _lib.ParamDesc(weight=weight.handle.value, grad=grad.handle.value, group=group)
+        check(L.strata_optimizer_add_param(self._handle, ctypes.byref(desc)))
+
+    def set_group(self, group, lr, weight_decay):
+        check(L.strata_optimizer_set_group(self._handle, group, lr, weight_decay))
+
+    def attach(self, executor):
+        check(L.strata_optimizer_attach(self._handle, executor.handle))
+
+    def step(self):
+        check(L.strata_optimizer_step(self._handle))
+
+    def synchronize(self):
+        check(L.strata_optimizer_synchronize(self._handle))
+
+    def state(self, weight, kind):
+        out = ctypes.c_void_p()
+        check(L.strata_optimizer_get_state(self._handle, weight.handle, STATES[kind], ctypes.byref(out)))
+        return Tensor(self.runtime, out)
+
+    def stats(self):
+        s = _lib.OptimizerStats()
+        check(L.strata_optimizer_get_stats(self._handle, ctypes.byref(s)))
+        out = {k: getattr(s, k) for k, _ in _lib.OptimizerStats._fields_ if k != "struct_size"}
+        out["isa"] = s.isa.decode()
+        out["binding"] = s.binding.decode()
+        return out
+
+    def close(self):
+        if self._handle:
+            h, self._handle = self._handle, ctypes.c_void_p()
+            check(L.strata_optimizer_destroy(h))

@@ -1,0 +1,59 @@
+"""DLPack producers over the C ABI's DLManagedTensorVersioned: capsules named
+"dltensor_versioned" (DLPack 1.0), which torch.from_dlpack and jax.dlpack consume zero-copy.
+A capsule nobody consumed calls the managed tensor's deleter when it is collected."""
+import ctypes
+
+from . import _lib
+
+_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+_PyCapsule_New.restype = ctypes.py_object
+_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+# The destructor sees the capsule as a raw pointer: it is being deallocated, so it must not be
+# turned back into a Python object (that re-enters its deallocation).
+_PyCapsule_IsValid = ctypes.pythonapi.PyCapsule_IsValid
+_PyCapsule_IsValid.restype = ctypes.c_int
+_PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_PyCapsule_GetPointer = ctypes.pythonapi.PyCapsule_GetPointer
+_PyCapsule_GetPointer.restype = ctypes.c_void_p
+_PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+
+_NAME = b"dltensor_versioned"
+_Managed = ctypes.POINTER(_lib.DLManagedTensorVersioned)
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _capsule_destructor(capsule_ptr):
+    # Consumers rename the capsule to "used_dltensor_versioned" and own the tensor from then;
+    # only an unconsumed capsule still owns it.
+    if _PyCapsule_IsValid(capsule_ptr, _NAME):
+        managed = ctypes.cast(_PyCapsule_GetPointer(capsule_ptr, _NAME), _Managed)
+        if managed.contents.deleter:
+            managed.contents.deleter(managed)
+
+
+def capsule_from_managed(managed):
+    return _PyCapsule_New(ctypes.cast(managed, ctypes.c_void_p), _NAME,
+                          ctypes.cast(_capsule_destructor, ctypes.c_void_p))
+
+
+class DLPackView:
+    """One exported view: hand it to torch.from_dlpack / jax.dlpack.from_dlpack once."""
+
+    def __init__(self, managed):
+        self._managed = managed
+
+    def __dlpack_device__(self):
+        d = self._managed.contents.dl_tensor.device
+        return (d.device_type, d.device_id)
+
+    def __dlpack__(self, stream=None, max_version=None, **kwargs):
+        if self._managed is None:
+            raise RuntimeError("this DLPack view was already consumed")
+        # The stream argument asks the producer to order its data before `stream`: the
+        # executor's acquire already made the compute stream wait for the layer's copies.
+        managed, self._managed = self._managed, None
+        return capsule_from_managed(managed)
+
+    def __del__(self):
+        if self._managed is not None and self._managed.contents.deleter:
+            self._managed.contents.deleter(self._managed)

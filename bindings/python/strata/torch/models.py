@@ -1,0 +1,178 @@
+"""A self-contained Llama-style decoder (RMSNorm, rotary embeddings, grouped-query attention,
+SwiGLU) for tests, examples and benchmarks, with size presets. It follows the Hugging Face
+layout (model.embed_tokens, model.layers[i], model.norm, lm_head) and calling convention
+(`model(ids, labels=ids).loss`), so strata.torch treats it like LlamaForCausalLM."""
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+    def parameters(self):
+        """Parameter count."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        kv = h // self.num_attention_heads * self.num_key_value_heads
+        block = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+        return self.num_hidden_layers * block + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+# Llama-style shapes at the usual sizes (random init; 1b/3b/7b/14b after Llama 3.2 1B/3B,
+# Llama 2 7B and Qwen2.5 14B, vocabularies rounded to 32000 to keep the head a fair share).
+PRESETS = {
+    "tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=512),
+    "125m": LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                        num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12),
+    "1b": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8),
+    "3b": LlamaConfig(vocab_size=32000, hidden_size=3072, intermediate_size=8192,
+                      num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8),
+    "7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
+    "14b": LlamaConfig(vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                       num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary(config, seq, device, dtype):
+    dim = config.hidden_size // config.num_attention_heads
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
+    freqs = torch.outer(torch.arange(seq, device=device).float(), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = c.hidden_size // c.num_attention_heads
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+@dataclasses.dataclass
+class CausalLMOutput:
+    loss: torch.Tensor = None
+    logits: torch.Tensor = None
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, input_ids, labels=None):
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rotary(self.config, input_ids.shape[1], x.device, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        logits = self.lm_head(self.model.norm(x))
+        loss = None
+        if labels is not None:
+            # Next-token prediction, as Hugging Face's causal LMs compute it.
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                   labels[:, 1:].reshape(-1))
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def flops_per_token(config, seq):
+    """Training FLOPs per token: (6 P, the count MegaTrain reports, and the work actually done:
+    6 P plus the blocks' recomputed forward (2 P_blocks) plus causal attention, whose forward is
+    2 seq h per layer (QK^T and AV over half the positions), done 4 times (forward, recomputed
+    forward, twice in backward))."""
+    p = config.parameters()
+    blocks = p - config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    attention_forward = 2 * seq * config.hidden_size * config.num_hidden_layers
+    return 6 * p, 6 * p + 2 * blocks + 4 * attention_forward

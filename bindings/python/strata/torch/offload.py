@@ -1,0 +1,321 @@
+"""The machinery behind strata.torch.offload: a session per model (runtime, executor,
+optimizer), a wrapper per block that runs it as a checkpointed autograd function, and AdamW."""
+import math
+
+import torch
+from torch import nn
+
+from .. import core
+from ..core import BACKWARD, FORWARD, VIEW_GRAD, VIEW_WEIGHT
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def find_blocks(model):
+    """The model's repeated blocks: Hugging Face decoders keep them in model.model.layers (or
+    transformer.h for GPT-2 style models); otherwise the largest nn.ModuleList of one type."""
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "layers", "blocks", "h"):
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
+            return obj
+    best = None
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1:
+            if best is None or sum(p.numel() for p in m.parameters()) > \
+                    sum(p.numel() for p in best.parameters()):
+                best = m
+    if best is None:
+        raise ValueError("strata.torch.offload: the model has no list of repeated blocks "
+                         "(nn.ModuleList) to stream")
+    return best
+
+
+class StrataSession:
+    """One offloaded model: the runtime, the blocks' tensors, the executor, and the step state."""
+
+    def __init__(self, model, blocks, device, dtype, gpu_budget, host_budget, nvme, backend,
+                 slot_budget=0):
+        self.model = model
+        self.blocks = blocks
+        self.device = device
+        self.dtype = dtype
+        self.cuda = device.type == "cuda"
+        block_params = [list(b.named_parameters()) for b in blocks]
+        block_bytes = [sum(p.numel() for _, p in ps) * torch.finfo(dtype).bits // 8
+                       for ps in block_params]
+        total = sum(block_bytes)
+        # DRAM: the blocks' weights and grads in the streamed dtype, fp32 masters (unless the
+        # weights are fp32), AdamW's m and v: host_budget caps it.
+        per_param = 2 * (torch.finfo(dtype).bits // 8) + (12 if dtype != torch.float32 else 8)
+        needed = sum(sum(p.numel() for _, p in ps) for ps in block_params) * per_param
+        if host_budget is None:
+            host_budget = int(needed * 1.05) + (256 << 20)
+        if gpu_budget is None:
+            # Enough slots for a few blocks (weights + grad buffers) plus the planner's margin.
+            gpu_budget = 2 * 4 * max(block_bytes) + (64 << 20)
+        self.runtime = core.Runtime(backend=backend, hbm_budget=gpu_budget, dram_budget=host_budget,
+                                    nvme=nvme)
+        self.weights, self.grads, self.params, self.shapes = [], [], [], []
+        for i, ps in enumerate(block_params):
+            ws, gs, owned = [], [], []
+            for name, p in ps:
+                full = "layers.%d.%s" % (i, name)
+                w = self.runtime.register(full, p.shape, _DTYPE_NAMES[dtype], "weight", "dram")
+                g = self.runtime.register(full + ".grad", p.shape, _DTYPE_NAMES[dtype], "grad",
+                                          "dram")
+                host = p.detach().to("cpu", dtype).contiguous()
+                w.write_pointer(host.data_ptr(), host.numel() * host.element_size())
+                ws.append(w)
+                gs.append(g)
+                owned.append(p)
+            self.weights.append(ws)
+            self.grads.append(gs)
+            self.params.append(owned)
+            self.shapes.append([p.shape for p in owned])
+        self.initial_fp32 = {}  # block param -> its fp32 values, for the optimizer's masters
+        self.executor = core.Executor(
+            self.runtime, [{"name": "layers.%d" % i, "weights": ws, "grads": gs}
+                           for i, (ws, gs) in enumerate(zip(self.weights, self.grads))],
+            slot_budget=slot_budget)
+        self.optimizer = None
+        self.in_step = False
+        self.on_step_begin = []  # callbacks (the optimizer's learning rate)
+        # The blocks' own parameters give their storage up: they point at slot memory while
+        # acquired and at an empty placeholder otherwise.
+        self._placeholder = torch.empty(0, device=device, dtype=dtype)
+        for ps in self.params:
+            for p in ps:
+                p.data = self._placeholder
+
+    def stream(self):
+        return torch.cuda.current_stream(self.device).cuda_stream if self.cuda else None
+
+    def bind(self, index, phase):
+        """Point the block's parameters at its weights in the slot (zero-copy, DLPack)."""
+        for k, p in enumerate(self.params[index]):
+            p.data = torch.from_dlpack(self.executor.view(index, phase, VIEW_WEIGHT, k))
+
+    def unbind(self, index):
+        for p in self.params[index]:
+            p.data = self._placeholder
+
+    def begin(self, index, phase):
+        if phase == FORWARD and index == 0:
+            if self.in_step:
+                raise RuntimeError(
+                    "strata.torch: a new forward pass began before the last one's backward "
+                    "finished; every streamed forward needs its backward (use "
+                    "torch.no_grad() for evaluation)")
+            for callback in self.on_step_begin:
+                callback()
+            self.executor.step_begin()
+            self.in_step = True
+        self.executor.acquire(index, phase, self.stream())
+        self.bind(index, phase)
+
+    def end(self, index, phase):
+        self.unbind(index)
+        self.executor.release(index, phase, self.stream())
+        if phase == BACKWARD and index == 0:
+            self.executor.step_end()
+            self.in_step = False
+
+    def load_block(self, index):
+        """For evaluation without grads: the block's weights copied from DRAM (no executor)."""
+        if self.optimizer is not None:
+            self.optimizer.synchronize()  # updates still running would be read half-done
+        for p, w, shape in zip(self.params[index], self.weights[index], self.shapes[index]):
+            host = torch.empty(shape, dtype=self.dtype)
+            w.read_pointer(host.data_ptr(), host.numel() * host.element_size())
+            p.data = host.to(self.device)
+
+    def close(self):
+        self.runtime.close()
+
+
+class _StreamedBlock(torch.autograd.Function):
+    """One block as a checkpointed function: the forward pass runs without saving activations
+    (only the block's input is kept); the backward pass streams the block in again, recomputes
+    its forward with grad enabled and backpropagates, copying the weight grads into the grad
+    views the executor sends to DRAM."""
+
+    @staticmethod
+    def forward(ctx, session, index, hidden, extra):
+        args, kwargs = extra
+        session.begin(index, FORWARD)
+        try:
+            with torch.no_grad():
+                out = session.blocks[index].inner(hidden, *args, **kwargs)
+        finally:
+            session.end(index, FORWARD)
+        ctx.session, ctx.index, ctx.extra = session, index, extra
+        ctx.tuple_output = isinstance(out, tuple)
+        ctx.save_for_backward(hidden)
+        return out[0] if ctx.tuple_output else out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        session, index = ctx.session, ctx.index
+        (hidden,) = ctx.saved_tensors
+        args, kwargs = ctx.extra
+        session.begin(index, BACKWARD)
+        try:
+            params = session.params[index]
+            with torch.enable_grad():
+                h = hidden.detach().requires_grad_(hidden.requires_grad)
+                out = session.blocks[index].inner(h, *args, **kwargs)
+                if isinstance(out, tuple):
+                    out = out[0]
+                inputs = ([h] if h.requires_grad else []) + params
+                grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+            grad_h = grads[0] if h.requires_grad else None
+            for k, g in enumerate(grads[1:] if h.requires_grad else grads):
+                view = torch.from_dlpack(session.executor.view(index, BACKWARD, VIEW_GRAD, k))
+                if g is not None:
+                    view.copy_(g)
+                del view
+        finally:
+            session.end(index, BACKWARD)
+        return None, None, grad_h, None
+
+
+class _BlockWrapper(nn.Module):
+    """Stands in for a block: runs it through the session."""
+
+    def __init__(self, session, index, inner):
+        super().__init__()
+        self.index = index
+        self.inner = inner
+        self._session = [session]  # a list: not registered as a submodule
+
+    def forward(self, hidden, *args, **kwargs):
+        session = self._session[0]
+        if not torch.is_grad_enabled():
+            session.load_block(self.index)
+            try:
+                return self.inner(hidden, *args, **kwargs)
+            finally:
+                session.unbind(self.index)
+        out = _StreamedBlock.apply(session, self.index, hidden, (args, kwargs))
+        return out
+
+
+def offload(model, gpu_budget=None, host_budget=None, nvme=None, dtype=None, device=None,
+            backend="auto", slot_budget=0):
+    """Stream `model`'s blocks through Strata; returns the model, changed in place.
+
+    gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: pinned
+    DRAM bytes (None: what the blocks, grads and optimizer state need). nvme: paths for the
+    NVMe tier. slot_budget: HBM for streaming slots within gpu_budget (0: all of it). dtype:
+    the compute dtype of the streamed weights (None: the model's). device:
+    where to compute (None: cuda if available, else cpu with Strata's host backend)."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if backend == "auto":
+        backend = "cuda" if device.type == "cuda" else "host"
+    blocks = find_blocks(model)
+    if dtype is None:
+        dtype = next(blocks.parameters()).dtype
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError("strata.torch.offload: dtype %s is not float32, bfloat16 or float16" % dtype)
+    # fp32 values of the blocks' parameters, for the masters, before they are streamed in dtype.
+    fp32 = {id(p): p.detach().to("cpu", torch.float32).clone() for p in blocks.parameters()}
+    session = StrataSession(model, blocks, device, dtype, gpu_budget, host_budget, nvme, backend,
+                            slot_budget)
+    session.initial_fp32 = fp32
+    for i in range(len(blocks)):
+        blocks[i] = _BlockWrapper(session, i, blocks[i])
+    # Everything else is resident on the device, in the compute dtype (buffers keep theirs).
+    block_param_ids = {id(p) for ps in session.params for p in ps}
+    for p in model.parameters():
+        if id(p) not in block_param_ids:
+            p.data = p.data.to(device, dtype)
+    for m in model.modules():
+        for name, b in list(m.named_buffers(recurse=False)):
+            m._buffers[name] = b.to(device)
+    model.strata = session
+    return model
+
+
+class AdamW:
+    """AdamW for an offloaded model: the blocks by Strata's CPU optimizer (fp32 masters in DRAM,
+    each block updated as soon as its grads land), the resident parameters on the device with
+    fp32 masters. Hyperparameters and param_groups' lr as torch.optim.AdamW's; the learning rate
+    of param_groups[0] is read at every step (LR schedulers work as usual)."""
+
+    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 accumulation_steps=1, max_grad_norm=0.0, threads=0):
+        session = getattr(model, "strata", None)
+        if session is None:
+            raise ValueError("strata.torch.AdamW: call strata.torch.offload(model) first")
+        self.session = session
+        opt = core.Optimizer(session.runtime, "adamw", lr=lr, beta1=betas[0], beta2=betas[1],
+                             eps=eps, weight_decay=weight_decay,
+                             accumulation_steps=accumulation_steps,
+                             max_grad_norm=max_grad_norm, threads=threads)
+        for ps, ws, gs in zip(session.params, session.weights, session.grads):
+            for p, w, g in zip(ps, ws, gs):
+                opt.add_param(w, g)
+                if session.dtype != torch.float32:
+                    # The master starts from the fp32 values, not their rounded working copy.
+                    master = session.initial_fp32[id(p)]
+                    opt.state(w, "master").write_pointer(master.data_ptr(), master.numel() * 4)
+        opt.attach(session.executor)
+        session.optimizer = opt
+        session.initial_fp32 = {}
+        block_ids = {id(p) for ps in session.params for p in ps}
+        self.resident = [p for p in model.parameters() if id(p) not in block_ids and p.requires_grad]
+        # Resident parameters: fp32 masters on the device, torch's AdamW on them.
+        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.resident]
+        self._torch = torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps,
+                                        weight_decay=weight_decay)
+        self.param_groups = self._torch.param_groups
+        # LR schedulers take a torch.optim.Optimizer: give them this one (its param_groups are
+        # the ones read at every step).
+        self.optimizer = self._torch
+        self.accumulation_steps = accumulation_steps
+        self._micro = 0
+        session.on_step_begin.append(self._sync_lr)
+        self._sync_lr()
+
+    def _sync_lr(self):
+        group = self.param_groups[0]
+        self.session.optimizer.set_group(0, float(group["lr"]), float(group["weight_decay"]))
+
+    def step(self):
+        """The blocks' updates already run (they started as their grads landed); this updates
+        the resident parameters."""
+        self._micro += 1
+        if self._micro < self.accumulation_steps:
+            return
+        self._micro = 0
+        for p, m in zip(self.resident, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        self._torch.step()
+        with torch.no_grad():
+            for p, m in zip(self.resident, self.masters):
+                p.copy_(m)
+
+    def zero_grad(self, set_to_none=True):
+        if self._micro != 0:
+            return  # accumulating
+        for p in self.resident:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def synchronize(self):
+        """Wait for the blocks' updates (before reading their weights)."""
+        self.session.optimizer.synchronize()
+
+    def state_dict(self):
+        raise NotImplementedError("save with model.strata.runtime.save_checkpoint(path, "
+                                  "model.strata.optimizer)")

@@ -1,0 +1,77 @@
+"""The Python package over the C ABI: handles, data in and out, DLPack both ways, and errors
+that carry the status and the library's message."""
+import pytest
+
+import strata
+
+MiB = 1 << 20
+
+
+@pytest.fixture()
+def rt():
+    r = strata.Runtime(backend="host", hbm_budget=16 * MiB, dram_budget=16 * MiB)
+    yield r
+    r.close()
+
+
+def test_register_write_read(rt):
+    t = rt.register("w", [2, 3], "float32", "weight")
+    assert t.name == "w" and t.nbytes == 24
+    t.write(bytes(range(24)))
+    assert t.read() == bytes(range(24))
+    assert t.read(4, offset=20) == bytes([20, 21, 22, 23])
+    assert rt.tier_usage("dram")["tensors"] == 1
+
+
+def test_errors_carry_status_and_message(rt):
+    rt.register("dup", [4], "float32")
+    with pytest.raises(strata.StrataError) as e:
+        rt.register("dup", [4], "float32")
+    assert e.value.status_name == "ALREADY_EXISTS"
+    assert "dup" in e.value.message
+    with pytest.raises(strata.OutOfMemory, match="cannot allocate"):
+        rt.register("big", [64 * MiB], "uint8")
+    t = rt.register("small", [4], "uint8")
+    with pytest.raises(strata.InvalidArgument):
+        t.write(bytes(8))  # past its end
+
+
+def test_dlpack_is_zero_copy(rt):
+    torch = pytest.importorskip("torch")
+    t = rt.register("x", [4], "float32")
+    t.write(torch.arange(4, dtype=torch.float32).numpy().tobytes())
+    x = torch.from_dlpack(t)
+    assert t.__dlpack_device__() == (1, 0)  # kDLCPU on the host backend
+    assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
+    x.mul_(2)  # writes the runtime's memory
+    assert torch.frombuffer(bytearray(t.read()), dtype=torch.float32).tolist() == [0, 2, 4, 6]
+
+
+def test_executor_views_and_misuse(rt):
+    torch = pytest.importorskip("torch")
+    w = rt.register("l0.w", [8], "float32", "weight")
+    g = rt.register("l0.g", [8], "float32", "grad")
+    w.write(torch.ones(8).numpy().tobytes())
+    ex = strata.Executor(rt, [{"weights": [w], "grads": [g]}])
+    with pytest.raises(strata.InvalidState, match="step_begin"):
+        ex.acquire(0, strata.FORWARD)
+    ex.step_begin()
+    ex.acquire(0, strata.FORWARD)
+    view = torch.from_dlpack(ex.view(0, strata.FORWARD, strata.VIEW_WEIGHT, 0))
+    assert view.tolist() == [1.0] * 8
+    with pytest.raises(strata.InvalidArgument, match="backward"):
+        ex.view(0, strata.FORWARD, strata.VIEW_GRAD, 0)
+    del view
+    ex.release(0, strata.FORWARD)
+    ex.acquire(0, strata.BACKWARD)
+    torch.from_dlpack(ex.view(0, strata.BACKWARD, strata.VIEW_GRAD, 0)).fill_(0.5)
+    ex.release(0, strata.BACKWARD)
+    ex.step_end()
+    assert torch.frombuffer(bytearray(g.read()), dtype=torch.float32).tolist() == [0.5] * 8
+
+
+def test_optimizer_settings_are_checked(rt):
+    with pytest.raises(ValueError, match="learning_rate"):
+        strata.Optimizer(rt, "adamw", learning_rate=1.0)
+    with pytest.raises(strata.InvalidArgument, match="beta1"):
+        strata.Optimizer(rt, "adamw", beta1=2.0)
