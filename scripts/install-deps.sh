@@ -27,7 +27,7 @@ fi
 python_missing=()
 # torch: the main job (examples/train.py) and strata.torch's tests. PyPI's wheel brings the
 # CUDA libraries (GBs): installed once into the environment, skipped when present.
-for m in pytest matplotlib numpy safetensors torch; do
+for m in pytest matplotlib numpy safetensors torch transformers; do
   "$venv/bin/python" -c "import $m" 2>/dev/null || python_missing+=("$m")
 done
 if ((${#python_missing[@]} > 0)); then

@@ -146,12 +146,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.apply(self._init)
+        if not any(p.is_meta for p in self.parameters()):
+            self.apply(self._init_weights)
 
     @staticmethod
-    def _init(m):
+    def _init_weights(m):
+        """Per module (Hugging Face's convention), so a model built on the meta device can be
+        materialized block by block (strata.torch.offload does)."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
 
     def forward(self, input_ids, labels=None):
         x = self.model.embed_tokens(input_ids)

@@ -11,6 +11,20 @@ from ..core import BACKWARD, FORWARD, VIEW_GRAD, VIEW_WEIGHT
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def materialize(module, device, init, recurse=True):
+    """A module built on the meta device (to build a model larger than host memory allows
+    twice) gets real storage on `device` and its init function's values."""
+    params = module.parameters(recurse=recurse)
+    if not any(p.is_meta for p in params):
+        return
+    if init is None:
+        raise ValueError("strata.torch.offload: the model is on the meta device and has no "
+                         "_init_weights(module) to initialize it")
+    module.to_empty(device=device, recurse=recurse)
+    for m in (module.modules() if recurse else [module]):
+        init(m)
+
+
 def find_blocks(model):
     """The model's repeated blocks: Hugging Face decoders keep them in model.model.layers (or
     transformer.h for GPT-2 style models); otherwise the largest nn.ModuleList of one type."""
@@ -35,40 +49,66 @@ def find_blocks(model):
 
 
 class StrataSession:
-    """One offloaded model: the runtime, the blocks' tensors, the executor, and the step state."""
+    """One offloaded model: the runtime, the blocks' tensors, the executor, the optimizer and the
+    step state. The blocks are registered with the runtime when the optimizer is created (or at
+    the first forward pass without one), so each block is materialized, copied in, and its
+    optimizer state written from its fp32 values one block at a time: host memory never holds
+    the model twice."""
 
     def __init__(self, model, blocks, device, dtype, gpu_budget, host_budget, nvme, backend,
-                 slot_budget=0):
+                 slot_budget=0, init=None):
         self.model = model
         self.blocks = blocks
+        self.inners = list(blocks)
         self.device = device
         self.dtype = dtype
         self.cuda = device.type == "cuda"
-        block_params = [list(b.named_parameters()) for b in blocks]
-        block_bytes = [sum(p.numel() for _, p in ps) * torch.finfo(dtype).bits // 8
-                       for ps in block_params]
-        total = sum(block_bytes)
+        self.init = init
+        self.slot_budget = slot_budget
+        elem = torch.finfo(dtype).bits // 8
+        counts = [sum(p.numel() for p in b.parameters()) for b in blocks]
         # DRAM: the blocks' weights and grads in the streamed dtype, fp32 masters (unless the
-        # weights are fp32), AdamW's m and v: host_budget caps it.
-        per_param = 2 * (torch.finfo(dtype).bits // 8) + (12 if dtype != torch.float32 else 8)
-        needed = sum(sum(p.numel() for _, p in ps) for ps in block_params) * per_param
+        # weights are fp32), AdamW's m and v; a little for the state's page alignment.
+        per_param = 2 * elem + (12 if dtype != torch.float32 else 8)
         if host_budget is None:
-            host_budget = int(needed * 1.05) + (256 << 20)
+            host_budget = int(sum(counts) * per_param * 1.02) + (256 << 20)
         if gpu_budget is None:
-            # Enough slots for a few blocks (weights + grad buffers) plus the planner's margin.
-            gpu_budget = 2 * 4 * max(block_bytes) + (64 << 20)
+            # Slots for a few blocks (weights + grad buffers) plus the planner's margin.
+            gpu_budget = 2 * 4 * elem * max(counts) + (64 << 20)
         self.runtime = core.Runtime(backend=backend, hbm_budget=gpu_budget, dram_budget=host_budget,
                                     nvme=nvme)
         self.weights, self.grads, self.params, self.shapes = [], [], [], []
-        for i, ps in enumerate(block_params):
+        self.executor = None
+        self.optimizer = None
+        self.in_step = False
+        self.on_step_begin = []  # callbacks (the optimizer's learning rate)
+        self._placeholder = torch.empty(0, device=device, dtype=dtype)
+
+    def build(self, optimizer=None):
+        """Register every block (materializing meta blocks on the CPU first), with optimizer
+        state when `optimizer` (core.Optimizer settings) is given; plan; create the executor."""
+        if self.executor is not None:
+            raise RuntimeError("strata.torch: create the optimizer (strata.torch.AdamW) before "
+                               "the first forward pass")
+        opt = core.Optimizer(self.runtime, "adamw", **optimizer) if optimizer is not None else None
+        for i, block in enumerate(self.inners):
+            # Materializing a meta block replaces its parameters: list them afterwards.
+            materialize(block, torch.device("cpu"), self.init)
             ws, gs, owned = [], [], []
-            for name, p in ps:
+            for name, p in block.named_parameters():
                 full = "layers.%d.%s" % (i, name)
-                w = self.runtime.register(full, p.shape, _DTYPE_NAMES[dtype], "weight", "dram")
-                g = self.runtime.register(full + ".grad", p.shape, _DTYPE_NAMES[dtype], "grad",
-                                          "dram")
-                host = p.detach().to("cpu", dtype).contiguous()
+                w = self.runtime.register(full, p.shape, _DTYPE_NAMES[self.dtype], "weight", "dram")
+                g = self.runtime.register(full + ".grad", p.shape, _DTYPE_NAMES[self.dtype],
+                                          "grad", "dram")
+                host = p.detach().to("cpu", self.dtype).contiguous()
                 w.write_pointer(host.data_ptr(), host.numel() * host.element_size())
+                if opt is not None:
+                    opt.add_param(w, g)
+                    if p.dtype == torch.float32 and self.dtype != torch.float32:
+                        # The master starts from the fp32 values, not their rounded copy.
+                        values = p.detach().to("cpu").contiguous()
+                        opt.state(w, "master").write_pointer(values.data_ptr(),
+                                                             values.numel() * 4)
                 ws.append(w)
                 gs.append(g)
                 owned.append(p)
@@ -76,20 +116,17 @@ class StrataSession:
             self.grads.append(gs)
             self.params.append(owned)
             self.shapes.append([p.shape for p in owned])
-        self.initial_fp32 = {}  # block param -> its fp32 values, for the optimizer's masters
+            # The block's parameters give their storage up: they point at slot memory while
+            # acquired and at an empty placeholder otherwise.
+            for p in owned:
+                p.data = self._placeholder
         self.executor = core.Executor(
             self.runtime, [{"name": "layers.%d" % i, "weights": ws, "grads": gs}
                            for i, (ws, gs) in enumerate(zip(self.weights, self.grads))],
-            slot_budget=slot_budget)
-        self.optimizer = None
-        self.in_step = False
-        self.on_step_begin = []  # callbacks (the optimizer's learning rate)
-        # The blocks' own parameters give their storage up: they point at slot memory while
-        # acquired and at an empty placeholder otherwise.
-        self._placeholder = torch.empty(0, device=device, dtype=dtype)
-        for ps in self.params:
-            for p in ps:
-                p.data = self._placeholder
+            slot_budget=self.slot_budget)
+        if opt is not None:
+            opt.attach(self.executor)
+        self.optimizer = opt
 
     def stream(self):
         return torch.cuda.current_stream(self.device).cuda_stream if self.cuda else None
@@ -104,6 +141,8 @@ class StrataSession:
             p.data = self._placeholder
 
     def begin(self, index, phase):
+        if self.executor is None:
+            self.build()
         if phase == FORWARD and index == 0:
             if self.in_step:
                 raise RuntimeError(
@@ -126,6 +165,8 @@ class StrataSession:
 
     def load_block(self, index):
         """For evaluation without grads: the block's weights copied from DRAM (no executor)."""
+        if self.executor is None:
+            self.build()
         if self.optimizer is not None:
             self.optimizer.synchronize()  # updates still running would be read half-done
         for p, w, shape in zip(self.params[index], self.weights[index], self.shapes[index]):
@@ -221,23 +262,29 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, dtype=None, dev
     if backend == "auto":
         backend = "cuda" if device.type == "cuda" else "host"
     blocks = find_blocks(model)
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        # A KV cache would be updated again by each block's recomputed forward, corrupting
+        # the recomputation; training does not use it.
+        config.use_cache = False
     if dtype is None:
         dtype = next(blocks.parameters()).dtype
     if dtype not in _DTYPE_NAMES:
         raise ValueError("strata.torch.offload: dtype %s is not float32, bfloat16 or float16" % dtype)
-    # fp32 values of the blocks' parameters, for the masters, before they are streamed in dtype.
-    fp32 = {id(p): p.detach().to("cpu", torch.float32).clone() for p in blocks.parameters()}
+    init = getattr(model, "_init_weights", None)
     session = StrataSession(model, blocks, device, dtype, gpu_budget, host_budget, nvme, backend,
-                            slot_budget)
-    session.initial_fp32 = fp32
+                            slot_budget, init)
     for i in range(len(blocks)):
         blocks[i] = _BlockWrapper(session, i, blocks[i])
-    # Everything else is resident on the device, in the compute dtype (buffers keep theirs).
-    block_param_ids = {id(p) for ps in session.params for p in ps}
-    for p in model.parameters():
-        if id(p) not in block_param_ids:
+    # Everything else is resident on the device, in the compute dtype (buffers keep theirs);
+    # the blocks are registered with the runtime later (StrataSession.build).
+    in_blocks = {id(m) for inner in session.inners for m in inner.modules()}
+    residents = [m for m in model.modules()
+                 if id(m) not in in_blocks and not isinstance(m, _BlockWrapper)]
+    for m in residents:
+        materialize(m, device, init, recurse=False)
+        for p in m.parameters(recurse=False):
             p.data = p.data.to(device, dtype)
-    for m in model.modules():
         for name, b in list(m.named_buffers(recurse=False)):
             m._buffers[name] = b.to(device)
     model.strata = session
@@ -256,20 +303,9 @@ class AdamW:
         if session is None:
             raise ValueError("strata.torch.AdamW: call strata.torch.offload(model) first")
         self.session = session
-        opt = core.Optimizer(session.runtime, "adamw", lr=lr, beta1=betas[0], beta2=betas[1],
-                             eps=eps, weight_decay=weight_decay,
-                             accumulation_steps=accumulation_steps,
-                             max_grad_norm=max_grad_norm, threads=threads)
-        for ps, ws, gs in zip(session.params, session.weights, session.grads):
-            for p, w, g in zip(ps, ws, gs):
-                opt.add_param(w, g)
-                if session.dtype != torch.float32:
-                    # The master starts from the fp32 values, not their rounded working copy.
-                    master = session.initial_fp32[id(p)]
-                    opt.state(w, "master").write_pointer(master.data_ptr(), master.numel() * 4)
-        opt.attach(session.executor)
-        session.optimizer = opt
-        session.initial_fp32 = {}
+        session.build(dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                           weight_decay=weight_decay, accumulation_steps=accumulation_steps,
+                           max_grad_norm=max_grad_norm, threads=threads))
         block_ids = {id(p) for ps in session.params for p in ps}
         self.resident = [p for p in model.parameters() if id(p) not in block_ids and p.requires_grad]
         # Resident parameters: fp32 masters on the device, torch's AdamW on them.

@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""Training throughput of Llama-style models streamed through Strata, next to the same model
+fully resident in HBM and next to PyTorch FSDP2 with CPU offload, with the same tokens per step,
+in the same run (each configuration in its own process, so peak memory is its own).
+
+Reports tokens/s, TFLOPS by two counts (6 P T / t, as MegaTrain reports; and the work actually
+done: recomputation and causal attention included, see strata.torch.models.flops_per_token),
+the median step time after warm-up, and peak host memory (VmHWM) and device memory.
+
+    python bench/train_bench.py --models 1b,3b,7b --batch 16 --seq 2048 --steps 5
+"""
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bindings" / "python"))
+
+
+def peak_host_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_one(mode, preset, batch, seq, steps, warmup):
+    import torch
+    from strata.torch.models import LlamaForCausalLM, PRESETS, flops_per_token
+
+    config = PRESETS[preset]
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    data = [torch.randint(0, config.vocab_size, (batch, seq), generator=gen) for _ in range(2)]
+    out = {"mode": mode, "model": preset, "params": config.parameters(), "batch": batch, "seq": seq}
+    t_setup = time.perf_counter()
+    if mode == "strata":
+        import strata.torch as st
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        model = st.offload(model, device=device, dtype=torch.bfloat16)
+        opt = st.AdamW(model, lr=1e-4, weight_decay=0.1)
+        info = model.strata.executor.plan_info()
+        out["plan"] = "%d slots of %.0f MB" % (info.slots, info.slot_bytes / 1e6)
+
+        def step(ids):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+        def checkpointed(block):
+            forward = block.forward
+            block.forward = lambda *a: checkpoint(forward, *a, use_reentrant=False)
+
+        if mode == "resident":
+            with torch.device(device):
+                model = LlamaForCausalLM(config)
+            for block in model.model.layers:
+                checkpointed(block)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+        elif mode == "fsdp2":
+            import torch.distributed as dist
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29517")
+            dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+            torch.cuda.set_device(0)
+            with torch.device("meta"):
+                model = LlamaForCausalLM(config)
+            policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=True),
+                          mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                         reduce_dtype=torch.float32))
+            for block in model.model.layers:
+                checkpointed(block)
+                fully_shard(block, **policy)
+            fully_shard(model, **policy)
+            model.to_empty(device="cpu")
+            model.apply(model._init_weights)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        else:
+            raise ValueError(mode)
+
+        def step(ids):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "resident"):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    out["setup_seconds"] = time.perf_counter() - t_setup
+    times, losses = [], []
+    for i in range(warmup + steps):
+        ids = data[i % 2].to(device, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step(ids)
+        losses.append(loss.item())
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    if mode == "strata":
+        opt.synchronize()
+    t = statistics.median(times)
+    tokens = batch * seq
+    six_p, full = flops_per_token(config, seq)
+    out.update(step_seconds=t, tokens_per_second=tokens / t, tflops_6pt=six_p * tokens / t / 1e12,
+               tflops_done=full * tokens / t / 1e12, losses=losses,
+               peak_host_gb=peak_host_bytes() / 1e9,
+               peak_device_gb=torch.cuda.max_memory_allocated() / 1e9)
+    if mode == "strata":
+        out["peak_device_gb"] += model.strata.runtime.capabilities().tier_budget_bytes[0] / 1e9
+        out["optimizer_seconds_per_step"] = model.strata.optimizer.stats()["update_seconds"] / (
+            warmup + steps)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="1b,3b,7b")
+    p.add_argument("--modes", default="strata,resident,fsdp2")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one[0], args.one[1], args.batch, args.seq, args.steps,
+                                 args.warmup)), flush=True)
+        return
+    results = []
+    for preset in args.models.split(","):
+        for mode in args.modes.split(","):
+            cmd = [sys.executable, __file__, "--one", mode, preset, "--batch", str(args.batch),
+                   "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+            if proc.returncode != 0 or not lines:
+                err = (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]
+                results.append({"mode": mode, "model": preset, "error": err[:300]})
+            else:
+                results.append(json.loads(lines[-1]))
+            r = results[-1]
+            if "error" in r:
+                print("%-4s %-8s failed: %s" % (preset, mode, r["error"]), flush=True)
+            else:
+                print("%-4s %-8s %8.0f tokens/s  %6.1f TFLOPS (6PT/t)  %6.1f (done)  step %.2f s  "
+                      "host %.1f GB  device %.1f GB  setup %.0f s"
+                      % (preset, mode, r["tokens_per_second"], r["tflops_6pt"], r["tflops_done"],
+                         r["step_seconds"], r["peak_host_gb"], r["peak_device_gb"],
+                         r["setup_seconds"]), flush=True)
+    # Ratios against the peers, per model.
+    for preset in args.models.split(","):
+        by = {r["mode"]: r for r in results if r["model"] == preset and "error" not in r}
+        if "strata" in by:
+            for peer in ("resident", "fsdp2"):
+                if peer in by:
+                    print("%-4s strata / %-8s = %.3f (tokens/s)" % (
+                        preset, peer, by["strata"]["tokens_per_second"] / by[peer]["tokens_per_second"]))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
