@@ -229,12 +229,19 @@ STRATA_API strata_status_t strata_layer_acquire(strata_executor_t* executor, uin
     STRATA_RETURN_IF_ERROR(check_phase(phase));
     STRATA_RETURN_IF_ERROR(
         check_out_struct(views, STRATA_LAYER_VIEWS_STRUCT_SIZE, "strata_layer_views_t"));
-    if ((flags & ~STRATA_ACQUIRE_NO_WAIT) != 0) {
+    if ((flags & ~(STRATA_ACQUIRE_NO_WAIT | STRATA_ACQUIRE_HOST_WAIT)) != 0) {
       return error(Code::kInvalidArgument, "unknown acquire flags ", flags);
     }
+    if ((flags & STRATA_ACQUIRE_NO_WAIT) != 0 && (flags & STRATA_ACQUIRE_HOST_WAIT) != 0) {
+      return error(Code::kInvalidArgument,
+                   "acquire flags NO_WAIT and HOST_WAIT exclude each other");
+    }
+    const Executor::Wait wait = (flags & STRATA_ACQUIRE_NO_WAIT) != 0     ? Executor::Wait::kNone
+                                : (flags & STRATA_ACQUIRE_HOST_WAIT) != 0 ? Executor::Wait::kHost
+                                                                          : Executor::Wait::kStream;
     LayerViews v;
-    STRATA_RETURN_IF_ERROR(executor->impl->acquire(layer, static_cast<Phase>(phase), stream,
-                                                   (flags & STRATA_ACQUIRE_NO_WAIT) == 0, &v));
+    STRATA_RETURN_IF_ERROR(
+        executor->impl->acquire(layer, static_cast<Phase>(phase), stream, wait, &v));
     executor->views = std::move(v);
     strata_layer_views_t out{};
     out.weight_count = static_cast<uint32_t>(executor->views.weights.size());
@@ -286,6 +293,22 @@ STRATA_API strata_status_t strata_layer_export_dlpack(strata_executor_t* executo
     lease.shape = r.spec.shape;
     *out = make_dlpack(std::move(lease), e.runtime().device());
     return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_layer_write_view(strata_executor_t* executor, uint32_t layer,
+                                                   strata_phase_t phase, strata_view_role_t role,
+                                                   uint32_t index, const void* src,
+                                                   uint64_t bytes) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(executor, "executor"));
+    STRATA_RETURN_IF_ERROR(require(src, "src"));
+    STRATA_RETURN_IF_ERROR(check_phase(phase));
+    if (role < STRATA_VIEW_WEIGHT || role > STRATA_VIEW_ACTIVATION) {
+      return error(Code::kInvalidArgument, "unknown view role ", role);
+    }
+    return executor->impl->write_view(layer, static_cast<Phase>(phase), static_cast<ViewRole>(role),
+                                      index, src, bytes);
   });
 }
 

@@ -457,7 +457,7 @@ Status Executor::issue_load(std::size_t p) {
   return Status::ok();
 }
 
-Status Executor::acquire(uint32_t layer, Phase phase, void* stream, bool wait, LayerViews* views) {
+Status Executor::acquire(uint32_t layer, Phase phase, void* stream, Wait wait, LayerViews* views) {
   std::vector<std::shared_ptr<DeviceFence>> waits;
   {
     std::lock_guard lock(mutex_);
@@ -483,7 +483,7 @@ Status Executor::acquire(uint32_t layer, Phase phase, void* stream, bool wait, L
       for (const SlotTensor& t : lp.grads) views->grads.push_back(base + t.offset);
     }
     for (const SlotTensor& t : lp.activations) views->activations.push_back(base + t.offset);
-    if (wait) {
+    if (wait != Wait::kNone) {
       for (const auto* list : {&ready.weights, &ready.grads, &ready.activations}) {
         waits.insert(waits.end(), list->begin(), list->end());
       }
@@ -504,7 +504,9 @@ Status Executor::acquire(uint32_t layer, Phase phase, void* stream, bool wait, L
     r.stream = reinterpret_cast<uintptr_t>(stream);
     STRATA_RETURN_IF_ERROR(backend_->record_fence(stream, &before));
   }
-  for (const auto& f : waits) STRATA_RETURN_IF_ERROR(f->enqueue_wait(stream));
+  for (const auto& f : waits) {
+    STRATA_RETURN_IF_ERROR(wait == Wait::kHost ? f->host_wait() : f->enqueue_wait(stream));
+  }
   if (tracing) {
     std::shared_ptr<DeviceFence> after;
     STRATA_RETURN_IF_ERROR(backend_->record_fence(stream, &after));
@@ -534,6 +536,20 @@ Status Executor::view(uint32_t layer, Phase phase, ViewRole role, uint32_t index
   *data = slot_base(schedule_[cursor_].slot) + list[index].offset;
   *tensor = list[index].id;
   return Status::ok();
+}
+
+Status Executor::write_view(uint32_t layer, Phase phase, ViewRole role, uint32_t index,
+                            const void* src, uint64_t bytes) {
+  void* dst = nullptr;
+  TensorId id = 0;
+  STRATA_RETURN_IF_ERROR(view(layer, phase, role, index, &dst, &id));
+  TensorRecord r;
+  STRATA_RETURN_IF_ERROR(runtime_->info(id, &r));
+  if (bytes != r.nbytes) {
+    return error(Code::kInvalidArgument, "write_view: tensor '", r.spec.name, "' is ", r.nbytes,
+                 " bytes, not ", bytes);
+  }
+  return backend_->copy_sync(dst, src, bytes);
 }
 
 Status Executor::wait_tensor(uint32_t layer, Phase phase, ViewRole role, uint32_t index,

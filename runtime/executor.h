@@ -46,13 +46,20 @@ class Executor {
 
   Status step_begin();
   Status step_end();
-  // wait = false: the stream is not made to wait; wait_tensor() per tensor instead.
-  Status acquire(uint32_t layer, Phase phase, void* stream, bool wait, LayerViews* views);
+  // How acquire waits for the layer's data: the stream (device-side), not at all (the caller
+  // uses wait_tensor() per tensor), or the calling thread (for frameworks whose streams Strata
+  // cannot see, such as XLA's).
+  enum class Wait { kStream, kNone, kHost };
+  Status acquire(uint32_t layer, Phase phase, void* stream, Wait wait, LayerViews* views);
   Status wait_tensor(uint32_t layer, Phase phase, ViewRole role, uint32_t index, void* stream);
   Status release(uint32_t layer, Phase phase, void* stream);
   // The device address and tensor of one view of the acquired layer (for DLPack export).
   Status view(uint32_t layer, Phase phase, ViewRole role, uint32_t index, void** data,
               TensorId* tensor);
+  // Copies `bytes` (the view's size) from device or host memory into a view, synchronously:
+  // for frameworks whose arrays are immutable (JAX), which cannot write into a view.
+  Status write_view(uint32_t layer, Phase phase, ViewRole role, uint32_t index, const void* src,
+                    uint64_t bytes);
 
   // A service that runs beside the steps (the optimizer): told when grads leave, asked before
   // a layer's weights are loaded. One at a time, attached and detached between steps.

@@ -25,9 +25,10 @@ if [[ ! -x "$venv/bin/python" ]]; then
   python3 -m venv "$venv"
 fi
 python_missing=()
-# torch: the main job (examples/train.py) and strata.torch's tests. PyPI's wheel brings the
-# CUDA libraries (GBs): installed once into the environment, skipped when present.
-for m in pytest matplotlib numpy safetensors torch transformers; do
+# torch, transformers, jax: the main job (examples/train.py), strata.torch, strata.jax and their
+# tests. PyPI's torch wheel brings the CUDA libraries (GBs): installed once into the
+# environment, skipped when present.
+for m in pytest matplotlib numpy safetensors torch transformers jax; do
   "$venv/bin/python" -c "import $m" 2>/dev/null || python_missing+=("$m")
 done
 if ((${#python_missing[@]} > 0)); then

@@ -757,6 +757,9 @@ typedef struct strata_layer_views {
 /* Do not make the stream wait for the whole layer: call strata_layer_wait_tensor before using
  * each tensor, so compute starts on the first tensor while the rest land. */
 #define STRATA_ACQUIRE_NO_WAIT 1u
+/* Block the calling thread until the layer's data is in HBM instead of making `stream` wait:
+ * for frameworks whose streams Strata cannot see (JAX/XLA). Not with STRATA_ACQUIRE_NO_WAIT. */
+#define STRATA_ACQUIRE_HOST_WAIT 2u
 
 /* Acquire the next layer of the step. Makes `stream` wait (device-side) until the layer's data
  * is in HBM, fills *views, and lets loads further ahead start. The calling thread blocks only
@@ -788,6 +791,16 @@ STRATA_API strata_status_t strata_layer_export_dlpack(strata_executor_t* executo
                                                       strata_phase_t phase, strata_view_role_t role,
                                                       uint32_t index,
                                                       DLManagedTensorVersioned** out);
+
+/* Copy `bytes` from `src` (device or host memory, borrowed) into one view of the acquired layer,
+ * synchronously (the copy is done when the call returns): for frameworks whose arrays are
+ * immutable and cannot be written in place (JAX hands grads back this way). `bytes` must be
+ * the tensor's size. Errors: INVALID_ARGUMENT (NULL, unknown phase or role, index out of range,
+ * a size that is not the tensor's), INVALID_STATE (not the acquired layer), BACKEND.
+ * Thread-safe. */
+STRATA_API strata_status_t strata_layer_write_view(strata_executor_t* executor, uint32_t layer,
+                                                   strata_phase_t phase, strata_view_role_t role,
+                                                   uint32_t index, const void* src, uint64_t bytes);
 
 /* Release the acquired layer once its work is queued on `stream`: the slot is refilled only
  * after the stream gets past this point, and the layer's checkpoints (forward) or grads

@@ -65,9 +65,29 @@ def test_executor_views_and_misuse(rt):
     ex.release(0, strata.FORWARD)
     ex.acquire(0, strata.BACKWARD)
     torch.from_dlpack(ex.view(0, strata.BACKWARD, strata.VIEW_GRAD, 0)).fill_(0.5)
+    with pytest.raises(strata.InvalidArgument, match="bytes"):
+        ex.write_view(0, strata.BACKWARD, strata.VIEW_GRAD, 0, 1, 3)  # 3 of 32 bytes
     ex.release(0, strata.BACKWARD)
     ex.step_end()
     assert torch.frombuffer(bytearray(g.read()), dtype=torch.float32).tolist() == [0.5] * 8
+    # The host-wait acquire (JAX's) and write_view (immutable arrays) on the next step.
+    ex.step_begin()
+    ex.acquire(0, strata.FORWARD, host_wait=True)
+    ex.release(0, strata.FORWARD)
+    ex.acquire(0, strata.BACKWARD, host_wait=True)
+    grads = torch.full((8,), 0.25)
+    ex.write_view(0, strata.BACKWARD, strata.VIEW_GRAD, 0, grads.data_ptr(), 32)
+    ex.release(0, strata.BACKWARD)
+    ex.step_end()
+    assert torch.frombuffer(bytearray(g.read()), dtype=torch.float32).tolist() == [0.25] * 8
+    ex.step_begin()
+    ex.acquire(0, strata.FORWARD)
+    ex.release(0, strata.FORWARD)
+    ex.acquire(0, strata.BACKWARD)
+    ex.release(0, strata.BACKWARD)
+    ex.step_end()
+    # Grad buffers start at zero each backward pass: nothing written, zeros land.
+    assert torch.frombuffer(bytearray(g.read()), dtype=torch.float32).tolist() == [0.0] * 8
 
 
 def test_optimizer_settings_are_checked(rt):

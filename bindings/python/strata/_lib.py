@@ -219,6 +219,8 @@ _SIGNATURES = {
     "strata_layer_acquire": (c_int32, [c_void_p, c_uint32, c_int32, c_void_p, c_uint32,
                                        P(LayerViews)]),
     "strata_layer_release": (c_int32, [c_void_p, c_uint32, c_int32, c_void_p]),
+    "strata_layer_write_view": (c_int32, [c_void_p, c_uint32, c_int32, c_int32, c_uint32,
+                                          c_void_p, c_uint64]),
     "strata_layer_export_dlpack": (c_int32, [c_void_p, c_uint32, c_int32, c_int32, c_uint32,
                                              P(P(DLManagedTensorVersioned))]),
     "strata_optimizer_config_init": (c_int32, [c_int32, P(OptimizerConfig)]),

@@ -171,7 +171,7 @@ class Tensor:
     def __dlpack__(self, stream=None, max_version=None, **kwargs):
         out = ctypes.POINTER(_lib.DLManagedTensorVersioned)()
         check(L.strata_tensor_export_dlpack(self.runtime.handle, self.handle, ctypes.byref(out)))
-        return capsule_from_managed(out)
+        return capsule_from_managed(out, max_version)
 
     def __dlpack_device__(self):
         out = ctypes.POINTER(_lib.DLManagedTensorVersioned)()
@@ -247,10 +247,17 @@ class Executor:
     def step_end(self):
         check(L.strata_step_end(self._handle))
 
-    def acquire(self, layer, phase, stream=None):
+    def acquire(self, layer, phase, stream=None, host_wait=False):
+        """host_wait: block this thread until the layer's data is in HBM (for frameworks whose
+        streams Strata cannot see, such as JAX); else `stream` is made to wait."""
         views = _lib.LayerViews()
-        check(L.strata_layer_acquire(self._handle, layer, phase, stream, 0, ctypes.byref(views)))
+        check(L.strata_layer_acquire(self._handle, layer, phase, stream, 2 if host_wait else 0,
+                                     ctypes.byref(views)))
         return views
+
+    def write_view(self, layer, phase, role, index, pointer, nbytes):
+        """Copy nbytes from a device or host address into a view (synchronously)."""
+        check(L.strata_layer_write_view(self._handle, layer, phase, role, index, pointer, nbytes))
 
     def release(self, layer, phase, stream=None):
         check(L.strata_layer_release(self._handle, layer, phase, stream))
