@@ -482,8 +482,6 @@ void Optimizer::finish_norms(double total_squared, StepScalars* s) {
 double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const StepScalars* s,
                             bool first) {
   std::vector<double> sums(kind == JobKind::kNorm ? tasks.size() : 0);
-  optim::AdamWScalars adam;
-  optim::SgdScalars sgd;
   std::vector<optim::AdamWScalars> adam_groups;
   std::vector<optim::SgdScalars> sgd_groups;
   if (kind == JobKind::kUpdate) {
@@ -514,8 +512,6 @@ double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const Ste
       }
     }
   }
-  (void)adam;
-  (void)sgd;
   pool_->run(tasks.size(), [&](std::size_t k) {
     const Task& task = tasks[k];
     const Param& p = params_[task.param];
@@ -677,6 +673,9 @@ void Optimizer::dispatcher_main() {
 }
 
 Status Optimizer::step() {
+  // One manual step at a time (the header promises it; the pool runs one job at a time). No
+  // dispatcher job runs while unattached, so the pool is this step's alone.
+  std::lock_guard serial(step_mutex_);
   std::unique_lock lock(mutex_);
   if (executor_ != nullptr) {
     return error(Code::kInvalidState,
@@ -684,13 +683,12 @@ Status Optimizer::step() {
   }
   if (!failure_.is_ok()) return failure_;
   if (params_.empty()) return error(Code::kInvalidState, "step: the optimizer has no params");
-  if (all_tasks_.size() == 0 || all_tasks_params_ != params_.size()) {
+  if (all_tasks_params_ != params_.size()) {
     std::vector<std::size_t> all(params_.size());
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
     all_tasks_ = tasks_for(all);
     all_tasks_params_ = params_.size();
   }
-  // One manual step at a time; the pool is not shared with a dispatcher job (none run unattached).
   const auto t0 = std::chrono::steady_clock::now();
   if (micro_ + 1 < config_.accumulation_steps) {
     const bool first = micro_ == 0;

@@ -177,6 +177,7 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   std::vector<TensorId> owned_, pinned_;
   uint64_t state_bytes_ = 0;
 
+  std::mutex step_mutex_;  // serializes step(), which runs outside mutex_
   std::mutex mutex_;
   std::condition_variable cv_;  // jobs queued, a layer done, idle
   std::vector<GroupHyperparams> groups_;
