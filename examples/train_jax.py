@@ -16,7 +16,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave HBM to 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bindings" / "python"))
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from strata.jax import StreamedTrainer, models  # noqa: E402

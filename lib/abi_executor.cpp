@@ -28,6 +28,13 @@ Status check_phase(strata_phase_t phase) {
   return Status::ok();
 }
 
+Status check_role(strata_view_role_t role) {
+  if (role < STRATA_VIEW_WEIGHT || role > STRATA_VIEW_ACTIVATION) {
+    return error(Code::kInvalidArgument, "unknown view role ", role);
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 extern "C" {
@@ -262,9 +269,7 @@ STRATA_API strata_status_t strata_layer_wait_tensor(strata_executor_t* executor,
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(executor, "executor"));
     STRATA_RETURN_IF_ERROR(check_phase(phase));
-    if (role < STRATA_VIEW_WEIGHT || role > STRATA_VIEW_ACTIVATION) {
-      return error(Code::kInvalidArgument, "unknown view role ", role);
-    }
+    STRATA_RETURN_IF_ERROR(check_role(role));
     return executor->impl->wait_tensor(layer, static_cast<Phase>(phase),
                                        static_cast<ViewRole>(role), index, stream);
   });
@@ -278,9 +283,7 @@ STRATA_API strata_status_t strata_layer_export_dlpack(strata_executor_t* executo
     STRATA_RETURN_IF_ERROR(require(executor, "executor"));
     STRATA_RETURN_IF_ERROR(require(out, "out"));
     STRATA_RETURN_IF_ERROR(check_phase(phase));
-    if (role < STRATA_VIEW_WEIGHT || role > STRATA_VIEW_ACTIVATION) {
-      return error(Code::kInvalidArgument, "unknown view role ", role);
-    }
+    STRATA_RETURN_IF_ERROR(check_role(role));
     Executor& e = *executor->impl;
     ExportLease lease;
     TensorId id = 0;
@@ -304,9 +307,7 @@ STRATA_API strata_status_t strata_layer_write_view(strata_executor_t* executor, 
     STRATA_RETURN_IF_ERROR(require(executor, "executor"));
     STRATA_RETURN_IF_ERROR(require(src, "src"));
     STRATA_RETURN_IF_ERROR(check_phase(phase));
-    if (role < STRATA_VIEW_WEIGHT || role > STRATA_VIEW_ACTIVATION) {
-      return error(Code::kInvalidArgument, "unknown view role ", role);
-    }
+    STRATA_RETURN_IF_ERROR(check_role(role));
     return executor->impl->write_view(layer, static_cast<Phase>(phase), static_cast<ViewRole>(role),
                                       index, src, bytes);
   });

@@ -7,6 +7,13 @@ namespace {
 const char* phase_name(Phase p) {
   return p == Phase::kForward ? "forward" : "backward";
 }
+
+// One of a layer's three per-role lists (slot tensors, readiness fences).
+template <typename T>
+const std::vector<T>& by_role(ViewRole role, const std::vector<T>& weights,
+                              const std::vector<T>& grads, const std::vector<T>& activations) {
+  return role == ViewRole::kWeight ? weights : role == ViewRole::kGrad ? grads : activations;
+}
 }  // namespace
 
 Executor::Executor(std::shared_ptr<Runtime> runtime, Plan plan)
@@ -516,19 +523,24 @@ Status Executor::acquire(uint32_t layer, Phase phase, void* stream, Wait wait, L
   return Status::ok();
 }
 
+Status Executor::check_acquired(uint32_t layer, Phase phase, const char* verb) const {
+  STRATA_RETURN_IF_ERROR(check_position(layer, phase, verb));
+  if (!acquired_) {
+    return error(Code::kInvalidState, verb, " of layer ", layer, " before it was acquired");
+  }
+  return Status::ok();
+}
+
 Status Executor::view(uint32_t layer, Phase phase, ViewRole role, uint32_t index, void** data,
                       TensorId* tensor) {
   std::lock_guard lock(mutex_);
-  STRATA_RETURN_IF_ERROR(check_position(layer, phase, "view"));
-  if (!acquired_) return error(Code::kInvalidState, "view of layer ", layer, " before its acquire");
+  STRATA_RETURN_IF_ERROR(check_acquired(layer, phase, "view"));
   if (role == ViewRole::kGrad && phase != Phase::kBackward) {
     return error(Code::kInvalidArgument, "grads of layer ", layer,
                  " have views in the backward pass only");
   }
   const LayerPlan& lp = plan_.layers[layer];
-  const auto& list = role == ViewRole::kWeight ? lp.weights
-                     : role == ViewRole::kGrad ? lp.grads
-                                               : lp.activations;
+  const auto& list = by_role(role, lp.weights, lp.grads, lp.activations);
   if (index >= list.size()) {
     return error(Code::kInvalidArgument, "view: layer ", layer, " has ", list.size(),
                  " tensor(s) of that role, index ", index, " is out of range");
@@ -557,14 +569,9 @@ Status Executor::wait_tensor(uint32_t layer, Phase phase, ViewRole role, uint32_
   std::shared_ptr<DeviceFence> fence;
   {
     std::lock_guard lock(mutex_);
-    STRATA_RETURN_IF_ERROR(check_position(layer, phase, "wait_tensor"));
-    if (!acquired_) {
-      return error(Code::kInvalidState, "wait_tensor of layer ", layer, " before it was acquired");
-    }
+    STRATA_RETURN_IF_ERROR(check_acquired(layer, phase, "wait_tensor"));
     const Ready& ready = ready_[cursor_];
-    const auto& list = role == ViewRole::kWeight ? ready.weights
-                       : role == ViewRole::kGrad ? ready.grads
-                                                 : ready.activations;
+    const auto& list = by_role(role, ready.weights, ready.grads, ready.activations);
     if (index >= list.size()) {
       return error(Code::kInvalidArgument, "wait_tensor: layer ", layer, " has ", list.size(),
                    " tensor(s) of that role in this phase, index ", index, " is out of range");

@@ -78,6 +78,8 @@ class Executor {
 
   Executor(std::shared_ptr<Runtime> runtime, Plan plan);
   Status check_position(uint32_t layer, Phase phase, const char* verb) const;
+  // check_position, and the layer is the acquired one.
+  Status check_acquired(uint32_t layer, Phase phase, const char* verb) const;
   unsigned char* slot_base(uint32_t slot) const;
   // Issues the loads the prefetch window allows whose slots are free on the device. Loads up
   // to position `must` (if >= 0) are issued even if that means waiting for their slots: the

@@ -20,9 +20,8 @@ def batches(config, n, batch=4, seq=32, seed=0):
     return [pair[i % 2] for i in range(n)]
 
 
-def plain_losses(model, data, lr, wd, device="cpu"):
-    model = model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+def train(model, opt, data, device):
+    """The ordinary loop, for both sides; the losses of its steps."""
     losses = []
     for ids in data:
         ids = ids.to(device)
@@ -34,17 +33,15 @@ def plain_losses(model, data, lr, wd, device="cpu"):
     return losses
 
 
+def plain_losses(model, data, lr, wd, device="cpu"):
+    model = model.to(device)
+    return train(model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd), data, device)
+
+
 def strata_losses(model, data, lr, wd, device="cpu", **kwargs):
     model = st.offload(model, device=device, **kwargs)
     opt = st.AdamW(model, lr=lr, weight_decay=wd)
-    losses = []
-    for ids in data:
-        ids = ids.to(device)
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train(model, opt, data, device)
     opt.synchronize()
     return model, losses
 

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "scratch_dir.h"
 #include "strata/strata.h"
 
 #define STRATA_REQUIRE_OK(expr)                                     \
@@ -53,31 +54,6 @@ inline strata_device_backend_t backend_under_test() {
   return env != nullptr && std::string(env) == "cuda" ? STRATA_DEVICE_BACKEND_CUDA
                                                       : STRATA_DEVICE_BACKEND_HOST;
 }
-
-// A fresh directory for NVMe tier files, on a real file system (O_DIRECT does not work on
-// tmpfs): under $STRATA_TEST_SCRATCH if set, else the working directory. Removed at the end.
-class ScratchDir {
- public:
-  ScratchDir() {
-    const char* root = std::getenv("STRATA_TEST_SCRATCH");
-    std::string pattern = std::string(root != nullptr ? root : ".") + "/strata-test-XXXXXX";
-    std::vector<char> buf(pattern.begin(), pattern.end());
-    buf.push_back('\0');
-    if (mkdtemp(buf.data()) == nullptr) throw std::runtime_error("mkdtemp failed: " + pattern);
-    path_ = buf.data();
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 // The storage engine under test: STRATA_TEST_IO_ENGINE=posix|uring|auto (default auto).
 inline strata_io_engine_t io_engine_under_test() {

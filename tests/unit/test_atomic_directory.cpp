@@ -12,43 +12,15 @@
 #include <string>
 
 #include "runtime/atomic_directory.h"
+#include "tests/support/core_support.h"
 
 using strata::Code;
 using strata::Status;
 namespace fs = std::filesystem;
 
+using strata_test::ScratchDir;
+
 namespace {
-
-// A fresh directory under $STRATA_TEST_SCRATCH (else the system's temporary directory), removed
-// at the end.
-class TempDir {
- public:
-  TempDir() {
-    const char* root = std::getenv("STRATA_TEST_SCRATCH");
-    const fs::path base = root != nullptr ? fs::path(root) : fs::temp_directory_path();
-    std::string pattern = (base / "strata-atomic-dir-XXXXXX").string();
-    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp " + pattern);
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-#define REQUIRE_OK(expr)                    \
-  do {                                      \
-    const ::strata::Status st_ = (expr);    \
-    INFO(#expr << " -> " << st_.message()); \
-    REQUIRE(st_.is_ok());                   \
-  } while (0)
 
 void write_file(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::trunc);
@@ -82,7 +54,7 @@ void save(const std::string& final_path, const std::map<std::string, std::string
 }  // namespace
 
 TEST_CASE("atomic directory: a fresh commit", "[atomic_directory]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string final_path = dir.file("ckpt");
   std::string staging;
   REQUIRE_OK(strata::begin_atomic_directory(final_path, &staging));
@@ -103,7 +75,7 @@ TEST_CASE("atomic directory: a fresh commit", "[atomic_directory]") {
 }
 
 TEST_CASE("atomic directory: replacing an existing directory", "[atomic_directory]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string final_path = dir.file("ckpt");
   save(final_path, {{"old.bin", "old"}, {"shared", "v1"}});
   save(final_path, {{"new.bin", "new"}, {"shared", "v2"}});
@@ -113,7 +85,7 @@ TEST_CASE("atomic directory: replacing an existing directory", "[atomic_director
 }
 
 TEST_CASE("atomic directory: a trailing slash names the same directory", "[atomic_directory]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string final_path = dir.file("ckpt");
   std::string staging;
   REQUIRE_OK(strata::begin_atomic_directory(final_path + "/", &staging));
@@ -129,7 +101,7 @@ TEST_CASE("atomic directory: a trailing slash names the same directory", "[atomi
 }
 
 TEST_CASE("atomic directory: begin removes the leftover of a crashed save", "[atomic_directory]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string final_path = dir.file("ckpt");
   save(final_path, {{"good", "committed"}});
   // A save that crashed before its commit.
@@ -143,7 +115,7 @@ TEST_CASE("atomic directory: begin removes the leftover of a crashed save", "[at
 }
 
 TEST_CASE("atomic directory: begin creates missing parents", "[atomic_directory]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string final_path = dir.file("runs/a/step-100");
   save(final_path, {{"x", "1"}});
   REQUIRE(read_file(final_path + "/x") == "1");
@@ -152,7 +124,7 @@ TEST_CASE("atomic directory: begin creates missing parents", "[atomic_directory]
 
 TEST_CASE("atomic directory: resolve after an interrupted two-rename replacement",
           "[atomic_directory]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string final_path = dir.file("ckpt");
   std::string existing;
   Status s = strata::resolve_atomic_directory(final_path, &existing);
@@ -177,7 +149,7 @@ TEST_CASE("atomic directory: resolve after an interrupted two-rename replacement
 }
 
 TEST_CASE("atomic directory: misuse is reported, not thrown", "[atomic_directory]") {
-  TempDir dir;
+  ScratchDir dir;
   std::string out;
   write_file(dir.file("file"), "not a directory");
   Status s = strata::begin_atomic_directory(dir.file("file"), &out);

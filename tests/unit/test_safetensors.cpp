@@ -19,6 +19,7 @@
 
 #include "backends/storage/crc32c.h"
 #include "runtime/safetensors.h"
+#include "tests/support/core_support.h"
 
 using strata::Code;
 using strata::DType;
@@ -27,38 +28,9 @@ using strata::safetensors::Reader;
 using strata::safetensors::TensorInfo;
 using strata::safetensors::Writer;
 
+using strata_test::ScratchDir;
+
 namespace {
-
-// A fresh directory under $STRATA_TEST_SCRATCH (else the system's temporary directory), removed
-// at the end.
-class TempDir {
- public:
-  TempDir() {
-    const char* root = std::getenv("STRATA_TEST_SCRATCH");
-    const std::filesystem::path base =
-        root != nullptr ? std::filesystem::path(root) : std::filesystem::temp_directory_path();
-    std::string pattern = (base / "strata-safetensors-XXXXXX").string();
-    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp " + pattern);
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
-
-#define REQUIRE_OK(expr)                    \
-  do {                                      \
-    const ::strata::Status st_ = (expr);    \
-    INFO(#expr << " -> " << st_.message()); \
-    REQUIRE(st_.is_ok());                   \
-  } while (0)
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -171,7 +143,7 @@ TEST_CASE("safetensors dtype codes round trip", "[safetensors]") {
 }
 
 TEST_CASE("safetensors round trip of several dtypes, shapes and metadata", "[safetensors]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string path = dir.file("model.safetensors");
   std::vector<TensorInfo> tensors = {
       tensor("w.f32", DType::kF32, {2, 3}),
@@ -249,7 +221,7 @@ TEST_CASE("safetensors round trip of several dtypes, shapes and metadata", "[saf
 }
 
 TEST_CASE("safetensors writer output matches a file built by hand from the spec", "[safetensors]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string path = dir.file("a.safetensors");
   const float values[2] = {1.0f, 2.0f};
   std::unique_ptr<Writer> writer;
@@ -267,7 +239,7 @@ TEST_CASE("safetensors writer output matches a file built by hand from the spec"
 }
 
 TEST_CASE("safetensors reads a file built by hand from the spec", "[safetensors]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string path = dir.file("hand.safetensors");
   // Unpadded header, tensors listed out of data order, a 0-byte tensor, no checksums.
   const std::string json = R"({"b":{"dtype":"I16","shape":[1,2],"data_offsets":[8,12]},)"
@@ -303,7 +275,7 @@ TEST_CASE("safetensors reads a file built by hand from the spec", "[safetensors]
 
 TEST_CASE("safetensors flipped data byte is kDataCorruption naming tensor and file",
           "[safetensors]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string path = dir.file("c.safetensors");
   const std::vector<unsigned char> data = random_bytes(3000, 3);
   std::unique_ptr<Writer> writer;
@@ -331,7 +303,7 @@ TEST_CASE("safetensors flipped data byte is kDataCorruption naming tensor and fi
 }
 
 TEST_CASE("safetensors read_tensor returns the sink's first error", "[safetensors]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string path = dir.file("s.safetensors");
   const std::vector<unsigned char> data = random_bytes(100, 5);
   std::unique_ptr<Writer> writer;
@@ -359,7 +331,7 @@ TEST_CASE("safetensors read_tensor returns the sink's first error", "[safetensor
 }
 
 TEST_CASE("safetensors rejects missing, short and truncated files", "[safetensors]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string missing = dir.file("missing.safetensors");
   const Status s = open_status(missing);
   REQUIRE(s.code() == Code::kNotFound);
@@ -382,7 +354,7 @@ TEST_CASE("safetensors rejects missing, short and truncated files", "[safetensor
 }
 
 TEST_CASE("safetensors rejects header lengths beyond the file or the limit", "[safetensors]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string path = dir.file("len.safetensors");
   const std::string json = "{" + kTensorA + "}";
   write_file(path, le64(json.size() + 100) + json + std::string(8, '\0'));
@@ -394,7 +366,7 @@ TEST_CASE("safetensors rejects header lengths beyond the file or the limit", "[s
 }
 
 TEST_CASE("safetensors rejects malformed headers", "[safetensors]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string path = dir.file("h.safetensors");
   auto check = [&](const std::string& json, const std::string& data, const std::string& needle) {
     INFO(json);
@@ -430,7 +402,7 @@ TEST_CASE("safetensors rejects malformed headers", "[safetensors]") {
 }
 
 TEST_CASE("safetensors writer rejects too many and too few bytes", "[safetensors]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string path = dir.file("w.safetensors");
   const std::vector<unsigned char> data = random_bytes(64, 9);
   std::unique_ptr<Writer> writer;
@@ -460,7 +432,7 @@ TEST_CASE("safetensors writer rejects too many and too few bytes", "[safetensors
 }
 
 TEST_CASE("safetensors writer rejects bad declarations", "[safetensors]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string path = dir.file("d.safetensors");
   std::unique_ptr<Writer> writer;
   auto create = [&](std::vector<TensorInfo> tensors, std::map<std::string, std::string> meta) {
@@ -488,7 +460,7 @@ TEST_CASE("safetensors writer rejects bad declarations", "[safetensors]") {
 }
 
 TEST_CASE("safetensors file of a writer destroyed without finish is rejected", "[safetensors]") {
-  TempDir dir;
+  ScratchDir dir;
   const std::string path = dir.file("u.safetensors");
   const std::vector<unsigned char> data = random_bytes(48, 11);
   const std::vector<TensorInfo> tensors = {tensor("p", DType::kF64, {2}),

@@ -26,6 +26,18 @@ def version():
     return L.strata_version_string().decode()
 
 
+def streaming_budgets(block_params, element_size):
+    """Default (HBM, DRAM) budgets in bytes for streaming blocks of `block_params` parameters
+    each, stored in elements of `element_size` bytes and trained with AdamW: DRAM holds each
+    parameter's weight and grad plus fp32 m and v and, unless the weights are fp32 (their own
+    masters), an fp32 master, with 2% for the state's page alignment; HBM holds slots for a few
+    blocks (weights and grad buffers) and the planner's margin."""
+    per_param = 2 * element_size + (8 if element_size == 4 else 12)
+    dram = int(sum(block_params) * per_param * 1.02) + (256 << 20)
+    hbm = 2 * 4 * element_size * max(block_params) + (64 << 20)
+    return hbm, dram
+
+
 class Runtime:
     """A Strata runtime: the device backend and the HBM, DRAM (pinned, budgeted) and NVMe tiers.
 

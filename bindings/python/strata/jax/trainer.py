@@ -24,12 +24,10 @@ class StreamedTrainer:
         self.device = jax.devices()[0]
         if backend is None:
             backend = "cuda" if self.device.platform == "gpu" else "host"
-        elem = self.dtype.itemsize
-        counts = [sum(int(np.prod(a.shape)) for a in b.values()) for b in blocks]
-        if host_budget is None:
-            host_budget = int(sum(counts) * (2 * elem + 12) * 1.02) + (256 << 20)
-        if gpu_budget is None:
-            gpu_budget = 2 * 4 * elem * max(counts) + (64 << 20)
+        hbm, dram = core.streaming_budgets(
+            [sum(int(np.prod(a.shape)) for a in b.values()) for b in blocks], self.dtype.itemsize)
+        gpu_budget = hbm if gpu_budget is None else gpu_budget
+        host_budget = dram if host_budget is None else host_budget
         self.runtime = core.Runtime(backend=backend, hbm_budget=gpu_budget,
                                     dram_budget=host_budget, nvme=nvme)
         self.optimizer = core.Optimizer(self.runtime, "adamw", lr=lr, weight_decay=weight_decay,
@@ -73,7 +71,7 @@ class StreamedTrainer:
         self._head = jax.jit(jax.value_and_grad(
             lambda r, x, ids: models.head_loss(cfg, r, x, ids), argnums=(0, 1)))
         self._embed_grad = jax.jit(lambda e, ids, g: jax.vjp(lambda e_: e_[ids], e)[1](g)[0])
-        self._adamw = jax.jit(models.adamw, static_argnames=())
+        self._adamw = jax.jit(models.adamw)
 
     def _bind(self, layer, phase):
         return {key: jax.dlpack.from_dlpack(self.executor.view(layer, phase, VIEW_WEIGHT, k))

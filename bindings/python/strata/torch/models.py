@@ -3,7 +3,6 @@ SwiGLU) for tests, examples and benchmarks, with size presets. It follows the Hu
 layout (model.embed_tokens, model.layers[i], model.norm, lm_head) and calling convention
 (`model(ids, labels=ids).loss`), so strata.torch treats it like LlamaForCausalLM."""
 import dataclasses
-import math
 
 import torch
 import torch.nn.functional as F

@@ -1,6 +1,5 @@
 """The machinery behind strata.torch.offload: a session per model (runtime, executor,
 optimizer), a wrapper per block that runs it as a checkpointed autograd function, and AdamW."""
-import math
 
 import torch
 from torch import nn
@@ -55,9 +54,8 @@ class StrataSession:
     optimizer state written from its fp32 values one block at a time: host memory never holds
     the model twice."""
 
-    def __init__(self, model, blocks, device, dtype, gpu_budget, host_budget, nvme, backend,
+    def __init__(self, blocks, device, dtype, gpu_budget, host_budget, nvme, backend,
                  slot_budget=0, init=None):
-        self.model = model
         self.blocks = blocks
         self.inners = list(blocks)
         self.device = device
@@ -65,16 +63,10 @@ class StrataSession:
         self.cuda = device.type == "cuda"
         self.init = init
         self.slot_budget = slot_budget
-        elem = torch.finfo(dtype).bits // 8
-        counts = [sum(p.numel() for p in b.parameters()) for b in blocks]
-        # DRAM: the blocks' weights and grads in the streamed dtype, fp32 masters (unless the
-        # weights are fp32), AdamW's m and v; a little for the state's page alignment.
-        per_param = 2 * elem + (12 if dtype != torch.float32 else 8)
-        if host_budget is None:
-            host_budget = int(sum(counts) * per_param * 1.02) + (256 << 20)
-        if gpu_budget is None:
-            # Slots for a few blocks (weights + grad buffers) plus the planner's margin.
-            gpu_budget = 2 * 4 * elem * max(counts) + (64 << 20)
+        hbm, dram = core.streaming_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
+                                           torch.finfo(dtype).bits // 8)
+        gpu_budget = hbm if gpu_budget is None else gpu_budget
+        host_budget = dram if host_budget is None else host_budget
         self.runtime = core.Runtime(backend=backend, hbm_budget=gpu_budget, dram_budget=host_budget,
                                     nvme=nvme)
         self.weights, self.grads, self.params, self.shapes = [], [], [], []
@@ -272,7 +264,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, dtype=None, dev
     if dtype not in _DTYPE_NAMES:
         raise ValueError("strata.torch.offload: dtype %s is not float32, bfloat16 or float16" % dtype)
     init = getattr(model, "_init_weights", None)
-    session = StrataSession(model, blocks, device, dtype, gpu_budget, host_budget, nvme, backend,
+    session = StrataSession(blocks, device, dtype, gpu_budget, host_budget, nvme, backend,
                             slot_budget, init)
     for i in range(len(blocks)):
         blocks[i] = _BlockWrapper(session, i, blocks[i])
