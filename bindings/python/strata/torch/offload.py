@@ -302,12 +302,11 @@ class AdamW:
         self.resident = [p for p in model.parameters() if id(p) not in block_ids and p.requires_grad]
         # Resident parameters: fp32 masters on the device, torch's AdamW on them.
         self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.resident]
-        self._torch = torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps,
-                                        weight_decay=weight_decay)
-        self.param_groups = self._torch.param_groups
         # LR schedulers take a torch.optim.Optimizer: give them this one (its param_groups are
         # the ones read at every step).
-        self.optimizer = self._torch
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps,
+                                           weight_decay=weight_decay)
+        self.param_groups = self.optimizer.param_groups
         self.accumulation_steps = accumulation_steps
         self._micro = 0
         session.on_step_begin.append(self._sync_lr)
@@ -326,7 +325,7 @@ class AdamW:
         self._micro = 0
         for p, m in zip(self.resident, self.masters):
             m.grad = None if p.grad is None else p.grad.float()
-        self._torch.step()
+        self.optimizer.step()
         with torch.no_grad():
             for p, m in zip(self.resident, self.masters):
                 p.copy_(m)
