@@ -7,7 +7,11 @@ Reports tokens/s, TFLOPS by two counts (6 P T / t, as MegaTrain reports; and the
 done: recomputation and causal attention included, see strata.torch.models.flops_per_token),
 the median step time after warm-up, and peak host memory (VmHWM) and device memory.
 
-    python bench/train_bench.py --models 1b,3b,7b --batch 16 --seq 2048 --steps 5
+    python bench/train_bench.py --models 1b,3b,7b --batch 16 --seq 2048 --steps 5 [--clip 1.0]
+
+--clip N clips every configuration with torch.nn.utils.clip_grad_norm_(model.parameters(), N)
+between backward and step, as LLM recipes do (strata.torch included: its streamed grads take
+part in the global norm).
 """
 import argparse
 import json
@@ -29,7 +33,7 @@ def peak_host_bytes():
     return 0
 
 
-def run_one(mode, preset, batch, seq, steps, warmup):
+def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0):
     import torch
     from strata.torch.models import LlamaForCausalLM, PRESETS, flops_per_token
 
@@ -38,20 +42,23 @@ def run_one(mode, preset, batch, seq, steps, warmup):
     torch.manual_seed(0)
     gen = torch.Generator(device="cpu").manual_seed(0)
     data = [torch.randint(0, config.vocab_size, (batch, seq), generator=gen) for _ in range(2)]
-    out = {"mode": mode, "model": preset, "params": config.parameters(), "batch": batch, "seq": seq}
+    out = {"mode": mode, "model": preset, "params": config.parameters(), "batch": batch, "seq": seq,
+           "clip": clip}
     t_setup = time.perf_counter()
     if mode == "strata":
         import strata.torch as st
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
         model = st.offload(model, device=device, dtype=torch.bfloat16)
-        opt = st.AdamW(model, lr=1e-4, weight_decay=0.1)
+        opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         info = model.strata.executor.plan_info()
         out["plan"] = "%d slots of %.0f MB" % (info.slots, info.slot_bytes / 1e6)
 
         def step(ids):
             loss = model(ids, labels=ids).loss
             loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad()
             return loss
@@ -94,6 +101,8 @@ def run_one(mode, preset, batch, seq, steps, warmup):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "resident"):
                 loss = model(ids, labels=ids).loss
             loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
@@ -132,18 +141,21 @@ def main():
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--clip", type=float, default=0.0,
+                   help="clip_grad_norm_(model.parameters(), CLIP) before every step (0: off)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.batch, args.seq, args.steps,
-                                 args.warmup)), flush=True)
+                                 args.warmup, args.clip)), flush=True)
         return
     results = []
     for preset in args.models.split(","):
         for mode in args.modes.split(","):
             cmd = [sys.executable, __file__, "--one", mode, preset, "--batch", str(args.batch),
-                   "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                   "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--clip", str(args.clip)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
             if proc.returncode != 0 or not lines:

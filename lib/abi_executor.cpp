@@ -228,6 +228,13 @@ STRATA_API strata_status_t strata_step_end(strata_executor_t* executor) {
   });
 }
 
+STRATA_API strata_status_t strata_step_abort(strata_executor_t* executor, void* stream) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(executor, "executor"));
+    return executor->impl->step_abort(stream);
+  });
+}
+
 STRATA_API strata_status_t strata_layer_acquire(strata_executor_t* executor, uint32_t layer,
                                                 strata_phase_t phase, void* stream, uint32_t flags,
                                                 strata_layer_views_t* views) {

@@ -32,6 +32,7 @@ OptimizerConfig to_core(const strata_optimizer_config_t& c) {
   o.growth_interval = c.growth_interval;
   o.accumulation_steps = c.accumulation_steps;
   o.threads = c.threads;
+  o.explicit_updates = c.update_mode == STRATA_UPDATE_EXPLICIT;
   return o;
 }
 
@@ -80,6 +81,9 @@ STRATA_API strata_status_t strata_optimizer_create(strata_runtime_t* runtime,
     if (config != nullptr) {
       STRATA_RETURN_IF_ERROR(read_struct(config, STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE,
                                          "strata_optimizer_config_t", &c));
+    }
+    if (c.update_mode != STRATA_UPDATE_AUTO && c.update_mode != STRATA_UPDATE_EXPLICIT) {
+      return error(Code::kInvalidArgument, "optimizer config: unknown update_mode ", c.update_mode);
     }
     std::shared_ptr<Optimizer> o;
     STRATA_RETURN_IF_ERROR(Optimizer::create(runtime->impl, to_core(c), &o));
@@ -138,6 +142,63 @@ STRATA_API strata_status_t strata_optimizer_synchronize(strata_optimizer_t* opti
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
     return optimizer->impl->synchronize();
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_grad_info(strata_optimizer_t* optimizer,
+                                                      strata_tensor_t* weight,
+                                                      strata_grad_info_t* out) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    STRATA_RETURN_IF_ERROR(require(weight, "weight"));
+    STRATA_RETURN_IF_ERROR(
+        check_out_struct(out, STRATA_GRAD_INFO_STRUCT_SIZE, "strata_grad_info_t"));
+    GradInfo info;
+    STRATA_RETURN_IF_ERROR(optimizer->impl->grad_info(tensor_id(weight), &info));
+    strata_grad_info_t v{};
+    v.has_grad = info.has_grad ? 1 : 0;
+    v.sum_squares = info.sum_squares;
+    v.step = info.step;
+    write_struct(out, v);
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_grad_read(strata_optimizer_t* optimizer,
+                                                      strata_tensor_t* weight, float* dst,
+                                                      uint64_t count) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    STRATA_RETURN_IF_ERROR(require(weight, "weight"));
+    STRATA_RETURN_IF_ERROR(require(dst, "dst"));
+    return optimizer->impl->grad_read(tensor_id(weight), dst, count);
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_grad_scale(strata_optimizer_t* optimizer,
+                                                       strata_tensor_t* weight, float factor) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    STRATA_RETURN_IF_ERROR(require(weight, "weight"));
+    return optimizer->impl->grad_scale(tensor_id(weight), factor);
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_grad_zero(strata_optimizer_t* optimizer,
+                                                      strata_tensor_t* weight, int32_t keep_zeros) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    STRATA_RETURN_IF_ERROR(require(weight, "weight"));
+    return optimizer->impl->grad_zero(tensor_id(weight), keep_zeros != 0);
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_set_param_step(strata_optimizer_t* optimizer,
+                                                           strata_tensor_t* weight, uint64_t step) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    STRATA_RETURN_IF_ERROR(require(weight, "weight"));
+    return optimizer->impl->set_param_step(tensor_id(weight), step);
   });
 }
 

@@ -183,11 +183,42 @@ Status Executor::step_end() {
     }
     in_step_ = false;
     ++stats_.steps;
+    if (hooks_) hooks_->on_step_end();
   }
+  return finish_step(std::move(outbound));
+}
+
+Status Executor::finish_step(std::vector<std::shared_ptr<DeviceFence>> outbound) {
   // Grads must have landed in DRAM when the step ends: the optimizer reads them next.
   for (auto& f : outbound) STRATA_RETURN_IF_ERROR(f->host_wait());
   STRATA_RETURN_IF_ERROR(resolve_copies());
   return resolve_waits();
+}
+
+Status Executor::step_abort(void* stream) {
+  std::vector<std::shared_ptr<DeviceFence>> outbound;
+  {
+    std::lock_guard lock(mutex_);
+    if (!in_step_) return Status::ok();
+    if (acquired_) {
+      // The caller's stream may still be computing on the slot: the next load into it waits
+      // for this point, exactly as after a release, but nothing leaves the slot.
+      std::shared_ptr<DeviceFence> consumer;
+      STRATA_RETURN_IF_ERROR(backend_->record_fence(stream, &consumer));
+      slots_[schedule_[cursor_].slot].consumer = std::move(consumer);
+      acquired_ = false;
+    }
+    for (Slot& s : slots_) {
+      if (s.outbound) outbound.push_back(s.outbound);
+      if (s.consumer) outbound.push_back(s.consumer);
+      for (auto& f : s.weight_ready) outbound.push_back(f);
+      for (auto& f : s.activation_ready) outbound.push_back(f);
+    }
+    in_step_ = false;
+    cursor_ = sequence_.size();
+    if (hooks_) hooks_->on_step_aborted();
+  }
+  return finish_step(std::move(outbound));
 }
 
 Status Executor::resolve_copies() {

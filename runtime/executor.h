@@ -46,6 +46,11 @@ class Executor {
 
   Status step_begin();
   Status step_end();
+  // Abandons the running step (a no-op without one): an acquired layer is released on `stream`
+  // without sending anything out, layers not yet run are dropped, and the call blocks until
+  // the step's copies are done. Grads already queued (layers whose backward was released)
+  // still land and reach the optimizer, as a framework's autograd would have accumulated them.
+  Status step_abort(void* stream);
   // How acquire waits for the layer's data: the stream (device-side), not at all (the caller
   // uses wait_tensor() per tensor), or the calling thread (for frameworks whose streams Strata
   // cannot see, such as XLA's).
@@ -93,6 +98,8 @@ class Executor {
                     uint64_t bytes, const std::vector<std::shared_ptr<DeviceFence>>& wait_for,
                     std::shared_ptr<DeviceFence>* last);
   Status wait_all_outstanding();
+  // Waits for the step's outbound copies, counts its copies and emits its trace records.
+  Status finish_step(std::vector<std::shared_ptr<DeviceFence>> outbound);
   // Emits the acquire and release trace records once their device-side times are known.
   Status resolve_waits();
   struct PendingWait {

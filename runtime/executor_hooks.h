@@ -20,6 +20,10 @@ class ExecutorHooks {
   // A layer's backward release queued its grads to DRAM; `landed` fences their copies.
   virtual Status on_grads_queued(uint32_t layer,
                                  std::vector<std::shared_ptr<DeviceFence>> landed) = 0;
+  // The step ended (after its last release; its grads may still be landing).
+  virtual void on_step_end() = 0;
+  // The step was abandoned (strata_step_abort): grads queued so far still land; no more come.
+  virtual void on_step_aborted() = 0;
   // Whether the layer's weights in DRAM may be loaded now (no update of them is running).
   virtual bool layer_ready(uint32_t layer) = 0;
   // Blocks until they may; returns the service's error if its work failed.

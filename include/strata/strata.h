@@ -41,7 +41,7 @@
 #endif
 
 #define STRATA_VERSION_MAJOR 1
-#define STRATA_VERSION_MINOR 0
+#define STRATA_VERSION_MINOR 1
 #define STRATA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, as zstd does: comparable with < and >. */
 #define STRATA_VERSION_NUMBER \
@@ -761,6 +761,18 @@ typedef struct strata_layer_views {
  * for frameworks whose streams Strata cannot see (JAX/XLA). Not with STRATA_ACQUIRE_NO_WAIT. */
 #define STRATA_ACQUIRE_HOST_WAIT 2u
 
+/* Abandon the running step (since 1.1), e.g. after the framework's compute raised: the acquired
+ * layer (if any) is released on `stream` with nothing sent out of its slot, the layers not yet
+ * run are dropped, and the call blocks until the step's copies are done; the next
+ * strata_step_begin starts a fresh step. Grads already queued (layers whose backward pass was
+ * released) still land and reach an attached optimizer, as a framework's autograd would have
+ * accumulated them: in STRATA_UPDATE_EXPLICIT mode they are held like any others; in
+ * STRATA_UPDATE_AUTO mode what they started (accumulation, or updates of those layers) runs to
+ * its end, the step counter does not advance, and the next step starts a fresh accumulation.
+ * Without a running step it does nothing. Errors: INVALID_ARGUMENT (NULL), BACKEND.
+ * Thread-safe. */
+STRATA_API strata_status_t strata_step_abort(strata_executor_t* executor, void* stream);
+
 /* Acquire the next layer of the step. Makes `stream` wait (device-side) until the layer's data
  * is in HBM, fills *views, and lets loads further ahead start. The calling thread blocks only
  * when it has run more than the prefetch depth ahead of the device (the layer's slot is still
@@ -874,8 +886,24 @@ typedef struct strata_optimizer_config {
   uint32_t accumulation_steps;
   /* Update threads; 0 = the CPUs of the GPU's NUMA node less one (for the framework). */
   uint32_t threads;
+  /* Since 1.1: when updates happen (STRATA_UPDATE_*); default STRATA_UPDATE_AUTO. */
+  uint32_t update_mode;
 } strata_optimizer_config_t;
-#define STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_optimizer_config_t, threads)
+#define STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE \
+  STRATA_STRUCT_SIZE(strata_optimizer_config_t, update_mode)
+
+/* AUTO: an attached optimizer updates from the executor's steps, every accumulation_steps of
+ * them, as their grads land (the loop of a native trainer). */
+#define STRATA_UPDATE_AUTO 0u
+/* EXPLICIT: a framework owns the loop's semantics (PyTorch's loss.backward(); clip; step();
+ * zero_grad()). Executor steps only deliver grads, and each param holds its grad as torch's
+ * p.grad does: none, zeros, the grad of the backward passes since it was last zeroed (summed in
+ * fp32 when there were several), times any scale applied. strata_optimizer_grad_* read, measure,
+ * scale and zero it; strata_optimizer_step queues the update of every param holding a grad
+ * (asynchronously, in forward order, each layer's next load waiting for its update) and
+ * leaves the grads held until zeroed. A param's update count (AdamW's t) advances only when
+ * it held a grad. Needs max_grad_norm 0, no dynamic loss scale, accumulation_steps 1. */
+#define STRATA_UPDATE_EXPLICIT 1u
 
 /* PyTorch's defaults for `kind`, and struct_size set. Errors: INVALID_ARGUMENT (NULL, unknown
  * kind). Thread-safe. */
@@ -931,8 +959,10 @@ STRATA_API strata_status_t strata_optimizer_attach(strata_optimizer_t* optimizer
 
 /* Without an executor: take every param's grad from its grad tensor now and update (or, short
  * of accumulation_steps, accumulate); blocks until done, using the optimizer's threads.
- * Errors: INVALID_ARGUMENT (NULL), INVALID_STATE (attached, no params, a failed update).
- * Thread-safe (calls are serialized). */
+ * Attached in STRATA_UPDATE_EXPLICIT mode (since 1.1): queue the updates of every param holding
+ * a grad and return at once (strata_optimizer_synchronize waits for them).
+ * Errors: INVALID_ARGUMENT (NULL), INVALID_STATE (attached in AUTO mode, inside an executor
+ * step in EXPLICIT mode, no params, a failed update). Thread-safe (calls are serialized). */
 STRATA_API strata_status_t strata_optimizer_step(strata_optimizer_t* optimizer);
 
 /* Block until every queued update has finished (an attached optimizer's updates otherwise
@@ -940,6 +970,51 @@ STRATA_API strata_status_t strata_optimizer_step(strata_optimizer_t* optimizer);
  * INVALID_ARGUMENT, BACKEND (the grads of a layer failed to land: the message names it; the
  * optimizer then refuses further steps). Thread-safe. */
 STRATA_API strata_status_t strata_optimizer_synchronize(strata_optimizer_t* optimizer);
+
+/* What a param holds as its grad in STRATA_UPDATE_EXPLICIT mode (since 1.1). */
+typedef struct strata_grad_info {
+  size_t struct_size; /* caller sets STRATA_GRAD_INFO_STRUCT_SIZE */
+  int32_t has_grad;   /* 0: none (never computed, or zeroed to none) */
+  double sum_squares; /* of the grad's values (0 without one): the squared L2 norm */
+  uint64_t step;      /* updates this param has received (its AdamW t) */
+} strata_grad_info_t;
+#define STRATA_GRAD_INFO_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_grad_info_t, step)
+
+/* The four calls below (since 1.1) work on an optimizer attached in STRATA_UPDATE_EXPLICIT mode,
+ * between or inside executor steps; each first waits for grads of the param's layer still
+ * landing or being summed. Errors (all four): INVALID_ARGUMENT (NULL, bad struct_size),
+ * NOT_FOUND (not a param), INVALID_STATE (AUTO mode, not attached), BACKEND (grads failed to
+ * land). Thread-safe. */
+
+/* The param's grad: whether it has one, its squared norm, its update count. */
+STRATA_API strata_status_t strata_optimizer_grad_info(strata_optimizer_t* optimizer,
+                                                      strata_tensor_t* weight,
+                                                      strata_grad_info_t* out);
+
+/* Copy the param's grad, as fp32, into `dst` (borrowed host memory of `count` floats; count must
+ * be the param's element count). Errors also: INVALID_ARGUMENT (count), INVALID_STATE (no grad). */
+STRATA_API strata_status_t strata_optimizer_grad_read(strata_optimizer_t* optimizer,
+                                                      strata_tensor_t* weight, float* dst,
+                                                      uint64_t count);
+
+/* Multiply the param's grad by `factor` (clipping: torch's p.grad.mul_(clip_coef)). No data moves:
+ * the factor applies when the grad is next read, summed or used. Errors also: INVALID_STATE (no
+ * grad). */
+STRATA_API strata_status_t strata_optimizer_grad_scale(strata_optimizer_t* optimizer,
+                                                       strata_tensor_t* weight, float factor);
+
+/* Zero the param's grad: to none (keep_zeros 0: the next backward's grad replaces it, and a step
+ * before that skips the param) or to zeros (keep_zeros 1: a step before the next backward updates
+ * it with a zero grad, as torch's zero_grad(set_to_none=False)). */
+STRATA_API strata_status_t strata_optimizer_grad_zero(strata_optimizer_t* optimizer,
+                                                      strata_tensor_t* weight, int32_t keep_zeros);
+
+/* Set a param's update count (its AdamW t), e.g. restoring a framework's optimizer state dict
+ * (since 1.1; STRATA_UPDATE_EXPLICIT mode, where counts are per param). Waits for the param's
+ * queued updates. Errors: INVALID_ARGUMENT (NULL), NOT_FOUND (not a param), INVALID_STATE (AUTO
+ * mode). Thread-safe. */
+STRATA_API strata_status_t strata_optimizer_set_param_step(strata_optimizer_t* optimizer,
+                                                           strata_tensor_t* weight, uint64_t step);
 
 typedef int32_t strata_state_kind_t;
 #define STRATA_STATE_MASTER 0     /* fp32 master (the weight itself when it is fp32) */

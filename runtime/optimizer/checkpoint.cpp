@@ -8,6 +8,8 @@
 #include <set>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "runtime/atomic_directory.h"
 #include "runtime/safetensors.h"
 
@@ -185,6 +187,17 @@ Status save_checkpoint(Runtime& runtime, Optimizer* optimizer, const std::string
         {"loss_scale_bits", float_bits(counters.loss_scale)},
         {"loss_scale", std::to_string(counters.loss_scale)},
     };
+    if (c.explicit_updates) {
+      // Explicit mode counts updates per parameter (a param without a grad is not updated, as
+      // in torch.optim): each weight's count, by name.
+      nlohmann::json steps = nlohmann::json::object();
+      for (const Optimizer::ParamView& p : optimizer->params()) {
+        TensorRecord r;
+        STRATA_RETURN_IF_ERROR(runtime.info(p.weight, &r));
+        steps[r.spec.name] = p.step;
+      }
+      meta["param_steps"] = steps.dump();
+    }
     STRATA_RETURN_IF_ERROR(
         write_file(runtime, staging + "/" + kOptimizerFile, state, std::move(meta)));
   }
@@ -201,6 +214,7 @@ Status load_checkpoint(Runtime& runtime, Optimizer* optimizer, const std::string
   std::vector<const safetensors::TensorInfo*> weight_infos, state_infos;
   STRATA_RETURN_IF_ERROR(match(*model, weights, &weight_infos));
   OptimizerCounters counters;
+  std::vector<uint64_t> param_steps;
   if (optimizer != nullptr) {
     STRATA_RETURN_IF_ERROR(safetensors::Reader::open(dir + "/" + kOptimizerFile, &opt_file));
     const auto& meta = opt_file->header().metadata;
@@ -225,6 +239,23 @@ Status load_checkpoint(Runtime& runtime, Optimizer* optimizer, const std::string
     std::memcpy(&counters.loss_scale, &u, sizeof u);
     STRATA_RETURN_IF_ERROR(collect_state(runtime, *optimizer, &state));
     STRATA_RETURN_IF_ERROR(match(*opt_file, state, &state_infos));
+    if (auto ps = meta.find("param_steps"); ps != meta.end()) {
+      const nlohmann::json steps = nlohmann::json::parse(ps->second, nullptr, false);
+      if (!steps.is_object()) {
+        return error(Code::kInvalidArgument, "checkpoint ", opt_file->path(),
+                     ": metadata 'param_steps' is not a JSON object");
+      }
+      for (const Optimizer::ParamView& p : optimizer->params()) {
+        TensorRecord r;
+        STRATA_RETURN_IF_ERROR(runtime.info(p.weight, &r));
+        auto found = steps.find(r.spec.name);
+        if (found == steps.end() || !found->is_number_unsigned()) {
+          return error(Code::kInvalidArgument, "checkpoint ", opt_file->path(),
+                       ": 'param_steps' has no step count for '", r.spec.name, "'");
+        }
+        param_steps.push_back(found->get<uint64_t>());
+      }
+    }
     OptimizerCounters ignored;
     STRATA_RETURN_IF_ERROR(optimizer->quiesce_for_checkpoint(&ignored));
   }
@@ -239,7 +270,9 @@ Status load_checkpoint(Runtime& runtime, Optimizer* optimizer, const std::string
     }
     return s;
   }
-  if (optimizer != nullptr) STRATA_RETURN_IF_ERROR(optimizer->restore_counters(counters));
+  if (optimizer != nullptr) {
+    STRATA_RETURN_IF_ERROR(optimizer->restore_counters(counters, param_steps));
+  }
   return Status::ok();
 }
 

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "runtime/executor.h"
 
@@ -59,6 +60,13 @@ Status validate(const OptimizerConfig& c) {
       return error(Code::kInvalidArgument,
                    "optimizer config: nesterov needs momentum > 0 and dampening 0");
     }
+  }
+  if (c.explicit_updates &&
+      (c.max_grad_norm > 0 || c.dynamic_loss_scale || c.accumulation_steps > 1)) {
+    return error(Code::kInvalidArgument,
+                 "optimizer config: explicit updates take max_grad_norm 0, no dynamic loss "
+                 "scale and accumulation_steps 1 (the framework accumulates with its backward "
+                 "passes, clips with strata_optimizer_grad_scale and decides when to step)");
   }
   if (c.dynamic_loss_scale) {
     if (!(c.growth_factor > 1.f) || !(c.backoff_factor > 0.f && c.backoff_factor < 1.f) ||
@@ -270,7 +278,7 @@ std::vector<Optimizer::ParamView> Optimizer::params() {
   std::lock_guard lock(mutex_);
   std::vector<ParamView> out;
   for (const Param& p : params_) {
-    out.push_back(ParamView{p.weight, p.grad, p.master, p.exp_avg, p.exp_avg_sq});
+    out.push_back(ParamView{p.weight, p.grad, p.master, p.exp_avg, p.exp_avg_sq, p.t});
   }
   return out;
 }
@@ -327,6 +335,9 @@ Status Optimizer::attach(Executor* executor) {
       }
     }
     for (std::size_t i = 0; i < params_.size(); ++i) params_[i].layer = layer_of[i];
+    for (const auto& lp : layer_params) {
+      for (std::size_t k = 0; k < lp.size(); ++k) params_[lp[k]].in_layer = k;
+    }
     layer_params_ = layer_params;
     layer_tasks_.clear();
     layers_with_params_ = 0;
@@ -335,6 +346,7 @@ Status Optimizer::attach(Executor* executor) {
       if (!lp.empty()) ++layers_with_params_;
     }
     pending_.assign(plan.layer_count, 0);
+    landing_.assign(plan.layer_count, 0);
     grads_in_ = 0;
     executor_ = executor;
   }
@@ -386,6 +398,41 @@ Status Optimizer::on_step_begin() {
   // and what the framework reads from the stats are settled.
   wait_for_norms(lock);
   if (!failure_.is_ok()) return failure_;
+  in_executor_step_ = true;
+  if (config_.explicit_updates) {
+    // Grads held in the grad tensors would be overwritten by this step's: move them to the
+    // fp32 accumulators first (the layer's load, and so its backward, waits for that).
+    for (std::size_t l = 0; l < layer_params_.size(); ++l) {
+      Job job;
+      job.kind = JobKind::kStash;
+      job.layer = static_cast<int>(l);
+      bool any = false;
+      for (std::size_t i : layer_params_[l]) {
+        Param& p = params_[i];
+        const bool move = p.hold == GradHold::kGrad;
+        if (move) {
+          Status s = ensure_accum(p);
+          if (!s.is_ok()) {
+            in_executor_step_ = false;
+            return s;
+          }
+          p.hold = GradHold::kAccum;
+        }
+        job.add.push_back(move ? 1 : 0);
+        job.mult.push_back(p.grad_mult);
+        if (move) p.grad_mult = 1.f;
+        any = any || move;
+      }
+      if (!any) continue;
+      job.sums.assign(layer_params_[l].size(), 0.0);
+      ++pending_[l];
+      ++landing_[l];
+      queue_.push_back(std::move(job));
+    }
+    lock.unlock();
+    cv_.notify_all();
+    return Status::ok();
+  }
   final_micro_ = micro_ + 1 >= config_.accumulation_steps;
   grads_in_ = 0;
   if (final_micro_) {
@@ -408,6 +455,27 @@ Status Optimizer::on_grads_queued(uint32_t layer,
     job.layer = static_cast<int>(layer);
     job.landed = std::move(landed);
     job.scalars = current_;
+    if (config_.explicit_updates) {
+      job.kind = JobKind::kLand;
+      for (std::size_t i : layer_params_[layer]) {
+        Param& p = params_[i];
+        if (p.hold == GradHold::kGrad) {
+          return error(Code::kInvalidState, "optimizer: layer ", layer,
+                       "'s grads landed twice without a step_begin between");
+        }
+        const bool add = p.hold == GradHold::kAccum;
+        job.add.push_back(add ? 1 : 0);
+        job.mult.push_back(p.grad_mult);
+        if (!add) p.hold = GradHold::kGrad;
+        p.grad_mult = 1.f;
+      }
+      job.sums.assign(layer_params_[layer].size(), 0.0);
+      ++pending_[layer];
+      ++landing_[layer];
+      queue_.push_back(std::move(job));
+      cv_.notify_all();
+      return Status::ok();
+    }
     if (!final_micro_) {
       job.kind = JobKind::kAccumulate;
       job.first_micro = micro_ == 0;
@@ -429,6 +497,148 @@ Status Optimizer::on_grads_queued(uint32_t layer,
   }
   cv_.notify_all();
   return Status::ok();
+}
+
+void Optimizer::on_step_end() {
+  std::lock_guard lock(mutex_);
+  in_executor_step_ = false;
+}
+
+void Optimizer::on_step_aborted() {
+  {
+    std::lock_guard lock(mutex_);
+    in_executor_step_ = false;
+    if (!config_.explicit_updates && grads_in_ > 0 && grads_in_ < layers_with_params_) {
+      // Part of an automatic step's grads came: what they started (accumulation, updates,
+      // norms) runs to its end, and the next step starts afresh. A deferred step's norms
+      // never complete: its norm jobs release their layers themselves.
+      if (current_ && deferred() && final_micro_) {
+        current_->aborted = true;
+        for (int l : current_->normed) --pending_[static_cast<std::size_t>(l)];
+        current_->normed.clear();
+      }
+      micro_ = 0;
+    }
+    grads_in_ = 0;
+  }
+  cv_.notify_all();
+}
+
+Status Optimizer::ensure_accum(Param& p) {
+  if (p.accum != 0) return Status::ok();
+  TensorRecord w;
+  STRATA_RETURN_IF_ERROR(runtime_->info(p.weight, &w));
+  Status s = make_state(w, ".grad_accum", kSkew[3], &p.accum, &p.arrays.grad_accum);
+  if (!s.is_ok()) {
+    return error(s.code(),
+                 "gradient accumulation (a backward pass onto grads not zeroed since the last "
+                 "one) needs an fp32 sum per parameter: ",
+                 s.message());
+  }
+  return Status::ok();
+}
+
+Status Optimizer::held_grad(TensorId weight, std::unique_lock<std::mutex>& lock, Param** out) {
+  if (!config_.explicit_updates) {
+    return error(Code::kInvalidState,
+                 "per-parameter grads exist in explicit update mode only (update_mode "
+                 "STRATA_UPDATE_EXPLICIT); this optimizer updates from executor steps");
+  }
+  if (executor_ == nullptr) {
+    return error(Code::kInvalidState, "per-parameter grads: the optimizer is not attached");
+  }
+  Param* param = nullptr;
+  for (Param& p : params_) {
+    if (p.weight == weight) param = &p;
+  }
+  if (param == nullptr)
+    return error(Code::kNotFound, "the tensor is not a parameter of this optimizer");
+  const auto layer = static_cast<std::size_t>(param->layer);
+  cv_.wait(lock, [&] { return !failure_.is_ok() || landing_[layer] == 0; });
+  STRATA_RETURN_IF_ERROR(failure_);
+  *out = param;
+  return Status::ok();
+}
+
+Status Optimizer::grad_info(TensorId weight, GradInfo* out) {
+  std::unique_lock lock(mutex_);
+  Param* p = nullptr;
+  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p));
+  out->has_grad = p->hold != GradHold::kNone;
+  const double m = p->grad_mult;
+  out->sum_squares =
+      p->hold == GradHold::kNone || p->hold == GradHold::kZero ? 0.0 : p->grad_sq * m * m;
+  out->step = p->t;
+  return Status::ok();
+}
+
+Status Optimizer::grad_read(TensorId weight, float* dst, uint64_t count) {
+  std::unique_lock lock(mutex_);
+  Param* p = nullptr;
+  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p));
+  if (count != p->arrays.count) {
+    return error(Code::kInvalidArgument, "grad_read: ", count,
+                 " elements asked, the parameter has ", p->arrays.count);
+  }
+  if (p->hold == GradHold::kNone) {
+    return error(Code::kInvalidState, "grad_read: the parameter holds no grad (zeroed to none)");
+  }
+  if (p->hold == GradHold::kZero) {
+    std::fill(dst, dst + count, 0.f);
+    return Status::ok();
+  }
+  optim::ParamArrays a;
+  a.grad =
+      p->hold == GradHold::kAccum ? static_cast<const void*>(p->arrays.grad_accum) : p->arrays.grad;
+  a.grad_dtype = p->hold == GradHold::kAccum ? DType::kF32 : p->arrays.grad_dtype;
+  a.grad_accum = dst;
+  a.count = count;
+  kernels_->accumulate(a, 0, count, true);  // widen to fp32 into dst
+  if (p->grad_mult != 1.f) {
+    for (uint64_t i = 0; i < count; ++i) dst[i] *= p->grad_mult;
+  }
+  return Status::ok();
+}
+
+Status Optimizer::grad_scale(TensorId weight, float factor) {
+  std::unique_lock lock(mutex_);
+  Param* p = nullptr;
+  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p));
+  if (p->hold == GradHold::kNone) {
+    return error(Code::kInvalidState, "grad_scale: the parameter holds no grad");
+  }
+  p->grad_mult *= factor;
+  return Status::ok();
+}
+
+Status Optimizer::grad_zero(TensorId weight, bool keep_zeros) {
+  std::unique_lock lock(mutex_);
+  Param* p = nullptr;
+  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p));
+  p->hold = keep_zeros ? GradHold::kZero : GradHold::kNone;
+  p->grad_mult = 1.f;
+  p->grad_sq = 0;
+  return Status::ok();
+}
+
+Status Optimizer::set_param_step(TensorId weight, uint64_t step) {
+  std::unique_lock lock(mutex_);
+  if (!config_.explicit_updates) {
+    return error(Code::kInvalidState,
+                 "per-parameter update counts exist in explicit update mode only");
+  }
+  for (Param& p : params_) {
+    if (p.weight != weight) continue;
+    // Updates queued with the old count must not be overtaken.
+    const auto layer = p.layer;
+    cv_.wait(lock, [&] {
+      return !failure_.is_ok() || layer < 0 || pending_[static_cast<std::size_t>(layer)] == 0;
+    });
+    STRATA_RETURN_IF_ERROR(failure_);
+    p.t = step;
+    return Status::ok();
+  }
+  return error(Code::kNotFound, "the tensor is not a parameter of this optimizer");
 }
 
 bool Optimizer::layer_ready(uint32_t layer) {
@@ -529,6 +739,9 @@ double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const Ste
           kernels_->sgd(sgd_groups[p.group], p.arrays, task.begin, task.end);
         }
         break;
+      case JobKind::kLand:
+      case JobKind::kStash:
+        break;  // explicit mode: run_explicit
     }
   });
   double total = 0;
@@ -561,9 +774,14 @@ std::size_t Optimizer::pick_job() const {
   // layers, which the next forward pass needs last; first-come order would leave it in layer
   // 0, which the next step needs first (on the H200, a step whose updates outlasted its
   // backward pass grew 15% with first-come order).
+  // A layer's jobs run in the order they were queued (a grad lands, is stashed, updates), so
+  // only the first queued job of each layer is a candidate.
   std::size_t best = queue_.size();
+  std::vector<int> seen;
   for (std::size_t i = 0; i < queue_.size(); ++i) {
     const Job& j = queue_[i];
+    if (std::find(seen.begin(), seen.end(), j.layer) != seen.end()) continue;
+    seen.push_back(j.layer);
     if (best < queue_.size() && queue_[best].layer <= j.layer) continue;
     const bool landed =
         std::all_of(j.landed.begin(), j.landed.end(), [](const auto& f) { return f->is_done(); });
@@ -602,19 +820,25 @@ void Optimizer::dispatcher_main() {
     double norm = 0;
     double seconds = 0;
     bool preempted = false;
-    const bool skip = job.kind == JobKind::kUpdate && job.scalars->skip;
+    const bool skip = job.kind == JobKind::kUpdate && job.scalars && job.scalars->skip;
     // Updates and accumulation run in slices of about one task per thread; between slices a
     // lower layer whose grads have landed takes over (the rest of this job goes back to the
     // queue). Without that, layer 0's update, which lands last and is needed first, waited for
     // whatever higher layer the pool had just started. Norms are short and run whole.
     const std::size_t slice = job.kind == JobKind::kNorm ? tasks.size() : pool_->size();
+    const bool explicit_job =
+        !job.sources.empty() || job.kind == JobKind::kLand || job.kind == JobKind::kStash;
     while (status.is_ok() && !skip && job.next_task < tasks.size()) {
       const std::size_t n = std::min(slice, tasks.size() - job.next_task);
       const std::span<const Task> part(tasks.data() + job.next_task, n);
       Tracer& tracer = runtime_->tracer();
       const uint64_t trace_start = tracer.enabled() ? tracer.now() : 0;
       const auto t0 = std::chrono::steady_clock::now();
-      norm += run_tasks(part, job.kind, job.scalars.get(), job.first_micro);
+      if (explicit_job) {
+        run_explicit(part, job);
+      } else {
+        norm += run_tasks(part, job.kind, job.scalars.get(), job.first_micro);
+      }
       seconds += seconds_since(t0);
       if (tracer.enabled()) {
         TraceRecord r;
@@ -633,7 +857,9 @@ void Optimizer::dispatcher_main() {
         if (pick < queue_.size() && queue_[pick].layer < job.layer) {
           update_seconds_ += seconds;
           --running_;
-          queue_.push_back(std::move(job));  // its grads have landed: picked again later
+          // At the front: it stays ahead of any later job of its layer (pick_job keeps each
+          // layer's jobs in queue order).
+          queue_.push_front(std::move(job));
           preempted = true;
           break;
         }
@@ -648,9 +874,21 @@ void Optimizer::dispatcher_main() {
         fail(error(status.code(), "optimizer: grads of layer ", job.layer,
                    " did not land: ", status.message()));
       }
-      if (job.kind == JobKind::kNorm) {
+      if (job.kind == JobKind::kLand || job.kind == JobKind::kStash) {
+        const auto l = static_cast<std::size_t>(job.layer);
+        for (std::size_t k = 0; k < layer_params_[l].size(); ++k) {
+          Param& p = params_[layer_params_[l][k]];
+          // A kStash entry that moved nothing leaves the param's sum as it was.
+          if (job.kind == JobKind::kLand || job.add[k] != 0) p.grad_sq = job.sums[k];
+        }
+        --landing_[l];
+        --pending_[l];
+      } else if (job.kind == JobKind::kNorm && job.scalars->aborted) {
+        --pending_[static_cast<std::size_t>(job.layer)];  // its update will never be queued
+      } else if (job.kind == JobKind::kNorm) {
         StepScalars& step = *job.scalars;
         step.norm_squared += norm;
+        step.normed.push_back(job.layer);
         if (++step.norms_in == layers_with_params_) {
           // Every grad is in: decide the step, then update in forward order, which is the
           // order the next step's forward pass loads the layers in.
@@ -672,11 +910,163 @@ void Optimizer::dispatcher_main() {
   }
 }
 
+namespace {
+
+// Elements [begin, end) of `a` as arrays of their own, starting at element 0.
+optim::ParamArrays subarray(const optim::ParamArrays& a, std::size_t begin, std::size_t end) {
+  auto at = [begin](auto* p, DType d) {
+    using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(p)>>,
+                                    const unsigned char, unsigned char>;
+    return p == nullptr
+               ? p
+               : reinterpret_cast<decltype(p)>(reinterpret_cast<Byte*>(p) + begin * dtype_size(d));
+  };
+  optim::ParamArrays s = a;
+  s.master = at(a.master, DType::kF32);
+  s.exp_avg = at(a.exp_avg, DType::kF32);
+  s.exp_avg_sq = at(a.exp_avg_sq, DType::kF32);
+  s.grad = at(a.grad, a.grad_dtype);
+  s.grad_accum = at(a.grad_accum, DType::kF32);
+  s.weight = at(a.weight, a.weight_dtype);
+  s.count = end - begin;
+  return s;
+}
+
+}  // namespace
+
+void Optimizer::run_explicit(std::span<const Task> tasks, Job& job) {
+  std::vector<double> sums(tasks.size(), 0.0);
+  pool_->run(tasks.size(), [&](std::size_t k) {
+    const Task& task = tasks[k];
+    const Param& p = params_[task.param];
+    const std::size_t b = task.begin, e = task.end;
+    const std::size_t slot = p.in_layer;
+    optim::ParamArrays accum_view;  // the accumulator read as a grad
+    accum_view.grad = p.arrays.grad_accum;
+    accum_view.grad_dtype = DType::kF32;
+    accum_view.count = p.arrays.count;
+    auto scale = [&](float m) {
+      if (m == 1.f) return;
+      for (std::size_t i = b; i < e; ++i) p.arrays.grad_accum[i] *= m;
+    };
+    switch (job.kind) {
+      case JobKind::kLand:
+        if (job.add[slot] != 0) {
+          scale(job.mult[slot]);
+          kernels_->accumulate(p.arrays, b, e, false);
+          sums[k] = kernels_->sum_squares(accum_view, b, e);
+        } else {
+          optim::ParamArrays grad_view = p.arrays;
+          grad_view.grad_accum = nullptr;
+          sums[k] = kernels_->sum_squares(grad_view, b, e);
+        }
+        break;
+      case JobKind::kStash:
+        if (job.add[slot] != 0) {
+          kernels_->accumulate(p.arrays, b, e, true);
+          scale(job.mult[slot]);
+          sums[k] = kernels_->sum_squares(accum_view, b, e);
+        }
+        break;
+      case JobKind::kUpdate: {
+        const UpdateSource& src = job.sources[slot];
+        if (src.skip) break;
+        optim::ParamArrays a = subarray(p.arrays, b, e);
+        a.grad_accum = nullptr;
+        thread_local std::vector<float> zeros;
+        if (src.grad == nullptr) {
+          if (zeros.size() < e - b) zeros.assign(e - b, 0.f);
+          a.grad = zeros.data();
+          a.grad_dtype = DType::kF32;
+        } else {
+          a.grad = static_cast<const unsigned char*>(src.grad) + b * dtype_size(src.dtype);
+          a.grad_dtype = src.dtype;
+        }
+        if (config_.kind == OptimizerKind::kAdamW) {
+          kernels_->adamw(src.adamw, a, 0, e - b);
+        } else {
+          kernels_->sgd(src.sgd, a, 0, e - b);
+        }
+        break;
+      }
+      default:
+        break;
+    }
+  });
+  for (std::size_t k = 0; k < tasks.size(); ++k) {
+    job.sums.resize(std::max(job.sums.size(), params_[tasks[k].param].in_layer + 1), 0.0);
+    job.sums[params_[tasks[k].param].in_layer] += sums[k];
+  }
+}
+
+Status Optimizer::step_explicit() {
+  std::unique_lock lock(mutex_);
+  if (!failure_.is_ok()) return failure_;
+  if (in_executor_step_) {
+    return error(Code::kInvalidState,
+                 "step inside an executor step: call it after strata_step_end (the backward "
+                 "pass's grads are not all in yet)");
+  }
+  ++counters_.step;
+  for (std::size_t l = 0; l < layer_params_.size(); ++l) {
+    if (layer_params_[l].empty()) continue;
+    Job job;
+    job.kind = JobKind::kUpdate;
+    job.layer = static_cast<int>(l);
+    bool any = false;
+    for (std::size_t i : layer_params_[l]) {
+      Param& p = params_[i];
+      UpdateSource src;
+      if (p.hold != GradHold::kNone) {
+        src.skip = false;
+        ++p.t;
+        if (p.hold == GradHold::kGrad) {
+          src.grad = p.arrays.grad;
+          src.dtype = p.arrays.grad_dtype;
+        } else if (p.hold == GradHold::kAccum) {
+          src.grad = p.arrays.grad_accum;
+          src.dtype = DType::kF32;
+        }
+        const float grad_scale = p.grad_mult / counters_.loss_scale;
+        const GroupHyperparams& g = groups_[p.group];
+        const double t = static_cast<double>(p.t);
+        src.adamw.grad_scale = grad_scale;
+        src.adamw.beta1 = config_.beta1;
+        src.adamw.beta2 = config_.beta2;
+        src.adamw.eps = config_.eps;
+        src.adamw.lr_decay = static_cast<float>(static_cast<double>(g.lr) * g.weight_decay);
+        src.adamw.step_size = static_cast<float>(g.lr / (1.0 - std::pow(double{config_.beta1}, t)));
+        src.adamw.inv_bias2_sqrt =
+            static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double{config_.beta2}, t)));
+        src.sgd.grad_scale = grad_scale;
+        src.sgd.lr = g.lr;
+        src.sgd.weight_decay = g.weight_decay;
+        src.sgd.momentum = config_.momentum;
+        src.sgd.dampening = config_.dampening;
+        src.sgd.nesterov = config_.nesterov;
+        src.sgd.first_step = p.t == 1;
+        any = true;
+      }
+      job.sources.push_back(src);
+    }
+    if (!any) continue;
+    ++pending_[l];
+    queue_.push_back(std::move(job));
+  }
+  lock.unlock();
+  cv_.notify_all();
+  return Status::ok();
+}
+
 Status Optimizer::step() {
   // One manual step at a time (the header promises it; the pool runs one job at a time). No
   // dispatcher job runs while unattached, so the pool is this step's alone.
   std::lock_guard serial(step_mutex_);
   std::unique_lock lock(mutex_);
+  if (executor_ != nullptr && config_.explicit_updates) {
+    lock.unlock();
+    return step_explicit();
+  }
   if (executor_ != nullptr) {
     return error(Code::kInvalidState,
                  "step: the optimizer is attached to an executor, whose steps run its updates");
@@ -724,6 +1114,10 @@ Status Optimizer::step() {
 Status Optimizer::quiesce_for_checkpoint(OptimizerCounters* counters) {
   STRATA_RETURN_IF_ERROR(synchronize());
   std::lock_guard lock(mutex_);
+  if (config_.explicit_updates && in_executor_step_) {
+    return error(Code::kInvalidState,
+                 "checkpoint inside an executor step: save or load between steps");
+  }
   if (micro_ != 0 || (executor_ != nullptr && grads_in_ != 0 && grads_in_ < layers_with_params_)) {
     return error(Code::kInvalidState, "checkpoint in the middle of an optimizer step (", micro_,
                  " of ", config_.accumulation_steps,
@@ -733,9 +1127,13 @@ Status Optimizer::quiesce_for_checkpoint(OptimizerCounters* counters) {
   return Status::ok();
 }
 
-Status Optimizer::restore_counters(const OptimizerCounters& counters) {
+Status Optimizer::restore_counters(const OptimizerCounters& counters,
+                                   const std::vector<uint64_t>& param_steps) {
   std::lock_guard lock(mutex_);
   counters_ = counters;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    params_[i].t = i < param_steps.size() ? param_steps[i] : counters.step;
+  }
   micro_ = 0;
   failure_ = Status::ok();
   return Status::ok();

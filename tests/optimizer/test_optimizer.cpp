@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <chrono>
@@ -219,6 +220,54 @@ void run_streamed(Model& m, strata_optimizer_t* opt, strata_executor_t* ex, int 
         STRATA_REQUIRE_OK(strata_layer_release(ex, l, STRATA_PHASE_BACKWARD, nullptr));
       }
       STRATA_REQUIRE_OK(strata_step_end(ex));
+    }
+  }
+  STRATA_REQUIRE_OK(strata_optimizer_synchronize(opt));
+}
+
+// One executor step: forward, then backward with grads_for() written into the grad views;
+// `stop_after` (0..) abandons the step after that many layer passes.
+void streamed_pass(Model& m, strata_executor_t* ex, int s, int micro, int stop_after = -1) {
+  const auto layers = static_cast<uint32_t>(m.weights.size());
+  STRATA_REQUIRE_OK(strata_step_begin(ex));
+  strata_layer_views_t v{};
+  v.struct_size = STRATA_LAYER_VIEWS_STRUCT_SIZE;
+  int passes = 0;
+  for (uint32_t l = 0; l < layers; ++l, ++passes) {
+    if (passes == stop_after) {
+      STRATA_REQUIRE_OK(strata_step_abort(ex, nullptr));
+      return;
+    }
+    STRATA_REQUIRE_OK(strata_layer_acquire(ex, l, STRATA_PHASE_FORWARD, nullptr, 0, &v));
+    STRATA_REQUIRE_OK(strata_layer_release(ex, l, STRATA_PHASE_FORWARD, nullptr));
+  }
+  for (uint32_t l = layers; l-- > 0; ++passes) {
+    STRATA_REQUIRE_OK(strata_layer_acquire(ex, l, STRATA_PHASE_BACKWARD, nullptr, 0, &v));
+    if (passes == stop_after) {  // abandoned while a layer is acquired
+      STRATA_REQUIRE_OK(strata_step_abort(ex, nullptr));
+      return;
+    }
+    for (std::size_t k = 0; k < m.sizes.size(); ++k) {
+      std::vector<uint16_t> w(static_cast<std::size_t>(m.sizes[k]));
+      view_to_host(w.data(), v.weights[k], w.size() * 2);
+      const auto g = grads_for(w, s, static_cast<int>(l), micro);
+      host_to_view(v.grads[k], g.data(), g.size() * 2);
+    }
+    STRATA_REQUIRE_OK(strata_layer_release(ex, l, STRATA_PHASE_BACKWARD, nullptr));
+  }
+  STRATA_REQUIRE_OK(strata_step_end(ex));
+}
+
+// PyTorch's loop in explicit mode: micro_batches backward passes, step(), zero_grad().
+void run_explicit(Model& m, strata_optimizer_t* opt, strata_executor_t* ex, int first_step,
+                  int steps, int micro_batches) {
+  for (int s = first_step; s < first_step + steps; ++s) {
+    for (int micro = 0; micro < micro_batches; ++micro) streamed_pass(m, ex, s, micro);
+    STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 0, 1e-2f / (1 + s), 0.1f));
+    STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 1, 1e-2f / (1 + s), 0.f));
+    STRATA_REQUIRE_OK(strata_optimizer_step(opt));
+    for (auto& layer : m.weights) {
+      for (strata_tensor_t* w : layer) STRATA_REQUIRE_OK(strata_optimizer_grad_zero(opt, w, 0));
     }
   }
   STRATA_REQUIRE_OK(strata_optimizer_synchronize(opt));
@@ -480,6 +529,179 @@ TEST_CASE("optimizer misuse gets clear errors", "[optimizer]") {
 
 // ------------------------------------------------------------------------------------------
 // Checkpoints
+
+TEST_CASE("explicit updates: the framework's loop, any accumulation, equals updates by hand",
+          "[optimizer]") {
+  for (int micro : {1, 3}) {
+    DYNAMIC_SECTION(micro << " backward passes per step") {
+      for (std::vector<int64_t> sizes :
+           {std::vector<int64_t>{3000, 1100}, std::vector<int64_t>{300000, 70000}}) {
+        strata_optimizer_config_t manual_config = adamw_config();
+        manual_config.accumulation_steps = static_cast<uint32_t>(micro);
+        strata_optimizer_config_t c = adamw_config();
+        c.update_mode = STRATA_UPDATE_EXPLICIT;
+        Model streamed = make_model(5, 42, backend_under_test(), sizes);
+        Model manual = make_model(5, 42, STRATA_DEVICE_BACKEND_HOST, sizes);
+        OptimizerPtr so = make_optimizer(streamed, c);
+        OptimizerPtr mo = make_optimizer(manual, manual_config);
+        Streamed st;
+        make_streamed(streamed, &st, 0);
+        STRATA_REQUIRE_OK(strata_optimizer_attach(so.get(), st.ex));
+        run_explicit(streamed, so.get(), st.ex, 0, 4, micro);
+        run_manual(manual, mo.get(), 0, 4, micro);
+        // (g1 + g2) + g3 either way: bit for bit.
+        REQUIRE(snapshot(streamed, so.get()) == snapshot(manual, mo.get()));
+        strata_grad_info_t info{};
+        info.struct_size = STRATA_GRAD_INFO_STRUCT_SIZE;
+        STRATA_REQUIRE_OK(strata_optimizer_grad_info(so.get(), streamed.weights[0][0], &info));
+        REQUIRE(info.has_grad == 0);
+        REQUIRE(info.step == 4);
+      }
+    }
+  }
+}
+
+TEST_CASE("explicit updates: held grads read, measured, scaled and zeroed as torch's p.grad",
+          "[optimizer]") {
+  strata_optimizer_config_t c = adamw_config();
+  c.update_mode = STRATA_UPDATE_EXPLICIT;
+  Model m = make_model(3, 7, backend_under_test());
+  OptimizerPtr opt = make_optimizer(m, c);
+  Streamed st;
+  make_streamed(m, &st, 0);
+  STRATA_REQUIRE_OK(strata_optimizer_attach(opt.get(), st.ex));
+  strata_tensor_t* w = m.weights[1][0];
+  const auto n = static_cast<std::size_t>(m.sizes[0]);
+  const auto weights = read_bf16(m.rt.get(), w, m.sizes[0]);
+  strata_grad_info_t info{};
+  info.struct_size = STRATA_GRAD_INFO_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_optimizer_grad_info(opt.get(), w, &info));
+  REQUIRE(info.has_grad == 0);  // nothing computed yet: None
+  std::vector<float> got(n);
+  REQUIRE(strata_optimizer_grad_read(opt.get(), w, got.data(), n) == STRATA_ERROR_INVALID_STATE);
+
+  streamed_pass(m, st.ex, 0, 0);
+  const auto g1 = grads_for(weights, 0, 1, 0);
+  STRATA_REQUIRE_OK(strata_optimizer_grad_read(opt.get(), w, got.data(), n));
+  double squares = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    REQUIRE(got[i] == from_bf16(g1[i]));
+    squares += double{got[i]} * got[i];
+  }
+  STRATA_REQUIRE_OK(strata_optimizer_grad_info(opt.get(), w, &info));
+  REQUIRE(info.has_grad == 1);
+  REQUIRE(info.sum_squares == Approx(squares).epsilon(1e-6));
+  REQUIRE(strata_optimizer_grad_read(opt.get(), w, got.data(), n - 1) ==
+          STRATA_ERROR_INVALID_ARGUMENT);
+
+  // A second backward pass without zeroing sums in fp32; a scale applies to what was held.
+  STRATA_REQUIRE_OK(strata_optimizer_grad_scale(opt.get(), w, 0.5f));
+  streamed_pass(m, st.ex, 0, 1);
+  const auto g2 = grads_for(weights, 0, 1, 1);
+  STRATA_REQUIRE_OK(strata_optimizer_grad_read(opt.get(), w, got.data(), n));
+  squares = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const float want = from_bf16(g1[i]) * 0.5f + from_bf16(g2[i]);
+    REQUIRE(got[i] == want);
+    squares += double{want} * want;
+  }
+  STRATA_REQUIRE_OK(strata_optimizer_grad_info(opt.get(), w, &info));
+  REQUIRE(info.sum_squares == Approx(squares).epsilon(1e-6));
+
+  // Zeroed to zeros: a step updates with a zero grad (decay only); to None: no update.
+  STRATA_REQUIRE_OK(strata_optimizer_grad_zero(opt.get(), w, 1));
+  STRATA_REQUIRE_OK(strata_optimizer_grad_read(opt.get(), w, got.data(), n));
+  REQUIRE(std::all_of(got.begin(), got.end(), [](float x) { return x == 0.f; }));
+  strata_tensor_t* none = m.weights[2][1];
+  STRATA_REQUIRE_OK(strata_optimizer_grad_zero(opt.get(), none, 0));
+  const auto none_before = read_bf16(m.rt.get(), none, m.sizes[1]);
+  STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
+  STRATA_REQUIRE_OK(strata_optimizer_synchronize(opt.get()));
+  REQUIRE(read_bf16(m.rt.get(), none, m.sizes[1]) == none_before);
+  STRATA_REQUIRE_OK(strata_optimizer_grad_info(opt.get(), none, &info));
+  REQUIRE(info.step == 0);
+  STRATA_REQUIRE_OK(strata_optimizer_grad_info(opt.get(), w, &info));
+  REQUIRE(info.step == 1);
+  strata_tensor_t* master = nullptr;
+  STRATA_REQUIRE_OK(strata_optimizer_get_state(opt.get(), w, STRATA_STATE_EXP_AVG, &master));
+  std::vector<float> m1(n);
+  STRATA_REQUIRE_OK(strata_tensor_read(m.rt.get(), master, 0, m1.data(), n * 4));
+  REQUIRE(std::all_of(m1.begin(), m1.end(), [](float x) { return x == 0.f; }));
+  STRATA_REQUIRE_OK(strata_optimizer_set_param_step(opt.get(), w, 9));
+  STRATA_REQUIRE_OK(strata_optimizer_grad_info(opt.get(), w, &info));
+  REQUIRE(info.step == 9);
+}
+
+TEST_CASE("an abandoned step changes nothing but the grads whose backward was done",
+          "[optimizer]") {
+  strata_optimizer_config_t c = adamw_config();
+  c.update_mode = STRATA_UPDATE_EXPLICIT;
+  Model aborted = make_model(4, 5, backend_under_test());
+  Model clean = make_model(4, 5, backend_under_test());
+  OptimizerPtr ao = make_optimizer(aborted, c);
+  OptimizerPtr co = make_optimizer(clean, c);
+  Streamed as, cs;
+  make_streamed(aborted, &as, 0);
+  make_streamed(clean, &cs, 0);
+  STRATA_REQUIRE_OK(strata_optimizer_attach(ao.get(), as.ex));
+  STRATA_REQUIRE_OK(strata_optimizer_attach(co.get(), cs.ex));
+  // Abandoned mid-forward, and with a layer acquired mid-backward (layers 3 and 2 done).
+  streamed_pass(aborted, as.ex, 0, 0, 2);
+  streamed_pass(aborted, as.ex, 0, 0, 6);
+  strata_grad_info_t info{};
+  info.struct_size = STRATA_GRAD_INFO_STRUCT_SIZE;
+  for (uint32_t l = 0; l < 4; ++l) {
+    STRATA_REQUIRE_OK(strata_optimizer_grad_info(ao.get(), aborted.weights[l][0], &info));
+    REQUIRE(info.has_grad == (l >= 2 ? 1 : 0));
+  }
+  for (auto& layer : aborted.weights) {
+    for (strata_tensor_t* w : layer) STRATA_REQUIRE_OK(strata_optimizer_grad_zero(ao.get(), w, 0));
+  }
+  REQUIRE(strata_step_abort(as.ex, nullptr) == STRATA_OK);  // no step: nothing to do
+  run_explicit(aborted, ao.get(), as.ex, 0, 3, 1);
+  run_explicit(clean, co.get(), cs.ex, 0, 3, 1);
+  REQUIRE(snapshot(aborted, ao.get()) == snapshot(clean, co.get()));
+}
+
+TEST_CASE("explicit update mode misuse gets clear errors", "[optimizer]") {
+  Model m = make_model(2, 3, backend_under_test());
+  strata_optimizer_config_t bad = adamw_config();
+  bad.update_mode = 7;
+  strata_optimizer_t* o = nullptr;
+  REQUIRE(strata_optimizer_create(m.rt.get(), &bad, &o) == STRATA_ERROR_INVALID_ARGUMENT);
+  bad.update_mode = STRATA_UPDATE_EXPLICIT;
+  bad.max_grad_norm = 1.f;
+  REQUIRE(strata_optimizer_create(m.rt.get(), &bad, &o) == STRATA_ERROR_INVALID_ARGUMENT);
+  REQUIRE(std::string(strata_last_error_message()).find("explicit") != std::string::npos);
+
+  OptimizerPtr autoopt = make_optimizer(m, adamw_config());
+  strata_grad_info_t info{};
+  info.struct_size = STRATA_GRAD_INFO_STRUCT_SIZE;
+  REQUIRE(strata_optimizer_grad_info(autoopt.get(), m.weights[0][0], &info) ==
+          STRATA_ERROR_INVALID_STATE);
+  REQUIRE(strata_optimizer_set_param_step(autoopt.get(), m.weights[0][0], 1) ==
+          STRATA_ERROR_INVALID_STATE);
+  autoopt.reset();
+
+  strata_optimizer_config_t c = adamw_config();
+  c.update_mode = STRATA_UPDATE_EXPLICIT;
+  OptimizerPtr opt = make_optimizer(m, c);
+  REQUIRE(strata_optimizer_grad_info(opt.get(), m.weights[0][0], &info) ==
+          STRATA_ERROR_INVALID_STATE);
+  Streamed st;
+  make_streamed(m, &st, 0);
+  STRATA_REQUIRE_OK(strata_optimizer_attach(opt.get(), st.ex));
+  REQUIRE(strata_optimizer_grad_info(opt.get(), m.grads[0][0], &info) == STRATA_ERROR_NOT_FOUND);
+  REQUIRE(strata_optimizer_grad_scale(opt.get(), m.weights[0][0], 2.f) ==
+          STRATA_ERROR_INVALID_STATE);
+  REQUIRE(strata_optimizer_grad_read(opt.get(), m.weights[0][0], nullptr, 1) ==
+          STRATA_ERROR_INVALID_ARGUMENT);
+  STRATA_REQUIRE_OK(strata_step_begin(st.ex));
+  REQUIRE(strata_optimizer_step(opt.get()) == STRATA_ERROR_INVALID_STATE);
+  REQUIRE(strata_step_abort(nullptr, nullptr) == STRATA_ERROR_INVALID_ARGUMENT);
+  STRATA_REQUIRE_OK(strata_step_abort(st.ex, nullptr));
+  STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));  // nothing held: no update
+}
 
 TEST_CASE("a resumed run continues bit for bit", "[checkpoint]") {
   ScratchDir scratch;

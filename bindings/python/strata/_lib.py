@@ -138,7 +138,13 @@ class OptimizerConfig(Struct):
                 ("max_grad_norm", c_float), ("loss_scale", c_float),
                 ("dynamic_loss_scale", c_int32), ("growth_factor", c_float),
                 ("backoff_factor", c_float), ("growth_interval", c_uint32),
-                ("accumulation_steps", c_uint32), ("threads", c_uint32)]
+                ("accumulation_steps", c_uint32), ("threads", c_uint32),
+                ("update_mode", c_uint32)]
+
+
+class GradInfo(Struct):
+    _fields_ = [("struct_size", c_size_t), ("has_grad", c_int32), ("sum_squares", c_double),
+                ("step", c_uint64)]
 
 
 class ParamDesc(Struct):
@@ -216,6 +222,7 @@ _SIGNATURES = {
     "strata_executor_get_stats": (c_int32, [c_void_p, P(ExecutorStats)]),
     "strata_step_begin": (c_int32, [c_void_p]),
     "strata_step_end": (c_int32, [c_void_p]),
+    "strata_step_abort": (c_int32, [c_void_p, c_void_p]),
     "strata_layer_acquire": (c_int32, [c_void_p, c_uint32, c_int32, c_void_p, c_uint32,
                                        P(LayerViews)]),
     "strata_layer_release": (c_int32, [c_void_p, c_uint32, c_int32, c_void_p]),
@@ -231,6 +238,11 @@ _SIGNATURES = {
     "strata_optimizer_attach": (c_int32, [c_void_p, c_void_p]),
     "strata_optimizer_step": (c_int32, [c_void_p]),
     "strata_optimizer_synchronize": (c_int32, [c_void_p]),
+    "strata_optimizer_grad_info": (c_int32, [c_void_p, c_void_p, P(GradInfo)]),
+    "strata_optimizer_grad_read": (c_int32, [c_void_p, c_void_p, c_void_p, c_uint64]),
+    "strata_optimizer_grad_scale": (c_int32, [c_void_p, c_void_p, c_float]),
+    "strata_optimizer_grad_zero": (c_int32, [c_void_p, c_void_p, c_int32]),
+    "strata_optimizer_set_param_step": (c_int32, [c_void_p, c_void_p, c_uint64]),
     "strata_optimizer_get_state": (c_int32, [c_void_p, c_void_p, c_int32, P(c_void_p)]),
     "strata_optimizer_get_stats": (c_int32, [c_void_p, P(OptimizerStats)]),
     "strata_checkpoint_save": (c_int32, [c_void_p, c_void_p, c_char_p]),

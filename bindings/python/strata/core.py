@@ -18,6 +18,7 @@ ROLES = {"weight": 0, "grad": 1, "optimizer_state": 2, "activation": 3, "other":
 FORWARD, BACKWARD = 0, 1
 VIEW_WEIGHT, VIEW_GRAD, VIEW_ACTIVATION = 0, 1, 2
 OPTIMIZERS = {"adamw": 0, "sgd": 1}
+UPDATE_MODES = {"auto": 0, "explicit": 1}
 STATES = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2, "grad_accum": 3}
 LINKS = ["h2d", "d2h", "nvme_read", "nvme_write"]
 
@@ -259,6 +260,10 @@ class Executor:
     def step_end(self):
         check(L.strata_step_end(self._handle))
 
+    def step_abort(self, stream=None):
+        """Abandon the running step (no-op without one): the next step_begin starts afresh."""
+        check(L.strata_step_abort(self._handle, stream))
+
     def acquire(self, layer, phase, stream=None, host_wait=False):
         """host_wait: block this thread until the layer's data is in HBM (for frameworks whose
         streams Strata cannot see, such as JAX); else `stream` is made to wait."""
@@ -296,9 +301,10 @@ class Executor:
 class Optimizer:
     """The runtime's optimizer (AdamW or SGD) over DRAM weights: fp32 masters and state."""
 
-    def __init__(self, runtime, kind="adamw", **hyper):
+    def __init__(self, runtime, kind="adamw", update_mode="auto", **hyper):
         config = _lib.OptimizerConfig()
         check(L.strata_optimizer_config_init(OPTIMIZERS[kind], ctypes.byref(config)))
+        config.update_mode = UPDATE_MODES[update_mode]
         for key, value in hyper.items():
             if not hasattr(config, key) or key == "struct_size":
                 raise ValueError("unknown optimizer setting %r" % key)
@@ -327,6 +333,24 @@ class Optimizer:
 
     def synchronize(self):
         check(L.strata_optimizer_synchronize(self._handle))
+
+    def grad_info(self, weight):
+        """Explicit mode: (has_grad, sum of squares, update count) of a param's held grad."""
+        info = _lib.GradInfo()
+        check(L.strata_optimizer_grad_info(self._handle, weight.handle, ctypes.byref(info)))
+        return bool(info.has_grad), info.sum_squares, info.step
+
+    def grad_read(self, weight, pointer, count):
+        check(L.strata_optimizer_grad_read(self._handle, weight.handle, pointer, count))
+
+    def grad_scale(self, weight, factor):
+        check(L.strata_optimizer_grad_scale(self._handle, weight.handle, float(factor)))
+
+    def grad_zero(self, weight, keep_zeros=False):
+        check(L.strata_optimizer_grad_zero(self._handle, weight.handle, 1 if keep_zeros else 0))
+
+    def set_param_step(self, weight, step):
+        check(L.strata_optimizer_set_param_step(self._handle, weight.handle, int(step)))
 
     def state(self, weight, kind):
         out = ctypes.c_void_p()

@@ -1,20 +1,27 @@
-"""strata.torch: train a PyTorch model larger than the GPU's memory by streaming its blocks.
+"""strata.torch: train a PyTorch model larger than the GPU's memory by streaming its blocks,
+with the semantics of plain PyTorch.
 
-    model = strata.torch.offload(model, gpu_budget=..., host_budget=..., nvme=[...])
-    opt = strata.torch.AdamW(model, lr=3e-4, weight_decay=0.1)
+    model = strata.torch.offload(model, gpu_budget=..., host_budget=...)
+    opt = strata.torch.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     for ids in batches:
         loss = model(ids, labels=ids).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
 
-The repeated blocks (model.model.layers of Hugging Face decoders such as LlamaForCausalLM and
-Qwen2ForCausalLM, or the largest nn.ModuleList) live in Strata's pinned DRAM (or NVMe); each is
-streamed into HBM for its forward pass and again for its recomputed forward and backward pass
-(activation checkpointing per block), its parameters pointing at the executor's slot memory
-through DLPack (no copy to bind them), its grads sent back to DRAM where the runtime's CPU
-optimizer updates fp32 masters while the GPU computes the blocks below. Everything else
-(embedding, final norm, head) stays resident on the device, trained by an fp32-master AdamW
-there."""
-from .offload import offload, AdamW, StrataSession  # noqa: F401
+The repeated blocks (model.model.layers of Hugging Face decoders, transformer.h of GPT-2, or
+the largest nn.ModuleList) live in Strata's pinned DRAM; each is streamed into HBM for its
+forward pass and again for its recomputed forward and backward pass (activation checkpointing
+per block, RNG-exact), its parameters pointing at the executor's slot memory through DLPack.
+Their grads go to DRAM and show as each parameter's .grad (strata.torch.StreamedGrad): norms,
+clipping, scaling and zeroing work on them as on any grad. strata.torch.AdamW is a
+torch.optim.Optimizer: at step() Strata's CPU AdamW updates the blocks' fp32 masters while the
+next forward pass runs, and torch's AdamW the resident parameters (embedding, final norm, head).
+Whole-state checkpoints: strata.torch.save_checkpoint / load_checkpoint. See docs/python.md."""
+from .offload import offload, find_blocks  # noqa: F401
+from .optim import AdamW  # noqa: F401
+from .grads import StreamedGrad  # noqa: F401
+from .session import StrataSession  # noqa: F401
+from .checkpoint import save_checkpoint, load_checkpoint  # noqa: F401
 from . import models  # noqa: F401

@@ -1,0 +1,163 @@
+"""A streamed block's forward: with grad enabled, a checkpointed autograd function (the forward
+pass saves only the block's inputs; the backward pass streams the block in again, recomputes its
+forward with the RNG and autocast state of the first run, as torch.utils.checkpoint with
+preserve_rng_state=True does, and backpropagates, sending the weight grads to Strata); without
+grad (evaluation, generate()), the block runs on weights copied in from DRAM, with any KV cache
+used as usual."""
+
+import contextlib
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..core import BACKWARD, FORWARD, VIEW_GRAD
+
+
+def _cache_types():
+    try:
+        from transformers.cache_utils import Cache
+        return (Cache,)
+    except Exception:  # transformers absent or without Cache
+        return ()
+
+
+_CACHES = _cache_types()
+
+
+def _without_caches(leaves):
+    """A KV cache in a training forward: the recomputed forward would append to it again, so
+    neither run gets it. That is exact when it holds nothing yet (training starts from no
+    past); a cache already holding keys is refused."""
+    out = []
+    for x in leaves:
+        if _CACHES and isinstance(x, _CACHES):
+            if x.get_seq_length() != 0:
+                raise RuntimeError(
+                    "strata.torch: a forward pass with grad enabled was given a KV cache that "
+                    "already holds keys; training through a cache is not supported (pass "
+                    "use_cache=False, or run generation under torch.no_grad())")
+            x = None
+        out.append(x)
+    return out
+
+
+def _autocast_state(device_type):
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _autocast(device_type, dtype):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
+
+
+class StreamedBlockFunction(torch.autograd.Function):
+    """Inputs: (session, index, run, leaves, spec, positions, box, anchor, *tensors), where
+    tensors are the tensor leaves of the block's (args, kwargs) at `positions`; the anchor, a
+    session-wide empty tensor requiring grad, keeps every block in the graph so the backward
+    pass reaches each one in order even where no input or parameter needs a grad. Returns the
+    tensor leaves of the block's output; `box` receives the output's structure."""
+
+    @staticmethod
+    def forward(ctx, session, index, run, leaves, spec, positions, box, anchor, *tensors):
+        device_type = session.device.type
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.device_rng = torch.cuda.get_rng_state(session.device) if session.cuda else None
+        ctx.autocast = _autocast_state(device_type)
+        session.begin(index, FORWARD)
+        try:
+            args, kwargs = tree_unflatten(leaves, spec)
+            out = run(*args, **kwargs)
+        except BaseException:
+            session.abort()
+            raise
+        session.end(index, FORWARD)
+        out_leaves, out_spec = tree_flatten(out)
+        out_positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
+        box.append((out_leaves, out_spec, out_positions))
+        ctx.session, ctx.index, ctx.run = session, index, run
+        ctx.leaves, ctx.spec, ctx.positions = leaves, spec, positions
+        ctx.step_id = session.step_id
+        ctx.save_for_backward(*tensors)
+        return tuple(out_leaves[i] for i in out_positions)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        session, index = ctx.session, ctx.index
+        if ctx.step_id != session.step_id or not session.in_step or \
+                session.backward_next != index:
+            raise RuntimeError(
+                "strata.torch: backward through block %d of a forward pass that is no longer "
+                "the current one. Each forward pass with grad needs its backward before the next "
+                "forward pass (several forwards into one loss, and backward twice through one "
+                "graph with retain_graph=True, are not supported: call backward per forward "
+                "pass, which accumulates the same grads)" % index)
+        session.begin(index, BACKWARD)
+        try:
+            tensors = ctx.saved_tensors
+            needs = ctx.needs_input_grad[8:]
+            inputs = [t.detach().requires_grad_(bool(n) and t.is_floating_point())
+                      for t, n in zip(tensors, needs)]
+            leaves = list(ctx.leaves)
+            for pos, t in zip(ctx.positions, inputs):
+                leaves[pos] = t
+            args, kwargs = tree_unflatten(leaves, ctx.spec)
+            devices = [session.device] if session.cuda else []
+            with torch.random.fork_rng(devices=devices, device_type=session.device.type):
+                torch.set_rng_state(ctx.cpu_rng)
+                if session.cuda:
+                    torch.cuda.set_rng_state(ctx.device_rng, session.device)
+                with torch.enable_grad(), _autocast(session.device.type, ctx.autocast):
+                    out = ctx.run(*args, **kwargs)
+            out_tensors = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+            pairs = [(o, g) for o, g in zip(out_tensors, grad_outs)
+                     if g is not None and o.requires_grad]
+            trainable = [sp for sp in session.layers[index] if sp.trainable]
+            wanted = [t for t in inputs if t.requires_grad] + [sp.param for sp in trainable]
+            grads = [None] * len(wanted)
+            if pairs and wanted:
+                grads = torch.autograd.grad([o for o, _ in pairs], wanted,
+                                            [g for _, g in pairs], allow_unused=True)
+            n_inputs = len(wanted) - len(trainable)
+            for sp, g in zip(trainable, grads[n_inputs:]):
+                if g is not None:  # the view was zeroed when the backward pass began
+                    view = torch.from_dlpack(session.executor.view(index, BACKWARD, VIEW_GRAD,
+                                                                   sp.grad_index))
+                    view.copy_(g)
+                    del view
+            input_grads = iter(grads[:n_inputs])
+            result = [next(input_grads) if t.requires_grad else None for t in inputs]
+            del out, out_tensors, pairs, grads
+        except BaseException:
+            session.abort()
+            raise
+        session.end(index, BACKWARD)
+        return (None,) * 8 + tuple(result)
+
+
+def streamed_forward(session, index, run):
+    """The forward installed on block `index`: `run` is its original forward."""
+
+    def forward(*args, **kwargs):
+        session.check_open()
+        if not torch.is_grad_enabled():
+            session.load_block(index)
+            try:
+                return run(*args, **kwargs)
+            finally:
+                session.unbind(index)
+        leaves, spec = tree_flatten((args, kwargs))
+        leaves = _without_caches(leaves)
+        positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        box = []
+        outs = StreamedBlockFunction.apply(session, index, run, leaves, spec, positions, box,
+                                           session.anchor, *[leaves[i] for i in positions])
+        out_leaves, out_spec, out_positions = box[0]
+        out_leaves = list(out_leaves)
+        for pos, t in zip(out_positions, outs):
+            out_leaves[pos] = t
+        return tree_unflatten(out_leaves, out_spec)
+
+    return forward

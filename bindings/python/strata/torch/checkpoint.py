@@ -1,0 +1,137 @@
+"""Whole-state checkpoints of an offloaded model: st.save_checkpoint / st.load_checkpoint.
+
+A checkpoint is a directory:
+    streamed/model.safetensors      the streamed blocks' weights under the model's own names
+    streamed/optimizer.safetensors  their fp32 masters, AdamW moments and update counts
+    resident.pt                     resident parameters and buffers, their optimizer state,
+                                    every param group's hyperparameters, torch's RNG states
+The streamed part is Strata's checkpoint (CRC-32C per tensor, checked on load). The whole
+directory is written as "<path>.partial" and swapped in with one renameat2(RENAME_EXCHANGE)
+(or a rename when there was none), so a crash leaves either the previous checkpoint or the new
+one, whole. Schedulers keep their own state_dict(), as in plain PyTorch."""
+
+import ctypes
+import os
+import shutil
+
+import torch
+
+FORMAT = "strata.torch/1"
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a, b):
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(_AT_FDCWD, a.encode(), _AT_FDCWD, b.encode(), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "renameat2(RENAME_EXCHANGE) %s <-> %s: %s" % (a, b, os.strerror(err)))
+
+
+def _fsync_tree(path):
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _resident_tensors(model, session):
+    """The model's parameters and persistent buffers that are not streamed, by name."""
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in session.by_id:
+            out[name] = p.detach().cpu().clone()
+    for name, b in model.named_buffers():
+        out["buffer:" + name] = b.detach().cpu().clone()
+    return out
+
+
+def _session(model):
+    session = getattr(model, "strata", None)
+    if session is None:
+        raise ValueError("strata.torch: the model is not offloaded (strata.torch.offload)")
+    session.check_open()
+    session.ensure_built()
+    if session.in_step:
+        raise RuntimeError("strata.torch: checkpoints are taken between steps (a forward pass "
+                           "is waiting for its backward)")
+    return session
+
+
+def _check_optimizer(optimizer, session):
+    if optimizer is not None and getattr(optimizer, "_session", None) is not session:
+        raise ValueError("strata.torch: the optimizer is not this model's strata.torch.AdamW")
+
+
+def save_checkpoint(path, model, optimizer=None):
+    """Save everything a resumed run needs: streamed and resident weights, all optimizer state
+    (masters, moments, per-parameter step counts, hyperparameters), and torch's RNG states.
+    Atomic: `path` holds either the previous checkpoint or this one."""
+    session = _session(model)
+    _check_optimizer(optimizer, session)
+    path = os.fspath(path).rstrip("/")
+    staging = path + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    session.runtime.save_checkpoint(os.path.join(staging, "streamed"),
+                                    session.optimizer if optimizer is not None else None)
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save({"format": FORMAT, "model": _resident_tensors(model, session),
+                "optimizer": optimizer.resident_state() if optimizer is not None else None,
+                "rng": rng}, os.path.join(staging, "resident.pt"))
+    _fsync_tree(staging)
+    if os.path.exists(path):
+        _exchange(staging, path)
+        shutil.rmtree(staging)
+    else:
+        os.rename(staging, path)
+    parent = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(parent)
+    finally:
+        os.close(parent)
+
+
+@torch.no_grad()
+def load_checkpoint(path, model, optimizer=None):
+    """Restore a checkpoint written by save_checkpoint into an offloaded model (and optimizer):
+    the next steps are bit for bit those the saved run would have taken."""
+    session = _session(model)
+    _check_optimizer(optimizer, session)
+    path = os.fspath(path).rstrip("/")
+    if not os.path.isdir(path):
+        raise FileNotFoundError("strata.torch.load_checkpoint: no checkpoint at %s" % path)
+    data = torch.load(os.path.join(path, "resident.pt"), map_location="cpu", weights_only=True)
+    if data.get("format") != FORMAT:
+        raise ValueError("strata.torch.load_checkpoint: %s is not a %s checkpoint"
+                         % (path, FORMAT))
+    if optimizer is not None and data["optimizer"] is None:
+        raise ValueError("strata.torch.load_checkpoint: %s holds no optimizer state" % path)
+    expected = _resident_tensors(model, session)
+    saved = data["model"]
+    if set(saved) != set(expected):
+        raise ValueError("strata.torch.load_checkpoint: the checkpoint's resident tensors differ "
+                         "from the model's (missing: %s; unexpected: %s)"
+                         % (sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))))
+    session.runtime.load_checkpoint(os.path.join(path, "streamed"),
+                                    session.optimizer if optimizer is not None else None)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers())
+    for name, value in saved.items():
+        target = buffers[name[len("buffer:"):]] if name.startswith("buffer:") else params[name]
+        target.copy_(value)
+    if optimizer is not None:
+        optimizer.load_resident_state(data["optimizer"])
+    torch.set_rng_state(data["rng"]["cpu"])
+    if "cuda" in data["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(data["rng"]["cuda"])

@@ -1,0 +1,145 @@
+"""StreamedGrad: the .grad of a streamed parameter. Its values live in Strata's host memory (the
+grad of the backward passes since it was last zeroed, summed in fp32), so the tensor has the
+parameter's shape, dtype and device but no storage. What PyTorch code does with grads works:
+
+- norms (torch.linalg.vector_norm, Tensor.norm, torch._foreach_norm; the 2-norm comes from
+  Strata's running sums of squares without moving data), hence
+  torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm);
+- scaling and zeroing in place (mul_, div_, zero_ and their _foreach_ forms), applied lazily in
+  Strata (clip_grad_norm_, GradScaler.unscale_-style code, zero_grad(set_to_none=False));
+- any other read (clone, allclose, indexing, arithmetic, printing) on a materialized fp32 copy
+  converted to the parameter's dtype and device.
+
+Other in-place changes raise: a streamed grad cannot be written element by element."""
+
+import torch
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+_NORMS = {aten.linalg_vector_norm.default}
+_SCALE_INPLACE = {aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar}
+_ZERO_INPLACE = {aten.zero_.default}
+_FOREACH_NORM = {aten._foreach_norm.Scalar}
+_FOREACH_SCALE = {aten._foreach_mul_.Scalar, aten._foreach_mul_.Tensor,
+                  aten._foreach_mul_.ScalarList, aten._foreach_div_.Scalar,
+                  aten._foreach_div_.Tensor, aten._foreach_div_.ScalarList}
+_FOREACH_ZERO = {aten._foreach_zero_.default}
+_PASSTHROUGH = {aten.detach.default, aten.alias.default}
+
+
+def _factor(x, i=None):
+    if isinstance(x, torch.Tensor):
+        return float(x.reshape(-1)[0] if x.numel() == 1 else x[i])
+    if isinstance(x, (list, tuple)):
+        return float(x[i])
+    return float(x)
+
+
+def _writes_streamed_grad(func, args, kwargs):
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, StreamedGrad) for v in values):
+            return True
+    return False
+
+
+class StreamedGrad(torch.Tensor):
+    @staticmethod
+    def __new__(cls, session, sp, dtype, device):
+        t = torch.Tensor._make_wrapper_subclass(cls, sp.shape, dtype=dtype, device=device,
+                                                requires_grad=False)
+        t._session, t._sp = session, sp
+        return t
+
+    def __init__(self, session, sp, dtype, device):
+        super().__init__()
+
+    @classmethod
+    def of(cls, session, sp):
+        return cls(session, sp, sp.param.dtype, sp.param.device)
+
+    def __repr__(self, *, tensor_contents=None):
+        return "StreamedGrad(%r)" % (self.materialize(),)
+
+    # --- Strata's side -------------------------------------------------------------------
+
+    def _optimizer(self):
+        self._session.check_open()
+        if id(self._sp.param) not in self._session.held:
+            raise RuntimeError("strata.torch: this grad of %r was zeroed to None; it has no "
+                               "values any more" % self._sp.name)
+        return self._session.optimizer
+
+    def materialize(self):
+        """The grad's values as an ordinary tensor (a copy)."""
+        host = torch.empty(self._sp.shape, dtype=torch.float32)
+        self._optimizer().grad_read(self._sp.weight, host.data_ptr(), host.numel())
+        return host.to(device=self.device, dtype=self.dtype)
+
+    def _norm(self, ord=2.0):
+        if float(ord) != 2.0:
+            return torch.linalg.vector_norm(self.materialize(), ord)
+        _, sum_squares, _ = self._optimizer().grad_info(self._sp.weight)
+        return torch.tensor(sum_squares ** 0.5, dtype=self.dtype, device=self.device)
+
+    def _scale(self, factor):
+        self._optimizer().grad_scale(self._sp.weight, factor)
+
+    def _zero(self):
+        self._optimizer().grad_zero(self._sp.weight, keep_zeros=True)
+
+    # --- dispatch --------------------------------------------------------------------------
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PASSTHROUGH and isinstance(args[0], StreamedGrad):
+            return args[0]
+        if func in _NORMS and isinstance(args[0], StreamedGrad):
+            ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2.0)
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", None)
+            if dim is None and not kwargs.get("dtype"):
+                return args[0]._norm(ord_)
+        if func in _SCALE_INPLACE and isinstance(args[0], StreamedGrad):
+            f = _factor(args[1])
+            args[0]._scale(1.0 / f if func in (aten.div_.Tensor, aten.div_.Scalar) else f)
+            return args[0]
+        if func in _ZERO_INPLACE and isinstance(args[0], StreamedGrad):
+            args[0]._zero()
+            return args[0]
+        if func in _FOREACH_NORM:
+            ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2.0)
+            return [t._norm(ord_) if isinstance(t, StreamedGrad)
+                    else torch.linalg.vector_norm(t, ord_) for t in args[0]]
+        if func in _FOREACH_SCALE:
+            divide = "div" in func.__name__
+            for i, t in enumerate(args[0]):
+                f = _factor(args[1], i)
+                if isinstance(t, StreamedGrad):
+                    t._scale(1.0 / f if divide else f)
+                elif divide:
+                    t.div_(f)
+                else:
+                    t.mul_(f)
+            return None
+        if func in _FOREACH_ZERO:
+            for t in args[0]:
+                if isinstance(t, StreamedGrad):
+                    t._zero()
+                else:
+                    t.zero_()
+            return None
+        if _writes_streamed_grad(func, args, kwargs):
+            raise RuntimeError(
+                "strata.torch: %s changes the grad of a streamed parameter in place; streamed "
+                "grads support mul_, div_ and zero_ (as clip_grad_norm_ and zero_grad use "
+                "them) and reading; their values live in Strata" % func.__name__)
+
+        def unwrap(x):
+            return x.materialize() if isinstance(x, StreamedGrad) else x
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))

@@ -1,0 +1,282 @@
+"""strata.torch.AdamW: torch.optim.AdamW for an offloaded model, as a real torch.optim.Optimizer.
+
+The streamed parameters are updated by Strata's CPU AdamW (fp32 masters in DRAM; the update of
+each block is queued at step() and runs while the next forward pass streams the blocks below
+it in); the resident ones (embedding, final norm, head) by torch's own AdamW on the device,
+with fp32 masters where they are not fp32. Semantics are torch.optim.AdamW's: updates happen
+at step(), from the grads as they are then (accumulated over any number of backward passes,
+clipped or scaled in between), for parameters that have a grad; per-group lr and weight_decay;
+LR schedulers, state_dict()/load_state_dict() and zero_grad(set_to_none=...) work as usual."""
+
+import torch
+from torch import nn
+
+from .grads import StreamedGrad
+
+
+def _session_of(p):
+    return getattr(p, "_strata_session", None)
+
+
+class AdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, max_grad_norm=0.0, threads=0,
+                 accumulation_steps=None):
+        if isinstance(params, nn.Module):
+            params = [p for p in params.parameters() if p.requires_grad]
+        if amsgrad or maximize or capturable or differentiable:
+            raise ValueError("strata.torch.AdamW: amsgrad, maximize, capturable and "
+                             "differentiable are not supported")
+        if accumulation_steps not in (None, 1):
+            raise ValueError(
+                "strata.torch.AdamW: accumulation_steps is gone: accumulate as in plain "
+                "PyTorch ((loss / N).backward() per micro-batch, step() and zero_grad() every "
+                "N), which Strata follows exactly")
+        if not 0.0 <= max_grad_norm:
+            raise ValueError("strata.torch.AdamW: max_grad_norm must be >= 0")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=False, maximize=False, foreach=foreach, capturable=False,
+                        differentiable=False, fused=fused)
+        super().__init__(params, defaults)
+        self.max_grad_norm = float(max_grad_norm)
+        sessions = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                s = _session_of(p)
+                if s is not None:
+                    sessions[id(s)] = s
+        if len(sessions) > 1:
+            raise ValueError("strata.torch.AdamW: the parameters belong to several offloaded "
+                             "models; use one optimizer per model")
+        self._session = next(iter(sessions.values()), None)
+        self._betas, self._eps = tuple(betas), eps
+        mine = {id(p) for g in self.param_groups for p in g["params"]}
+        if self._session is not None:
+            session = self._session
+            session.check_open()
+            if session.optimizer is not None or session.executor is not None:
+                raise RuntimeError(
+                    "strata.torch.AdamW: create the optimizer once, before the first forward "
+                    "pass with grad (the streamed blocks' optimizer state is laid out with them)")
+            for block in session.blocks:
+                for name, p in block.named_parameters():
+                    if p.requires_grad and id(p) not in mine:
+                        raise ValueError(
+                            "strata.torch.AdamW: the streamed parameter %r requires grad but is "
+                            "not among the optimizer's parameters; pass all of them (or "
+                            "requires_grad_(False) the ones to freeze)"
+                            % (session.prefixes[session.blocks.index(block)] + name))
+            group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+            session.build(dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                               weight_decay=weight_decay, threads=threads), group_of)
+        # Resident parameters: torch's AdamW on fp32 masters (the parameter itself when fp32).
+        self._resident = []  # (param, master, our group index)
+        inner_groups, self._inner_of = [], {}
+        for gi, group in enumerate(self.param_groups):
+            masters = []
+            for p in group["params"]:
+                if _session_of(p) is not None:
+                    continue
+                master = p if p.dtype == torch.float32 else \
+                    p.detach().float().clone().requires_grad_(True)
+                self._resident.append((p, master, gi))
+                masters.append(master)
+            if masters:
+                self._inner_of[gi] = len(inner_groups)
+                inner_groups.append(dict(params=masters, lr=group["lr"], betas=group["betas"],
+                                         eps=group["eps"], weight_decay=group["weight_decay"]))
+        self._inner = torch.optim.AdamW(inner_groups, foreach=foreach, fused=fused) \
+            if inner_groups else None
+
+    # --- the step ------------------------------------------------------------------------
+
+    def _streamed(self):
+        s = self._session
+        return [] if s is None or s.optimizer is None else \
+            [sp for entries in s.layers for sp in entries if sp.trainable]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        session = self._session
+        if session is not None:
+            session.check_open()
+            if session.in_step:
+                raise RuntimeError("strata.torch.AdamW.step: the forward pass's backward has "
+                                   "not run yet (call loss.backward() first)")
+            if session.optimizer is not None:
+                session.sync_grads()
+        if self.max_grad_norm > 0:
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        if session is not None and session.optimizer is not None:
+            for gi, group in enumerate(self.param_groups):
+                if tuple(group["betas"]) != self._betas or group["eps"] != self._eps:
+                    raise ValueError(
+                        "strata.torch.AdamW: betas and eps are the same for every group of "
+                        "streamed parameters (group %d has betas %s, eps %s; the optimizer "
+                        "was created with %s, %s)" % (gi, tuple(group["betas"]), group["eps"],
+                                                      self._betas, self._eps))
+                session.optimizer.set_group(gi, float(group["lr"]), float(group["weight_decay"]))
+            session.optimizer.step()
+        if self._inner is not None:
+            for gi, ii in self._inner_of.items():
+                inner, group = self._inner.param_groups[ii], self.param_groups[gi]
+                for key in ("lr", "betas", "eps", "weight_decay"):
+                    inner[key] = group[key]
+            for p, master, _ in self._resident:
+                if master is not p:
+                    master.grad = None if p.grad is None else p.grad.float()
+            self._inner.step()
+            for p, master, _ in self._resident:
+                if master is not p and p.grad is not None:
+                    p.copy_(master)
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none=set_to_none)
+        if self._session is not None and self._session.optimizer is not None:
+            self._session.sync_grads()
+
+    def synchronize(self):
+        """Wait for the streamed blocks' queued updates (reading their weights does so itself)."""
+        if self._session is not None and self._session.optimizer is not None:
+            self._session.optimizer.synchronize()
+
+    # --- state ----------------------------------------------------------------------------
+
+    def _read_state(self, sp, kind):
+        t = torch.empty(sp.shape, dtype=torch.float32)
+        self._session.optimizer.state(sp.weight, kind).read_pointer(t.data_ptr(), t.numel() * 4)
+        return t
+
+    def _write_state(self, sp, kind, value):
+        t = value.detach().to("cpu", torch.float32).contiguous()
+        if tuple(t.shape) != sp.shape:
+            raise ValueError("strata.torch.AdamW.load_state_dict: state %r of %r has shape %s, "
+                             "expected %s" % (kind, sp.name, list(t.shape), list(sp.shape)))
+        self._session.optimizer.state(sp.weight, kind).write_pointer(t.data_ptr(), t.numel() * 4)
+
+    def _filled_state(self):
+        """self.state as torch.optim.AdamW would hold it (streamed state read from Strata)."""
+        state = {}
+        for sp in self._streamed():
+            _, _, t = self._session.optimizer.grad_info(sp.weight)
+            if t == 0:
+                continue
+            entry = {"step": torch.tensor(float(t)), "exp_avg": self._read_state(sp, "exp_avg"),
+                     "exp_avg_sq": self._read_state(sp, "exp_avg_sq")}
+            if self._session.dtype != torch.float32:
+                entry["master"] = self._read_state(sp, "master")
+            state[sp.param] = entry
+        if self._inner is not None:
+            for p, master, _ in self._resident:
+                if master in self._inner.state and self._inner.state[master]:
+                    entry = dict(self._inner.state[master])
+                    if master is not p:
+                        entry["master"] = master.detach().clone()
+                    state[p] = entry
+        return state
+
+    def state_dict(self):
+        self.synchronize()
+        saved = self.state
+        try:
+            self.state = self._filled_state()
+            return super().state_dict()
+        finally:
+            self.state = saved
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        self.synchronize()
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+                len(g["params"]) != len(mine["params"])
+                for g, mine in zip(groups, self.param_groups)):
+            raise ValueError("strata.torch.AdamW.load_state_dict: the state dict's param groups "
+                             "do not match this optimizer's (counts of groups or parameters "
+                             "differ)")
+        by_index = {}
+        for g, mine in zip(groups, self.param_groups):
+            by_index.update(zip(g["params"], mine["params"]))
+            for key, value in g.items():
+                if key != "params":
+                    mine[key] = value
+        saved = {by_index[k]: v for k, v in state_dict["state"].items()}
+        if self._session is not None and self._session.optimizer is not None:
+            for sp in self._streamed():
+                entry = saved.get(sp.param)
+                if entry is None:
+                    zeros = torch.zeros(sp.shape)
+                    self._write_state(sp, "exp_avg", zeros)
+                    self._write_state(sp, "exp_avg_sq", zeros)
+                    self._session.optimizer.set_param_step(sp.weight, 0)
+                    continue
+                self._write_state(sp, "exp_avg", entry["exp_avg"])
+                self._write_state(sp, "exp_avg_sq", entry["exp_avg_sq"])
+                if "master" in entry and self._session.dtype != torch.float32:
+                    self._write_state(sp, "master", entry["master"])
+                self._session.optimizer.set_param_step(sp.weight, int(entry["step"]))
+        if self._inner is not None:
+            for p, master, _ in self._resident:
+                entry = saved.get(p)
+                self._inner.state.pop(master, None)
+                if entry is None:
+                    continue
+                inner = {}
+                for key, value in entry.items():
+                    if key == "master":
+                        master.copy_(value)
+                    elif key == "step":
+                        inner[key] = value.detach().clone().cpu().float()
+                    else:
+                        inner[key] = value.detach().to(master.device, torch.float32).clone()
+                self._inner.state[master] = inner
+
+    def resident_state(self):
+        """What a whole-state checkpoint keeps besides Strata's files: the resident parameters'
+        optimizer state (with masters) and every group's hyperparameters."""
+        state = {}
+        if self._inner is not None:
+            for k, (p, master, _) in enumerate(self._resident):
+                if master in self._inner.state and self._inner.state[master]:
+                    entry = {key: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+                             for key, v in self._inner.state[master].items()}
+                    if master is not p:
+                        entry["master"] = master.detach().cpu().clone()
+                    state[k] = entry
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"resident": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_resident_state(self, saved):
+        if len(saved["param_groups"]) != len(self.param_groups):
+            raise ValueError("strata.torch.load_checkpoint: the checkpoint's optimizer has %d "
+                             "param groups, this one %d" % (len(saved["param_groups"]),
+                                                            len(self.param_groups)))
+        for g, mine in zip(saved["param_groups"], self.param_groups):
+            mine.update(g)
+        if self._inner is None:
+            return
+        for k, (p, master, _) in enumerate(self._resident):
+            self._inner.state.pop(master, None)
+            entry = saved["resident"].get(k)
+            if entry is None:
+                continue
+            inner = {}
+            for key, value in entry.items():
+                if key == "master":
+                    master.copy_(value)
+                elif key == "step":
+                    inner[key] = value.clone()
+                else:
+                    inner[key] = value.to(master.device, torch.float32).clone()
+            self._inner.state[master] = inner
+
+
+__all__ = ["AdamW", "StreamedGrad"]

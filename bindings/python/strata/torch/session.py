@@ -1,0 +1,290 @@
+"""StrataSession: one offloaded model's runtime, registered tensors, executor, optimizer and step
+state. The blocks' parameters stay the model's own nn.Parameter objects (names, identity, hooks
+and PEFT wrappers keep working); while a block is not being computed, each parameter's data is a
+zero-stride view of one element with the parameter's real shape, dtype and device, so shapes,
+numel() and grad assignment behave as in plain PyTorch and nothing is stored twice."""
+
+import torch
+
+from .. import core
+from ..core import BACKWARD, FORWARD, VIEW_GRAD, VIEW_WEIGHT
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class StreamedParam:
+    """Where a streamed parameter lives: its block, its index there, its runtime tensors."""
+
+    __slots__ = ("param", "name", "local", "layer", "index", "weight", "grad", "grad_index",
+                 "shape")
+
+    def __init__(self, param, name, local, layer, index):
+        self.param, self.name, self.local, self.layer = param, name, local, layer
+        self.index = index
+        self.shape = tuple(param.shape)
+        self.weight = self.grad = None
+        self.grad_index = None  # among the layer's grads (trainable params only)
+
+    @property
+    def trainable(self):
+        return self.grad is not None
+
+
+_ZEROS = {}
+
+
+def placeholder(shape, dtype, device):
+    """The data of a parameter whose values live in Strata: its shape, no storage to speak of.
+    Writing into it raises (every element aliases one), so nothing can silently change it."""
+    key = (dtype, device)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros((), dtype=dtype, device=device)
+    return _ZEROS[key].expand(shape)
+
+
+class StrataSession:
+    """One offloaded model. Blocks are registered with the runtime when the optimizer is created
+    (or at the first forward pass without one), one at a time: host memory never holds the
+    model twice."""
+
+    def __init__(self, blocks, names, device, dtype, gpu_budget, host_budget, nvme, nvme_budget,
+                 backend, slot_budget=0, init=None):
+        self.blocks = blocks
+        self.device = device
+        self.dtype = dtype
+        self.cuda = device.type == "cuda"
+        self.init = init
+        self.slot_budget = slot_budget
+        self.closed = False
+        counts = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        hbm, dram = core.streaming_budgets(counts, torch.finfo(dtype).bits // 8)
+        gpu_budget = hbm if gpu_budget is None else gpu_budget
+        host_budget = dram if host_budget is None else host_budget
+        self.runtime = core.Runtime(backend=backend, hbm_budget=gpu_budget, dram_budget=host_budget,
+                                    nvme=nvme, nvme_budget=nvme_budget)
+        self.prefixes = names  # per block: its name in the model ("model.layers.3.")
+        self.layers = []  # per block: [StreamedParam] in named_parameters order
+        self.by_id = {}  # id(param) -> StreamedParam
+        self.executor = None
+        self.optimizer = None
+        self.in_step = False
+        self.step_id = 0  # advances at every step_begin: a stale backward can tell
+        self.backward_next = None  # the block whose backward the executor expects next
+        self.on_step_begin = []  # callbacks run before each step (grad sync, learning rate)
+        self.held = set()  # ids of trainable streamed params the optimizer holds a grad for
+
+    # --- registration ----------------------------------------------------------------------
+
+    def build(self, optimizer=None, group_of=None):
+        """Register every block (materializing meta blocks on the CPU first), with optimizer
+        state for trainable parameters when `optimizer` (core.Optimizer settings) is given;
+        plan; create the executor. group_of: id(param) -> optimizer group index."""
+        self.check_open()
+        if self.executor is not None:
+            raise RuntimeError("strata.torch: create the optimizer (strata.torch.AdamW) before "
+                               "the first forward pass")
+        from .offload import materialize  # the one place meta blocks get storage
+        trainable_any = any(p.requires_grad for b in self.blocks for p in b.parameters())
+        opt = None
+        if optimizer is not None and trainable_any:
+            opt = core.Optimizer(self.runtime, "adamw", update_mode="explicit", **optimizer)
+        for i, block in enumerate(self.blocks):
+            materialize(block, torch.device("cpu"), self.init)
+            entries = []
+            for k, (local, p) in enumerate(block.named_parameters()):
+                name = self.prefixes[i] + local
+                sp = StreamedParam(p, name, local, i, k)
+                sp.weight = self.runtime.register(name, p.shape, DTYPE_NAMES[self.dtype], "weight",
+                                                  "dram")
+                host = p.detach().to("cpu", self.dtype).contiguous()
+                sp.weight.write_pointer(host.data_ptr(), host.numel() * host.element_size())
+                if p.requires_grad:
+                    sp.grad = self.runtime.register(name + ".grad", p.shape,
+                                                    DTYPE_NAMES[self.dtype], "grad", "dram")
+                    if opt is not None:
+                        group = 0 if group_of is None else group_of.get(id(p), 0)
+                        opt.add_param(sp.weight, sp.grad, group)
+                        if p.dtype == torch.float32 and self.dtype != torch.float32:
+                            # The master starts from the fp32 values, not their rounded copy.
+                            values = p.detach().to("cpu").contiguous()
+                            opt.state(sp.weight, "master").write_pointer(values.data_ptr(),
+                                                                         values.numel() * 4)
+                del host
+                entries.append(sp)
+                self.by_id[id(p)] = sp
+            grads = [sp for sp in entries if sp.trainable]
+            for j, sp in enumerate(grads):
+                sp.grad_index = j
+            self.layers.append(entries)
+            # The block's parameters give their storage up: they point at slot memory while
+            # acquired and at a placeholder otherwise.
+            for sp in entries:
+                sp.param.data = placeholder(sp.shape, self.dtype, self.device)
+        self.executor = core.Executor(
+            self.runtime, [{"name": "layers.%d" % i, "weights": [sp.weight for sp in entries],
+                            "grads": [sp.grad for sp in entries if sp.trainable]}
+                           for i, entries in enumerate(self.layers)],
+            slot_budget=self.slot_budget)
+        if opt is not None:
+            opt.attach(self.executor)
+        self.optimizer = opt
+
+    def ensure_built(self):
+        self.check_open()
+        if self.executor is None:
+            self.build()
+
+    def check_open(self):
+        if self.closed:
+            raise RuntimeError("strata.torch: this model's Strata session is closed "
+                               "(model.strata.close()); offload a fresh model to train again")
+
+    # --- the step ----------------------------------------------------------------------------
+
+    def stream(self):
+        return torch.cuda.current_stream(self.device).cuda_stream if self.cuda else None
+
+    def bind(self, index, phase):
+        """Point the block's parameters at its weights in the slot (zero-copy, DLPack)."""
+        for sp in self.layers[index]:
+            sp.param.data = torch.from_dlpack(self.executor.view(index, phase, VIEW_WEIGHT,
+                                                                 sp.index))
+
+    def unbind(self, index):
+        if self.executor is None:  # evaluated before the blocks moved: their own values back
+            saved = getattr(self, "_unmoved", {})
+            for p in self.blocks[index].parameters():
+                p.data = saved.get(id(p), p.data)
+            self._unmoved = {}
+            return
+        for sp in self.layers[index]:
+            sp.param.data = placeholder(sp.shape, self.dtype, self.device)
+
+    def begin(self, index, phase):
+        if self.executor is None and any(p.requires_grad for b in self.blocks
+                                         for p in b.parameters()):
+            raise RuntimeError(
+                "strata.torch: create the optimizer (strata.torch.AdamW(model.parameters(), "
+                "...)) before the first forward pass with grad: the streamed blocks' grads live "
+                "in its state (evaluate under torch.no_grad(), or freeze the blocks)")
+        self.ensure_built()
+        if phase == FORWARD and index == 0:
+            if self.in_step:
+                # The last forward pass never got its backward (an exception after it, or a
+                # forward whose result was dropped): as in plain PyTorch, that changes nothing.
+                self.abort()
+            for callback in self.on_step_begin:
+                callback()
+            self.executor.step_begin()
+            self.in_step = True
+            self.step_id += 1
+            self.backward_next = len(self.layers) - 1
+        self.executor.acquire(index, phase, self.stream())
+        self.bind(index, phase)
+
+    def end(self, index, phase):
+        self.unbind(index)
+        self.executor.release(index, phase, self.stream())
+        if phase == BACKWARD:
+            self.backward_next = index - 1
+            if index == 0:
+                self.in_step = False
+                self.executor.step_end()
+                self.grads_landed()
+
+    def abort(self):
+        """Abandon the running step after an exception: the next forward starts a fresh one.
+        Grads of blocks whose backward finished stay, as autograd would have left them."""
+        if self.executor is None or not self.in_step:
+            return
+        self.in_step = False
+        self.backward_next = None
+        for i in range(len(self.layers)):
+            self.unbind(i)
+        self.executor.step_abort(self.stream())
+        self.grads_landed()
+
+    def grads_landed(self):
+        """After a backward pass: every trainable streamed parameter whose grads came shows
+        them as its .grad (a StreamedGrad reading them from Strata)."""
+        if self.optimizer is None:
+            return
+        from .grads import StreamedGrad
+        for entries in self.layers:
+            for sp in entries:
+                if not sp.trainable or id(sp.param) in self.held:
+                    continue
+                has, _, _ = self.optimizer.grad_info(sp.weight)
+                if has:
+                    self.held.add(id(sp.param))
+                    sp.param.grad = StreamedGrad.of(self, sp)
+
+    def sync_grads(self):
+        """Before a step or an update: a held grad the user set to None (model.zero_grad(),
+        p.grad = None) is dropped in Strata too; a tensor assigned to it is refused."""
+        from .grads import StreamedGrad
+        for pid in list(self.held):
+            sp = self.by_id[pid]
+            g = sp.param.grad
+            if g is None:
+                self.optimizer.grad_zero(sp.weight, keep_zeros=False)
+                self.held.discard(pid)
+            elif not isinstance(g, StreamedGrad) or g._sp is not sp:
+                raise RuntimeError(
+                    "strata.torch: the .grad of streamed parameter %r was replaced by another "
+                    "tensor; streamed grads live in Strata: scale them in place (mul_, div_), "
+                    "zero them (zero_grad) or set them to None" % sp.name)
+        for entries in self.layers:
+            for sp in entries:
+                if sp.trainable and id(sp.param) not in self.held and sp.param.grad is not None:
+                    raise RuntimeError(
+                        "strata.torch: a tensor was assigned to the .grad of streamed parameter "
+                        "%r; streamed grads come from backward passes only" % sp.name)
+
+    def load_block(self, index):
+        """For evaluation without grads: the block's weights copied from DRAM (no executor).
+        Before the blocks move into Strata (no optimizer yet), their own values, on the device."""
+        self.check_open()
+        if self.executor is None:
+            self._unmoved = {id(p): p.data for p in self.blocks[index].parameters()}
+            for p in self.blocks[index].parameters():
+                p.data = p.data.to(self.device)
+            return
+        if self.optimizer is not None:
+            self.optimizer.synchronize()  # updates still running would be read half-done
+        for sp in self.layers[index]:
+            host = torch.empty(sp.shape, dtype=self.dtype)
+            sp.weight.read_pointer(host.data_ptr(), host.numel() * host.element_size())
+            sp.param.data = host.to(self.device)
+
+    def read_weight(self, sp):
+        """A streamed parameter's current values (after any running update), on the CPU."""
+        self.ensure_built()
+        if self.optimizer is not None:
+            self.optimizer.synchronize()
+        host = torch.empty(sp.shape, dtype=self.dtype)
+        sp.weight.read_pointer(host.data_ptr(), host.numel() * host.element_size())
+        return host
+
+    def write_weight(self, sp, values):
+        """Set a streamed parameter (weight and, when trained, its fp32 master)."""
+        self.ensure_built()
+        if self.in_step:
+            raise RuntimeError("strata.torch: weights can be loaded between steps only")
+        if self.optimizer is not None:
+            self.optimizer.synchronize()
+        if tuple(values.shape) != sp.shape:
+            raise ValueError("strata.torch: %r has shape %s, the value given has %s"
+                             % (sp.name, list(sp.shape), list(values.shape)))
+        host = values.detach().to("cpu", self.dtype).contiguous()
+        sp.weight.write_pointer(host.data_ptr(), host.numel() * host.element_size())
+        if sp.trainable and self.optimizer is not None and self.dtype != torch.float32:
+            master = values.detach().to("cpu", torch.float32).contiguous()
+            self.optimizer.state(sp.weight, "master").write_pointer(master.data_ptr(),
+                                                                     master.numel() * 4)
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        self.runtime.close()
