@@ -1,0 +1,578 @@
+"""strata.jax.Trainer: train any JAX model whose repeated blocks stream through Strata.
+
+The user gives the model as three pure functions and two pytrees:
+
+    embed_fn(residents, batch) -> hidden | (hidden, extras)   # before the blocks
+    block_fn(block_params, hidden, *extras) -> hidden          # one block, repeated
+    loss_fn(residents, hidden, batch) -> scalar loss           # after the blocks
+
+blocks: the blocks' parameters, stacked (one pytree whose leaves carry a leading layer axis,
+as for jax.lax.scan) or listed (a list of pytrees of one structure); residents: any pytree of
+arrays kept on the device and trained by any optax GradientTransformation. The blocks' leaves
+live in Strata's DRAM (or NVMe) and are trained by Strata's CPU AdamW (strata.jax.AdamW: fp32
+masters, param groups, learning rates as floats, callables or optax schedules), each block
+updated as soon as its grads land. See docs/python.md."""
+import json
+import os
+import shutil
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import core
+from ..core import BACKWARD, FORWARD, VIEW_GRAD, VIEW_WEIGHT
+
+# The dtypes Strata's optimizer trains (working copies and grads; masters are fp32).
+_DTYPE_NAMES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16",
+                jnp.dtype(jnp.float16): "float16"}
+_SUPPORTED = "float32, bfloat16 or float16"
+_FORMAT = "strata.jax/1"
+
+
+def _path_name(path):
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts) or "param"
+
+
+def _is_array(x):
+    return isinstance(x, (np.ndarray, jax.Array)) or (
+        hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "__array__"))
+
+
+def _check_leaf(where, name, leaf, inexact=True):
+    if not _is_array(leaf):
+        raise TypeError("strata.jax: %s leaf %r is a %s, not an array: every leaf must be a "
+                        "jax or numpy array (pass constants through embed_fn's extras or close "
+                        "over them in the function)" % (where, name, type(leaf).__name__))
+    if inexact and not jnp.issubdtype(leaf.dtype, jnp.inexact):
+        raise TypeError("strata.jax: %s leaf %r has dtype %s: trainable leaves must be floating "
+                        "point (pass integer or boolean constants through embed_fn's extras "
+                        "or close over them)" % (where, name, leaf.dtype))
+
+
+def _lookup(value, step):
+    """A float, or a callable of the number of updates done so far (an optax schedule)."""
+    if callable(value):
+        value = value(step)
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError("strata.jax: a learning rate or weight decay must be a float or a "
+                        "callable step -> float (such as an optax schedule); got %r" % (value,))
+
+
+class AdamW:
+    """Strata's CPU AdamW for the streamed blocks: fp32 masters and m, v in DRAM, decoupled
+    weight decay (optax.adamw's and torch's), each block updated as soon as its grads land.
+
+    learning_rate, weight_decay: floats or callables of the step (the number of updates done
+    before this one, as optax schedules take it). groups: param groups, a list of dicts
+    {"params": filter, "learning_rate": ..., "weight_decay": ...}; filter is a callable of a
+    block leaf's name ("attn_norm", "mlp.w_up": its path inside one block, dot-joined) or a
+    collection of names; a leaf takes the first group whose filter matches, else the defaults.
+    Missing keys take the defaults. threads: CPU threads (0: the runtime's choice)."""
+
+    def __init__(self, learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4,
+                 groups=(), threads=0):
+        self.learning_rate, self.weight_decay = learning_rate, weight_decay
+        self.b1, self.b2, self.eps, self.threads = b1, b2, eps, threads
+        self.groups = []
+        for g in groups:
+            unknown = set(g) - {"params", "learning_rate", "weight_decay"}
+            if unknown or "params" not in g:
+                raise ValueError("strata.jax.AdamW: a group is a dict with 'params' (a filter) "
+                                 "and optionally 'learning_rate', 'weight_decay'; got keys %s"
+                                 % sorted(g))
+            self.groups.append(dict(g))
+
+    def group_of(self, name):
+        for i, g in enumerate(self.groups):
+            f = g["params"]
+            if (f(name) if callable(f) else name in f):
+                return i + 1
+        return 0
+
+    def hyper(self, group, step):
+        """(lr, weight_decay) of a group at `step`."""
+        g = self.groups[group - 1] if group > 0 else {}
+        return (_lookup(g.get("learning_rate", self.learning_rate), step),
+                _lookup(g.get("weight_decay", self.weight_decay), step))
+
+
+def _normalize_embed(out):
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (tuple, list)):
+        return out[0], tuple(out[1])
+    if isinstance(out, (tuple, list)):
+        raise TypeError("strata.jax: embed_fn must return hidden or (hidden, extras) with extras "
+                        "a tuple; got a %s of %d" % (type(out).__name__, len(out)))
+    return out, ()
+
+
+class Trainer:
+    """Train a JAX model whose blocks stream through Strata (see the module's docstring).
+
+    block_fn(block_params, hidden, *extras) -> hidden; blocks: stacked or listed block params
+    (stacked=None decides: a list or tuple is listed, anything else stacked); residents: a
+    pytree of arrays on the device; embed_fn(residents, batch) -> hidden or (hidden, extras);
+    loss_fn(residents, hidden, batch) -> scalar. optimizer: an optax GradientTransformation for
+    the residents (None: they stay frozen); block_optimizer: a strata.jax.AdamW. dtype: the
+    compute dtype of the streamed weights (None: each leaf's own; float32, bfloat16 or float16;
+    fp32 masters either way, initialized from fp32 values where given). backend: "cuda" or
+    "host" (None: cuda when JAX's default device is a GPU). Budgets in bytes (None: from the
+    model's size); nvme: paths for the NVMe tier."""
+
+    def __init__(self, block_fn, blocks, residents=None, *, embed_fn, loss_fn, optimizer=None,
+                 block_optimizer=None, stacked=None, dtype=None, gpu_budget=None,
+                 host_budget=None, nvme=None, backend=None, slot_budget=0):
+        self.block_fn, self.embed_fn, self.loss_fn = block_fn, embed_fn, loss_fn
+        self.block_optimizer = block_optimizer if block_optimizer is not None else AdamW()
+        if not isinstance(self.block_optimizer, AdamW):
+            raise TypeError("strata.jax: block_optimizer must be a strata.jax.AdamW (Strata's "
+                            "CPU optimizer updates the streamed blocks); use `optimizer` for an "
+                            "optax transformation of the resident parameters")
+        self.dtype = None if dtype is None else jnp.dtype(dtype)
+        if self.dtype is not None and self.dtype not in _DTYPE_NAMES:
+            raise TypeError("strata.jax: dtype %s is not supported: streamed weights are %s"
+                            % (self.dtype, _SUPPORTED))
+        self.device = jax.devices()[0]
+        if backend is None:
+            backend = "cuda" if self.device.platform == "gpu" else "host"
+        self.stacked = not isinstance(blocks, (list, tuple)) if stacked is None else stacked
+        per_layer = self._split_blocks(blocks)  # list of lists of numpy leaves
+        self.layers = len(per_layer)
+        itemsize = max(self._dtype_of(a).itemsize for a in per_layer[0])
+        hbm, dram = core.streaming_budgets([sum(int(a.size) for a in leaves)
+                                            for leaves in per_layer], itemsize)
+        self.runtime = core.Runtime(backend=backend,
+                                    hbm_budget=hbm if gpu_budget is None else gpu_budget,
+                                    dram_budget=dram if host_budget is None else host_budget,
+                                    nvme=nvme)
+        try:
+            self._register(per_layer, slot_budget)
+            del per_layer
+            self._init_residents(residents, optimizer)
+        except BaseException:
+            self.runtime.close()
+            raise
+        self.step_count = 0
+        self._compile()
+
+    # -- construction --------------------------------------------------------------------
+    def _dtype_of(self, leaf):
+        return self.dtype if self.dtype is not None else jnp.dtype(leaf.dtype)
+
+    def _split_blocks(self, blocks):
+        """Validate the blocks and return one list of numpy leaves per layer; sets the block
+        treedef and leaf names."""
+        if self.stacked:
+            flat, self.treedef = jax.tree_util.tree_flatten_with_path(blocks)
+            if not flat:
+                raise ValueError("strata.jax: the stacked block params have no arrays")
+            names = [_path_name(p) for p, _ in flat]
+            for name, (_, leaf) in zip(names, flat):
+                _check_leaf("block", name, leaf)
+                if leaf.ndim < 1:
+                    raise ValueError("strata.jax: stacked block leaf %r is a scalar: stacked "
+                                     "leaves carry the layer axis first (or pass a list of "
+                                     "blocks)" % name)
+            counts = {leaf.shape[0] for _, leaf in flat}
+            if len(counts) != 1:
+                raise ValueError("strata.jax: stacked block leaves disagree on the layer count "
+                                 "(leading axis): %s" % {n: l.shape[0] for n, (_, l) in
+                                                         zip(names, flat)})
+            hosts = [np.asarray(leaf) for _, leaf in flat]
+            per_layer = [[h[i] for h in hosts] for i in range(counts.pop())]
+        else:
+            if len(blocks) == 0:
+                raise ValueError("strata.jax: no blocks")
+            flat0, self.treedef = jax.tree_util.tree_flatten_with_path(blocks[0])
+            if not flat0:
+                raise ValueError("strata.jax: block 0 has no arrays")
+            names = [_path_name(p) for p, _ in flat0]
+            per_layer = []
+            for i, block in enumerate(blocks):
+                flat, treedef = jax.tree_util.tree_flatten_with_path(block)
+                these = [_path_name(p) for p, _ in flat]
+                if treedef != self.treedef:
+                    extra = sorted(set(these) - set(names))
+                    missing = sorted(set(names) - set(these))
+                    raise ValueError(
+                        "strata.jax: block %d's structure differs from block 0's (every block "
+                        "must hold the same leaves): %s%s" % (
+                            i, ("extra leaves %s " % extra) if extra else "",
+                            ("missing leaves %s" % missing) if missing else
+                            "(%s vs %s)" % (treedef, self.treedef)))
+                for name, (_, leaf) in zip(these, flat):
+                    _check_leaf("block %d" % i, name, leaf)
+                per_layer.append([np.asarray(leaf) for _, leaf in flat])
+        if len(set(names)) != len(names):
+            raise ValueError("strata.jax: block leaf names collide: %s" % names)
+        self.names = names
+        for name, leaf in zip(names, per_layer[0]):
+            d = self._dtype_of(leaf)
+            if d not in _DTYPE_NAMES:
+                raise TypeError("strata.jax: block leaf %r has dtype %s: streamed weights are %s "
+                                "(cast them, or pass dtype=)" % (name, d, _SUPPORTED))
+        self.shapes = [[a.shape for a in leaves] for leaves in per_layer]
+        self.leaf_dtypes = [self._dtype_of(a) for a in per_layer[0]]
+        for i, leaves in enumerate(per_layer):
+            for name, a, d in zip(names, leaves, self.leaf_dtypes):
+                if self._dtype_of(a) != d:
+                    raise TypeError("strata.jax: block %d leaf %r is %s, block 0's is %s"
+                                    % (i, name, a.dtype, d))
+        return per_layer
+
+    def _register(self, per_layer, slot_budget):
+        opt = self.block_optimizer
+        self.optimizer = core.Optimizer(self.runtime, "adamw", lr=_lookup(opt.learning_rate, 0),
+                                        weight_decay=_lookup(opt.weight_decay, 0), beta1=opt.b1,
+                                        beta2=opt.b2, eps=opt.eps, threads=opt.threads)
+        self.leaf_groups = [opt.group_of(n) for n in self.names]
+        self.weights, self.grads = [], []
+        for i, leaves in enumerate(per_layer):
+            ws, gs = [], []
+            for name, value, d, group in zip(self.names, leaves, self.leaf_dtypes,
+                                             self.leaf_groups):
+                full = "layers.%d.%s" % (i, name)
+                w = self.runtime.register(full, value.shape, _DTYPE_NAMES[d], "weight")
+                g = self.runtime.register(full + ".grad", value.shape, _DTYPE_NAMES[d], "grad")
+                working = np.ascontiguousarray(value.astype(d))
+                w.write_pointer(working.ctypes.data, working.nbytes)
+                self.optimizer.add_param(w, g, group=group)
+                if value.dtype == np.float32 and d != jnp.float32:
+                    # The master starts from the fp32 values, not their rounded copy.
+                    master = np.ascontiguousarray(value)
+                    self.optimizer.state(w, "master").write_pointer(master.ctypes.data,
+                                                                    master.nbytes)
+                ws.append(w)
+                gs.append(g)
+            self.weights.append(ws)
+            self.grads.append(gs)
+        self._slot_budget = slot_budget
+        self.executor = None
+        self._new_executor()
+
+    def _new_executor(self):
+        if self.executor is not None:
+            old, self.executor = self.executor, None
+            old.close()  # waits for its transfers; detaches the optimizer
+            if old in self.runtime._owned:
+                self.runtime._owned.remove(old)
+        ex = core.Executor(self.runtime, [{"name": "layers.%d" % i, "weights": ws, "grads": gs}
+                                          for i, (ws, gs) in enumerate(zip(self.weights,
+                                                                           self.grads))],
+                           slot_budget=self._slot_budget)
+        self.optimizer.attach(ex)
+        self.executor = ex
+
+    def _init_residents(self, residents, optimizer):
+        residents = {} if residents is None else residents
+        for path, leaf in jax.tree_util.tree_flatten_with_path(residents)[0]:
+            _check_leaf("resident", _path_name(path), leaf, inexact=optimizer is not None)
+        self.residents = jax.device_put(residents, self.device)
+        self.resident_optimizer = optimizer
+        self.opt_state = optimizer.init(self.residents) if optimizer is not None else None
+
+    def _compile(self):
+        block_fn, embed_fn, loss_fn = self.block_fn, self.embed_fn, self.loss_fn
+        treedef = self.treedef
+
+        def merge(diff, const, mask):
+            it_d, it_c = iter(diff), iter(const)
+            return [next(it_d) if m else next(it_c) for m in mask]
+
+        def call_block(leaves, x, diff, const, mask, extras_def):
+            extras = jax.tree_util.tree_unflatten(extras_def, merge(diff, const, mask))
+            return block_fn(jax.tree_util.tree_unflatten(treedef, leaves), x, *extras)
+
+        self._forward = jax.jit(call_block, static_argnums=(4, 5))
+
+        def backward(leaves, x, diff, const, g, acc, mask, extras_def):
+            _, vjp = jax.vjp(lambda l, x_, d: call_block(l, x_, d, const, mask, extras_def),
+                             leaves, x, diff)
+            g_l, g_x, g_d = vjp(g)
+            return g_l, g_x, [a + b for a, b in zip(acc, g_d)]
+
+        self._backward = jax.jit(backward, static_argnums=(6, 7))
+
+        def embed(r, batch):
+            hidden, extras = _normalize_embed(embed_fn(r, batch))
+            return hidden, extras
+
+        self._embed = jax.jit(embed)
+        self._head = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
+        self._loss = jax.jit(loss_fn)
+        opt = self.resident_optimizer
+
+        def finish(r, opt_state, batch, g_head, g_x, g_diff, mask):
+            # The embedding's backward (recomputed), the residents' grads, their optax update.
+            def f(r_):
+                hidden, extras = embed(r_, batch)
+                leaves = jax.tree_util.tree_leaves(extras)
+                return hidden, [e for e, m in zip(leaves, mask) if m]
+
+            _, vjp = jax.vjp(f, r)
+            (g_embed,) = vjp((g_x, list(g_diff)))
+            grads = jax.tree_util.tree_map(jnp.add, g_head, g_embed)
+            if opt is None:
+                return r, opt_state
+            updates, opt_state = opt.update(grads, opt_state, r)
+            r = jax.tree_util.tree_map(
+                lambda p, u: jnp.asarray(p + u).astype(jnp.asarray(p).dtype), r, updates)
+            return r, opt_state
+
+        self._finish = jax.jit(finish, static_argnums=(6,))
+
+    # -- the step ------------------------------------------------------------------------
+    def _bind(self, layer, phase):
+        return [jax.dlpack.from_dlpack(self.executor.view(layer, phase, VIEW_WEIGHT, k))
+                for k in range(len(self.names))]
+
+    def _prepare(self, batch, what):
+        for leaf in jax.tree_util.tree_leaves(batch):
+            if isinstance(leaf, jax.core.Tracer):
+                raise TypeError(self._in_trace_message(what))
+        hidden, extras = self._embed(self.residents, batch)
+        if any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(hidden)):
+            raise TypeError(self._in_trace_message(what))
+        leaves, extras_def = jax.tree_util.tree_flatten(extras)
+        mask = tuple(bool(jnp.issubdtype(jnp.asarray(e).dtype, jnp.inexact)) for e in leaves)
+        diff = [e for e, m in zip(leaves, mask) if m]
+        const = [e for e, m in zip(leaves, mask) if not m]
+        return hidden, diff, const, mask, extras_def
+
+    @staticmethod
+    def _in_trace_message(what):
+        return ("strata.jax.Trainer.%s cannot run inside jax.jit, grad or vmap: it drives "
+                "Strata's executor from the host between XLA programs (each block's program "
+                "is jitted already). Call it outside any transformation." % what)
+
+    def step(self, batch):
+        """One training step on `batch` (any pytree: it is passed to embed_fn and loss_fn).
+        Returns the loss (a float). A step that raises leaves the trainer usable: before any
+        block's grads were released, nothing was updated; after (an interrupt mid-backward),
+        the blocks whose grads were released were updated and the step is not counted."""
+        if self.runtime._handle is None:
+            raise ValueError("strata.jax: the trainer is closed")
+        hidden, diff, const, mask, extras_def = self._prepare(batch, "step")
+        for group in range(len(self.block_optimizer.groups) + 1):
+            self.optimizer.set_group(group, *self.block_optimizer.hyper(group, self.step_count))
+        ex = self.executor
+        released = 0
+        live = None
+        ex.step_begin()
+        try:
+            inputs, x = [], hidden
+            for layer in range(self.layers):
+                # JAX's streams are not visible to Strata: wait here for the layer's data, and
+                # let JAX finish with the slot before releasing it.
+                ex.acquire(layer, FORWARD, host_wait=True)
+                p = self._bind(layer, FORWARD)
+                inputs.append(x)
+                x = live = self._forward(p, x, diff, const, mask, extras_def)
+                jax.block_until_ready(x)
+                del p
+                ex.release(layer, FORWARD)
+            loss, (g_head, g_x) = self._head(self.residents, x, batch)
+            acc = [jnp.zeros_like(d) for d in diff]
+            for layer in reversed(range(self.layers)):
+                ex.acquire(layer, BACKWARD, host_wait=True)
+                p = self._bind(layer, BACKWARD)
+                g_p, g_x, acc = live = self._backward(p, inputs[layer], diff, const, g_x, acc,
+                                                      mask, extras_def)
+                jax.block_until_ready(live)
+                for k, g in enumerate(g_p):
+                    ex.write_view(layer, BACKWARD, VIEW_GRAD, k, g.unsafe_buffer_pointer(),
+                                  g.nbytes)
+                del p, g_p
+                live = None
+                ex.release(layer, BACKWARD)
+                released += 1
+                inputs[layer] = None
+            ex.step_end()
+        except BaseException:
+            self._abort(live, released)
+            raise
+        self.residents, self.opt_state = self._finish(self.residents, self.opt_state, batch,
+                                                      g_head, g_x, acc, mask)
+        self.step_count += 1
+        return float(loss)
+
+    def _abort(self, live, released):
+        """A step raised: let JAX finish with the slots, then replace the executor (whose step
+        cannot be completed without feeding the optimizer zero grads)."""
+        try:
+            if live is not None:
+                jax.block_until_ready(live)
+        except Exception:
+            pass
+        self._new_executor()
+        if released:
+            warnings.warn("strata.jax: the step failed after %d block(s) released their grads: "
+                          "those blocks were updated with this step's grads; the step is not "
+                          "counted" % released, RuntimeWarning, stacklevel=3)
+
+    # -- evaluation and parameters -------------------------------------------------------
+    def _read_layer(self, layer, masters=False):
+        out = []
+        for w, shape, d in zip(self.weights[layer], self.shapes[layer], self.leaf_dtypes):
+            t = self.optimizer.state(w, "master") if masters else w
+            host = np.empty(shape, np.float32 if masters else d)
+            t.read_pointer(host.ctypes.data, host.nbytes)
+            out.append(host)
+        return out
+
+    def evaluate(self, batch):
+        """The loss on `batch` without grads or updates: each block's weights are read from
+        DRAM (after running updates finish), not streamed by the executor."""
+        hidden, diff, const, mask, extras_def = self._prepare(batch, "evaluate")
+        self.optimizer.synchronize()
+        x = hidden
+        for layer in range(self.layers):
+            p = [jax.device_put(a, self.device) for a in self._read_layer(layer)]
+            x = self._forward(p, x, diff, const, mask, extras_def)
+        return float(self._loss(self.residents, x, batch))
+
+    def get_params(self, masters=False):
+        """(blocks, residents): the blocks as numpy arrays in the form they were given (stacked
+        or listed), in the compute dtype (masters=True: the fp32 masters), and the residents."""
+        self.optimizer.synchronize()
+        layers = [self._read_layer(i, masters) for i in range(self.layers)]
+        if self.stacked:
+            blocks = jax.tree_util.tree_unflatten(
+                self.treedef, [np.stack([layers[i][k] for i in range(self.layers)])
+                               for k in range(len(self.names))])
+        else:
+            blocks = [jax.tree_util.tree_unflatten(self.treedef, leaves) for leaves in layers]
+        return blocks, self.residents
+
+    def set_params(self, blocks=None, residents=None):
+        """Replace the blocks' weights (and fp32 masters) and/or the residents, keeping the
+        optimizer state. Same form, structure, shapes as given at construction."""
+        if blocks is not None:
+            per_layer = self._split_blocks_like(blocks)
+            self.optimizer.synchronize()
+            for ws, leaves in zip(self.weights, per_layer):
+                for w, value, d in zip(ws, leaves, self.leaf_dtypes):
+                    working = np.ascontiguousarray(value.astype(d))
+                    w.write_pointer(working.ctypes.data, working.nbytes)
+                    if d != jnp.float32:
+                        master = np.ascontiguousarray(value.astype(np.float32))
+                        self.optimizer.state(w, "master").write_pointer(master.ctypes.data,
+                                                                        master.nbytes)
+        if residents is not None:
+            new, old = jax.tree_util.tree_structure(residents), \
+                jax.tree_util.tree_structure(self.residents)
+            if new != old:
+                raise ValueError("strata.jax.set_params: the residents' structure differs: "
+                                 "%s vs %s" % (new, old))
+            for a, b in zip(jax.tree_util.tree_leaves(residents),
+                            jax.tree_util.tree_leaves(self.residents)):
+                if tuple(a.shape) != tuple(b.shape):
+                    raise ValueError("strata.jax.set_params: a resident's shape %s differs from "
+                                     "%s" % (a.shape, b.shape))
+            self.residents = jax.device_put(
+                jax.tree_util.tree_map(lambda a, b: jnp.asarray(a, b.dtype), residents,
+                                       self.residents), self.device)
+
+    def _split_blocks_like(self, blocks):
+        stacked = not isinstance(blocks, (list, tuple))
+        if stacked != self.stacked:
+            raise ValueError("strata.jax.set_params: give the blocks %s, as at construction"
+                             % ("stacked" if self.stacked else "as a list"))
+        saved = (self.treedef, self.names, self.shapes, self.leaf_dtypes)
+        try:
+            per_layer = self._split_blocks(blocks)
+            if (self.treedef, self.names, self.shapes) != saved[:3]:
+                raise ValueError("strata.jax.set_params: the blocks' structure or shapes differ "
+                                 "from the trainer's")
+        finally:
+            self.treedef, self.names, self.shapes, self.leaf_dtypes = saved
+        return per_layer
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _jax_leaves(self):
+        return jax.tree_util.tree_leaves((self.residents, self.opt_state))
+
+    def save(self, path):
+        """Save the whole training state to the directory `path`: the blocks' weights, fp32
+        masters and AdamW state (Strata's checkpoint, in path/strata: safetensors), the
+        residents, the optax state and the step count (path/jax.npz). Written to
+        "<path>.partial" and renamed into place, so a crash leaves the previous one whole."""
+        path = os.fspath(path)
+        tmp = path + ".partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        self.runtime.save_checkpoint(os.path.join(tmp, "strata"), self.optimizer)
+        leaves = [np.asarray(a) for a in self._jax_leaves()]
+        meta = {"format": _FORMAT, "step": self.step_count, "layers": self.layers,
+                "names": self.names,
+                "leaves": [[str(a.dtype), list(a.shape)] for a in leaves]}
+        arrays = {"leaf%d" % i: np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                  for i, a in enumerate(leaves)}
+        arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+        with open(os.path.join(tmp, "jax.npz"), "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        old = path + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path):
+        """Load a checkpoint that save() wrote, from a trainer of the same model and
+        optimizers: resumes bit for bit. Everything is checked before anything is written."""
+        path = os.fspath(path)
+        with np.load(os.path.join(path, "jax.npz")) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            raw = [z["leaf%d" % i] for i in range(len(meta["leaves"]))]
+        if meta.get("format") != _FORMAT:
+            raise ValueError("strata.jax.load: %s is not a strata.jax checkpoint" % path)
+        if meta["layers"] != self.layers or meta["names"] != self.names:
+            raise ValueError("strata.jax.load: the checkpoint's blocks (%d layers of %s) are "
+                             "not this trainer's (%d of %s)" % (meta["layers"], meta["names"],
+                                                                 self.layers, self.names))
+        template, treedef = jax.tree_util.tree_flatten((self.residents, self.opt_state))
+        if len(template) != len(raw):
+            raise ValueError("strata.jax.load: the checkpoint holds %d resident and optax state "
+                             "arrays, this trainer %d (another resident model or optimizer?)"
+                             % (len(raw), len(template)))
+        values = []
+        for i, (t, (dtype, shape), r) in enumerate(zip(template, meta["leaves"], raw)):
+            t = np.asarray(t)
+            if str(t.dtype) != dtype or list(t.shape) != shape:
+                raise ValueError("strata.jax.load: resident/optax array %d is %s%s in the "
+                                 "checkpoint, %s%s here" % (i, dtype, shape, t.dtype,
+                                                            list(t.shape)))
+            values.append(r.view(t.dtype).reshape(t.shape))
+        self.runtime.load_checkpoint(os.path.join(path, "strata"), self.optimizer)
+        tree = jax.tree_util.tree_unflatten(treedef, values)
+        self.residents, self.opt_state = jax.device_put(tree, self.device)
+        self.step_count = meta["step"]
+
+    def synchronize(self):
+        """Wait for the blocks' running updates."""
+        self.optimizer.synchronize()
+
+    def close(self):
+        self.runtime.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,288 @@
+"""strata.jax.Trainer (the general API) against plain JAX + optax on the CPU (host backend):
+the same model, init and data give the same losses and final parameters to 1e-5 relative with
+the blocks streamed through Strata (its CPU AdamW) and the residents trained by optax; plus
+param groups and schedules, eval, get/set of params, whole-state checkpoints that resume bit
+for bit, and a trainer that stays usable after errors."""
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+
+import strata.jax as sj  # noqa: E402
+from strata.jax import models  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+CONFIG = models.PRESETS["tiny"]
+LR, WD = 3e-3, 0.1
+
+
+def batches(n, seed=0, shape=(4, 32)):
+    rng = np.random.default_rng(seed)
+    pair = [rng.integers(0, CONFIG.vocab_size, shape, dtype=np.int32) for _ in range(2)]
+    return [pair[i % 2] for i in range(n)]
+
+
+# The Llama-style model of strata.jax.models as the three functions the Trainer takes.
+def embed_fn(r, ids):
+    x = r["embed"][ids]
+    return x, models.rotary(CONFIG, ids.shape[1], x.dtype)
+
+
+def block_fn(p, x, cos, sin):
+    return models.block_forward(CONFIG, p, x, cos, sin)
+
+
+def loss_fn(r, x, ids):
+    return models.head_loss(CONFIG, r, x, ids)
+
+
+def plain_loss(params, ids):
+    x, extras = embed_fn(params["res"], ids)
+    for p in params["blocks"]:
+        x = block_fn(p, x, *extras)
+    return loss_fn(params["res"], x, ids)
+
+
+def plain_train(loss, params, opt, data):
+    """Plain JAX: one jitted step over all parameters, optax over all of them."""
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state, batch):
+        value, g = jax.value_and_grad(loss)(params, batch)
+        updates, state = opt.update(g, state, params)
+        return value, optax.apply_updates(params, updates), state
+
+    losses = []
+    for batch in data:
+        value, params, state = step(params, state, batch)
+        losses.append(float(value))
+    return losses, params
+
+
+def llama_params(seed=0):
+    blocks, residents = models.init_params(CONFIG, seed=seed)
+    return ([{k: jnp.asarray(v) for k, v in b.items()} for b in blocks],
+            {k: jnp.asarray(v) for k, v in residents.items()})
+
+
+def llama_trainer(blocks, residents, lr=LR, **kw):
+    return sj.Trainer(block_fn, blocks, residents, embed_fn=embed_fn, loss_fn=loss_fn,
+                      optimizer=optax.adamw(lr, weight_decay=WD),
+                      block_optimizer=sj.AdamW(lr, weight_decay=WD), **kw)
+
+
+def assert_close(expected, got, rtol=1e-5, what=""):
+    for (path, e), g in zip(jax.tree_util.tree_leaves_with_path(expected),
+                            jax.tree_util.tree_leaves(got)):
+        e, g = np.asarray(e, np.float64), np.asarray(g, np.float64)
+        err = np.linalg.norm(e - g) / max(np.linalg.norm(e), 1e-30)
+        assert err <= rtol, (what, jax.tree_util.keystr(path), err)
+
+
+def assert_losses(expected, got, rtol=1e-5):
+    assert len(expected) == len(got)
+    for e, g in zip(expected, got):
+        assert abs(e - g) <= rtol * abs(e), (expected, got)
+
+
+def test_listed_blocks_match_plain_jax_optax():
+    blocks, residents = llama_params()
+    data = batches(6)
+    expected, final = plain_train(plain_loss, {"blocks": blocks, "res": residents},
+                                  optax.adamw(LR, weight_decay=WD), data)
+    with llama_trainer(blocks, residents) as trainer:
+        got = [trainer.step(ids) for ids in data]
+        assert expected[-1] < expected[0] - 0.1
+        assert_losses(expected, got)
+        got_blocks, got_res = trainer.get_params()
+        assert_close(final["blocks"], got_blocks, what="blocks")
+        assert_close(final["res"], got_res, what="residents")
+        assert trainer.optimizer.stats()["step"] == len(data) == trainer.step_count
+        # Eval without grads: the loss of the trained parameters, nothing updated.
+        ids = data[0]
+        assert abs(trainer.evaluate(ids) - float(plain_loss(final, ids))) <= 1e-5 * expected[0]
+        assert trainer.optimizer.stats()["step"] == len(data)
+        # set_params: the plain run's parameters in, the plain loss out.
+        trainer.set_params(blocks, residents)
+        assert abs(trainer.evaluate(ids) - expected[0]) <= 1e-5 * expected[0]
+
+
+# A model that is not the Llama: stacked block params (a nested pytree with a leading layer
+# axis, as jax.lax.scan takes them), a learned extra (its grads flow back through every block
+# into the residents) and an integer mask among the extras; a warmup-cosine schedule and a
+# param group without weight decay.
+H, LAYERS = 32, 3
+
+
+def mlp_params(seed=0):
+    rng = np.random.default_rng(seed)
+    n = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32) * 0.2)  # noqa: E731
+    blocks = {"mlp": {"w1": n(LAYERS, H, 2 * H), "b1": n(LAYERS, 2 * H)}, "w2": n(LAYERS, 2 * H, H)}
+    residents = {"inp": n(8, H), "gate": n(H), "out": n(H, 1)}
+    return blocks, residents
+
+
+def mlp_embed(r, batch):
+    x = batch["x"] @ r["inp"]
+    return x, (jnp.tanh(r["gate"]), batch["mask"])
+
+
+def mlp_block(p, x, gate, mask):
+    h = jnp.tanh(x @ p["mlp"]["w1"] + p["mlp"]["b1"])
+    return x + jnp.where(mask[:, None] > 0, (h @ p["w2"]) * gate, 0.0)
+
+
+def mlp_loss(r, x, batch):
+    return jnp.mean((x @ r["out"] - batch["y"]) ** 2)
+
+
+def mlp_plain_loss(params, batch):
+    x, extras = mlp_embed(params["res"], batch)
+    x, _ = jax.lax.scan(lambda x, p: (mlp_block(p, x, *extras), None), x, params["blocks"])
+    return mlp_loss(params["res"], x, batch)
+
+
+def mlp_data(n):
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(n):
+        out.append({"x": rng.standard_normal((16, 8), np.float32),
+                    "y": rng.standard_normal((16, 1), np.float32),
+                    "mask": (rng.random(16) > 0.2).astype(np.int32)})
+    return out
+
+
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 8)
+
+
+def no_bias_decay(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not jax.tree_util.keystr(path).endswith("['b1']"), params)
+
+
+def mlp_trainer(blocks, residents, **kw):
+    return sj.Trainer(mlp_block, blocks, residents, embed_fn=mlp_embed, loss_fn=mlp_loss, **kw,
+                      optimizer=optax.adamw(SCHEDULE, weight_decay=WD, mask=no_bias_decay),
+                      block_optimizer=sj.AdamW(SCHEDULE, weight_decay=WD, groups=[
+                          {"params": lambda name: name.endswith("b1"), "weight_decay": 0.0}]))
+
+
+def test_stacked_blocks_schedule_groups_match_plain_jax_optax():
+    blocks, residents = mlp_params()
+    data = mlp_data(8)
+    expected, final = plain_train(
+        mlp_plain_loss, {"blocks": blocks, "res": residents},
+        optax.adamw(SCHEDULE, weight_decay=WD, mask=no_bias_decay), data)
+    with mlp_trainer(blocks, residents) as trainer:
+        assert trainer.names == ["mlp.b1", "mlp.w1", "w2"]
+        got = [trainer.step(b) for b in data]
+        assert expected[-1] < expected[0]
+        assert_losses(expected, got)
+        got_blocks, got_res = trainer.get_params()
+        assert got_blocks["w2"].shape == (LAYERS, 2 * H, H)
+        assert_close(final["blocks"], got_blocks, what="blocks")
+        assert_close(final["res"], got_res, what="residents")
+
+
+def test_checkpoint_resumes_bit_for_bit(tmp_path):
+    blocks, residents = mlp_params()
+    data = mlp_data(6)
+    with mlp_trainer(blocks, residents) as a:
+        for b in data[:3]:
+            a.step(b)
+        a.save(tmp_path / "ckpt")
+        a.save(tmp_path / "ckpt")  # replaces the previous one
+        rest = [a.step(b) for b in data[3:]]
+        a_blocks, a_res = a.get_params(masters=True)
+        a_state = a.opt_state
+    other_blocks, other_res = mlp_params(seed=5)
+    with mlp_trainer(other_blocks, other_res) as b:
+        b.load(tmp_path / "ckpt")
+        assert b.step_count == 3
+        assert [b.step(x) for x in data[3:]] == rest
+        b_blocks, b_res = b.get_params(masters=True)
+        for x, y in zip(jax.tree_util.tree_leaves((a_blocks, a_res, a_state)),
+                        jax.tree_util.tree_leaves((b_blocks, b_res, b.opt_state))):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_bf16_and_fp16_blocks_train():
+    blocks, residents = mlp_params()
+    data = mlp_data(4)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        with mlp_trainer(blocks, residents, dtype=dtype) as trainer:
+            losses = [trainer.step(b) for b in data]
+            assert np.all(np.isfinite(losses)) and losses[3] < losses[0], (dtype, losses)
+            got, _ = trainer.get_params()
+            assert got["w2"].dtype == dtype
+            masters, _ = trainer.get_params(masters=True)
+            assert masters["w2"].dtype == np.float32
+            # The masters started from the fp32 values, not their rounding.
+            assert not np.array_equal(masters["w2"], np.asarray(got["w2"], np.float32))
+    # Leaves already in fp16 (no dtype given) keep it.
+    half = jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), blocks)
+    with mlp_trainer(half, residents) as trainer:
+        assert np.isfinite(trainer.step(data[0]))
+        assert trainer.get_params()[0]["mlp"]["w1"].dtype == jnp.float16
+
+
+def test_unsupported_leaves_and_dtypes_raise_clearly():
+    blocks, residents = llama_params()
+    bad = [dict(b) for b in blocks]
+    bad[2]["extra"] = jnp.ones(3)
+    with pytest.raises(ValueError, match=r"block 2.*extra leaves \['extra'\]"):
+        llama_trainer(bad, residents)
+    bad = [dict(b, step=jnp.zeros((), jnp.int32)) for b in blocks]
+    with pytest.raises(TypeError, match="'step' has dtype int32"):
+        llama_trainer(bad, residents)
+    bad = [dict(b, name="layer") for b in blocks]
+    with pytest.raises(TypeError, match="'name' is a str, not an array"):
+        llama_trainer(bad, residents)
+    bad = [dict(b, wq=np.asarray(b["wq"], np.float64)) for b in blocks]
+    with pytest.raises(TypeError, match="float64"):
+        llama_trainer(bad, residents)
+    with pytest.raises(TypeError, match="dtype int8 is not supported"):
+        llama_trainer(blocks, residents, dtype=jnp.int8)
+    stacked, res = mlp_params()
+    stacked["w2"] = stacked["w2"][:2]
+    with pytest.raises(ValueError, match="layer count"):
+        mlp_trainer(stacked, res)
+    with pytest.raises(TypeError, match="learning rate"):
+        sj.Trainer(block_fn, blocks, residents, embed_fn=embed_fn, loss_fn=loss_fn,
+                   block_optimizer=sj.AdamW("fast"))
+
+
+def test_errors_leave_the_trainer_usable():
+    blocks, residents = llama_params()
+    data = batches(3)
+    with llama_trainer(blocks, residents) as fresh:
+        expected = [fresh.step(ids) for ids in data]
+    traces = {"n": 0, "fail_at": {1, 2}}
+
+    def flaky_block(p, x, cos, sin):
+        traces["n"] += 1
+        if traces["n"] in traces["fail_at"]:
+            raise RuntimeError("boom %d" % traces["n"])
+        return block_fn(p, x, cos, sin)
+
+    trainer = sj.Trainer(flaky_block, blocks, residents, embed_fn=embed_fn, loss_fn=loss_fn,
+                         optimizer=optax.adamw(LR, weight_decay=WD),
+                         block_optimizer=sj.AdamW(LR, weight_decay=WD))
+    with trainer:
+        with pytest.raises(RuntimeError, match="boom 1"):  # the forward pass's first trace
+            trainer.step(data[0])
+        traces["fail_at"] = {3}  # the next step's forward traces (2), then its backward (3)
+        with pytest.raises(RuntimeError, match="boom 3"):
+            trainer.step(data[0])
+        # Inside jax.jit: a clear error, with the batch traced or closed over.
+        with pytest.raises(TypeError, match="inside jax.jit"):
+            jax.jit(trainer.step)(data[0])
+        with pytest.raises(TypeError, match="inside jax.jit"):
+            jax.jit(lambda: trainer.step(data[0]))()
+        with pytest.raises(TypeError, match="inside jax.jit"):
+            jax.grad(lambda ids: trainer.evaluate(ids))(data[0].astype(np.float32))
+        assert trainer.step_count == 0 and trainer.optimizer.stats()["step"] == 0
+        assert_losses(expected, [trainer.step(ids) for ids in data], rtol=0)
