@@ -26,9 +26,10 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 python_missing=()
 # torch, transformers, jax: the main job (examples/train.py), strata.torch, strata.jax and their
-# tests; optax: the plain JAX reference of strata.jax's tests (and its residents' optimizers). PyPI's torch wheel brings the CUDA libraries (GBs): installed once into the
-# environment, skipped when present.
-for m in pytest matplotlib numpy safetensors torch transformers jax optax; do
+# tests; optax: the plain JAX reference of strata.jax's tests (and its residents' optimizers);
+# peft: the LoRA case of strata.torch's parity tests. PyPI's torch wheel brings the CUDA
+# libraries (GBs): installed once into the environment, skipped when present.
+for m in pytest matplotlib numpy safetensors torch transformers jax optax peft; do
   "$venv/bin/python" -c "import $m" 2>/dev/null || python_missing+=("$m")
 done
 if ((${#python_missing[@]} > 0)); then
