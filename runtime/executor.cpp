@@ -84,6 +84,7 @@ Status Executor::create(std::shared_ptr<Runtime> runtime, Plan plan,
 Executor::~Executor() {
   // Copies may still target the slots or read the homes: let them land first.
   (void)wait_all_outstanding();
+  if (in_step_) runtime_->note_step(false);
   if (hooks_) hooks_->on_executor_destroyed();
   if (slots_reserved_) runtime_->release_hbm(slots_offset_);
   for (TensorId id : pinned_) runtime_->unpin(id);
@@ -129,6 +130,7 @@ Status Executor::step_begin() {
                  sequence_.size() - cursor_, " layer passes of this step not yet run)");
   }
   in_step_ = true;
+  runtime_->note_step(true);
   cursor_ = 0;
   issued_ = 0;
   ready_.assign(sequence_.size(), Ready{});
@@ -142,6 +144,7 @@ Status Executor::step_begin() {
     Status s = hooks_->on_step_begin();
     if (!s.is_ok()) {
       in_step_ = false;
+      runtime_->note_step(false);
       return s;
     }
   }
@@ -172,22 +175,30 @@ Status Executor::step_end() {
   {
     std::lock_guard lock(mutex_);
     if (!in_step_) return error(Code::kInvalidState, "step_end without step_begin");
-    if (acquired_ || cursor_ != sequence_.size()) {
+    if (acquired_ || acquiring_ || cursor_ != sequence_.size()) {
       const StepPosition& p = sequence_[std::min(cursor_, sequence_.size() - 1)];
       return error(Code::kInvalidState, "step_end before the step finished: layer ", p.layer, " (",
                    phase_name(p.phase), ") is ",
-                   acquired_ ? "acquired and not released" : "still to run");
+                   acquired_    ? "acquired and not released"
+                   : acquiring_ ? "being acquired"
+                                : "still to run");
     }
     for (Slot& s : slots_) {
       if (s.outbound) outbound.push_back(s.outbound);
     }
     in_step_ = false;
+    runtime_->note_step(false);
     ++stats_.steps;
   }
   // Grads must have landed in DRAM when the step ends: the optimizer reads them next.
   for (auto& f : outbound) STRATA_RETURN_IF_ERROR(f->host_wait());
   STRATA_RETURN_IF_ERROR(resolve_copies());
   return resolve_waits();
+}
+
+bool Executor::in_step() {
+  std::lock_guard lock(mutex_);
+  return in_step_;
 }
 
 Status Executor::resolve_copies() {
@@ -469,9 +480,10 @@ Status Executor::acquire(uint32_t layer, Phase phase, void* stream, Wait wait, L
   {
     std::lock_guard lock(mutex_);
     STRATA_RETURN_IF_ERROR(check_position(layer, phase, "acquire"));
-    if (acquired_) {
+    if (acquired_ || acquiring_) {
       return error(Code::kInvalidState, "acquire of layer ", layer, " (", phase_name(phase),
-                   ") while it is already acquired: release it first");
+                   acquired_ ? ") while it is already acquired: release it first"
+                             : ") while another acquire of it is waiting for its data");
     }
     STRATA_RETURN_IF_ERROR(issue_loads(static_cast<long>(cursor_)));
     Ready& ready = ready_[cursor_];
@@ -495,8 +507,20 @@ Status Executor::acquire(uint32_t layer, Phase phase, void* stream, Wait wait, L
         waits.insert(waits.end(), list->begin(), list->end());
       }
     }
-    acquired_ = true;
+    // Acquired only once the waits below succeed: a failed load (DATA_CORRUPTION, IO) leaves
+    // the layer unacquired, so a retry waits again (and fails again) and a release is refused,
+    // instead of the step going on with a slot whose weights never landed.
+    acquiring_ = true;
   }
+  Status waited = wait_for_layer(layer, phase, stream, wait, std::move(waits));
+  std::lock_guard lock(mutex_);
+  acquiring_ = false;
+  if (waited.is_ok()) acquired_ = true;
+  return waited;
+}
+
+Status Executor::wait_for_layer(uint32_t layer, Phase phase, void* stream, Wait wait,
+                                std::vector<std::shared_ptr<DeviceFence>> waits) {
   // Duplicates (tensors sharing a chunk) cost one cudaStreamWaitEvent each: cheap, but skip.
   std::sort(waits.begin(), waits.end());
   waits.erase(std::unique(waits.begin(), waits.end()), waits.end());
