@@ -1,4 +1,5 @@
 // C ABI: layer graph, plan and executor.
+#include <cmath>
 #include <cstdio>
 
 #include "lib/abi_support.h"
@@ -129,8 +130,12 @@ STRATA_API strata_status_t strata_plan_create(strata_graph_t* graph,
     pc.device_flops_per_second = c.device_flops_per_second;
     pc.max_prefetch_depth = c.max_prefetch_depth;
     if (c.chunk_bytes != 0) pc.chunk_bytes = c.chunk_bytes;
-    if (c.h2d_bytes_per_second < 0 || c.d2h_bytes_per_second < 0 || c.device_flops_per_second < 0) {
-      return error(Code::kInvalidArgument, "link speeds and device_flops_per_second must be >= 0");
+    // `!(x >= 0)` also catches NaN, which every comparison with a plain `< 0` lets through.
+    if (!(c.h2d_bytes_per_second >= 0) || !(c.d2h_bytes_per_second >= 0) ||
+        !(c.device_flops_per_second >= 0) || std::isinf(c.h2d_bytes_per_second) ||
+        std::isinf(c.d2h_bytes_per_second) || std::isinf(c.device_flops_per_second)) {
+      return error(Code::kInvalidArgument,
+                   "link speeds and device_flops_per_second must be finite and >= 0");
     }
     auto plan = std::make_unique<strata_plan>();
     plan->runtime = graph->runtime;

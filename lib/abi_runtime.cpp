@@ -27,6 +27,7 @@ STRATA_API strata_status_t strata_runtime_config_init(strata_runtime_config_t* c
     *config = strata_runtime_config_t{};
     config->struct_size = STRATA_RUNTIME_CONFIG_STRUCT_SIZE;
     config->device_backend = STRATA_DEVICE_BACKEND_AUTO;
+    config->nvme_checksums = 1;  // integrity by default
     return Status::ok();
   });
 }

@@ -19,8 +19,7 @@ STRATA_API strata_status_t strata_trace_start(strata_runtime_t* runtime,
       STRATA_RETURN_IF_ERROR(
           read_struct(config, STRATA_TRACE_CONFIG_STRUCT_SIZE, "strata_trace_config_t", &c));
     }
-    runtime->impl->tracer().start(c.ring_capacity);
-    return Status::ok();
+    return runtime->impl->tracer().start(c.ring_capacity);
   });
 }
 

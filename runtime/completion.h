@@ -44,11 +44,15 @@ class Completion {
     return done_ ? status_ : Status(Code::kNotReady, "");
   }
 
-  // timeout_ms < 0 waits without limit.
+  // Timeouts of this many milliseconds (about 100 years) or more wait without limit: the
+  // deadline in nanoseconds would overflow steady_clock's 64-bit count (INT64_MAX ms did).
+  static constexpr int64_t kUnboundedMs = 100ll * 365 * 24 * 3600 * 1000;
+
+  // timeout_ms < 0 (or >= kUnboundedMs) waits without limit.
   Status wait(int64_t timeout_ms) const {
     std::unique_lock lock(mutex_);
     auto finished = [&] { return done_; };
-    if (timeout_ms < 0) {
+    if (timeout_ms < 0 || timeout_ms >= kUnboundedMs) {
       cv_.wait(lock, finished);
     } else if (!cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), finished)) {
       return error(Code::kTimeout, "event not complete after ", timeout_ms, " ms");

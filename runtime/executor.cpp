@@ -84,6 +84,7 @@ Status Executor::create(std::shared_ptr<Runtime> runtime, Plan plan,
 Executor::~Executor() {
   // Copies may still target the slots or read the homes: let them land first.
   (void)wait_all_outstanding();
+  if (in_step_) runtime_->note_step(false);
   if (hooks_) hooks_->on_executor_destroyed();
   if (slots_reserved_) runtime_->release_hbm(slots_offset_);
   for (TensorId id : pinned_) runtime_->unpin(id);
@@ -129,6 +130,7 @@ Status Executor::step_begin() {
                  sequence_.size() - cursor_, " layer passes of this step not yet run)");
   }
   in_step_ = true;
+  runtime_->note_step(true);
   cursor_ = 0;
   issued_ = 0;
   ready_.assign(sequence_.size(), Ready{});
@@ -142,6 +144,7 @@ Status Executor::step_begin() {
     Status s = hooks_->on_step_begin();
     if (!s.is_ok()) {
       in_step_ = false;
+      runtime_->note_step(false);
       return s;
     }
   }
@@ -172,16 +175,19 @@ Status Executor::step_end() {
   {
     std::lock_guard lock(mutex_);
     if (!in_step_) return error(Code::kInvalidState, "step_end without step_begin");
-    if (acquired_ || cursor_ != sequence_.size()) {
+    if (acquired_ || acquiring_ || cursor_ != sequence_.size()) {
       const StepPosition& p = sequence_[std::min(cursor_, sequence_.size() - 1)];
       return error(Code::kInvalidState, "step_end before the step finished: layer ", p.layer, " (",
                    phase_name(p.phase), ") is ",
-                   acquired_ ? "acquired and not released" : "still to run");
+                   acquired_    ? "acquired and not released"
+                   : acquiring_ ? "being acquired"
+                                : "still to run");
     }
     for (Slot& s : slots_) {
       if (s.outbound) outbound.push_back(s.outbound);
     }
     in_step_ = false;
+    runtime_->note_step(false);
     ++stats_.steps;
     if (hooks_) hooks_->on_step_end();
   }
@@ -200,6 +206,10 @@ Status Executor::step_abort(void* stream) {
   {
     std::lock_guard lock(mutex_);
     if (!in_step_) return Status::ok();
+    if (acquiring_) {
+      return error(Code::kInvalidState,
+                   "step_abort while another thread is acquiring a layer: abort after it returns");
+    }
     if (acquired_) {
       // The caller's stream may still be computing on the slot: the next load into it waits
       // for this point, exactly as after a release, but nothing leaves the slot.
@@ -215,10 +225,16 @@ Status Executor::step_abort(void* stream) {
       for (auto& f : s.activation_ready) outbound.push_back(f);
     }
     in_step_ = false;
+    runtime_->note_step(false);
     cursor_ = sequence_.size();
     if (hooks_) hooks_->on_step_aborted();
   }
   return finish_step(std::move(outbound));
+}
+
+bool Executor::in_step() {
+  std::lock_guard lock(mutex_);
+  return in_step_;
 }
 
 Status Executor::resolve_copies() {
@@ -500,9 +516,10 @@ Status Executor::acquire(uint32_t layer, Phase phase, void* stream, Wait wait, L
   {
     std::lock_guard lock(mutex_);
     STRATA_RETURN_IF_ERROR(check_position(layer, phase, "acquire"));
-    if (acquired_) {
+    if (acquired_ || acquiring_) {
       return error(Code::kInvalidState, "acquire of layer ", layer, " (", phase_name(phase),
-                   ") while it is already acquired: release it first");
+                   acquired_ ? ") while it is already acquired: release it first"
+                             : ") while another acquire of it is waiting for its data");
     }
     STRATA_RETURN_IF_ERROR(issue_loads(static_cast<long>(cursor_)));
     Ready& ready = ready_[cursor_];
@@ -526,8 +543,20 @@ Status Executor::acquire(uint32_t layer, Phase phase, void* stream, Wait wait, L
         waits.insert(waits.end(), list->begin(), list->end());
       }
     }
-    acquired_ = true;
+    // Acquired only once the waits below succeed: a failed load (DATA_CORRUPTION, IO) leaves
+    // the layer unacquired, so a retry waits again (and fails again) and a release is refused,
+    // instead of the step going on with a slot whose weights never landed.
+    acquiring_ = true;
   }
+  Status waited = wait_for_layer(layer, phase, stream, wait, std::move(waits));
+  std::lock_guard lock(mutex_);
+  acquiring_ = false;
+  if (waited.is_ok()) acquired_ = true;
+  return waited;
+}
+
+Status Executor::wait_for_layer(uint32_t layer, Phase phase, void* stream, Wait wait,
+                                std::vector<std::shared_ptr<DeviceFence>> waits) {
   // Duplicates (tensors sharing a chunk) cost one cudaStreamWaitEvent each: cheap, but skip.
   std::sort(waits.begin(), waits.end());
   waits.erase(std::unique(waits.begin(), waits.end()), waits.end());

@@ -51,6 +51,8 @@ class Executor {
   // the step's copies are done. Grads already queued (layers whose backward was released)
   // still land and reach the optimizer, as a framework's autograd would have accumulated them.
   Status step_abort(void* stream);
+  // Between step_begin and step_end (checkpoints of the runtime's tensors refuse to run then).
+  bool in_step();
   // How acquire waits for the layer's data: the stream (device-side), not at all (the caller
   // uses wait_tensor() per tensor), or the calling thread (for frameworks whose streams Strata
   // cannot see, such as XLA's).
@@ -83,6 +85,9 @@ class Executor {
 
   Executor(std::shared_ptr<Runtime> runtime, Plan plan);
   Status check_position(uint32_t layer, Phase phase, const char* verb) const;
+  // acquire's waits for the layer's data, without mutex_ (except to record trace waits).
+  Status wait_for_layer(uint32_t layer, Phase phase, void* stream, Wait wait,
+                        std::vector<std::shared_ptr<DeviceFence>> waits);
   // check_position, and the layer is the acquired one.
   Status check_acquired(uint32_t layer, Phase phase, const char* verb) const;
   unsigned char* slot_base(uint32_t slot) const;
@@ -143,6 +148,7 @@ class Executor {
   std::vector<std::shared_ptr<DeviceFence>> activations_out_;  // per layer, forward outbound
   bool in_step_ = false;
   bool acquired_ = false;
+  bool acquiring_ = false;  // an acquire is waiting for its layer's data (without mutex_)
   std::size_t cursor_ = 0;  // the position to acquire next
   std::size_t issued_ = 0;  // positions whose loads are queued
   ExecutorStats stats_;

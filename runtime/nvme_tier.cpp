@@ -111,11 +111,7 @@ class NvmeTier::Worker {
   std::thread thread_;
 };
 
-Status NvmeTier::create(const NvmeOptions& options, std::shared_ptr<DeviceBackend> device,
-                        std::pair<void*, uint64_t> dram, const HostMemoryOptions& staging_memory,
-                        AccountCopy account, std::unique_ptr<NvmeTier>* out,
-                        IoRequestHook on_request) {
-  if (options.paths.empty()) return error(Code::kInvalidArgument, "no nvme paths given");
+Status NvmeTier::check_io_options(const NvmeOptions& options) {
   if (options.block_size < kAlignment || options.block_size % kAlignment != 0 ||
       options.block_size > (1u << 30)) {
     return error(Code::kInvalidArgument, "io_block_size ", options.block_size,
@@ -125,13 +121,23 @@ Status NvmeTier::create(const NvmeOptions& options, std::shared_ptr<DeviceBacken
     return error(Code::kInvalidArgument, "io_queue_depth ", options.queue_depth,
                  " must be between 1 and 4096");
   }
+  return Status::ok();
+}
+
+Status NvmeTier::create(const NvmeOptions& options, std::shared_ptr<DeviceBackend> device,
+                        std::pair<void*, uint64_t> dram, const HostMemoryOptions& staging_memory,
+                        AccountCopy account, std::unique_ptr<NvmeTier>* out,
+                        IoRequestHook on_request) {
+  if (options.paths.empty()) return error(Code::kInvalidArgument, "no nvme paths given");
+  STRATA_RETURN_IF_ERROR(check_io_options(options));
   std::unique_ptr<NvmeTier> tier(new NvmeTier());
   tier->options_ = options;
   tier->device_ = std::move(device);
   tier->account_ = std::move(account);
   const uint64_t n = options.paths.size();
   const uint64_t block = options.block_size;
-  const uint64_t stripes = (options.budget + block * n - 1) / (block * n);
+  // Without `budget + block * n - 1`, which wraps for a budget near 2^64.
+  const uint64_t stripes = options.budget / (block * n) + (options.budget % (block * n) != 0);
   tier->file_size_ = std::max<uint64_t>(stripes, 1) * block;
   STRATA_RETURN_IF_ERROR(open_storage_files(options.paths, tier->file_size_, &tier->files_));
   tier->extents_ = std::make_unique<Arena>("nvme", options.budget, kAlignment);
@@ -429,6 +435,7 @@ void NvmeTier::read_to_device(std::string tensor, unsigned char* device, uint64_
 
 Status NvmeTier::read_range(const std::string& tensor, uint64_t extent, uint64_t len,
                             const Checksums* crcs, uint64_t offset, void* dst, uint64_t bytes) {
+  std::shared_lock lock(range_mutex_);
   AlignedBuffer buf(options_.block_size);
   if (buf.data() == nullptr) return error(Code::kOutOfMemory, "no memory for a read buffer");
   auto* out = static_cast<unsigned char*>(dst);
@@ -445,7 +452,7 @@ Status NvmeTier::read_range(const std::string& tensor, uint64_t extent, uint64_t
 
 Status NvmeTier::write_range(const std::string& tensor, uint64_t extent, uint64_t len,
                              Checksums* crcs, uint64_t offset, const void* src, uint64_t bytes) {
-  std::lock_guard lock(range_write_mutex_);
+  std::unique_lock lock(range_mutex_);
   AlignedBuffer buf(options_.block_size);
   if (buf.data() == nullptr) return error(Code::kOutOfMemory, "no memory for a write buffer");
   const auto* in = static_cast<const unsigned char*>(src);

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -48,6 +49,10 @@ class NvmeTier {
   using Done = std::function<void(Status)>;
   // Reports device copies the staged transfers make, for the runtime's link counters.
   using AccountCopy = std::function<void(Link, uint64_t bytes, uint64_t busy_ns)>;
+
+  // io_block_size and io_queue_depth in range: checked at every runtime create, with an NVMe
+  // tier or without one.
+  static Status check_io_options(const NvmeOptions& options);
 
   // `dram` is the pinned DRAM arena (registered as fixed buffers); staging buffers are mapped
   // and pinned here with `staging_memory`.
@@ -151,7 +156,10 @@ class NvmeTier {
   uint64_t staging_bytes_ = 0;
   unsigned char* to_disk_slots_ = nullptr;
   unsigned char* from_disk_slots_ = nullptr;
-  std::mutex range_write_mutex_;  // read-modify-write of pieces is serialized
+  // strata_tensor_read/write of NVMe tensors: a write (read-modify-write of pieces, then their
+  // checksums) excludes every other range access; reads share. Without it a read could see a
+  // piece half-rewritten, or the new bytes with the old checksum: a false DATA_CORRUPTION.
+  std::shared_mutex range_mutex_;
   std::unique_ptr<Worker> to_disk_;
   std::unique_ptr<Worker> from_disk_;
 };

@@ -9,6 +9,7 @@
 namespace strata {
 
 Status Runtime::create(const RuntimeOptions& options, std::shared_ptr<Runtime>* out) {
+  STRATA_RETURN_IF_ERROR(NvmeTier::check_io_options(options.nvme));
   const uint64_t nvme_budget = options.budgets[static_cast<int>(Tier::kNvme)];
   if (nvme_budget != 0 && options.nvme.paths.empty()) {
     return error(Code::kInvalidArgument, "nvme_budget_bytes is ", nvme_budget,
@@ -39,6 +40,16 @@ Status Runtime::create(const RuntimeOptions& options, std::shared_ptr<Runtime>* 
   }
   uint64_t dram = options.budgets[static_cast<int>(Tier::kDram)];
   if (dram == 0) dram = kDefaultDramBudget;
+  if (device.kind == DeviceKind::kHost) {
+    // The simulated device's memory is host memory too: both arenas must fit in what the host
+    // has, or a tensor touching the last pages is an OOM kill instead of an error now.
+    const uint64_t available = host_available_memory();
+    if (available != 0 && (hbm > available || dram > available - hbm)) {
+      return error(Code::kOutOfMemory, "hbm_budget_bytes ", hbm, " (simulated in host memory) and ",
+                   "dram_budget_bytes ", dram, " exceed the ", available,
+                   " bytes of host memory available (MemAvailable)");
+    }
+  }
 
   // HBM: 256-byte blocks (CUDA's alignment). DRAM: 4 KiB blocks, so any block can go to and
   // from NVMe with O_DIRECT as it is.
@@ -58,6 +69,10 @@ Status Runtime::create(const RuntimeOptions& options, std::shared_ptr<Runtime>* 
   if (nvme_budget != 0) {
     NvmeOptions nvme = options.nvme;
     nvme.budget = Arena::round_up(nvme_budget, NvmeTier::kAlignment);
+    if (nvme.budget == 0) {
+      return error(Code::kInvalidArgument, "nvme_budget_bytes ", nvme_budget,
+                   " overflows when rounded to the 4 KiB alignment");
+    }
     Runtime* raw = runtime.get();  // the tier is owned by the runtime and stopped before it
     STRATA_RETURN_IF_ERROR(NvmeTier::create(
         nvme, backend, {regions[1]->base(), regions[1]->size()}, dram_memory,
@@ -211,8 +226,9 @@ Status Runtime::copy_io(TensorId id, uint64_t offset, uint64_t bytes, const char
                    "': a move of it is in flight; wait on its event first");
     }
     if (offset > t->nbytes || bytes > t->nbytes - offset) {
-      return error(Code::kInvalidArgument, "cannot ", verb, " tensor '", t->spec.name, "': bytes [",
-                   offset, ", ", offset + bytes, ") exceed its size of ", t->nbytes);
+      // offset + bytes may wrap: say it as a length, not as an end offset.
+      return error(Code::kInvalidArgument, "cannot ", verb, " tensor '", t->spec.name, "': ", bytes,
+                   " bytes at offset ", offset, " exceed its size of ", t->nbytes);
     }
     ++t->io_count;  // keeps it in place while the copy runs without the lock
     snapshot = *t;

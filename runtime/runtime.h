@@ -121,6 +121,10 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   // Measures H2D and D2H with 64 MiB copies (or less, as the arenas allow), device-timed.
   Status measure_links(double* h2d_bytes_per_second, double* d2h_bytes_per_second);
   Status measure_nvme_read(double* bytes_per_second);
+  // Executors of this runtime inside a step (step_begin .. step_end): their weights are being
+  // streamed and updated, so checkpoints refuse to save or load (kInvalidState) until it is 0.
+  void note_step(bool begun) { steps_in_progress_.fetch_add(begun ? 1 : -1); }
+  int steps_in_progress() const { return steps_in_progress_.load(); }
 
  private:
   explicit Runtime(std::shared_ptr<DeviceBackend> backend) : backend_(std::move(backend)) {}
@@ -157,6 +161,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   std::size_t in_flight_ = 0;
   bool shut_down_ = false;
   std::array<LinkCounters, kLinkCount> links_{};
+  std::atomic<int> steps_in_progress_{0};
 };
 
 }  // namespace strata

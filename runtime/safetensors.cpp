@@ -21,13 +21,17 @@ namespace strata::safetensors {
 
 namespace {
 
-// ordered_json keeps the header's key order: it breaks ties between 0-byte tensors that share an
-// offset, so a file reads back in exactly the order it was written.
-using Json = nlohmann::ordered_json;
+// A plain (tree-backed) json: ordered_json's linear key lookup made parsing a header of n keys
+// take O(n^2) time. The header's key order, which breaks ties between 0-byte tensors sharing an
+// offset, is recorded while parsing instead (parse_json).
+using Json = nlohmann::json;
 
 // The reference implementation's cap; it keeps a corrupt length from allocating gigabytes.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 constexpr uint64_t kLengthBytes = 8;
+// Caps on what a header may declare, so that a hostile one costs bounded time and memory: a
+// tensor's entry is nested 3 deep (root, entry, shape), and nothing needs more.
+constexpr int kMaxDepth = 3;
 constexpr std::string_view kMetadataKey = "__metadata__";
 constexpr std::string_view kCrcPrefix = "crc32c.";
 // Not hex, so a header whose placeholders were never replaced is rejected even if a torn write
@@ -111,51 +115,133 @@ bool parse_hex8(std::string_view s, uint32_t* out) {
   return ec == std::errc() && end == s.data() + s.size();
 }
 
-// The JSON of a header, unpadded. Without crcs the checksums are placeholders of the same length,
-// so the final header fits exactly where the first one was written. Throws on invalid UTF-8.
+// A JSON string literal. Throws (nlohmann's type_error) on invalid UTF-8.
+std::string json_string(std::string_view text) {
+  return Json(std::string(text)).dump(-1, ' ', false, Json::error_handler_t::strict);
+}
+
+// The JSON of a header, unpadded, written out directly in one pass (linear in the tensors).
+// Without crcs the checksums are placeholders of the same length, so the final header fits
+// exactly where the first one was written. Throws on invalid UTF-8.
 std::string header_json(const std::vector<TensorInfo>& tensors,
                         const std::map<std::string, std::string>& metadata,
                         const std::vector<uint32_t>* crcs) {
-  Json root = Json::object();
-  Json meta = Json::object();
   std::map<std::string, std::string> all = metadata;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     all[crc_metadata_key(tensors[i].name)] =
         crcs != nullptr ? hex8((*crcs)[i]) : std::string(kCrcPlaceholder);
   }
-  for (const auto& [key, value] : all) meta[key] = value;
-  if (!all.empty()) root[std::string(kMetadataKey)] = std::move(meta);
-  for (const TensorInfo& t : tensors) {
-    root[t.name] = Json{{"dtype", dtype_code(t.dtype)},
-                        {"shape", t.shape},
-                        {"data_offsets", Json::array({t.begin, t.end})}};
+  std::string out = "{";
+  if (!all.empty()) {
+    out += json_string(kMetadataKey) + ":{";
+    bool first = true;
+    for (const auto& [key, value] : all) {
+      if (!first) out += ',';
+      first = false;
+      out += json_string(key) + ':' + json_string(value);
+    }
+    out += '}';
   }
-  return root.dump(-1, ' ', false, Json::error_handler_t::strict);
+  for (const TensorInfo& t : tensors) {
+    if (out.size() > 1) out += ',';
+    out += json_string(t.name) + ":{\"dtype\":" + json_string(dtype_code(t.dtype)) + ",\"shape\":[";
+    for (std::size_t d = 0; d < t.shape.size(); ++d) {
+      if (d > 0) out += ',';
+      out += std::to_string(t.shape[d]);
+    }
+    out += "],\"data_offsets\":[" + std::to_string(t.begin) + ',' + std::to_string(t.end) + "]}";
+  }
+  out += '}';
+  return out;
 }
 
-// Parses the JSON text, rejecting duplicate keys at any level (nlohmann would silently keep the
-// last one, which could hide a tensor).
-Status parse_json(const std::string& path, const std::string& text, Json* out) {
-  std::vector<std::set<std::string>> keys;  // one set per open object
-  std::string duplicate;
-  auto callback = [&](int, Json::parse_event_t event, Json& parsed) {
-    if (event == Json::parse_event_t::object_start) {
-      keys.emplace_back();
-    } else if (event == Json::parse_event_t::object_end) {
-      keys.pop_back();
-    } else if (event == Json::parse_event_t::key && !keys.empty()) {
-      const std::string& key = parsed.get_ref<const std::string&>();
-      if (!keys.back().insert(key).second && duplicate.empty()) duplicate = key;
+// The first pass over a header: a SAX scan (no tree) that refuses duplicate keys at any level
+// (nlohmann would silently keep the last one, which could hide a tensor), nesting deeper than a
+// header needs, and more than max_entries tensors, and records the root's keys in the text's
+// order. Only a header that passes is parsed into a tree. Both passes are linear in the text
+// (nlohmann's parse *callback* is not: it rescans the parent object at every object's end).
+class HeaderScan final : public nlohmann::json_sax<Json> {
+ public:
+  HeaderScan(std::size_t max_entries, std::vector<std::string>* order)
+      : max_entries_(max_entries), order_(order) {}
+  std::string refused;  // why the scan stopped (empty: a JSON syntax error, or none)
+
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    keys_.emplace_back();
+    return enter();
+  }
+  bool end_object() override {
+    keys_.pop_back();
+    --depth_;
+    return true;
+  }
+  bool start_array(std::size_t) override { return enter(); }
+  bool end_array() override {
+    --depth_;
+    return true;
+  }
+  bool key(string_t& key) override {
+    if (!keys_.back().insert(key).second) return refuse("it has the key \"" + key + "\" twice");
+    if (depth_ == 1) {
+      in_metadata_ = key == kMetadataKey;
+      if (!in_metadata_ && ++tensors_ > max_entries_) {
+        return refuse("it declares more than " + std::to_string(max_entries_) + " tensors");
+      }
+      order_->push_back(key);
+    } else if (depth_ == 2 && in_metadata_ && ++metadata_entries_ > max_entries_ + 1024) {
+      // A checksum per tensor, and a few entries of the writer's own.
+      return refuse("its metadata has more than " + std::to_string(max_entries_ + 1024) +
+                    " entries");
     }
     return true;
-  };
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    syntax_ = e.what();
+    return false;
+  }
+  const std::string& syntax_error() const { return syntax_; }
+
+ private:
+  bool enter() {
+    // The root is depth 1; a tensor's shape array is depth 3.
+    if (++depth_ > kMaxDepth) {
+      return refuse("it nests deeper than " + std::to_string(kMaxDepth) +
+                    " levels (a safetensors header needs 3)");
+    }
+    return true;
+  }
+  bool refuse(std::string why) {
+    refused = std::move(why);
+    return false;
+  }
+  std::size_t max_entries_;
+  std::vector<std::string>* order_;
+  std::vector<std::set<std::string>> keys_;  // one set per open object
+  int depth_ = 0;
+  bool in_metadata_ = false;
+  std::size_t tensors_ = 0, metadata_entries_ = 0;
+  std::string syntax_;
+};
+
+Status parse_json(const std::string& path, const std::string& text, Json* out,
+                  std::vector<std::string>* order, std::size_t max_entries) {
+  HeaderScan scan(max_entries, order);
+  if (!Json::sax_parse(text, &scan)) {
+    if (!scan.refused.empty()) return malformed(path, "the header is refused: ", scan.refused);
+    return malformed(path, "the header is not valid JSON: ", scan.syntax_error());
+  }
   try {
-    *out = Json::parse(text, callback);
+    *out = Json::parse(text);
   } catch (const Json::exception& e) {
     return malformed(path, "the header is not valid JSON: ", e.what());
   }
-  if (!duplicate.empty())
-    return malformed(path, "the header has the key \"", duplicate, "\" twice");
   return Status::ok();
 }
 
@@ -233,23 +319,27 @@ Status check_layout(const std::string& path, const std::vector<TensorInfo>& tens
 }
 
 Status parse_header(const std::string& path, const std::string& text, uint64_t data_bytes,
-                    Header* header, std::vector<int64_t>* crcs) {
+                    std::size_t max_entries, Header* header, std::vector<int64_t>* crcs) {
   Json root;
-  STRATA_RETURN_IF_ERROR(parse_json(path, text, &root));
+  std::vector<std::string> order;
+  STRATA_RETURN_IF_ERROR(parse_json(path, text, &root, &order, max_entries));
   if (!root.is_object()) return malformed(path, "the header is not a JSON object");
-  for (auto it = root.begin(); it != root.end(); ++it) {
-    if (it.key() == kMetadataKey) {
-      if (!it.value().is_object()) return malformed(path, "\"__metadata__\" is not an object");
-      for (auto m = it.value().begin(); m != it.value().end(); ++m) {
+  header->tensors.reserve(order.size());
+  for (const std::string& key : order) {  // the text's order (the tree's is sorted)
+    const Json& value = root.find(key).value();
+    if (key == kMetadataKey) {
+      if (!value.is_object()) return malformed(path, "\"__metadata__\" is not an object");
+      for (auto m = value.begin(); m != value.end(); ++m) {
         if (!m.value().is_string()) {
           return malformed(path, "metadata \"", m.key(), "\" is not a string");
         }
-        header->metadata[m.key()] = m.value().get<std::string>();
+        header->metadata.emplace_hint(header->metadata.end(), m.key(),
+                                      m.value().get<std::string>());
       }
       continue;
     }
     TensorInfo t;
-    STRATA_RETURN_IF_ERROR(parse_tensor(path, it.key(), it.value(), &t));
+    STRATA_RETURN_IF_ERROR(parse_tensor(path, key, value, &t));
     header->tensors.push_back(std::move(t));
   }
   std::stable_sort(header->tensors.begin(), header->tensors.end(),
@@ -272,6 +362,42 @@ Status parse_header(const std::string& path, const std::string& text, uint64_t d
 }
 
 }  // namespace
+
+bool valid_utf8(std::string_view text) {
+  std::size_t i = 0;
+  const std::size_t n = text.size();
+  while (i < n) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    std::size_t extra = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      extra = 1;
+      cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      extra = 2;
+      cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      extra = 3;
+      cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (n - i - 1 < extra) return false;
+    for (std::size_t k = 1; k <= extra; ++k) {
+      const auto cc = static_cast<unsigned char>(text[i + k]);
+      if ((cc & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (cc & 0x3F);
+    }
+    // Overlong forms, surrogates and code points past U+10FFFF are not UTF-8.
+    static constexpr uint32_t kMin[4] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[extra] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += extra + 1;
+  }
+  return true;
+}
 
 std::string crc_metadata_key(std::string_view tensor_name) {
   return std::string(kCrcPrefix) + std::string(tensor_name);
@@ -301,6 +427,9 @@ Status Writer::create(const std::string& path, std::vector<TensorInfo> tensors,
   auto invalid = [&](const auto&... what) {
     return error(Code::kInvalidArgument, "safetensors file ", path, ": ", what...);
   };
+  if (tensors.size() > kMaxTensors) {
+    return invalid(tensors.size(), " tensors are more than a file may hold (", kMaxTensors, ")");
+  }
   std::set<std::string_view> names;
   uint64_t offset = 0;
   for (TensorInfo& t : tensors) {
@@ -437,10 +566,13 @@ Status Writer::finish() {
 // ---------------------------------------------------------------------------------------------
 // Reader
 
-Status Reader::open(const std::string& path, std::unique_ptr<Reader>* out) {
+Status Reader::open(const std::string& path, std::unique_ptr<Reader>* out,
+                    std::size_t max_tensors) {
   auto r = std::unique_ptr<Reader>(new Reader);
   r->path_ = path;
-  r->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO (or a device) for reading would otherwise block until a writer
+  // appears, forever. It is refused below; on a regular file the flag changes nothing.
+  r->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (r->fd_ < 0) {
     const int err = errno;
     if (err == ENOENT) return error(Code::kNotFound, "safetensors file ", path, " does not exist");
@@ -449,6 +581,10 @@ Status Reader::open(const std::string& path, std::unique_ptr<Reader>* out) {
   struct stat st {};
   if (fstat(r->fd_, &st) != 0) return os_error(path, "stat", errno);
   if (!S_ISREG(st.st_mode)) return malformed(path, "not a regular file");
+  const int flags = fcntl(r->fd_, F_GETFL);
+  if (flags < 0 || fcntl(r->fd_, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    return os_error(path, "fcntl", errno);
+  }
   const auto file_bytes = static_cast<uint64_t>(st.st_size);
   if (file_bytes < kLengthBytes) {
     return malformed(path, "the file has ", file_bytes,
@@ -470,8 +606,8 @@ Status Reader::open(const std::string& path, std::unique_ptr<Reader>* out) {
   std::string text(header_bytes, '\0');
   STRATA_RETURN_IF_ERROR(pread_full(r->fd_, text.data(), header_bytes, kLengthBytes, path));
   r->header_.data_start = kLengthBytes + header_bytes;
-  STRATA_RETURN_IF_ERROR(
-      parse_header(path, text, file_bytes - r->header_.data_start, &r->header_, &r->crcs_));
+  STRATA_RETURN_IF_ERROR(parse_header(path, text, file_bytes - r->header_.data_start,
+                                      std::min(max_tensors, kMaxTensors), &r->header_, &r->crcs_));
   for (std::size_t i = 0; i < r->header_.tensors.size(); ++i) {
     r->index_.emplace(r->header_.tensors[i].name, i);
   }
@@ -483,6 +619,11 @@ Status Reader::open(const std::string& path, std::unique_ptr<Reader>* out) {
 
 Reader::~Reader() {
   if (fd_ >= 0) close(fd_);
+}
+
+bool Reader::has_checksum(const TensorInfo& tensor) const {
+  const auto it = index_.find(tensor.name);
+  return it != index_.end() && crcs_[it->second] >= 0;
 }
 
 const TensorInfo* Reader::find(std::string_view name) const {

@@ -32,6 +32,13 @@ struct Header {
   uint64_t data_start = 0;  // absolute file offset of the data section
 };
 
+// The most tensors a file may declare (and, twice that, metadata entries): the Reader refuses a
+// header beyond it before parsing further, the Writer refuses to write one.
+constexpr std::size_t kMaxTensors = std::size_t{1} << 20;
+
+// Whether `text` is well-formed UTF-8 (what JSON strings, and so tensor names, must be).
+bool valid_utf8(std::string_view text);
+
 // The metadata key under which a tensor's CRC-32C is stored.
 std::string crc_metadata_key(std::string_view tensor_name);
 
@@ -91,7 +98,9 @@ class Reader {
  public:
   // kNotFound for a missing file, kIo for other OS failures, kInvalidArgument ("not a
   // safetensors file: ...") for a malformed one.
-  static Status open(const std::string& path, std::unique_ptr<Reader>* out);
+  // `max_tensors` below kMaxTensors tightens the cap on entries (tests, fuzzers).
+  static Status open(const std::string& path, std::unique_ptr<Reader>* out,
+                     std::size_t max_tensors = kMaxTensors);
   ~Reader();
   Reader(const Reader&) = delete;
   Reader& operator=(const Reader&) = delete;
@@ -99,6 +108,8 @@ class Reader {
   const std::string& path() const { return path_; }
   const Header& header() const { return header_; }
   const TensorInfo* find(std::string_view name) const;  // nullptr if absent
+  // Whether the file records the tensor's CRC-32C (checkpoints require it of every tensor).
+  bool has_checksum(const TensorInfo& tensor) const;
 
   // Reads the whole tensor in pieces of at most chunk_bytes, in order, handing each to
   // sink(data, offset_in_tensor, bytes) (never called for a 0-byte tensor). With a stored CRC it

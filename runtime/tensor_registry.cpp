@@ -3,6 +3,8 @@
 #include <atomic>
 #include <limits>
 
+#include "runtime/safetensors.h"
+
 namespace strata {
 namespace {
 std::atomic<TensorId> next_id{1};
@@ -13,6 +15,15 @@ Status validate_spec(const TensorSpec& spec, uint64_t* nbytes) {
   if (spec.name.size() > TensorRegistry::kMaxNameLength) {
     return error(Code::kInvalidArgument, "tensor name of ", spec.name.size(),
                  " bytes is longer than the limit of ", TensorRegistry::kMaxNameLength);
+  }
+  // Names must survive a checkpoint: safetensors headers are JSON (UTF-8 strings), and
+  // "__metadata__" is the format's own key.
+  if (!safetensors::valid_utf8(spec.name)) {
+    return error(Code::kInvalidArgument, "tensor name is not valid UTF-8");
+  }
+  if (spec.name == "__metadata__") {
+    return error(Code::kInvalidArgument,
+                 "tensor name \"__metadata__\" is reserved (safetensors' metadata key)");
   }
   if (!valid_dtype(static_cast<int32_t>(spec.dtype))) {
     return error(Code::kInvalidArgument, "tensor '", spec.name, "': unknown dtype ",

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <new>
 #include <set>
 
 #include "runtime/types.h"
@@ -56,7 +57,11 @@ struct Tracer::Ring {
 Tracer::Tracer() : id_(next_tracer_id.fetch_add(1)) {}
 Tracer::~Tracer() = default;
 
-void Tracer::start(uint32_t capacity) {
+Status Tracer::start(uint32_t capacity) {
+  if (capacity > kMaxRingCapacity) {
+    return error(Code::kInvalidArgument, "ring_capacity ", capacity, " is over the limit of ",
+                 kMaxRingCapacity, " records per thread");
+  }
   std::lock_guard lock(mutex_);
   enabled_.store(false, std::memory_order_relaxed);
   capacity_ = capacity == 0 ? (1u << 16) : capacity;
@@ -66,8 +71,10 @@ void Tracer::start(uint32_t capacity) {
   }
   drained_.clear();
   counters_ = TraceCounters{};
+  ringless_dropped_.store(0);
   origin_ns_.store(steady_ns());
   enabled_.store(true, std::memory_order_release);
+  return Status::ok();
 }
 
 uint64_t Tracer::now() const {
@@ -78,15 +85,30 @@ Tracer::Ring* Tracer::ring_for_this_thread() {
   for (const RingCache& c : ring_cache) {
     if (c.tracer == id_) return static_cast<Ring*>(c.ring);
   }
-  std::lock_guard lock(mutex_);
-  rings_.push_back(std::make_unique<Ring>(capacity_));
-  ring_cache.push_back(RingCache{id_, rings_.back().get()});
-  return rings_.back().get();
+  Ring* ring = nullptr;
+  try {
+    std::lock_guard lock(mutex_);
+    rings_.push_back(std::make_unique<Ring>(capacity_));
+    ring = rings_.back().get();
+  } catch (const std::bad_alloc&) {
+    // No memory for this thread's ring: it records nothing (counted as dropped), and never
+    // throws out of record() on a thread that cannot report it. rings_ is unchanged: a failed
+    // push_back leaves the vector as it was.
+  }
+  try {
+    ring_cache.push_back(RingCache{id_, ring});
+  } catch (const std::bad_alloc&) {
+  }
+  return ring;
 }
 
 void Tracer::record(const TraceRecord& r) {
   if (!enabled()) return;
   Ring* ring = ring_for_this_thread();
+  if (ring == nullptr) {
+    ringless_dropped_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   const uint64_t head = ring->head.load(std::memory_order_relaxed);
   if (head - ring->tail.load(std::memory_order_acquire) >= ring->slots.size()) {
     ring->dropped.fetch_add(1, std::memory_order_relaxed);
@@ -111,6 +133,7 @@ void Tracer::drain(std::vector<TraceRecord>* out) {
     ring->tail.store(head, std::memory_order_release);
     counters_.dropped += ring->dropped.exchange(0);
   }
+  counters_.dropped += ringless_dropped_.exchange(0);
 }
 
 TraceCounters Tracer::counters() {

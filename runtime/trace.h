@@ -54,8 +54,14 @@ class Tracer {
   ~Tracer();
 
   bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
-  // Starts a fresh trace: rings of `capacity` records per thread; earlier records are dropped.
-  void start(uint32_t capacity);
+  // Records per thread at most: a ring is allocated per recording thread (a copy engine's, an
+  // I/O worker's), so a hostile capacity would throw bad_alloc on a thread that cannot report it.
+  static constexpr uint32_t kMaxRingCapacity = 1u << 20;
+
+  // Starts a fresh trace: rings of `capacity` records per thread (0 = 65536); earlier records
+  // are dropped. kInvalidArgument above kMaxRingCapacity. A thread whose ring cannot be
+  // allocated drops its records (counted as dropped) instead of throwing.
+  Status start(uint32_t capacity);
   void stop() { enabled_.store(false, std::memory_order_relaxed); }
   // Nanoseconds since start(), for timestamps.
   uint64_t now() const;
@@ -77,7 +83,8 @@ class Tracer {
   std::mutex mutex_;  // guards rings_ (creation and flush), never the append path
   std::vector<std::unique_ptr<Ring>> rings_;
   std::vector<TraceRecord> drained_;
-  TraceCounters counters_;  // of drained records
+  TraceCounters counters_;                     // of drained records
+  std::atomic<uint64_t> ringless_dropped_{0};  // records of threads that have no ring
 };
 
 const char* trace_kind_name(TraceKind kind);

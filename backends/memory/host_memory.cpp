@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include "backends/threads/spawn.h"
+
 namespace strata {
 namespace {
 
@@ -55,21 +57,35 @@ Status apply_numa_policy(void* ptr, uint64_t bytes, const HostMemoryOptions& opt
                static_cast<int32_t>(options.policy));
 }
 
+constexpr uint64_t kMaxFaultThreads = 1024;
+
 // Writing one byte per page makes each page resident (and, with a bound policy, places it).
-void fault_in(unsigned char* base, uint64_t bytes, unsigned threads) {
+// When a thread cannot be started (a pids limit), the calling thread faults in the rest itself:
+// slower, but the arena is the same, and no joinable std::thread is ever destroyed.
+// Returns the threads that ran (the caller included when it had to help).
+unsigned fault_in(unsigned char* base, uint64_t bytes, unsigned threads) {
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t pages = bytes / page;
+  threads = static_cast<unsigned>(std::clamp<uint64_t>(
+      threads, 1, std::min<uint64_t>(kMaxFaultThreads, std::max<uint64_t>(pages, 1))));
+  auto touch = [=](uint64_t first, uint64_t last) {
+    for (uint64_t p = first; p < last; ++p) base[p * page] = 0;
+  };
   std::vector<std::thread> workers;
-  for (unsigned t = 0; t < threads; ++t) {
-    const uint64_t first = pages * t / threads;
-    const uint64_t last = pages * (t + 1) / threads;
-    workers.emplace_back([=] {
-      for (uint64_t p = first; p < last; ++p) base[p * page] = 0;
-    });
+  unsigned t = 0;
+  for (; t < threads; ++t) {
+    std::thread w;
+    if (!spawn_thread(
+             "a dram fault-in", [=] { touch(pages * t / threads, pages * (t + 1) / threads); }, &w)
+             .is_ok()) {
+      break;
+    }
+    workers.push_back(std::move(w));
   }
+  if (t < threads) touch(pages * t / threads, pages);  // the share of the threads that never ran
   for (auto& w : workers) w.join();
+  return t < threads ? t + 1 : t;
 }
-
 }  // namespace
 
 uint64_t host_available_memory() {
@@ -106,9 +122,9 @@ Status map_host_memory(uint64_t bytes, const HostMemoryOptions& options, void** 
     return placed;
   }
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  report->threads = options.threads != 0 ? options.threads : std::min(cores, 16u);
+  const unsigned asked = options.threads != 0 ? options.threads : std::min(cores, 16u);
   const auto start = std::chrono::steady_clock::now();
-  fault_in(static_cast<unsigned char*>(p), bytes, report->threads);
+  report->threads = fault_in(static_cast<unsigned char*>(p), bytes, asked);
   report->fault_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   *out = p;

@@ -20,7 +20,7 @@ struct HostMemoryOptions {
   NumaPolicy policy = NumaPolicy::kAuto;
   int node = -1;            // for kNode
   int preferred_node = -1;  // the GPU's node, used by kAuto; -1 if unknown
-  unsigned threads = 0;     // fault-in threads; 0 = one per core, at most 16
+  unsigned threads = 0;     // fault-in threads; 0 = one per core, at most 16; never above 1024
 };
 
 struct HostMemoryReport {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/storage/storage_engine.h"
@@ -13,11 +14,14 @@ namespace strata {
 
 struct StorageFileSet {
   std::vector<StorageFile> files;
-  std::vector<bool> created;  // Strata created it, so Strata removes it
+  std::vector<bool> created;                       // Strata created it, so Strata removes it
+  std::vector<std::pair<uint64_t, uint64_t>> ids;  // (st_dev, st_ino) of each file
 };
 
-// Opens (creating where absent) and preallocates `bytes_per_file` in each path. On error every
-// file opened so far is closed (and removed if it was created). kIo names the path and errno.
+// Opens (creating where absent), locks (flock, exclusive) and preallocates `bytes_per_file` in
+// each path. On error every file opened so far is closed (and removed if it was created). kIo
+// names the path and errno; kInvalidArgument for two paths naming one file (same inode); kBusy
+// for a file another runtime holds locked.
 Status open_storage_files(const std::vector<std::string>& paths, uint64_t bytes_per_file,
                           StorageFileSet* out);
 // Closes the files and removes those Strata created.

@@ -279,13 +279,16 @@ typedef struct strata_runtime_config {
   int32_t device_ordinal;
   /* HBM tier budget: one device allocation of this size is made at start-up and all HBM
    * tensors are sub-allocated from it; never allocated on the hot path. 0 = the default:
-   * half the GPU's free memory on cuda, 1 GiB on host. */
+   * half the GPU's free memory on cuda, 1 GiB on host. On host the simulated HBM is host
+   * memory: HBM and DRAM budgets together beyond the host's available memory fail at create
+   * with STRATA_ERROR_OUT_OF_MEMORY. */
   uint64_t hbm_budget_bytes;
   /* DRAM tier budget: one host arena of this size, made resident and pinned once at start-up,
    * a hard cap: tensors beyond it fail with STRATA_ERROR_OUT_OF_MEMORY, and a budget larger
    * than the host's available memory fails at create, never with an OOM kill. 0 = 1 GiB. */
   uint64_t dram_budget_bytes;
-  /* NVMe tier budget over all nvme_paths together; 0 = no NVMe tier. */
+  /* NVMe tier budget over all nvme_paths together, rounded up to 4 KiB (a budget that
+   * overflows when rounded is INVALID_ARGUMENT); 0 = no NVMe tier. */
   uint64_t nvme_budget_bytes;
   /* Host backend only: simulated link bandwidth per direction in bytes per second, so tests
    * can make copies slow. 0 = unlimited (memcpy speed). Must be 0 on cuda. */
@@ -295,11 +298,14 @@ typedef struct strata_runtime_config {
   strata_numa_policy_t dram_numa_policy;
   int32_t dram_numa_node;
   /* Threads that fault the DRAM arena in at start-up, before it is pinned; 0 = one per core,
-   * at most 16. */
+   * at most 16. At most 1024 (or one per page) are used; where the OS refuses a thread, the
+   * calling thread faults in that thread's share itself. */
   uint32_t dram_fault_threads;
   /* NVMe tier backing files, one per path, striped. Each is created if absent (and then
-   * removed at destroy), opened with O_DIRECT and preallocated to its share of
-   * nvme_budget_bytes. The array and strings are borrowed: copied during create. */
+   * removed at destroy), opened with O_DIRECT, locked (flock, exclusive, while the runtime
+   * lives) and preallocated to its share of nvme_budget_bytes. Two paths naming one file (same
+   * inode) are INVALID_ARGUMENT; a file another runtime holds is STRATA_ERROR_BUSY. The array
+   * and strings are borrowed: copied during create. */
   const char* const* nvme_paths;
   uint32_t nvme_path_count;
   strata_io_engine_t io_engine;
@@ -307,8 +313,8 @@ typedef struct strata_runtime_config {
   uint32_t io_block_size;
   /* Storage requests in flight (and pinned staging slots per direction); 0 = 32. */
   uint32_t io_queue_depth;
-  /* 1: a CRC-32C of every piece written to NVMe, checked on every read
-   * (STRATA_ERROR_DATA_CORRUPTION on a mismatch). 0: none. */
+  /* 1 (the default strata_runtime_config_init sets): a CRC-32C of every piece written to
+   * NVMe, checked on every read (STRATA_ERROR_DATA_CORRUPTION on a mismatch). 0: none. */
   int32_t nvme_checksums;
   /* 0 (default): DRAM <-> NVMe transfers go through the pinned staging slots, a copy on the
    * host, pipelined with the disk. 1: O_DIRECT straight into and out of the DRAM arena, no
@@ -433,7 +439,8 @@ STRATA_API strata_status_t strata_runtime_synchronize(strata_runtime_t* runtime)
 
 typedef struct strata_tensor_desc {
   size_t struct_size; /* STRATA_TENSOR_DESC_STRUCT_SIZE */
-  /* Unique name within the runtime, 1..STRATA_MAX_NAME_LENGTH bytes, NUL-terminated.
+  /* Unique name within the runtime, 1..STRATA_MAX_NAME_LENGTH bytes, NUL-terminated, valid
+   * UTF-8 and not "__metadata__" (so every tensor can be checkpointed as safetensors).
    * Borrowed: copied during the call. */
   const char* name;
   strata_dtype_t dtype;
@@ -558,7 +565,8 @@ STRATA_API strata_status_t strata_tensor_export_dlpack(strata_runtime_t* runtime
 STRATA_API strata_status_t strata_event_query(strata_event_t* event);
 
 /* Block the calling thread until the work finished, at most timeout_ms milliseconds
- * (a negative value waits without limit). Returns as strata_event_query, or
+ * (a negative value, or one of 100 years or more such as INT64_MAX, waits without limit).
+ * Returns as strata_event_query, or
  * STRATA_ERROR_TIMEOUT if the time ran out first. Thread-safe; any number of threads may wait
  * on one event. */
 STRATA_API strata_status_t strata_event_wait(strata_event_t* event, int64_t timeout_ms);
@@ -654,7 +662,8 @@ typedef struct strata_plan_config {
   uint32_t micro_batches; /* per step, run layer-major; 0 = 1 */
   /* HBM for streaming slots; 0 = all the HBM arena has left after the resident tensors. */
   uint64_t hbm_slot_budget_bytes;
-  /* Link speeds in bytes/s for the prediction; 0 = measure them now (a few 64 MiB copies). */
+  /* Link speeds in bytes/s for the prediction; 0 = measure them now (a few 64 MiB copies).
+   * These and device_flops_per_second must be finite and >= 0 (NaN is INVALID_ARGUMENT). */
   double h2d_bytes_per_second;
   double d2h_bytes_per_second;
   /* Achieved device FLOP/s for the prediction; 0 = compute unknown (predicted as free). */
@@ -884,7 +893,8 @@ typedef struct strata_optimizer_config {
   /* Executor steps (or strata_optimizer_step calls) per update: grads are summed in fp32 in
    * DRAM ("<weight>.grad_accum") until the last, which updates. Default 1. */
   uint32_t accumulation_steps;
-  /* Update threads; 0 = the CPUs of the GPU's NUMA node less one (for the framework). */
+  /* Update threads; 0 = the CPUs of the GPU's NUMA node less one (for the framework). At most
+   * 4096. */
   uint32_t threads;
   /* Since 1.1: when updates happen (STRATA_UPDATE_*); default STRATA_UPDATE_AUTO. */
   uint32_t update_mode;
@@ -913,7 +923,9 @@ STRATA_API strata_status_t strata_optimizer_config_init(strata_optimizer_kind_t 
 /* Create an optimizer over `runtime`'s tensors and start its threads. config: borrowed; NULL =
  * AdamW defaults. out_optimizer: owned by the caller, released with strata_optimizer_destroy()
  * before the runtime handle. Errors: INVALID_ARGUMENT (NULL, bad struct_size, a value out of
- * range: the message names it), INVALID_STATE (no DRAM tier). Thread-safe. */
+ * range: the message names it), INVALID_STATE (no DRAM tier), OUT_OF_MEMORY (the OS refused a
+ * thread, e.g. a pids limit: the message has the errno; every thread started is stopped and
+ * nothing is left behind). Thread-safe. */
 STRATA_API strata_status_t strata_optimizer_create(strata_runtime_t* runtime,
                                                    const strata_optimizer_config_t* config,
                                                    strata_optimizer_t** out_optimizer);
@@ -928,7 +940,8 @@ typedef struct strata_param_desc {
   size_t struct_size;      /* STRATA_PARAM_DESC_STRUCT_SIZE */
   strata_tensor_t* weight; /* borrowed: in DRAM, f32/bf16/f16 */
   strata_tensor_t* grad;   /* borrowed: in DRAM, f32/bf16/f16, as many elements as weight */
-  uint32_t group;          /* hyperparameter group (strata_optimizer_set_group); 0 = default */
+  uint32_t group;          /* hyperparameter group (strata_optimizer_set_group), 0..65535;
+                              0 = default */
 } strata_param_desc_t;
 #define STRATA_PARAM_DESC_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_param_desc_t, group)
 
@@ -936,16 +949,17 @@ typedef struct strata_param_desc {
  * weight) and pins weight and grad in place while the optimizer lives. To start from fp32
  * values a bf16 weight cannot hold, write them to the master (strata_optimizer_get_state).
  * Errors: INVALID_ARGUMENT (NULL, bad struct_size, dtypes, element counts differ, weight given
- * as its own grad), NOT_FOUND, ALREADY_EXISTS (already a param, or a state tensor's name is
- * taken), UNSUPPORTED (weight or grad not in DRAM), OUT_OF_MEMORY (DRAM budget: nothing is
- * left allocated), BUSY (moving), INVALID_STATE (already attached). Thread-safe. */
+ * as its own grad, group above 65535), NOT_FOUND, ALREADY_EXISTS (already a param, or a state
+ * tensor's name is taken), UNSUPPORTED (weight or grad not in DRAM), OUT_OF_MEMORY (DRAM budget:
+ * nothing is left allocated), BUSY (moving), INVALID_STATE (already attached). Thread-safe. */
 STRATA_API strata_status_t strata_optimizer_add_param(strata_optimizer_t* optimizer,
                                                       const strata_param_desc_t* desc);
 
 /* Set a group's learning rate and weight decay (creating the group). Takes effect at the next
  * update that has not started: for an attached optimizer, the next strata_step_begin that
- * starts an update (so set the step's learning rate before its step_begin). Errors:
- * INVALID_ARGUMENT (NULL, negative or non-finite values). Thread-safe. */
+ * starts an update (so set the step's learning rate before its step_begin). Groups are
+ * 0..65535. Errors: INVALID_ARGUMENT (NULL, group above 65535, negative or non-finite values).
+ * Thread-safe. */
 STRATA_API strata_status_t strata_optimizer_set_group(strata_optimizer_t* optimizer, uint32_t group,
                                                       float lr, float weight_decay);
 
@@ -1068,7 +1082,9 @@ STRATA_API strata_status_t strata_optimizer_get_stats(strata_optimizer_t* optimi
 /* Save to the directory `path` (borrowed). optimizer may be NULL (weights only). Waits for
  * running updates; must be called between optimizer steps (not inside an accumulation) and
  * between executor steps. Errors: INVALID_ARGUMENT (NULL runtime or path), INVALID_STATE
- * (mid-step), IO (the message names the file; the previous checkpoint is untouched).
+ * (mid-step: an executor of the runtime is between strata_step_begin and strata_step_end, or
+ * the optimizer is inside an accumulation; or no tensor is registered with role WEIGHT), IO
+ * (the message names the file; the previous checkpoint is untouched).
  * Thread-safe, but concurrent saves to one path are not supported. */
 STRATA_API strata_status_t strata_checkpoint_save(strata_runtime_t* runtime,
                                                   strata_optimizer_t* optimizer, const char* path);
@@ -1076,11 +1092,13 @@ STRATA_API strata_status_t strata_checkpoint_save(strata_runtime_t* runtime,
 /* Load the directory `path` into the registered tensors (and the optimizer's state, when
  * optimizer is non-NULL), between steps. Everything is checked before any tensor is written:
  * every registered weight (and, with an optimizer, every param's state) must be in the files
- * with the same dtype and shape, and the files hold nothing else. Errors: INVALID_ARGUMENT
- * (NULL, a malformed file, mismatched names, dtypes or shapes: the message names them; nothing
- * written), NOT_FOUND (no checkpoint at path), INVALID_STATE (mid-step), IO, DATA_CORRUPTION (a
- * tensor failed its checksum while loading: the tensors are partly loaded, and the optimizer
- * refuses to step until a load succeeds). Thread-safe with respect to other runtimes. */
+ * with the same dtype and shape, the files hold nothing else, and every tensor carries its
+ * CRC-32C entry. Errors: INVALID_ARGUMENT (NULL, a malformed file, mismatched names, dtypes or
+ * shapes, a tensor without its checksum entry: the message names them; nothing written),
+ * NOT_FOUND (no checkpoint at path), INVALID_STATE (mid-step, as for save), IO,
+ * DATA_CORRUPTION (a tensor failed its checksum while loading: the tensors are partly loaded,
+ * and the optimizer refuses to step until a load succeeds). Thread-safe with respect to other
+ * runtimes. */
 STRATA_API strata_status_t strata_checkpoint_load(strata_runtime_t* runtime,
                                                   strata_optimizer_t* optimizer, const char* path);
 
@@ -1104,13 +1122,16 @@ typedef int32_t strata_trace_kind_t;
 #define STRATA_TRACE_KIND_COUNT 8
 
 typedef struct strata_trace_config {
-  size_t struct_size;     /* STRATA_TRACE_CONFIG_STRUCT_SIZE */
-  uint32_t ring_capacity; /* records per thread before new ones are dropped; 0 = 65536 */
+  size_t struct_size; /* STRATA_TRACE_CONFIG_STRUCT_SIZE */
+  /* Records per thread before new ones are dropped; 0 = 65536; at most 1048576 (1 << 20). */
+  uint32_t ring_capacity;
 } strata_trace_config_t;
 #define STRATA_TRACE_CONFIG_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_trace_config_t, ring_capacity)
 
 /* Start (or restart, discarding earlier records) tracing. config: borrowed; NULL = defaults.
- * Errors: INVALID_ARGUMENT (NULL runtime, bad struct_size). Thread-safe. */
+ * A recording thread whose ring cannot be allocated drops its records (counted in `dropped`).
+ * Errors: INVALID_ARGUMENT (NULL runtime, bad struct_size, ring_capacity over 1 << 20).
+ * Thread-safe. */
 STRATA_API strata_status_t strata_trace_start(strata_runtime_t* runtime,
                                               const strata_trace_config_t* config);
 

@@ -135,6 +135,14 @@ Status match(const safetensors::Reader& file, const std::vector<Item>& items,
                    ", the registered one is ", safetensors::dtype_code(spec.dtype), " ",
                    shape(spec.shape));
     }
+    // A tensor without its checksum would load unchecked: a damaged "crc32c." key plus flipped
+    // data bytes would pass. Strata writes one for every tensor, so a missing one is refused.
+    if (!file.has_checksum(*t)) {
+      return error(Code::kInvalidArgument, "checkpoint ", file.path(), ": tensor '", spec.name,
+                   "' has no \"crc32c.", spec.name,
+                   "\" checksum entry; every tensor of a checkpoint must carry one (was the "
+                   "file written by Strata, and is its metadata intact?)");
+    }
     found->push_back(t);
   }
   for (const safetensors::TensorInfo& t : file.header().tensors) {
@@ -159,9 +167,22 @@ Status load_items(Runtime& runtime, const safetensors::Reader& file, const std::
   return Status::ok();
 }
 
+// Mid-step the weights are being streamed and (attached optimizer) updated layer by layer: a
+// save would mix two steps' weights, a load would be overwritten or torn by the step.
+Status check_between_steps(Runtime& runtime, const char* verb) {
+  const int steps = runtime.steps_in_progress();
+  if (steps > 0) {
+    return error(Code::kInvalidState, "cannot ", verb, " a checkpoint mid-step: ", steps,
+                 " executor(s) of this runtime are between strata_step_begin and "
+                 "strata_step_end; call it between steps");
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 Status save_checkpoint(Runtime& runtime, Optimizer* optimizer, const std::string& path) {
+  STRATA_RETURN_IF_ERROR(check_between_steps(runtime, "save"));
   OptimizerCounters counters;
   if (optimizer != nullptr) STRATA_RETURN_IF_ERROR(optimizer->quiesce_for_checkpoint(&counters));
   std::vector<Item> weights, state;
@@ -205,6 +226,7 @@ Status save_checkpoint(Runtime& runtime, Optimizer* optimizer, const std::string
 }
 
 Status load_checkpoint(Runtime& runtime, Optimizer* optimizer, const std::string& path) {
+  STRATA_RETURN_IF_ERROR(check_between_steps(runtime, "load"));
   std::string dir;
   STRATA_RETURN_IF_ERROR(resolve_atomic_directory(path, &dir));
   std::unique_ptr<safetensors::Reader> model, opt_file;

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "backends/threads/spawn.h"
 #include "runtime/executor.h"
 
 namespace strata {
@@ -79,6 +80,18 @@ Status validate(const OptimizerConfig& c) {
   return Status::ok();
 }
 
+constexpr uint32_t kMaxOptimizerGroups = 1u << 16;
+
+// Groups are a dense table indexed by number: a bound keeps `group + 1` from wrapping and a
+// hostile number from allocating gigabytes.
+Status check_group(uint32_t group) {
+  if (group >= kMaxOptimizerGroups) {
+    return error(Code::kInvalidArgument, "group ", group, " is out of range (groups are 0..",
+                 kMaxOptimizerGroups - 1, ")");
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 Optimizer::Optimizer(std::shared_ptr<Runtime> runtime, const OptimizerConfig& config)
@@ -94,16 +107,21 @@ Status Optimizer::create(std::shared_ptr<Runtime> runtime, const OptimizerConfig
   if (o->config_.accumulation_steps == 0) o->config_.accumulation_steps = 1;
   const int node = o->runtime_->device_numa_node();
   unsigned threads = o->config_.threads;
+  if (threads > optim::WorkerPool::kMaxThreads) {
+    return error(Code::kInvalidArgument, "optimizer config: threads ", threads,
+                 " is over the limit of ", optim::WorkerPool::kMaxThreads);
+  }
   if (threads == 0) {
     // One CPU of the node is left for the framework's thread, which feeds the GPU.
     const unsigned cpus = optim::WorkerPool::cpus_of_node(node);
     threads = cpus > 1 ? cpus - 1 : 1;
   }
-  o->pool_ = std::make_unique<optim::WorkerPool>(threads, node);
+  STRATA_RETURN_IF_ERROR(optim::WorkerPool::create(threads, node, &o->pool_));
   o->kernels_ = &optim::kernels(optim::best_isa());
   o->groups_.push_back(GroupHyperparams{o->config_.lr, o->config_.weight_decay});
   o->counters_.loss_scale = o->config_.loss_scale;
-  o->dispatcher_ = std::thread([p = o.get()] { p->dispatcher_main(); });
+  STRATA_RETURN_IF_ERROR(spawn_thread(
+      "the optimizer's dispatcher", [p = o.get()] { p->dispatcher_main(); }, &o->dispatcher_));
   *out = std::move(o);
   return Status::ok();
 }
@@ -148,6 +166,7 @@ Status Optimizer::make_state(const TensorRecord& weight, const char* suffix, uin
 }
 
 Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
+  STRATA_RETURN_IF_ERROR(check_group(group));
   std::lock_guard lock(mutex_);
   if (executor_ != nullptr) {
     return error(Code::kInvalidState, "add_param after the optimizer was attached to an executor");
@@ -248,6 +267,7 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
 }
 
 Status Optimizer::set_group(uint32_t group, const GroupHyperparams& h) {
+  STRATA_RETURN_IF_ERROR(check_group(group));
   STRATA_RETURN_IF_ERROR(check_finite("lr", h.lr, 0.f, true));
   STRATA_RETURN_IF_ERROR(check_finite("weight_decay", h.weight_decay, 0.f, true));
   std::lock_guard lock(mutex_);

@@ -2,6 +2,8 @@
 
 #include <hwloc.h>
 
+#include "backends/threads/spawn.h"
+
 namespace strata::optim {
 namespace {
 
@@ -45,28 +47,53 @@ unsigned WorkerPool::cpus_of_node(int numa_node) {
   return n > 0 ? n : 1;
 }
 
-WorkerPool::WorkerPool(unsigned threads, int numa_node) {
+Status WorkerPool::create(unsigned threads, int numa_node, std::unique_ptr<WorkerPool>* out) {
+  if (threads > kMaxThreads) {
+    return error(Code::kInvalidArgument, "threads ", threads, " is over the limit of ",
+                 kMaxThreads);
+  }
   if (threads == 0) threads = 1;
+  std::unique_ptr<WorkerPool> pool(new WorkerPool);
   Topology topo;
   hwloc_bitmap_t set = topo.t != nullptr ? node_cpuset(topo.t, numa_node) : nullptr;
-  for (unsigned i = 1; i < threads; ++i) {
-    workers_.emplace_back([this] { worker_main(); });
+  Status status;
+  pool->workers_.reserve(threads - 1);
+  for (unsigned i = 1; i < threads && status.is_ok(); ++i) {
+    std::thread t;
+    status = spawn_thread(
+        "an optimizer worker", [p = pool.get()] { p->worker_main(); }, &t);
+    if (!status.is_ok()) break;
+    pool->workers_.push_back(std::move(t));
     if (set != nullptr) {
       // Bound to the node, not to single cores: the scheduler still balances within it.
-      (void)hwloc_set_thread_cpubind(topo.t, workers_.back().native_handle(), set, 0);
+      (void)hwloc_set_thread_cpubind(topo.t, pool->workers_.back().native_handle(), set, 0);
     }
   }
-  binding_ = set != nullptr ? "NUMA node " + std::to_string(numa_node) : "unbound";
+  pool->binding_ = set != nullptr ? "NUMA node " + std::to_string(numa_node) : "unbound";
   if (set != nullptr) hwloc_bitmap_free(set);
+  if (!status.is_ok()) {
+    // The started workers wait on start_cv_: stop and join them before the pool goes away.
+    pool->stop();
+    return error(status.code(), status.message(), " (", pool->workers_.size() + 1, " of ", threads,
+                 " threads started; all stopped)");
+  }
+  *out = std::move(pool);
+  return Status::ok();
 }
 
 WorkerPool::~WorkerPool() {
+  stop();
+}
+
+void WorkerPool::stop() {
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
   }
   start_cv_.notify_all();
-  for (auto& t : workers_) t.join();
+  for (auto& t : workers_) {
+    if (t.joinable()) t.join();
+  }
 }
 
 void WorkerPool::claim_tasks() {

@@ -6,18 +6,26 @@
 #include <condition_variable>
 #include <cstddef>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "runtime/status.h"
+
 namespace strata::optim {
 
 class WorkerPool {
  public:
-  // `threads` >= 1 in total: the caller of run() is one of them. numa_node < 0: no binding.
-  // *binding receives a line saying where the threads run (for logs and stats).
-  WorkerPool(unsigned threads, int numa_node);
+  // At most this many threads in a pool: far more than any host's cores, far fewer than a
+  // hostile count (UINT32_MAX) that would exhaust the process's threads.
+  static constexpr unsigned kMaxThreads = 4096;
+
+  // `threads` (1..kMaxThreads; 0 means 1) in total: the caller of run() is one of them.
+  // numa_node < 0: no binding. When a thread cannot be started (a pids limit), the ones already
+  // running are stopped and joined and the status says why (kOutOfMemory, with the errno).
+  static Status create(unsigned threads, int numa_node, std::unique_ptr<WorkerPool>* out);
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
@@ -33,6 +41,8 @@ class WorkerPool {
   static unsigned cpus_of_node(int numa_node);
 
  private:
+  WorkerPool() = default;
+  void stop();
   void worker_main();
   void claim_tasks();
 

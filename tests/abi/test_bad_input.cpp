@@ -18,7 +18,9 @@ RuntimePtr host_runtime(uint64_t host_bps = 0) {
 
 TEST_CASE("library-wide functions", "[abi]") {
   REQUIRE(strata_version() == STRATA_VERSION_NUMBER);
-  REQUIRE(std::string(strata_version_string()) == "1.0.0");
+  REQUIRE(std::string(strata_version_string()) == std::to_string(STRATA_VERSION_MAJOR) + "." +
+                                                      std::to_string(STRATA_VERSION_MINOR) + "." +
+                                                      std::to_string(STRATA_VERSION_PATCH));
   REQUIRE(std::string(strata_status_string(STRATA_ERROR_BUSY)) == "STRATA_ERROR_BUSY");
   REQUIRE(std::string(strata_status_string(-3)) == "STRATA_UNKNOWN_STATUS");
   REQUIRE(std::string(strata_tier_name(STRATA_TIER_NVME)) == "nvme");

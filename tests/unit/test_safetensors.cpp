@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -487,4 +488,61 @@ TEST_CASE("safetensors file of a writer destroyed without finish is rejected", "
     require_malformed(path, "crc32c.");
   }
   require_malformed(path, "");
+}
+
+TEST_CASE("safetensors refuses deep nesting and too many entries before parsing on",
+          "[safetensors]") {
+  ScratchDir dir;
+  const std::string path = dir.file("h.safetensors");
+  const std::string eight(8, '\0');
+  // 100k levels of nesting: refused at level 4, without memory growing with the depth.
+  write_file(path, file_bytes(std::string(100000, '[') + std::string(100000, ']'), eight));
+  require_malformed(path, "nests deeper");
+  write_file(path,
+             file_bytes(R"({"a":{"dtype":"F32","shape":[[2]],"data_offsets":[0,8]}})", eight));
+  require_malformed(path, "nests deeper");
+  // One tensor more than the cap (tightened for the test; the default is kMaxTensors).
+  std::string json = "{";
+  for (std::size_t i = 0; i <= 100; ++i) {
+    if (i > 0) json += ',';
+    json += "\"t" + std::to_string(i) + R"(":{"dtype":"U8","shape":[0],"data_offsets":[0,0]})";
+  }
+  json += "}";
+  write_file(path, file_bytes(json, ""));
+  std::unique_ptr<Reader> r;
+  const Status s = Reader::open(path, &r, 100);
+  INFO(s.message());
+  REQUIRE(s.code() == Code::kInvalidArgument);
+  REQUIRE_THAT(s.message(), Catch::Contains("more than 100 tensors"));
+  REQUIRE(Reader::open(path, &r, 101).is_ok());
+}
+
+TEST_CASE("safetensors header parsing and writing are linear in the tensor count",
+          "[safetensors]") {
+  // 100k tensors took a minute with ordered_json (quadratic); linear, well under a second
+  // optimized. Time both sizes and require near-linear growth, with generous slack.
+  ScratchDir dir;
+  auto run = [&](std::size_t n) {
+    std::vector<TensorInfo> tensors;
+    tensors.reserve(n);
+    for (std::size_t i = 0; i < n; ++i)
+      tensors.push_back(tensor("t" + std::to_string(i), DType::kU8, {1}));
+    const std::string path = dir.file("n" + std::to_string(n) + ".safetensors");
+    const auto start = std::chrono::steady_clock::now();
+    std::unique_ptr<Writer> w;
+    REQUIRE(Writer::create(path, tensors, {}, &w).is_ok());
+    const std::vector<unsigned char> data(n, 7);
+    REQUIRE(w->append(data.data(), data.size()).is_ok());
+    REQUIRE(w->finish().is_ok());
+    std::unique_ptr<Reader> r;
+    REQUIRE(Reader::open(path, &r).is_ok());
+    REQUIRE(r->header().tensors.size() == n);
+    // Text order is kept: t0, t1, ... as written.
+    REQUIRE(r->header().tensors[n - 1].name == "t" + std::to_string(n - 1));
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  const double small = run(12500);
+  const double large = run(100000);
+  INFO("12.5k: " << small << " s, 100k: " << large << " s");
+  REQUIRE(large < 8 * small * 3 + 0.5);  // 8x the entries; quadratic would be 64x
 }

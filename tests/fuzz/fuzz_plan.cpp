@@ -1,0 +1,148 @@
+// libFuzzer: graph and plan API sequences through the C ABI. The input is a little program:
+// tensors of fuzzed sizes, homes and roles; layers drawn from them (repeats, foreign handles,
+// empty lists); residents; plan configs with fuzzed numbers (NaN, inf, huge); a few executor
+// steps with acquires and releases in fuzzed order. Every call must return a status.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "strata/strata.h"
+
+namespace {
+
+struct Input {
+  const uint8_t* p;
+  size_t n;
+  template <typename T>
+  T get() {
+    T v{};
+    const size_t k = n < sizeof(T) ? n : sizeof(T);
+    std::memcpy(&v, p, k);
+    p += k;
+    n -= k;
+    return v;
+  }
+  bool empty() const { return n == 0; }
+};
+
+strata_runtime_t* runtime() {
+  static strata_runtime_t* rt = [] {
+    strata_runtime_config_t c;
+    strata_runtime_config_init(&c);
+    c.device_backend = STRATA_DEVICE_BACKEND_HOST;
+    c.hbm_budget_bytes = 8u << 20;
+    c.dram_budget_bytes = 16u << 20;
+    strata_runtime_t* r = nullptr;
+    strata_runtime_create(&c, &r);
+    return r;
+  }();
+  return rt;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  strata_runtime_t* rt = runtime();
+  if (rt == nullptr) return 0;
+  Input in{data, size};
+  std::vector<strata_tensor_t*> tensors;
+  const unsigned count = in.get<uint8_t>() % 12;
+  for (unsigned i = 0; i < count; ++i) {
+    const int64_t shape[1] = {static_cast<int64_t>(in.get<uint16_t>()) *
+                              (1 + in.get<uint8_t>() % 16)};
+    strata_tensor_desc_t d{};
+    d.struct_size = STRATA_TENSOR_DESC_STRUCT_SIZE;
+    const std::string name = "t" + std::to_string(i);
+    d.name = name.c_str();
+    d.dtype = in.get<uint8_t>() % 11;
+    d.ndim = 1;
+    d.shape = shape;
+    d.role = in.get<uint8_t>() % 5;
+    d.home_tier = in.get<uint8_t>() % 4;
+    strata_tensor_t* t = nullptr;
+    if (strata_tensor_register(rt, &d, &t) == STRATA_OK) tensors.push_back(t);
+  }
+  auto pick = [&](std::vector<strata_tensor_t*>* out) {
+    const unsigned k = in.get<uint8_t>() % 4;
+    for (unsigned j = 0; j < k; ++j) {
+      const uint8_t which = in.get<uint8_t>();
+      if (which == 255) {
+        out->push_back(reinterpret_cast<strata_tensor_t*>(uintptr_t{0xdead}));  // foreign
+      } else if (!tensors.empty()) {
+        out->push_back(tensors[which % tensors.size()]);
+      }
+    }
+  };
+  strata_graph_t* graph = nullptr;
+  if (strata_graph_create(rt, &graph) == STRATA_OK) {
+    const unsigned layers = in.get<uint8_t>() % 6;
+    for (unsigned l = 0; l < layers && !in.empty(); ++l) {
+      std::vector<strata_tensor_t*> w, g, a;
+      pick(&w);
+      pick(&g);
+      pick(&a);
+      strata_layer_desc_t d{};
+      d.struct_size = STRATA_LAYER_DESC_STRUCT_SIZE;
+      d.weights = w.data();
+      d.weight_count = static_cast<uint32_t>(w.size());
+      d.grads = g.data();
+      d.grad_count = static_cast<uint32_t>(g.size());
+      d.activations = a.data();
+      d.activation_count = static_cast<uint32_t>(a.size());
+      uint32_t index = 0;
+      (void)strata_graph_add_layer(graph, &d, &index);
+      if (in.get<uint8_t>() % 4 == 0 && !tensors.empty()) {
+        (void)strata_graph_add_resident(graph, tensors[in.get<uint8_t>() % tensors.size()]);
+      }
+    }
+    strata_plan_config_t pc;
+    strata_plan_config_init(&pc);
+    pc.micro_batches = in.get<uint8_t>() % 4;
+    pc.hbm_slot_budget_bytes = in.get<uint32_t>();
+    // Never 0: measuring the links costs 64 MiB copies per input.
+    const double h2d = in.get<double>(), d2h = in.get<double>();
+    pc.h2d_bytes_per_second = h2d == 0 ? 1e9 : h2d;
+    pc.d2h_bytes_per_second = d2h == 0 ? 1e9 : d2h;
+    pc.device_flops_per_second = in.get<double>();
+    pc.max_prefetch_depth = in.get<uint8_t>();
+    pc.chunk_bytes = in.get<uint32_t>();
+    strata_plan_t* plan = nullptr;
+    if (strata_plan_create(graph, &pc, &plan) == STRATA_OK) {
+      char buf[256];
+      size_t needed = 0;
+      (void)strata_plan_dump(plan, in.get<uint8_t>() % 3, buf, sizeof buf, &needed);
+      strata_executor_t* ex = nullptr;
+      if (strata_executor_create(plan, &ex) == STRATA_OK) {
+        const unsigned ops = in.get<uint8_t>() % 24;
+        for (unsigned k = 0; k < ops && !in.empty(); ++k) {
+          const uint8_t op = in.get<uint8_t>();
+          const uint32_t layer = in.get<uint8_t>() % 8;
+          const strata_phase_t phase = in.get<uint8_t>() % 3;
+          strata_layer_views_t v{};
+          v.struct_size = STRATA_LAYER_VIEWS_STRUCT_SIZE;
+          switch (op % 4) {
+            case 0:
+              (void)strata_step_begin(ex);
+              break;
+            case 1:
+              (void)strata_layer_acquire(ex, layer, phase, nullptr, op >> 4, &v);
+              break;
+            case 2:
+              (void)strata_layer_release(ex, layer, phase, nullptr);
+              break;
+            default:
+              (void)strata_step_end(ex);
+              break;
+          }
+        }
+        (void)strata_executor_destroy(ex);
+      }
+      (void)strata_plan_destroy(plan);
+    }
+    (void)strata_graph_destroy(graph);
+  }
+  for (strata_tensor_t* t : tensors) (void)strata_tensor_unregister(rt, t);
+  return 0;
+}
