@@ -33,7 +33,7 @@ def peak_host_bytes():
     return 0
 
 
-def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0):
+def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=None):
     import torch
     from strata.torch.models import LlamaForCausalLM, PRESETS, flops_per_token
 
@@ -49,10 +49,13 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0):
         import strata.torch as st
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
-        model = st.offload(model, device=device, dtype=torch.bfloat16)
+        model = st.offload(model, device=device, dtype=torch.bfloat16,
+                           resident_blocks=resident_blocks)
         opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         info = model.strata.executor.plan_info()
-        out["plan"] = "%d slots of %.0f MB" % (info.slots, info.slot_bytes / 1e6)
+        out["resident_blocks"] = len(model.strata.resident_blocks)
+        out["plan"] = "%d slots of %.0f MB, %d of %d blocks resident" % (
+            info.slots, info.slot_bytes / 1e6, out["resident_blocks"], config.num_hidden_layers)
 
         def step(ids):
             loss = model(ids, labels=ids).loss
@@ -143,12 +146,14 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--clip", type=float, default=0.0,
                    help="clip_grad_norm_(model.parameters(), CLIP) before every step (0: off)")
+    p.add_argument("--resident-blocks", type=int, default=None,
+                   help="strata: blocks kept in HBM (default: strata.torch.offload's choice)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.batch, args.seq, args.steps,
-                                 args.warmup, args.clip)), flush=True)
+                                 args.warmup, args.clip, args.resident_blocks)), flush=True)
         return
     results = []
     for preset in args.models.split(","):
@@ -156,6 +161,8 @@ def main():
             cmd = [sys.executable, __file__, "--one", mode, preset, "--batch", str(args.batch),
                    "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--clip", str(args.clip)]
+            if args.resident_blocks is not None:
+                cmd += ["--resident-blocks", str(args.resident_blocks)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
             if proc.returncode != 0 or not lines:
@@ -168,10 +175,10 @@ def main():
                 print("%-4s %-8s failed: %s" % (preset, mode, r["error"]), flush=True)
             else:
                 print("%-4s %-8s %8.0f tokens/s  %6.1f TFLOPS (6PT/t)  %6.1f (done)  step %.2f s  "
-                      "host %.1f GB  device %.1f GB  setup %.0f s"
+                      "host %.1f GB  device %.1f GB  setup %.0f s  %s"
                       % (preset, mode, r["tokens_per_second"], r["tflops_6pt"], r["tflops_done"],
                          r["step_seconds"], r["peak_host_gb"], r["peak_device_gb"],
-                         r["setup_seconds"]), flush=True)
+                         r["setup_seconds"], r.get("plan", "")), flush=True)
     # Ratios against the peers, per model.
     for preset in args.models.split(","):
         by = {r["mode"]: r for r in results if r["model"] == preset and "error" not in r}

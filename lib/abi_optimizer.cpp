@@ -13,6 +13,9 @@ static_assert(static_cast<int>(StateKind::kGradAccum) == STRATA_STATE_GRAD_ACCUM
 
 namespace {
 
+constexpr std::size_t kOptimizerConfigV1_0Size =
+    STRATA_STRUCT_SIZE(strata_optimizer_config_t, threads);
+
 OptimizerConfig to_core(const strata_optimizer_config_t& c) {
   OptimizerConfig o;
   o.kind = static_cast<OptimizerKind>(c.kind);
@@ -79,8 +82,9 @@ STRATA_API strata_status_t strata_optimizer_create(strata_runtime_t* runtime,
     strata_optimizer_config_t c{};
     (void)strata_optimizer_config_init(STRATA_OPTIMIZER_ADAMW, &c);
     if (config != nullptr) {
-      STRATA_RETURN_IF_ERROR(read_struct(config, STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE,
-                                         "strata_optimizer_config_t", &c));
+      // A 1.0 caller's config ends at `threads`; the fields after it keep their defaults.
+      STRATA_RETURN_IF_ERROR(
+          read_struct(config, kOptimizerConfigV1_0Size, "strata_optimizer_config_t", &c));
     }
     if (c.update_mode != STRATA_UPDATE_AUTO && c.update_mode != STRATA_UPDATE_EXPLICIT) {
       return error(Code::kInvalidArgument, "optimizer config: unknown update_mode ", c.update_mode);

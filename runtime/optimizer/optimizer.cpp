@@ -548,7 +548,7 @@ Status Optimizer::ensure_accum(Param& p) {
   if (p.accum != 0) return Status::ok();
   TensorRecord w;
   STRATA_RETURN_IF_ERROR(runtime_->info(p.weight, &w));
-  Status s = make_state(w, ".grad_accum", kSkew[3], &p.accum, &p.arrays.grad_accum);
+  Status s = make_state(w, ".grad_accum", kSkew[3], &p.accum, &p.accum_data);
   if (!s.is_ok()) {
     return error(s.code(),
                  "gradient accumulation (a backward pass onto grads not zeroed since the last "
@@ -608,8 +608,7 @@ Status Optimizer::grad_read(TensorId weight, float* dst, uint64_t count) {
     return Status::ok();
   }
   optim::ParamArrays a;
-  a.grad =
-      p->hold == GradHold::kAccum ? static_cast<const void*>(p->arrays.grad_accum) : p->arrays.grad;
+  a.grad = p->hold == GradHold::kAccum ? static_cast<const void*>(p->accum_data) : p->arrays.grad;
   a.grad_dtype = p->hold == GradHold::kAccum ? DType::kF32 : p->arrays.grad_dtype;
   a.grad_accum = dst;
   a.count = count;
@@ -961,29 +960,36 @@ void Optimizer::run_explicit(std::span<const Task> tasks, Job& job) {
     const Param& p = params_[task.param];
     const std::size_t b = task.begin, e = task.end;
     const std::size_t slot = p.in_layer;
+    // Views built from the fields fixed at add_param, plus the accumulator where the job
+    // uses it (it was allocated before the job was queued).
+    optim::ParamArrays grad_view;  // the landed grad
+    grad_view.grad = p.arrays.grad;
+    grad_view.grad_dtype = p.arrays.grad_dtype;
+    grad_view.count = p.arrays.count;
     optim::ParamArrays accum_view;  // the accumulator read as a grad
-    accum_view.grad = p.arrays.grad_accum;
     accum_view.grad_dtype = DType::kF32;
     accum_view.count = p.arrays.count;
     auto scale = [&](float m) {
       if (m == 1.f) return;
-      for (std::size_t i = b; i < e; ++i) p.arrays.grad_accum[i] *= m;
+      for (std::size_t i = b; i < e; ++i) p.accum_data[i] *= m;
     };
     switch (job.kind) {
       case JobKind::kLand:
         if (job.add[slot] != 0) {
+          accum_view.grad = p.accum_data;
+          grad_view.grad_accum = p.accum_data;
           scale(job.mult[slot]);
-          kernels_->accumulate(p.arrays, b, e, false);
+          kernels_->accumulate(grad_view, b, e, false);
           sums[k] = kernels_->sum_squares(accum_view, b, e);
         } else {
-          optim::ParamArrays grad_view = p.arrays;
-          grad_view.grad_accum = nullptr;
           sums[k] = kernels_->sum_squares(grad_view, b, e);
         }
         break;
       case JobKind::kStash:
         if (job.add[slot] != 0) {
-          kernels_->accumulate(p.arrays, b, e, true);
+          accum_view.grad = p.accum_data;
+          grad_view.grad_accum = p.accum_data;
+          kernels_->accumulate(grad_view, b, e, true);
           scale(job.mult[slot]);
           sums[k] = kernels_->sum_squares(accum_view, b, e);
         }
@@ -1044,7 +1050,7 @@ Status Optimizer::step_explicit() {
           src.grad = p.arrays.grad;
           src.dtype = p.arrays.grad_dtype;
         } else if (p.hold == GradHold::kAccum) {
-          src.grad = p.arrays.grad_accum;
+          src.grad = p.accum_data;
           src.dtype = DType::kF32;
         }
         const float grad_scale = p.grad_mult / counters_.loss_scale;

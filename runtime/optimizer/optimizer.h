@@ -158,6 +158,9 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     // Explicit mode. The grad's value is grad_mult times what `hold` names; grad_sq is the
     // sum of squares of the latter (set when the job that wrote it finishes).
     GradHold hold = GradHold::kNone;
+    // The fp32 accumulator, allocated on first use (outside `arrays`, which pool threads copy
+    // while other jobs run: only jobs queued after it was set read it).
+    float* accum_data = nullptr;
     float grad_mult = 1.f;
     double grad_sq = 0;
     uint64_t t = 0;

@@ -674,7 +674,11 @@ TEST_CASE("explicit update mode misuse gets clear errors", "[optimizer]") {
   REQUIRE(strata_optimizer_create(m.rt.get(), &bad, &o) == STRATA_ERROR_INVALID_ARGUMENT);
   REQUIRE(std::string(strata_last_error_message()).find("explicit") != std::string::npos);
 
-  OptimizerPtr autoopt = make_optimizer(m, adamw_config());
+  // A caller built against the 1.0 header: its config ends at `threads`, and means AUTO mode.
+  strata_optimizer_config_t v1_0 = adamw_config();
+  v1_0.update_mode = STRATA_UPDATE_EXPLICIT;  // beyond its struct_size: never read
+  v1_0.struct_size = STRATA_STRUCT_SIZE(strata_optimizer_config_t, threads);
+  OptimizerPtr autoopt = make_optimizer(m, v1_0);
   strata_grad_info_t info{};
   info.struct_size = STRATA_GRAD_INFO_STRUCT_SIZE;
   REQUIRE(strata_optimizer_grad_info(autoopt.get(), m.weights[0][0], &info) ==

@@ -699,3 +699,145 @@ def test_evaluation_under_no_grad_between_steps(offload):
     got, got_evals = run(model, opt)
     assert_losses_close(got, expected)
     assert_losses_close(got_evals, expected_evals)
+
+
+# ---------------------------------------------------------------------------------------------
+# Idioms found by review after the first version of the fix.
+
+def zero_grad_by_model_loop(model, opt, data):
+    """The Hugging Face Trainer's order: step, then model.zero_grad() (not the optimizer's)."""
+    losses = []
+    for ids in data:
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        model.zero_grad()
+    return losses
+
+
+def test_model_zero_grad(offload):
+    """Idiom: model.zero_grad() instead of opt.zero_grad() (the HF Trainer does this)."""
+    base = build("llama")
+    data = batches(STEPS)
+    plain = deepcopy(base)
+    expected = zero_grad_by_model_loop(plain, plain_adamw(plain.parameters()), data)
+    model = offload(deepcopy(base))
+    opt = strata_adamw(model.parameters())
+    got = zero_grad_by_model_loop(model, opt, data)
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
+def grad_scaler_loop(model, opt, data):
+    """torch.amp.GradScaler: scaled backward, unscale_, clip, scaler.step, update."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    losses = []
+    for ids in data:
+        loss = model(ids, labels=ids).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, scaler.get_scale()
+
+
+def test_grad_scaler_unscale_and_clip(offload):
+    """Idiom: torch.amp.GradScaler's unscale_ before clipping, scaler.step(opt) (powers of two:
+    scaling and unscaling are exact, so the oracle is exact too)."""
+    base = build("llama")
+    data = batches(STEPS)
+    plain = deepcopy(base)
+    expected, expected_scale = grad_scaler_loop(plain, plain_adamw(plain.parameters()), data)
+    model = offload(deepcopy(base))
+    opt = strata_adamw(model.parameters())
+    got, got_scale = grad_scaler_loop(model, opt, data)
+    synchronize(opt)
+    assert got_scale == expected_scale
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
+def test_step_after_a_forward_without_backward(offload):
+    """Idiom: an evaluation forward with grad enabled, its loss dropped, between backward and
+    step (plain PyTorch allows it; nothing changes)."""
+    base = build("llama")
+    data = batches(2)
+
+    def loop(model, opt):
+        losses = []
+        for ids in data:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            model(ids, labels=ids)  # dropped
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    plain = deepcopy(base)
+    expected = loop(plain, plain_adamw(plain.parameters()))
+    model = offload(deepcopy(base))
+    opt = strata_adamw(model.parameters())
+    got = loop(model, opt)
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
+def test_what_is_refused_is_refused_clearly(offload):
+    """Mistakes that cannot train as plain PyTorch does raise, naming the supported way, and
+    leave the session usable: a param group added after construction, requires_grad changed on
+    a streamed parameter after the optimizer exists, a dtype change after offload. A no-op
+    model.to() passes."""
+    base = build("llama")
+    data = batches(2)
+    model = offload(deepcopy(base))
+    opt = strata_adamw(model.parameters())
+    with pytest.raises(NotImplementedError, match="constructor"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    block_param = next(blocks_of(model)[0].parameters())
+    block_param.requires_grad_(False)
+    ids = data[0]
+    with pytest.raises(RuntimeError, match="requires_grad"):
+        model(ids, labels=ids)
+    block_param.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="offloaded"):
+        model.to(torch.float64)
+    assert model.to("cpu") is model
+    expected, _, expected_state = plain_run(deepcopy(base), data)
+    got, _ = train(model, opt, data)
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), expected_state)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_resident_blocks(arch, offload):
+    """st.offload(model, resident_blocks=1): the first block stays a plain module (checkpointed,
+    RNG-exact) trained by torch's AdamW, the rest stream; with dropout, accumulation and
+    clipping, training equals plain PyTorch's."""
+    dropout = 0.1 if arch == "gpt2" else 0.0
+    base = build(arch, dropout=dropout, layers=3)
+    data = batches(4)
+    torch.manual_seed(7)
+    expected, expected_norms, expected_state = plain_run(deepcopy(base), data, accumulate=2,
+                                                         clip=1.0)
+    sessions = []
+
+    def offload_keeping_one(m):
+        m = offload(m, resident_blocks=1)
+        sessions.append(m.strata)
+        torch.manual_seed(7)
+        return m
+
+    got, got_norms, got_state = strata_run(offload_keeping_one, deepcopy(base), data,
+                                           accumulate=2, clip=1.0)
+    assert len(sessions[0].blocks) == 2
+    assert_losses_close(got, expected)
+    assert got_norms == pytest.approx(expected_norms, rel=1e-6)
+    assert_state_close(got_state, expected_state)

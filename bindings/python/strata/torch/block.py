@@ -24,7 +24,7 @@ def _cache_types():
 _CACHES = _cache_types()
 
 
-def _without_caches(leaves):
+def without_caches(leaves):
     """A KV cache in a training forward: the recomputed forward would append to it again, so
     neither run gets it. That is exact when it holds nothing yet (training starts from no
     past); a cache already holding keys is refused."""
@@ -149,7 +149,7 @@ def streamed_forward(session, index, run):
             finally:
                 session.unbind(index)
         leaves, spec = tree_flatten((args, kwargs))
-        leaves = _without_caches(leaves)
+        leaves = without_caches(leaves)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         box = []
         outs = StreamedBlockFunction.apply(session, index, run, leaves, spec, positions, box,

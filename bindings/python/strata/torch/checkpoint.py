@@ -11,6 +11,7 @@ directory is written as "<path>.partial" and swapped in with one renameat2(RENAM
 one, whole. Schedulers keep their own state_dict(), as in plain PyTorch."""
 
 import ctypes
+import errno
 import os
 import shutil
 
@@ -91,8 +92,19 @@ def save_checkpoint(path, model, optimizer=None):
                 "rng": rng}, os.path.join(staging, "resident.pt"))
     _fsync_tree(staging)
     if os.path.exists(path):
-        _exchange(staging, path)
-        shutil.rmtree(staging)
+        try:
+            _exchange(staging, path)
+            shutil.rmtree(staging)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            # No RENAME_EXCHANGE on this file system: the old one steps aside first (a crash
+            # between the renames leaves it as <path>.old, which load_checkpoint falls back to).
+            old = path + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+            os.rename(staging, path)
+            shutil.rmtree(old)
     else:
         os.rename(staging, path)
     parent = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
@@ -109,6 +121,8 @@ def load_checkpoint(path, model, optimizer=None):
     session = _session(model)
     _check_optimizer(optimizer, session)
     path = os.fspath(path).rstrip("/")
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+        path = path + ".old"  # a save was interrupted between its two renames
     if not os.path.isdir(path):
         raise FileNotFoundError("strata.torch.load_checkpoint: no checkpoint at %s" % path)
     data = torch.load(os.path.join(path, "resident.pt"), map_location="cpu", weights_only=True)

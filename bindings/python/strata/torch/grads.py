@@ -6,11 +6,14 @@ parameter's shape, dtype and device but no storage. What PyTorch code does with 
   Strata's running sums of squares without moving data), hence
   torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm);
 - scaling and zeroing in place (mul_, div_, zero_ and their _foreach_ forms), applied lazily in
-  Strata (clip_grad_norm_, GradScaler.unscale_-style code, zero_grad(set_to_none=False));
+  Strata (clip_grad_norm_, zero_grad(set_to_none=False)), and torch.amp.GradScaler's unscale_
+  (the inf/NaN check comes from the sums of squares);
 - any other read (clone, allclose, indexing, arithmetic, printing) on a materialized fp32 copy
   converted to the parameter's dtype and device.
 
 Other in-place changes raise: a streamed grad cannot be written element by element."""
+
+import math
 
 import torch
 from torch.utils._pytree import tree_map
@@ -26,6 +29,7 @@ _FOREACH_SCALE = {aten._foreach_mul_.Scalar, aten._foreach_mul_.Tensor,
                   aten._foreach_div_.Tensor, aten._foreach_div_.ScalarList}
 _FOREACH_ZERO = {aten._foreach_zero_.default}
 _PASSTHROUGH = {aten.detach.default, aten.alias.default}
+_UNSCALE = {aten._amp_foreach_non_finite_check_and_unscale_.default}
 
 
 def _factor(x, i=None):
@@ -125,6 +129,21 @@ class StreamedGrad(torch.Tensor):
                     t.div_(f)
                 else:
                     t.mul_(f)
+            return None
+        if func in _UNSCALE:
+            # torch.amp.GradScaler.unscale_: grads *= inv_scale, found_inf = 1 if any is not
+            # finite. Streamed grads: their sums of squares say whether all are finite.
+            grads, found_inf, inv_scale = args[0], args[1], args[2]
+            plain = [t for t in grads if not isinstance(t, StreamedGrad)]
+            if plain:
+                func(plain, found_inf, inv_scale)
+            factor = float(inv_scale)
+            for t in grads:
+                if isinstance(t, StreamedGrad):
+                    _, sum_squares, _ = t._optimizer().grad_info(t._sp.weight)
+                    if not math.isfinite(sum_squares):
+                        found_inf.fill_(1.0)
+                    t._scale(factor)
             return None
         if func in _FOREACH_ZERO:
             for t in args[0]:

@@ -60,19 +60,28 @@ def rebuild_meta_buffers(module, device):
         module._buffers[name] = getattr(fresh, name).to(device)
 
 
-def _guard_apply(session, block):
-    """Changing dtype or device of a streamed block (model.to(...), .half(), .cuda()) cannot
-    work: its values live in Strata. Refused loudly instead of half-applied."""
-    original = block._apply
+def _guard_apply(session, module, streamed):
+    """Changing dtype or device of streamed blocks (model.to(...), .half(), .cuda()) cannot
+    work: their values live in Strata. Refused loudly before anything is converted, on every
+    module holding streamed blocks (`streamed`: their parameters); a conversion that changes
+    nothing (model.to(the same device), as accelerate's prepare() does) passes."""
+    original = module._apply
 
     def _apply(fn, *args, **kwargs):
         if session.applying:
             return original(fn, *args, **kwargs)
-        raise RuntimeError("strata.torch: the model is offloaded; its streamed blocks' dtype and "
-                           "device are fixed by strata.torch.offload(dtype=..., device=...) "
-                           "(model.to / .half / .cuda after offload are not supported)")
+        for p in streamed:
+            t = fn(p.data)
+            if t.dtype != p.dtype or t.device != p.device:
+                raise RuntimeError(
+                    "strata.torch: the model is offloaded; its streamed blocks' dtype and device "
+                    "are fixed by strata.torch.offload(dtype=..., device=...) (model.to / .half "
+                    "/ .cuda to another dtype or device after offload are not supported)")
+        if module in session.blocks:
+            return module  # unchanged: its parameters' data are Strata's placeholders
+        return original(fn, *args, **kwargs)
 
-    block._apply = _apply
+    module._apply = _apply
 
 
 def _install_state_hooks(session, index, block):
@@ -120,8 +129,49 @@ def _estimate_dram(blocks, dtype):
     return dram
 
 
+def _auto_resident_blocks(blocks, dtype, device, gpu_budget):
+    """How many of the first blocks to keep resident in HBM: as many as fit in half of the
+    device memory left beside Strata's own (the other half for activations and the rest), at
+    16 bytes per parameter (the compute-dtype weight and grad, an fp32 master, AdamW's m and v).
+    Resident blocks need no transfers and are updated by torch's AdamW on the device at once,
+    so the CPU's updates of the streamed ones start with a head start of the resident blocks'
+    forward pass (the next forward pass needs the first blocks first). None on the CPU."""
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    spare = (free - (gpu_budget or 0)) // 2
+    per_param = 2 * torch.finfo(dtype).bits // 8 + 12
+    k = 0
+    for b in blocks[:-1]:  # at least one block streams
+        need = sum(p.numel() for p in b.parameters()) * per_param
+        if need > spare:
+            break
+        spare -= need
+        k += 1
+    return k
+
+
+def _keep_resident(block):
+    """A block kept in HBM runs as plain PyTorch with activation checkpointing (RNG-exact, as
+    the streamed blocks recompute), so its activation memory is what a streamed block's is."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+    from torch.utils.checkpoint import checkpoint
+
+    from .block import without_caches
+    run = block.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return run(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        args, kwargs = tree_unflatten(without_caches(leaves), spec)
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    block.forward = forward
+
+
 def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, dtype=None,
-            device=None, backend="auto", slot_budget=0):
+            device=None, backend="auto", slot_budget=0, resident_blocks=None):
     """Stream `model`'s blocks through Strata; returns the model, changed in place.
 
     gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: pinned
@@ -129,7 +179,10 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     of paths for the NVMe tier, nvme_budget its bytes. slot_budget: HBM for streaming slots
     within gpu_budget (0: all of it). dtype: the compute dtype of the streamed weights (None:
     the model's). device: where to compute (None: cuda if available, else cpu with Strata's
-    host backend). A failed call leaves the model as it was and releases what it allocated."""
+    host backend). resident_blocks: how many of the first blocks stay in HBM as plain PyTorch
+    modules with checkpointing, trained by torch's AdamW on the device (None: as many as half
+    the free device memory holds, 0 on the CPU). A failed call leaves the model as it was and
+    releases what it allocated."""
     if getattr(model, "strata", None) is not None:
         raise RuntimeError("strata.torch.offload: this model is already offloaded "
                            "(model.strata exists); offload a model once")
@@ -142,12 +195,19 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         device = torch.device("cuda", torch.cuda.current_device())
     if backend == "auto":
         backend = "cuda" if device.type == "cuda" else "host"
-    blocks = find_blocks(model)
+    all_blocks = find_blocks(model)
     if dtype is None:
-        dtype = next(blocks.parameters()).dtype
+        dtype = next(all_blocks.parameters()).dtype
     if dtype not in DTYPE_NAMES:
         raise ValueError("strata.torch.offload: dtype %s is not float32, bfloat16 or float16"
                          % dtype)
+    if resident_blocks is None:
+        resident_blocks = _auto_resident_blocks(list(all_blocks), dtype, device, gpu_budget)
+    if not 0 <= resident_blocks < len(all_blocks):
+        raise ValueError("strata.torch.offload: resident_blocks is %d; the model has %d blocks "
+                         "and at least one must stream" % (resident_blocks, len(all_blocks)))
+    kept = list(all_blocks)[:resident_blocks]
+    blocks = list(all_blocks)[resident_blocks:]
     if host_budget is not None and host_budget < _estimate_dram(blocks, dtype):
         raise ValueError("strata.torch.offload: host_budget %d bytes is below the %d bytes the "
                          "streamed blocks need in pinned DRAM (weights, grads, fp32 masters and "
@@ -156,10 +216,12 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     prefixes = {id(m): n + "." for n, m in model.named_modules(remove_duplicate=False)}
     names = [prefixes[id(b)] for b in blocks]  # each block's prefix in the model's names
     init = getattr(model, "_init_weights", None)
-    session = StrataSession(list(blocks), names, device, dtype, gpu_budget, host_budget, nvme,
+    session = StrataSession(blocks, names, device, dtype, gpu_budget, host_budget, nvme,
                             nvme_budget, backend, slot_budget, init)
+    session.resident_blocks = kept
     session.applying = False
     installed = []
+    moved = []  # (param or (module, buffer name), its data before): undone on failure
     try:
         session.anchor = torch.zeros(0, device=device, requires_grad=True)
         for i, block in enumerate(blocks):
@@ -168,20 +230,41 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
             block.forward = streamed_forward(session, i, block.forward)
             installed.append(block)
             _install_state_hooks(session, i, block)
-            _guard_apply(session, block)
+        for block in kept:
+            _keep_resident(block)
+            installed.append(block)
+        streamed = {id(p): p for b in blocks for p in b.parameters()}
+        for m in model.modules():
+            inside = [p for p in m.parameters() if id(p) in streamed]
+            if inside:
+                _guard_apply(session, m, inside)
+                installed.append(m)
         # Everything else is resident on the device, in the compute dtype (buffers keep theirs);
         # the blocks are registered with the runtime later (StrataSession.build).
         in_blocks = {id(m) for b in blocks for m in b.modules()}
         for m in model.modules():
             if id(m) in in_blocks:
                 continue
+            for p in m.parameters(recurse=False):
+                moved.append((p, p.data))
+            for name, b in m.named_buffers(recurse=False):
+                moved.append(((m, name), b))
             materialize(m, device, init, recurse=False)
             for p in m.parameters(recurse=False):
+                if p.dtype == torch.float32 and dtype != torch.float32:
+                    # Its fp32 master (strata.torch.AdamW) starts from these values.
+                    p._strata_fp32 = p.data
                 p.data = p.data.to(device, dtype)
             rebuild_meta_buffers(m, device)
             for name, b in list(m.named_buffers(recurse=False)):
                 m._buffers[name] = b.to(device)
     except BaseException:
+        for target, data in reversed(moved):
+            if isinstance(target, tuple):
+                target[0]._buffers[target[1]] = data
+            elif not data.is_meta or target.is_meta:
+                target.data = data
+            target.__dict__.pop("_strata_fp32", None) if not isinstance(target, tuple) else None
         for block in installed:
             for attr in ("forward", "_apply"):
                 block.__dict__.pop(attr, None)

@@ -38,6 +38,7 @@ class AdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=False, maximize=False, foreach=foreach, capturable=False,
                         differentiable=False, fused=fused)
+        self._ready = False
         super().__init__(params, defaults)
         self.max_grad_norm = float(max_grad_norm)
         sessions = {}
@@ -67,6 +68,7 @@ class AdamW(torch.optim.Optimizer):
                             "not among the optimizer's parameters; pass all of them (or "
                             "requires_grad_(False) the ones to freeze)"
                             % (session.prefixes[session.blocks.index(block)] + name))
+            self._check_betas()
             group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
             session.build(dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
                                weight_decay=weight_decay, threads=threads), group_of)
@@ -78,8 +80,16 @@ class AdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if _session_of(p) is not None:
                     continue
-                master = p if p.dtype == torch.float32 else \
-                    p.detach().float().clone().requires_grad_(True)
+                # A resident cast to the compute dtype by offload starts its master from the
+                # fp32 values it had (as the streamed blocks' masters do).
+                initial = p.__dict__.pop("_strata_fp32", None)
+                if p.dtype == torch.float32:
+                    master = p
+                elif initial is not None and initial.device == p.device:
+                    master = initial.detach().requires_grad_(True)  # offload's own copy
+                else:
+                    source = p.detach() if initial is None else initial
+                    master = source.to(p.device, torch.float32, copy=True).requires_grad_(True)
                 self._resident.append((p, master, gi))
                 masters.append(master)
             if masters:
@@ -88,6 +98,26 @@ class AdamW(torch.optim.Optimizer):
                                          eps=group["eps"], weight_decay=group["weight_decay"]))
         self._inner = torch.optim.AdamW(inner_groups, foreach=foreach, fused=fused) \
             if inner_groups else None
+        self._ready = True
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_ready", False):
+            raise NotImplementedError(
+                "strata.torch.AdamW: param groups are fixed at construction (the streamed "
+                "blocks' optimizer state is laid out then); pass every group to the constructor")
+        super().add_param_group(param_group)
+
+    def _check_betas(self):
+        """Strata's CPU AdamW has one beta1, beta2 and eps: groups holding streamed parameters
+        must use the ones it was created with."""
+        for gi, group in enumerate(self.param_groups):
+            if not any(_session_of(p) is not None for p in group["params"]):
+                continue
+            if tuple(group["betas"]) != self._betas or group["eps"] != self._eps:
+                raise ValueError(
+                    "strata.torch.AdamW: betas and eps are the same for every group of streamed "
+                    "parameters (group %d has betas %s, eps %s; the optimizer has %s, %s)"
+                    % (gi, tuple(group["betas"]), group["eps"], self._betas, self._eps))
 
     # --- the step ------------------------------------------------------------------------
 
@@ -105,22 +135,16 @@ class AdamW(torch.optim.Optimizer):
         session = self._session
         if session is not None:
             session.check_open()
-            if session.in_step:
-                raise RuntimeError("strata.torch.AdamW.step: the forward pass's backward has "
-                                   "not run yet (call loss.backward() first)")
+            # A forward pass whose backward never came changes nothing, as in plain PyTorch.
+            session.abort()
             if session.optimizer is not None:
                 session.sync_grads()
         if self.max_grad_norm > 0:
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         if session is not None and session.optimizer is not None:
+            self._check_betas()
             for gi, group in enumerate(self.param_groups):
-                if tuple(group["betas"]) != self._betas or group["eps"] != self._eps:
-                    raise ValueError(
-                        "strata.torch.AdamW: betas and eps are the same for every group of "
-                        "streamed parameters (group %d has betas %s, eps %s; the optimizer "
-                        "was created with %s, %s)" % (gi, tuple(group["betas"]), group["eps"],
-                                                      self._betas, self._eps))
                 session.optimizer.set_group(gi, float(group["lr"]), float(group["weight_decay"]))
             session.optimizer.step()
         if self._inner is not None:

@@ -70,7 +70,6 @@ class StrataSession:
         self.in_step = False
         self.step_id = 0  # advances at every step_begin: a stale backward can tell
         self.backward_next = None  # the block whose backward the executor expects next
-        self.on_step_begin = []  # callbacks run before each step (grad sync, learning rate)
         self.held = set()  # ids of trainable streamed params the optimizer holds a grad for
 
     # --- registration ----------------------------------------------------------------------
@@ -173,8 +172,11 @@ class StrataSession:
                 # The last forward pass never got its backward (an exception after it, or a
                 # forward whose result was dropped): as in plain PyTorch, that changes nothing.
                 self.abort()
-            for callback in self.on_step_begin:
-                callback()
+            self.check_trainable()
+            if self.optimizer is not None:
+                # Grads set to None since the last backward (model.zero_grad(), p.grad = None)
+                # must be dropped before this backward lands, or it would add to them.
+                self.sync_grads()
             self.executor.step_begin()
             self.in_step = True
             self.step_id += 1
@@ -204,6 +206,18 @@ class StrataSession:
         self.executor.step_abort(self.stream())
         self.grads_landed()
 
+    def check_trainable(self):
+        """Which block parameters get grads is fixed when the blocks move into Strata (their
+        grad buffers and optimizer state are laid out then): a later requires_grad_ change is
+        refused rather than silently ignored."""
+        for entries in self.layers:
+            for sp in entries:
+                if sp.param.requires_grad != sp.trainable:
+                    raise RuntimeError(
+                        "strata.torch: requires_grad of streamed parameter %r changed to %s after "
+                        "the optimizer was created; freeze or unfreeze block parameters before "
+                        "strata.torch.AdamW(...)" % (sp.name, sp.param.requires_grad))
+
     def grads_landed(self):
         """After a backward pass: every trainable streamed parameter whose grads came shows
         them as its .grad (a StreamedGrad reading them from Strata)."""
@@ -212,7 +226,7 @@ class StrataSession:
         from .grads import StreamedGrad
         for entries in self.layers:
             for sp in entries:
-                if not sp.trainable or id(sp.param) in self.held:
+                if not sp.trainable or (id(sp.param) in self.held and sp.param.grad is not None):
                     continue
                 has, _, _ = self.optimizer.grad_info(sp.weight)
                 if has:
