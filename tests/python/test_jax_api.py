@@ -16,6 +16,9 @@ from strata.jax import models  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 CONFIG = models.PRESETS["tiny"]
 LR, WD = 3e-3, 0.1
+# Two runs of the same program agree bit for bit on the CPU; XLA's GPU reductions (atomics in
+# the backward pass) do not promise that, so there the same runs agree to float rounding.
+SAME_RUN_RTOL = 0 if jax.default_backend() == "cpu" else 1e-6
 
 
 def batches(n, seed=0, shape=(4, 32)):
@@ -202,11 +205,14 @@ def test_checkpoint_resumes_bit_for_bit(tmp_path):
     with mlp_trainer(other_blocks, other_res) as b:
         b.load(tmp_path / "ckpt")
         assert b.step_count == 3
-        assert [b.step(x) for x in data[3:]] == rest
+        assert_losses(rest, [b.step(x) for x in data[3:]], rtol=SAME_RUN_RTOL)
         b_blocks, b_res = b.get_params(masters=True)
         for x, y in zip(jax.tree_util.tree_leaves((a_blocks, a_res, a_state)),
                         jax.tree_util.tree_leaves((b_blocks, b_res, b.opt_state))):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+            if SAME_RUN_RTOL == 0:
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+            else:
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
 
 
 def test_bf16_and_fp16_blocks_train():
@@ -285,4 +291,4 @@ def test_errors_leave_the_trainer_usable():
         with pytest.raises(TypeError, match="inside jax.jit"):
             jax.grad(lambda ids: trainer.evaluate(ids))(data[0].astype(np.float32))
         assert trainer.step_count == 0 and trainer.optimizer.stats()["step"] == 0
-        assert_losses(expected, [trainer.step(ids) for ids in data], rtol=0)
+        assert_losses(expected, [trainer.step(ids) for ids in data], rtol=SAME_RUN_RTOL)

@@ -130,17 +130,18 @@ def _estimate_dram(blocks, dtype):
 
 
 def _auto_resident_blocks(blocks, dtype, device, gpu_budget):
-    """How many of the first blocks to keep resident in HBM: as many as fit in half of the
-    device memory left beside Strata's own (the other half for activations and the rest), at
-    16 bytes per parameter (the compute-dtype weight and grad, an fp32 master, AdamW's m and v).
-    Resident blocks need no transfers and are updated by torch's AdamW on the device at once,
-    so the CPU's updates of the streamed ones start with a head start of the resident blocks'
-    forward pass (the next forward pass needs the first blocks first). None on the CPU."""
+    """How many of the first blocks to keep resident in HBM: as many as fit in 40% of the device
+    memory left beside Strata's own (the rest for activations, logits and the allocator), at 20
+    bytes per parameter (the compute-dtype weight and grad, an fp32 master, AdamW's m and v, the
+    fp32 grad the update reads). Resident blocks need no transfers and are updated by torch's
+    AdamW on the device at once, so the CPU's updates of the streamed ones start with the
+    resident blocks' forward pass as a head start (the next forward pass needs the first blocks
+    first). 0 on the CPU."""
     if device.type != "cuda":
         return 0
     free, _ = torch.cuda.mem_get_info(device)
-    spare = (free - (gpu_budget or 0)) // 2
-    per_param = 2 * torch.finfo(dtype).bits // 8 + 12
+    spare = max(0, free - (gpu_budget or 0)) * 2 // 5
+    per_param = 2 * torch.finfo(dtype).bits // 8 + 16
     k = 0
     for b in blocks[:-1]:  # at least one block streams
         need = sum(p.numel() for p in b.parameters()) * per_param
@@ -180,8 +181,8 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     within gpu_budget (0: all of it). dtype: the compute dtype of the streamed weights (None:
     the model's). device: where to compute (None: cuda if available, else cpu with Strata's
     host backend). resident_blocks: how many of the first blocks stay in HBM as plain PyTorch
-    modules with checkpointing, trained by torch's AdamW on the device (None: as many as half
-    the free device memory holds, 0 on the CPU). A failed call leaves the model as it was and
+    modules with checkpointing, trained by torch's AdamW on the device (None: as many as 40% of
+    the free device memory holds, 0 on the CPU; pass 0 to leave the memory to activations). A failed call leaves the model as it was and
     releases what it allocated."""
     if getattr(model, "strata", None) is not None:
         raise RuntimeError("strata.torch.offload: this model is already offloaded "

@@ -157,8 +157,10 @@ class AdamW(torch.optim.Optimizer):
                     master.grad = None if p.grad is None else p.grad.float()
             self._inner.step()
             for p, master, _ in self._resident:
-                if master is not p and p.grad is not None:
-                    p.copy_(master)
+                if master is not p:
+                    master.grad = None  # 4 bytes per parameter, needed only by the update
+                    if p.grad is not None:
+                        p.copy_(master)
         return loss
 
     def zero_grad(self, set_to_none=True):
