@@ -16,7 +16,7 @@ import strata.core  # noqa: E402
 import strata.torch as st  # noqa: E402
 
 from torch_parity_models import (  # noqa: E402
-    ARCHS, LR, WD, assert_grad_close, assert_losses_close, assert_state_close, batches,
+    DEVICE, ARCHS, LR, WD, assert_grad_close, assert_losses_close, assert_state_close, batches,
     blocks_of, build, config, deepcopy, model_class, plain_adamw, snapshot, synchronize, train)
 
 transformers.logging.set_verbosity_error()
@@ -44,7 +44,9 @@ def offload():
     models = []
 
     def _offload(model, **kwargs):
-        kwargs.setdefault("device", "cpu")
+        kwargs.setdefault("device", DEVICE)
+        # Every block streams unless a test keeps some resident (on a GPU the default would).
+        kwargs.setdefault("resident_blocks", 0)
         out = st.offload(model, **kwargs)
         models.append(out)
         return out
@@ -487,7 +489,7 @@ def test_offload_keeps_from_pretrained_weights(arch, offload, tmp_path):
     expected, _, expected_state = plain_run(deepcopy(base), data)
     loaded = model_class(arch).from_pretrained(tmp_path, attn_implementation="eager")
     loaded.train()
-    model = offload(loaded)
+    model = offload(loaded.to(DEVICE))
     assert_state_close(snapshot(model), snapshot(base), exact=True)
     got, _, got_state = strata_run(lambda m: m, model, data)
     assert_losses_close(got, expected)
@@ -555,7 +557,7 @@ def test_offload_twice_raises_a_clear_error(offload):
     expected, _, expected_state = plain_run(deepcopy(base), data)
     model = offload(deepcopy(base))
     with pytest.raises((ValueError, RuntimeError), match=r"(?i)already"):
-        st.offload(model, device="cpu")
+        st.offload(model, device=DEVICE)
     got, _, got_state = strata_run(lambda m: m, model, data)
     assert_losses_close(got, expected)
     assert_state_close(got_state, expected_state)
@@ -622,14 +624,14 @@ def test_meta_device_model(arch, offload):
     expected_buffers = dict(reference.named_buffers())
     assert sorted(buffers) == sorted(expected_buffers)
     for name, b in expected_buffers.items():
-        assert not buffers[name].is_meta and torch.equal(buffers[name].cpu(), b), name
+        assert not buffers[name].is_meta and torch.equal(buffers[name].cpu(), b.cpu()), name
     if model.config.tie_word_embeddings:  # GPT-2: the head is the embedding, still tied
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     state = snapshot(model)
     for name, t in state.items():
         assert not t.is_meta and torch.isfinite(t).all(), name
         assert_hf_initialized(name, t)
-    plain = model_class(arch)(config(arch))
+    plain = model_class(arch)(config(arch)).to(DEVICE)
     plain.load_state_dict(state)
     plain.train()
     data = batches(3)
@@ -732,7 +734,7 @@ def test_model_zero_grad(offload):
 
 def grad_scaler_loop(model, opt, data):
     """torch.amp.GradScaler: scaled backward, unscale_, clip, scaler.step, update."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0 ** 10)
     losses = []
     for ids in data:
         loss = model(ids, labels=ids).loss
@@ -808,7 +810,7 @@ def test_what_is_refused_is_refused_clearly(offload):
     block_param.requires_grad_(True)
     with pytest.raises(RuntimeError, match="offloaded"):
         model.to(torch.float64)
-    assert model.to("cpu") is model
+    assert model.to(DEVICE) is model
     expected, _, expected_state = plain_run(deepcopy(base), data)
     got, _ = train(model, opt, data)
     synchronize(opt)

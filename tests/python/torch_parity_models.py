@@ -5,8 +5,16 @@ its own generator (so data never consumes the global RNG that dropout uses), one
 for both sides (plain PyTorch and strata.torch run exactly the same code), and the tolerances
 of issue 12: losses within 1e-6 relative step by step, parameters within 1e-6."""
 import copy
+import os
 
 import torch
+
+# Where both sides run: the CPU (Strata's host backend) in CI; STRATA_PARITY_DEVICE=cuda runs the
+# same suite on a GPU (fp32, TF32 off, so both sides do the same arithmetic).
+DEVICE = torch.device(os.environ.get("STRATA_PARITY_DEVICE", "cpu"))
+if DEVICE.type == "cuda":
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 ARCHS = ("llama", "qwen2", "mistral", "gpt2")
 VOCAB = 128
@@ -78,7 +86,7 @@ def build(arch, seed=0, layers=LAYERS, dropout=0.0):
     torch.manual_seed(seed)
     model = model_class(arch)(config(arch, layers, dropout))
     model.train()
-    return model
+    return model.to(DEVICE)
 
 
 def blocks_of(model):
@@ -91,7 +99,7 @@ def batches(n, batch=2, seq=16, seed=0):
     falls visibly within a few steps."""
     g = torch.Generator().manual_seed(seed)
     pair = [torch.randint(3, VOCAB, (batch, seq), generator=g) for _ in range(2)]
-    return [pair[i % 2].clone() for i in range(n)]
+    return [pair[i % 2].clone().to(DEVICE) for i in range(n)]
 
 
 def plain_adamw(params, **kw):
@@ -127,7 +135,7 @@ def synchronize(opt):
 
 def snapshot(model):
     """A detached copy of the model's state_dict (the live one aliases the weights)."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def deepcopy(obj):
@@ -181,6 +189,7 @@ def assert_grad_close(name, got, expected, rtol=1e-6):
     assert got.shape == expected.shape and got.dtype == expected.dtype, (
         name, tuple(got.shape), got.dtype, tuple(expected.shape), expected.dtype)
     got = got.detach().clone().cpu()
+    expected = expected.detach().cpu()
     scale = expected.abs().max().item()
     diff = (got - expected).abs().max().item()
     assert diff <= rtol * scale + 1e-12, "%s: max diff %.3g, grad scale %.3g" % (name, diff, scale)
