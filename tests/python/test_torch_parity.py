@@ -5,7 +5,8 @@ on the CPU through Strata's host backend (st.offload(model, device="cpu")). Each
 idiom through the same code on both sides (torch_parity_models.train) and compares:
 step-by-step losses within 1e-6 relative, final parameters (model.state_dict()) within 1e-6,
 resumes bit-identical. Models: tiny Hugging Face Llama, Qwen2, Mistral and GPT-2 configs
-(hidden 64, 2 layers), parametrized over the architectures where the idiom depends on them."""
+(hidden 64, 2 layers), parametrized over the architectures where the idiom depends on them.
+STRATA_PARITY_DEVICE=cuda runs both sides on the GPU instead (fp32, TF32 off)."""
 import gc
 
 import pytest
