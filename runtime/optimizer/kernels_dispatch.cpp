@@ -1,3 +1,5 @@
+#include <cpuid.h>
+
 #include <cstdlib>
 #include <string>
 
@@ -25,16 +27,24 @@ std::string_view isa_name(Isa isa) {
   }
 }
 
+namespace {
+// F16C from CPUID leaf 1 (ECX bit 29): clang < 15 has no "f16c" for __builtin_cpu_supports.
+// Its state is AVX's, whose OS support __builtin_cpu_supports("avx2") has already checked.
+bool has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+}  // namespace
+
 bool isa_supported(Isa isa) {
   __builtin_cpu_init();
   switch (isa) {
     case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-             __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+             __builtin_cpu_supports("fma") && has_f16c();
     case Isa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
     default:
       return true;
   }

@@ -3,7 +3,8 @@
 // -fopt-info-vec when they change): one pass per parameter range, every array read and written
 // once, so the update runs at memory speed. Dtype conversions are inline bit operations
 // (bf16: round to nearest even, as PyTorch's .to(bfloat16)); fp16 uses _Float16, which F16C
-// converts in hardware on the AVX builds.
+// converts in hardware on the AVX builds (clang < 15 has no _Float16 on x86: there fp16 is
+// converted by half.h's integer operations, bit for bit the same).
 #pragma once
 
 #include <bit>
@@ -13,6 +14,11 @@
 #include <type_traits>
 
 #include "runtime/optimizer/kernels.h"
+
+#if defined(__clang__) && __clang_major__ < 15 && (defined(__x86_64__) || defined(__i386__))
+#define STRATA_SOFT_F16 1
+#include "runtime/optimizer/half.h"
+#endif
 
 #ifndef STRATA_KERNEL_NS
 #error "define STRATA_KERNEL_NS before including kernels_impl.h"
@@ -25,7 +31,11 @@ struct Bf16 {
   uint16_t bits;
 };
 struct F16 {
+#ifdef STRATA_SOFT_F16
+  uint16_t bits;
+#else
   _Float16 value;
+#endif
 };
 
 inline float load(const float* p, std::size_t i) {
@@ -35,7 +45,11 @@ inline float load(const Bf16* p, std::size_t i) {
   return std::bit_cast<float>(static_cast<uint32_t>(p[i].bits) << 16);
 }
 inline float load(const F16* p, std::size_t i) {
+#ifdef STRATA_SOFT_F16
+  return half_to_float(p[i].bits);
+#else
   return static_cast<float>(p[i].value);
+#endif
 }
 
 inline void store(float* p, std::size_t i, float x) {
@@ -48,7 +62,11 @@ inline void store(Bf16* p, std::size_t i, float x) {
   p[i].bits = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
 }
 inline void store(F16* p, std::size_t i, float x) {
+#ifdef STRATA_SOFT_F16
+  p[i].bits = half_from_float(x);
+#else
   p[i].value = static_cast<_Float16>(x);
+#endif
 }
 
 // The grad as the update sees it, before grad_scale.

@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "runtime/optimizer/half.h"
 #include "runtime/optimizer/kernels.h"
 
 using namespace strata;
@@ -208,5 +209,42 @@ TEST_CASE("sum of squares and accumulation, with and without an accumulator", "[
     ref -= 0;  // (g[17] changed: recompute below for the next ISA)
     ref = 0;
     for (float x : g) ref += double{x} * x;
+  }
+}
+
+// half.h is what the kernels use for fp16 where the compiler has no _Float16 (clang < 15 on
+// x86); it must be bit for bit the hardware's conversion (checked against _Float16, which
+// GCC converts in IEEE round-to-nearest-even).
+TEST_CASE("half.h converts fp16 exactly as _Float16 does", "[kernels]") {
+  for (uint32_t b = 0; b < 65536; ++b) {
+    const auto h = static_cast<uint16_t>(b);
+    _Float16 ref;
+    std::memcpy(&ref, &h, sizeof ref);
+    const float want = static_cast<float>(ref), got = half_to_float(h);
+    if (std::isnan(want)) {
+      REQUIRE(std::isnan(got));
+      REQUIRE(half_from_float(got) == (h | 0x0200u));  // quieted, payload kept
+    } else {
+      REQUIRE(std::bit_cast<uint32_t>(got) == std::bit_cast<uint32_t>(want));
+      REQUIRE(half_from_float(got) == h);
+    }
+  }
+  // Every float in a stride that visits all exponents and low mantissa bits, plus the ties and
+  // the edges: overflow to inf at 65520, the subnormal range, 2^-25 rounding to zero.
+  std::vector<uint32_t> bits;
+  for (uint64_t u = 0; u < (1ull << 32); u += 4093) bits.push_back(static_cast<uint32_t>(u));
+  for (float f : {65504.f, 65519.f, 65520.f, 0x1p-14f, 0x1p-24f, 0x1p-25f, 0x1.000002p-25f,
+                  0x1.8p-24f, 0x1.4p-24f, 1.f + 0x1p-11f, 1.f + 0x3p-11f}) {
+    bits.push_back(std::bit_cast<uint32_t>(f));
+    bits.push_back(std::bit_cast<uint32_t>(-f));
+  }
+  for (uint32_t u : bits) {
+    const float f = std::bit_cast<float>(u);
+    if (std::isnan(f)) continue;
+    const auto ref = static_cast<_Float16>(f);
+    uint16_t want;
+    std::memcpy(&want, &ref, sizeof want);
+    INFO("float bits " << u);
+    REQUIRE(half_from_float(f) == want);
   }
 }
