@@ -3,7 +3,10 @@
 # The CUDA toolkit is not installed here: it is used where present (/usr/local/cuda).
 set -euo pipefail
 
-packages=(build-essential cmake ninja-build pkg-config liburing-dev libhwloc-dev libnuma-dev libisal-dev nlohmann-json3-dev catch2 fio python3 python3-pip python3-venv)
+# clang, libclang-rt-dev (libFuzzer and clang's sanitizer runtimes) and llvm (llvm-symbolizer, for
+# readable reports): the fuzz preset, which CI runs (Debian 12's clang 14 is enough).
+packages=(build-essential cmake ninja-build pkg-config liburing-dev libhwloc-dev libnuma-dev libisal-dev nlohmann-json3-dev catch2 fio python3 python3-pip python3-venv
+  clang libclang-rt-dev llvm)
 sudo=""
 [[ $(id -u) -eq 0 ]] || sudo="sudo"
 missing=()
