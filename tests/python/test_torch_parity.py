@@ -844,3 +844,19 @@ def test_resident_blocks(arch, offload):
     assert_losses_close(got, expected)
     assert got_norms == pytest.approx(expected_norms, rel=1e-6)
     assert_state_close(got_state, expected_state)
+
+
+def test_out_of_memory_names_the_resident_blocks(offload):
+    """An out-of-memory error with blocks kept resident says so, and names the knob."""
+    model = offload(build("llama", layers=3), resident_blocks=1)
+    strata_adamw(model.parameters())
+
+    def exhaust(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    blocks_of(model)[2].register_forward_pre_hook(exhaust)
+    ids = batches(1)[0]
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        model(ids, labels=ids)
+    notes = getattr(info.value, "__notes__", [])
+    assert len(notes) == 1 and "resident_blocks" in notes[0], notes

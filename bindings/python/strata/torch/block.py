@@ -41,6 +41,18 @@ def without_caches(leaves):
     return out
 
 
+def note_memory(session, error):
+    """An out-of-memory error on the device names what Strata kept there, and the knob."""
+    notes = getattr(error, "__notes__", [])
+    if isinstance(error, torch.OutOfMemoryError) and getattr(session, "resident_blocks", None) \
+            and not any(n.startswith("strata.torch:") for n in notes):
+        error.add_note(
+            "strata.torch: %d block(s) are kept resident in device memory "
+            "(st.offload(resident_blocks=...), by default what 40%% of the free memory held at "
+            "offload); pass a smaller resident_blocks, or 0, to leave more to activations"
+            % len(session.resident_blocks))
+
+
 def _autocast_state(device_type):
     if not torch.is_autocast_enabled(device_type):
         return None
@@ -70,8 +82,9 @@ class StreamedBlockFunction(torch.autograd.Function):
         try:
             args, kwargs = tree_unflatten(leaves, spec)
             out = run(*args, **kwargs)
-        except BaseException:
+        except BaseException as e:
             session.abort()
+            note_memory(session, e)
             raise
         session.end(index, FORWARD)
         out_leaves, out_spec = tree_flatten(out)
@@ -130,8 +143,9 @@ class StreamedBlockFunction(torch.autograd.Function):
             input_grads = iter(grads[:n_inputs])
             result = [next(input_grads) if t.requires_grad else None for t in inputs]
             del out, out_tensors, pairs, grads
-        except BaseException:
+        except BaseException as e:
             session.abort()
+            note_memory(session, e)
             raise
         session.end(index, BACKWARD)
         return (None,) * 8 + tuple(result)

@@ -274,7 +274,25 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         session.close()
         raise
     model.strata = session
+    if kept:
+        _note_memory_errors(model, session)
     return model
+
+
+def _note_memory_errors(model, session):
+    """Out-of-memory errors raised by the model's forward pass (logits, resident blocks) get
+    the same note as the streamed blocks' (strata.torch.block.note_memory)."""
+    from .block import note_memory
+    run = model.forward
+
+    def forward(*args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        except BaseException as e:
+            note_memory(session, e)
+            raise
+
+    model.forward = forward
 
 
 def materialize(module, device, init, recurse=True):
