@@ -70,7 +70,9 @@ def main():
     p.add_argument("--synthetic", action="store_true", help="random tokens instead of the text")
     p.add_argument("--gpu-budget", type=float, default=None, help="GiB of HBM for Strata")
     p.add_argument("--host-budget", type=float, default=None, help="GiB of pinned DRAM")
-    p.add_argument("--nvme", action="append", default=None, help="NVMe tier file (repeatable)")
+    p.add_argument("--nvme", action="append", default=None,
+                   help="NVMe tier file (repeatable; strata.torch refuses it until training "
+                        "state can live on NVMe)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace here")
     p.add_argument("--seed", type=int, default=0)

@@ -860,3 +860,15 @@ def test_out_of_memory_names_the_resident_blocks(offload):
         model(ids, labels=ids)
     notes = getattr(info.value, "__notes__", [])
     assert len(notes) == 1 and "resident_blocks" in notes[0], notes
+
+
+def test_nvme_is_refused_until_training_state_can_live_there():
+    """st.offload(nvme=...) would register nothing on NVMe (training state lives in DRAM): it
+    is refused with the reason, before anything changes, and a path is not split per
+    character."""
+    model = build("llama")
+    with pytest.raises(ValueError, match="1 NVMe path"):
+        st.offload(model, device=DEVICE, nvme="/tmp/strata.swap")
+    with pytest.raises(NotImplementedError, match="NVMe"):
+        st.offload(model, device=DEVICE, nvme=["/tmp/a", "/tmp/b"], nvme_budget=1 << 30)
+    assert getattr(model, "strata", None) is None

@@ -176,8 +176,9 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     """Stream `model`'s blocks through Strata; returns the model, changed in place.
 
     gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: pinned
-    DRAM bytes (None: what the blocks, grads and optimizer state need). nvme: a path or a list
-    of paths for the NVMe tier, nvme_budget its bytes. slot_budget: HBM for streaming slots
+    DRAM bytes (None: what the blocks, grads and optimizer state need). nvme, nvme_budget: an
+    NVMe tier (a path or a list of paths, and its bytes): refused for now, as training state
+    lives in DRAM. slot_budget: HBM for streaming slots
     within gpu_budget (0: all of it). dtype: the compute dtype of the streamed weights (None:
     the model's). device: where to compute (None: cuda if available, else cpu with Strata's
     host backend). resident_blocks: how many of the first blocks stay in HBM as plain PyTorch
@@ -189,6 +190,17 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                            "(model.strata exists); offload a model once")
     if isinstance(nvme, (str, bytes, os.PathLike)):
         nvme = [nvme]
+    if nvme and not nvme_budget:
+        raise ValueError("strata.torch.offload: %d NVMe path(s) given without nvme_budget= "
+                         "(bytes of the NVMe tier)" % len(nvme))
+    if nvme:
+        # The streamed blocks, their grads and optimizer state are registered in DRAM: an NVMe
+        # tier would hold nothing. Training state on NVMe is issue 14's work; refuse rather
+        # than accept a setting that changes nothing.
+        raise NotImplementedError(
+            "strata.torch.offload: training state on NVMe is not supported yet (the blocks, "
+            "grads and optimizer state live in pinned DRAM); leave nvme unset and size "
+            "host_budget (16 bytes per streamed parameter)")
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
