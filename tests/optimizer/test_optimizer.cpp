@@ -887,6 +887,82 @@ TEST_CASE("SIGKILL in the middle of a save leaves the previous checkpoint whole"
   }
 }
 
+TEST_CASE("SIGKILL in the middle of a load leaves the checkpoint whole", "[checkpoint][slow]") {
+#if defined(__SANITIZE_THREAD__)
+  WARN("skipped: ThreadSanitizer does not support threads in a forked child");
+  return;
+#endif
+  // A load writes nothing on disk: whenever the loading process dies, the checkpoint still
+  // loads whole, with the optimizer's state.
+  ScratchDir scratch;
+  const std::string ckpt = scratch.file("ckpt");
+  const int64_t n = 4 << 20;
+  auto build = [&](Model& m, OptimizerPtr* opt) {
+    m.rt = make_runtime(config_for(STRATA_DEVICE_BACKEND_HOST, 8 * kMiB, 512 * kMiB));
+    for (int k = 0; k < 3; ++k) {
+      const std::string name = "w" + std::to_string(k);
+      m.weights.push_back(
+          {register_tensor(m.rt.get(), name, n, STRATA_DTYPE_F32, STRATA_ROLE_WEIGHT)});
+      m.grads.push_back(
+          {register_tensor(m.rt.get(), name + ".grad", n, STRATA_DTYPE_F32, STRATA_ROLE_GRAD)});
+    }
+    strata_optimizer_config_t c = adamw_config();
+    strata_optimizer_t* o = nullptr;
+    STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
+    opt->reset(o);
+    for (int k = 0; k < 3; ++k) {
+      strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[k][0], m.grads[k][0], 0};
+      STRATA_REQUIRE_OK(strata_optimizer_add_param(o, &p));
+    }
+  };
+  {
+    Model m;
+    OptimizerPtr o;
+    build(m, &o);
+    std::vector<float> v(static_cast<std::size_t>(n), 7.f);
+    for (int k = 0; k < 3; ++k) {
+      STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), m.weights[k][0], 0, v.data(), n * 4));
+    }
+    STRATA_REQUIRE_OK(strata_checkpoint_save(m.rt.get(), o.get(), ckpt.c_str()));
+  }
+  std::mt19937 rng(7);
+  for (int round = 0; round < 4; ++round) {
+    int fds[2];
+    REQUIRE(pipe(fds) == 0);
+    const pid_t child = fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      close(fds[0]);
+      Model m;
+      OptimizerPtr o;
+      build(m, &o);
+      for (int i = 1;; ++i) {
+        if (strata_checkpoint_load(m.rt.get(), o.get(), ckpt.c_str()) != STRATA_OK) _exit(4);
+        if (write(fds[1], &i, sizeof i) != sizeof i) _exit(5);
+      }
+    }
+    close(fds[1]);
+    int done = 0;
+    REQUIRE(read(fds[0], &done, sizeof done) == sizeof done);
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 40)(rng)));
+    kill(child, SIGKILL);
+    int status = 0;
+    waitpid(child, &status, 0);
+    REQUIRE(WIFSIGNALED(status));
+    close(fds[0]);
+    Model m;
+    OptimizerPtr o;
+    build(m, &o);
+    STRATA_REQUIRE_OK(strata_checkpoint_load(m.rt.get(), o.get(), ckpt.c_str()));
+    std::vector<float> v(static_cast<std::size_t>(n));
+    for (int k = 0; k < 3; ++k) {
+      STRATA_REQUIRE_OK(strata_tensor_read(m.rt.get(), m.weights[k][0], 0, v.data(), n * 4));
+      REQUIRE(std::all_of(v.begin(), v.end(), [](float x) { return x == 7.f; }));
+    }
+  }
+}
+
 // For tests/python/test_safetensors_compat.py: a small checkpoint with known contents, where
 // STRATA_CHECKPOINT_OUT says (ctest sets it; the Python test reads it with Hugging Face's
 // safetensors). Weights: "embed" f32 [2, 3] = 0..5 and "layers.0.w" bf16 [4] = 1, 2, 3, 4, one
