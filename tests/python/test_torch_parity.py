@@ -872,3 +872,64 @@ def test_nvme_is_refused_until_training_state_can_live_there():
     with pytest.raises(NotImplementedError, match="NVMe"):
         st.offload(model, device=DEVICE, nvme=["/tmp/a", "/tmp/b"], nvme_budget=1 << 30)
     assert getattr(model, "strata", None) is None
+
+
+def test_autograd_grad_leaves_parameter_grads_alone(offload):
+    """Idiom: torch.autograd.grad(loss, inputs_embeds) (saliency, gradient penalties): the
+    input grads are plain PyTorch's, no parameter's .grad changes, and training afterwards is
+    unaffected."""
+    base = build("llama")
+    data = batches(3)
+
+    def run(model, opt):
+        ids = data[0]
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(model(inputs_embeds=emb, labels=ids).loss, emb)
+        assert all(p.grad is None for p in model.parameters())
+        losses, _ = train(model, opt, data)
+        return g.detach().cpu(), losses
+
+    plain = deepcopy(base)
+    expected_g, expected = run(plain, plain_adamw(plain.parameters()))
+    model = offload(deepcopy(base))
+    opt = strata_adamw(model.parameters())
+    got_g, got = run(model, opt)
+    synchronize(opt)
+    assert torch.allclose(got_g, expected_g, rtol=1e-6, atol=1e-9)
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
+def test_post_accumulate_grad_hooks_run_per_backward(offload):
+    """Idiom: register_post_accumulate_grad_hook (optimizer-in-backward, grad logging): called
+    once per backward pass for every parameter that received a grad."""
+    model = offload(build("llama"))
+    opt = strata_adamw(model.parameters())
+    calls = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: calls.update(
+            {name: calls.get(name, 0) + 1}))
+    ids = batches(1)[0]
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+    assert calls == {name: 2 for name, _ in model.named_parameters()}
+    opt.zero_grad()
+
+
+def test_writes_into_streamed_parameters_are_refused(offload):
+    """Mistake: writing a streamed parameter in place outside its forward (p.fill_, nn.init)
+    or assigning p.data: refused when next seen, naming the way; another parameter (or model)
+    is never affected."""
+    model = offload(build("llama"))
+    strata_adamw(model.parameters())
+    first, other = list(blocks_of(model)[0].parameters())[:2]
+    before = snapshot(model)
+    with torch.no_grad():
+        first.fill_(1.0)
+    ids = batches(1)[0]
+    with pytest.raises(RuntimeError, match="written in place"):
+        model(ids, labels=ids)
+    assert_state_close(snapshot(model), before, exact=True)
+    other.data = torch.ones_like(other)
+    with pytest.raises(RuntimeError, match="assigned"):
+        model.state_dict()

@@ -99,6 +99,8 @@ class StreamedBlockFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         session, index = ctx.session, ctx.index
+        if not torch._C._will_engine_execute_node(session.anchor_node):
+            return StreamedBlockFunction._input_grads_only(ctx, grad_outs)
         if ctx.step_id != session.step_id or not session.in_step or \
                 session.backward_next != index:
             raise RuntimeError(
@@ -148,6 +150,49 @@ class StreamedBlockFunction(torch.autograd.Function):
             note_memory(session, e)
             raise
         session.end(index, BACKWARD)
+        return (None,) * 8 + tuple(result)
+
+    @staticmethod
+    def _input_grads_only(ctx, grad_outs):
+        """A backward pass that accumulates into no parameter (torch.autograd.grad(loss,
+        inputs), loss.backward(inputs=...)): as in plain PyTorch, no .grad changes. The
+        executor's step, whose backward would deliver parameter grads, is abandoned; each block
+        is recomputed on weights copied from DRAM, and only the grads asked for flow back."""
+        session, index = ctx.session, ctx.index
+        if ctx.step_id != session.step_id:
+            raise RuntimeError(
+                "strata.torch: backward through block %d of a forward pass that is no longer "
+                "the current one" % index)
+        session.abort()
+        session.load_block(index)
+        try:
+            tensors = ctx.saved_tensors
+            needs = ctx.needs_input_grad[8:]
+            inputs = [t.detach().requires_grad_(bool(n) and t.is_floating_point())
+                      for t, n in zip(tensors, needs)]
+            leaves = list(ctx.leaves)
+            for pos, t in zip(ctx.positions, inputs):
+                leaves[pos] = t
+            args, kwargs = tree_unflatten(leaves, ctx.spec)
+            devices = [session.device] if session.cuda else []
+            with torch.random.fork_rng(devices=devices, device_type=session.device.type):
+                torch.set_rng_state(ctx.cpu_rng)
+                if session.cuda:
+                    torch.cuda.set_rng_state(ctx.device_rng, session.device)
+                with torch.enable_grad(), _autocast(session.device.type, ctx.autocast):
+                    out = ctx.run(*args, **kwargs)
+            out_tensors = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+            pairs = [(o, g) for o, g in zip(out_tensors, grad_outs)
+                     if g is not None and o.requires_grad]
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = [None] * len(wanted)
+            if pairs and wanted:
+                grads = torch.autograd.grad([o for o, _ in pairs], wanted,
+                                            [g for _, g in pairs], allow_unused=True)
+            it = iter(grads)
+            result = [next(it) if t.requires_grad else None for t in inputs]
+        finally:
+            session.unbind(index)
         return (None,) * 8 + tuple(result)
 
 

@@ -92,6 +92,8 @@ def _install_state_hooks(session, index, block):
 
     def state_hook(module, state_dict, prefix, local_metadata):
         session.check_open()
+        for sp in entries():
+            sp.check_untouched()
         for sp in entries():  # none before the blocks move into Strata: the params hold them
             key = prefix + sp.local
             if key in state_dict:
@@ -237,6 +239,9 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     moved = []  # (param or (module, buffer name), its data before): undone on failure
     try:
         session.anchor = torch.zeros(0, device=device, requires_grad=True)
+        # Its grad accumulator: whether a backward pass will run it says whether that pass
+        # accumulates into parameters (loss.backward()) or not (torch.autograd.grad).
+        session.anchor_node = session.anchor.view_as(session.anchor).grad_fn.next_functions[0][0]
         for i, block in enumerate(blocks):
             for p in block.parameters():
                 p._strata_session = session

@@ -16,7 +16,7 @@ class StreamedParam:
     """Where a streamed parameter lives: its block, its index there, its runtime tensors."""
 
     __slots__ = ("param", "name", "local", "layer", "index", "weight", "grad", "grad_index",
-                 "shape")
+                 "shape", "zero", "mark")
 
     def __init__(self, param, name, local, layer, index):
         self.param, self.name, self.local, self.layer = param, name, local, layer
@@ -24,22 +24,40 @@ class StreamedParam:
         self.shape = tuple(param.shape)
         self.weight = self.grad = None
         self.grad_index = None  # among the layer's grads (trainable params only)
+        self.zero = None  # the placeholder's one element, this parameter's own
+        self.mark = None  # (param version, element version) when the placeholder was set
+
+    def park(self, dtype, device):
+        """Point the parameter at its placeholder: the real shape, one element of storage (its
+        own: a write cannot reach another parameter), and a mark to notice writes by."""
+        if self.zero is None:
+            self.zero = torch.zeros((), dtype=dtype, device=device)
+        self.param.data = self.zero.expand(self.shape)
+        self.mark = (self.param._version, self.zero._version)
+
+    def check_untouched(self):
+        """Values of a streamed parameter live in Strata: a write into its placeholder, or
+        other data assigned to it, would be silently lost. Refused when next seen."""
+        if self.mark is None:
+            return
+        p = self.param
+        if p.data.data_ptr() != self.zero.data_ptr() or p.shape != self.shape:
+            raise RuntimeError(
+                "strata.torch: other data was assigned to streamed parameter %r (p.data = ...); "
+                "its values live in Strata: set them with model.load_state_dict(...)" % self.name)
+        if (p._version, self.zero._version) != self.mark:
+            self.park(p.dtype, p.device)
+            raise RuntimeError(
+                "strata.torch: streamed parameter %r was written in place outside its block's "
+                "forward pass (fill_, zero_, copy_, nn.init...); its values live in Strata and "
+                "the write was lost: set them with model.load_state_dict(...), or before "
+                "strata.torch.offload" % self.name)
 
     @property
     def trainable(self):
         return self.grad is not None
 
 
-_ZEROS = {}
-
-
-def placeholder(shape, dtype, device):
-    """The data of a parameter whose values live in Strata: its shape, no storage to speak of.
-    Writing into it raises (every element aliases one), so nothing can silently change it."""
-    key = (dtype, device)
-    if key not in _ZEROS:
-        _ZEROS[key] = torch.zeros((), dtype=dtype, device=device)
-    return _ZEROS[key].expand(shape)
 
 
 class StrataSession:
@@ -71,6 +89,7 @@ class StrataSession:
         self.step_id = 0  # advances at every step_begin: a stale backward can tell
         self.backward_next = None  # the block whose backward the executor expects next
         self.held = set()  # ids of trainable streamed params the optimizer holds a grad for
+        self.landed_layers = set()  # blocks whose backward pass this step delivered grads
 
     # --- registration ----------------------------------------------------------------------
 
@@ -118,7 +137,7 @@ class StrataSession:
             # The block's parameters give their storage up: they point at slot memory while
             # acquired and at a placeholder otherwise.
             for sp in entries:
-                sp.param.data = placeholder(sp.shape, self.dtype, self.device)
+                sp.park(self.dtype, self.device)
         self.executor = core.Executor(
             self.runtime, [{"name": "layers.%d" % i, "weights": [sp.weight for sp in entries],
                             "grads": [sp.grad for sp in entries if sp.trainable]}
@@ -146,6 +165,7 @@ class StrataSession:
     def bind(self, index, phase):
         """Point the block's parameters at its weights in the slot (zero-copy, DLPack)."""
         for sp in self.layers[index]:
+            sp.check_untouched()
             sp.param.data = torch.from_dlpack(self.executor.view(index, phase, VIEW_WEIGHT,
                                                                  sp.index))
 
@@ -157,7 +177,7 @@ class StrataSession:
             self._unmoved = {}
             return
         for sp in self.layers[index]:
-            sp.param.data = placeholder(sp.shape, self.dtype, self.device)
+            sp.park(self.dtype, self.device)
 
     def begin(self, index, phase):
         if self.executor is None and any(p.requires_grad for b in self.blocks
@@ -178,6 +198,7 @@ class StrataSession:
                 # must be dropped before this backward lands, or it would add to them.
                 self.sync_grads()
             self.executor.step_begin()
+            self.landed_layers = set()
             self.in_step = True
             self.step_id += 1
             self.backward_next = len(self.layers) - 1
@@ -189,6 +210,7 @@ class StrataSession:
         self.executor.release(index, phase, self.stream())
         if phase == BACKWARD:
             self.backward_next = index - 1
+            self.landed_layers.add(index)
             if index == 0:
                 self.in_step = False
                 self.executor.step_end()
@@ -212,6 +234,7 @@ class StrataSession:
         refused rather than silently ignored."""
         for entries in self.layers:
             for sp in entries:
+                sp.check_untouched()
                 if sp.param.requires_grad != sp.trainable:
                     raise RuntimeError(
                         "strata.torch: requires_grad of streamed parameter %r changed to %s after "
@@ -232,6 +255,15 @@ class StrataSession:
                 if has:
                     self.held.add(id(sp.param))
                     sp.param.grad = StreamedGrad.of(self, sp)
+        # register_post_accumulate_grad_hook: called once per backward pass that accumulated
+        # into the parameter, as autograd does.
+        for index in sorted(self.landed_layers, reverse=True):
+            for sp in self.layers[index]:
+                hooks = getattr(sp.param, "_post_accumulate_grad_hooks", None)
+                if sp.trainable and hooks:
+                    for hook in list(hooks.values()):
+                        hook(sp.param)
+        self.landed_layers = set()
 
     def sync_grads(self):
         """Before a step or an update: a held grad the user set to None (model.zero_grad(),
@@ -255,6 +287,11 @@ class StrataSession:
                         "strata.torch: a tensor was assigned to the .grad of streamed parameter "
                         "%r; streamed grads come from backward passes only" % sp.name)
 
+    def check_all_untouched(self):
+        for entries in self.layers:
+            for sp in entries:
+                sp.check_untouched()
+
     def load_block(self, index):
         """For evaluation without grads: the block's weights copied from DRAM (no executor).
         Before the blocks move into Strata (no optimizer yet), their own values, on the device."""
@@ -267,6 +304,7 @@ class StrataSession:
         if self.optimizer is not None:
             self.optimizer.synchronize()  # updates still running would be read half-done
         for sp in self.layers[index]:
+            sp.check_untouched()
             host = torch.empty(sp.shape, dtype=self.dtype)
             sp.weight.read_pointer(host.data_ptr(), host.numel() * host.element_size())
             sp.param.data = host.to(self.device)
