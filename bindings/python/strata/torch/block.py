@@ -111,40 +111,15 @@ class StreamedBlockFunction(torch.autograd.Function):
                 "pass, which accumulates the same grads)" % index)
         session.begin(index, BACKWARD)
         try:
-            tensors = ctx.saved_tensors
-            needs = ctx.needs_input_grad[8:]
-            inputs = [t.detach().requires_grad_(bool(n) and t.is_floating_point())
-                      for t, n in zip(tensors, needs)]
-            leaves = list(ctx.leaves)
-            for pos, t in zip(ctx.positions, inputs):
-                leaves[pos] = t
-            args, kwargs = tree_unflatten(leaves, ctx.spec)
-            devices = [session.device] if session.cuda else []
-            with torch.random.fork_rng(devices=devices, device_type=session.device.type):
-                torch.set_rng_state(ctx.cpu_rng)
-                if session.cuda:
-                    torch.cuda.set_rng_state(ctx.device_rng, session.device)
-                with torch.enable_grad(), _autocast(session.device.type, ctx.autocast):
-                    out = ctx.run(*args, **kwargs)
-            out_tensors = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-            pairs = [(o, g) for o, g in zip(out_tensors, grad_outs)
-                     if g is not None and o.requires_grad]
             trainable = [sp for sp in session.layers[index] if sp.trainable]
-            wanted = [t for t in inputs if t.requires_grad] + [sp.param for sp in trainable]
-            grads = [None] * len(wanted)
-            if pairs and wanted:
-                grads = torch.autograd.grad([o for o, _ in pairs], wanted,
-                                            [g for _, g in pairs], allow_unused=True)
-            n_inputs = len(wanted) - len(trainable)
-            for sp, g in zip(trainable, grads[n_inputs:]):
+            result, param_grads = _recompute_grads(ctx, grad_outs, [sp.param for sp in trainable])
+            for sp, g in zip(trainable, param_grads):
                 if g is not None:  # the view was zeroed when the backward pass began
                     view = torch.from_dlpack(session.executor.view(index, BACKWARD, VIEW_GRAD,
                                                                    sp.grad_index))
                     view.copy_(g)
                     del view
-            input_grads = iter(grads[:n_inputs])
-            result = [next(input_grads) if t.requires_grad else None for t in inputs]
-            del out, out_tensors, pairs, grads
+            del param_grads
         except BaseException as e:
             session.abort()
             note_memory(session, e)
@@ -166,35 +141,41 @@ class StreamedBlockFunction(torch.autograd.Function):
         session.abort()
         session.load_block(index)
         try:
-            tensors = ctx.saved_tensors
-            needs = ctx.needs_input_grad[8:]
-            inputs = [t.detach().requires_grad_(bool(n) and t.is_floating_point())
-                      for t, n in zip(tensors, needs)]
-            leaves = list(ctx.leaves)
-            for pos, t in zip(ctx.positions, inputs):
-                leaves[pos] = t
-            args, kwargs = tree_unflatten(leaves, ctx.spec)
-            devices = [session.device] if session.cuda else []
-            with torch.random.fork_rng(devices=devices, device_type=session.device.type):
-                torch.set_rng_state(ctx.cpu_rng)
-                if session.cuda:
-                    torch.cuda.set_rng_state(ctx.device_rng, session.device)
-                with torch.enable_grad(), _autocast(session.device.type, ctx.autocast):
-                    out = ctx.run(*args, **kwargs)
-            out_tensors = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-            pairs = [(o, g) for o, g in zip(out_tensors, grad_outs)
-                     if g is not None and o.requires_grad]
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = [None] * len(wanted)
-            if pairs and wanted:
-                grads = torch.autograd.grad([o for o, _ in pairs], wanted,
-                                            [g for _, g in pairs], allow_unused=True)
-            it = iter(grads)
-            result = [next(it) if t.requires_grad else None for t in inputs]
+            result, _ = _recompute_grads(ctx, grad_outs, [])
         finally:
             session.unbind(index)
         return (None,) * 8 + tuple(result)
 
+
+def _recompute_grads(ctx, grad_outs, params):
+    """The block's forward again, with grad, under the first run's RNG and autocast state, and
+    its backward: (grads of the function's tensor inputs, None where not needed; grads of
+    `params`)."""
+    session = ctx.session
+    needs = ctx.needs_input_grad[8:]
+    inputs = [t.detach().requires_grad_(bool(n) and t.is_floating_point())
+              for t, n in zip(ctx.saved_tensors, needs)]
+    leaves = list(ctx.leaves)
+    for pos, t in zip(ctx.positions, inputs):
+        leaves[pos] = t
+    args, kwargs = tree_unflatten(leaves, ctx.spec)
+    devices = [session.device] if session.cuda else []
+    with torch.random.fork_rng(devices=devices, device_type=session.device.type):
+        torch.set_rng_state(ctx.cpu_rng)
+        if session.cuda:
+            torch.cuda.set_rng_state(ctx.device_rng, session.device)
+        with torch.enable_grad(), _autocast(session.device.type, ctx.autocast):
+            out = ctx.run(*args, **kwargs)
+    out_tensors = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+    pairs = [(o, g) for o, g in zip(out_tensors, grad_outs) if g is not None and o.requires_grad]
+    wanted = [t for t in inputs if t.requires_grad] + list(params)
+    grads = [None] * len(wanted)
+    if pairs and wanted:
+        grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                    allow_unused=True)
+    n_inputs = len(wanted) - len(params)
+    input_grads = iter(grads[:n_inputs])
+    return [next(input_grads) if t.requires_grad else None for t in inputs], grads[n_inputs:]
 
 def streamed_forward(session, index, run):
     """The forward installed on block `index`: `run` is its original forward."""

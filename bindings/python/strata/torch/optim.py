@@ -250,19 +250,23 @@ class AdamW(torch.optim.Optimizer):
                 self._session.optimizer.set_param_step(sp.weight, int(entry["step"]))
         if self._inner is not None:
             for p, master, _ in self._resident:
-                entry = saved.get(p)
-                self._inner.state.pop(master, None)
-                if entry is None:
-                    continue
-                inner = {}
-                for key, value in entry.items():
-                    if key == "master":
-                        master.copy_(value)
-                    elif key == "step":
-                        inner[key] = value.detach().clone().cpu().float()
-                    else:
-                        inner[key] = value.detach().to(master.device, torch.float32).clone()
-                self._inner.state[master] = inner
+                self._restore_resident(master, saved.get(p))
+
+    def _restore_resident(self, master, entry):
+        """A resident parameter's torch AdamW state (and fp32 master) from a saved entry; no
+        entry: no state (the parameter has not been updated yet)."""
+        self._inner.state.pop(master, None)
+        if entry is None:
+            return
+        inner = {}
+        for key, value in entry.items():
+            if key == "master":
+                master.copy_(value)
+            elif key == "step":
+                inner[key] = value.detach().clone().cpu().float()
+            else:
+                inner[key] = value.detach().to(master.device, torch.float32).clone()
+        self._inner.state[master] = inner
 
     def resident_state(self):
         """What a whole-state checkpoint keeps besides Strata's files: the resident parameters'
@@ -289,20 +293,8 @@ class AdamW(torch.optim.Optimizer):
             mine.update(g)
         if self._inner is None:
             return
-        for k, (p, master, _) in enumerate(self._resident):
-            self._inner.state.pop(master, None)
-            entry = saved["resident"].get(k)
-            if entry is None:
-                continue
-            inner = {}
-            for key, value in entry.items():
-                if key == "master":
-                    master.copy_(value)
-                elif key == "step":
-                    inner[key] = value.clone()
-                else:
-                    inner[key] = value.to(master.device, torch.float32).clone()
-            self._inner.state[master] = inner
+        for k, (_, master, _) in enumerate(self._resident):
+            self._restore_resident(master, saved["resident"].get(k))
 
 
 __all__ = ["AdamW", "StreamedGrad"]
