@@ -933,3 +933,15 @@ def test_writes_into_streamed_parameters_are_refused(offload):
     other.data = torch.ones_like(other)
     with pytest.raises(RuntimeError, match="assigned"):
         model.state_dict()
+
+
+def test_copying_an_offloaded_model_says_why_not(offload, tmp_path):
+    """Mistake: deepcopy(model) / torch.save(model) of an offloaded model: a clear error
+    naming the ways to save or copy it (a live runtime cannot be copied)."""
+    import copy
+    model = offload(build("llama"))
+    strata_adamw(model.parameters())
+    with pytest.raises(TypeError, match="cannot be pickled or deep-copied"):
+        copy.deepcopy(model)
+    with pytest.raises(TypeError, match="cannot be pickled or deep-copied"):
+        torch.save(model, tmp_path / "model.pt")

@@ -84,44 +84,63 @@ def _guard_apply(session, module, streamed):
     module._apply = _apply
 
 
-def _install_state_hooks(session, index, block):
+class _StateHooks:
     """model.state_dict() returns the streamed values (read from Strata, on the CPU) under the
-    model's own names; model.load_state_dict() writes them into Strata."""
-    entries = lambda: session.layers[index] if session.layers else []  # noqa: E731
-    handled = []
+    model's own names; model.load_state_dict() writes them into Strata. (Methods of an object,
+    not closures: pickling the model then reaches the session, which says why it cannot be.)"""
 
-    def state_hook(module, state_dict, prefix, local_metadata):
-        session.check_open()
-        for sp in entries():
+    def __init__(self, session, index):
+        self.session, self.index, self.handled = session, index, []
+
+    def entries(self):
+        return self.session.layers[self.index] if self.session.layers else []
+
+    def state(self, module, state_dict, prefix, local_metadata):
+        self.session.check_open()
+        for sp in self.entries():
             sp.check_untouched()
-        for sp in entries():  # none before the blocks move into Strata: the params hold them
+        for sp in self.entries():  # none before the blocks move into Strata: the params hold them
             key = prefix + sp.local
             if key in state_dict:
-                state_dict[key] = session.read_weight(sp)
+                state_dict[key] = self.session.read_weight(sp)
 
-    def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
-                      error_msgs):
-        session.check_open()
-        for sp in entries():
+    def load_pre(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
+                 error_msgs):
+        self.session.check_open()
+        for sp in self.entries():
             key = prefix + sp.local
             if key in state_dict:
                 try:
-                    session.write_weight(sp, state_dict.pop(key))
-                    handled.append(key)
+                    self.session.write_weight(sp, state_dict.pop(key))
+                    self.handled.append(key)
                 except ValueError as e:
                     error_msgs.append(str(e))
 
-    def load_post_hook(module, incompatible):
-        for key in handled:
+    def load_post(self, module, incompatible):
+        for key in self.handled:
             if key in incompatible.missing_keys:
                 incompatible.missing_keys.remove(key)
-        handled.clear()
+        self.handled.clear()
 
+
+class _Hook:
+    """One of _StateHooks' methods as a hook object (torch marks hooks with attributes, which
+    bound methods cannot take)."""
+
+    def __init__(self, hooks, name):
+        self.hooks, self.name = hooks, name
+
+    def __call__(self, *args, **kwargs):
+        return getattr(self.hooks, self.name)(*args, **kwargs)
+
+
+def _install_state_hooks(session, index, block):
+    hooks = _StateHooks(session, index)
     register = getattr(block, "register_state_dict_post_hook", None) or \
         block._register_state_dict_hook
-    register(state_hook)
-    block._register_load_state_dict_pre_hook(load_pre_hook, with_module=True)
-    block.register_load_state_dict_post_hook(load_post_hook)
+    register(_Hook(hooks, "state"))
+    block._register_load_state_dict_pre_hook(_Hook(hooks, "load_pre"), with_module=True)
+    block.register_load_state_dict_post_hook(_Hook(hooks, "load_post"))
 
 
 def _estimate_dram(blocks, dtype):

@@ -335,6 +335,15 @@ class StrataSession:
             self.optimizer.state(sp.weight, "master").write_pointer(master.data_ptr(),
                                                                      master.numel() * 4)
 
+    def _not_copyable(self, *args):
+        raise TypeError(
+            "strata.torch: an offloaded model cannot be pickled or deep-copied: it holds a live "
+            "Strata runtime (pinned memory, threads). Save model.state_dict() or "
+            "strata.torch.save_checkpoint(...), and load into a freshly built model")
+
+    __deepcopy__ = _not_copyable
+    __reduce_ex__ = _not_copyable
+
     def close(self):
         if self.closed:
             return
