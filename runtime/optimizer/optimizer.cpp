@@ -92,6 +92,34 @@ Status check_group(uint32_t group) {
   return Status::ok();
 }
 
+// One update's scalars for a group at update count t (the grad multiplied by grad_scale).
+optim::AdamWScalars adamw_scalars(const OptimizerConfig& c, const GroupHyperparams& g, double t,
+                                  float grad_scale) {
+  // Bias corrections in double, as PyTorch computes them in Python floats.
+  optim::AdamWScalars a;
+  a.grad_scale = grad_scale;
+  a.beta1 = c.beta1;
+  a.beta2 = c.beta2;
+  a.eps = c.eps;
+  a.lr_decay = static_cast<float>(static_cast<double>(g.lr) * g.weight_decay);
+  a.step_size = static_cast<float>(g.lr / (1.0 - std::pow(double{c.beta1}, t)));
+  a.inv_bias2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double{c.beta2}, t)));
+  return a;
+}
+
+optim::SgdScalars sgd_scalars(const OptimizerConfig& c, const GroupHyperparams& g, uint64_t t,
+                              float grad_scale) {
+  optim::SgdScalars q;
+  q.grad_scale = grad_scale;
+  q.lr = g.lr;
+  q.weight_decay = g.weight_decay;
+  q.momentum = c.momentum;
+  q.dampening = c.dampening;
+  q.nesterov = c.nesterov;
+  q.first_step = t == 1;
+  return q;
+}
+
 }  // namespace
 
 Optimizer::Optimizer(std::shared_ptr<Runtime> runtime, const OptimizerConfig& config)
@@ -717,27 +745,9 @@ double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const Ste
     const double t = static_cast<double>(s->t);
     for (const GroupHyperparams& g : s->groups) {
       if (config_.kind == OptimizerKind::kAdamW) {
-        // Bias corrections in double, as PyTorch computes them in Python floats.
-        optim::AdamWScalars a;
-        a.grad_scale = s->grad_scale;
-        a.beta1 = config_.beta1;
-        a.beta2 = config_.beta2;
-        a.eps = config_.eps;
-        a.lr_decay = static_cast<float>(static_cast<double>(g.lr) * g.weight_decay);
-        a.step_size = static_cast<float>(g.lr / (1.0 - std::pow(double{config_.beta1}, t)));
-        a.inv_bias2_sqrt =
-            static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double{config_.beta2}, t)));
-        adam_groups.push_back(a);
+        adam_groups.push_back(adamw_scalars(config_, g, t, s->grad_scale));
       } else {
-        optim::SgdScalars q;
-        q.grad_scale = s->grad_scale;
-        q.lr = g.lr;
-        q.weight_decay = g.weight_decay;
-        q.momentum = config_.momentum;
-        q.dampening = config_.dampening;
-        q.nesterov = config_.nesterov;
-        q.first_step = s->t == 1;
-        sgd_groups.push_back(q);
+        sgd_groups.push_back(sgd_scalars(config_, g, s->t, s->grad_scale));
       }
     }
   }
@@ -1055,22 +1065,8 @@ Status Optimizer::step_explicit() {
         }
         const float grad_scale = p.grad_mult / counters_.loss_scale;
         const GroupHyperparams& g = groups_[p.group];
-        const double t = static_cast<double>(p.t);
-        src.adamw.grad_scale = grad_scale;
-        src.adamw.beta1 = config_.beta1;
-        src.adamw.beta2 = config_.beta2;
-        src.adamw.eps = config_.eps;
-        src.adamw.lr_decay = static_cast<float>(static_cast<double>(g.lr) * g.weight_decay);
-        src.adamw.step_size = static_cast<float>(g.lr / (1.0 - std::pow(double{config_.beta1}, t)));
-        src.adamw.inv_bias2_sqrt =
-            static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double{config_.beta2}, t)));
-        src.sgd.grad_scale = grad_scale;
-        src.sgd.lr = g.lr;
-        src.sgd.weight_decay = g.weight_decay;
-        src.sgd.momentum = config_.momentum;
-        src.sgd.dampening = config_.dampening;
-        src.sgd.nesterov = config_.nesterov;
-        src.sgd.first_step = p.t == 1;
+        src.adamw = adamw_scalars(config_, g, static_cast<double>(p.t), grad_scale);
+        src.sgd = sgd_scalars(config_, g, p.t, grad_scale);
         any = true;
       }
       job.sources.push_back(src);
