@@ -192,39 +192,6 @@ void make_streamed(Model& m, Streamed* st, uint64_t slot_budget) {
   STRATA_REQUIRE_OK(strata_executor_create(st->plan, &st->ex));
 }
 
-// Steps through the executor: grads from the weights in the slot, written into the grad views.
-void run_streamed(Model& m, strata_optimizer_t* opt, strata_executor_t* ex, int first_step,
-                  int steps, int micro_batches) {
-  const auto layers = static_cast<uint32_t>(m.weights.size());
-  for (int s = first_step; s < first_step + steps; ++s) {
-    for (int micro = 0; micro < micro_batches; ++micro) {
-      if (micro == micro_batches - 1 || micro == 0) {
-        STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 0, 1e-2f / (1 + s), 0.1f));
-        STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 1, 1e-2f / (1 + s), 0.f));
-      }
-      STRATA_REQUIRE_OK(strata_step_begin(ex));
-      strata_layer_views_t v{};
-      v.struct_size = STRATA_LAYER_VIEWS_STRUCT_SIZE;
-      for (uint32_t l = 0; l < layers; ++l) {
-        STRATA_REQUIRE_OK(strata_layer_acquire(ex, l, STRATA_PHASE_FORWARD, nullptr, 0, &v));
-        STRATA_REQUIRE_OK(strata_layer_release(ex, l, STRATA_PHASE_FORWARD, nullptr));
-      }
-      for (uint32_t l = layers; l-- > 0;) {
-        STRATA_REQUIRE_OK(strata_layer_acquire(ex, l, STRATA_PHASE_BACKWARD, nullptr, 0, &v));
-        for (std::size_t k = 0; k < m.sizes.size(); ++k) {
-          std::vector<uint16_t> w(static_cast<std::size_t>(m.sizes[k]));
-          view_to_host(w.data(), v.weights[k], w.size() * 2);
-          const auto g = grads_for(w, s, static_cast<int>(l), micro);
-          host_to_view(v.grads[k], g.data(), g.size() * 2);
-        }
-        STRATA_REQUIRE_OK(strata_layer_release(ex, l, STRATA_PHASE_BACKWARD, nullptr));
-      }
-      STRATA_REQUIRE_OK(strata_step_end(ex));
-    }
-  }
-  STRATA_REQUIRE_OK(strata_optimizer_synchronize(opt));
-}
-
 // One executor step: forward, then backward with grads_for() written into the grad views;
 // `stop_after` (0..) abandons the step after that many layer passes.
 void streamed_pass(Model& m, strata_executor_t* ex, int s, int micro, int stop_after = -1) {
@@ -256,6 +223,21 @@ void streamed_pass(Model& m, strata_executor_t* ex, int s, int micro, int stop_a
     STRATA_REQUIRE_OK(strata_layer_release(ex, l, STRATA_PHASE_BACKWARD, nullptr));
   }
   STRATA_REQUIRE_OK(strata_step_end(ex));
+}
+
+// Steps through the executor: grads from the weights in the slot, written into the grad views.
+void run_streamed(Model& m, strata_optimizer_t* opt, strata_executor_t* ex, int first_step,
+                  int steps, int micro_batches) {
+  for (int s = first_step; s < first_step + steps; ++s) {
+    for (int micro = 0; micro < micro_batches; ++micro) {
+      if (micro == micro_batches - 1 || micro == 0) {
+        STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 0, 1e-2f / (1 + s), 0.1f));
+        STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 1, 1e-2f / (1 + s), 0.f));
+      }
+      streamed_pass(m, ex, s, micro);
+    }
+  }
+  STRATA_REQUIRE_OK(strata_optimizer_synchronize(opt));
 }
 
 // PyTorch's loop in explicit mode: micro_batches backward passes, step(), zero_grad().
