@@ -10,11 +10,17 @@ using namespace strata::abi;
 
 static_assert(static_cast<int>(OptimizerKind::kSgd) == STRATA_OPTIMIZER_SGD);
 static_assert(static_cast<int>(StateKind::kGradAccum) == STRATA_STATE_GRAD_ACCUM);
+static_assert(static_cast<uint32_t>(StatePlacement::kInDram) == STRATA_STATE_IN_DRAM);
+static_assert(static_cast<uint32_t>(StatePlacement::kPlanned) == STRATA_STATE_PLANNED);
+static_assert(static_cast<uint32_t>(StatePlacement::kOnNvme) == STRATA_STATE_ON_NVME);
 
 namespace {
 
 constexpr std::size_t kOptimizerConfigV1_0Size =
     STRATA_STRUCT_SIZE(strata_optimizer_config_t, threads);
+// A 1.0 or 1.1 caller's stats end at `binding`; they get what their size covers.
+constexpr std::size_t kOptimizerStatsV1_0Size =
+    STRATA_STRUCT_SIZE(strata_optimizer_stats_t, binding);
 
 OptimizerConfig to_core(const strata_optimizer_config_t& c) {
   OptimizerConfig o;
@@ -36,6 +42,8 @@ OptimizerConfig to_core(const strata_optimizer_config_t& c) {
   o.accumulation_steps = c.accumulation_steps;
   o.threads = c.threads;
   o.explicit_updates = c.update_mode == STRATA_UPDATE_EXPLICIT;
+  o.state_placement = static_cast<StatePlacement>(c.state_placement);
+  o.nvme_staging_bytes = c.nvme_staging_bytes;
   return o;
 }
 
@@ -88,6 +96,10 @@ STRATA_API strata_status_t strata_optimizer_create(strata_runtime_t* runtime,
     }
     if (c.update_mode != STRATA_UPDATE_AUTO && c.update_mode != STRATA_UPDATE_EXPLICIT) {
       return error(Code::kInvalidArgument, "optimizer config: unknown update_mode ", c.update_mode);
+    }
+    if (c.state_placement > STRATA_STATE_ON_NVME) {
+      return error(Code::kInvalidArgument, "optimizer config: unknown state_placement ",
+                   c.state_placement, " (STRATA_STATE_IN_DRAM, _PLANNED or _ON_NVME)");
     }
     std::shared_ptr<Optimizer> o;
     STRATA_RETURN_IF_ERROR(Optimizer::create(runtime->impl, to_core(c), &o));
@@ -230,7 +242,7 @@ STRATA_API strata_status_t strata_optimizer_get_stats(strata_optimizer_t* optimi
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
     STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, STRATA_OPTIMIZER_STATS_STRUCT_SIZE, "strata_optimizer_stats_t"));
+        check_out_struct(out, kOptimizerStatsV1_0Size, "strata_optimizer_stats_t"));
     const OptimizerStats s = optimizer->impl->stats();
     strata_optimizer_stats_t v{};
     v.step = s.step;
@@ -245,6 +257,14 @@ STRATA_API strata_status_t strata_optimizer_get_stats(strata_optimizer_t* optimi
     v.threads = s.threads;
     copy_string(v.isa, sizeof v.isa, s.isa);
     copy_string(v.binding, sizeof v.binding, s.binding);
+    v.nvme_state_bytes = s.nvme_state_bytes;
+    v.nvme_state_params = s.nvme_state_params;
+    v.nvme_state_layers = s.nvme_state_layers;
+    v.staging_bytes = s.staging_bytes;
+    v.staging_slots = s.staging_slots;
+    v.nvme_read_bytes = s.nvme_read_bytes;
+    v.nvme_write_bytes = s.nvme_write_bytes;
+    v.stage_wait_seconds = s.stage_wait_seconds;
     write_struct(out, v);
     return Status::ok();
   });

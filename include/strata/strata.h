@@ -41,7 +41,7 @@
 #endif
 
 #define STRATA_VERSION_MAJOR 1
-#define STRATA_VERSION_MINOR 1
+#define STRATA_VERSION_MINOR 2
 #define STRATA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, as zstd does: comparable with < and >. */
 #define STRATA_VERSION_NUMBER \
@@ -898,9 +898,32 @@ typedef struct strata_optimizer_config {
   uint32_t threads;
   /* Since 1.1: when updates happen (STRATA_UPDATE_*); default STRATA_UPDATE_AUTO. */
   uint32_t update_mode;
+  /* Since 1.2: where params' fp32 masters and moments live (STRATA_STATE_*); default
+   * STRATA_STATE_IN_DRAM. */
+  uint32_t state_placement;
+  /* Since 1.2: DRAM for staging NVMe-homed state during updates (a few layers' worth, reused);
+   * 0 = auto: STRATA_STATE_PLANNED keeps 1/8 of the DRAM budget free for it, and attach takes
+   * what is free, up to 4 layers' worth. */
+  uint64_t nvme_staging_bytes;
 } strata_optimizer_config_t;
 #define STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE \
-  STRATA_STRUCT_SIZE(strata_optimizer_config_t, update_mode)
+  STRATA_STRUCT_SIZE(strata_optimizer_config_t, nvme_staging_bytes)
+
+/* State placement (since 1.2). State on NVMe is read into DRAM staging ahead of its layer's
+ * update (as soon as the update is queued, lowest layer first, several layers in flight),
+ * updated there, and written back while later updates run; the layer's next load waits only
+ * for the update (the bf16/f16 working copy in DRAM), not for the write-back. Such state is
+ * updated only by an attached optimizer (strata_optimizer_step without an executor refuses).
+ * IN_DRAM: every param's state in DRAM (as in 1.0; OUT_OF_MEMORY when it does not fit). */
+#define STRATA_STATE_IN_DRAM 0u
+/* PLANNED: each param's state goes to DRAM while the DRAM tier keeps nvme_staging_bytes free
+ * after it, else to NVMe. Params come in forward order, so the last layers' state is the one on
+ * NVMe: their updates, queued first by the backward pass and needed last by the next forward
+ * pass, have the most time to hide the I/O. Without an NVMe tier: IN_DRAM. */
+#define STRATA_STATE_PLANNED 1u
+/* ON_NVME: every param's state on NVMe (needs an NVMe tier). An fp32 weight is its own master
+ * and stays where the framework registered it. */
+#define STRATA_STATE_ON_NVME 2u
 
 /* AUTO: an attached optimizer updates from the executor's steps, every accumulation_steps of
  * them, as their grads land (the loop of a native trainer). */
@@ -1059,8 +1082,18 @@ typedef struct strata_optimizer_stats {
   uint32_t threads;
   char isa[16];     /* "avx512", "avx2" or "generic" */
   char binding[32]; /* "NUMA node N" or "unbound" */
+  /* Since 1.2: state placed on NVMe, and its staging (state_bytes counts DRAM only). */
+  uint64_t nvme_state_bytes;  /* state tensors on NVMe */
+  uint64_t nvme_state_params; /* params with state on NVMe */
+  uint64_t nvme_state_layers; /* executor layers with state on NVMe (0 until attached) */
+  uint64_t staging_bytes;     /* DRAM of the staging slots (part of state_bytes) */
+  uint32_t staging_slots;     /* layers whose state can be staged at once */
+  uint64_t nvme_read_bytes;   /* state read for updates since creation */
+  uint64_t nvme_write_bytes;  /* state written back since creation */
+  double stage_wait_seconds;  /* time an update whose grads were in waited for its state */
 } strata_optimizer_stats_t;
-#define STRATA_OPTIMIZER_STATS_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_optimizer_stats_t, binding)
+#define STRATA_OPTIMIZER_STATS_STRUCT_SIZE \
+  STRATA_STRUCT_SIZE(strata_optimizer_stats_t, stage_wait_seconds)
 
 /* Counters since creation (or since the checkpoint loaded). Errors: INVALID_ARGUMENT.
  * Thread-safe. */

@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <type_traits>
 
 #include "backends/threads/spawn.h"
 #include "runtime/executor.h"
+#include "runtime/nvme_tier.h"
+#include "runtime/tensor_registry.h"
 
 namespace strata {
 namespace {
@@ -24,6 +27,29 @@ constexpr uint64_t kSkew[4] = {1088, 2176, 3264, 576};
 uint64_t element_count(const TensorRecord& r) {
   return r.nbytes / dtype_size(r.spec.dtype);
 }
+
+// A state tensor's name: the weight's plus a suffix. When that would pass the registry's
+// limit, a prefix of the weight's name (cut at a UTF-8 character boundary) and a hash of all
+// of it stand in, so every weight a runtime accepts can be made trainable, under the same name
+// in every run (checkpoints find state by name).
+std::string state_name(const std::string& weight, const char* suffix) {
+  std::string name = weight + suffix;
+  if (name.size() <= TensorRegistry::kMaxNameLength) return name;
+  uint64_t h = 14695981039346656037ull;  // FNV-1a 64
+  for (unsigned char c : weight) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  char tag[20];
+  std::snprintf(tag, sizeof tag, "~%016llx", static_cast<unsigned long long>(h));
+  std::size_t keep = TensorRegistry::kMaxNameLength - std::strlen(suffix) - std::strlen(tag);
+  while (keep > 0 && (static_cast<unsigned char>(weight[keep]) & 0xC0) == 0x80) --keep;
+  return weight.substr(0, keep) + tag + suffix;
+}
+
+// Staging slots: at most this many layers' NVMe-homed state in DRAM at once. Past a few, more
+// read-ahead does not help: the disk is the bottleneck, and DRAM is better spent on state.
+constexpr std::size_t kMaxStagingSlots = 4;
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -131,6 +157,11 @@ Status Optimizer::create(std::shared_ptr<Runtime> runtime, const OptimizerConfig
   if (!runtime->tier_available(Tier::kDram)) {
     return error(Code::kInvalidState, "the optimizer keeps its state in DRAM: no DRAM tier");
   }
+  if (config.state_placement == StatePlacement::kOnNvme && !runtime->tier_available(Tier::kNvme)) {
+    return error(Code::kInvalidState,
+                 "optimizer config: state_placement STRATA_STATE_ON_NVME needs an NVMe tier "
+                 "(nvme_paths and nvme_budget_bytes in the runtime config)");
+  }
   std::shared_ptr<Optimizer> o(new Optimizer(std::move(runtime), config));
   if (o->config_.accumulation_steps == 0) o->config_.accumulation_steps = 1;
   const int node = o->runtime_->device_numa_node();
@@ -156,11 +187,18 @@ Status Optimizer::create(std::shared_ptr<Runtime> runtime, const OptimizerConfig
 
 Optimizer::~Optimizer() {
   {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
     stopping_ = true;
+    // Staging transfers call back into this object.
+    cv_.wait(lock, [&] { return io_in_flight_ == 0; });
   }
   cv_.notify_all();
   if (dispatcher_.joinable()) dispatcher_.join();
+  {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return io_in_flight_ == 0; });
+  }
+  free_staging();
   unregister_state();
 }
 
@@ -172,14 +210,14 @@ void Optimizer::unregister_state() {
 }
 
 Status Optimizer::make_state(const TensorRecord& weight, const char* suffix, uint64_t skew,
-                             TensorId* id, float** data) {
+                             Tier home, TensorId* id, float** data) {
   TensorSpec spec;
-  spec.name = weight.spec.name + suffix;
+  spec.name = state_name(weight.spec.name, suffix);
   spec.dtype = DType::kF32;
   spec.shape = weight.spec.shape;
   spec.role = Role::kOptimizerState;
-  spec.home = Tier::kDram;
-  Status s = runtime_->register_tensor(spec, id, skew);
+  spec.home = home;
+  Status s = runtime_->register_tensor(spec, id, home == Tier::kDram ? skew : 0);
   if (!s.is_ok()) {
     return error(s.code(), "optimizer state for '", weight.spec.name, "': ", s.message());
   }
@@ -188,9 +226,34 @@ Status Optimizer::make_state(const TensorRecord& weight, const char* suffix, uin
   pinned_.push_back(*id);
   TensorRecord r;
   STRATA_RETURN_IF_ERROR(runtime_->info(*id, &r));
-  *data = reinterpret_cast<float*>(runtime_->tier_base(Tier::kDram) + r.offset);
-  state_bytes_ += r.nbytes;
+  if (home == Tier::kDram) {
+    *data = reinterpret_cast<float*>(runtime_->tier_base(Tier::kDram) + r.offset);
+    state_bytes_ += r.nbytes;
+  } else {
+    *data = nullptr;
+    nvme_state_bytes_ += r.nbytes;
+  }
   return Status::ok();
+}
+
+Tier Optimizer::state_home(uint64_t bytes) {
+  switch (config_.state_placement) {
+    case StatePlacement::kInDram:
+      return Tier::kDram;
+    case StatePlacement::kOnNvme:
+      return Tier::kNvme;
+    case StatePlacement::kPlanned:
+      break;
+  }
+  if (!runtime_->tier_available(Tier::kNvme)) return Tier::kDram;
+  const TierUsage dram = runtime_->tier_usage(Tier::kDram);
+  const uint64_t keep =
+      config_.nvme_staging_bytes != 0 ? config_.nvme_staging_bytes : dram.budget / 8;
+  // Page rounding and skews: a little more than `bytes` is allocated.
+  const uint64_t need = bytes + bytes / 64 + 3 * 8192;
+  const uint64_t free = dram.budget - dram.used;
+  return dram.largest_free >= need && free >= need && free - need >= keep ? Tier::kDram
+                                                                          : Tier::kNvme;
 }
 
 Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
@@ -259,36 +322,64 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
   a.count = n;
   a.grad = dram + g.offset;
   a.grad_dtype = g.spec.dtype;
-  if (w.spec.dtype == DType::kF32) {
+  const bool adamw = config_.kind == OptimizerKind::kAdamW;
+  const bool has_master = w.spec.dtype != DType::kF32;
+  const bool has_avg = adamw || config_.momentum > 0.f;
+  const uint64_t state_bytes =
+      uint64_t{4} * n * ((has_master ? 1 : 0) + (has_avg ? 1 : 0) + (adamw ? 1 : 0));
+  const Tier home = state_bytes == 0 ? Tier::kDram : state_home(state_bytes);
+  p.nvme_state = home == Tier::kNvme;
+  const uint64_t nvme_before = nvme_state_bytes_;
+  auto roll_back_all = [&](Status s) {
+    nvme_state_bytes_ = nvme_before;
+    return roll_back(std::move(s));
+  };
+  // NVMe-homed state is written through a bounce buffer of its initial values.
+  std::vector<float> init;
+  auto write_initial = [&](TensorId id, bool widen) {
+    init.assign(n, 0.f);
+    if (widen) {
+      const optim::ParamArrays w_view{init.data(), nullptr, nullptr,     a.weight, w.spec.dtype,
+                                      init.data(), nullptr, DType::kF32, n};
+      kernels_->accumulate(w_view, 0, n, true);
+    }
+    return runtime_->write(id, 0, init.data(), n * sizeof(float));
+  };
+  if (!has_master) {
     // The fp32 weight is its own master: no second copy to keep in step.
     p.master = weight;
     a.master = reinterpret_cast<float*>(dram + w.offset);
   } else {
-    Status s = make_state(w, ".master", kSkew[0], &p.master, &a.master);
-    if (!s.is_ok()) return roll_back(s);
     a.weight = dram + w.offset;
     a.weight_dtype = w.spec.dtype;
-    // The master starts as the working copy, exactly (bf16 and f16 widen without rounding).
-    const optim::ParamArrays widen{a.master, nullptr, nullptr,     a.weight, w.spec.dtype,
-                                   a.master, nullptr, DType::kF32, n};
-    kernels_->accumulate(widen, 0, n, true);
+    Status s = make_state(w, ".master", kSkew[0], home, &p.master, &a.master);
+    if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.master, true);
+    if (!s.is_ok()) return roll_back_all(s);
+    if (home == Tier::kDram) {
+      // The master starts as the working copy, exactly (bf16 and f16 widen without rounding).
+      const optim::ParamArrays widen{a.master, nullptr, nullptr,     a.weight, w.spec.dtype,
+                                     a.master, nullptr, DType::kF32, n};
+      kernels_->accumulate(widen, 0, n, true);
+    }
   }
-  const bool adamw = config_.kind == OptimizerKind::kAdamW;
-  if (adamw || config_.momentum > 0.f) {
-    Status s =
-        make_state(w, adamw ? ".exp_avg" : ".momentum_buffer", kSkew[1], &p.exp_avg, &a.exp_avg);
-    if (!s.is_ok()) return roll_back(s);
-    std::memset(a.exp_avg, 0, n * sizeof(float));
+  if (has_avg) {
+    Status s = make_state(w, adamw ? ".exp_avg" : ".momentum_buffer", kSkew[1], home, &p.exp_avg,
+                          &a.exp_avg);
+    if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.exp_avg, false);
+    if (!s.is_ok()) return roll_back_all(s);
+    if (home == Tier::kDram) std::memset(a.exp_avg, 0, n * sizeof(float));
   }
   if (adamw) {
-    Status s = make_state(w, ".exp_avg_sq", kSkew[2], &p.exp_avg_sq, &a.exp_avg_sq);
-    if (!s.is_ok()) return roll_back(s);
-    std::memset(a.exp_avg_sq, 0, n * sizeof(float));
+    Status s = make_state(w, ".exp_avg_sq", kSkew[2], home, &p.exp_avg_sq, &a.exp_avg_sq);
+    if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.exp_avg_sq, false);
+    if (!s.is_ok()) return roll_back_all(s);
+    if (home == Tier::kDram) std::memset(a.exp_avg_sq, 0, n * sizeof(float));
   }
   if (config_.accumulation_steps > 1) {
-    Status s = make_state(w, ".grad_accum", kSkew[3], &p.accum, &a.grad_accum);
-    if (!s.is_ok()) return roll_back(s);
+    Status s = make_state(w, ".grad_accum", kSkew[3], Tier::kDram, &p.accum, &a.grad_accum);
+    if (!s.is_ok()) return roll_back_all(s);
   }
+  if (p.nvme_state) ++nvme_state_params_;
   if (group >= groups_.size()) groups_.resize(group + 1, groups_.front());
   params_.push_back(std::move(p));
   return Status::ok();
@@ -396,6 +487,7 @@ Status Optimizer::attach(Executor* executor) {
     pending_.assign(plan.layer_count, 0);
     landing_.assign(plan.layer_count, 0);
     grads_in_ = 0;
+    STRATA_RETURN_IF_ERROR(layout_stages());
     executor_ = executor;
   }
   // Outside mutex_: the executor calls the hooks under its own lock, so it is always taken first.
@@ -403,8 +495,227 @@ Status Optimizer::attach(Executor* executor) {
   if (!s.is_ok()) {
     std::lock_guard lock(mutex_);
     executor_ = nullptr;
+    free_staging();
   }
   return s;
+}
+
+Status Optimizer::layout_stages() {
+  free_staging();
+  stages_.assign(layer_params_.size(), LayerStage{});
+  nvme_layers_ = 0;
+  if (nvme_state_params_ == 0) return Status::ok();
+  uint64_t largest = 0;
+  std::size_t largest_layer = 0;
+  for (std::size_t l = 0; l < layer_params_.size(); ++l) {
+    LayerStage& st = stages_[l];
+    for (std::size_t i : layer_params_[l]) {
+      Param& p = params_[i];
+      if (!p.nvme_state) continue;
+      const TensorId ids[3] = {p.master == p.weight ? TensorId{0} : p.master, p.exp_avg,
+                               p.exp_avg_sq};
+      for (int k = 0; k < 3; ++k) {
+        if (ids[k] == 0) continue;
+        TensorRecord r;
+        STRATA_RETURN_IF_ERROR(runtime_->info(ids[k], &r));
+        StagedTensor t;
+        t.id = ids[k];
+        t.name = r.spec.name;
+        t.extent = r.offset;
+        t.len = Arena::round_up(r.nbytes, NvmeTier::kAlignment);
+        t.crcs = r.nvme_crcs;
+        t.offset = st.bytes;
+        t.param = i;
+        t.kind = k;
+        st.bytes += t.len;
+        st.tensors.push_back(std::move(t));
+      }
+    }
+    if (st.tensors.empty()) continue;
+    ++nvme_layers_;
+    if (st.bytes > largest) {
+      largest = st.bytes;
+      largest_layer = l;
+    }
+  }
+  if (nvme_layers_ == 0) return Status::ok();
+  const TierUsage dram = runtime_->tier_usage(Tier::kDram);
+  uint64_t room = dram.largest_free;
+  if (config_.nvme_staging_bytes != 0) room = std::min(room, config_.nvme_staging_bytes);
+  const std::size_t slots = static_cast<std::size_t>(
+      std::min<uint64_t>({room / largest, kMaxStagingSlots, nvme_layers_}));
+  if (slots == 0) {
+    return error(Code::kOutOfMemory, "optimizer: layer ", largest_layer, "'s state on NVMe (",
+                 largest, " bytes) must be staged in DRAM for its update, and ", room,
+                 " bytes are free for staging (largest free DRAM block ", dram.largest_free,
+                 ", nvme_staging_bytes ", config_.nvme_staging_bytes,
+                 "): raise the DRAM budget or nvme_staging_bytes");
+  }
+  static std::atomic<uint64_t> serial{0};
+  TensorSpec spec;
+  spec.name = "strata.optimizer." + std::to_string(serial.fetch_add(1)) + ".nvme_staging";
+  spec.dtype = DType::kU8;
+  spec.shape = {static_cast<int64_t>(slots * largest)};
+  spec.role = Role::kOptimizerState;
+  spec.home = Tier::kDram;
+  Status s = runtime_->register_tensor(spec, &staging_id_);
+  if (!s.is_ok()) {
+    return error(s.code(), "optimizer: staging for NVMe-homed state (", slots, " x ", largest,
+                 " bytes): ", s.message());
+  }
+  TensorRecord r;
+  (void)runtime_->info(staging_id_, &r);
+  (void)runtime_->pin_in_place(staging_id_, "optimizer staging");
+  staging_base_ = runtime_->tier_base(Tier::kDram) + r.offset;
+  slot_bytes_ = largest;
+  slot_free_.assign(slots, 1);
+  staging_bytes_ = slots * largest;
+  return Status::ok();
+}
+
+void Optimizer::free_staging() {
+  if (staging_id_ != 0) {
+    runtime_->unpin(staging_id_);
+    (void)runtime_->unregister(staging_id_);
+  }
+  staging_id_ = 0;
+  staging_base_ = nullptr;
+  slot_bytes_ = 0;
+  slot_free_.clear();
+  staging_bytes_ = 0;
+}
+
+bool Optimizer::needs_stage(const Job& job) const {
+  if (job.kind != JobKind::kUpdate || job.layer < 0) return false;
+  const auto l = static_cast<std::size_t>(job.layer);
+  return l < stages_.size() && !stages_[l].tensors.empty();
+}
+
+bool Optimizer::stage_ready(const Job& job) const {
+  // After a failure nothing is staged any more: the job runs to report it.
+  return !needs_stage(job) || !failure_.is_ok() ||
+         stages_[static_cast<std::size_t>(job.layer)].phase == StagePhase::kStaged;
+}
+
+std::vector<Optimizer::StageIo> Optimizer::stage_more() {
+  std::vector<StageIo> ios;
+  if (nvme_layers_ == 0 || !failure_.is_ok()) return ios;
+  // The layers whose first queued update needs its state, lowest first: the order pick_job
+  // runs them in.
+  std::vector<std::size_t> want;
+  for (const Job& j : queue_) {
+    if (!needs_stage(j)) continue;
+    const auto l = static_cast<std::size_t>(j.layer);
+    if (stages_[l].phase == StagePhase::kIdle &&
+        std::find(want.begin(), want.end(), l) == want.end()) {
+      want.push_back(l);
+    }
+  }
+  std::sort(want.begin(), want.end());
+  for (std::size_t l : want) {
+    auto free_slot = std::find(slot_free_.begin(), slot_free_.end(), uint8_t{1});
+    if (free_slot == slot_free_.end()) break;
+    *free_slot = 0;
+    LayerStage& st = stages_[l];
+    st.slot = static_cast<int>(free_slot - slot_free_.begin());
+    st.phase = StagePhase::kReading;
+    st.status = Status::ok();
+    unsigned char* base = staging_base_ + static_cast<uint64_t>(st.slot) * slot_bytes_;
+    for (std::size_t k = 0; k < st.tensors.size(); ++k) {
+      const StagedTensor& t = st.tensors[k];
+      params_[t.param].staged[static_cast<std::size_t>(t.kind)] =
+          reinterpret_cast<float*>(base + t.offset);
+      ios.push_back(StageIo{false, static_cast<uint32_t>(l), k});
+    }
+    st.outstanding = static_cast<int>(st.tensors.size());
+    io_in_flight_ += st.outstanding;
+  }
+  return ios;
+}
+
+void Optimizer::start_io(const std::vector<StageIo>& ios) {
+  NvmeTier* nvme = runtime_->nvme_tier();
+  for (const StageIo& io : ios) {
+    const LayerStage& st = stages_[io.layer];
+    const StagedTensor& t = st.tensors[io.tensor];
+    // The slot and layout do not change while the transfer is outstanding.
+    unsigned char* host = staging_base_ + static_cast<uint64_t>(st.slot) * slot_bytes_ + t.offset;
+    auto done = [this, io](Status s) { on_stage_io(io, std::move(s)); };
+    if (io.write) {
+      nvme->write_from_host(t.name, host, t.extent, t.len, t.crcs, done);
+    } else {
+      nvme->read_to_host(t.name, host, t.extent, t.len, t.crcs, done);
+    }
+  }
+}
+
+void Optimizer::on_stage_io(const StageIo& io, Status s) {
+  std::vector<StageIo> more;
+  {
+    std::lock_guard lock(mutex_);
+    LayerStage& st = stages_[io.layer];
+    const StagedTensor& t = st.tensors[io.tensor];
+    --io_in_flight_;
+    if (s.is_ok()) {
+      (io.write ? nvme_write_bytes_ : nvme_read_bytes_) += t.len;
+    } else if (st.status.is_ok()) {
+      st.status =
+          error(s.code(), "optimizer: ", io.write ? "writing" : "reading", " the state '", t.name,
+                "' of layer ", io.layer, io.write ? " to" : " from", " NVMe: ", s.message());
+      fail(st.status);
+    }
+    if (--st.outstanding == 0) {
+      if (io.write) {
+        // Written back: the slot is free for the next layer.
+        slot_free_[static_cast<std::size_t>(st.slot)] = 1;
+        st.slot = -1;
+        st.phase = StagePhase::kIdle;
+        for (const StagedTensor& x : st.tensors) {
+          params_[x.param].staged[static_cast<std::size_t>(x.kind)] = nullptr;
+        }
+        more = stage_more();
+      } else {
+        // Read in (or failed: the update then runs no kernels and finish_stage frees the slot).
+        st.phase = StagePhase::kStaged;
+      }
+    }
+  }
+  cv_.notify_all();
+  start_io(more);
+}
+
+std::vector<Optimizer::StageIo> Optimizer::finish_stage(std::size_t layer, bool dirty) {
+  LayerStage& st = stages_[layer];
+  std::vector<StageIo> ios;
+  if (dirty && st.status.is_ok() && !stopping_) {
+    st.phase = StagePhase::kWriting;
+    st.outstanding = static_cast<int>(st.tensors.size());
+    io_in_flight_ += st.outstanding;
+    for (std::size_t k = 0; k < st.tensors.size(); ++k) {
+      ios.push_back(StageIo{true, static_cast<uint32_t>(layer), k});
+    }
+    return ios;
+  }
+  // Unchanged (a skipped step) or failed: nothing to write back. A layer whose reads are
+  // still in flight (the optimizer failed meanwhile) keeps its slot until they end.
+  if (st.phase == StagePhase::kReading || st.phase == StagePhase::kWriting) return ios;
+  if (st.slot >= 0) slot_free_[static_cast<std::size_t>(st.slot)] = 1;
+  st.slot = -1;
+  st.phase = StagePhase::kIdle;
+  for (const StagedTensor& x : st.tensors) {
+    params_[x.param].staged[static_cast<std::size_t>(x.kind)] = nullptr;
+  }
+  return stage_more();
+}
+
+optim::ParamArrays Optimizer::update_arrays(const Param& p) const {
+  optim::ParamArrays a = p.arrays;
+  if (p.nvme_state) {
+    if (p.master != p.weight) a.master = p.staged[0];
+    if (p.exp_avg != 0) a.exp_avg = p.staged[1];
+    if (p.exp_avg_sq != 0) a.exp_avg_sq = p.staged[2];
+  }
+  return a;
 }
 
 Status Optimizer::detach() {
@@ -576,7 +887,7 @@ Status Optimizer::ensure_accum(Param& p) {
   if (p.accum != 0) return Status::ok();
   TensorRecord w;
   STRATA_RETURN_IF_ERROR(runtime_->info(p.weight, &w));
-  Status s = make_state(w, ".grad_accum", kSkew[3], &p.accum, &p.accum_data);
+  Status s = make_state(w, ".grad_accum", kSkew[3], Tier::kDram, &p.accum, &p.accum_data);
   if (!s.is_ok()) {
     return error(s.code(),
                  "gradient accumulation (a backward pass onto grads not zeroed since the last "
@@ -704,7 +1015,7 @@ Status Optimizer::synchronize() {
   std::unique_lock lock(mutex_);
   cv_.wait(lock, [&] {
     if (!failure_.is_ok()) return true;
-    if (!queue_.empty() || running_ > 0) return false;
+    if (!queue_.empty() || running_ > 0 || io_in_flight_ > 0) return false;
     return std::all_of(pending_.begin(), pending_.end(), [](int p) { return p == 0; });
   });
   return failure_;
@@ -761,13 +1072,15 @@ double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const Ste
       case JobKind::kNorm:
         sums[k] = kernels_->sum_squares(p.arrays, task.begin, task.end);
         break;
-      case JobKind::kUpdate:
+      case JobKind::kUpdate: {
+        const optim::ParamArrays a = update_arrays(p);
         if (config_.kind == OptimizerKind::kAdamW) {
-          kernels_->adamw(adam_groups[p.group], p.arrays, task.begin, task.end);
+          kernels_->adamw(adam_groups[p.group], a, task.begin, task.end);
         } else {
-          kernels_->sgd(sgd_groups[p.group], p.arrays, task.begin, task.end);
+          kernels_->sgd(sgd_groups[p.group], a, task.begin, task.end);
         }
         break;
+      }
       case JobKind::kLand:
       case JobKind::kStash:
         break;  // explicit mode: run_explicit
@@ -814,7 +1127,7 @@ std::size_t Optimizer::pick_job() const {
     if (best < queue_.size() && queue_[best].layer <= j.layer) continue;
     const bool landed =
         std::all_of(j.landed.begin(), j.landed.end(), [](const auto& f) { return f->is_done(); });
-    if (landed) best = i;
+    if (landed && stage_ready(j)) best = i;
   }
   return best;
 }
@@ -822,28 +1135,56 @@ std::size_t Optimizer::pick_job() const {
 void Optimizer::dispatcher_main() {
   for (;;) {
     Job job;
+    bool picked = false;
     std::vector<std::shared_ptr<DeviceFence>> oldest;
+    std::vector<StageIo> reads;
     {
       std::unique_lock lock(mutex_);
       cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping, and nothing left to finish
+      reads = stage_more();
       const std::size_t pick = pick_job();
       if (pick == queue_.size()) {
-        oldest = queue_.front().landed;  // nothing ready: wait for the first grads to land
+        // Nothing ready: wait for the first grads still landing, else (every landed job waits
+        // for its state from NVMe) for a staging transfer to finish.
+        for (const Job& j : queue_) {
+          const bool landed = std::all_of(j.landed.begin(), j.landed.end(),
+                                          [](const auto& f) { return f->is_done(); });
+          if (!landed) {
+            oldest = j.landed;
+            break;
+          }
+        }
+        if (oldest.empty() && reads.empty()) {
+          const auto t0 = std::chrono::steady_clock::now();
+          cv_.wait(lock);
+          stage_wait_seconds_ += seconds_since(t0);
+          continue;
+        }
       } else {
         job = std::move(queue_[pick]);
         queue_.erase(queue_.begin() + static_cast<std::ptrdiff_t>(pick));
         ++running_;
+        picked = true;
       }
     }
+    start_io(reads);
     if (!oldest.empty()) {
       for (const auto& f : oldest) (void)f->host_wait();  // errors: reported when it runs
       continue;
     }
+    if (!picked) continue;
     Status status;
     for (const auto& f : job.landed) {
       Status s = f->host_wait();
       if (status.is_ok() && !s.is_ok()) status = s;
+    }
+    const bool staged = needs_stage(job);
+    Status stage_status;
+    if (staged) {
+      std::lock_guard lock(mutex_);
+      const LayerStage& st = stages_[static_cast<std::size_t>(job.layer)];
+      stage_status = st.phase == StagePhase::kStaged ? st.status : failure_;
     }
     const std::vector<Task>& tasks = layer_tasks_[static_cast<std::size_t>(job.layer)];
     double norm = 0;
@@ -857,7 +1198,7 @@ void Optimizer::dispatcher_main() {
     const std::size_t slice = job.kind == JobKind::kNorm ? tasks.size() : pool_->size();
     const bool explicit_job =
         !job.sources.empty() || job.kind == JobKind::kLand || job.kind == JobKind::kStash;
-    while (status.is_ok() && !skip && job.next_task < tasks.size()) {
+    while (status.is_ok() && stage_status.is_ok() && !skip && job.next_task < tasks.size()) {
       const std::size_t n = std::min(slice, tasks.size() - job.next_task);
       const std::span<const Task> part(tasks.data() + job.next_task, n);
       Tracer& tracer = runtime_->tracer();
@@ -895,10 +1236,15 @@ void Optimizer::dispatcher_main() {
       }
     }
     if (preempted) continue;
+    std::vector<StageIo> writes;
     {
       std::lock_guard lock(mutex_);
       update_seconds_ += seconds;
       --running_;
+      if (staged) {
+        writes = finish_stage(static_cast<std::size_t>(job.layer),
+                              status.is_ok() && stage_status.is_ok() && !skip);
+      }
       if (!status.is_ok()) {
         fail(error(status.code(), "optimizer: grads of layer ", job.layer,
                    " did not land: ", status.message()));
@@ -936,6 +1282,7 @@ void Optimizer::dispatcher_main() {
       }
     }
     cv_.notify_all();
+    start_io(writes);
   }
 }
 
@@ -1007,7 +1354,7 @@ void Optimizer::run_explicit(std::span<const Task> tasks, Job& job) {
       case JobKind::kUpdate: {
         const UpdateSource& src = job.sources[slot];
         if (src.skip) break;
-        optim::ParamArrays a = subarray(p.arrays, b, e);
+        optim::ParamArrays a = subarray(update_arrays(p), b, e);
         a.grad_accum = nullptr;
         thread_local std::vector<float> zeros;
         if (src.grad == nullptr) {
@@ -1095,6 +1442,11 @@ Status Optimizer::step() {
   }
   if (!failure_.is_ok()) return failure_;
   if (params_.empty()) return error(Code::kInvalidState, "step: the optimizer has no params");
+  if (nvme_state_params_ != 0) {
+    return error(Code::kInvalidState, "step: ", nvme_state_params_,
+                 " params have their state on NVMe, which is staged through DRAM layer by "
+                 "layer: only an optimizer attached to an executor updates them");
+  }
   if (all_tasks_params_ != params_.size()) {
     std::vector<std::size_t> all(params_.size());
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
@@ -1158,6 +1510,17 @@ Status Optimizer::restore_counters(const OptimizerCounters& counters,
   }
   micro_ = 0;
   failure_ = Status::ok();
+  // A failure may have left staged layers behind (the checkpoint's caller synchronized, so no
+  // transfer is in flight): every layer's state is on NVMe again, every slot free.
+  if (io_in_flight_ == 0) {
+    for (LayerStage& st : stages_) {
+      st.phase = StagePhase::kIdle;
+      st.slot = -1;
+      st.outstanding = 0;
+      st.status = Status::ok();
+    }
+    std::fill(slot_free_.begin(), slot_free_.end(), uint8_t{1});
+  }
   return Status::ok();
 }
 
@@ -1185,6 +1548,15 @@ OptimizerStats Optimizer::stats() {
   s.threads = pool_->size();
   s.isa = std::string(optim::isa_name(kernels_->isa));
   s.binding = pool_->binding();
+  s.nvme_state_bytes = nvme_state_bytes_;
+  s.nvme_state_params = nvme_state_params_;
+  s.nvme_state_layers = nvme_layers_;
+  s.staging_bytes = staging_bytes_;
+  s.staging_slots = static_cast<uint32_t>(slot_free_.size());
+  s.state_bytes += staging_bytes_;
+  s.nvme_read_bytes = nvme_read_bytes_;
+  s.nvme_write_bytes = nvme_write_bytes_;
+  s.stage_wait_seconds = stage_wait_seconds_;
   return s;
 }
 

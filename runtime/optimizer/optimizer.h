@@ -19,6 +19,7 @@
 // Thread-safe: one mutex guards the bookkeeping; the update kernels run outside it.
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -28,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/checksums.h"
 #include "runtime/executor_hooks.h"
 #include "runtime/optimizer/kernels.h"
 #include "runtime/optimizer/worker_pool.h"
@@ -38,6 +40,9 @@ namespace strata {
 class Executor;
 
 enum class OptimizerKind : int32_t { kAdamW = 0, kSgd = 1 };
+
+// Where params' fp32 masters and moments live (strata.h STRATA_STATE_*).
+enum class StatePlacement : uint32_t { kInDram = 0, kPlanned = 1, kOnNvme = 2 };
 
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kAdamW;
@@ -54,6 +59,8 @@ struct OptimizerConfig {
   uint32_t accumulation_steps = 1;  // executor steps per update (grads summed in fp32)
   uint32_t threads = 0;             // 0: the GPU node's CPUs less one
   bool explicit_updates = false;    // updates only from step(); grads held per parameter
+  StatePlacement state_placement = StatePlacement::kInDram;
+  uint64_t nvme_staging_bytes = 0;  // 0: auto (see strata.h)
 };
 
 // A parameter's grad in explicit mode, as a framework sees its `p.grad`.
@@ -83,6 +90,14 @@ struct OptimizerStats {
   uint32_t threads = 0;
   std::string isa;
   std::string binding;
+  uint64_t nvme_state_bytes = 0;
+  uint64_t nvme_state_params = 0;
+  uint64_t nvme_state_layers = 0;
+  uint64_t staging_bytes = 0;
+  uint32_t staging_slots = 0;
+  uint64_t nvme_read_bytes = 0;
+  uint64_t nvme_write_bytes = 0;
+  double stage_wait_seconds = 0;
 };
 
 // What a checkpoint carries besides the tensors.
@@ -164,6 +179,36 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     float grad_mult = 1.f;
     double grad_sq = 0;
     uint64_t t = 0;
+    // State on NVMe (master unless the weight is fp32, exp_avg, exp_avg_sq: those it has).
+    // Their arrays are null; while the layer's state is staged, `staged` points at them in
+    // its slot (set under mutex_ before an update can be picked).
+    bool nvme_state = false;
+    std::array<float*, 3> staged{};
+  };
+  // NVMe-homed state of one executor layer: laid out in one staging slot, read in before the
+  // layer's update, written back after it.
+  enum class StagePhase : uint8_t { kIdle, kReading, kStaged, kWriting };
+  struct StagedTensor {
+    TensorId id = 0;
+    std::string name;
+    uint64_t extent = 0, len = 0;  // on NVMe (len 4 KiB-rounded)
+    std::shared_ptr<Checksums> crcs;
+    uint64_t offset = 0;  // in the slot, 4 KiB-aligned
+    std::size_t param = 0;
+    int kind = 0;  // 0 master, 1 exp_avg, 2 exp_avg_sq
+  };
+  struct LayerStage {
+    std::vector<StagedTensor> tensors;
+    uint64_t bytes = 0;  // of a slot this layer uses
+    StagePhase phase = StagePhase::kIdle;
+    int slot = -1;
+    int outstanding = 0;  // transfers in flight
+    Status status;        // the first failed transfer's
+  };
+  struct StageIo {
+    bool write;
+    uint32_t layer;
+    std::size_t tensor;
   };
   // Explicit mode: one parameter's share of an update job (what step() saw when it queued it).
   struct UpdateSource {
@@ -210,8 +255,26 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     std::vector<UpdateSource> sources;
   };
   Optimizer(std::shared_ptr<Runtime> runtime, const OptimizerConfig& config);
-  Status make_state(const TensorRecord& weight, const char* suffix, uint64_t skew, TensorId* id,
-                    float** data);
+  // Registers a state tensor in `home` (DRAM: *data points at it; NVMe: *data is null).
+  Status make_state(const TensorRecord& weight, const char* suffix, uint64_t skew, Tier home,
+                    TensorId* id, float** data);
+  // Where a new param's state of `bytes` goes under the placement policy.
+  Tier state_home(uint64_t bytes);
+  // Attach: lays out each layer's NVMe-homed state and allocates the staging slots.
+  Status layout_stages();
+  void free_staging();
+  // Under mutex_: gives free slots to layers whose update is queued, lowest layer first, and
+  // returns the reads to start (outside mutex_: start_io).
+  std::vector<StageIo> stage_more();
+  void start_io(const std::vector<StageIo>& ios);
+  void on_stage_io(const StageIo& io, Status s);
+  // Under mutex_: after a layer's update (dirty: it changed the state) — its write-back, or
+  // the slot back at once.
+  std::vector<StageIo> finish_stage(std::size_t layer, bool dirty);
+  bool needs_stage(const Job& job) const;
+  bool stage_ready(const Job& job) const;
+  // The arrays an update of `p` uses: staged state for NVMe-homed params.
+  optim::ParamArrays update_arrays(const Param& p) const;
   std::vector<Task> tasks_for(const std::vector<std::size_t>& params) const;
   // Explicit-mode jobs (kLand, kStash, kUpdate with sources) over `tasks`.
   void run_explicit(std::span<const Task> tasks, Job& job);
@@ -242,6 +305,19 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   std::vector<Param> params_;
   std::vector<TensorId> owned_, pinned_;
   uint64_t state_bytes_ = 0;
+  // NVMe-homed state and its staging (attached).
+  uint64_t nvme_state_bytes_ = 0;
+  uint64_t nvme_state_params_ = 0;
+  std::vector<LayerStage> stages_;  // per executor layer
+  std::size_t nvme_layers_ = 0;
+  TensorId staging_id_ = 0;
+  unsigned char* staging_base_ = nullptr;
+  uint64_t slot_bytes_ = 0;
+  std::vector<uint8_t> slot_free_;
+  uint64_t staging_bytes_ = 0;
+  int io_in_flight_ = 0;  // staging transfers whose callback has not run
+  uint64_t nvme_read_bytes_ = 0, nvme_write_bytes_ = 0;
+  double stage_wait_seconds_ = 0;
 
   std::mutex step_mutex_;  // serializes step(), which runs outside mutex_
   std::mutex mutex_;

@@ -1,0 +1,328 @@
+// Optimizer state homed on NVMe (STRATA_STATE_ON_NVME, STRATA_STATE_PLANNED), through the C ABI
+// on the backend under test: training with the state staged through DRAM slots is bit for bit
+// training with the state in DRAM (every update mode, clipping, slot reuse, preemption);
+// PLANNED puts the last layers' state on NVMe when DRAM is short; checkpoints carry NVMe-homed
+// state; a damaged state file fails the optimizer with the tensor's name, and nothing hangs;
+// misuse is refused with a message that names the problem.
+#define CATCH_CONFIG_RUNNER
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <string>
+#include <vector>
+
+#include "optimizer/optimizer_model.h"
+#include "support/device_views.h"
+#include "support/scratch_dir.h"
+
+using namespace strata_test;
+
+namespace {
+
+// A runtime with an NVMe tier of `nvme` bytes in `scratch` (checksums on, the default).
+struct NvmeConfig {
+  std::string file;
+  const char* paths[1];
+  strata_runtime_config_t config;
+  NvmeConfig(const ScratchDir& scratch, uint64_t dram, uint64_t nvme) {
+    file = scratch.file("tier");
+    paths[0] = file.c_str();
+    config = config_for(backend_under_test(), 64 * kMiB, dram);
+    config.nvme_paths = paths;
+    config.nvme_path_count = 1;
+    config.nvme_budget_bytes = nvme;
+  }
+};
+
+strata_optimizer_stats_t stats_of(strata_optimizer_t* o) {
+  strata_optimizer_stats_t s{};
+  s.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_optimizer_get_stats(o, &s));
+  return s;
+}
+
+strata_tier_t state_tier(Model& m, strata_optimizer_t* o, strata_tensor_t* w,
+                         strata_state_kind_t kind) {
+  strata_tensor_t* s = nullptr;
+  STRATA_REQUIRE_OK(strata_optimizer_get_state(o, w, kind, &s));
+  strata_tier_t tier = -1;
+  STRATA_REQUIRE_OK(strata_tensor_tier(m.rt.get(), s, &tier));
+  return tier;
+}
+
+enum class Loop { kAuto, kExplicit };
+
+void train(Model& m, strata_optimizer_t* o, strata_executor_t* ex, Loop loop, int first,
+           int steps) {
+  if (loop == Loop::kAuto) {
+    run_streamed(m, o, ex, first, steps, 1);
+  } else {
+    run_explicit(m, o, ex, first, steps, 1);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("state on NVMe trains bit for bit as state in DRAM", "[optimizer][nvme]") {
+  struct Variant {
+    const char* name;
+    uint32_t placement;
+    Loop loop;
+    float max_grad_norm;
+    uint64_t staging;  // nvme_staging_bytes
+    std::vector<int64_t> sizes = {3000, 1100};
+  };
+  for (const Variant& var : {
+           Variant{"on NVMe, per layer during the backward", STRATA_STATE_ON_NVME, Loop::kAuto, 0.f,
+                   0},
+           // A layer's state takes 60 KiB of a slot (4 KiB-rounded tensors).
+           Variant{"on NVMe, one staging slot for every layer", STRATA_STATE_ON_NVME, Loop::kAuto,
+                   0.f, 100000},
+           Variant{"on NVMe, clipped: in forward order after the norms", STRATA_STATE_ON_NVME,
+                   Loop::kAuto, 0.5f, 0},
+           Variant{"on NVMe, explicit updates (PyTorch's loop)", STRATA_STATE_ON_NVME,
+                   Loop::kExplicit, 0.f, 0},
+           Variant{"on NVMe, large layers preempted",
+                   STRATA_STATE_ON_NVME,
+                   Loop::kAuto,
+                   0.f,
+                   0,
+                   {300000, 70000}},
+           Variant{"planned: DRAM short, the last layers on NVMe", STRATA_STATE_PLANNED,
+                   Loop::kExplicit, 0.f, 2 * 61440},
+       }) {
+    DYNAMIC_SECTION(var.name) {
+      ScratchDir scratch;
+      const bool large = var.sizes[0] > 100000;
+      // PLANNED: DRAM holds the weights, grads and about half of the state.
+      const uint64_t dram =
+          var.placement == STRATA_STATE_PLANNED ? 420 * 1024 : (large ? 64 : 16) * kMiB;
+      NvmeConfig nv(scratch, dram, 64 * kMiB);
+      strata_optimizer_config_t c = adamw_config();
+      c.max_grad_norm = var.max_grad_norm;
+      if (var.loop == Loop::kExplicit) c.update_mode = STRATA_UPDATE_EXPLICIT;
+      Model in_dram = make_model(5, 42, backend_under_test(), var.sizes);
+      Model on_nvme = make_model(5, 42, backend_under_test(), var.sizes, &nv.config);
+      OptimizerPtr od = make_optimizer(in_dram, c);
+      c.state_placement = var.placement;
+      c.nvme_staging_bytes = var.staging;
+      OptimizerPtr on = make_optimizer(on_nvme, c);
+      Streamed sd, sn;
+      make_streamed(in_dram, &sd, 0);
+      make_streamed(on_nvme, &sn, 0);
+      STRATA_REQUIRE_OK(strata_optimizer_attach(od.get(), sd.ex));
+      STRATA_REQUIRE_OK(strata_optimizer_attach(on.get(), sn.ex));
+      train(in_dram, od.get(), sd.ex, var.loop, 0, 5);
+      train(on_nvme, on.get(), sn.ex, var.loop, 0, 5);
+      REQUIRE(snapshot(on_nvme, on.get()) == snapshot(in_dram, od.get()));
+
+      const strata_optimizer_stats_t s = stats_of(on.get());
+      const strata_optimizer_stats_t d = stats_of(od.get());
+      INFO("nvme params " << s.nvme_state_params << ", layers " << s.nvme_state_layers << ", slots "
+                          << s.staging_slots);
+      REQUIRE(d.nvme_state_params == 0);
+      REQUIRE(d.staging_slots == 0);
+      REQUIRE(s.nvme_state_bytes > 0);
+      REQUIRE(s.staging_slots >= 1);
+      REQUIRE(s.staging_slots <= 4);
+      // Every update read its layer's state and wrote it back.
+      REQUIRE(s.nvme_read_bytes >= 5 * s.nvme_state_bytes);
+      REQUIRE(s.nvme_write_bytes >= 5 * s.nvme_state_bytes);
+      if (var.placement == STRATA_STATE_ON_NVME) {
+        REQUIRE(s.nvme_state_params == 10);
+        REQUIRE(s.nvme_state_layers == 5);
+        REQUIRE(s.state_bytes == s.staging_bytes);  // no state in DRAM but the slots
+        if (var.staging != 0) REQUIRE(s.staging_slots == 1);
+      } else {
+        // Some but not all: the first layer's state in DRAM, the last layer's on NVMe.
+        REQUIRE(s.nvme_state_params > 0);
+        REQUIRE(s.nvme_state_params < 10);
+        REQUIRE(state_tier(on_nvme, on.get(), on_nvme.weights[0][0], STRATA_STATE_EXP_AVG) ==
+                STRATA_TIER_DRAM);
+        REQUIRE(state_tier(on_nvme, on.get(), on_nvme.weights[4][1], STRATA_STATE_EXP_AVG) ==
+                STRATA_TIER_NVME);
+      }
+    }
+  }
+}
+
+TEST_CASE("a checkpoint carries NVMe-homed state and resumes bit for bit",
+          "[optimizer][nvme][checkpoint]") {
+  ScratchDir scratch;
+  const std::string path = scratch.file("ckpt");
+  NvmeConfig nv(scratch, 16 * kMiB, 64 * kMiB);
+  strata_optimizer_config_t c = adamw_config();
+  c.state_placement = STRATA_STATE_ON_NVME;
+  // The reference: 6 steps in one go.
+  Model whole = make_model(4, 7, backend_under_test(), {3000, 1100}, &nv.config);
+  OptimizerPtr ow = make_optimizer(whole, c);
+  Streamed sw;
+  make_streamed(whole, &sw, 0);
+  STRATA_REQUIRE_OK(strata_optimizer_attach(ow.get(), sw.ex));
+  run_streamed(whole, ow.get(), sw.ex, 0, 3, 1);
+  STRATA_REQUIRE_OK(strata_checkpoint_save(whole.rt.get(), ow.get(), path.c_str()));
+  run_streamed(whole, ow.get(), sw.ex, 3, 3, 1);
+  const auto expected = snapshot(whole, ow.get());
+
+  // Resumed: another model (another NVMe file, other initial values) loads the checkpoint.
+  ScratchDir scratch2;
+  NvmeConfig nv2(scratch2, 16 * kMiB, 64 * kMiB);
+  Model resumed = make_model(4, 99, backend_under_test(), {3000, 1100}, &nv2.config);
+  OptimizerPtr orr = make_optimizer(resumed, c);
+  Streamed sr;
+  make_streamed(resumed, &sr, 0);
+  STRATA_REQUIRE_OK(strata_optimizer_attach(orr.get(), sr.ex));
+  STRATA_REQUIRE_OK(strata_checkpoint_load(resumed.rt.get(), orr.get(), path.c_str()));
+  run_streamed(resumed, orr.get(), sr.ex, 3, 3, 1);
+  REQUIRE(snapshot(resumed, orr.get()) == expected);
+}
+
+TEST_CASE("damaged NVMe-homed state fails the optimizer by name, and nothing hangs",
+          "[optimizer][nvme]") {
+  ScratchDir scratch;
+  NvmeConfig nv(scratch, 16 * kMiB, 64 * kMiB);
+  strata_optimizer_config_t c = adamw_config();
+  c.state_placement = STRATA_STATE_ON_NVME;
+  Model m = make_model(3, 5, backend_under_test(), {3000, 1100}, &nv.config);
+  OptimizerPtr o = make_optimizer(m, c);
+  Streamed st;
+  make_streamed(m, &st, 0);
+  STRATA_REQUIRE_OK(strata_optimizer_attach(o.get(), st.ex));
+  run_streamed(m, o.get(), st.ex, 0, 1, 1);
+  // The tier holds nothing but the state: damage its first 256 KiB on disk.
+  {
+    const int fd = open(nv.file.c_str(), O_RDWR);
+    REQUIRE(fd >= 0);
+    std::vector<unsigned char> bytes(256 * 1024);
+    REQUIRE(pread(fd, bytes.data(), bytes.size(), 0) == static_cast<ssize_t>(bytes.size()));
+    for (auto& b : bytes) b ^= 0x10;
+    REQUIRE(pwrite(fd, bytes.data(), bytes.size(), 0) == static_cast<ssize_t>(bytes.size()));
+    REQUIRE(fsync(fd) == 0);
+    close(fd);
+  }
+  // The next step's updates read the damaged state, during its backward pass: the failure
+  // surfaces at the next call that reaches the optimizer (a release, the step's end, or
+  // synchronize), whichever comes first.
+  strata_status_t first = STRATA_OK;
+  std::string message;
+  auto note = [&](strata_status_t s) {
+    if (first == STRATA_OK && s != STRATA_OK) {
+      first = s;
+      message = strata_last_error_message();
+    }
+    return s == STRATA_OK;
+  };
+  STRATA_REQUIRE_OK(strata_step_begin(st.ex));
+  strata_layer_views_t v{};
+  v.struct_size = STRATA_LAYER_VIEWS_STRUCT_SIZE;
+  for (uint32_t l = 0; l < 3; ++l) {
+    STRATA_REQUIRE_OK(strata_layer_acquire(st.ex, l, STRATA_PHASE_FORWARD, nullptr, 0, &v));
+    STRATA_REQUIRE_OK(strata_layer_release(st.ex, l, STRATA_PHASE_FORWARD, nullptr));
+  }
+  bool ok = true;
+  for (uint32_t l = 3; ok && l-- > 0;) {
+    ok = note(strata_layer_acquire(st.ex, l, STRATA_PHASE_BACKWARD, nullptr, 0, &v)) &&
+         note(strata_layer_release(st.ex, l, STRATA_PHASE_BACKWARD, nullptr));
+  }
+  if (ok) ok = note(strata_step_end(st.ex));
+  if (!ok) STRATA_REQUIRE_OK(strata_step_abort(st.ex, nullptr));
+  note(strata_optimizer_synchronize(o.get()));
+  INFO(message);
+  REQUIRE(first == STRATA_ERROR_DATA_CORRUPTION);
+  REQUIRE(message.find("from NVMe") != std::string::npos);
+  REQUIRE(message.find("state 'layers.") != std::string::npos);  // the tensor's name
+  STRATA_REQUIRE_ERROR(strata_optimizer_synchronize(o.get()), STRATA_ERROR_DATA_CORRUPTION,
+                       "from NVMe");
+  // The next step is refused with the same reason; destroying everything does not hang.
+  STRATA_REQUIRE_ERROR(strata_step_begin(st.ex), STRATA_ERROR_DATA_CORRUPTION, "from NVMe");
+}
+
+TEST_CASE("NVMe-homed state misuse gets clear errors", "[optimizer][nvme]") {
+  SECTION("ON_NVME without an NVMe tier") {
+    RuntimePtr rt = make_runtime(config_for(backend_under_test(), 16 * kMiB, 16 * kMiB));
+    strata_optimizer_config_t c = adamw_config();
+    c.state_placement = STRATA_STATE_ON_NVME;
+    strata_optimizer_t* o = nullptr;
+    STRATA_REQUIRE_ERROR(strata_optimizer_create(rt.get(), &c, &o), STRATA_ERROR_INVALID_STATE,
+                         "needs an NVMe tier");
+    c.state_placement = 7;
+    STRATA_REQUIRE_ERROR(strata_optimizer_create(rt.get(), &c, &o), STRATA_ERROR_INVALID_ARGUMENT,
+                         "unknown state_placement 7");
+    // PLANNED without an NVMe tier is IN_DRAM.
+    c.state_placement = STRATA_STATE_PLANNED;
+    STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &c, &o));
+    STRATA_REQUIRE_OK(strata_optimizer_destroy(o));
+  }
+  SECTION("a manual step, and staging that cannot hold a layer") {
+    ScratchDir scratch;
+    NvmeConfig nv(scratch, 16 * kMiB, 64 * kMiB);
+    strata_optimizer_config_t c = adamw_config();
+    c.state_placement = STRATA_STATE_ON_NVME;
+    c.nvme_staging_bytes = 4096;
+    Model m = make_model(2, 5, backend_under_test(), {3000, 1100}, &nv.config);
+    OptimizerPtr o = make_optimizer(m, c);
+    STRATA_REQUIRE_ERROR(strata_optimizer_step(o.get()), STRATA_ERROR_INVALID_STATE,
+                         "only an optimizer attached to an executor updates them");
+    Streamed st;
+    make_streamed(m, &st, 0);
+    STRATA_REQUIRE_ERROR(strata_optimizer_attach(o.get(), st.ex), STRATA_ERROR_OUT_OF_MEMORY,
+                         "nvme_staging_bytes 4096");
+  }
+  SECTION("a 1.0/1.1-sized stats struct gets the fields its size covers") {
+    ScratchDir scratch;
+    NvmeConfig nv(scratch, 16 * kMiB, 64 * kMiB);
+    Model m = make_model(1, 5, backend_under_test(), {3000, 1100}, &nv.config);
+    strata_optimizer_config_t c = adamw_config();
+    c.state_placement = STRATA_STATE_ON_NVME;
+    OptimizerPtr o = make_optimizer(m, c);
+    strata_optimizer_stats_t s{};
+    std::memset(&s, 0xAB, sizeof s);
+    s.struct_size = STRATA_STRUCT_SIZE(strata_optimizer_stats_t, binding);
+    STRATA_REQUIRE_OK(strata_optimizer_get_stats(o.get(), &s));
+    REQUIRE(s.params == 2);
+    const auto* tail = reinterpret_cast<const unsigned char*>(&s.nvme_state_bytes);
+    REQUIRE(tail[0] == 0xAB);  // past its size: untouched
+  }
+}
+
+TEST_CASE("a weight whose name leaves no room for a state suffix is trainable",
+          "[optimizer][nvme]") {
+  ScratchDir scratch;
+  const std::string path = scratch.file("ckpt");
+  RuntimePtr rt = make_runtime(config_for(backend_under_test(), 16 * kMiB, 16 * kMiB));
+  // 255 bytes (the registry's limit), ending in a 2-byte UTF-8 character around the cut.
+  std::string name(248, 'w');
+  name += "\xc3\xa9";
+  name += std::string(255 - name.size(), 'x');
+  REQUIRE(name.size() == 255);
+  strata_tensor_t* w = register_tensor(rt.get(), name, 64, STRATA_DTYPE_BF16, STRATA_ROLE_WEIGHT);
+  strata_tensor_t* g = register_tensor(rt.get(), "g", 64, STRATA_DTYPE_BF16, STRATA_ROLE_GRAD);
+  strata_optimizer_config_t c = adamw_config();
+  strata_optimizer_t* raw = nullptr;
+  STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &c, &raw));
+  OptimizerPtr o(raw);
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0};
+  STRATA_REQUIRE_OK(strata_optimizer_add_param(o.get(), &p));
+  std::vector<std::string> names;
+  for (strata_state_kind_t kind :
+       {STRATA_STATE_MASTER, STRATA_STATE_EXP_AVG, STRATA_STATE_EXP_AVG_SQ}) {
+    strata_tensor_t* s = nullptr;
+    STRATA_REQUIRE_OK(strata_optimizer_get_state(o.get(), w, kind, &s));
+    strata_tensor_info_t info{};
+    info.struct_size = STRATA_TENSOR_INFO_STRUCT_SIZE;
+    STRATA_REQUIRE_OK(strata_tensor_get_info(rt.get(), s, &info));
+    names.emplace_back(info.name);
+    REQUIRE(names.back().size() <= 255);
+  }
+  REQUIRE(names[0] != names[1]);
+  REQUIRE(names[1] != names[2]);
+  REQUIRE(names[2].ends_with(".exp_avg_sq"));
+  // And the checkpoint (which requires valid UTF-8 names) takes them.
+  STRATA_REQUIRE_OK(strata_optimizer_step(o.get()));
+  STRATA_REQUIRE_OK(strata_checkpoint_save(rt.get(), o.get(), path.c_str()));
+  STRATA_REQUIRE_OK(strata_checkpoint_load(rt.get(), o.get(), path.c_str()));
+}
+
+int main(int argc, char** argv) {
+  return run_on_backend_under_test(argc, argv);
+}
