@@ -71,8 +71,10 @@ def main():
     p.add_argument("--gpu-budget", type=float, default=None, help="GiB of HBM for Strata")
     p.add_argument("--host-budget", type=float, default=None, help="GiB of pinned DRAM")
     p.add_argument("--nvme", action="append", default=None,
-                   help="NVMe tier file (repeatable; strata.torch refuses it until training "
-                        "state can live on NVMe)")
+                   help="NVMe tier file (repeatable, striped): optimizer state that does not fit "
+                        "in --host-budget goes there")
+    p.add_argument("--nvme-budget", type=float, default=None,
+                   help="GiB of the NVMe tier (default: what the spilled state needs)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace here")
     p.add_argument("--seed", type=int, default=0)
@@ -88,7 +90,8 @@ def main():
     model = st.offload(model, device=device, dtype=dtype,
                        gpu_budget=int(args.gpu_budget * gib) if args.gpu_budget else None,
                        host_budget=int(args.host_budget * gib) if args.host_budget else None,
-                       nvme=args.nvme)
+                       nvme=args.nvme,
+                       nvme_budget=int(args.nvme_budget * gib) if args.nvme_budget else None)
     session = model.strata
     opt = st.AdamW(model, lr=args.lr, weight_decay=0.1)
     caps = session.runtime.capabilities()
@@ -99,6 +102,7 @@ def main():
     print("plan: %d HBM slots of %.1f MB, prefetch depth %d; optimizer: %d threads, %s"
           % (info.slots, info.slot_bytes / 1e6, info.forward_prefetch_depth,
              session.optimizer.stats()["threads"], session.optimizer.stats()["isa"]))
+    print("placement: " + session.placement())
     if args.trace:
         session.runtime.trace_start()
     data = batches(config, args.batch, args.seq, args.synthetic, args.seed)

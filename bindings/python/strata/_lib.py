@@ -139,7 +139,8 @@ class OptimizerConfig(Struct):
                 ("dynamic_loss_scale", c_int32), ("growth_factor", c_float),
                 ("backoff_factor", c_float), ("growth_interval", c_uint32),
                 ("accumulation_steps", c_uint32), ("threads", c_uint32),
-                ("update_mode", c_uint32)]
+                ("update_mode", c_uint32), ("state_placement", c_uint32),
+                ("nvme_staging_bytes", c_uint64)]
 
 
 class GradInfo(Struct):
@@ -157,7 +158,11 @@ class OptimizerStats(Struct):
                 ("micro_step", c_uint64), ("last_grad_norm", c_double), ("loss_scale", c_float),
                 ("params", c_uint64), ("elements", c_uint64), ("state_bytes", c_uint64),
                 ("update_seconds", c_double), ("threads", c_uint32), ("isa", ctypes.c_char * 16),
-                ("binding", ctypes.c_char * 32)]
+                ("binding", ctypes.c_char * 32), ("nvme_state_bytes", c_uint64),
+                ("nvme_state_params", c_uint64), ("nvme_state_layers", c_uint64),
+                ("staging_bytes", c_uint64), ("staging_slots", c_uint32),
+                ("nvme_read_bytes", c_uint64), ("nvme_write_bytes", c_uint64),
+                ("stage_wait_seconds", c_double)]
 
 
 # DLPack v1.0 (the header's declarations).

@@ -1,6 +1,7 @@
 """Pythonic owners of the C ABI's handles: Runtime, Tensor, Graph, Plan, Executor, Optimizer.
 Each frees its handle on close() (or garbage collection) in the order the header requires."""
 import ctypes
+import os
 
 from . import _lib
 from .errors import check
@@ -19,6 +20,7 @@ FORWARD, BACKWARD = 0, 1
 VIEW_WEIGHT, VIEW_GRAD, VIEW_ACTIVATION = 0, 1, 2
 OPTIMIZERS = {"adamw": 0, "sgd": 1}
 UPDATE_MODES = {"auto": 0, "explicit": 1}
+STATE_PLACEMENTS = {"dram": 0, "planned": 1, "nvme": 2}
 STATES = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2, "grad_accum": 3}
 LINKS = ["h2d", "d2h", "nvme_read", "nvme_write"]
 
@@ -33,10 +35,49 @@ def streaming_budgets(block_params, element_size):
     parameter's weight and grad plus fp32 m and v and, unless the weights are fp32 (their own
     masters), an fp32 master, with 2% for the state's page alignment; HBM holds slots for a few
     blocks (weights and grad buffers) and the planner's margin."""
-    per_param = 2 * element_size + (8 if element_size == 4 else 12)
+    per_param = 2 * element_size + state_bytes_per_param(element_size)
     dram = int(sum(block_params) * per_param * 1.02) + (256 << 20)
     hbm = 2 * 4 * element_size * max(block_params) + (64 << 20)
     return hbm, dram
+
+
+def state_bytes_per_param(element_size):
+    """AdamW's state per parameter: m and v, and an fp32 master unless the weight is fp32."""
+    return 8 if element_size == 4 else 12
+
+
+# DRAM beyond the tensors' rounded sizes, with state on NVMe (the arena's own alignment).
+NVME_DRAM_MARGIN = 16 << 20
+
+
+def nvme_budgets(blocks, element_size, host_budget=None, available=None):
+    """(DRAM budget, NVMe budget, staging bytes) for streaming `blocks` (per block, the element
+    counts of its trainable tensors) with AdamW state that may spill to NVMe (state_placement
+    "planned"). DRAM always holds each tensor's weight and grad and room to stage 4 blocks'
+    state (what Strata stages at most at once); the rest of the DRAM budget holds state, the
+    first blocks' first, and NVMe what does not fit. Sizes count each tensor's 4 KiB rounding.
+    host_budget None: room for all of the state if that fits in 85% of `available`
+    (MemAvailable), else that much."""
+    page = 4096
+
+    def rounded(n):
+        return -(-n // page) * page
+
+    copies = state_bytes_per_param(element_size) // 4
+    weights_grads = sum(2 * rounded(n * element_size) for b in blocks for n in b)
+    block_state = [sum(copies * rounded(n * 4 + page) for n in b) for b in blocks]
+    staging = 4 * max(block_state)
+    floor = weights_grads + staging
+    full = floor + sum(block_state) + NVME_DRAM_MARGIN
+    if host_budget is None:
+        host_budget = full if available is None else max(floor, min(full, int(available * 0.85)))
+    if host_budget < floor:
+        raise ValueError(
+            "host_budget %d bytes is below the %d bytes DRAM needs with training state on NVMe "
+            "(each parameter's weight and grad, and %d bytes to stage 4 blocks' state)"
+            % (host_budget, floor, staging))
+    nvme = int(max(0, full - host_budget) * 1.05) + (64 << 20)
+    return host_budget, nvme, staging
 
 
 class Runtime:
@@ -55,8 +96,10 @@ class Runtime:
         config.dram_budget_bytes = int(dram_budget)
         config.nvme_budget_bytes = int(nvme_budget)
         self._paths = None
+        if isinstance(nvme, (str, bytes, os.PathLike)):
+            nvme = [nvme]  # one path, not a sequence of characters
         if nvme:
-            self._paths = (ctypes.c_char_p * len(nvme))(*[str(p).encode() for p in nvme])
+            self._paths = (ctypes.c_char_p * len(nvme))(*[os.fsencode(p) for p in nvme])
             config.nvme_paths = self._paths
             config.nvme_path_count = len(nvme)
         handle = ctypes.c_void_p()
@@ -301,10 +344,15 @@ class Executor:
 class Optimizer:
     """The runtime's optimizer (AdamW or SGD) over DRAM weights: fp32 masters and state."""
 
-    def __init__(self, runtime, kind="adamw", update_mode="auto", **hyper):
+    def __init__(self, runtime, kind="adamw", update_mode="auto", state_placement="dram",
+                 **hyper):
         config = _lib.OptimizerConfig()
         check(L.strata_optimizer_config_init(OPTIMIZERS[kind], ctypes.byref(config)))
         config.update_mode = UPDATE_MODES[update_mode]
+        if state_placement not in STATE_PLACEMENTS:
+            raise ValueError("state_placement %r is not one of %s"
+                             % (state_placement, ", ".join(STATE_PLACEMENTS)))
+        config.state_placement = STATE_PLACEMENTS[state_placement]
         for key, value in hyper.items():
             if not hasattr(config, key) or key == "struct_size":
                 raise ValueError("unknown optimizer setting %r" % key)

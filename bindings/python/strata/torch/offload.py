@@ -150,6 +150,18 @@ def _estimate_dram(blocks, dtype):
     return dram
 
 
+def _mem_available():
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _auto_resident_blocks(blocks, dtype, device, gpu_budget):
     """How many of the first blocks to keep resident in HBM: as many as fit in 40% of the device
     memory left beside Strata's own (the rest for activations, logits and the allocator), at 20
@@ -193,13 +205,18 @@ def _keep_resident(block):
 
 
 def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, dtype=None,
-            device=None, backend="auto", slot_budget=0, resident_blocks=None):
+            device=None, backend="auto", slot_budget=0, resident_blocks=None,
+            state_placement=None):
     """Stream `model`'s blocks through Strata; returns the model, changed in place.
 
     gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: pinned
-    DRAM bytes (None: what the blocks, grads and optimizer state need). nvme, nvme_budget: an
-    NVMe tier (a path or a list of paths, and its bytes): refused for now, as training state
-    lives in DRAM. slot_budget: HBM for streaming slots
+    DRAM bytes (None: what the blocks, grads and optimizer state need; with nvme, that or 85% of
+    the available memory, whichever is less). nvme: an NVMe tier, a path or a list of paths
+    (files, striped): the optimizer state that host_budget cannot hold goes there, the last
+    blocks' first, staged through DRAM for each update. nvme_budget: its bytes (None or 0: what
+    the spilled state needs). state_placement (with nvme): "planned" (default: DRAM first, the
+    rest on NVMe) or "nvme" (all of the streamed blocks' optimizer state on NVMe, leaving DRAM
+    to the weights and grads). slot_budget: HBM for streaming slots
     within gpu_budget (0: all of it). dtype: the compute dtype of the streamed weights (None:
     the model's). device: where to compute (None: cuda if available, else cpu with Strata's
     host backend). resident_blocks: how many of the first blocks stay in HBM as plain PyTorch
@@ -210,18 +227,17 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         raise RuntimeError("strata.torch.offload: this model is already offloaded "
                            "(model.strata exists); offload a model once")
     if isinstance(nvme, (str, bytes, os.PathLike)):
-        nvme = [nvme]
-    if nvme and not nvme_budget:
-        raise ValueError("strata.torch.offload: %d NVMe path(s) given without nvme_budget= "
-                         "(bytes of the NVMe tier)" % len(nvme))
-    if nvme:
-        # The streamed blocks, their grads and optimizer state are registered in DRAM: an NVMe
-        # tier would hold nothing. Training state on NVMe is issue 14's work; refuse rather
-        # than accept a setting that changes nothing.
-        raise NotImplementedError(
-            "strata.torch.offload: training state on NVMe is not supported yet (the blocks, "
-            "grads and optimizer state live in pinned DRAM); leave nvme unset and size "
-            "host_budget (16 bytes per streamed parameter)")
+        nvme = [nvme]  # one path, not its characters
+    nvme = list(nvme) if nvme else []
+    if nvme_budget and not nvme:
+        raise ValueError("strata.torch.offload: nvme_budget=%d without nvme= (the NVMe tier's "
+                         "file paths)" % nvme_budget)
+    if state_placement not in (None, "planned", "nvme"):
+        raise ValueError("strata.torch.offload: state_placement is %r, not 'planned' or 'nvme'"
+                         % (state_placement,))
+    if state_placement is not None and not nvme:
+        raise ValueError("strata.torch.offload: state_placement=%r needs nvme= (the NVMe "
+                         "tier's file paths)" % state_placement)
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
@@ -242,10 +258,28 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                          "and at least one must stream" % (resident_blocks, len(all_blocks)))
     kept = list(all_blocks)[:resident_blocks]
     blocks = list(all_blocks)[resident_blocks:]
-    if host_budget is not None and host_budget < _estimate_dram(blocks, dtype):
+    state_options = {}
+    if nvme:
+        # Training state may spill to NVMe: DRAM holds the weights, grads and staging, and as
+        # much state as host_budget allows (the first blocks'); the planner puts the rest on
+        # NVMe (docs/optimizer.md, "State on NVMe").
+        from .. import core
+        counts = [[p.numel() for p in b.parameters() if p.requires_grad] for b in blocks]
+        try:
+            host_budget, auto_nvme, staging = core.nvme_budgets(
+                counts, torch.finfo(dtype).bits // 8, host_budget, _mem_available())
+        except ValueError as e:
+            raise ValueError("strata.torch.offload: %s; nothing was changed" % e) from None
+        if state_placement == "nvme":
+            state = core.state_bytes_per_param(torch.finfo(dtype).bits // 8)
+            auto_nvme = int(sum(map(sum, counts)) * state * 1.05) + (64 << 20) * len(counts)
+        nvme_budget = nvme_budget or auto_nvme
+        state_options = {"state_placement": state_placement or "planned",
+                         "nvme_staging_bytes": staging}
+    elif host_budget is not None and host_budget < _estimate_dram(blocks, dtype):
         raise ValueError("strata.torch.offload: host_budget %d bytes is below the %d bytes the "
                          "streamed blocks need in pinned DRAM (weights, grads, fp32 masters and "
-                         "AdamW moments); nothing was changed"
+                         "AdamW moments; or pass nvme= to put state on NVMe); nothing was changed"
                          % (host_budget, _estimate_dram(blocks, dtype)))
     prefixes = {id(m): n + "." for n, m in model.named_modules(remove_duplicate=False)}
     names = [prefixes[id(b)] for b in blocks]  # each block's prefix in the model's names
@@ -253,6 +287,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     session = StrataSession(blocks, names, device, dtype, gpu_budget, host_budget, nvme,
                             nvme_budget, backend, slot_budget, init)
     session.resident_blocks = kept
+    session.state_options = state_options
     session.applying = False
     installed = []
     moved = []  # (param or (module, buffer name), its data before): undone on failure

@@ -105,7 +105,8 @@ class StrataSession:
         trainable_any = any(p.requires_grad for b in self.blocks for p in b.parameters())
         opt = None
         if optimizer is not None and trainable_any:
-            opt = core.Optimizer(self.runtime, "adamw", update_mode="explicit", **optimizer)
+            opt = core.Optimizer(self.runtime, "adamw", update_mode="explicit", **optimizer,
+                                 **getattr(self, "state_options", {}))
         for i, block in enumerate(self.blocks):
             materialize(block, torch.device("cpu"), self.init)
             entries = []
@@ -146,6 +147,28 @@ class StrataSession:
         if opt is not None:
             opt.attach(self.executor)
         self.optimizer = opt
+
+    def placement(self):
+        """Where the training state lives, one line: the optimizer's state in DRAM and on NVMe
+        (how many params and blocks), the staging slots, and the DRAM and NVMe budgets."""
+        if self.optimizer is None:
+            return "no optimizer yet: state is placed when strata.torch.AdamW is created"
+        s = self.optimizer.stats()
+        caps = self.runtime.capabilities()
+        def size(n):
+            return "%.2f GiB" % (n / (1 << 30)) if n >= 1 << 30 else "%.1f MiB" % (n / (1 << 20))
+
+        line = ("optimizer state %s in DRAM, %s on NVMe (%d of %d params, %d of %d blocks)"
+                % (size(s["state_bytes"] - s["staging_bytes"]), size(s["nvme_state_bytes"]),
+                   s["nvme_state_params"], s["params"], s["nvme_state_layers"],
+                   len(self.layers)))
+        if s["staging_slots"]:
+            line += ", staged through %d DRAM slots of %s" % (
+                s["staging_slots"], size(s["staging_bytes"] // s["staging_slots"]))
+        line += "; budgets: DRAM %s" % size(caps.tier_budget_bytes[1])
+        if caps.tiers_available[2]:
+            line += ", NVMe %s" % size(caps.tier_budget_bytes[2])
+        return line
 
     def ensure_built(self):
         self.check_open()
