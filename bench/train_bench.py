@@ -9,6 +9,12 @@ the median step time after warm-up, and peak host memory (VmHWM) and device memo
 
     python bench/train_bench.py --models 1b,3b,7b --batch 16 --seq 2048 --steps 5 [--clip 1.0]
 
+--nvme PATH (strata only) gives the runtime an NVMe tier there: optimizer state that does not
+fit in --host-budget GiB (default: 85% of MemAvailable) goes to NVMe, staged through DRAM
+(docs/optimizer.md), and the result reports the placement and the NVMe traffic per step.
+A model is a preset name or a spec "h4096-l40-i14336-kv8-v32000" (hidden, layers, FFN,
+KV heads, vocabulary; 32 heads of 128).
+
 --clip N clips every configuration with torch.nn.utils.clip_grad_norm_(model.parameters(), N)
 between backward and step, as LLM recipes do (strata.torch included: its streamed grads take
 part in the global norm).
@@ -33,12 +39,32 @@ def peak_host_bytes():
     return 0
 
 
-def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=None):
-    import torch
-    from strata.torch.models import LlamaForCausalLM, PRESETS, flops_per_token
+def model_config(name):
+    """A preset, or "h4096-l40-i14336-kv8-v32000"."""
+    from strata.torch.models import LlamaConfig, PRESETS
+    if name in PRESETS:
+        return PRESETS[name]
+    try:
+        f = {part[0] if part[0] != "k" else "kv": int(part.lstrip("hlikv"))
+             for part in name.split("-")}
+        h = f["h"]
+        return LlamaConfig(vocab_size=f["v"], hidden_size=h, intermediate_size=f["i"],
+                           num_hidden_layers=f["l"], num_attention_heads=h // 128,
+                           num_key_value_heads=f["kv"])
+    except (KeyError, ValueError):
+        raise SystemExit("model %r: not a preset (%s) nor a spec like h4096-l40-i14336-kv8-v32000"
+                         % (name, ", ".join(PRESETS)))
 
-    config = PRESETS[preset]
-    device = torch.device("cuda")
+
+def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=None, nvme=None,
+            host_budget=None):
+    import torch
+    from strata.torch.models import LlamaForCausalLM, flops_per_token
+
+    config = model_config(preset)
+    # STRATA_BENCH_DEVICE=cpu: a dry run of the script on a machine without a GPU.
+    device = torch.device(os.environ.get("STRATA_BENCH_DEVICE", "cuda"))
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
     gen = torch.Generator(device="cpu").manual_seed(0)
     data = [torch.randint(0, config.vocab_size, (batch, seq), generator=gen) for _ in range(2)]
@@ -50,8 +76,11 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
         model = st.offload(model, device=device, dtype=torch.bfloat16,
-                           resident_blocks=resident_blocks)
+                           resident_blocks=resident_blocks, nvme=nvme,
+                           host_budget=int(host_budget * (1 << 30)) if host_budget else None)
         opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        if nvme:
+            out["placement"] = model.strata.placement()
         info = model.strata.executor.plan_info()
         out["resident_blocks"] = len(model.strata.resident_blocks)
         out["plan"] = "%d slots of %.0f MB, %d of %d blocks resident" % (
@@ -113,11 +142,13 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
     times, losses = [], []
     for i in range(warmup + steps):
         ids = data[i % 2].to(device, non_blocking=True)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = step(ids)
         losses.append(loss.item())
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     if mode == "strata":
@@ -128,11 +159,18 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
     out.update(step_seconds=t, tokens_per_second=tokens / t, tflops_6pt=six_p * tokens / t / 1e12,
                tflops_done=full * tokens / t / 1e12, losses=losses,
                peak_host_gb=peak_host_bytes() / 1e9,
-               peak_device_gb=torch.cuda.max_memory_allocated() / 1e9)
+               peak_device_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0)
     if mode == "strata":
         out["peak_device_gb"] += model.strata.runtime.capabilities().tier_budget_bytes[0] / 1e9
-        out["optimizer_seconds_per_step"] = model.strata.optimizer.stats()["update_seconds"] / (
-            warmup + steps)
+        stats = model.strata.optimizer.stats()
+        out["optimizer_seconds_per_step"] = stats["update_seconds"] / (warmup + steps)
+        if nvme:
+            n = warmup + steps
+            out.update(nvme_state_gb=stats["nvme_state_bytes"] / 1e9,
+                       dram_state_gb=(stats["state_bytes"] - stats["staging_bytes"]) / 1e9,
+                       nvme_read_gb_per_step=stats["nvme_read_bytes"] / n / 1e9,
+                       nvme_write_gb_per_step=stats["nvme_write_bytes"] / n / 1e9,
+                       stage_wait_seconds_per_step=stats["stage_wait_seconds"] / n)
     return out
 
 
@@ -148,12 +186,16 @@ def main():
                    help="clip_grad_norm_(model.parameters(), CLIP) before every step (0: off)")
     p.add_argument("--resident-blocks", type=int, default=None,
                    help="strata: blocks kept in HBM (default: strata.torch.offload's choice)")
+    p.add_argument("--nvme", default=None, help="strata: an NVMe tier file for optimizer state")
+    p.add_argument("--host-budget", type=float, default=None,
+                   help="strata: GiB of pinned DRAM (with --nvme: the rest of the state spills)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.batch, args.seq, args.steps,
-                                 args.warmup, args.clip, args.resident_blocks)), flush=True)
+                                 args.warmup, args.clip, args.resident_blocks, args.nvme,
+                                 args.host_budget)), flush=True)
         return
     results = []
     for preset in args.models.split(","):
@@ -163,6 +205,10 @@ def main():
                    "--clip", str(args.clip)]
             if args.resident_blocks is not None:
                 cmd += ["--resident-blocks", str(args.resident_blocks)]
+            if args.nvme:
+                cmd += ["--nvme", args.nvme]
+            if args.host_budget:
+                cmd += ["--host-budget", str(args.host_budget)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
             if proc.returncode != 0 or not lines:
@@ -179,6 +225,12 @@ def main():
                       % (preset, mode, r["tokens_per_second"], r["tflops_6pt"], r["tflops_done"],
                          r["step_seconds"], r["peak_host_gb"], r["peak_device_gb"],
                          r["setup_seconds"], r.get("plan", "")), flush=True)
+                if "placement" in r:
+                    print("     %s\n     NVMe per step: read %.1f GB, write %.1f GB; updates "
+                          "waited %.2f s for state; losses %s"
+                          % (r["placement"], r["nvme_read_gb_per_step"],
+                             r["nvme_write_gb_per_step"], r["stage_wait_seconds_per_step"],
+                             ", ".join("%.3f" % x for x in r["losses"])), flush=True)
     # Ratios against the peers, per model.
     for preset in args.models.split(","):
         by = {r["mode"]: r for r in results if r["model"] == preset and "error" not in r}

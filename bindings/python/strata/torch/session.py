@@ -107,19 +107,29 @@ class StrataSession:
         if optimizer is not None and trainable_any:
             opt = core.Optimizer(self.runtime, "adamw", update_mode="explicit", **optimizer,
                                  **getattr(self, "state_options", {}))
+        # Every block's weights and grads are registered (shapes only) before any optimizer
+        # state: state placed in DRAM first then sees exactly what DRAM has left for it.
+        registered = []
         for i, block in enumerate(self.blocks):
-            materialize(block, torch.device("cpu"), self.init)
             entries = []
             for k, (local, p) in enumerate(block.named_parameters()):
                 name = self.prefixes[i] + local
                 sp = StreamedParam(p, name, local, i, k)
                 sp.weight = self.runtime.register(name, p.shape, DTYPE_NAMES[self.dtype], "weight",
                                                   "dram")
-                host = p.detach().to("cpu", self.dtype).contiguous()
-                sp.weight.write_pointer(host.data_ptr(), host.numel() * host.element_size())
                 if p.requires_grad:
                     sp.grad = self.runtime.register(name + ".grad", p.shape,
                                                     DTYPE_NAMES[self.dtype], "grad", "dram")
+                entries.append(sp)
+            registered.append(entries)
+        for i, block in enumerate(self.blocks):
+            materialize(block, torch.device("cpu"), self.init)
+            entries = registered[i]
+            for sp, p in zip(entries, block.parameters()):
+                assert sp.param is p
+                host = p.detach().to("cpu", self.dtype).contiguous()
+                sp.weight.write_pointer(host.data_ptr(), host.numel() * host.element_size())
+                if p.requires_grad:
                     if opt is not None:
                         group = 0 if group_of is None else group_of.get(id(p), 0)
                         opt.add_param(sp.weight, sp.grad, group)
@@ -129,7 +139,6 @@ class StrataSession:
                             opt.state(sp.weight, "master").write_pointer(values.data_ptr(),
                                                                          values.numel() * 4)
                 del host
-                entries.append(sp)
                 self.by_id[id(p)] = sp
             grads = [sp for sp in entries if sp.trainable]
             for j, sp in enumerate(grads):
