@@ -910,7 +910,8 @@ typedef struct strata_optimizer_config {
   STRATA_STRUCT_SIZE(strata_optimizer_config_t, nvme_staging_bytes)
 
 /* State placement (since 1.2). State on NVMe is read into DRAM staging ahead of its layer's
- * update (as soon as the update is queued, lowest layer first, several layers in flight),
+ * update (from the start of a step that will update, in the order the updates will run, as
+ * many layers as there are slots; then as each update is queued),
  * updated there, and written back while later updates run; the layer's next load waits only
  * for the update (the bf16/f16 working copy in DRAM), not for the write-back. Such state is
  * updated only by an attached optimizer (strata_optimizer_step without an executor refuses).
@@ -1003,7 +1004,8 @@ STRATA_API strata_status_t strata_optimizer_attach(strata_optimizer_t* optimizer
 STRATA_API strata_status_t strata_optimizer_step(strata_optimizer_t* optimizer);
 
 /* Block until every queued update has finished (an attached optimizer's updates otherwise
- * finish in the background; reading weights or masters needs this first). Errors:
+ * finish in the background; reading weights or masters needs this first), NVMe-homed state
+ * included: its write-backs end and any copy read ahead is dropped. Errors:
  * INVALID_ARGUMENT, BACKEND (the grads of a layer failed to land: the message names it; the
  * optimizer then refuses further steps). Thread-safe. */
 STRATA_API strata_status_t strata_optimizer_synchronize(strata_optimizer_t* optimizer);
@@ -1060,7 +1062,8 @@ typedef int32_t strata_state_kind_t;
 #define STRATA_STATE_GRAD_ACCUM 3 /* fp32 grad sum (accumulation_steps > 1) */
 
 /* The state tensor of one kind for a param's weight (owned by the optimizer: read or write it
- * between updates; do not unregister it). Errors: INVALID_ARGUMENT (NULL, unknown kind),
+ * between updates, i.e. after strata_optimizer_synchronize and outside executor steps — state
+ * on NVMe is read ahead of its update from the start of a step; do not unregister it). Errors: INVALID_ARGUMENT (NULL, unknown kind),
  * NOT_FOUND (not a param, or no state of that kind). Thread-safe. */
 STRATA_API strata_status_t strata_optimizer_get_state(strata_optimizer_t* optimizer,
                                                       strata_tensor_t* weight,

@@ -597,29 +597,84 @@ bool Optimizer::stage_ready(const Job& job) const {
          stages_[static_cast<std::size_t>(job.layer)].phase == StagePhase::kStaged;
 }
 
+void Optimizer::release_slot(std::size_t layer) {
+  LayerStage& st = stages_[layer];
+  if (st.slot >= 0) slot_free_[static_cast<std::size_t>(st.slot)] = 1;
+  st.slot = -1;
+  st.phase = StagePhase::kIdle;
+  st.ahead = false;
+  for (const StagedTensor& x : st.tensors) {
+    params_[x.param].staged[static_cast<std::size_t>(x.kind)] = nullptr;
+  }
+}
+
+int Optimizer::take_slot(const std::vector<std::size_t>& queued_layers) {
+  auto free_slot = std::find(slot_free_.begin(), slot_free_.end(), uint8_t{1});
+  if (free_slot != slot_free_.end()) return static_cast<int>(free_slot - slot_free_.begin());
+  // A layer read ahead whose update is not queued yet gives its slot up (its copy is clean):
+  // the farthest from being needed.
+  for (std::size_t k = stages_.size(); k-- > 0;) {
+    const std::size_t l = ahead_descending_ ? stages_.size() - 1 - k : k;
+    LayerStage& st = stages_[l];
+    if (st.phase != StagePhase::kStaged || !st.ahead || !st.status.is_ok()) continue;
+    if (std::find(queued_layers.begin(), queued_layers.end(), l) != queued_layers.end()) continue;
+    const int slot = st.slot;
+    release_slot(l);
+    return slot;
+  }
+  return -1;
+}
+
 std::vector<Optimizer::StageIo> Optimizer::stage_more() {
   std::vector<StageIo> ios;
   if (nvme_layers_ == 0 || !failure_.is_ok()) return ios;
   // The layers whose first queued update needs its state, lowest first: the order pick_job
   // runs them in.
-  std::vector<std::size_t> want;
+  std::vector<std::size_t> queued;
   for (const Job& j : queue_) {
     if (!needs_stage(j)) continue;
     const auto l = static_cast<std::size_t>(j.layer);
-    if (stages_[l].phase == StagePhase::kIdle &&
-        std::find(want.begin(), want.end(), l) == want.end()) {
+    if (std::find(queued.begin(), queued.end(), l) == queued.end()) queued.push_back(l);
+  }
+  std::sort(queued.begin(), queued.end());
+  std::vector<std::size_t> want;
+  for (std::size_t l : queued) {
+    if (stages_[l].phase == StagePhase::kIdle) want.push_back(l);
+  }
+  std::size_t needed = want.size();
+  if (ahead_round_ != 0) {
+    // Then, with the slots left, the layers the updates of this step will need, read during
+    // its backward pass (each once per step).
+    for (std::size_t k = 0; k < stages_.size(); ++k) {
+      const std::size_t l = ahead_descending_ ? stages_.size() - 1 - k : k;
+      const LayerStage& st = stages_[l];
+      if (st.tensors.empty() || st.phase != StagePhase::kIdle || st.round == ahead_round_ ||
+          std::find(want.begin(), want.end(), l) != want.end()) {
+        continue;
+      }
       want.push_back(l);
     }
   }
-  std::sort(want.begin(), want.end());
-  for (std::size_t l : want) {
-    auto free_slot = std::find(slot_free_.begin(), slot_free_.end(), uint8_t{1});
-    if (free_slot == slot_free_.end()) break;
-    *free_slot = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const std::size_t l = want[i];
+    const bool ahead = i >= needed;
+    const int slot =
+        ahead ? [&] {
+          auto f = std::find(slot_free_.begin(), slot_free_.end(), uint8_t{1});
+          return f == slot_free_.end() ? -1 : static_cast<int>(f - slot_free_.begin());
+        }()
+              : take_slot(queued);
+    if (slot < 0) {
+      if (ahead) break;
+      continue;
+    }
+    slot_free_[static_cast<std::size_t>(slot)] = 0;
     LayerStage& st = stages_[l];
-    st.slot = static_cast<int>(free_slot - slot_free_.begin());
+    st.slot = slot;
     st.phase = StagePhase::kReading;
     st.status = Status::ok();
+    st.ahead = ahead;
+    if (ahead) st.round = ahead_round_;
     unsigned char* base = staging_base_ + static_cast<uint64_t>(st.slot) * slot_bytes_;
     for (std::size_t k = 0; k < st.tensors.size(); ++k) {
       const StagedTensor& t = st.tensors[k];
@@ -634,6 +689,9 @@ std::vector<Optimizer::StageIo> Optimizer::stage_more() {
 }
 
 void Optimizer::start_io(const std::vector<StageIo>& ios) {
+  // Nothing to start: touch nothing (a transfer's callback may run this after the last
+  // transfer ended, when the optimizer may already be going away).
+  if (ios.empty()) return;
   NvmeTier* nvme = runtime_->nvme_tier();
   for (const StageIo& io : ios) {
     const LayerStage& st = stages_[io.layer];
@@ -667,26 +725,25 @@ void Optimizer::on_stage_io(const StageIo& io, Status s) {
     if (--st.outstanding == 0) {
       if (io.write) {
         // Written back: the slot is free for the next layer.
-        slot_free_[static_cast<std::size_t>(st.slot)] = 1;
-        st.slot = -1;
-        st.phase = StagePhase::kIdle;
-        for (const StagedTensor& x : st.tensors) {
-          params_[x.param].staged[static_cast<std::size_t>(x.kind)] = nullptr;
-        }
+        release_slot(io.layer);
         more = stage_more();
       } else {
         // Read in (or failed: the update then runs no kernels and finish_stage frees the slot).
         st.phase = StagePhase::kStaged;
       }
     }
+    // Under the lock: once io_in_flight_ is 0 the destructor may run, and this thread must
+    // not touch cv_ after that (start_io below runs only with transfers counted in flight).
+    cv_.notify_all();
   }
-  cv_.notify_all();
   start_io(more);
 }
 
 std::vector<Optimizer::StageIo> Optimizer::finish_stage(std::size_t layer, bool dirty) {
   LayerStage& st = stages_[layer];
   std::vector<StageIo> ios;
+  st.ahead = false;
+  st.round = ahead_round_;  // updated this round: not read ahead again in it
   if (dirty && st.status.is_ok() && !stopping_) {
     st.phase = StagePhase::kWriting;
     st.outstanding = static_cast<int>(st.tensors.size());
@@ -699,12 +756,7 @@ std::vector<Optimizer::StageIo> Optimizer::finish_stage(std::size_t layer, bool 
   // Unchanged (a skipped step) or failed: nothing to write back. A layer whose reads are
   // still in flight (the optimizer failed meanwhile) keeps its slot until they end.
   if (st.phase == StagePhase::kReading || st.phase == StagePhase::kWriting) return ios;
-  if (st.slot >= 0) slot_free_[static_cast<std::size_t>(st.slot)] = 1;
-  st.slot = -1;
-  st.phase = StagePhase::kIdle;
-  for (const StagedTensor& x : st.tensors) {
-    params_[x.param].staged[static_cast<std::size_t>(x.kind)] = nullptr;
-  }
+  release_slot(layer);
   return stage_more();
 }
 
@@ -788,20 +840,35 @@ Status Optimizer::on_step_begin() {
       ++landing_[l];
       queue_.push_back(std::move(job));
     }
+    // The updates step() will queue run in forward order.
+    const std::vector<StageIo> reads = read_ahead(false);
     lock.unlock();
     cv_.notify_all();
+    start_io(reads);
     return Status::ok();
   }
   final_micro_ = micro_ + 1 >= config_.accumulation_steps;
   grads_in_ = 0;
+  std::vector<StageIo> reads;
   if (final_micro_) {
     auto s = std::make_shared<StepScalars>();
     s->t = counters_.step + 1;
     s->grad_scale = 1.f / counters_.loss_scale;
     s->groups = groups_;
     current_ = std::move(s);
+    // Updates follow the grads (backward order) or, deferred, run in forward order.
+    reads = read_ahead(!deferred());
   }
+  lock.unlock();
+  start_io(reads);
   return Status::ok();
+}
+
+std::vector<Optimizer::StageIo> Optimizer::read_ahead(bool descending) {
+  if (nvme_layers_ == 0) return {};
+  ahead_round_ = ++rounds_;
+  ahead_descending_ = descending;
+  return stage_more();
 }
 
 Status Optimizer::on_grads_queued(uint32_t layer,
@@ -1018,6 +1085,14 @@ Status Optimizer::synchronize() {
     if (!queue_.empty() || running_ > 0 || io_in_flight_ > 0) return false;
     return std::all_of(pending_.begin(), pending_.end(), [](int p) { return p == 0; });
   });
+  if (failure_.is_ok()) {
+    // State read ahead is dropped: after synchronize the NVMe copy is the only one, so the
+    // caller may read or write it (the next executor step reads ahead again).
+    ahead_round_ = 0;
+    for (std::size_t l = 0; l < stages_.size(); ++l) {
+      if (stages_[l].phase == StagePhase::kStaged) release_slot(l);
+    }
+  }
   return failure_;
 }
 
@@ -1166,6 +1241,8 @@ void Optimizer::dispatcher_main() {
         queue_.erase(queue_.begin() + static_cast<std::ptrdiff_t>(pick));
         ++running_;
         picked = true;
+        // Its state, if read ahead, is now in use: no longer a slot take_slot may take back.
+        if (needs_stage(job)) stages_[static_cast<std::size_t>(job.layer)].ahead = false;
       }
     }
     start_io(reads);

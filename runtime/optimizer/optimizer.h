@@ -204,6 +204,10 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     int slot = -1;
     int outstanding = 0;  // transfers in flight
     Status status;        // the first failed transfer's
+    // Read ahead of its update (no update was queued for it yet), in round `round`: a layer is
+    // read ahead at most once per executor step, and dropped by synchronize().
+    bool ahead = false;
+    uint64_t round = 0;
   };
   struct StageIo {
     bool write;
@@ -266,12 +270,19 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // Under mutex_: gives free slots to layers whose update is queued, lowest layer first, and
   // returns the reads to start (outside mutex_: start_io).
   std::vector<StageIo> stage_more();
+  // Under mutex_, at a step that updates: starts a round of reading ahead (descending: the
+  // order updates follow the backward pass's grads).
+  std::vector<StageIo> read_ahead(bool descending);
   void start_io(const std::vector<StageIo>& ios);
   void on_stage_io(const StageIo& io, Status s);
   // Under mutex_: after a layer's update (dirty: it changed the state) — its write-back, or
   // the slot back at once.
   std::vector<StageIo> finish_stage(std::size_t layer, bool dirty);
   bool needs_stage(const Job& job) const;
+  // Under mutex_: a free slot, else one taken back from a layer read ahead that no queued
+  // update needs yet; -1 if none.
+  int take_slot(const std::vector<std::size_t>& queued_layers);
+  void release_slot(std::size_t layer);
   bool stage_ready(const Job& job) const;
   // The arrays an update of `p` uses: staged state for NVMe-homed params.
   optim::ParamArrays update_arrays(const Param& p) const;
@@ -310,6 +321,11 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   uint64_t nvme_state_params_ = 0;
   std::vector<LayerStage> stages_;  // per executor layer
   std::size_t nvme_layers_ = 0;
+  // Executor steps that will be followed by updates read NVMe-homed state ahead (the order:
+  // descending when updates follow grads, ascending when they run in forward order).
+  uint64_t ahead_round_ = 0;  // 0: nothing to read ahead
+  uint64_t rounds_ = 0;
+  bool ahead_descending_ = false;
   TensorId staging_id_ = 0;
   unsigned char* staging_base_ = nullptr;
   uint64_t slot_bytes_ = 0;
