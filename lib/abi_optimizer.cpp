@@ -8,12 +8,6 @@
 using namespace strata;
 using namespace strata::abi;
 
-static_assert(static_cast<int>(OptimizerKind::kSgd) == STRATA_OPTIMIZER_SGD);
-static_assert(static_cast<int>(StateKind::kGradAccum) == STRATA_STATE_GRAD_ACCUM);
-static_assert(static_cast<uint32_t>(StatePlacement::kInDram) == STRATA_STATE_IN_DRAM);
-static_assert(static_cast<uint32_t>(StatePlacement::kPlanned) == STRATA_STATE_PLANNED);
-static_assert(static_cast<uint32_t>(StatePlacement::kOnNvme) == STRATA_STATE_ON_NVME);
-
 namespace {
 
 constexpr std::size_t kOptimizerConfigV1_0Size =

@@ -4,9 +4,6 @@
 using namespace strata;
 using namespace strata::abi;
 
-static_assert(kTraceKindCount == STRATA_TRACE_KIND_COUNT);
-static_assert(static_cast<int>(TraceKind::kRelease) == STRATA_TRACE_RELEASE);
-
 extern "C" {
 
 STRATA_API strata_status_t strata_trace_start(strata_runtime_t* runtime,

@@ -69,8 +69,11 @@
   (STRATA_VERSION_MAJOR * 10000 + STRATA_VERSION_MINOR * 100 + STRATA_VERSION_PATCH)
 
 /* Size of an argument struct up to and including its last field: what STRATA_*_STRUCT_SIZE
- * expand to. A field appended in a later minor version moves that version's macro, never an
- * older one (the library's tests static_assert each macro against its struct's last field). */
+ * expand to. A field appended in a minor version moves its struct's macro to the new field; a
+ * program built against an older header keeps passing the older, smaller size, which the
+ * library accepts. The build of strata_layout_probe (generated from this header by
+ * tests/abi/gen_layout_probe.py) static_asserts every macro against the last field of its
+ * struct. */
 #define STRATA_STRUCT_SIZE(type, last_field) \
   (offsetof(type, last_field) + sizeof(((type*)0)->last_field))
 
