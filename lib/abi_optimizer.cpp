@@ -41,6 +41,34 @@ OptimizerConfig to_core(const strata_optimizer_config_t& c) {
   return o;
 }
 
+// The C struct of a core config; with OptimizerConfig's defaults it is what
+// strata_optimizer_config_init returns, so the C ABI and the core cannot disagree on them.
+strata_optimizer_config_t from_core(const OptimizerConfig& o) {
+  strata_optimizer_config_t c{};
+  c.struct_size = STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE;
+  c.kind = static_cast<strata_optimizer_kind_t>(o.kind);
+  c.lr = o.lr;
+  c.weight_decay = o.weight_decay;
+  c.beta1 = o.beta1;
+  c.beta2 = o.beta2;
+  c.eps = o.eps;
+  c.momentum = o.momentum;
+  c.dampening = o.dampening;
+  c.nesterov = o.nesterov ? 1 : 0;
+  c.max_grad_norm = o.max_grad_norm;
+  c.loss_scale = o.loss_scale;
+  c.dynamic_loss_scale = o.dynamic_loss_scale ? 1 : 0;
+  c.growth_factor = o.growth_factor;
+  c.backoff_factor = o.backoff_factor;
+  c.growth_interval = o.growth_interval;
+  c.accumulation_steps = o.accumulation_steps;
+  c.threads = o.threads;
+  c.update_mode = o.explicit_updates ? STRATA_UPDATE_EXPLICIT : STRATA_UPDATE_AUTO;
+  c.state_placement = static_cast<uint32_t>(o.state_placement);
+  c.nvme_staging_bytes = o.nvme_staging_bytes;
+  return c;
+}
+
 void copy_string(char* dst, std::size_t capacity, const std::string& s) {
   const std::size_t n = std::min(capacity - 1, s.size());
   std::memcpy(dst, s.data(), n);
@@ -58,19 +86,7 @@ STRATA_API strata_status_t strata_optimizer_config_init(strata_optimizer_kind_t 
     if (kind != STRATA_OPTIMIZER_ADAMW && kind != STRATA_OPTIMIZER_SGD) {
       return error(Code::kInvalidArgument, "unknown optimizer kind ", kind);
     }
-    *config = strata_optimizer_config_t{};
-    config->struct_size = sizeof(strata_optimizer_config_t);
-    config->kind = kind;
-    config->lr = 1e-3f;
-    config->weight_decay = kind == STRATA_OPTIMIZER_ADAMW ? 1e-2f : 0.f;
-    config->beta1 = 0.9f;
-    config->beta2 = 0.999f;
-    config->eps = 1e-8f;
-    config->loss_scale = 1.f;
-    config->growth_factor = 2.f;
-    config->backoff_factor = 0.5f;
-    config->growth_interval = 2000;
-    config->accumulation_steps = 1;
+    *config = from_core(OptimizerConfig{.kind = static_cast<OptimizerKind>(kind)});
     return Status::ok();
   });
 }
