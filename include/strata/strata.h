@@ -73,7 +73,7 @@
  * program built against an older header keeps passing the older, smaller size, which the
  * library accepts. The build of strata_layout_probe (generated from this header by
  * tests/abi/gen_layout_probe.py) static_asserts every macro against the last field of its
- * struct. */
+ * struct, and the test abi_layout compares the Python bindings' layout of every struct with it. */
 #define STRATA_STRUCT_SIZE(type, last_field) \
   (offsetof(type, last_field) + sizeof(((type*)0)->last_field))
 
