@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import strata.torch as st  # noqa: E402
-from strata.torch.models import LlamaForCausalLM, PRESETS  # noqa: E402
+from llama_zoo.torch_llama import LlamaForCausalLM, PRESETS  # noqa: E402
 
 STEPS = 6
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
