@@ -52,12 +52,18 @@ replace_once("${map}" "    strata_trace_stop;\n" "" m)
 expect_failure(unlisted "${m}" "${header}"
   "libstrata.so exports strata_trace_stop@@STRATA_1.0, which lib/strata.map does not list")
 
+# A compat symbol the map lists in its old node only.
+replace_once("${map}" "STRATA_1.2 {\n  global:\n    strata_optimizer_config_init;\n}"
+             "STRATA_1.2 {\n}" m)
+expect_failure(compat_unlisted "${m}" "${header}"
+  "libstrata.so exports strata_optimizer_config_init@@STRATA_1.2, which lib/strata.map does not list that way")
+
 # A pattern instead of names.
 replace_once("${map}" "    strata_version;\n" "    strata_version;\n    strata_*;\n" m)
 expect_failure(pattern "${m}" "${header}" "lists 'strata_\\*' under STRATA_1.0: list exported functions by name")
 
 # A node for a release after the header's version.
-string(APPEND m2 "${map}" "\nSTRATA_1.99 {\n  global:\n    strata_trace_stop;\n} STRATA_1.1;\n")
+string(APPEND m2 "${map}" "\nSTRATA_1.99 {\n  global:\n    strata_trace_stop;\n} STRATA_1.2;\n")
 expect_failure(future_node "${m2}" "${header}" "has node STRATA_1.99, not a release of ABI")
 
 # A listed function the header does not declare.
@@ -68,4 +74,4 @@ expect_failure(undeclared "${m}" "${header}"
 if(NOT failures STREQUAL "")
   message(FATAL_ERROR "check_exports.cmake missed a broken ABI record:${failures}")
 endif()
-message(STATUS "check_exports.cmake caught all 6 broken records")
+message(STATUS "check_exports.cmake caught all 7 broken records")
