@@ -1091,8 +1091,9 @@ typedef int32_t strata_state_kind_t;
 
 /* The state tensor of one kind for a param's weight (owned by the optimizer: read or write it
  * between updates, i.e. after strata_optimizer_synchronize and outside executor steps — state
- * on NVMe is read ahead of its update from the start of a step; do not unregister it). Errors: INVALID_ARGUMENT (NULL, unknown kind),
- * NOT_FOUND (not a param, or no state of that kind). Thread-safe. */
+ * on NVMe is read ahead of its update from the start of a step; do not unregister it). Errors:
+ * INVALID_ARGUMENT (NULL, unknown kind), NOT_FOUND (not a param, or no state of that kind).
+ * Thread-safe. */
 STRATA_API strata_status_t strata_optimizer_get_state(strata_optimizer_t* optimizer,
                                                       strata_tensor_t* weight,
                                                       strata_state_kind_t kind,
