@@ -85,6 +85,14 @@ def test_streaming_through_two_slots_changes_nothing():
     model.strata.close()
 
 
+def test_nvme_budget_none_is_no_nvme_tier():
+    """nvme_budget=None, documented as 0 and what examples/train.py passes without --nvme,
+    offloads without an NVMe tier instead of failing in the runtime's config."""
+    model = st.offload(LlamaForCausalLM(PRESETS["tiny"]), device="cpu", nvme_budget=None)
+    assert model.strata.runtime.capabilities().tier_budget_bytes[2] == 0
+    model.strata.close()
+
+
 def test_a_forward_without_its_backward_changes_nothing():
     """A forward pass with grad whose loss is dropped (or raised after) is abandoned at the next
     forward pass, as in plain PyTorch; without an optimizer, a forward with grad is refused with
