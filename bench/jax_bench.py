@@ -23,7 +23,8 @@ def run_one(mode, preset, batch, seq, steps, warmup):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from strata.jax import StreamedTrainer, models
+    from llama_zoo import jax_llama as models
+    from llama_zoo.jax_trainer import StreamedTrainer
 
     config = models.PRESETS[preset]
     blocks, residents = models.init_params(config, seed=0)

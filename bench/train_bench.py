@@ -4,7 +4,7 @@ fully resident in HBM and next to PyTorch FSDP2 with CPU offload, with the same 
 in the same run (each configuration in its own process, so peak memory is its own).
 
 Reports tokens/s, TFLOPS by two counts (6 P T / t, as MegaTrain reports; and the work actually
-done: recomputation and causal attention included, see strata.torch.models.flops_per_token),
+done: recomputation and causal attention included, see llama_zoo.flops_per_token),
 the median step time after warm-up, and peak host memory (VmHWM) and device memory.
 
     python bench/train_bench.py --models 1b,3b,7b --batch 16 --seq 2048 --steps 5 [--clip 1.0]
@@ -41,7 +41,7 @@ def peak_host_bytes():
 
 def model_config(name):
     """A preset, or "h4096-l40-i14336-kv8-v32000"."""
-    from strata.torch.models import LlamaConfig, PRESETS
+    from llama_zoo import LlamaConfig, PRESETS
     if name in PRESETS:
         return PRESETS[name]
     try:
@@ -59,7 +59,7 @@ def model_config(name):
 def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=None, nvme=None,
             host_budget=None):
     import torch
-    from strata.torch.models import LlamaForCausalLM, flops_per_token
+    from llama_zoo.torch_llama import LlamaForCausalLM, flops_per_token
 
     config = model_config(preset)
     # STRATA_BENCH_DEVICE=cpu: a dry run of the script on a machine without a GPU.

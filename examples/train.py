@@ -21,10 +21,12 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bindings" / "python"))  # a checkout without pip install
+sys.path.insert(0, str(ROOT / "bench"))  # llama_zoo, the Llama-style model of the examples
 
 import strata  # noqa: E402
 import strata.torch as st  # noqa: E402
-from strata.torch.models import LlamaConfig, LlamaForCausalLM, PRESETS, flops_per_token  # noqa: E402
+from llama_zoo.torch_llama import (LlamaConfig, LlamaForCausalLM, PRESETS,  # noqa: E402
+                                   flops_per_token)
 
 
 def build_model(spec):

@@ -15,10 +15,12 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave HBM to Strata too
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bindings" / "python"))
+sys.path.insert(0, str(ROOT / "bench"))  # llama_zoo, the Llama-style model of the examples
 
 import numpy as np  # noqa: E402
 
-from strata.jax import StreamedTrainer, models  # noqa: E402
+from llama_zoo import jax_llama as models  # noqa: E402
+from llama_zoo.jax_trainer import StreamedTrainer  # noqa: E402
 
 
 def main():

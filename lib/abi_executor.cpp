@@ -102,10 +102,17 @@ STRATA_API strata_status_t strata_graph_add_resident(strata_graph_t* graph,
 STRATA_API strata_status_t strata_plan_config_init(strata_plan_config_t* config) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(config, "config"));
+    // The core's defaults, the only copy of them.
+    const PlanConfig defaults;
     *config = strata_plan_config_t{};
     config->struct_size = STRATA_PLAN_CONFIG_STRUCT_SIZE;
-    config->micro_batches = 1;
-    config->chunk_bytes = PlanConfig{}.chunk_bytes;
+    config->micro_batches = defaults.micro_batches;
+    config->hbm_slot_budget_bytes = defaults.hbm_slot_budget;
+    config->h2d_bytes_per_second = defaults.h2d_bytes_per_second;
+    config->d2h_bytes_per_second = defaults.d2h_bytes_per_second;
+    config->device_flops_per_second = defaults.device_flops_per_second;
+    config->max_prefetch_depth = defaults.max_prefetch_depth;
+    config->chunk_bytes = defaults.chunk_bytes;
     return Status::ok();
   });
 }
@@ -117,7 +124,7 @@ STRATA_API strata_status_t strata_plan_create(strata_graph_t* graph,
     STRATA_RETURN_IF_ERROR(require(graph, "graph"));
     STRATA_RETURN_IF_ERROR(require(out_plan, "out_plan"));
     strata_plan_config_t c{};
-    strata_plan_config_init(&c);
+    (void)strata_plan_config_init(&c);
     if (config != nullptr) {
       STRATA_RETURN_IF_ERROR(
           read_struct(config, STRATA_PLAN_CONFIG_STRUCT_SIZE, "strata_plan_config_t", &c));

@@ -6,21 +6,6 @@
 namespace strata::abi {
 namespace {
 thread_local std::string last_error;
-
-// The core's enums mirror the header's constants; a mismatch would silently mistranslate.
-static_assert(static_cast<int>(Code::kInternal) == STRATA_ERROR_INTERNAL);
-static_assert(static_cast<int>(Code::kBusy) == STRATA_ERROR_BUSY);
-static_assert(static_cast<int>(Code::kCancelled) == STRATA_ERROR_CANCELLED);
-static_assert(static_cast<int>(Tier::kNvme) == STRATA_TIER_NVME && kTierCount == STRATA_TIER_COUNT);
-static_assert(static_cast<int>(DType::kBool) == STRATA_DTYPE_BOOL &&
-              kDTypeCount == STRATA_DTYPE_COUNT);
-static_assert(static_cast<int>(Role::kOther) == STRATA_ROLE_OTHER &&
-              kRoleCount == STRATA_ROLE_COUNT);
-static_assert(static_cast<int>(Link::kNvmeWrite) == STRATA_LINK_NVME_WRITE &&
-              kLinkCount == STRATA_LINK_COUNT);
-static_assert(static_cast<int>(DeviceKind::kHost) == STRATA_DEVICE_BACKEND_HOST);
-static_assert(static_cast<int>(IoEngineKind::kPosix) == STRATA_IO_ENGINE_POSIX);
-static_assert(static_cast<int>(NumaPolicy::kInterleave) == STRATA_NUMA_INTERLEAVE);
 }  // namespace
 
 void set_last_error(std::string message) {

@@ -8,12 +8,6 @@
 using namespace strata;
 using namespace strata::abi;
 
-static_assert(static_cast<int>(OptimizerKind::kSgd) == STRATA_OPTIMIZER_SGD);
-static_assert(static_cast<int>(StateKind::kGradAccum) == STRATA_STATE_GRAD_ACCUM);
-static_assert(static_cast<uint32_t>(StatePlacement::kInDram) == STRATA_STATE_IN_DRAM);
-static_assert(static_cast<uint32_t>(StatePlacement::kPlanned) == STRATA_STATE_PLANNED);
-static_assert(static_cast<uint32_t>(StatePlacement::kOnNvme) == STRATA_STATE_ON_NVME);
-
 namespace {
 
 constexpr std::size_t kOptimizerConfigV1_0Size =
@@ -47,6 +41,65 @@ OptimizerConfig to_core(const strata_optimizer_config_t& c) {
   return o;
 }
 
+// The C struct of a core config; with OptimizerConfig's defaults it is what
+// strata_optimizer_config_init returns, so the C ABI and the core cannot disagree on them.
+strata_optimizer_config_t from_core(const OptimizerConfig& o) {
+  strata_optimizer_config_t c{};
+  c.struct_size = STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE;
+  c.kind = static_cast<strata_optimizer_kind_t>(o.kind);
+  c.lr = o.lr;
+  c.weight_decay = o.weight_decay;
+  c.beta1 = o.beta1;
+  c.beta2 = o.beta2;
+  c.eps = o.eps;
+  c.momentum = o.momentum;
+  c.dampening = o.dampening;
+  c.nesterov = o.nesterov ? 1 : 0;
+  c.max_grad_norm = o.max_grad_norm;
+  c.loss_scale = o.loss_scale;
+  c.dynamic_loss_scale = o.dynamic_loss_scale ? 1 : 0;
+  c.growth_factor = o.growth_factor;
+  c.backoff_factor = o.backoff_factor;
+  c.growth_interval = o.growth_interval;
+  c.accumulation_steps = o.accumulation_steps;
+  c.threads = o.threads;
+  c.update_mode = o.explicit_updates ? STRATA_UPDATE_EXPLICIT : STRATA_UPDATE_AUTO;
+  c.state_placement = static_cast<uint32_t>(o.state_placement);
+  c.nvme_staging_bytes = o.nvme_staging_bytes;
+  return c;
+}
+
+// strata_optimizer_config_init writes the whole struct it knows, and 1.2's fields made the struct
+// grow: programs linked against 1.0 or 1.1 have 80 bytes (1.1's size, which 1.0's padding made its
+// sizeof too), so they keep an init that writes only those, the compat symbol
+// strata_optimizer_config_init@STRATA_1.0; programs built against this header get the default,
+// @@STRATA_1.2 (docs/abi.md, "*_config_init and growing structs").
+constexpr std::size_t kOptimizerConfigV1_1Size =
+    STRATA_STRUCT_SIZE(strata_optimizer_config_t, update_mode);
+constexpr std::size_t kOptimizerConfigAlign = alignof(strata_optimizer_config_t);
+static_assert((kOptimizerConfigV1_0Size + kOptimizerConfigAlign - 1) / kOptimizerConfigAlign *
+                      kOptimizerConfigAlign ==
+                  kOptimizerConfigV1_1Size,
+              "one compat init serves 1.0 and 1.1 only while their structs are equally large");
+static_assert(sizeof(strata_optimizer_config_t) > kOptimizerConfigV1_1Size);
+
+// Fill the first `bytes` bytes of *config with the defaults and set struct_size.
+strata_status_t optimizer_config_init(strata_optimizer_kind_t kind,
+                                      strata_optimizer_config_t* config, std::size_t bytes,
+                                      std::size_t struct_size) {
+  return guarded("strata_optimizer_config_init", [&] {
+    STRATA_RETURN_IF_ERROR(require(config, "config"));
+    if (kind != STRATA_OPTIMIZER_ADAMW && kind != STRATA_OPTIMIZER_SGD) {
+      return error(Code::kInvalidArgument, "unknown optimizer kind ", kind);
+    }
+    const strata_optimizer_config_t c =
+        from_core(OptimizerConfig{.kind = static_cast<OptimizerKind>(kind)});
+    std::memcpy(static_cast<void*>(config), &c, bytes);
+    config->struct_size = struct_size;
+    return Status::ok();
+  });
+}
+
 void copy_string(char* dst, std::size_t capacity, const std::string& s) {
   const std::size_t n = std::min(capacity - 1, s.size());
   std::memcpy(dst, s.data(), n);
@@ -57,28 +110,16 @@ void copy_string(char* dst, std::size_t capacity, const std::string& s) {
 
 extern "C" {
 
-STRATA_API strata_status_t strata_optimizer_config_init(strata_optimizer_kind_t kind,
-                                                        strata_optimizer_config_t* config) {
-  return guarded(__func__, [&] {
-    STRATA_RETURN_IF_ERROR(require(config, "config"));
-    if (kind != STRATA_OPTIMIZER_ADAMW && kind != STRATA_OPTIMIZER_SGD) {
-      return error(Code::kInvalidArgument, "unknown optimizer kind ", kind);
-    }
-    *config = strata_optimizer_config_t{};
-    config->struct_size = sizeof(strata_optimizer_config_t);
-    config->kind = kind;
-    config->lr = 1e-3f;
-    config->weight_decay = kind == STRATA_OPTIMIZER_ADAMW ? 1e-2f : 0.f;
-    config->beta1 = 0.9f;
-    config->beta2 = 0.999f;
-    config->eps = 1e-8f;
-    config->loss_scale = 1.f;
-    config->growth_factor = 2.f;
-    config->backoff_factor = 0.5f;
-    config->growth_interval = 2000;
-    config->accumulation_steps = 1;
-    return Status::ok();
-  });
+// strata_optimizer_config_init@@STRATA_1.2, the default.
+STRATA_API strata_status_t strata_optimizer_config_init_v1_2(strata_optimizer_kind_t kind,
+                                                             strata_optimizer_config_t* config) {
+  return optimizer_config_init(kind, config, sizeof *config, STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE);
+}
+
+// strata_optimizer_config_init@STRATA_1.0, for programs linked against 1.0 or 1.1.
+STRATA_API strata_status_t strata_optimizer_config_init_v1_0(strata_optimizer_kind_t kind,
+                                                             strata_optimizer_config_t* config) {
+  return optimizer_config_init(kind, config, kOptimizerConfigV1_1Size, kOptimizerConfigV1_1Size);
 }
 
 STRATA_API strata_status_t strata_optimizer_create(strata_runtime_t* runtime,
@@ -88,7 +129,7 @@ STRATA_API strata_status_t strata_optimizer_create(strata_runtime_t* runtime,
     STRATA_RETURN_IF_ERROR(require(runtime, "runtime"));
     STRATA_RETURN_IF_ERROR(require(out_optimizer, "out_optimizer"));
     strata_optimizer_config_t c{};
-    (void)strata_optimizer_config_init(STRATA_OPTIMIZER_ADAMW, &c);
+    (void)strata_optimizer_config_init_v1_2(STRATA_OPTIMIZER_ADAMW, &c);
     if (config != nullptr) {
       // A 1.0 caller's config ends at `threads`; the fields after it keep their defaults.
       STRATA_RETURN_IF_ERROR(
@@ -293,3 +334,8 @@ STRATA_API strata_status_t strata_checkpoint_load(strata_runtime_t* runtime,
 }
 
 }  // extern "C"
+
+// The two definitions of strata_optimizer_config_init: their names stay local (lib/strata.map's
+// `local: *`), the versioned aliases are exported.
+asm(".symver strata_optimizer_config_init_v1_2, strata_optimizer_config_init@@STRATA_1.2");
+asm(".symver strata_optimizer_config_init_v1_0, strata_optimizer_config_init@STRATA_1.0");

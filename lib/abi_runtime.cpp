@@ -36,8 +36,9 @@ STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* 
                                                  strata_runtime_t** out_runtime) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(out_runtime, "out_runtime"));
+    // NULL means strata_runtime_config_init's defaults; a short config keeps them for the rest.
     strata_runtime_config_t c{};
-    c.struct_size = sizeof c;
+    (void)strata_runtime_config_init(&c);
     if (config != nullptr) {
       STRATA_RETURN_IF_ERROR(
           read_struct(config, STRATA_RUNTIME_CONFIG_STRUCT_SIZE, "strata_runtime_config_t", &c));

@@ -4,9 +4,6 @@
 using namespace strata;
 using namespace strata::abi;
 
-static_assert(kTraceKindCount == STRATA_TRACE_KIND_COUNT);
-static_assert(static_cast<int>(TraceKind::kRelease) == STRATA_TRACE_RELEASE);
-
 extern "C" {
 
 STRATA_API strata_status_t strata_trace_start(strata_runtime_t* runtime,
@@ -14,7 +11,7 @@ STRATA_API strata_status_t strata_trace_start(strata_runtime_t* runtime,
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(runtime, "runtime"));
     strata_trace_config_t c{};
-    c.struct_size = sizeof c;
+    c.struct_size = STRATA_TRACE_CONFIG_STRUCT_SIZE;  // ring_capacity 0: the default
     if (config != nullptr) {
       STRATA_RETURN_IF_ERROR(
           read_struct(config, STRATA_TRACE_CONFIG_STRUCT_SIZE, "strata_trace_config_t", &c));

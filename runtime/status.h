@@ -10,7 +10,7 @@
 
 namespace strata {
 
-// Values mirror the STRATA_* status codes of strata.h (lib/ static_asserts that they match).
+// Values mirror the STRATA_* status codes of strata.h (lib/abi_mirrors.cpp static_asserts each).
 enum class Code : int32_t {
   kOk = 0,
   kInvalidArgument = 1,

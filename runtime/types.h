@@ -1,5 +1,5 @@
 // Core vocabulary: tiers, dtypes, roles, links. Values mirror strata.h's STRATA_* constants
-// (lib/ static_asserts that they match) so the ABI layer converts by a checked cast.
+// (lib/abi_mirrors.cpp static_asserts each) so the ABI layer converts by a checked cast.
 #pragma once
 
 #include <cstddef>

@@ -22,8 +22,25 @@
  *   - Streams cross the ABI as opaque `void*`: a cudaStream_t on the cuda backend (NULL means
  *     the legacy default stream), ignored (pass NULL) on the host backend.
  *
- * Versioning: STRATA_VERSION_* are the header's version, strata_version() the library's. The
- * ABI is stable within a major version (the SONAME carries it); a minor version only appends.
+ * Versioning (docs/abi.md has the whole rules): STRATA_VERSION_* are the header's version,
+ * strata_version() the library's. The ABI is stable within a major version (the SONAME carries
+ * it). A minor version only appends: functions (declared STRATA_API_SINCE(major, minor), their
+ * symbols in that release's version node STRATA_<major>.<minor> of lib/strata.map), status
+ * codes and enum values, and fields at the end of argument structs (with the struct's
+ * STRATA_*_STRUCT_SIZE moved to the new last field). A program built against this header runs
+ * on any library of the same major version and a minor version at least as new; against an
+ * older library, a new function fails to resolve at load time rather than misbehaving.
+ * Fields documented as "diagnostic" (reasons, placements: text for people) keep their place,
+ * but their wording may change in any release: show or log them, never parse them.
+ *
+ * Experimental declarations (none in this release) sit at the end of this header between
+ * `#ifdef STRATA_EXPERIMENTAL` and its closing `#endif`, visible only to programs
+ * that define STRATA_EXPERIMENTAL before including it (zstd's ZSTD_STATIC_LINKING_ONLY). They are
+ * for diagnostics likely to change; any release, even a patch, may change or remove them, and
+ * their symbols live in the version node STRATA_EXPERIMENTAL, never in a STRATA_<major>.<minor>
+ * one. A program using them must check strata_version() == STRATA_VERSION_NUMBER at start-up.
+ * Nothing outside that section refers to it; a declaration graduates by moving out of it in a
+ * minor release (then STRATA_API_SINCE that release, in its node).
  */
 #ifndef STRATA_STRATA_H_
 #define STRATA_STRATA_H_
@@ -39,6 +56,10 @@
 #else
 #define STRATA_API
 #endif
+/* Marks a function added in ABI major.minor after 1.0 (plain STRATA_API: since 1.0), as GLib's
+ * GLIB_AVAILABLE_IN_*: the test exported_symbols checks that its symbol sits in the version node
+ * STRATA_<major>.<minor> of lib/strata.map. */
+#define STRATA_API_SINCE(major, minor) STRATA_API
 
 #define STRATA_VERSION_MAJOR 1
 #define STRATA_VERSION_MINOR 2
@@ -48,8 +69,11 @@
   (STRATA_VERSION_MAJOR * 10000 + STRATA_VERSION_MINOR * 100 + STRATA_VERSION_PATCH)
 
 /* Size of an argument struct up to and including its last field: what STRATA_*_STRUCT_SIZE
- * expand to. A field appended in a later minor version moves that version's macro, never an
- * older one (the library's tests static_assert each macro against its struct's last field). */
+ * expand to. A field appended in a minor version moves its struct's macro to the new field; a
+ * program built against an older header keeps passing the older, smaller size, which the
+ * library accepts. The build of strata_layout_probe (generated from this header by
+ * tests/abi/gen_layout_probe.py) static_asserts every macro against the last field of its
+ * struct, and the test abi_layout compares the Python bindings' layout of every struct with it. */
 #define STRATA_STRUCT_SIZE(type, last_field) \
   (offsetof(type, last_field) + sizeof(((type*)0)->last_field))
 
@@ -319,8 +343,8 @@ typedef struct strata_runtime_config {
   /* 0 (default): DRAM <-> NVMe transfers go through the pinned staging slots, a copy on the
    * host, pipelined with the disk. 1: O_DIRECT straight into and out of the DRAM arena, no
    * copy. Staging is the default because on the virtualized GPU servers we measured, direct
-   * reads into a large arena ran at ~57% of fio while staged ones ran at ~96%
-   * (docs/benchmarks.md); on bare-metal NVMe, direct may be faster: measure with
+   * reads into a large arena were much slower than staged ones (docs/benchmarks.md has the
+   * numbers); on bare-metal NVMe, direct may be faster: measure with
    * strata-bench io --dram-direct. */
   int32_t io_dram_direct;
 } strata_runtime_config_t;
@@ -371,10 +395,10 @@ typedef struct strata_capabilities {
   int32_t device_numa_node;
   /* The GPU's name ("NVIDIA H200"), "host (simulated device)" on the host backend. */
   char device_name[128];
-  /* Why this backend was chosen, e.g. "auto: no CUDA device (cudaErrorNoDevice)". */
+  /* Diagnostic: why this backend was chosen, e.g. "auto: no CUDA device (cudaErrorNoDevice)". */
   char backend_reason[256];
-  /* The DRAM arena: where its pages were placed ("node 0 (the GPU's)"), the node (-1 if
-   * interleaved or unbound), whether huge pages were granted, and how long start-up took to
+  /* The DRAM arena: where its pages were placed (diagnostic: "node 0 (the GPU's)"), the node
+   * (-1 if interleaved or unbound), whether huge pages were granted, and how long start-up took to
    * fault it in (with dram_fault_threads threads) and to pin it. Pinning rate = budget / time. */
   char dram_placement[64];
   int32_t dram_numa_node;
@@ -382,7 +406,8 @@ typedef struct strata_capabilities {
   uint32_t dram_fault_threads;
   double dram_fault_seconds;
   double dram_pin_seconds;
-  /* The storage engine of the NVMe tier ("io_uring", "posix"; "" without one) and why. */
+  /* The storage engine of the NVMe tier ("io_uring", "posix"; "" without one) and why
+   * (diagnostic). */
   char io_engine[16];
   char io_engine_reason[256];
 } strata_capabilities_t;
@@ -780,7 +805,7 @@ typedef struct strata_layer_views {
  * its end, the step counter does not advance, and the next step starts a fresh accumulation.
  * Without a running step it does nothing. Errors: INVALID_ARGUMENT (NULL), BACKEND.
  * Thread-safe. */
-STRATA_API strata_status_t strata_step_abort(strata_executor_t* executor, void* stream);
+STRATA_API_SINCE(1, 1) strata_status_t strata_step_abort(strata_executor_t* executor, void* stream);
 
 /* Acquire the next layer of the step. Makes `stream` wait (device-side) until the layer's data
  * is in HBM, fills *views, and lets loads further ahead start. The calling thread blocks only
@@ -1026,34 +1051,37 @@ typedef struct strata_grad_info {
  * land). Thread-safe. */
 
 /* The param's grad: whether it has one, its squared norm, its update count. */
-STRATA_API strata_status_t strata_optimizer_grad_info(strata_optimizer_t* optimizer,
-                                                      strata_tensor_t* weight,
-                                                      strata_grad_info_t* out);
+STRATA_API_SINCE(1, 1)
+strata_status_t strata_optimizer_grad_info(strata_optimizer_t* optimizer, strata_tensor_t* weight,
+                                           strata_grad_info_t* out);
 
 /* Copy the param's grad, as fp32, into `dst` (borrowed host memory of `count` floats; count must
  * be the param's element count). Errors also: INVALID_ARGUMENT (count), INVALID_STATE (no grad). */
-STRATA_API strata_status_t strata_optimizer_grad_read(strata_optimizer_t* optimizer,
-                                                      strata_tensor_t* weight, float* dst,
-                                                      uint64_t count);
+STRATA_API_SINCE(1, 1)
+strata_status_t strata_optimizer_grad_read(strata_optimizer_t* optimizer, strata_tensor_t* weight,
+                                           float* dst, uint64_t count);
 
 /* Multiply the param's grad by `factor` (clipping: torch's p.grad.mul_(clip_coef)). No data moves:
  * the factor applies when the grad is next read, summed or used. Errors also: INVALID_STATE (no
  * grad). */
-STRATA_API strata_status_t strata_optimizer_grad_scale(strata_optimizer_t* optimizer,
-                                                       strata_tensor_t* weight, float factor);
+STRATA_API_SINCE(1, 1)
+strata_status_t strata_optimizer_grad_scale(strata_optimizer_t* optimizer, strata_tensor_t* weight,
+                                            float factor);
 
 /* Zero the param's grad: to none (keep_zeros 0: the next backward's grad replaces it, and a step
  * before that skips the param) or to zeros (keep_zeros 1: a step before the next backward updates
  * it with a zero grad, as torch's zero_grad(set_to_none=False)). */
-STRATA_API strata_status_t strata_optimizer_grad_zero(strata_optimizer_t* optimizer,
-                                                      strata_tensor_t* weight, int32_t keep_zeros);
+STRATA_API_SINCE(1, 1)
+strata_status_t strata_optimizer_grad_zero(strata_optimizer_t* optimizer, strata_tensor_t* weight,
+                                           int32_t keep_zeros);
 
 /* Set a param's update count (its AdamW t), e.g. restoring a framework's optimizer state dict
  * (since 1.1; STRATA_UPDATE_EXPLICIT mode, where counts are per param). Waits for the param's
  * queued updates. Errors: INVALID_ARGUMENT (NULL), NOT_FOUND (not a param), INVALID_STATE (AUTO
  * mode). Thread-safe. */
-STRATA_API strata_status_t strata_optimizer_set_param_step(strata_optimizer_t* optimizer,
-                                                           strata_tensor_t* weight, uint64_t step);
+STRATA_API_SINCE(1, 1)
+strata_status_t strata_optimizer_set_param_step(strata_optimizer_t* optimizer,
+                                                strata_tensor_t* weight, uint64_t step);
 
 typedef int32_t strata_state_kind_t;
 #define STRATA_STATE_MASTER 0     /* fp32 master (the weight itself when it is fp32) */
@@ -1085,7 +1113,7 @@ typedef struct strata_optimizer_stats {
   double update_seconds; /* thread-pool time spent on updates, norms and accumulation */
   uint32_t threads;
   char isa[16];     /* "avx512", "avx2" or "generic" */
-  char binding[32]; /* "NUMA node N" or "unbound" */
+  char binding[32]; /* "NUMA node N" or "unbound" (diagnostic) */
   /* Since 1.2: state placed on NVMe, and its staging (state_bytes counts DRAM only). */
   uint64_t nvme_state_bytes;  /* state tensors on NVMe */
   uint64_t nvme_state_params; /* params with state on NVMe */
@@ -1193,6 +1221,13 @@ typedef struct strata_trace_counters {
 /* Counts of the records since strata_trace_start. Errors: INVALID_ARGUMENT. Thread-safe. */
 STRATA_API strata_status_t strata_trace_get_counters(strata_runtime_t* runtime,
                                                      strata_trace_counters_t* out);
+
+/* ---------------------------------------------------------------------------------------------
+ * Experimental: no stability promise (the rules are at the top of this header). Empty in this
+ * release.
+ * ------------------------------------------------------------------------------------------- */
+#ifdef STRATA_EXPERIMENTAL
+#endif /* STRATA_EXPERIMENTAL */
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -44,11 +44,13 @@ enum class OptimizerKind : int32_t { kAdamW = 0, kSgd = 1 };
 // Where params' fp32 masters and moments live (strata.h STRATA_STATE_*).
 enum class StatePlacement : uint32_t { kInDram = 0, kPlanned = 1, kOnNvme = 2 };
 
+// The defaults are PyTorch's (torch.optim.AdamW, torch.optim.SGD) and the only copy of them:
+// strata_optimizer_config_init returns OptimizerConfig{.kind = kind}. Members may use the kind.
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kAdamW;
   float lr = 1e-3f;
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
-  float weight_decay = 0.f;
+  float weight_decay = kind == OptimizerKind::kAdamW ? 1e-2f : 0.f;  // AdamW decoupled; SGD L2
   float momentum = 0.f, dampening = 0.f;
   bool nesterov = false;
   float max_grad_norm = 0.f;  // 0: no clipping

@@ -95,3 +95,29 @@ def test_optimizer_settings_are_checked(rt):
         strata.Optimizer(rt, "adamw", learning_rate=1.0)
     with pytest.raises(strata.InvalidArgument, match="beta1"):
         strata.Optimizer(rt, "adamw", beta1=2.0)
+
+
+def test_optimizer_defaults_are_torchs():
+    """strata_optimizer_config_init's defaults (the core's OptimizerConfig, their only copy) are
+    torch.optim.AdamW's and torch.optim.SGD's, read from torch itself."""
+    torch = pytest.importorskip("torch")
+    import ctypes
+    from strata import _lib
+
+    param = [torch.zeros(1, requires_grad=True)]
+    for kind, torch_optimizer in ((0, torch.optim.AdamW), (1, torch.optim.SGD)):
+        c = _lib.OptimizerConfig()
+        assert _lib.lib.strata_optimizer_config_init(kind, ctypes.byref(c)) == 0
+        d = torch_optimizer(param).defaults
+        assert c.kind == kind
+        assert c.lr == pytest.approx(d["lr"], rel=1e-6)
+        assert c.weight_decay == pytest.approx(d["weight_decay"], rel=1e-6), torch_optimizer
+        if kind == 0:
+            assert (c.beta1, c.beta2) == pytest.approx(d["betas"], rel=1e-6)
+            assert c.eps == pytest.approx(d["eps"], rel=1e-6)
+        else:
+            assert (c.momentum, c.dampening, c.nesterov) == (d["momentum"], d["dampening"],
+                                                             int(d["nesterov"]))
+        assert (c.max_grad_norm, c.loss_scale, c.dynamic_loss_scale) == (0, 1, 0)
+        assert (c.accumulation_steps, c.threads, c.update_mode) == (1, 0, 0)
+        assert 0 < c.struct_size <= ctypes.sizeof(c)  # the header's macro, set by the library

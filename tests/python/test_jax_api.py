@@ -11,7 +11,7 @@ optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
 import strata.jax as sj  # noqa: E402
-from strata.jax import models  # noqa: E402
+from llama_zoo import jax_llama as models  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 CONFIG = models.PRESETS["tiny"]
@@ -27,7 +27,7 @@ def batches(n, seed=0, shape=(4, 32)):
     return [pair[i % 2] for i in range(n)]
 
 
-# The Llama-style model of strata.jax.models as the three functions the Trainer takes.
+# The Llama-style model of llama_zoo.jax_llama as the three functions the Trainer takes.
 def embed_fn(r, ids):
     x = r["embed"][ids]
     return x, models.rotary(CONFIG, ids.shape[1], x.dtype)

@@ -7,7 +7,8 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from strata.jax import StreamedTrainer, models  # noqa: E402
+from llama_zoo import jax_llama as models  # noqa: E402
+from llama_zoo.jax_trainer import StreamedTrainer  # noqa: E402
 
 STEPS = 6
 

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import strata.torch as st  # noqa: E402
-from strata.torch.models import LlamaForCausalLM, PRESETS  # noqa: E402
+from llama_zoo.torch_llama import LlamaForCausalLM, PRESETS  # noqa: E402
 
 STEPS = 6
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -82,6 +82,14 @@ def test_streaming_through_two_slots_changes_nothing():
                                   slot_budget=2 * 2 * block + 2 * 4096 * 20)
     assert wide == narrow
     assert model.strata.executor.plan_info().slots == 2
+    model.strata.close()
+
+
+def test_nvme_budget_none_is_no_nvme_tier():
+    """nvme_budget=None, documented as 0 and what examples/train.py passes without --nvme,
+    offloads without an NVMe tier instead of failing in the runtime's config."""
+    model = st.offload(LlamaForCausalLM(PRESETS["tiny"]), device="cpu", nvme_budget=None)
+    assert model.strata.runtime.capabilities().tier_budget_bytes[2] == 0
     model.strata.close()
 
 

@@ -1,5 +1,10 @@
 """ctypes declarations of libstrata's C ABI (include/strata/strata.h): the structs, in the
-header's field order, and the functions' signatures. Only this module knows the C layout."""
+header's field order, and the functions' signatures. Only this module knows the C layout.
+
+Written by hand, checked by machine: the test abi_layout (tests/python/test_abi_layout.py) compares
+every struct here, field by field (name, offset, size, type), and the constants below with what
+a C program generated from strata.h prints. Every public struct of the header has its class here,
+named after it (strata_tier_usage_t: TierUsage)."""
 import ctypes
 import ctypes.util
 import os
@@ -15,9 +20,14 @@ c_float = ctypes.c_float
 c_char_p = ctypes.c_char_p
 c_void_p = ctypes.c_void_p
 
+# The ABI these declarations are written against: the library must have this major version and
+# at least this minor one (the test abi_layout checks it is strata.h's version).
+ABI_VERSION = (1, 2)
+
 MAX_NAME_LENGTH = 255
 MAX_NDIM = 8
 TIER_COUNT = 3
+TRACE_KIND_COUNT = 8
 
 
 def _find_library():
@@ -131,6 +141,15 @@ class ExecutorStats(Struct):
                 ("reused_loads", c_uint64), ("bytes_in", c_uint64), ("bytes_out", c_uint64)]
 
 
+class TraceConfig(Struct):
+    _fields_ = [("struct_size", c_size_t), ("ring_capacity", c_uint32)]
+
+
+class TraceCounters(Struct):
+    _fields_ = [("struct_size", c_size_t), ("records", c_uint64 * TRACE_KIND_COUNT),
+                ("bytes", c_uint64 * TRACE_KIND_COUNT), ("dropped", c_uint64)]
+
+
 class OptimizerConfig(Struct):
     _fields_ = [("struct_size", c_size_t), ("kind", c_int32), ("lr", c_float),
                 ("weight_decay", c_float), ("beta1", c_float), ("beta2", c_float), ("eps", c_float),
@@ -195,9 +214,11 @@ DLManagedTensorVersioned._fields_ = [
 
 P = ctypes.POINTER
 _SIGNATURES = {
+    "strata_version": (c_uint32, []),
     "strata_status_string": (c_char_p, [c_int32]),
     "strata_last_error_message": (c_char_p, []),
     "strata_version_string": (c_char_p, []),
+    "strata_dtype_size": (c_size_t, [c_int32]),
     "strata_runtime_config_init": (c_int32, [P(RuntimeConfig)]),
     "strata_runtime_create": (c_int32, [P(RuntimeConfig), P(c_void_p)]),
     "strata_runtime_destroy": (c_int32, [c_void_p]),
@@ -252,13 +273,28 @@ _SIGNATURES = {
     "strata_optimizer_get_stats": (c_int32, [c_void_p, P(OptimizerStats)]),
     "strata_checkpoint_save": (c_int32, [c_void_p, c_void_p, c_char_p]),
     "strata_checkpoint_load": (c_int32, [c_void_p, c_void_p, c_char_p]),
-    "strata_trace_start": (c_int32, [c_void_p, c_void_p]),
+    "strata_trace_start": (c_int32, [c_void_p, P(TraceConfig)]),
     "strata_trace_stop": (c_int32, [c_void_p]),
     "strata_trace_flush": (c_int32, [c_void_p, c_char_p]),
+    "strata_trace_get_counters": (c_int32, [c_void_p, P(TraceCounters)]),
 }
 
-lib = ctypes.CDLL(_find_library())
-for _name, (_restype, _argtypes) in _SIGNATURES.items():
-    _fn = getattr(lib, _name)
-    _fn.restype = _restype
-    _fn.argtypes = _argtypes
+
+def _load():
+    path = _find_library()
+    library = ctypes.CDLL(path)
+    library.strata_version.restype = c_uint32
+    found = library.strata_version()
+    major, minor = found // 10000, found // 100 % 100
+    if major != ABI_VERSION[0] or minor < ABI_VERSION[1]:
+        raise OSError("%s is libstrata %d.%d.%d; this strata package needs ABI %d.%d or a later "
+                      "%d.x: rebuild the library or point STRATA_LIBRARY at a matching one"
+                      % (path, major, minor, found % 100, *ABI_VERSION, ABI_VERSION[0]))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(library, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return library
+
+
+lib = _load()

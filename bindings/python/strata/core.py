@@ -9,12 +9,11 @@ from .dlpack import capsule_from_managed, DLPackView
 
 L = _lib.lib
 
-# strata.h constants
+# strata.h constants (the test abi_layout checks every table against the header)
 BACKENDS = {"auto": 0, "cuda": 1, "host": 2}
 TIERS = {"hbm": 0, "dram": 1, "nvme": 2}
 DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3, "int8": 4, "uint8": 5,
           "int16": 6, "int32": 7, "int64": 8, "bool": 9}
-DTYPE_SIZES = {0: 4, 1: 2, 2: 2, 3: 8, 4: 1, 5: 1, 6: 2, 7: 4, 8: 8, 9: 1}
 ROLES = {"weight": 0, "grad": 1, "optimizer_state": 2, "activation": 3, "other": 4}
 FORWARD, BACKWARD = 0, 1
 VIEW_WEIGHT, VIEW_GRAD, VIEW_ACTIVATION = 0, 1, 2
@@ -26,7 +25,13 @@ LINKS = ["h2d", "d2h", "nvme_read", "nvme_write"]
 
 
 def version():
+    """The library's version, "MAJOR.MINOR.PATCH" (strata_version_string)."""
     return L.strata_version_string().decode()
+
+
+def dtype_size(dtype):
+    """Bytes per element of a dtype name ("bfloat16": 2), as the library says."""
+    return L.strata_dtype_size(DTYPES[dtype])
 
 
 def streaming_budgets(block_params, element_size):

@@ -1,13 +1,16 @@
 """Errors: every failing C ABI call raises a StrataError carrying the status and the library's
 message (which names what was wrong); subclasses per status so callers can catch what they
-handle."""
+handle. Status names come from the library (strata_status_string), never from a copy here."""
 from . import _lib
 
-STATUS_NAMES = {
-    0: "OK", 1: "INVALID_ARGUMENT", 2: "OUT_OF_MEMORY", 3: "NOT_FOUND", 4: "ALREADY_EXISTS",
-    5: "BUSY", 6: "NOT_READY", 7: "UNSUPPORTED", 8: "NO_DEVICE", 9: "BACKEND", 10: "IO",
-    11: "DATA_CORRUPTION", 12: "CANCELLED", 13: "TIMEOUT", 14: "INVALID_STATE", 15: "INTERNAL",
-}
+
+def status_name(status):
+    """The library's name of a status without its prefix ("BUSY" for STRATA_ERROR_BUSY);
+    "UNKNOWN(n)" for a value the library does not know."""
+    name = _lib.lib.strata_status_string(status).decode()
+    if name == "STRATA_UNKNOWN_STATUS":
+        return "UNKNOWN(%d)" % status
+    return name.replace("STRATA_ERROR_", "", 1).replace("STRATA_", "", 1)
 
 
 class StrataError(RuntimeError):
@@ -15,7 +18,7 @@ class StrataError(RuntimeError):
 
     def __init__(self, status, message):
         self.status = status
-        self.status_name = STATUS_NAMES.get(status, "UNKNOWN(%d)" % status)
+        self.status_name = status_name(status)
         self.message = message
         super().__init__("%s: %s" % (self.status_name, message))
 
@@ -40,12 +43,14 @@ class DataCorruption(StrataError):
     pass
 
 
-_BY_STATUS = {1: InvalidArgument, 2: OutOfMemory, 3: NotFound, 11: DataCorruption,
-              14: InvalidState}
+_BY_NAME = {"INVALID_ARGUMENT": InvalidArgument, "OUT_OF_MEMORY": OutOfMemory,
+            "NOT_FOUND": NotFound, "DATA_CORRUPTION": DataCorruption,
+            "INVALID_STATE": InvalidState}
 
 
 def check(status):
     """Raise the StrataError for `status` (with the thread's last error message) unless OK."""
     if status != 0:
         message = _lib.lib.strata_last_error_message()
-        raise _BY_STATUS.get(status, StrataError)(status, message.decode() if message else "")
+        error = _BY_NAME.get(status_name(status), StrataError)
+        raise error(status, message.decode() if message else "")

@@ -10,8 +10,5 @@ The blocks' weights live in Strata's DRAM (or NVMe) and are handed to JAX zero-c
 DLPack from each acquired layer's device views; each block's forward and its recomputed
 forward + vjp are jitted per layer; grads go back into the runtime's grad views, and the
 runtime's CPU AdamW updates fp32 masters as soon as a block's grads land. The residents
-(embedding, head, ...) stay on the device, trained by any optax optimizer. StreamedTrainer
-trains the package's own Llama-style model (strata.jax.models). See docs/python.md."""
+(embedding, head, ...) stay on the device, trained by any optax optimizer. See docs/python.md."""
 from .streamed import AdamW, Trainer  # noqa: F401
-from .trainer import StreamedTrainer  # noqa: F401
-from . import models  # noqa: F401

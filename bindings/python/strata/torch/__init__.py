@@ -24,4 +24,3 @@ from .optim import AdamW  # noqa: F401
 from .grads import StreamedGrad  # noqa: F401
 from .session import StrataSession  # noqa: F401
 from .checkpoint import save_checkpoint, load_checkpoint  # noqa: F401
-from . import models  # noqa: F401

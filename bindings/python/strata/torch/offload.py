@@ -229,6 +229,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     if isinstance(nvme, (str, bytes, os.PathLike)):
         nvme = [nvme]  # one path, not its characters
     nvme = list(nvme) if nvme else []
+    nvme_budget = nvme_budget or 0  # None, as documented, is 0 (examples/train.py passes it)
     if nvme_budget and not nvme:
         raise ValueError("strata.torch.offload: nvme_budget=%d without nvme= (the NVMe tier's "
                          "file paths)" % nvme_budget)

@@ -1,4 +1,4 @@
-"""Llama-style model shapes shared by strata.torch.models and strata.jax.models: the config,
+"""Llama-style model shapes shared by llama_zoo.torch_llama and llama_zoo.jax_llama: the config,
 the size presets and the FLOP counts. No framework import."""
 import dataclasses
 

@@ -1,11 +1,11 @@
-"""The Llama-style decoder of strata.torch.models in plain jax.numpy: parameters as dicts of
+"""The Llama-style decoder of llama_zoo.torch_llama in plain jax.numpy: parameters as dicts of
 arrays (one per block, plus the resident embedding, final norm and head) and pure functions,
 so a block can run with its weights taken from Strata's slots."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..llama import LlamaConfig, PRESETS, flops_per_token  # noqa: F401
+from .shapes import LlamaConfig, PRESETS, flops_per_token  # noqa: F401
 
 BLOCK_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 

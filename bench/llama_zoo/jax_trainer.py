@@ -1,11 +1,11 @@
-"""StreamedTrainer: the Llama-style model of strata.jax.models through strata.jax.Trainer, with
+"""StreamedTrainer: the Llama-style model of llama_zoo.jax_llama through strata.jax.Trainer, with
 the residents' fp32 masters trained by PyTorch's AdamW arithmetic in JAX (no optax needed)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from strata.jax import AdamW, Trainer
 
-from . import models
-from .streamed import AdamW, Trainer, _lookup
+from . import jax_llama as models
 
 
 class TorchAdamW:
@@ -36,7 +36,7 @@ class TorchAdamW:
 
 
 class StreamedTrainer(Trainer):
-    """config: strata.llama.LlamaConfig; blocks, residents: as models.init_params returns (the
+    """config: llama_zoo.LlamaConfig; blocks, residents: as models.init_params returns (the
     blocks are copied into Strata and the host copies may be dropped). dtype: the compute dtype
     of the streamed weights and of the residents' working copies (fp32 masters either way).
     lr, weight_decay: floats or schedules (callables of the step). backend: "cuda" or "host"
@@ -58,12 +58,13 @@ class StreamedTrainer(Trainer):
             return models.head_loss(config, {k: r[k].astype(dtype) for k in ("norm", "head")},
                                     x, ids)
 
-        _lookup(lr, 0)  # a clear error for a learning rate that is neither float nor schedule
+        block_optimizer = AdamW(lr, weight_decay=weight_decay, threads=threads)
+        block_optimizer.hyper(0, 0)  # a clear error for a rate that is neither float nor schedule
         super().__init__(block_fn, list(blocks),
                          {k: np.asarray(v, np.float32) for k, v in residents.items()},
                          embed_fn=embed_fn, loss_fn=loss_fn,
                          optimizer=TorchAdamW(lr, weight_decay),
-                         block_optimizer=AdamW(lr, weight_decay=weight_decay, threads=threads),
+                         block_optimizer=block_optimizer,
                          dtype=dtype, gpu_budget=gpu_budget, host_budget=host_budget, nvme=nvme,
                          backend=backend, slot_budget=slot_budget)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-from ..llama import LlamaConfig, PRESETS, flops_per_token  # noqa: F401  (shared with strata.jax)
+from .shapes import LlamaConfig, PRESETS, flops_per_token  # noqa: F401  (shared with jax_llama)
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,6 @@
+"""The Llama-style model zoo of Strata's tests, examples and benchmarks (not shipped with the
+strata package): shapes and size presets (shapes), the decoder in PyTorch (torch_llama) and in
+plain jax.numpy (jax_llama), and a strata.jax trainer for the latter (jax_trainer).
+
+Scripts in bench/ import it directly; examples/ and tests/python/ put bench/ on sys.path."""
+from .shapes import LlamaConfig, PRESETS, flops_per_token  # noqa: F401
