@@ -87,9 +87,9 @@ static_assert(is(StateKind::kExpAvg, STRATA_STATE_EXP_AVG));
 static_assert(is(StateKind::kExpAvgSq, STRATA_STATE_EXP_AVG_SQ));
 static_assert(is(StateKind::kGradAccum, STRATA_STATE_GRAD_ACCUM));
 
-static_assert(is(StatePlacement::kInDram, STRATA_STATE_IN_DRAM));
-static_assert(is(StatePlacement::kPlanned, STRATA_STATE_PLANNED));
-static_assert(is(StatePlacement::kOnNvme, STRATA_STATE_ON_NVME));
+static_assert(is(StatePlacement::kInDram, STRATA_STATE_PLACEMENT_DRAM));
+static_assert(is(StatePlacement::kPlanned, STRATA_STATE_PLACEMENT_PLANNED));
+static_assert(is(StatePlacement::kOnNvme, STRATA_STATE_PLACEMENT_NVME));
 
 static_assert(is(TraceKind::kMigration, STRATA_TRACE_MIGRATION));
 static_assert(is(TraceKind::kCopyH2D, STRATA_TRACE_COPY_H2D));

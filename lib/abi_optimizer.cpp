@@ -138,9 +138,9 @@ STRATA_API strata_status_t strata_optimizer_create(strata_runtime_t* runtime,
     if (c.update_mode != STRATA_UPDATE_AUTO && c.update_mode != STRATA_UPDATE_EXPLICIT) {
       return error(Code::kInvalidArgument, "optimizer config: unknown update_mode ", c.update_mode);
     }
-    if (c.state_placement > STRATA_STATE_ON_NVME) {
+    if (c.state_placement > STRATA_STATE_PLACEMENT_NVME) {
       return error(Code::kInvalidArgument, "optimizer config: unknown state_placement ",
-                   c.state_placement, " (STRATA_STATE_IN_DRAM, _PLANNED or _ON_NVME)");
+                   c.state_placement, " (STRATA_STATE_PLACEMENT_DRAM, _PLANNED or _NVME)");
     }
     std::shared_ptr<Optimizer> o;
     STRATA_RETURN_IF_ERROR(Optimizer::create(runtime->impl, to_core(c), &o));

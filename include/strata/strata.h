@@ -923,12 +923,12 @@ typedef struct strata_optimizer_config {
   uint32_t threads;
   /* Since 1.1: when updates happen (STRATA_UPDATE_*); default STRATA_UPDATE_AUTO. */
   uint32_t update_mode;
-  /* Since 1.2: where params' fp32 masters and moments live (STRATA_STATE_*); default
-   * STRATA_STATE_IN_DRAM. */
+  /* Since 1.2: where params' fp32 masters and moments live (STRATA_STATE_PLACEMENT_*); default
+   * STRATA_STATE_PLACEMENT_DRAM. */
   uint32_t state_placement;
   /* Since 1.2: DRAM for staging NVMe-homed state during updates (a few layers' worth, reused);
-   * 0 = auto: STRATA_STATE_PLANNED keeps 1/8 of the DRAM budget free for it, and attach takes
-   * what is free, up to 4 layers' worth. */
+   * 0 = auto: STRATA_STATE_PLACEMENT_PLANNED keeps 1/8 of the DRAM budget free for it, and attach
+   * takes what is free, up to 4 layers' worth. */
   uint64_t nvme_staging_bytes;
 } strata_optimizer_config_t;
 #define STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE \
@@ -940,16 +940,16 @@ typedef struct strata_optimizer_config {
  * updated there, and written back while later updates run; the layer's next load waits only
  * for the update (the bf16/f16 working copy in DRAM), not for the write-back. Such state is
  * updated only by an attached optimizer (strata_optimizer_step without an executor refuses).
- * IN_DRAM: every param's state in DRAM (as in 1.0; OUT_OF_MEMORY when it does not fit). */
-#define STRATA_STATE_IN_DRAM 0u
+ * DRAM: every param's state in DRAM (as in 1.0; OUT_OF_MEMORY when it does not fit). */
+#define STRATA_STATE_PLACEMENT_DRAM 0u
 /* PLANNED: each param's state goes to DRAM while the DRAM tier keeps nvme_staging_bytes free
  * after it, else to NVMe. Params come in forward order, so the last layers' state is the one on
  * NVMe: their updates, queued first by the backward pass and needed last by the next forward
- * pass, have the most time to hide the I/O. Without an NVMe tier: IN_DRAM. */
-#define STRATA_STATE_PLANNED 1u
-/* ON_NVME: every param's state on NVMe (needs an NVMe tier). An fp32 weight is its own master
+ * pass, have the most time to hide the I/O. Without an NVMe tier: DRAM. */
+#define STRATA_STATE_PLACEMENT_PLANNED 1u
+/* NVME: every param's state on NVMe (needs an NVMe tier). An fp32 weight is its own master
  * and stays where the framework registered it. */
-#define STRATA_STATE_ON_NVME 2u
+#define STRATA_STATE_PLACEMENT_NVME 2u
 
 /* AUTO: an attached optimizer updates from the executor's steps, every accumulation_steps of
  * them, as their grads land (the loop of a native trainer). */

@@ -159,7 +159,7 @@ Status Optimizer::create(std::shared_ptr<Runtime> runtime, const OptimizerConfig
   }
   if (config.state_placement == StatePlacement::kOnNvme && !runtime->tier_available(Tier::kNvme)) {
     return error(Code::kInvalidState,
-                 "optimizer config: state_placement STRATA_STATE_ON_NVME needs an NVMe tier "
+                 "optimizer config: state_placement STRATA_STATE_PLACEMENT_NVME needs an NVMe tier "
                  "(nvme_paths and nvme_budget_bytes in the runtime config)");
   }
   std::shared_ptr<Optimizer> o(new Optimizer(std::move(runtime), config));
@@ -1193,31 +1193,16 @@ std::size_t Optimizer::pick_job() const {
   // backward pass grew 15% with first-come order).
   // A layer's jobs run in the order they were queued (a grad lands, is stashed, updates), so
   // only the first queued job of each layer is a candidate.
-  // One exception: while an update waits for a staging slot (its state is on NVMe), updates
-  // holding slots go first, lowest first. The slots and the disk are then the critical path:
-  // each update done frees a slot for the next read, and the DRAM layers' updates, which need
-  // neither, fill the time the reads take.
-  const bool slot_starved = std::any_of(queue_.begin(), queue_.end(), [&](const Job& j) {
-    return needs_stage(j) && stages_[static_cast<std::size_t>(j.layer)].phase == StagePhase::kIdle;
-  });
   std::size_t best = queue_.size();
-  bool best_staged = false;
   std::vector<int> seen;
   for (std::size_t i = 0; i < queue_.size(); ++i) {
     const Job& j = queue_[i];
     if (std::find(seen.begin(), seen.end(), j.layer) != seen.end()) continue;
     seen.push_back(j.layer);
-    const bool staged = slot_starved && needs_stage(j);
-    if (best < queue_.size() &&
-        (best_staged > staged || (best_staged == staged && queue_[best].layer <= j.layer))) {
-      continue;
-    }
+    if (best < queue_.size() && queue_[best].layer <= j.layer) continue;
     const bool landed =
         std::all_of(j.landed.begin(), j.landed.end(), [](const auto& f) { return f->is_done(); });
-    if (landed && stage_ready(j)) {
-      best = i;
-      best_staged = staged;
-    }
+    if (landed && stage_ready(j)) best = i;
   }
   return best;
 }

@@ -60,7 +60,7 @@ TEST_CASE("strata_optimizer_config_init@STRATA_1.0 writes only a 1.0 or 1.1 prog
   REQUIRE(strata_optimizer_config_init(STRATA_OPTIMIZER_SGD, config.config()) == STRATA_OK);
   CHECK(config.first_written_from(sizeof(strata_optimizer_config_t), 0xAB) == sizeof config.bytes);
   CHECK(config.config()->struct_size == STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE);
-  CHECK(config.config()->state_placement == STRATA_STATE_IN_DRAM);
+  CHECK(config.config()->state_placement == STRATA_STATE_PLACEMENT_DRAM);
   CHECK(config.config()->nvme_staging_bytes == 0);
   CHECK(config.config()->weight_decay == 0.f);
   Guarded same(0xAB);

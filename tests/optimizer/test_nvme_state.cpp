@@ -1,9 +1,9 @@
-// Optimizer state homed on NVMe (STRATA_STATE_ON_NVME, STRATA_STATE_PLANNED), through the C ABI
-// on the backend under test: training with the state staged through DRAM slots is bit for bit
-// training with the state in DRAM (every update mode, clipping, slot reuse, preemption);
-// PLANNED puts the last layers' state on NVMe when DRAM is short; checkpoints carry NVMe-homed
-// state; a damaged state file fails the optimizer with the tensor's name, and nothing hangs;
-// misuse is refused with a message that names the problem.
+// Optimizer state homed on NVMe (STRATA_STATE_PLACEMENT_NVME, STRATA_STATE_PLACEMENT_PLANNED),
+// through the C ABI on the backend under test: training with the state staged through DRAM slots is
+// bit for bit training with the state in DRAM (every update mode, clipping, slot reuse,
+// preemption); PLANNED puts the last layers' state on NVMe when DRAM is short; checkpoints carry
+// NVMe-homed state; a damaged state file fails the optimizer with the tensor's name, and nothing
+// hangs; misuse is refused with a message that names the problem.
 #define CATCH_CONFIG_RUNNER
 #include <fcntl.h>
 #include <unistd.h>
@@ -73,22 +73,22 @@ TEST_CASE("state on NVMe trains bit for bit as state in DRAM", "[optimizer][nvme
     std::vector<int64_t> sizes = {3000, 1100};
   };
   for (const Variant& var : {
-           Variant{"on NVMe, per layer during the backward", STRATA_STATE_ON_NVME, Loop::kAuto, 0.f,
-                   0},
+           Variant{"on NVMe, per layer during the backward", STRATA_STATE_PLACEMENT_NVME,
+                   Loop::kAuto, 0.f, 0},
            // A layer's state takes 60 KiB of a slot (4 KiB-rounded tensors).
-           Variant{"on NVMe, one staging slot for every layer", STRATA_STATE_ON_NVME, Loop::kAuto,
-                   0.f, 100000},
-           Variant{"on NVMe, clipped: in forward order after the norms", STRATA_STATE_ON_NVME,
-                   Loop::kAuto, 0.5f, 0},
-           Variant{"on NVMe, explicit updates (PyTorch's loop)", STRATA_STATE_ON_NVME,
+           Variant{"on NVMe, one staging slot for every layer", STRATA_STATE_PLACEMENT_NVME,
+                   Loop::kAuto, 0.f, 100000},
+           Variant{"on NVMe, clipped: in forward order after the norms",
+                   STRATA_STATE_PLACEMENT_NVME, Loop::kAuto, 0.5f, 0},
+           Variant{"on NVMe, explicit updates (PyTorch's loop)", STRATA_STATE_PLACEMENT_NVME,
                    Loop::kExplicit, 0.f, 0},
            Variant{"on NVMe, large layers preempted",
-                   STRATA_STATE_ON_NVME,
+                   STRATA_STATE_PLACEMENT_NVME,
                    Loop::kAuto,
                    0.f,
                    0,
                    {300000, 70000}},
-           Variant{"planned: DRAM short, the last layers on NVMe", STRATA_STATE_PLANNED,
+           Variant{"planned: DRAM short, the last layers on NVMe", STRATA_STATE_PLACEMENT_PLANNED,
                    Loop::kExplicit, 0.f, 2 * 61440},
        }) {
     DYNAMIC_SECTION(var.name) {
@@ -96,7 +96,7 @@ TEST_CASE("state on NVMe trains bit for bit as state in DRAM", "[optimizer][nvme
       const bool large = var.sizes[0] > 100000;
       // PLANNED: DRAM holds the weights, grads and about half of the state.
       const uint64_t dram =
-          var.placement == STRATA_STATE_PLANNED ? 420 * 1024 : (large ? 64 : 16) * kMiB;
+          var.placement == STRATA_STATE_PLACEMENT_PLANNED ? 420 * 1024 : (large ? 64 : 16) * kMiB;
       NvmeConfig nv(scratch, dram, 64 * kMiB);
       strata_optimizer_config_t c = adamw_config();
       c.max_grad_norm = var.max_grad_norm;
@@ -143,7 +143,7 @@ TEST_CASE("state on NVMe trains bit for bit as state in DRAM", "[optimizer][nvme
       // Every update read its layer's state and wrote it back.
       REQUIRE(s.nvme_read_bytes >= 7 * s.nvme_state_bytes);
       REQUIRE(s.nvme_write_bytes >= 7 * s.nvme_state_bytes);
-      if (var.placement == STRATA_STATE_ON_NVME) {
+      if (var.placement == STRATA_STATE_PLACEMENT_NVME) {
         REQUIRE(s.nvme_state_params == 10);
         REQUIRE(s.nvme_state_layers == 5);
         REQUIRE(s.state_bytes == s.staging_bytes);  // no state in DRAM but the slots
@@ -167,7 +167,7 @@ TEST_CASE("a checkpoint carries NVMe-homed state and resumes bit for bit",
   const std::string path = scratch.file("ckpt");
   NvmeConfig nv(scratch, 16 * kMiB, 64 * kMiB);
   strata_optimizer_config_t c = adamw_config();
-  c.state_placement = STRATA_STATE_ON_NVME;
+  c.state_placement = STRATA_STATE_PLACEMENT_NVME;
   // The reference: 6 steps in one go.
   Model whole = make_model(4, 7, backend_under_test(), {3000, 1100}, &nv.config);
   OptimizerPtr ow = make_optimizer(whole, c);
@@ -197,7 +197,7 @@ TEST_CASE("damaged NVMe-homed state fails the optimizer by name, and nothing han
   ScratchDir scratch;
   NvmeConfig nv(scratch, 16 * kMiB, 64 * kMiB);
   strata_optimizer_config_t c = adamw_config();
-  c.state_placement = STRATA_STATE_ON_NVME;
+  c.state_placement = STRATA_STATE_PLACEMENT_NVME;
   Model m = make_model(3, 5, backend_under_test(), {3000, 1100}, &nv.config);
   OptimizerPtr o = make_optimizer(m, c);
   Streamed st;
@@ -252,18 +252,18 @@ TEST_CASE("damaged NVMe-homed state fails the optimizer by name, and nothing han
 }
 
 TEST_CASE("NVMe-homed state misuse gets clear errors", "[optimizer][nvme]") {
-  SECTION("ON_NVME without an NVMe tier") {
+  SECTION("PLACEMENT_NVME without an NVMe tier") {
     RuntimePtr rt = make_runtime(config_for(backend_under_test(), 16 * kMiB, 16 * kMiB));
     strata_optimizer_config_t c = adamw_config();
-    c.state_placement = STRATA_STATE_ON_NVME;
+    c.state_placement = STRATA_STATE_PLACEMENT_NVME;
     strata_optimizer_t* o = nullptr;
     STRATA_REQUIRE_ERROR(strata_optimizer_create(rt.get(), &c, &o), STRATA_ERROR_INVALID_STATE,
                          "needs an NVMe tier");
     c.state_placement = 7;
     STRATA_REQUIRE_ERROR(strata_optimizer_create(rt.get(), &c, &o), STRATA_ERROR_INVALID_ARGUMENT,
                          "unknown state_placement 7");
-    // PLANNED without an NVMe tier is IN_DRAM.
-    c.state_placement = STRATA_STATE_PLANNED;
+    // PLANNED without an NVMe tier is DRAM.
+    c.state_placement = STRATA_STATE_PLACEMENT_PLANNED;
     STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &c, &o));
     STRATA_REQUIRE_OK(strata_optimizer_destroy(o));
   }
@@ -271,7 +271,7 @@ TEST_CASE("NVMe-homed state misuse gets clear errors", "[optimizer][nvme]") {
     ScratchDir scratch;
     NvmeConfig nv(scratch, 16 * kMiB, 64 * kMiB);
     strata_optimizer_config_t c = adamw_config();
-    c.state_placement = STRATA_STATE_ON_NVME;
+    c.state_placement = STRATA_STATE_PLACEMENT_NVME;
     c.nvme_staging_bytes = 4096;
     Model m = make_model(2, 5, backend_under_test(), {3000, 1100}, &nv.config);
     OptimizerPtr o = make_optimizer(m, c);
@@ -287,7 +287,7 @@ TEST_CASE("NVMe-homed state misuse gets clear errors", "[optimizer][nvme]") {
     NvmeConfig nv(scratch, 16 * kMiB, 64 * kMiB);
     Model m = make_model(1, 5, backend_under_test(), {3000, 1100}, &nv.config);
     strata_optimizer_config_t c = adamw_config();
-    c.state_placement = STRATA_STATE_ON_NVME;
+    c.state_placement = STRATA_STATE_PLACEMENT_NVME;
     OptimizerPtr o = make_optimizer(m, c);
     strata_optimizer_stats_t s{};
     std::memset(&s, 0xAB, sizeof s);

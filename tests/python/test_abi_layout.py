@@ -142,8 +142,7 @@ def _check_table(header, table, prefix):
     ({"FORWARD": core.FORWARD, "BACKWARD": core.BACKWARD}, "STRATA_PHASE_"),
     ({"WEIGHT": core.VIEW_WEIGHT, "GRAD": core.VIEW_GRAD, "ACTIVATION": core.VIEW_ACTIVATION},
      "STRATA_VIEW_"),
-    ({{"dram": "IN_DRAM", "planned": "PLANNED", "nvme": "ON_NVME"}[k]: v
-      for k, v in core.STATE_PLACEMENTS.items()}, "STRATA_STATE_"),
+    (core.STATE_PLACEMENTS, "STRATA_STATE_PLACEMENT_"),
 ])
 def test_constant_tables_match_the_header(header, table, prefix):
     _check_table(header, table, prefix)
