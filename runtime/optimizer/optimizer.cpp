@@ -1231,9 +1231,13 @@ void Optimizer::dispatcher_main() {
           }
         }
         if (oldest.empty() && reads.empty()) {
-          const auto t0 = std::chrono::steady_clock::now();
-          cv_.wait(lock);
-          stage_wait_seconds_ += seconds_since(t0);
+          // Every landed job waits for its state: a staging transfer's end notifies. (With
+          // none in flight, a fence landed since pick_job looked: pick again.)
+          if (io_in_flight_ > 0) {
+            const auto t0 = std::chrono::steady_clock::now();
+            cv_.wait(lock);
+            stage_wait_seconds_ += seconds_since(t0);
+          }
           continue;
         }
       } else {
