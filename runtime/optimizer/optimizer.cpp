@@ -608,9 +608,13 @@ void Optimizer::release_slot(std::size_t layer) {
   }
 }
 
+int Optimizer::free_slot() const {
+  const auto f = std::find(slot_free_.begin(), slot_free_.end(), uint8_t{1});
+  return f == slot_free_.end() ? -1 : static_cast<int>(f - slot_free_.begin());
+}
+
 int Optimizer::take_slot(const std::vector<std::size_t>& queued_layers) {
-  auto free_slot = std::find(slot_free_.begin(), slot_free_.end(), uint8_t{1});
-  if (free_slot != slot_free_.end()) return static_cast<int>(free_slot - slot_free_.begin());
+  if (const int slot = free_slot(); slot >= 0) return slot;
   // A layer read ahead whose update is not queued yet gives its slot up (its copy is clean):
   // the farthest from being needed.
   for (std::size_t k = stages_.size(); k-- > 0;) {
@@ -658,12 +662,8 @@ std::vector<Optimizer::StageIo> Optimizer::stage_more() {
   for (std::size_t i = 0; i < want.size(); ++i) {
     const std::size_t l = want[i];
     const bool ahead = i >= needed;
-    const int slot =
-        ahead ? [&] {
-          auto f = std::find(slot_free_.begin(), slot_free_.end(), uint8_t{1});
-          return f == slot_free_.end() ? -1 : static_cast<int>(f - slot_free_.begin());
-        }()
-              : take_slot(queued);
+    // Reading ahead takes only a free slot; a queued update may take one back.
+    const int slot = ahead ? free_slot() : take_slot(queued);
     if (slot < 0) {
       if (ahead) break;
       continue;

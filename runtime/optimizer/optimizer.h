@@ -284,6 +284,7 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // Under mutex_: a free slot, else one taken back from a layer read ahead that no queued
   // update needs yet; -1 if none.
   int take_slot(const std::vector<std::size_t>& queued_layers);
+  int free_slot() const;  // under mutex_: a free slot, -1 if none
   void release_slot(std::size_t layer);
   bool stage_ready(const Job& job) const;
   // The arrays an update of `p` uses: staged state for NVMe-homed params.

@@ -185,6 +185,19 @@ inline void make_streamed(Model& m, Streamed* st, uint64_t slot_budget) {
   STRATA_REQUIRE_OK(strata_executor_create(st->plan, &st->ex));
 }
 
+// make_streamed with every slot the budget allows, and `o` attached to its executor.
+inline void attach_streamed(Model& m, strata_optimizer_t* o, Streamed* st) {
+  make_streamed(m, st, 0);
+  STRATA_REQUIRE_OK(strata_optimizer_attach(o, st->ex));
+}
+
+inline strata_optimizer_stats_t stats_of(strata_optimizer_t* o) {
+  strata_optimizer_stats_t s{};
+  s.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_optimizer_get_stats(o, &s));
+  return s;
+}
+
 // One executor step: forward, then backward with grads_for() written into the grad views;
 // `stop_after` (0..) abandons the step after that many layer passes.
 inline void streamed_pass(Model& m, strata_executor_t* ex, int s, int micro, int stop_after = -1) {

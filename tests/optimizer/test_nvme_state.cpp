@@ -34,13 +34,6 @@ struct NvmeConfig {
   }
 };
 
-strata_optimizer_stats_t stats_of(strata_optimizer_t* o) {
-  strata_optimizer_stats_t s{};
-  s.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
-  STRATA_REQUIRE_OK(strata_optimizer_get_stats(o, &s));
-  return s;
-}
-
 strata_tier_t state_tier(Model& m, strata_optimizer_t* o, strata_tensor_t* w,
                          strata_state_kind_t kind) {
   strata_tensor_t* s = nullptr;
@@ -108,10 +101,8 @@ TEST_CASE("state on NVMe trains bit for bit as state in DRAM", "[optimizer][nvme
       c.nvme_staging_bytes = var.staging;
       OptimizerPtr on = make_optimizer(on_nvme, c);
       Streamed sd, sn;
-      make_streamed(in_dram, &sd, 0);
-      make_streamed(on_nvme, &sn, 0);
-      STRATA_REQUIRE_OK(strata_optimizer_attach(od.get(), sd.ex));
-      STRATA_REQUIRE_OK(strata_optimizer_attach(on.get(), sn.ex));
+      attach_streamed(in_dram, od.get(), &sd);
+      attach_streamed(on_nvme, on.get(), &sn);
       train(in_dram, od.get(), sd.ex, var.loop, 0, 5);
       train(on_nvme, on.get(), sn.ex, var.loop, 0, 5);
       REQUIRE(snapshot(on_nvme, on.get()) == snapshot(in_dram, od.get()));
@@ -172,8 +163,7 @@ TEST_CASE("a checkpoint carries NVMe-homed state and resumes bit for bit",
   Model whole = make_model(4, 7, backend_under_test(), {3000, 1100}, &nv.config);
   OptimizerPtr ow = make_optimizer(whole, c);
   Streamed sw;
-  make_streamed(whole, &sw, 0);
-  STRATA_REQUIRE_OK(strata_optimizer_attach(ow.get(), sw.ex));
+  attach_streamed(whole, ow.get(), &sw);
   run_streamed(whole, ow.get(), sw.ex, 0, 3, 1);
   STRATA_REQUIRE_OK(strata_checkpoint_save(whole.rt.get(), ow.get(), path.c_str()));
   run_streamed(whole, ow.get(), sw.ex, 3, 3, 1);
@@ -185,8 +175,7 @@ TEST_CASE("a checkpoint carries NVMe-homed state and resumes bit for bit",
   Model resumed = make_model(4, 99, backend_under_test(), {3000, 1100}, &nv2.config);
   OptimizerPtr orr = make_optimizer(resumed, c);
   Streamed sr;
-  make_streamed(resumed, &sr, 0);
-  STRATA_REQUIRE_OK(strata_optimizer_attach(orr.get(), sr.ex));
+  attach_streamed(resumed, orr.get(), &sr);
   STRATA_REQUIRE_OK(strata_checkpoint_load(resumed.rt.get(), orr.get(), path.c_str()));
   run_streamed(resumed, orr.get(), sr.ex, 3, 3, 1);
   REQUIRE(snapshot(resumed, orr.get()) == expected);
@@ -201,8 +190,7 @@ TEST_CASE("damaged NVMe-homed state fails the optimizer by name, and nothing han
   Model m = make_model(3, 5, backend_under_test(), {3000, 1100}, &nv.config);
   OptimizerPtr o = make_optimizer(m, c);
   Streamed st;
-  make_streamed(m, &st, 0);
-  STRATA_REQUIRE_OK(strata_optimizer_attach(o.get(), st.ex));
+  attach_streamed(m, o.get(), &st);
   run_streamed(m, o.get(), st.ex, 0, 1, 1);
   // The tier holds nothing but the state: damage its first 256 KiB on disk.
   {

@@ -59,9 +59,7 @@ TEST_CASE("updates driven by the executor equal the same updates run by hand", "
       } else {
         REQUIRE(a == b);
       }
-      strata_optimizer_stats_t s{};
-      s.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
-      STRATA_REQUIRE_OK(strata_optimizer_get_stats(so.get(), &s));
+      const strata_optimizer_stats_t s = stats_of(so.get());
       REQUIRE(s.step == 6);
       REQUIRE(s.params == 10);
       REQUIRE(s.micro_step == 0);
@@ -110,9 +108,7 @@ TEST_CASE("clipping scales by max_norm / (norm + 1e-6), as clip_grad_norm_", "[o
   for (std::size_t i = 0; i < w1.size(); ++i) {
     REQUIRE(std::abs(w1[i] - (1.0 - coef * g0[i])) <= 1e-6);
   }
-  strata_optimizer_stats_t s{};
-  s.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
-  STRATA_REQUIRE_OK(strata_optimizer_get_stats(opt.get(), &s));
+  const strata_optimizer_stats_t s = stats_of(opt.get());
   REQUIRE(std::abs(s.last_grad_norm - norm) <= 1e-6 * norm);
 }
 
@@ -128,9 +124,7 @@ TEST_CASE("dynamic loss scaling skips overflowed steps and backs off", "[optimiz
   g[5] = 0x7F80;  // +inf in bf16
   STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), m.grads[0][0], 0, g.data(), g.size() * 2));
   STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
-  strata_optimizer_stats_t s{};
-  s.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
-  STRATA_REQUIRE_OK(strata_optimizer_get_stats(opt.get(), &s));
+  strata_optimizer_stats_t s = stats_of(opt.get());
   REQUIRE(s.skipped_steps == 1);
   REQUIRE(s.step == 0);
   REQUIRE(s.loss_scale == 512.f);
@@ -139,7 +133,7 @@ TEST_CASE("dynamic loss scaling skips overflowed steps and backs off", "[optimiz
   STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), m.grads[0][0], 0, g.data(), g.size() * 2));
   STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
   STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
-  STRATA_REQUIRE_OK(strata_optimizer_get_stats(opt.get(), &s));
+  s = stats_of(opt.get());
   REQUIRE(s.step == 2);
   REQUIRE(s.loss_scale == 1024.f);  // grown after growth_interval good steps
   REQUIRE(snapshot(m, opt.get()) != before);
@@ -461,16 +455,12 @@ TEST_CASE("a resumed run continues bit for bit", "[checkpoint]") {
       Model r = make_model(3, 1234, backend);  // another init: the load overwrites it
       OptimizerPtr ro = make_optimizer(r, c);
       STRATA_REQUIRE_OK(strata_checkpoint_load(r.rt.get(), ro.get(), ckpt.c_str()));
-      strata_optimizer_stats_t s{};
-      s.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
-      STRATA_REQUIRE_OK(strata_optimizer_get_stats(ro.get(), &s));
+      strata_optimizer_stats_t s = stats_of(ro.get());
       REQUIRE(s.step == 5);
       run(r, ro.get(), 5, 3);
       REQUIRE(snapshot(r, ro.get()) == snapshot(a, ao.get()));
-      strata_optimizer_stats_t sa{};
-      sa.struct_size = STRATA_OPTIMIZER_STATS_STRUCT_SIZE;
-      STRATA_REQUIRE_OK(strata_optimizer_get_stats(ro.get(), &s));
-      STRATA_REQUIRE_OK(strata_optimizer_get_stats(ao.get(), &sa));
+      s = stats_of(ro.get());
+      const strata_optimizer_stats_t sa = stats_of(ao.get());
       REQUIRE(s.step == sa.step);
       REQUIRE(s.loss_scale == sa.loss_scale);
     }
