@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "backends/storage/crc32c.h"
+#include "backends/threads/spawn.h"
 
 namespace strata {
 namespace {
@@ -56,8 +57,13 @@ struct AlignedBuffer {
 // One direction's transfer thread: runs jobs in order; blocking waits are fine here.
 class NvmeTier::Worker {
  public:
-  Worker() : thread_([this] { run(); }) {}
   ~Worker() { shutdown(); }
+
+  // A thread the OS refuses is OUT_OF_MEMORY naming it (the tier's destructor stops the other).
+  Status start(const char* what) {
+    return spawn_thread(
+        what, [this] { run(); }, &thread_);
+  }
 
   void push(Job job) {
     {
@@ -178,6 +184,8 @@ Status NvmeTier::create(const NvmeOptions& options, std::shared_ptr<DeviceBacken
   tier->engine_name_ = tier->engine_->name();
   tier->to_disk_ = std::make_unique<Worker>();
   tier->from_disk_ = std::make_unique<Worker>();
+  STRATA_RETURN_IF_ERROR(tier->to_disk_->start("an nvme write"));
+  STRATA_RETURN_IF_ERROR(tier->from_disk_->start("an nvme read"));
   *out = std::move(tier);
   return Status::ok();
 }

@@ -341,7 +341,9 @@ STRATA_API strata_status_t strata_runtime_config_init(strata_runtime_config_t* c
  * out-of-range ordinal or NUMA node, a field that does not apply to the chosen backend, NVMe
  * paths without a budget or the reverse, a bad block size or queue depth), NO_DEVICE (cuda
  * asked for and no usable GPU, the CUDA error in the message), OUT_OF_MEMORY (a budget that
- * cannot be allocated or pinned, or exceeds available host memory), IO (an NVMe path cannot
+ * cannot be allocated or pinned, or exceeds available host memory; or a copy, NVMe transfer
+ * or storage engine thread the OS refuses to start: the thread and errno in the message), IO
+ * (an NVMe path cannot
  * be opened with O_DIRECT or preallocated: path and errno in the message), UNSUPPORTED
  * (io_engine URING where the kernel refuses io_uring). Thread-safe. */
 STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* config,
