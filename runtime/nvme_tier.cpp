@@ -474,10 +474,26 @@ Status NvmeTier::write_range(const std::string& tensor, uint64_t extent, uint64_
     }
     std::memcpy(buf.data() + (from - p.rel), in + (from - offset), to - from);
     const uint32_t crc = options_.checksums ? crc32c(buf.data(), p.len) : 0;
-    STRATA_RETURN_IF_ERROR(io_sync(IoOp::kWrite, p, buf.data()));
+    Status wrote = io_sync(IoOp::kWrite, p, buf.data());
+    if (!wrote.is_ok()) {
+      resync_checksum(p, crcs, buf.data());
+      return wrote;
+    }
     if (options_.checksums && crcs != nullptr) crcs->set(p.index, crc);
   }
   return Status::ok();
+}
+
+void NvmeTier::resync_checksum(const Piece& p, Checksums* crcs, unsigned char* buf) {
+  if (!options_.checksums || crcs == nullptr) return;
+  // A write that failed may still have reached the disk, whole (EIO reported after the data
+  // landed) or in part (some sectors): the piece holds its old bytes, the new ones, or a mix of
+  // the two inside the written range. Keeping the old checksum would make every later read of
+  // the tensor, and every partial write (which reads the piece first), fail as DATA_CORRUPTION
+  // although nothing rotted, so a retry of the write could never succeed. Read back what is
+  // there and checksum that. If the piece cannot be read either, its checksum stays: reads then
+  // report the mismatch (or the I/O error) rather than bytes nobody checked.
+  if (io_sync(IoOp::kRead, p, buf).is_ok()) crcs->set(p.index, crc32c(buf, p.len));
 }
 
 }  // namespace strata
