@@ -254,6 +254,15 @@ bool Executor::in_step() {
   return in_step_;
 }
 
+int64_t Executor::planned_ns(uint64_t bytes, double bytes_per_second) {
+  // A plan accepts any finite link speed >= 0: one of 1e-300 B/s makes this infinite, and
+  // converting a double beyond int64's range is undefined behaviour (the fuzzer found it).
+  // Durations are capped at 4e18 ns (127 years), which `end - d` and `busy` still hold.
+  constexpr double kMaxNs = 4e18;
+  const double ns = static_cast<double>(bytes) / bytes_per_second * 1e9;
+  return ns >= 0 && ns < kMaxNs ? static_cast<int64_t>(ns) : static_cast<int64_t>(kMaxNs);
+}
+
 Status Executor::resolve_copies() {
   std::vector<PendingCopy> copies;
   {
@@ -301,7 +310,7 @@ Status Executor::resolve_copies() {
         known = true;
       }
       if (!known) {  // the queue's very first copy: its duration at the planned link speed
-        start = end - static_cast<int64_t>(static_cast<double>(c.bytes) / rate * 1e9);
+        start = end - planned_ns(c.bytes, rate);
       }
       const uint64_t busy = end > start ? static_cast<uint64_t>(end - start) : 0;
       runtime_->account_counters(link, c.bytes, busy);

@@ -125,6 +125,8 @@ class Executor {
   std::vector<PendingCopy> pending_copies_;
   std::shared_ptr<DeviceFence> last_end_[2];  // per direction, across steps
   Status resolve_copies();
+  // Nanoseconds `bytes` take at `bytes_per_second`, capped (never undefined for tiny rates).
+  static int64_t planned_ns(uint64_t bytes, double bytes_per_second);
 
   std::shared_ptr<Runtime> runtime_;
   std::shared_ptr<DeviceBackend> backend_;

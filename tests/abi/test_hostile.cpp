@@ -358,6 +358,22 @@ TEST_CASE("a failed acquire leaves the layer unacquired", "[abi][executor][nvme]
   m.step();
 }
 
+// fuzz_plan found it (seed tests/fuzz/corpus/plan/tiny-link-speed): a plan accepts any finite
+// link speed >= 0, and the executor timed a queue's first copy as bytes / speed in int64
+// nanoseconds: undefined behaviour (UBSan: float-cast-overflow) for 1e-300 B/s. Now capped.
+TEST_CASE("a plan with a vanishingly small link speed steps, its copy times capped",
+          "[abi][executor]") {
+  OneLayer m(config_for(STRATA_DEVICE_BACKEND_HOST, 16 * kMiB, 32 * kMiB), STRATA_TIER_DRAM, 4096,
+             1e-300);
+  m.step();
+  strata_link_stats_t h2d{};
+  h2d.struct_size = STRATA_LINK_STATS_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_runtime_link_stats(m.rt.get(), STRATA_LINK_H2D, &h2d));
+  // The first copy counts as lasting as long as the plan's speed says, capped at 4e18 ns.
+  REQUIRE(h2d.busy_ns > 0);
+  REQUIRE(h2d.busy_ns <= 4000000000000000000ull);
+}
+
 TEST_CASE("checkpoints refuse to save or load mid-step", "[abi][checkpoint][executor]") {
   ScratchDir scratch;
   const std::string path = scratch.file("ckpt");
