@@ -44,7 +44,7 @@ using strata_test::ScratchDir;
 namespace {
 
 constexpr uint64_t kKiB = 1024;
-constexpr uint64_t kBlock = 64 * kKiB;  // stripe unit: tensors below span 2-5 pieces
+constexpr uint64_t kBlock = 64 * kKiB;  // stripe unit: tensors below span 1-5 pieces
 
 enum class Fault { kEnospc, kEio, kShort };
 const Fault kFaults[] = {Fault::kEnospc, Fault::kEio, Fault::kShort};
