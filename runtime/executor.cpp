@@ -194,15 +194,26 @@ Status Executor::step_end() {
   return finish_step(std::move(outbound));
 }
 
-Status Executor::finish_step(std::vector<std::shared_ptr<DeviceFence>> outbound) {
-  // Grads must have landed in DRAM when the step ends: the optimizer reads them next.
-  for (auto& f : outbound) STRATA_RETURN_IF_ERROR(f->host_wait());
+Status Executor::finish_step(std::vector<std::shared_ptr<DeviceFence>> outbound,
+                             std::vector<std::shared_ptr<DeviceFence>> abandoned) {
+  // Grads must have landed in DRAM when the step ends: the optimizer reads them next. Every
+  // fence is waited for even after one failed, so nothing of the step is still running when
+  // this returns. Loads an aborted step abandons are waited for too (they write into slots),
+  // but their errors are not the abort's: a load that failed (an NVMe read's IO error) was, or
+  // would have been, reported by the acquire that needed it, and the next step loads afresh.
+  Status first;
+  for (auto& f : outbound) {
+    Status s = f->host_wait();
+    if (first.is_ok() && !s.is_ok()) first = std::move(s);
+  }
+  for (auto& f : abandoned) (void)f->host_wait();
+  STRATA_RETURN_IF_ERROR(first);
   STRATA_RETURN_IF_ERROR(resolve_copies());
   return resolve_waits();
 }
 
 Status Executor::step_abort(void* stream) {
-  std::vector<std::shared_ptr<DeviceFence>> outbound;
+  std::vector<std::shared_ptr<DeviceFence>> outbound, abandoned;
   {
     std::lock_guard lock(mutex_);
     if (!in_step_) return Status::ok();
@@ -221,20 +232,35 @@ Status Executor::step_abort(void* stream) {
     for (Slot& s : slots_) {
       if (s.outbound) outbound.push_back(s.outbound);
       if (s.consumer) outbound.push_back(s.consumer);
-      for (auto& f : s.weight_ready) outbound.push_back(f);
-      for (auto& f : s.activation_ready) outbound.push_back(f);
+      for (auto& f : s.weight_ready) abandoned.push_back(f);
+      for (auto& f : s.activation_ready) abandoned.push_back(f);
+    }
+    // Loads issued for positions that will not run now.
+    for (std::size_t p = cursor_; p < issued_ && p < ready_.size(); ++p) {
+      for (const auto* list : {&ready_[p].weights, &ready_[p].grads, &ready_[p].activations}) {
+        abandoned.insert(abandoned.end(), list->begin(), list->end());
+      }
     }
     in_step_ = false;
     runtime_->note_step(false);
     cursor_ = sequence_.size();
     if (hooks_) hooks_->on_step_aborted();
   }
-  return finish_step(std::move(outbound));
+  return finish_step(std::move(outbound), std::move(abandoned));
 }
 
 bool Executor::in_step() {
   std::lock_guard lock(mutex_);
   return in_step_;
+}
+
+int64_t Executor::planned_ns(uint64_t bytes, double bytes_per_second) {
+  // A plan accepts any finite link speed >= 0: one of 1e-300 B/s makes this infinite, and
+  // converting a double beyond int64's range is undefined behaviour (the fuzzer found it).
+  // Durations are capped at 4e18 ns (127 years), which `end - d` and `busy` still hold.
+  constexpr double kMaxNs = 4e18;
+  const double ns = static_cast<double>(bytes) / bytes_per_second * 1e9;
+  return ns >= 0 && ns < kMaxNs ? static_cast<int64_t>(ns) : static_cast<int64_t>(kMaxNs);
 }
 
 Status Executor::resolve_copies() {
@@ -284,7 +310,7 @@ Status Executor::resolve_copies() {
         known = true;
       }
       if (!known) {  // the queue's very first copy: its duration at the planned link speed
-        start = end - static_cast<int64_t>(static_cast<double>(c.bytes) / rate * 1e9);
+        start = end - planned_ns(c.bytes, rate);
       }
       const uint64_t busy = end > start ? static_cast<uint64_t>(end - start) : 0;
       runtime_->account_counters(link, c.bytes, busy);

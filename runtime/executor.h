@@ -103,8 +103,10 @@ class Executor {
                     uint64_t bytes, const std::vector<std::shared_ptr<DeviceFence>>& wait_for,
                     std::shared_ptr<DeviceFence>* last);
   Status wait_all_outstanding();
-  // Waits for the step's outbound copies, counts its copies and emits its trace records.
-  Status finish_step(std::vector<std::shared_ptr<DeviceFence>> outbound);
+  // Waits for the step's outbound copies (their first error is the result) and for abandoned
+  // loads (errors ignored), counts its copies and emits its trace records.
+  Status finish_step(std::vector<std::shared_ptr<DeviceFence>> outbound,
+                     std::vector<std::shared_ptr<DeviceFence>> abandoned = {});
   // Emits the acquire and release trace records once their device-side times are known.
   Status resolve_waits();
   struct PendingWait {
@@ -123,6 +125,8 @@ class Executor {
   std::vector<PendingCopy> pending_copies_;
   std::shared_ptr<DeviceFence> last_end_[2];  // per direction, across steps
   Status resolve_copies();
+  // Nanoseconds `bytes` take at `bytes_per_second`, capped (never undefined for tiny rates).
+  static int64_t planned_ns(uint64_t bytes, double bytes_per_second);
 
   std::shared_ptr<Runtime> runtime_;
   std::shared_ptr<DeviceBackend> backend_;

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "backends/storage/crc32c.h"
+#include "backends/threads/spawn.h"
 
 namespace strata {
 namespace {
@@ -56,8 +57,13 @@ struct AlignedBuffer {
 // One direction's transfer thread: runs jobs in order; blocking waits are fine here.
 class NvmeTier::Worker {
  public:
-  Worker() : thread_([this] { run(); }) {}
   ~Worker() { shutdown(); }
+
+  // A thread the OS refuses is OUT_OF_MEMORY naming it (the tier's destructor stops the other).
+  Status start(const char* what) {
+    return spawn_thread(
+        what, [this] { run(); }, &thread_);
+  }
 
   void push(Job job) {
     {
@@ -178,6 +184,8 @@ Status NvmeTier::create(const NvmeOptions& options, std::shared_ptr<DeviceBacken
   tier->engine_name_ = tier->engine_->name();
   tier->to_disk_ = std::make_unique<Worker>();
   tier->from_disk_ = std::make_unique<Worker>();
+  STRATA_RETURN_IF_ERROR(tier->to_disk_->start("an nvme write"));
+  STRATA_RETURN_IF_ERROR(tier->from_disk_->start("an nvme read"));
   *out = std::move(tier);
   return Status::ok();
 }
@@ -466,10 +474,26 @@ Status NvmeTier::write_range(const std::string& tensor, uint64_t extent, uint64_
     }
     std::memcpy(buf.data() + (from - p.rel), in + (from - offset), to - from);
     const uint32_t crc = options_.checksums ? crc32c(buf.data(), p.len) : 0;
-    STRATA_RETURN_IF_ERROR(io_sync(IoOp::kWrite, p, buf.data()));
+    Status wrote = io_sync(IoOp::kWrite, p, buf.data());
+    if (!wrote.is_ok()) {
+      resync_checksum(p, crcs, buf.data());
+      return wrote;
+    }
     if (options_.checksums && crcs != nullptr) crcs->set(p.index, crc);
   }
   return Status::ok();
+}
+
+void NvmeTier::resync_checksum(const Piece& p, Checksums* crcs, unsigned char* buf) {
+  if (!options_.checksums || crcs == nullptr) return;
+  // A write that failed may still have reached the disk, whole (EIO reported after the data
+  // landed) or in part (some sectors): the piece holds its old bytes, the new ones, or a mix of
+  // the two inside the written range. Keeping the old checksum would make every later read of
+  // the tensor, and every partial write (which reads the piece first), fail as DATA_CORRUPTION
+  // although nothing rotted, so a retry of the write could never succeed. Read back what is
+  // there and checksum that. If the piece cannot be read either, its checksum stays: reads then
+  // report the mismatch (or the I/O error) rather than bytes nobody checked.
+  if (io_sync(IoOp::kRead, p, buf).is_ok()) crcs->set(p.index, crc32c(buf, p.len));
 }
 
 }  // namespace strata

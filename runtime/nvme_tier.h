@@ -91,7 +91,10 @@ class NvmeTier {
                       std::vector<std::shared_ptr<DeviceFence>> wait_for = {});
 
   // Synchronous byte-range access for strata_tensor_read/write of an NVMe-resident tensor:
-  // whole pieces are read (and checked), patched and written back (with a fresh checksum).
+  // whole pieces are read (and checked), patched and written back (with a fresh checksum). A
+  // failed write leaves the bytes of its range unspecified (old, new or a mix, as a failed
+  // pwrite does) and every other byte as it was; the tensor stays readable (see
+  // resync_checksum), and writing the range again succeeds once the fault is gone.
   Status read_range(const std::string& tensor, uint64_t extent, uint64_t len, const Checksums* crcs,
                     uint64_t offset, void* dst, uint64_t bytes);
   Status write_range(const std::string& tensor, uint64_t extent, uint64_t len, Checksums* crcs,
@@ -125,6 +128,9 @@ class NvmeTier {
   Status copy_sync(CopyDirection dir, void* dst, const void* src, uint64_t bytes);
   Status verify(const std::string& tensor, const Piece& p, const unsigned char* data,
                 const Checksums* crcs) const;
+  // After a failed write of piece `p` (write_range): its checksum again describes what the disk
+  // holds, read back into `buf` (block_size bytes).
+  void resync_checksum(const Piece& p, Checksums* crcs, unsigned char* buf);
 
   // Copies between a staging slot and the transfer's other end (device or host memory).
   using CopyFn = std::function<Status(void* dst, const void* src, uint64_t bytes)>;

@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include "backends/threads/spawn.h"
+
 namespace strata {
 namespace {
 
@@ -125,8 +127,9 @@ class CudaCopyQueue {
     DeviceGuard guard(device_);
     STRATA_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
                        "cudaStreamCreateWithFlags");
-    completer_ = std::thread([this] { run(); });
-    return Status::ok();
+    // A refused thread is OUT_OF_MEMORY naming it; shutdown() still destroys the stream.
+    return spawn_thread(
+        "a cuda copy completion", [this] { run(); }, &completer_);
   }
 
   Status submit(CopyRequest request, std::shared_ptr<DeviceFence>* fence) {

@@ -12,6 +12,8 @@
 #include <mutex>
 #include <thread>
 
+#include "backends/threads/spawn.h"
+
 namespace strata {
 namespace {
 
@@ -70,10 +72,15 @@ class HostFence final : public DeviceFence {
 // One direction's in-order copy queue and its worker thread.
 class CopyQueue {
  public:
-  explicit CopyQueue(uint64_t bytes_per_second) : bytes_per_second_(bytes_per_second) {
-    worker_ = std::thread([this] { run(); });
-  }
+  explicit CopyQueue(uint64_t bytes_per_second) : bytes_per_second_(bytes_per_second) {}
   ~CopyQueue() { shutdown(); }
+
+  // Starts the worker. A thread the OS refuses (a pids limit) is OUT_OF_MEMORY naming it, not
+  // an exception out of a constructor (which the ABI's firewall could only call INTERNAL).
+  Status start() {
+    return spawn_thread(
+        "a host backend copy", [this] { run(); }, &worker_);
+  }
 
   Status push(CopyRequest request, std::shared_ptr<HostCopyState> state) {
     {
@@ -172,6 +179,12 @@ class HostBackend final : public DeviceBackend {
   }
   ~HostBackend() override { shutdown(); }
 
+  // Starts both queues' workers; on failure the destructor stops the one that started.
+  Status start() {
+    for (auto& queue : queues_) STRATA_RETURN_IF_ERROR(queue->start());
+    return Status::ok();
+  }
+
   const DeviceDescription& description() const override { return description_; }
 
   // Simulated device memory is an anonymous mapping: pages are only backed once touched, so a
@@ -232,7 +245,9 @@ Status create_host_backend(const DeviceOptions& options, std::shared_ptr<DeviceB
     return error(Code::kInvalidArgument, "host backend: device_ordinal must be 0, got ",
                  options.ordinal);
   }
-  *out = std::make_shared<HostBackend>(options);
+  auto backend = std::make_shared<HostBackend>(options);
+  STRATA_RETURN_IF_ERROR(backend->start());
+  *out = std::move(backend);
   return Status::ok();
 }
 

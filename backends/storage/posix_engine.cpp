@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "backends/storage/storage_engine.h"
+#include "backends/threads/spawn.h"
 
 namespace strata {
 namespace {
@@ -19,11 +20,21 @@ namespace {
 class PosixEngine final : public StorageEngine {
  public:
   PosixEngine(std::vector<StorageFile> files, StorageEngineOptions options)
-      : StorageEngine(std::move(files), std::move(options)) {
-    const unsigned threads = std::clamp(options_.queue_depth, 1u, 64u);
-    for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
-  }
+      : StorageEngine(std::move(files), std::move(options)) {}
   ~PosixEngine() override { shutdown(); }
+
+  // Starts the pool. A thread the OS refuses is OUT_OF_MEMORY naming it; the destructor stops
+  // the threads that did start (a throwing constructor would have destroyed them joinable).
+  Status start() {
+    const unsigned threads = std::clamp(options_.queue_depth, 1u, 64u);
+    for (unsigned i = 0; i < threads; ++i) {
+      std::thread t;
+      STRATA_RETURN_IF_ERROR(spawn_thread(
+          "a posix storage engine", [this] { run(); }, &t));
+      workers_.push_back(std::move(t));
+    }
+    return Status::ok();
+  }
 
   const char* name() const override { return "posix"; }
 
@@ -93,7 +104,9 @@ class PosixEngine final : public StorageEngine {
 
 Status create_posix_engine(std::vector<StorageFile> files, StorageEngineOptions options,
                            std::unique_ptr<StorageEngine>* out) {
-  *out = std::make_unique<PosixEngine>(std::move(files), std::move(options));
+  auto engine = std::make_unique<PosixEngine>(std::move(files), std::move(options));
+  STRATA_RETURN_IF_ERROR(engine->start());
+  *out = std::move(engine);
   return Status::ok();
 }
 

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "backends/storage/storage_engine.h"
+#include "backends/threads/spawn.h"
 
 namespace strata {
 namespace {
@@ -68,8 +69,9 @@ class UringEngine final : public StorageEngine {
       }
     }
     depth_ = depth;
-    reaper_ = std::thread([this] { reap(); });
-    return Status::ok();
+    // A refused thread is OUT_OF_MEMORY (not UNSUPPORTED: kAuto must not fall back on it).
+    return spawn_thread(
+        "an io_uring completion", [this] { reap(); }, &reaper_);
   }
 
   const char* name() const override { return "io_uring"; }

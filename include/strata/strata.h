@@ -365,7 +365,9 @@ STRATA_API strata_status_t strata_runtime_config_init(strata_runtime_config_t* c
  * out-of-range ordinal or NUMA node, a field that does not apply to the chosen backend, NVMe
  * paths without a budget or the reverse, a bad block size or queue depth), NO_DEVICE (cuda
  * asked for and no usable GPU, the CUDA error in the message), OUT_OF_MEMORY (a budget that
- * cannot be allocated or pinned, or exceeds available host memory), IO (an NVMe path cannot
+ * cannot be allocated or pinned, or exceeds available host memory; or a copy, NVMe transfer
+ * or storage engine thread the OS refuses to start: the thread and errno in the message), IO
+ * (an NVMe path cannot
  * be opened with O_DIRECT or preallocated: path and errno in the message), UNSUPPORTED
  * (io_engine URING where the kernel refuses io_uring). Thread-safe. */
 STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* config,
@@ -532,6 +534,9 @@ STRATA_API strata_status_t strata_tensor_tier(strata_runtime_t* runtime, strata_
  * Synchronous: when it returns the data is in place. src: borrowed, any host memory.
  * Errors: INVALID_ARGUMENT (NULL, offset + bytes beyond the tensor), NOT_FOUND, BUSY (a move
  * is in flight), BACKEND (the copy failed: CUDA error in the message), IO, DATA_CORRUPTION.
+ * After an IO error on NVMe the bytes of [offset, offset + bytes) are unspecified (each holds
+ * its old or its new value, as after a failed pwrite), the rest of the tensor is unchanged and
+ * stays readable, and writing the range again succeeds once the fault is gone.
  * Thread-safe; concurrent writes to overlapping bytes of one tensor race as plain memory
  * would. */
 STRATA_API strata_status_t strata_tensor_write(strata_runtime_t* runtime, strata_tensor_t* tensor,
@@ -803,8 +808,10 @@ typedef struct strata_layer_views {
  * accumulated them: in STRATA_UPDATE_EXPLICIT mode they are held like any others; in
  * STRATA_UPDATE_AUTO mode what they started (accumulation, or updates of those layers) runs to
  * its end, the step counter does not advance, and the next step starts a fresh accumulation.
- * Without a running step it does nothing. Errors: INVALID_ARGUMENT (NULL), BACKEND.
- * Thread-safe. */
+ * Without a running step it does nothing. A load that failed (IO, DATA_CORRUPTION) is not the
+ * abort's error: the acquire that needed it reported it, and the next step loads again.
+ * Errors: INVALID_ARGUMENT (NULL), INVALID_STATE (another thread is inside
+ * strata_layer_acquire), BACKEND. Thread-safe. */
 STRATA_API_SINCE(1, 1) strata_status_t strata_step_abort(strata_executor_t* executor, void* stream);
 
 /* Acquire the next layer of the step. Makes `stream` wait (device-side) until the layer's data
@@ -813,14 +820,17 @@ STRATA_API_SINCE(1, 1) strata_status_t strata_step_abort(strata_executor_t* exec
  * in use there) or for weights homed on NVMe. Layers must come in step order.
  * Errors: INVALID_ARGUMENT (NULL, a layer index the graph does not have, unknown phase or
  * flags, bad struct_size), INVALID_STATE (outside a step, out of order, already acquired),
- * BACKEND, IO, DATA_CORRUPTION (an NVMe-homed weight failed its checksum). Thread-safe. */
+ * BACKEND, IO, DATA_CORRUPTION (an NVMe-homed weight failed its checksum). After an error the
+ * layer is not acquired (a retry fails the same way, a release is refused): strata_step_abort,
+ * and the next step loads it again. Thread-safe. */
 STRATA_API strata_status_t strata_layer_acquire(strata_executor_t* executor, uint32_t layer,
                                                 strata_phase_t phase, void* stream, uint32_t flags,
                                                 strata_layer_views_t* views);
 
 /* With STRATA_ACQUIRE_NO_WAIT: make `stream` wait for one tensor of the acquired layer.
  * Errors: INVALID_ARGUMENT (NULL, unknown role, index out of range), INVALID_STATE (not the
- * acquired layer). Thread-safe. */
+ * acquired layer), BACKEND, IO, DATA_CORRUPTION (the tensor's load from NVMe failed: its view
+ * holds no valid data; strata_step_abort abandons the step). Thread-safe. */
 STRATA_API strata_status_t strata_layer_wait_tensor(strata_executor_t* executor, uint32_t layer,
                                                     strata_phase_t phase, strata_view_role_t role,
                                                     uint32_t index, void* stream);
