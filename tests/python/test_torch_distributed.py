@@ -9,7 +9,6 @@ group, each with its own Strata runtime (host backend), running tests/python/tor
 - A rank that raises, is killed, or stops mid-step takes the job down: the others fail within
   the collective timeout with Strata's error instead of hanging."""
 import multiprocessing
-import os
 import socket
 import time
 
