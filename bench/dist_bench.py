@@ -40,10 +40,13 @@ sys.path.insert(0, str(ROOT / "bindings" / "python"))
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 # Hugging Face Llama shapes (vocab 128256): "8b" is Llama 3.1 8B; "3.6b" is Llama 3.2 3B with an
-# untied head (3.21 B + 0.39 B); "tiny" checks the script on a CPU.
+# untied head (3.21 B + 0.39 B); "1b" Llama 3.2 1B's (untied: 1.5 B), for a quick check on GPUs;
+# "tiny" checks the script on a CPU.
 CONFIGS = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2),
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
     "3.6b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192,
                  num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
                  rope_theta=500000.0),
@@ -100,6 +103,33 @@ def fast_init(module):
                 n = min(tile.numel() - k, flat.numel() - pos)
                 flat[pos:pos + n].copy_(tile[k:k + n])
                 pos += n
+
+
+def mem_available():
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def grow_host_memory(target):
+    """Some VMs (the device machines here) give a guest its RAM as it is first touched: their
+    MemAvailable starts far below the machine's memory, and Strata refuses a DRAM budget above
+    MemAvailable. Touch what is missing in a child process (which then frees it), stopping
+    early where memory does not grow (2 GiB left): never an OOM kill."""
+    need = target - mem_available()
+    if need <= 0:
+        return 0.0
+    t0 = time.perf_counter()
+    code = ("import torch, sys\n"
+            "sys.path.insert(0, %r)\n"
+            "from dist_bench import mem_available\n"
+            "held, need = [], %d\n"
+            "while sum(t.numel() for t in held) < need and mem_available() > (2 << 30):\n"
+            "    held.append(torch.empty(min(1 << 30, need), dtype=torch.uint8).fill_(1))\n"
+            % (str(pathlib.Path(__file__).parent), need))
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return time.perf_counter() - t0
 
 
 def peak_host_bytes():
@@ -347,6 +377,9 @@ def main():
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--run-timeout", type=int, default=900, help="seconds per run")
+    p.add_argument("--host-memory", type=float, default=0,
+                   help="GB of MemAvailable to make sure of first, touching memory where the "
+                        "VM grows its RAM on demand (nvidia-h200-x2 starts at ~31 GiB)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -358,6 +391,10 @@ def main():
     runs = [parse_run(s) for s in (args.runs or "strata:1,strata:%d,strata:1:%d,fsdp2:%d,"
                                    "deepspeed:%d" % (n, n, n, n)).split(",")]
     models = args.models.split(",")
+    if args.host_memory:
+        seconds = grow_host_memory(int(args.host_memory * 1e9))
+        print("host memory: %.0f GB available (%.0f s to grow it; %.0f GB asked for)"
+              % (mem_available() / 1e9, seconds, args.host_memory), flush=True)
     results = []
     for model_name in models:
         for mode, gpus, mult in runs:

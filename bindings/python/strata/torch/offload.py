@@ -260,15 +260,17 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     if dtype not in DTYPE_NAMES:
         raise ValueError("strata.torch.offload: dtype %s is not float32, bfloat16 or float16"
                          % dtype)
+    from .distributed import resolve
+    mesh = resolve(data_parallel, device)  # collective under data parallelism
     if resident_blocks is None:
         resident_blocks = _auto_resident_blocks(list(all_blocks), dtype, device, gpu_budget)
+    if mesh is not None:  # every rank must stream the same blocks: the fewest any rank keeps
+        resident_blocks = min(mesh.gather_objects(resident_blocks))
     if not 0 <= resident_blocks < len(all_blocks):
         raise ValueError("strata.torch.offload: resident_blocks is %d; the model has %d blocks "
                          "and at least one must stream" % (resident_blocks, len(all_blocks)))
     kept = list(all_blocks)[:resident_blocks]
     blocks = list(all_blocks)[resident_blocks:]
-    from .distributed import resolve
-    mesh = resolve(data_parallel, device)  # collective under data parallelism
     if nvme and mesh is not None:
         # Each rank would need NVMe files of its own, and the state's placement is planned per
         # runtime from what one process holds: not built yet.
