@@ -177,6 +177,15 @@ class ShardedSession(StrataSession):
         self.ready[index] = (b, event)
 
     def acquire_layer(self, index, phase):
+        # Called outside the blocks' own error handling: a failed gather (another rank gone)
+        # abandons the step here, so no layer stays acquired.
+        try:
+            self._acquire_layer(index, phase)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _acquire_layer(self, index, phase):
         if phase == FORWARD:
             if index not in self.ready:
                 self._gather(index, FORWARD)
@@ -204,9 +213,13 @@ class ShardedSession(StrataSession):
             self.free[index % 2] = self._record(torch.cuda.current_stream(self.device))
         self.unbind(index)
         if phase == BACKWARD:
-            self._finish_reduction(index)
-            if index > 0:
-                self._gather(index - 1, BACKWARD)  # overlaps the reduction and block index-1
+            try:
+                self._finish_reduction(index)
+                if index > 0:
+                    self._gather(index - 1, BACKWARD)  # overlaps block index-1's compute
+            except BaseException:
+                self.abort()
+                raise
 
     def store_grads(self, index, params, grads):
         """Reduce-scatter the block's grads (averaged over the shard group) into this rank's grad
