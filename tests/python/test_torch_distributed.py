@@ -46,8 +46,9 @@ def context():
 
 def launch(world, args, limit=120, grace=5.0):
     """Start `world` ranks; wait (at most `limit` s) for rank 0 to exit, then up to `grace` s
-    for the rest, which are killed after that (as torchrun ends a job whose rank failed). Returns (exit codes, output texts, seconds until rank 0
-    exited); a rank 0 still running at `limit` is a hang and fails the test."""
+    for the rest, which are killed after that (as torchrun ends a job whose rank failed).
+    Returns (exit codes, output texts, seconds until rank 0 exited); a rank 0 still running at
+    `limit` is a hang and fails the test."""
     port = free_port()
     procs, logs = [], []
     for rank in range(world):
