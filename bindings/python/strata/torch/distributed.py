@@ -95,10 +95,17 @@ class Mesh:
         self.global_ranks = ranks
         self.world = len(ranks)
         self.rank = dist.get_rank(parent)
+        self.global_rank = dist.get_rank()
         if self.rank < 0:
             raise ValueError("strata.torch.offload: this process is not a member of the "
                              "data_parallel group")
         self.backend = "nccl" if device.type == "cuda" else "gloo"
+        # Subgroups of the default group are created by every rank, all in one order: NCCL
+        # splits them from the default group's communicator when a device is bound to it
+        # (init_process_group(device_id=...)), which every rank of it must join. Under another
+        # group only its members take part, so only they create them.
+        self.local_sync = options.group is not None and \
+            dist.get_world_size(options.group) != dist.get_world_size()
         if device.type == "cuda":
             # NCCL's object collectives and communicators use the current device: this rank's.
             torch.cuda.set_device(device)
@@ -111,22 +118,31 @@ class Mesh:
                              "of the data-parallel group" % (size, self.world))
         self.shard_size, self.replicas = size, self.world // size
         self.shard_rank, self.replica = self.rank % size, self.rank // size
-        mine = ranks[self.replica * size:(self.replica + 1) * size]
-        self.gather_group = self._group(mine) if size > 1 else None
-        self.reduce_group = self._group(mine) if size > 1 else None
-        self.replica_group = self._group(ranks[self.shard_rank::size]) \
-            if self.replicas > 1 else None
+        self.gather_group = self.reduce_group = self.replica_group = None
+        if size > 1:
+            for k in range(self.replicas):
+                shard = ranks[k * size:(k + 1) * size]
+                gather, reduce = self._group(shard), self._group(shard)
+                if k == self.replica:
+                    self.gather_group, self.reduce_group = gather, reduce
+        if self.replicas > 1:
+            for j in range(size):
+                replica = self._group(ranks[j::size])
+                if j == self.shard_rank:
+                    self.replica_group = replica
 
     # --- set-up ----------------------------------------------------------------------------
 
     def _group(self, ranks):
-        # Only the members create it (use_local_synchronization), so each rank creates exactly
-        # the groups it belongs to, in the same order as its peers.
+        """A new group of `ranks` (global ranks), or None where this rank is not in it."""
+        if self.local_sync and self.global_rank not in ranks:
+            return None
         try:
-            return dist.new_group(ranks, timeout=self.timeout, backend=self.backend,
-                                  use_local_synchronization=True)
+            group = dist.new_group(ranks, timeout=self.timeout, backend=self.backend,
+                                   use_local_synchronization=self.local_sync)
         except Exception as e:
             raise self._failure("creating a process group of ranks %s" % list(ranks), e) from e
+        return group if self.global_rank in ranks else None
 
     def _ranks_per_host(self):
         """Ranks per host, when every host has the same number and holds consecutive ranks
