@@ -147,7 +147,8 @@ def data(config, rows, seq):
 
 # --- one run: a torchrun job, every rank in this function ------------------------------------
 
-def run_job(mode, model_name, rows_per_gpu, seq, steps, warmup, clip, device_kind):
+def run_job(mode, model_name, rows_per_gpu, seq, steps, warmup, clip, device_kind,
+            resident_blocks=None):
     import torch
     import torch.distributed as dist
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -166,7 +167,7 @@ def run_job(mode, model_name, rows_per_gpu, seq, steps, warmup, clip, device_kin
     out = {"mode": mode, "model": model_name, "params": parameters(config), "gpus": world,
            "rows_per_gpu": rows_per_gpu, "seq": seq, "clip": clip}
     t_setup = time.perf_counter()
-    step, extra = SETUPS[mode](config, device, clip, rows_per_gpu, world)
+    step, extra = SETUPS[mode](config, device, clip, rows_per_gpu, world, resident_blocks)
     out["setup_seconds"] = time.perf_counter() - t_setup
     times, losses = [], []
     for i in range(warmup + steps):
@@ -213,10 +214,11 @@ def meta_model(config):
     return model
 
 
-def setup_strata(config, device, clip, rows, world):
+def setup_strata(config, device, clip, rows, world, resident_blocks=None):
     import torch
     import strata.torch as st
     model = st.offload(meta_model(config), device=device, dtype=torch.bfloat16,
+                       resident_blocks=resident_blocks,
                        data_parallel=st.DataParallel(broadcast=False) if world > 1 else None)
     opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     info = model.strata.executor.plan_info()
@@ -240,7 +242,7 @@ def setup_strata(config, device, clip, rows, world):
     return step, extra
 
 
-def setup_fsdp2(config, device, clip, rows, world):
+def setup_fsdp2(config, device, clip, rows, world, resident_blocks=None):
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     model = meta_model(config)
@@ -270,7 +272,7 @@ def setup_fsdp2(config, device, clip, rows, world):
     return step, {}
 
 
-def setup_deepspeed(config, device, clip, rows, world):
+def setup_deepspeed(config, device, clip, rows, world, resident_blocks=None):
     import deepspeed
     import torch
     from transformers import LlamaForCausalLM
@@ -316,6 +318,8 @@ def launch(args, mode, gpus, mult, model_name):
            "--nproc-per-node", str(gpus), __file__, "--one", mode, model_name,
            "--batch", str(args.batch * mult), "--seq", str(args.seq), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--clip", str(args.clip), "--device", args.device]
+    if args.resident_blocks is not None and mode == "strata":
+        cmd += ["--resident-blocks", str(args.resident_blocks)]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bindings" / "python"),
                                                       env.get("PYTHONPATH")]))
@@ -376,6 +380,8 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--resident-blocks", type=int, default=None,
+                   help="strata: blocks kept in HBM (default: strata.torch.offload's choice)")
     p.add_argument("--run-timeout", type=int, default=900, help="seconds per run")
     p.add_argument("--host-memory", type=float, default=0,
                    help="GB of MemAvailable to make sure of first, touching memory where the "
@@ -385,7 +391,7 @@ def main():
     args = p.parse_args()
     if args.one:
         run_job(args.one[0], args.one[1], args.batch, args.seq, args.steps, args.warmup,
-                args.clip, args.device)
+                args.clip, args.device, args.resident_blocks)
         return
     n = args.gpus
     runs = [parse_run(s) for s in (args.runs or "strata:1,strata:%d,strata:1:%d,fsdp2:%d,"
