@@ -112,11 +112,13 @@ class ShardedSession(StrataSession):
         if self.optimizer is not None:
             self.optimizer = _CountingOptimizer(self.optimizer, self)
 
-    def register_param(self, sp, p, opt, group):
-        values = p.detach()
-        self.mesh.broadcast(values, "broadcasting %s from rank 0" % sp.name)
+    def register_param(self, sp, p):
         name = "%s.shard%dof%d" % (sp.name, self.mesh.shard_rank, self.mesh.shard_size)
-        self.register_values(sp, name, self._own_chunk(sp, values), p.requires_grad, opt, group)
+        self.register_shape(sp, name, [sp.chunk], p.requires_grad)
+
+    def write_param(self, sp, values, opt, group):
+        self.mesh.broadcast(values, "broadcasting %s from rank 0" % sp.name)
+        self.write_values(sp, self._own_chunk(sp, values), opt, group)
 
     def _own_chunk(self, sp, values):
         """This rank's chunk of a parameter's values (zero past the end)."""
