@@ -24,3 +24,4 @@ from .optim import AdamW  # noqa: F401
 from .grads import StreamedGrad  # noqa: F401
 from .session import StrataSession  # noqa: F401
 from .checkpoint import save_checkpoint, load_checkpoint  # noqa: F401
+from .distributed import DataParallel, DataParallelError  # noqa: F401

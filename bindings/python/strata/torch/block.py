@@ -10,7 +10,7 @@ import contextlib
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..core import BACKWARD, FORWARD, VIEW_GRAD
+from ..core import BACKWARD, FORWARD
 
 
 def _cache_types():
@@ -113,12 +113,7 @@ class StreamedBlockFunction(torch.autograd.Function):
         try:
             trainable = [sp for sp in session.layers[index] if sp.trainable]
             result, param_grads = _recompute_grads(ctx, grad_outs, [sp.param for sp in trainable])
-            for sp, g in zip(trainable, param_grads):
-                if g is not None:  # the view was zeroed when the backward pass began
-                    view = torch.from_dlpack(session.executor.view(index, BACKWARD, VIEW_GRAD,
-                                                                   sp.grad_index))
-                    view.copy_(g)
-                    del view
+            session.store_grads(index, trainable, param_grads)
             del param_grads
         except BaseException as e:
             session.abort()

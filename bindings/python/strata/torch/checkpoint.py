@@ -8,7 +8,13 @@ A checkpoint is a directory:
 The streamed part is Strata's checkpoint (CRC-32C per tensor, checked on load). The whole
 directory is written as "<path>.partial" and swapped in with one renameat2(RENAME_EXCHANGE)
 (or a rename when there was none), so a crash leaves either the previous checkpoint or the new
-one, whole. Schedulers keep their own state_dict(), as in plain PyTorch."""
+one, whole. Schedulers keep their own state_dict(), as in plain PyTorch.
+
+Under data parallelism (strata.torch.distributed) every rank calls both functions with the same
+path, on a file system all ranks see: the ranks of the first replica write their shards,
+streamed/shard<k>of<n>/ (each its own Strata checkpoint), every rank its RNG states,
+rng/rank<r>.pt, and rank 0 the rest and the final swap; a checkpoint loads under the same
+number of ranks and shards."""
 
 import ctypes
 import errno
@@ -72,24 +78,64 @@ def _check_optimizer(optimizer, session):
         raise ValueError("strata.torch: the optimizer is not this model's strata.torch.AdamW")
 
 
-def save_checkpoint(path, model, optimizer=None):
-    """Save everything a resumed run needs: streamed and resident weights, all optimizer state
-    (masters, moments, per-parameter step counts, hyperparameters), and torch's RNG states.
-    Atomic: `path` holds either the previous checkpoint or this one."""
-    session = _session(model)
-    _check_optimizer(optimizer, session)
-    path = os.fspath(path).rstrip("/")
-    staging = path + ".partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    session.runtime.save_checkpoint(os.path.join(staging, "streamed"),
-                                    session.optimizer if optimizer is not None else None)
+def _layout(session):
+    """Under data parallelism: the ranks and shards the checkpoint was written by."""
+    mesh = getattr(session, "mesh", None)
+    return None if mesh is None else {"ranks": mesh.world, "shard_size": mesh.shard_size}
+
+
+def _streamed_dir(root, session):
+    mesh = getattr(session, "mesh", None)
+    if mesh is None:
+        return os.path.join(root, "streamed")
+    return os.path.join(root, "streamed", "shard%dof%d" % (mesh.shard_rank, mesh.shard_size))
+
+
+def _rng_state():
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save({"format": FORMAT, "model": _resident_tensors(model, session),
-                "optimizer": optimizer.resident_state() if optimizer is not None else None,
-                "rng": rng}, os.path.join(staging, "resident.pt"))
+    return rng
+
+
+def save_checkpoint(path, model, optimizer=None):
+    """Save everything a resumed run needs: streamed and resident weights, all optimizer state
+    (masters, moments, per-parameter step counts, hyperparameters), and torch's RNG states.
+    Atomic: `path` holds either the previous checkpoint or this one. Under data parallelism,
+    every rank calls it with the same path."""
+    session = _session(model)
+    _check_optimizer(optimizer, session)
+    mesh = getattr(session, "mesh", None)
+    lead = mesh is None or mesh.rank == 0
+    path = os.fspath(path).rstrip("/")
+    staging = path + ".partial"
+    if lead:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(os.path.join(staging, "streamed") if mesh else staging)
+        if mesh:
+            os.makedirs(os.path.join(staging, "rng"))
+    if mesh:
+        mesh.barrier("starting checkpoint %s" % path)
+    if mesh is None or mesh.replica == 0:  # replicas hold the same shards
+        session.runtime.save_checkpoint(_streamed_dir(staging, session),
+                                        session.optimizer if optimizer is not None else None)
+    if mesh:
+        torch.save(_rng_state(), os.path.join(staging, "rng", "rank%d.pt" % mesh.rank))
+    if lead:
+        torch.save({"format": FORMAT, "model": _resident_tensors(model, session),
+                    "optimizer": optimizer.resident_state() if optimizer is not None else None,
+                    "rng": _rng_state(), "data_parallel": _layout(session)},
+                   os.path.join(staging, "resident.pt"))
+    if mesh:
+        mesh.barrier("writing checkpoint %s" % path)
+    if lead:
+        _commit(staging, path)
+    if mesh:
+        mesh.barrier("committing checkpoint %s" % path)
+
+
+def _commit(staging, path):
+    """Swap the written staging directory in for `path`, durably."""
     _fsync_tree(staging)
     if os.path.exists(path):
         try:
@@ -131,13 +177,18 @@ def load_checkpoint(path, model, optimizer=None):
                          % (path, FORMAT))
     if optimizer is not None and data["optimizer"] is None:
         raise ValueError("strata.torch.load_checkpoint: %s holds no optimizer state" % path)
+    layout = data.get("data_parallel")
+    if layout != _layout(session):
+        raise ValueError("strata.torch.load_checkpoint: %s was saved %s; this model trains %s "
+                         "(load it under the same layout)" % (
+                             path, _describe(layout), _describe(_layout(session))))
     expected = _resident_tensors(model, session)
     saved = data["model"]
     if set(saved) != set(expected):
         raise ValueError("strata.torch.load_checkpoint: the checkpoint's resident tensors differ "
                          "from the model's (missing: %s; unexpected: %s)"
                          % (sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))))
-    session.runtime.load_checkpoint(os.path.join(path, "streamed"),
+    session.runtime.load_checkpoint(_streamed_dir(path, session),
                                     session.optimizer if optimizer is not None else None)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
@@ -146,6 +197,17 @@ def load_checkpoint(path, model, optimizer=None):
         target.copy_(value)
     if optimizer is not None:
         optimizer.load_resident_state(data["optimizer"])
-    torch.set_rng_state(data["rng"]["cpu"])
-    if "cuda" in data["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(data["rng"]["cuda"])
+    rng = data["rng"]
+    mesh = getattr(session, "mesh", None)
+    if mesh is not None:
+        rng = torch.load(os.path.join(path, "rng", "rank%d.pt" % mesh.rank), map_location="cpu",
+                         weights_only=True)
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _describe(layout):
+    if layout is None:
+        return "by one process (no data parallelism)"
+    return "by %d data-parallel ranks in shards of %d" % (layout["ranks"], layout["shard_size"])

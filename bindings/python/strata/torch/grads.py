@@ -51,6 +51,31 @@ def _writes_streamed_grad(func, args, kwargs):
     return False
 
 
+def _norm_of(grad, sum_squares):
+    return torch.tensor(sum_squares ** 0.5, dtype=grad.dtype, device=grad.device)
+
+
+def _sums(grads):
+    """The sums of squares of StreamedGrads, asked for together per session (under data
+    parallelism that is one collective for all of them, not one per grad)."""
+    by_session, sums = {}, {}
+    for t in grads:
+        t._optimizer()
+        by_session.setdefault(id(t._session), []).append(t)
+    for group in by_session.values():
+        for t, s in zip(group, group[0]._session.grad_sums([t._sp for t in group])):
+            sums[id(t)] = s
+    return [sums[id(t)] for t in grads]
+
+
+def _foreach_norm(tensors, ord_):
+    streamed = [t for t in tensors if isinstance(t, StreamedGrad)] if float(ord_) == 2.0 else []
+    sums = dict(zip(map(id, streamed), _sums(streamed)))
+    return [_norm_of(t, sums[id(t)]) if id(t) in sums
+            else t._norm(ord_) if isinstance(t, StreamedGrad)
+            else torch.linalg.vector_norm(t, ord_) for t in tensors]
+
+
 class StreamedGrad(torch.Tensor):
     @staticmethod
     def __new__(cls, session, sp, dtype, device):
@@ -80,15 +105,14 @@ class StreamedGrad(torch.Tensor):
 
     def materialize(self):
         """The grad's values as an ordinary tensor (a copy)."""
-        host = torch.empty(self._sp.shape, dtype=torch.float32)
-        self._optimizer().grad_read(self._sp.weight, host.data_ptr(), host.numel())
-        return host.to(device=self.device, dtype=self.dtype)
+        self._optimizer()
+        return self._session.read_grad(self._sp).to(device=self.device, dtype=self.dtype)
 
     def _norm(self, ord=2.0):
         if float(ord) != 2.0:
             return torch.linalg.vector_norm(self.materialize(), ord)
-        _, sum_squares, _ = self._optimizer().grad_info(self._sp.weight)
-        return torch.tensor(sum_squares ** 0.5, dtype=self.dtype, device=self.device)
+        self._optimizer()
+        return _norm_of(self, self._session.grad_sums([self._sp])[0])
 
     def _scale(self, factor):
         self._optimizer().grad_scale(self._sp.weight, factor)
@@ -117,8 +141,7 @@ class StreamedGrad(torch.Tensor):
             return args[0]
         if func in _FOREACH_NORM:
             ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2.0)
-            return [t._norm(ord_) if isinstance(t, StreamedGrad)
-                    else torch.linalg.vector_norm(t, ord_) for t in args[0]]
+            return _foreach_norm(args[0], ord_)
         if func in _FOREACH_SCALE:
             divide = "div" in func.__name__
             for i, t in enumerate(args[0]):
@@ -138,12 +161,11 @@ class StreamedGrad(torch.Tensor):
             if plain:
                 func(plain, found_inf, inv_scale)
             factor = float(inv_scale)
-            for t in grads:
-                if isinstance(t, StreamedGrad):
-                    _, sum_squares, _ = t._optimizer().grad_info(t._sp.weight)
-                    if not math.isfinite(sum_squares):
-                        found_inf.fill_(1.0)
-                    t._scale(factor)
+            streamed = [t for t in grads if isinstance(t, StreamedGrad)]
+            for t, sum_squares in zip(streamed, _sums(streamed)):
+                if not math.isfinite(sum_squares):
+                    found_inf.fill_(1.0)
+                t._scale(factor)
             return None
         if func in _FOREACH_ZERO:
             for t in args[0]:

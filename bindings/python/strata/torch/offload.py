@@ -143,10 +143,15 @@ def _install_state_hooks(session, index, block):
     block.register_load_state_dict_post_hook(_Hook(hooks, "load_post"))
 
 
-def _estimate_dram(blocks, dtype):
+def _estimate_dram(blocks, dtype, mesh=None):
     from .. import core
-    _, dram = core.streaming_budgets([sum(p.numel() for p in b.parameters()) for b in blocks],
-                                     torch.finfo(dtype).bits // 8)
+    if mesh is None:
+        counts = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    else:  # this rank's shards
+        from .sharded import chunk_elements
+        counts = [sum(chunk_elements(p.numel(), mesh.shard_size) for p in b.parameters())
+                  for b in blocks]
+    _, dram = core.streaming_budgets(counts, torch.finfo(dtype).bits // 8)
     return dram
 
 
@@ -206,7 +211,7 @@ def _keep_resident(block):
 
 def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, dtype=None,
             device=None, backend="auto", slot_budget=0, resident_blocks=None,
-            state_placement=None):
+            state_placement=None, data_parallel=None):
     """Stream `model`'s blocks through Strata; returns the model, changed in place.
 
     gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: pinned
@@ -221,8 +226,11 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     the model's). device: where to compute (None: cuda if available, else cpu with Strata's
     host backend). resident_blocks: how many of the first blocks stay in HBM as plain PyTorch
     modules with checkpointing, trained by torch's AdamW on the device (None: as many as 40% of
-    the free device memory holds, 0 on the CPU; pass 0 to leave the memory to activations). A failed call leaves the model as it was and
-    releases what it allocated."""
+    the free device memory holds, 0 on the CPU; pass 0 to leave the memory to activations).
+    data_parallel: None (data parallel over torch.distributed's default group when it is
+    initialized with several ranks), False (never), or a strata.torch.DataParallel
+    (strata.torch.distributed). A failed call leaves the model as it was and releases what it
+    allocated."""
     if getattr(model, "strata", None) is not None:
         raise RuntimeError("strata.torch.offload: this model is already offloaded "
                            "(model.strata exists); offload a model once")
@@ -252,13 +260,24 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     if dtype not in DTYPE_NAMES:
         raise ValueError("strata.torch.offload: dtype %s is not float32, bfloat16 or float16"
                          % dtype)
+    from .distributed import resolve
+    mesh = resolve(data_parallel, device)  # collective under data parallelism
     if resident_blocks is None:
         resident_blocks = _auto_resident_blocks(list(all_blocks), dtype, device, gpu_budget)
+    if mesh is not None:  # every rank must stream the same blocks: the fewest any rank keeps
+        resident_blocks = min(mesh.gather_objects(resident_blocks))
     if not 0 <= resident_blocks < len(all_blocks):
         raise ValueError("strata.torch.offload: resident_blocks is %d; the model has %d blocks "
                          "and at least one must stream" % (resident_blocks, len(all_blocks)))
     kept = list(all_blocks)[:resident_blocks]
     blocks = list(all_blocks)[resident_blocks:]
+    if nvme and mesh is not None:
+        # Each rank would need NVMe files of its own, and the state's placement is planned per
+        # runtime from what one process holds: not built yet.
+        raise NotImplementedError(
+            "strata.torch.offload: nvme= under data parallelism is not supported yet; each "
+            "rank keeps 1/(ranks per host) of the training state in DRAM: size host_budget "
+            "for that, or train without data_parallel")
     state_options = {}
     if nvme:
         # Training state may spill to NVMe: DRAM holds the weights, grads and staging, and as
@@ -277,16 +296,21 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         nvme_budget = nvme_budget or auto_nvme
         state_options = {"state_placement": state_placement or "planned",
                          "nvme_staging_bytes": staging}
-    elif host_budget is not None and host_budget < _estimate_dram(blocks, dtype):
+    elif host_budget is not None and host_budget < _estimate_dram(blocks, dtype, mesh):
         raise ValueError("strata.torch.offload: host_budget %d bytes is below the %d bytes the "
                          "streamed blocks need in pinned DRAM (weights, grads, fp32 masters and "
                          "AdamW moments; or pass nvme= to put state on NVMe); nothing was changed"
-                         % (host_budget, _estimate_dram(blocks, dtype)))
+                         % (host_budget, _estimate_dram(blocks, dtype, mesh)))
     prefixes = {id(m): n + "." for n, m in model.named_modules(remove_duplicate=False)}
     names = [prefixes[id(b)] for b in blocks]  # each block's prefix in the model's names
     init = getattr(model, "_init_weights", None)
-    session = StrataSession(blocks, names, device, dtype, gpu_budget, host_budget, nvme,
-                            nvme_budget, backend, slot_budget, init)
+    args = (blocks, names, device, dtype, gpu_budget, host_budget, nvme, nvme_budget, backend,
+            slot_budget, init)
+    if mesh is None:
+        session = StrataSession(*args)
+    else:
+        from .sharded import ShardedSession
+        session = ShardedSession(mesh, *args)
     session.resident_blocks = kept
     session.state_options = state_options
     session.applying = False
@@ -345,6 +369,8 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                 p.__dict__.pop("_strata_session", None)
         session.close()
         raise
+    if mesh is not None:  # replicated on every rank, their grads averaged after backward
+        session.residents = [p for p in model.parameters() if id(p) not in streamed]
     model.strata = session
     if kept:
         _note_memory_errors(model, session)

@@ -176,16 +176,10 @@ class AdamW(torch.optim.Optimizer):
     # --- state ----------------------------------------------------------------------------
 
     def _read_state(self, sp, kind):
-        t = torch.empty(sp.shape, dtype=torch.float32)
-        self._session.optimizer.state(sp.weight, kind).read_pointer(t.data_ptr(), t.numel() * 4)
-        return t
+        return self._session.read_state(sp, kind)
 
     def _write_state(self, sp, kind, value):
-        t = value.detach().to("cpu", torch.float32).contiguous()
-        if tuple(t.shape) != sp.shape:
-            raise ValueError("strata.torch.AdamW.load_state_dict: state %r of %r has shape %s, "
-                             "expected %s" % (kind, sp.name, list(t.shape), list(sp.shape)))
-        self._session.optimizer.state(sp.weight, kind).write_pointer(t.data_ptr(), t.numel() * 4)
+        self._session.write_state(sp, kind, value)
 
     def _filled_state(self):
         """self.state as torch.optim.AdamW would hold it (streamed state read from Strata)."""

@@ -74,12 +74,13 @@ class StrataSession:
         self.init = init
         self.slot_budget = slot_budget
         self.closed = False
-        counts = [sum(p.numel() for p in b.parameters()) for b in blocks]
-        hbm, dram = core.streaming_budgets(counts, torch.finfo(dtype).bits // 8)
+        hbm, dram = core.streaming_budgets(self.block_counts(blocks), torch.finfo(dtype).bits // 8)
         gpu_budget = hbm if gpu_budget is None else gpu_budget
         host_budget = dram if host_budget is None else host_budget
+        # The runtime computes on the model's GPU (cuda:1 is ordinal 1), not always the first.
         self.runtime = core.Runtime(backend=backend, hbm_budget=gpu_budget, dram_budget=host_budget,
-                                    nvme=nvme, nvme_budget=nvme_budget)
+                                    nvme=nvme, nvme_budget=nvme_budget,
+                                    device=(device.index or 0) if self.cuda else 0)
         self.prefixes = names  # per block: its name in the model ("model.layers.3.")
         self.layers = []  # per block: [StreamedParam] in named_parameters order
         self.by_id = {}  # id(param) -> StreamedParam
@@ -92,6 +93,10 @@ class StrataSession:
         self.landed_layers = set()  # blocks whose backward pass this step delivered grads
 
     # --- registration ----------------------------------------------------------------------
+
+    def block_counts(self, blocks):
+        """Elements per block this process keeps in DRAM (a sharded session keeps its shards)."""
+        return [sum(p.numel() for p in b.parameters()) for b in blocks]
 
     def build(self, optimizer=None, group_of=None):
         """Register every block (materializing meta blocks on the CPU first), with optimizer
@@ -114,12 +119,8 @@ class StrataSession:
             entries = []
             for k, (local, p) in enumerate(block.named_parameters()):
                 name = self.prefixes[i] + local
-                sp = StreamedParam(p, name, local, i, k)
-                sp.weight = self.runtime.register(name, p.shape, DTYPE_NAMES[self.dtype], "weight",
-                                                  "dram")
-                if p.requires_grad:
-                    sp.grad = self.runtime.register(name + ".grad", p.shape,
-                                                    DTYPE_NAMES[self.dtype], "grad", "dram")
+                sp = self.streamed_param(p, name, local, i, k)
+                self.register_param(sp, p)
                 entries.append(sp)
             registered.append(entries)
         for i, block in enumerate(self.blocks):
@@ -127,18 +128,8 @@ class StrataSession:
             entries = registered[i]
             for sp, p in zip(entries, block.parameters()):
                 assert sp.param is p
-                host = p.detach().to("cpu", self.dtype).contiguous()
-                sp.weight.write_pointer(host.data_ptr(), host.numel() * host.element_size())
-                if p.requires_grad:
-                    if opt is not None:
-                        group = 0 if group_of is None else group_of.get(id(p), 0)
-                        opt.add_param(sp.weight, sp.grad, group)
-                        if p.dtype == torch.float32 and self.dtype != torch.float32:
-                            # The master starts from the fp32 values, not their rounded copy.
-                            values = p.detach().to("cpu").contiguous()
-                            opt.state(sp.weight, "master").write_pointer(values.data_ptr(),
-                                                                         values.numel() * 4)
-                del host
+                group = 0 if group_of is None else group_of.get(id(p), 0)
+                self.write_param(sp, p.detach(), opt, group)
                 self.by_id[id(p)] = sp
             grads = [sp for sp in entries if sp.trainable]
             for j, sp in enumerate(grads):
@@ -178,6 +169,38 @@ class StrataSession:
         if caps.tiers_available[2]:
             line += ", NVMe %s" % size(caps.tier_budget_bytes[2])
         return line
+
+    def streamed_param(self, p, name, local, layer, index):
+        return StreamedParam(p, name, local, layer, index)
+
+    def register_param(self, sp, p):
+        """Register a block parameter's weight and, when it trains, its grad (shapes only)."""
+        self.register_shape(sp, sp.name, p.shape, p.requires_grad)
+
+    def register_shape(self, sp, name, shape, trainable):
+        sp.weight = self.runtime.register(name, shape, DTYPE_NAMES[self.dtype], "weight", "dram")
+        if trainable:
+            sp.grad = self.runtime.register(name + ".grad", shape, DTYPE_NAMES[self.dtype], "grad",
+                                            "dram")
+
+    def write_param(self, sp, values, opt, group):
+        """Write a block parameter's values (materialized on the CPU) into its weight and, when
+        it trains, make it a param of `opt` in group `group`."""
+        self.write_values(sp, values, opt, group)
+
+    def write_values(self, sp, values, opt, group):
+        """`values` (sp.weight's shape) into sp.weight; its optimizer state (the master from
+        the fp32 values, when given in fp32)."""
+        host = values.to("cpu", self.dtype).contiguous()
+        sp.weight.write_pointer(host.data_ptr(), host.numel() * host.element_size())
+        del host
+        if sp.trainable and opt is not None:
+            opt.add_param(sp.weight, sp.grad, group)
+            if values.dtype == torch.float32 and self.dtype != torch.float32:
+                # The master starts from the fp32 values, not their rounded copy.
+                values = values.to("cpu").contiguous()
+                opt.state(sp.weight, "master").write_pointer(values.data_ptr(),
+                                                             values.numel() * 4)
 
     def ensure_built(self):
         self.check_open()
@@ -234,12 +257,29 @@ class StrataSession:
             self.in_step = True
             self.step_id += 1
             self.backward_next = len(self.layers) - 1
+        self.acquire_layer(index, phase)
+
+    def acquire_layer(self, index, phase):
+        """The executor's acquire of the block, its parameters bound to the weights."""
         self.executor.acquire(index, phase, self.stream())
         self.bind(index, phase)
 
-    def end(self, index, phase):
+    def release_layer(self, index, phase):
         self.unbind(index)
         self.executor.release(index, phase, self.stream())
+
+    def store_grads(self, index, params, grads):
+        """After block `index`'s backward: the grads of its trainable StreamedParams `params`
+        (None where a parameter got none) into the acquired layer's grad views."""
+        for sp, g in zip(params, grads):
+            if g is not None:  # the view was zeroed when the backward pass began
+                view = torch.from_dlpack(self.executor.view(index, BACKWARD, VIEW_GRAD,
+                                                            sp.grad_index))
+                view.copy_(g)
+                del view
+
+    def end(self, index, phase):
+        self.release_layer(index, phase)
         if phase == BACKWARD:
             self.backward_next = index - 1
             self.landed_layers.add(index)
@@ -349,6 +389,29 @@ class StrataSession:
         host = torch.empty(sp.shape, dtype=self.dtype)
         sp.weight.read_pointer(host.data_ptr(), host.numel() * host.element_size())
         return host
+
+    def read_state(self, sp, kind):
+        """A trainable streamed parameter's optimizer state of `kind` (fp32, on the CPU)."""
+        t = torch.empty(sp.shape, dtype=torch.float32)
+        self.optimizer.state(sp.weight, kind).read_pointer(t.data_ptr(), t.numel() * 4)
+        return t
+
+    def write_state(self, sp, kind, value):
+        t = value.detach().to("cpu", torch.float32).contiguous()
+        if tuple(t.shape) != sp.shape:
+            raise ValueError("strata.torch.AdamW.load_state_dict: state %r of %r has shape %s, "
+                             "expected %s" % (kind, sp.name, list(t.shape), list(sp.shape)))
+        self.optimizer.state(sp.weight, kind).write_pointer(t.data_ptr(), t.numel() * 4)
+
+    def read_grad(self, sp):
+        """A streamed parameter's held grad as an fp32 CPU tensor (a copy)."""
+        host = torch.empty(sp.shape, dtype=torch.float32)
+        self.optimizer.grad_read(sp.weight, host.data_ptr(), host.numel())
+        return host
+
+    def grad_sums(self, params):
+        """The sums of squares of the held grads of `params` (StreamedParams), in order."""
+        return [self.optimizer.grad_info(sp.weight)[1] for sp in params]
 
     def write_weight(self, sp, values):
         """Set a streamed parameter (weight and, when trained, its fp32 master)."""

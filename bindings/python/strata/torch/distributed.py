@@ -1,0 +1,296 @@
+"""strata.torch.distributed: data-parallel training of an offloaded model over the ranks of a
+torch.distributed process group (NCCL on GPUs, gloo on the CPU). docs/architecture.md, "Data
+parallel", has the design; this module holds its options (DataParallel) and its collectives
+(Mesh): the process groups Strata creates for itself, each with Strata's timeout, and every
+collective wrapped so that a failed or silent peer becomes one clear error on every rank
+instead of a hang.
+
+The ranks are arranged as replicas x shards: `shard_size` consecutive ranks (by default the
+ranks of one host) share one copy of the streamed blocks' training state, each rank holding
+1/shard_size of every streamed parameter (its weight, grad, fp32 master and AdamW moments) in
+its own pinned DRAM; the shard groups are replicas of each other (one per host)."""
+
+import datetime
+import os
+import socket
+
+import torch
+
+try:
+    import torch.distributed as dist
+except ImportError:  # a torch built without distributed support
+    dist = None
+
+
+class DataParallelError(RuntimeError):
+    """A collective of Strata's data parallelism failed or timed out: another rank failed, was
+    killed or stopped calling collectives. The step is abandoned; the job should end."""
+
+
+class DataParallel:
+    """Options of st.offload(model, data_parallel=DataParallel(...)).
+
+    group: the process group whose ranks train together (None: the default group).
+    shard_size: how many consecutive ranks share one copy of the training state, each holding
+        1/shard_size of it (None: the ranks of one host, found by host name; 1: every rank a
+        full replica; the group's size: sharded over all ranks, hosts included).
+    timeout: how long any one of Strata's collectives may wait for the other ranks before it
+        raises (seconds or a datetime.timedelta; default 10 minutes, torch's own default).
+    reduce_dtype: the dtype grads are averaged in (None: the compute dtype, as DDP does;
+        torch.float32 costs twice the bytes on the wire and rounds once).
+    broadcast: start every rank from rank 0's values of every parameter (as DDP does), so
+        differently seeded ranks still train one model."""
+
+    def __init__(self, group=None, shard_size=None, timeout=600.0, reduce_dtype=None,
+                 broadcast=True):
+        if shard_size is not None and (not isinstance(shard_size, int) or shard_size < 1):
+            raise ValueError("strata.torch.DataParallel: shard_size must be a positive integer "
+                             "(got %r)" % (shard_size,))
+        if not isinstance(timeout, datetime.timedelta):
+            timeout = datetime.timedelta(seconds=float(timeout))
+        if timeout.total_seconds() <= 0:
+            raise ValueError("strata.torch.DataParallel: timeout must be positive")
+        if reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError("strata.torch.DataParallel: reduce_dtype is None, float32, "
+                             "bfloat16 or float16 (got %r)" % (reduce_dtype,))
+        self.group, self.shard_size, self.timeout = group, shard_size, timeout
+        self.reduce_dtype, self.broadcast = reduce_dtype, bool(broadcast)
+
+
+def resolve(data_parallel, device):
+    """The Mesh st.offload trains over, or None. data_parallel: None (data parallel over the
+    default group when torch.distributed is initialized with several ranks), False (never), or
+    a DataParallel."""
+    if data_parallel is False:
+        return None
+    initialized = dist is not None and dist.is_available() and dist.is_initialized()
+    if data_parallel is None:
+        if not initialized or dist.get_world_size() < 2:
+            return None
+        data_parallel = DataParallel()
+    if not isinstance(data_parallel, DataParallel):
+        raise TypeError("strata.torch.offload: data_parallel is None, False or a "
+                        "strata.torch.DataParallel (got %r)" % (data_parallel,))
+    if not initialized:
+        raise RuntimeError("strata.torch.offload: data_parallel was given but torch.distributed "
+                           "is not initialized (torch.distributed.init_process_group first)")
+    return Mesh(data_parallel, device)
+
+
+class Mesh:
+    """The ranks of one data-parallel job as replicas x shards, and the collectives over them.
+    Every group here is Strata's own (dist.new_group with the options' timeout), so the user's
+    groups and their timeouts are untouched; the shard level has two (gathers of weights, and
+    reductions of grads) so that the next layer's gather need not queue behind this layer's
+    reduction on one NCCL stream."""
+
+    def __init__(self, options, device):
+        self.options = options
+        self.device = device
+        self.timeout = options.timeout
+        self.reduce_dtype = options.reduce_dtype
+        self.broadcast_values = options.broadcast
+        parent = options.group if options.group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(parent)
+        self.global_ranks = ranks
+        self.world = len(ranks)
+        self.rank = dist.get_rank(parent)
+        self.global_rank = dist.get_rank()
+        if self.rank < 0:
+            raise ValueError("strata.torch.offload: this process is not a member of the "
+                             "data_parallel group")
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        # Subgroups of the default group are created by every rank, all in one order: NCCL
+        # splits them from the default group's communicator when a device is bound to it
+        # (init_process_group(device_id=...)), which every rank of it must join. Under another
+        # group only its members take part, so only they create them.
+        self.local_sync = options.group is not None and \
+            dist.get_world_size(options.group) != dist.get_world_size()
+        if device.type == "cuda":
+            # NCCL's object collectives and communicators use the current device: this rank's.
+            torch.cuda.set_device(device)
+        self.failed = None  # the first DataParallelError: later collectives refuse at once
+        self.all = self._group(ranks)
+        self.hosts = self._gather_objects(socket.gethostname())
+        size = options.shard_size or self._ranks_per_host()
+        if self.world % size:
+            raise ValueError("strata.torch.offload: shard_size %d does not divide the %d ranks "
+                             "of the data-parallel group" % (size, self.world))
+        self.shard_size, self.replicas = size, self.world // size
+        self.shard_rank, self.replica = self.rank % size, self.rank // size
+        self.gather_group = self.reduce_group = self.replica_group = None
+        if size > 1:
+            for k in range(self.replicas):
+                shard = ranks[k * size:(k + 1) * size]
+                gather, reduce = self._group(shard), self._group(shard)
+                if k == self.replica:
+                    self.gather_group, self.reduce_group = gather, reduce
+        if self.replicas > 1:
+            for j in range(size):
+                replica = self._group(ranks[j::size])
+                if j == self.shard_rank:
+                    self.replica_group = replica
+
+    # --- set-up ----------------------------------------------------------------------------
+
+    def _group(self, ranks):
+        """A new group of `ranks` (global ranks), or None where this rank is not in it."""
+        if self.local_sync and self.global_rank not in ranks:
+            return None
+        try:
+            group = dist.new_group(ranks, timeout=self.timeout, backend=self.backend,
+                                   use_local_synchronization=self.local_sync)
+        except Exception as e:
+            raise self._failure("creating a process group of ranks %s" % list(ranks), e) from e
+        return group if self.global_rank in ranks else None
+
+    def _ranks_per_host(self):
+        """Ranks per host, when every host has the same number and holds consecutive ranks
+        (what torchrun assigns); else 1 (every rank a replica), which is always correct."""
+        counts = {}
+        for h in self.hosts:
+            counts[h] = counts.get(h, 0) + 1
+        size = self.hosts.count(self.hosts[0])
+        consecutive = all(self.hosts[i] == self.hosts[i - i % size] for i in range(self.world))
+        return size if len(set(counts.values())) == 1 and consecutive else 1
+
+    def describe(self):
+        return "%d replica(s) x %d shard(s); rank %d is shard %d of replica %d" % (
+            self.replicas, self.shard_size, self.rank, self.shard_rank, self.replica)
+
+    # --- errors ----------------------------------------------------------------------------
+
+    def _failure(self, what, error):
+        if isinstance(error, DataParallelError):
+            return error
+        e = DataParallelError(
+            "strata.torch data parallel (rank %d of %d): %s failed: %s. Another rank failed, "
+            "was killed, or did not reach this collective within the %.0f s timeout "
+            "(DataParallel(timeout=...)); its own error says why. This rank's step is "
+            "abandoned: end the job and restart it, from a checkpoint if there is one."
+            % (self.rank, self.world, what, str(error).strip().splitlines()[0][:300]
+               if str(error).strip() else type(error).__name__,
+               self.timeout.total_seconds()))
+        self.failed = self.failed or e
+        return e
+
+    def _check(self):
+        if self.failed is not None:
+            raise DataParallelError("strata.torch data parallel: an earlier collective failed "
+                                    "(%s); this job cannot continue" % self.failed)
+
+    def run(self, what, fn):
+        """fn() (a collective, or a wait for one), its failure made a DataParallelError."""
+        self._check()
+        try:
+            return fn()
+        except Exception as e:
+            raise self._failure(what, e) from e
+
+    def wait(self, work, what):
+        """Wait for an asynchronous collective: on the GPU the current stream waits (the host
+        does not); on the CPU the calling thread waits, for at most the timeout."""
+        if work is None:
+            return
+        self.run(what, lambda: work.wait(self.timeout) if self.backend == "gloo" else work.wait())
+
+    # --- collectives ---------------------------------------------------------------------
+
+    def all_gather(self, out, chunk, what, group=None):
+        """out (shard_size x chunk elements) <- every shard's chunk, in shard order; started
+        asynchronously (wait for the returned work). Without shard peers: a copy."""
+        group = group or self.gather_group
+        if group is None:
+            out.copy_(chunk)
+            return None
+        return self.run(what, lambda: dist.all_gather_into_tensor(out, chunk, group=group,
+                                                                   async_op=True))
+
+    def reduce_scatter(self, out, full, what):
+        """out <- this shard's chunk of the average of `full` over the shard group."""
+        if self.reduce_group is None:
+            out.copy_(full[:out.numel()])
+            return None
+        return self.run(what, lambda: dist.reduce_scatter_tensor(
+            out, full, op=dist.ReduceOp.AVG, group=self.reduce_group, async_op=True))
+
+    def average_replicas(self, tensor, what):
+        """tensor <- its average over the replicas (the ranks holding the same shard)."""
+        if self.replica_group is None:
+            return None
+        return self.run(what, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.AVG,
+                                                      group=self.replica_group, async_op=True))
+
+    def average_all(self, tensor, what):
+        """tensor <- its average over every rank (resident parameters' grads, as DDP)."""
+        return self.run(what, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.AVG,
+                                                      group=self.all, async_op=True))
+
+    def sum_shards(self, values, what):
+        """The elementwise sums over the shard group of a list of floats (synchronous)."""
+        if self.shard_size == 1 or not values:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.comm_device())
+        self.wait(self.run(what, lambda: dist.all_reduce(t, group=self.reduce_group,
+                                                         async_op=True)), what)
+        return t.cpu().tolist()
+
+    def broadcast(self, tensor, what):
+        """tensor <- rank 0's (of the data-parallel group), synchronously."""
+        if not self.broadcast_values:
+            return
+        t = tensor.to(self.comm_device())
+        src = self.global_ranks[0]
+        self.wait(self.run(what, lambda: dist.broadcast(t, src, group=self.all,
+                                                        async_op=True)), what)
+        if t is not tensor:
+            tensor.copy_(t)
+
+    def gather_objects(self, value):
+        return self._gather_objects(value)
+
+    def _gather_objects(self, value):
+        out = [None] * self.world
+        self.run("exchanging %r" % (value,),
+                 lambda: dist.all_gather_object(out, value, group=self.all))
+        return out
+
+    def barrier(self, what):
+        self.run(what, lambda: dist.barrier(group=self.all))
+
+    def comm_device(self):
+        """Where tensors for a collective live: the GPU for NCCL, the CPU for gloo."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+
+def optimizer_threads(mesh, numa_node):
+    """Threads for this rank's CPU AdamW: the CPUs of its GPU's NUMA node, shared by the ranks
+    of this host whose GPUs sit on the same node, less one each for the thread feeding the GPU
+    (one rank alone gets Strata's own default: the node's CPUs less one)."""
+    here = (socket.gethostname(), numa_node)
+    sharing = mesh.gather_objects(here).count(here)
+    cpus = _node_cpus(numa_node)
+    return max(1, cpus // sharing - 1)
+
+
+def _node_cpus(node):
+    allowed = os.sched_getaffinity(0)
+    if node is not None and node >= 0:
+        try:
+            with open("/sys/devices/system/node/node%d/cpulist" % node) as f:
+                listed = _parse_cpulist(f.read())
+            if listed & allowed:
+                return len(listed & allowed)
+        except OSError:
+            pass
+    return len(allowed)
+
+
+def _parse_cpulist(text):
+    cpus = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus

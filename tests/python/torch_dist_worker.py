@@ -1,0 +1,170 @@
+"""One rank of the data-parallel tests (tests/python/test_torch_distributed.py): trains the tiny
+Llama-style model on the CPU through strata.torch under a gloo process group (or through plain
+PyTorch DDP), on its slice of every step's batch, and rank 0 writes the losses (averaged over
+the ranks) and the final parameters to --out. --fail makes the last rank fail mid-step."""
+import argparse
+import datetime
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+# The model zoo (bench/llama_zoo), as tests/python/conftest.py puts it on the path.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+
+
+def batches(config, steps, rows, seq, seed=0):
+    """Every step's global batch (all ranks' rows), two fixed batches in turn."""
+    g = torch.Generator().manual_seed(seed)
+    pair = [torch.randint(0, config.vocab_size, (rows, seq), generator=g) for _ in range(2)]
+    return [pair[i % 2] for i in range(steps)]
+
+
+def build(preset, seed=0, layers=None):
+    from llama_zoo.torch_llama import LlamaForCausalLM, PRESETS
+    import dataclasses
+    config = PRESETS[preset]
+    if layers is not None:
+        config = dataclasses.replace(config, num_hidden_layers=layers)
+    torch.manual_seed(seed)
+    return config, LlamaForCausalLM(config)
+
+
+def loop(model, opt, data, rank, world, clip, fail=None, after=None):
+    """The ordinary training loop on this rank's rows; the losses averaged over the ranks.
+    after(step): called after each step."""
+    losses = []
+    for step, ids in enumerate(data):
+        rows = ids.shape[0] // world
+        mine = ids[rank * rows:(rank + 1) * rows]
+        if fail is not None and step == fail[0]:
+            fail[1]()
+        loss = model(mine, labels=mine).loss
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+        if after is not None:
+            after(step + 1)
+    return losses
+
+
+def failure(kind):
+    """What the failing rank does in the middle of a step: raise in a block's forward pass,
+    die (SIGKILL), or stop (sleep) without calling collectives."""
+    def arm(model):
+        block = model.model.layers[1]
+        run = block.forward
+
+        def forward(*args, **kwargs):
+            if kind == "raise":
+                raise RuntimeError("injected failure in block 1's forward pass")
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(600)
+            return run(*args, **kwargs)
+
+        block.forward = forward
+    return arm
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--mode", choices=["strata", "ddp"], default="strata")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--rows", type=int, default=4, help="rows of every step's global batch")
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--shard-size", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--reduce-dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--fail", choices=["raise", "kill", "stall"], default=None)
+    p.add_argument("--fail-step", type=int, default=1)
+    p.add_argument("--resume-at", type=int, default=None,
+                   help="save a checkpoint after this many steps, then train a fresh model "
+                        "from it to the end: its losses go to the output as 'resumed'")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % args.port,
+                            rank=args.rank, world_size=args.world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    # Ranks seeded differently: the broadcast from rank 0 must make them one model.
+    config, model = build(args.preset, seed=args.rank if args.mode == "strata" else 0)
+    data = batches(config, args.steps, args.rows, args.seq)
+    checkpoint = None if args.out is None else args.out + ".ckpt"
+
+    def strata_model(seed):
+        import strata.torch as st
+        _, fresh = build(args.preset, seed=seed)
+        # One rank: the reference, no data parallelism.
+        reduce_dtype = getattr(torch, args.reduce_dtype) if args.reduce_dtype else None
+        fresh = st.offload(fresh, device="cpu", dtype=getattr(torch, args.dtype),
+                           data_parallel=st.DataParallel(
+                               shard_size=args.shard_size, timeout=args.timeout,
+                               reduce_dtype=reduce_dtype) if args.world > 1 else False)
+        return fresh, st.AdamW(fresh.parameters(), lr=args.lr, weight_decay=0.1)
+
+    after = None
+    if args.mode == "strata":
+        import strata.torch as st
+        model, opt = strata_model(args.rank)
+        if args.resume_at is not None:
+            def after(step):
+                if step == args.resume_at:
+                    st.save_checkpoint(checkpoint, model, opt)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    fail = None
+    if args.fail is not None and args.rank == args.world - 1:
+        fail = (args.fail_step, lambda: failure(args.fail)(model))
+    losses = loop(model, opt, data, args.rank, args.world, args.clip, fail, after)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # collective
+    if args.mode == "ddp":
+        state = {k[len("module."):]: v for k, v in state.items()}
+    out = {"losses": losses, "state": state}
+    if args.mode == "strata":  # the elements this rank keeps optimizer state for
+        out["elements"] = model.strata.optimizer.stats()["elements"]
+    if args.resume_at is not None:
+        # Another init (seed), then the checkpoint: the rest of the run again.
+        resumed, resumed_opt = strata_model(100 + args.rank)
+        st.load_checkpoint(checkpoint, resumed, resumed_opt)
+        out["resumed"] = loop(resumed, resumed_opt, data[args.resume_at:], args.rank, args.world,
+                              args.clip)
+        out["resumed_state"] = {k: v.clone() for k, v in resumed.state_dict().items()}
+        resumed.strata.close()
+    if args.rank == 0 and args.out:
+        torch.save(out, args.out)
+    dist.barrier()
+    if args.mode == "strata":
+        model.strata.close()
+    dist.destroy_process_group()
+
+
+def entry(argv, log):
+    """A rank started by multiprocessing (the test's forkserver, which imported torch and
+    strata.torch once for all ranks): its output goes to the file `log`."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
