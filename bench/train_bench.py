@@ -57,7 +57,7 @@ def model_config(name):
 
 
 def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=None, nvme=None,
-            host_budget=None):
+            host_budget=None, trace=None):
     import torch
     from llama_zoo.torch_llama import LlamaForCausalLM, flops_per_token
 
@@ -68,6 +68,15 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
     torch.manual_seed(0)
     gen = torch.Generator(device="cpu").manual_seed(0)
     data = [torch.randint(0, config.vocab_size, (batch, seq), generator=gen) for _ in range(2)]
+    marks = []  # (phase, host time, device event) of the running step
+
+    def mark(name):
+        event = None
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        marks.append((name, time.perf_counter(), event))
+
     out = {"mode": mode, "model": preset, "params": config.parameters(), "batch": batch, "seq": seq,
            "clip": clip}
     t_setup = time.perf_counter()
@@ -83,16 +92,22 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             out["placement"] = model.strata.placement()
         info = model.strata.executor.plan_info()
         out["resident_blocks"] = len(model.strata.resident_blocks)
+        out["setup_phases"] = model.strata.setup_seconds  # updated by the optimizer's build
         out["plan"] = "%d slots of %.0f MB, %d of %d blocks resident" % (
             info.slots, info.slot_bytes / 1e6, out["resident_blocks"], config.num_hidden_layers)
 
         def step(ids):
+            mark("start")
             loss = model(ids, labels=ids).loss
+            mark("forward")
             loss.backward()
+            mark("backward")
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                mark("clip")
             opt.step()
             opt.zero_grad()
+            mark("step")
             return loss
     else:
         from torch.utils.checkpoint import checkpoint
@@ -140,7 +155,11 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             return loss
     out["setup_seconds"] = time.perf_counter() - t_setup
     times, losses = [], []
+    phases = {}  # name -> [(host seconds, device seconds) since the step's start], per step
     for i in range(warmup + steps):
+        marks.clear()
+        if i == warmup and trace and mode == "strata":
+            model.strata.runtime.trace_start()
         ids = data[i % 2].to(device, non_blocking=True)
         if cuda:
             torch.cuda.synchronize()
@@ -151,8 +170,17 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+            for name, host, event in marks[1:]:
+                phases.setdefault(name, []).append(
+                    (host - marks[0][1], marks[0][2].elapsed_time(event) / 1e3 if cuda else 0.0))
     if mode == "strata":
         opt.synchronize()
+        if trace:
+            model.strata.runtime.trace_flush(trace)
+    # Median per phase: when the host got past it and when the device did (the device's times
+    # say where the GPU waited; the host's where Python waited on Strata or the GPU).
+    out["phases"] = {name: [statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)]
+                     for name, v in phases.items()}
     t = statistics.median(times)
     tokens = batch * seq
     six_p, full = flops_per_token(config, seq)
@@ -189,13 +217,15 @@ def main():
     p.add_argument("--nvme", default=None, help="strata: an NVMe tier file for optimizer state")
     p.add_argument("--host-budget", type=float, default=None,
                    help="strata: GiB of pinned DRAM (with --nvme: the rest of the state spills)")
+    p.add_argument("--trace", default=None,
+                   help="strata: a Chrome trace of the measured steps, written to TRACE-MODEL.json")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.batch, args.seq, args.steps,
                                  args.warmup, args.clip, args.resident_blocks, args.nvme,
-                                 args.host_budget)), flush=True)
+                                 args.host_budget, args.trace)), flush=True)
         return
     results = []
     for preset in args.models.split(","):
@@ -209,6 +239,8 @@ def main():
                 cmd += ["--nvme", args.nvme]
             if args.host_budget:
                 cmd += ["--host-budget", str(args.host_budget)]
+            if args.trace:
+                cmd += ["--trace", "%s-%s.json" % (args.trace, preset)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
             if proc.returncode != 0 or not lines:
@@ -225,6 +257,13 @@ def main():
                       % (preset, mode, r["tokens_per_second"], r["tflops_6pt"], r["tflops_done"],
                          r["step_seconds"], r["peak_host_gb"], r["peak_device_gb"],
                          r["setup_seconds"], r.get("plan", "")), flush=True)
+                if r.get("setup_phases"):
+                    print("     setup (s): %s" % "  ".join(
+                        "%s %.1f" % kv for kv in r["setup_phases"].items()), flush=True)
+                if r.get("phases"):
+                    print("     phases (host s / device s since the step's start): %s" % "  ".join(
+                        "%s %.3f/%.3f" % (k, h, d) for k, (h, d) in r["phases"].items()),
+                        flush=True)
                 if "placement" in r:
                     print("     %s\n     NVMe per step: read %.1f GB, write %.1f GB; updates "
                           "waited %.2f s for state; losses %s"

@@ -4,6 +4,7 @@ that streams it (strata.torch.block), and its state_dict / load_state_dict read 
 values in Strata."""
 
 import os
+import time
 
 import torch
 from torch import nn
@@ -313,6 +314,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         session = ShardedSession(mesh, *args)
     session.resident_blocks = kept
     session.state_options = state_options
+    started = time.perf_counter()
     session.applying = False
     installed = []
     moved = []  # (param or (module, buffer name), its data before): undone on failure
@@ -369,6 +371,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                 p.__dict__.pop("_strata_session", None)
         session.close()
         raise
+    session.timed("residents", started)  # the model outside the streamed blocks, on the device
     if mesh is not None:  # replicated on every rank, their grads averaged after backward
         session.residents = [p for p in model.parameters() if id(p) not in streamed]
     model.strata = session

@@ -4,6 +4,8 @@ and PEFT wrappers keep working); while a block is not being computed, each param
 zero-stride view of one element with the parameter's real shape, dtype and device, so shapes,
 numel() and grad assignment behave as in plain PyTorch and nothing is stored twice."""
 
+import time
+
 import torch
 
 from .. import core
@@ -74,6 +76,10 @@ class StrataSession:
         self.init = init
         self.slot_budget = slot_budget
         self.closed = False
+        # Seconds per setup phase (runtime creation, init, copies into the arena, optimizer
+        # state, planning): where offloading a large model spends its time.
+        self.setup_seconds = {}
+        started = time.perf_counter()
         hbm, dram = core.streaming_budgets(self.block_counts(blocks), torch.finfo(dtype).bits // 8)
         gpu_budget = hbm if gpu_budget is None else gpu_budget
         host_budget = dram if host_budget is None else host_budget
@@ -81,6 +87,7 @@ class StrataSession:
         self.runtime = core.Runtime(backend=backend, hbm_budget=gpu_budget, dram_budget=host_budget,
                                     nvme=nvme, nvme_budget=nvme_budget,
                                     device=(device.index or 0) if self.cuda else 0)
+        self.timed("runtime", started)
         self.prefixes = names  # per block: its name in the model ("model.layers.3.")
         self.layers = []  # per block: [StreamedParam] in named_parameters order
         self.by_id = {}  # id(param) -> StreamedParam
@@ -93,6 +100,12 @@ class StrataSession:
         self.landed_layers = set()  # blocks whose backward pass this step delivered grads
 
     # --- registration ----------------------------------------------------------------------
+
+    def timed(self, phase, started):
+        """Add the seconds since `started` to `phase`; returns now (the next phase's start)."""
+        now = time.perf_counter()
+        self.setup_seconds[phase] = self.setup_seconds.get(phase, 0.0) + now - started
+        return now
 
     def block_counts(self, blocks):
         """Elements per block this process keeps in DRAM (a sharded session keeps its shards)."""
@@ -115,6 +128,7 @@ class StrataSession:
         # Every block's weights and grads are registered (shapes only) before any optimizer
         # state: state placed in DRAM first then sees exactly what DRAM has left for it.
         registered = []
+        t = time.perf_counter()
         for i, block in enumerate(self.blocks):
             entries = []
             for k, (local, p) in enumerate(block.named_parameters()):
@@ -123,8 +137,10 @@ class StrataSession:
                 self.register_param(sp, p)
                 entries.append(sp)
             registered.append(entries)
+        t = self.timed("register", t)
         for i, block in enumerate(self.blocks):
             materialize(block, torch.device("cpu"), self.init)
+            t = self.timed("init", t)
             entries = registered[i]
             for sp, p in zip(entries, block.parameters()):
                 assert sp.param is p
@@ -139,6 +155,7 @@ class StrataSession:
             # acquired and at a placeholder otherwise.
             for sp in entries:
                 sp.park(self.dtype, self.device)
+            t = time.perf_counter()  # write_values timed the copies and the optimizer state
         self.executor = core.Executor(
             self.runtime, [{"name": "layers.%d" % i, "weights": [sp.weight for sp in entries],
                             "grads": [sp.grad for sp in entries if sp.trainable]}
@@ -147,6 +164,7 @@ class StrataSession:
         if opt is not None:
             opt.attach(self.executor)
         self.optimizer = opt
+        self.timed("plan", t)
 
     def placement(self):
         """Where the training state lives, one line: the optimizer's state in DRAM and on NVMe
@@ -191,9 +209,11 @@ class StrataSession:
     def write_values(self, sp, values, opt, group):
         """`values` (sp.weight's shape) into sp.weight; its optimizer state (the master from
         the fp32 values, when given in fp32)."""
+        t = time.perf_counter()
         host = values.to("cpu", self.dtype).contiguous()
         sp.weight.write_pointer(host.data_ptr(), host.numel() * host.element_size())
         del host
+        t = self.timed("weights", t)
         if sp.trainable and opt is not None:
             opt.add_param(sp.weight, sp.grad, group)
             if values.dtype == torch.float32 and self.dtype != torch.float32:
@@ -201,6 +221,7 @@ class StrataSession:
                 values = values.to("cpu").contiguous()
                 opt.state(sp.weight, "master").write_pointer(values.data_ptr(),
                                                              values.numel() * 4)
+            self.timed("optimizer_state", t)
 
     def ensure_built(self):
         self.check_open()
