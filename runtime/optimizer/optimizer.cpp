@@ -7,7 +7,8 @@
 #include <cstring>
 #include <type_traits>
 
-#include "backends/threads/spawn.h"
+#include "common/clock.h"
+#include "common/spawn.h"
 #include "runtime/executor.h"
 #include "runtime/nvme_tier.h"
 #include "runtime/tensor_registry.h"
@@ -50,10 +51,6 @@ std::string state_name(const std::string& weight, const char* suffix) {
 // Staging slots: at most this many layers' NVMe-homed state in DRAM at once. Past a few, more
 // read-ahead does not help: the disk is the bottleneck, and DRAM is better spent on state.
 constexpr std::size_t kMaxStagingSlots = 4;
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 Status check_finite(const char* what, float v, float lo, bool lo_inclusive) {
   if (!std::isfinite(v) || v < lo || (!lo_inclusive && v == lo)) {
