@@ -265,7 +265,7 @@ Status NvmeTier::verify(const std::string& tensor, const Piece& p, const unsigne
   if (actual == expected) return Status::ok();
   return error(Code::kDataCorruption, "tensor '", tensor, "': checksum mismatch in bytes [", p.rel,
                ", ", p.rel + p.len, ") read from ", files_.files[p.file].path, " at offset ",
-               p.file_offset, ": stored crc32c ", "0x", hex8(expected), ", read 0x", hex8(actual));
+               p.file_offset, ": stored crc32c 0x", hex8(expected), ", read 0x", hex8(actual));
 }
 
 Status NvmeTier::run_direct(IoOp op, const std::string& tensor, unsigned char* host,
