@@ -1,5 +1,5 @@
 // The core's enums mirror strata.h's constants value by value, so the ABI layer converts with a
-// plain cast (runtime/status.h and runtime/types.h promise these checks). Every value is
+// plain cast (common/status.h and common/types.h promise these checks). Every value is
 // checked, not just the last and the count: a renumbered value in the middle of an enum would
 // otherwise mistranslate silently. This file only holds static_asserts; it emits no code.
 #include "lib/abi_support.h"

@@ -100,12 +100,6 @@ strata_status_t optimizer_config_init(strata_optimizer_kind_t kind,
   });
 }
 
-void copy_string(char* dst, std::size_t capacity, const std::string& s) {
-  const std::size_t n = std::min(capacity - 1, s.size());
-  std::memcpy(dst, s.data(), n);
-  dst[n] = '\0';
-}
-
 }  // namespace
 
 extern "C" {

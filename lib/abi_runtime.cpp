@@ -1,6 +1,4 @@
 // C ABI: runtime lifecycle, capabilities, usage and link statistics.
-#include <algorithm>
-#include <cstdio>
 
 #include "lib/abi_support.h"
 
@@ -8,10 +6,6 @@ using namespace strata;
 using namespace strata::abi;
 
 namespace {
-
-void copy_string(char* dst, std::size_t capacity, const std::string& src) {
-  std::snprintf(dst, capacity, "%s", src.c_str());
-}
 
 Status runtime_from(strata_runtime_t* runtime) {
   return require(runtime, "runtime");

@@ -3,6 +3,7 @@
 // so no C++ exception reaches a C caller.
 #pragma once
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -43,6 +44,15 @@ struct strata_executor {
 };
 
 namespace strata::abi {
+
+// Copies `src` into a fixed char array of an output struct, truncated to fit and always
+// NUL-terminated (the reader is C).
+inline void copy_string(char* dst, std::size_t capacity, const std::string& src) {
+  if (capacity == 0) return;
+  const std::size_t n = std::min(capacity - 1, src.size());
+  std::memcpy(dst, src.data(), n);
+  dst[n] = '\0';
+}
 
 void set_last_error(std::string message);
 const char* last_error_c_str();

@@ -1,7 +1,8 @@
 #include "runtime/arena.h"
 
 #include <algorithm>
-#include <limits>
+
+#include "common/align.h"
 
 namespace strata {
 
@@ -11,9 +12,7 @@ Arena::Arena(std::string_view name, uint64_t capacity, uint64_t alignment)
 }
 
 uint64_t Arena::round_up(uint64_t bytes, uint64_t alignment) {
-  const uint64_t b = std::max<uint64_t>(bytes, 1);
-  if (b > std::numeric_limits<uint64_t>::max() - (alignment - 1)) return 0;  // overflow
-  return (b + alignment - 1) / alignment * alignment;
+  return align_up(std::max<uint64_t>(bytes, 1), alignment);  // 0 on overflow
 }
 
 uint64_t Arena::largest_free() const {

@@ -18,7 +18,7 @@
 #include <unordered_map>
 #include <utility>
 
-#include "runtime/status.h"
+#include "common/status.h"
 
 namespace strata {
 

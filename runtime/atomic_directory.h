@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "runtime/status.h"
+#include "common/status.h"
 
 namespace strata {
 

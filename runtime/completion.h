@@ -9,7 +9,7 @@
 #include <mutex>
 
 #include "backends/device/device_backend.h"
-#include "runtime/status.h"
+#include "common/status.h"
 
 namespace strata {
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "backends/device/device_backend.h"
-#include "runtime/status.h"
+#include "common/status.h"
 
 namespace strata {
 

@@ -2,12 +2,9 @@
 
 #include <chrono>
 
+#include "common/clock.h"
+
 namespace strata {
-namespace {
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-}  // namespace
 
 Status MemoryRegion::allocate_device(std::shared_ptr<DeviceBackend> backend, uint64_t bytes,
                                      std::shared_ptr<MemoryRegion>* out) {

@@ -8,7 +8,7 @@
 
 #include "backends/device/device_backend.h"
 #include "backends/memory/host_memory.h"
-#include "runtime/types.h"
+#include "common/types.h"
 
 namespace strata {
 

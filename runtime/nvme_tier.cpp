@@ -3,11 +3,10 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <iomanip>
-#include <sstream>
 
-#include "backends/storage/crc32c.h"
-#include "backends/threads/spawn.h"
+#include "common/crc32c.h"
+#include "common/hex.h"
+#include "common/spawn.h"
 
 namespace strata {
 namespace {
@@ -36,12 +35,6 @@ class PieceTracker {
   std::vector<bool> done_;
   std::vector<Status> status_;
 };
-
-std::string hex(uint32_t v) {
-  std::ostringstream out;
-  out << "0x" << std::hex << std::setw(8) << std::setfill('0') << v;
-  return out.str();
-}
 
 struct AlignedBuffer {
   explicit AlignedBuffer(uint64_t bytes) {
@@ -272,7 +265,7 @@ Status NvmeTier::verify(const std::string& tensor, const Piece& p, const unsigne
   if (actual == expected) return Status::ok();
   return error(Code::kDataCorruption, "tensor '", tensor, "': checksum mismatch in bytes [", p.rel,
                ", ", p.rel + p.len, ") read from ", files_.files[p.file].path, " at offset ",
-               p.file_offset, ": stored crc32c ", hex(expected), ", read ", hex(actual));
+               p.file_offset, ": stored crc32c 0x", hex8(expected), ", read 0x", hex8(actual));
 }
 
 Status NvmeTier::run_direct(IoOp op, const std::string& tensor, unsigned char* host,

@@ -23,10 +23,10 @@
 #include "backends/memory/host_memory.h"
 #include "backends/storage/storage_engine.h"
 #include "backends/storage/storage_files.h"
+#include "common/types.h"
 #include "runtime/arena.h"
 #include "runtime/checksums.h"
 #include "runtime/completion.h"
-#include "runtime/types.h"
 
 namespace strata {
 

@@ -7,6 +7,8 @@
 #include <set>
 #include <sstream>
 
+#include "common/align.h"
+#include "common/json.h"
 #include "runtime/arena.h"
 #include "runtime/runtime.h"
 
@@ -15,10 +17,6 @@ namespace {
 
 constexpr uint64_t kSlotAlignment = 256;
 constexpr uint64_t kPage = 4096;
-
-uint64_t align(uint64_t v, uint64_t a) {
-  return (v + a - 1) / a * a;
-}
 
 // Looks tensors up once for the whole plan: catches a tensor declared twice, and records each
 // layer tensor's home tier for the plan's dump as it goes.
@@ -75,22 +73,22 @@ Status lay_out_layer(Lookup& lookup, const LayerSpec& spec, uint32_t index,
     std::sort(sorted.begin(), sorted.end(),
               [](const TensorRecord& a, const TensorRecord& b) { return a.offset < b.offset; });
     uint64_t packed = 0;
-    for (const auto& r : sorted) packed += align(std::max<uint64_t>(r.nbytes, 1), kPage);
+    for (const auto& r : sorted) packed += align_up(std::max<uint64_t>(r.nbytes, 1), kPage);
     const uint64_t first = sorted.front().offset;
     const uint64_t span =
-        sorted.back().offset + align(std::max<uint64_t>(sorted.back().nbytes, 1), kPage) - first;
+        sorted.back().offset + align_up(std::max<uint64_t>(sorted.back().nbytes, 1), kPage) - first;
     if (span <= packed + packed / 8) {
       out->weights_as_span = true;
       out->span_dram_offset = first;
       out->span_bytes = span;
       for (const auto& r : weights) out->weights.push_back({r.id, r.offset - first, r.nbytes});
-      cursor = align(span, kSlotAlignment);
+      cursor = align_up(span, kSlotAlignment);
     }
   }
   if (!out->weights_as_span) {
     for (const auto& r : weights) {
       out->weights.push_back({r.id, cursor, r.nbytes});
-      cursor = align(cursor + std::max<uint64_t>(r.nbytes, 1), kSlotAlignment);
+      cursor = align_up(cursor + std::max<uint64_t>(r.nbytes, 1), kSlotAlignment);
     }
   }
   for (TensorId id : spec.grads) {
@@ -102,7 +100,7 @@ Status lay_out_layer(Lookup& lookup, const LayerSpec& spec, uint32_t index,
     }
     out->grads.push_back({r.id, cursor, r.nbytes});
     out->grad_bytes += r.nbytes;
-    cursor = align(cursor + std::max<uint64_t>(r.nbytes, 1), kSlotAlignment);
+    cursor = align_up(cursor + std::max<uint64_t>(r.nbytes, 1), kSlotAlignment);
   }
   for (TensorId id : spec.activations) {
     TensorRecord r;
@@ -114,7 +112,7 @@ Status lay_out_layer(Lookup& lookup, const LayerSpec& spec, uint32_t index,
     }
     out->activations.push_back({r.id, cursor, r.nbytes});
     out->activation_bytes += r.nbytes;
-    cursor = align(cursor + std::max<uint64_t>(r.nbytes, 1), kSlotAlignment);
+    cursor = align_up(cursor + std::max<uint64_t>(r.nbytes, 1), kSlotAlignment);
   }
   for (TensorId id : spec.optimizer_state) {
     TensorRecord r;
@@ -133,15 +131,6 @@ std::string gb(double bytes_per_second) {
   std::ostringstream o;
   o << std::fixed << std::setprecision(2) << bytes_per_second / 1e9;
   return o.str();
-}
-
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  return out + "\"";
 }
 
 }  // namespace
@@ -242,7 +231,7 @@ Status make_plan(Runtime& runtime, const LayerGraph& graph, const PlanConfig& co
   const uint64_t budget = config.hbm_slot_budget != 0 ? config.hbm_slot_budget : available;
   const auto biggest = std::max_element(plan.layers.begin(), plan.layers.end(),
                                         [](auto& a, auto& b) { return a.footprint < b.footprint; });
-  plan.slot_bytes = align(biggest->footprint, kSlotAlignment);
+  plan.slot_bytes = align_up(biggest->footprint, kSlotAlignment);
   const uint64_t fit = budget / plan.slot_bytes;
   if (fit < 2 && plan.layer_count > 1) {
     return error(Code::kOutOfMemory, "the largest layer ('", biggest->name, "') needs ",

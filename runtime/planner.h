@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "common/status.h"
 #include "runtime/layer_graph.h"
-#include "runtime/status.h"
 
 namespace strata {
 

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "backends/topology/gpu_numa_node.h"
+#include "common/clock.h"
 
 namespace strata {
 
@@ -616,8 +617,7 @@ Status Runtime::measure_nvme_read(double* rate) {
   nvme_->read_to_host("(nvme measurement)", tier_base(Tier::kDram) + dram_offset, extent, bytes,
                       nullptr, [done](Status st) { done->complete(std::move(st)); });
   Status s = done->wait(-1);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = seconds_since(start);
   *rate = seconds > 0 ? static_cast<double>(bytes) / seconds : 0;
   std::lock_guard lock(mutex_);
   (void)nvme_->extents().free(extent);

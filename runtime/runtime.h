@@ -17,13 +17,13 @@
 #include <string>
 
 #include "backends/device/device_backend.h"
+#include "common/types.h"
 #include "runtime/arena.h"
 #include "runtime/completion.h"
 #include "runtime/memory_region.h"
 #include "runtime/nvme_tier.h"
 #include "runtime/tensor_registry.h"
 #include "runtime/trace.h"
-#include "runtime/types.h"
 
 namespace strata {
 

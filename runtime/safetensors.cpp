@@ -15,7 +15,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "backends/storage/crc32c.h"
+#include "common/crc32c.h"
+#include "common/hex.h"
+#include "common/json.h"
 
 namespace strata::safetensors {
 
@@ -102,22 +104,10 @@ std::string shape_string(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-std::string hex8(uint32_t value) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string s(8, '0');
-  for (int i = 7; i >= 0; --i, value >>= 4) s[static_cast<std::size_t>(i)] = kDigits[value & 0xF];
-  return s;
-}
-
 bool parse_hex8(std::string_view s, uint32_t* out) {
   if (s.size() != 8) return false;
   const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), *out, 16);
   return ec == std::errc() && end == s.data() + s.size();
-}
-
-// A JSON string literal. Throws (nlohmann's type_error) on invalid UTF-8.
-std::string json_string(std::string_view text) {
-  return Json(std::string(text)).dump(-1, ' ', false, Json::error_handler_t::strict);
 }
 
 // The JSON of a header, unpadded, written out directly in one pass (linear in the tensors).
@@ -133,18 +123,19 @@ std::string header_json(const std::vector<TensorInfo>& tensors,
   }
   std::string out = "{";
   if (!all.empty()) {
-    out += json_string(kMetadataKey) + ":{";
+    out += json_string(kMetadataKey, JsonUtf8::kStrict) + ":{";
     bool first = true;
     for (const auto& [key, value] : all) {
       if (!first) out += ',';
       first = false;
-      out += json_string(key) + ':' + json_string(value);
+      out += json_string(key, JsonUtf8::kStrict) + ':' + json_string(value, JsonUtf8::kStrict);
     }
     out += '}';
   }
   for (const TensorInfo& t : tensors) {
     if (out.size() > 1) out += ',';
-    out += json_string(t.name) + ":{\"dtype\":" + json_string(dtype_code(t.dtype)) + ",\"shape\":[";
+    out += json_string(t.name, JsonUtf8::kStrict) +
+           ":{\"dtype\":" + json_string(dtype_code(t.dtype), JsonUtf8::kStrict) + ",\"shape\":[";
     for (std::size_t d = 0; d < t.shape.size(); ++d) {
       if (d > 0) out += ',';
       out += std::to_string(t.shape[d]);

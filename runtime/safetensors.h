@@ -14,8 +14,8 @@
 #include <string_view>
 #include <vector>
 
-#include "runtime/status.h"
-#include "runtime/types.h"
+#include "common/status.h"
+#include "common/types.h"
 
 namespace strata::safetensors {
 

@@ -10,9 +10,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/status.h"
+#include "common/types.h"
 #include "runtime/checksums.h"
-#include "runtime/status.h"
-#include "runtime/types.h"
 
 namespace strata {
 

@@ -1,23 +1,18 @@
 #include "runtime/trace.h"
 
-#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <map>
 #include <new>
 #include <set>
 
-#include "runtime/types.h"
+#include "common/clock.h"
+#include "common/json.h"
+#include "common/types.h"
 
 namespace strata {
 namespace {
 std::atomic<uint64_t> next_tracer_id{1};
-
-int64_t steady_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // The calling thread's rings, by tracer id. Ids are never reused, so the entry of a destroyed
 // tracer never matches again (and is never dereferenced).
@@ -30,14 +25,6 @@ thread_local std::vector<RingCache> ring_cache;
 const char* const kKindNames[kTraceKindCount] = {"migration",  "copy_h2d", "copy_d2h", "nvme_read",
                                                  "nvme_write", "acquire",  "release",  "optimizer"};
 
-std::string json_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += static_cast<unsigned char>(c) < 0x20 ? ' ' : c;
-  }
-  return out;
-}
 }  // namespace
 
 const char* trace_kind_name(TraceKind kind) {
@@ -207,7 +194,7 @@ Status Tracer::flush(const std::string& path,
     if (tensor != name_of.end()) name += " " + tensor->second;
     const double ts = static_cast<double>(r.start_ns) / 1e3;
     const double dur = static_cast<double>(r.end_ns > r.start_ns ? r.end_ns - r.start_ns : 0) / 1e3;
-    out << (first ? "" : ",\n") << "{\"name\": \"" << json_escape(name) << "\", \"cat\": \""
+    out << (first ? "" : ",\n") << "{\"name\": " << json_string(name) << ", \"cat\": \""
         << trace_kind_name(kind) << "\", \"ph\": \"X\", \"ts\": " << ts << ", \"dur\": " << dur
         << ", \"pid\": 1, \"tid\": " << track(track_name) << ", \"args\": {\"bytes\": " << r.bytes
         << ", \"wait_us\": " << static_cast<double>(r.wait_ns) / 1e3
@@ -221,7 +208,7 @@ Status Tracer::flush(const std::string& path,
   for (const auto& [name, id] : tracks) {
     out << (first ? "" : ",\n")
         << "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 1, \"tid\": " << id
-        << ", \"args\": {\"name\": \"" << json_escape(name) << "\"}}";
+        << ", \"args\": {\"name\": " << json_string(name) << "}}";
     first = false;
   }
   out << (first ? "" : ",\n")

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "backends/threads/spawn.h"
+#include "common/spawn.h"
 
 namespace strata {
 namespace {

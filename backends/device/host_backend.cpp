@@ -12,7 +12,7 @@
 #include <mutex>
 #include <thread>
 
-#include "backends/threads/spawn.h"
+#include "common/spawn.h"
 
 namespace strata {
 namespace {

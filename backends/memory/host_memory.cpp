@@ -13,7 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "backends/threads/spawn.h"
+#include "common/clock.h"
+#include "common/spawn.h"
 
 namespace strata {
 namespace {
@@ -125,8 +126,7 @@ Status map_host_memory(uint64_t bytes, const HostMemoryOptions& options, void** 
   const unsigned asked = options.threads != 0 ? options.threads : std::min(cores, 16u);
   const auto start = std::chrono::steady_clock::now();
   report->threads = fault_in(static_cast<unsigned char*>(p), bytes, asked);
-  report->fault_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report->fault_seconds = seconds_since(start);
   *out = p;
   return Status::ok();
 }

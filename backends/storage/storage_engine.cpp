@@ -1,22 +1,15 @@
 #include "backends/storage/storage_engine.h"
 
-#include <chrono>
 #include <cstring>
 
-namespace strata {
-namespace {
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-}  // namespace
+#include "common/clock.h"
 
+namespace strata {
 IoCounters StorageEngine::counters(IoOp op) {
   std::lock_guard lock(counters_mutex_);
   IoCounters c = counters_[static_cast<int>(op)];
   if (in_flight_[static_cast<int>(op)] > 0) {
-    c.busy_ns += static_cast<uint64_t>(now_ns() - busy_since_ns_[static_cast<int>(op)]);
+    c.busy_ns += static_cast<uint64_t>(steady_ns() - busy_since_ns_[static_cast<int>(op)]);
   }
   return c;
 }
@@ -25,12 +18,12 @@ void StorageEngine::reset_counters() {
   std::lock_guard lock(counters_mutex_);
   for (int i = 0; i < 2; ++i) {
     counters_[i] = IoCounters{};
-    busy_since_ns_[i] = now_ns();
+    busy_since_ns_[i] = steady_ns();
   }
 }
 
 void StorageEngine::begin_request(IoRequest& request) {
-  const int64_t now = now_ns();
+  const int64_t now = steady_ns();
   request.submitted_ns = now;
   std::lock_guard lock(counters_mutex_);
   const int i = static_cast<int>(request.op);
@@ -38,7 +31,7 @@ void StorageEngine::begin_request(IoRequest& request) {
 }
 
 void StorageEngine::end_request(const IoRequest& request, bool ok) {
-  const int64_t now = now_ns();
+  const int64_t now = steady_ns();
   {
     std::lock_guard lock(counters_mutex_);
     const int i = static_cast<int>(request.op);

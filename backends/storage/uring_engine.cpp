@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "backends/storage/storage_engine.h"
-#include "backends/threads/spawn.h"
+#include "common/spawn.h"
 
 namespace strata {
 namespace {

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "runtime/types.h"
+#include "common/types.h"
 
 namespace strata::optim {
 

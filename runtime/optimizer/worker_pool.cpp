@@ -2,7 +2,7 @@
 
 #include <hwloc.h>
 
-#include "backends/threads/spawn.h"
+#include "common/spawn.h"
 
 namespace strata::optim {
 namespace {

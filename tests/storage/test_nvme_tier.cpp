@@ -13,7 +13,7 @@
 #include <random>
 #include <thread>
 
-#include "backends/storage/crc32c.h"
+#include "common/crc32c.h"
 #include "runtime/runtime.h"
 #include "support/test_support.h"
 

@@ -4,7 +4,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "runtime/status.h"
+#include "common/status.h"
 #include "scratch_dir.h"
 
 #define REQUIRE_OK(expr)                    \

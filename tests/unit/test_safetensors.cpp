@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "backends/storage/crc32c.h"
+#include "common/crc32c.h"
 #include "runtime/safetensors.h"
 #include "tests/support/core_support.h"
 

@@ -7,7 +7,7 @@
 #include <map>
 
 #include "backends/memory/host_memory.h"
-#include "backends/threads/spawn.h"
+#include "common/spawn.h"
 #include "runtime/optimizer/worker_pool.h"
 #include "runtime/runtime.h"
 #include "tests/support/scratch_dir.h"

@@ -1,4 +1,4 @@
-#include "runtime/types.h"
+#include "common/types.h"
 
 #include <array>
 

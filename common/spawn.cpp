@@ -1,4 +1,4 @@
-#include "backends/threads/spawn.h"
+#include "common/spawn.h"
 
 #include <cerrno>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "backends/storage/crc32c.h"
+#include "common/crc32c.h"
 
 #include <dlfcn.h>
 

@@ -9,7 +9,7 @@
 #include <functional>
 #include <thread>
 
-#include "runtime/status.h"
+#include "common/status.h"
 
 namespace strata {
 

@@ -1,0 +1,393 @@
+// The scheduler: the executor's hooks queue per-layer jobs, and one dispatcher thread runs the
+// lowest ready layer first, preempting a longer job between slices.
+#include "runtime/optimizer/optimizer.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "common/clock.h"
+
+namespace strata {
+
+void Optimizer::wait_for_norms(std::unique_lock<std::mutex>& lock) {
+  cv_.wait(lock, [&] {
+    return !failure_.is_ok() || !current_ || !deferred() ||
+           current_->norms_in >= layers_with_params_ || grads_in_ < layers_with_params_;
+  });
+}
+
+Status Optimizer::on_step_begin() {
+  std::unique_lock lock(mutex_);
+  if (!failure_.is_ok()) return failure_;
+  // A deferred step settles t and the loss scale when its last norm is in: wait for that (a
+  // few milliseconds after the previous step's last grads landed, and before this step's first
+  // load could start anyway, since that waits for its layer's update), so this step's values
+  // and what the framework reads from the stats are settled.
+  wait_for_norms(lock);
+  if (!failure_.is_ok()) return failure_;
+  in_executor_step_ = true;
+  if (config_.explicit_updates) {
+    // Grads held in the grad tensors would be overwritten by this step's: move them to the
+    // fp32 accumulators first (the layer's load, and so its backward, waits for that).
+    for (std::size_t l = 0; l < layer_params_.size(); ++l) {
+      Job job;
+      job.kind = JobKind::kStash;
+      job.layer = static_cast<int>(l);
+      bool any = false;
+      for (std::size_t i : layer_params_[l]) {
+        Param& p = params_[i];
+        const bool move = p.hold == GradHold::kGrad;
+        if (move) {
+          Status s = ensure_accum(p);
+          if (!s.is_ok()) {
+            in_executor_step_ = false;
+            return s;
+          }
+          p.hold = GradHold::kAccum;
+        }
+        job.add.push_back(move ? 1 : 0);
+        job.mult.push_back(p.grad_mult);
+        if (move) p.grad_mult = 1.f;
+        any = any || move;
+      }
+      if (!any) continue;
+      job.sums.assign(layer_params_[l].size(), 0.0);
+      ++pending_[l];
+      ++landing_[l];
+      queue_.push_back(std::move(job));
+    }
+    // The updates step() will queue run in forward order.
+    const std::vector<StageIo> reads = read_ahead(false);
+    lock.unlock();
+    cv_.notify_all();
+    start_io(reads);
+    return Status::ok();
+  }
+  final_micro_ = micro_ + 1 >= config_.accumulation_steps;
+  grads_in_ = 0;
+  std::vector<StageIo> reads;
+  if (final_micro_) {
+    auto s = std::make_shared<StepScalars>();
+    s->t = counters_.step + 1;
+    s->grad_scale = 1.f / counters_.loss_scale;
+    s->groups = groups_;
+    current_ = std::move(s);
+    // Updates follow the grads (backward order) or, deferred, run in forward order.
+    reads = read_ahead(!deferred());
+  }
+  lock.unlock();
+  start_io(reads);
+  return Status::ok();
+}
+
+Status Optimizer::on_grads_queued(uint32_t layer,
+                                  std::vector<std::shared_ptr<DeviceFence>> landed) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!failure_.is_ok()) return failure_;
+    if (layer >= layer_params_.size() || layer_params_[layer].empty()) return Status::ok();
+    Job job;
+    job.layer = static_cast<int>(layer);
+    job.landed = std::move(landed);
+    job.scalars = current_;
+    if (config_.explicit_updates) {
+      job.kind = JobKind::kLand;
+      for (std::size_t i : layer_params_[layer]) {
+        Param& p = params_[i];
+        if (p.hold == GradHold::kGrad) {
+          return error(Code::kInvalidState, "optimizer: layer ", layer,
+                       "'s grads landed twice without a step_begin between");
+        }
+        const bool add = p.hold == GradHold::kAccum;
+        job.add.push_back(add ? 1 : 0);
+        job.mult.push_back(p.grad_mult);
+        if (!add) p.hold = GradHold::kGrad;
+        p.grad_mult = 1.f;
+      }
+      job.sums.assign(layer_params_[layer].size(), 0.0);
+      ++pending_[layer];
+      ++landing_[layer];
+      queue_.push_back(std::move(job));
+      cv_.notify_all();
+      return Status::ok();
+    }
+    if (!final_micro_) {
+      job.kind = JobKind::kAccumulate;
+      job.first_micro = micro_ == 0;
+    } else {
+      // Deferred: the norm now, the update (counted as pending from now) after the last norm.
+      job.kind = deferred() ? JobKind::kNorm : JobKind::kUpdate;
+    }
+    ++pending_[layer];
+    queue_.push_back(std::move(job));
+    if (++grads_in_ == layers_with_params_) {
+      // The step's last grads are queued: the next executor step is the next micro-step.
+      if (final_micro_) {
+        micro_ = 0;
+        if (!deferred()) counters_.step = current_->t;
+      } else {
+        ++micro_;
+      }
+    }
+  }
+  cv_.notify_all();
+  return Status::ok();
+}
+
+void Optimizer::on_step_end() {
+  std::lock_guard lock(mutex_);
+  in_executor_step_ = false;
+}
+
+void Optimizer::on_step_aborted() {
+  {
+    std::lock_guard lock(mutex_);
+    in_executor_step_ = false;
+    if (!config_.explicit_updates && grads_in_ > 0 && grads_in_ < layers_with_params_) {
+      // Part of an automatic step's grads came: what they started (accumulation, updates,
+      // norms) runs to its end, and the next step starts afresh. A deferred step's norms
+      // never complete: its norm jobs release their layers themselves.
+      if (current_ && deferred() && final_micro_) {
+        current_->aborted = true;
+        for (int l : current_->normed) --pending_[static_cast<std::size_t>(l)];
+        current_->normed.clear();
+      }
+      micro_ = 0;
+    }
+    grads_in_ = 0;
+  }
+  cv_.notify_all();
+}
+
+bool Optimizer::layer_ready(uint32_t layer) {
+  std::lock_guard lock(mutex_);
+  return failure_.is_ok() && (layer >= pending_.size() || pending_[layer] == 0);
+}
+
+Status Optimizer::wait_layer(uint32_t layer) {
+  std::unique_lock lock(mutex_);
+  cv_.wait(lock,
+           [&] { return !failure_.is_ok() || layer >= pending_.size() || pending_[layer] == 0; });
+  return failure_;
+}
+
+Status Optimizer::synchronize() {
+  std::unique_lock lock(mutex_);
+  cv_.wait(lock, [&] {
+    if (!failure_.is_ok()) return true;
+    if (!queue_.empty() || running_ > 0 || io_in_flight_ > 0) return false;
+    return std::all_of(pending_.begin(), pending_.end(), [](int p) { return p == 0; });
+  });
+  if (failure_.is_ok()) {
+    // State read ahead is dropped: after synchronize the NVMe copy is the only one, so the
+    // caller may read or write it (the next executor step reads ahead again).
+    ahead_round_ = 0;
+    for (std::size_t l = 0; l < stages_.size(); ++l) {
+      if (stages_[l].phase == StagePhase::kStaged) release_slot(l);
+    }
+  }
+  return failure_;
+}
+
+uint64_t Optimizer::job_bytes(std::span<const Task> tasks, JobKind kind) const {
+  uint64_t bytes = 0;
+  for (const Task& t : tasks) {
+    const optim::ParamArrays& a = params_[t.param].arrays;
+    const uint64_t n = t.end - t.begin;
+    uint64_t per = dtype_size(a.grad_dtype) + (a.grad_accum != nullptr ? 4 : 0);
+    if (kind == JobKind::kAccumulate) per = dtype_size(a.grad_dtype) + 8;
+    if (kind == JobKind::kUpdate) {
+      per += 8;  // master read and write
+      if (a.exp_avg != nullptr) per += 8;
+      if (a.exp_avg_sq != nullptr) per += 8;
+      if (a.weight != nullptr) per += dtype_size(a.weight_dtype);
+    }
+    bytes += n * per;
+  }
+  return bytes;
+}
+
+std::size_t Optimizer::pick_job() const {
+  // Earliest deadline first: the next step's forward pass loads layer 0 first, so among the
+  // jobs whose grads have landed the lowest layer goes first. During the backward pass that is
+  // the layer that just landed, so a backlog the pass could not absorb is left in the highest
+  // layers, which the next forward pass needs last; first-come order would leave it in layer
+  // 0, which the next step needs first (on the H200, a step whose updates outlasted its
+  // backward pass grew 15% with first-come order).
+  // A layer's jobs run in the order they were queued (a grad lands, is stashed, updates), so
+  // only the first queued job of each layer is a candidate.
+  std::size_t best = queue_.size();
+  std::vector<int> seen;
+  for (std::size_t i = 0; i < queue_.size(); ++i) {
+    const Job& j = queue_[i];
+    if (std::find(seen.begin(), seen.end(), j.layer) != seen.end()) continue;
+    seen.push_back(j.layer);
+    if (best < queue_.size() && queue_[best].layer <= j.layer) continue;
+    const bool landed =
+        std::all_of(j.landed.begin(), j.landed.end(), [](const auto& f) { return f->is_done(); });
+    if (landed && stage_ready(j)) best = i;
+  }
+  return best;
+}
+
+void Optimizer::dispatcher_main() {
+  for (;;) {
+    Job job;
+    bool picked = false;
+    std::vector<std::shared_ptr<DeviceFence>> oldest;
+    std::vector<StageIo> reads;
+    {
+      std::unique_lock lock(mutex_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and nothing left to finish
+      reads = stage_more();
+      const std::size_t pick = pick_job();
+      if (pick == queue_.size()) {
+        // Nothing ready: wait for the first grads still landing, else (every landed job waits
+        // for its state from NVMe) for a staging transfer to finish.
+        for (const Job& j : queue_) {
+          const bool landed = std::all_of(j.landed.begin(), j.landed.end(),
+                                          [](const auto& f) { return f->is_done(); });
+          if (!landed) {
+            oldest = j.landed;
+            break;
+          }
+        }
+        if (oldest.empty() && reads.empty()) {
+          // Every landed job waits for its state: a staging transfer's end notifies. (With
+          // none in flight, a fence landed since pick_job looked: pick again.)
+          if (io_in_flight_ > 0) {
+            const auto t0 = std::chrono::steady_clock::now();
+            cv_.wait(lock);
+            stage_wait_seconds_ += seconds_since(t0);
+          }
+          continue;
+        }
+      } else {
+        job = std::move(queue_[pick]);
+        queue_.erase(queue_.begin() + static_cast<std::ptrdiff_t>(pick));
+        ++running_;
+        picked = true;
+        // Its state, if read ahead, is now in use: no longer a slot take_slot may take back.
+        if (needs_stage(job)) stages_[static_cast<std::size_t>(job.layer)].ahead = false;
+      }
+    }
+    start_io(reads);
+    if (!oldest.empty()) {
+      for (const auto& f : oldest) (void)f->host_wait();  // errors: reported when it runs
+      continue;
+    }
+    if (!picked) continue;
+    Status status;
+    for (const auto& f : job.landed) {
+      Status s = f->host_wait();
+      if (status.is_ok() && !s.is_ok()) status = s;
+    }
+    const bool staged = needs_stage(job);
+    Status stage_status;
+    if (staged) {
+      std::lock_guard lock(mutex_);
+      const LayerStage& st = stages_[static_cast<std::size_t>(job.layer)];
+      stage_status = st.phase == StagePhase::kStaged ? st.status : failure_;
+    }
+    const std::vector<Task>& tasks = layer_tasks_[static_cast<std::size_t>(job.layer)];
+    double norm = 0;
+    double seconds = 0;
+    bool preempted = false;
+    const bool skip = job.kind == JobKind::kUpdate && job.scalars && job.scalars->skip;
+    // Updates and accumulation run in slices of about one task per thread; between slices a
+    // lower layer whose grads have landed takes over (the rest of this job goes back to the
+    // queue). Without that, layer 0's update, which lands last and is needed first, waited for
+    // whatever higher layer the pool had just started. Norms are short and run whole.
+    const std::size_t slice = job.kind == JobKind::kNorm ? tasks.size() : pool_->size();
+    const bool explicit_job =
+        !job.sources.empty() || job.kind == JobKind::kLand || job.kind == JobKind::kStash;
+    while (status.is_ok() && stage_status.is_ok() && !skip && job.next_task < tasks.size()) {
+      const std::size_t n = std::min(slice, tasks.size() - job.next_task);
+      const std::span<const Task> part(tasks.data() + job.next_task, n);
+      Tracer& tracer = runtime_->tracer();
+      const uint64_t trace_start = tracer.enabled() ? tracer.now() : 0;
+      const auto t0 = std::chrono::steady_clock::now();
+      if (explicit_job) {
+        run_explicit(part, job);
+      } else {
+        norm += run_tasks(part, job.kind, job.scalars.get(), job.first_micro);
+      }
+      seconds += seconds_since(t0);
+      if (tracer.enabled()) {
+        TraceRecord r;
+        r.kind = static_cast<int32_t>(TraceKind::kOptimizer);
+        r.start_ns = trace_start;
+        r.end_ns = tracer.now();
+        r.bytes = job_bytes(part, job.kind);
+        r.layer = job.layer;
+        r.phase = static_cast<int32_t>(job.kind);
+        tracer.record(r);
+      }
+      job.next_task += n;
+      if (job.next_task < tasks.size() && job.kind != JobKind::kNorm) {
+        std::lock_guard lock(mutex_);
+        const std::size_t pick = pick_job();
+        if (pick < queue_.size() && queue_[pick].layer < job.layer) {
+          update_seconds_ += seconds;
+          --running_;
+          // At the front: it stays ahead of any later job of its layer (pick_job keeps each
+          // layer's jobs in queue order).
+          queue_.push_front(std::move(job));
+          preempted = true;
+          break;
+        }
+      }
+    }
+    if (preempted) continue;
+    std::vector<StageIo> writes;
+    {
+      std::lock_guard lock(mutex_);
+      update_seconds_ += seconds;
+      --running_;
+      if (staged) {
+        writes = finish_stage(static_cast<std::size_t>(job.layer),
+                              status.is_ok() && stage_status.is_ok() && !skip);
+      }
+      if (!status.is_ok()) {
+        fail(error(status.code(), "optimizer: grads of layer ", job.layer,
+                   " did not land: ", status.message()));
+      }
+      if (job.kind == JobKind::kLand || job.kind == JobKind::kStash) {
+        const auto l = static_cast<std::size_t>(job.layer);
+        for (std::size_t k = 0; k < layer_params_[l].size(); ++k) {
+          Param& p = params_[layer_params_[l][k]];
+          // A kStash entry that moved nothing leaves the param's sum as it was.
+          if (job.kind == JobKind::kLand || job.add[k] != 0) p.grad_sq = job.sums[k];
+        }
+        --landing_[l];
+        --pending_[l];
+      } else if (job.kind == JobKind::kNorm && job.scalars->aborted) {
+        --pending_[static_cast<std::size_t>(job.layer)];  // its update will never be queued
+      } else if (job.kind == JobKind::kNorm) {
+        StepScalars& step = *job.scalars;
+        step.norm_squared += norm;
+        step.normed.push_back(job.layer);
+        if (++step.norms_in == layers_with_params_) {
+          // Every grad is in: decide the step, then update in forward order, which is the
+          // order the next step's forward pass loads the layers in.
+          finish_norms(step.norm_squared, &step);
+          for (std::size_t l = 0; l < layer_params_.size(); ++l) {
+            if (layer_params_[l].empty()) continue;
+            Job u;
+            u.kind = JobKind::kUpdate;
+            u.layer = static_cast<int>(l);
+            u.scalars = job.scalars;
+            queue_.push_back(std::move(u));
+          }
+        }
+      } else {
+        --pending_[static_cast<std::size_t>(job.layer)];
+      }
+    }
+    cv_.notify_all();
+    start_io(writes);
+  }
+}
+
+}  // namespace strata

@@ -1,0 +1,292 @@
+// The parameter and state registry: which weights the optimizer updates, the fp32 state it
+// allocates for them (DRAM or NVMe), param groups, and the tasks an update is cut into.
+#include "runtime/optimizer/optimizer.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
+#include "runtime/optimizer/optimizer_internal.h"
+#include "runtime/tensor_registry.h"
+
+namespace strata {
+
+namespace {
+// Elements per task: large enough that claiming a task costs nothing next to it, small enough
+// that a layer splits over every thread. A multiple of 64 keeps tasks on cache-line bounds.
+constexpr std::size_t kMinTaskElements = 1 << 16;
+
+constexpr std::size_t kMaxTaskElements = 1 << 20;
+
+uint64_t element_count(const TensorRecord& r) {
+  return r.nbytes / dtype_size(r.spec.dtype);
+}
+
+// A state tensor's name: the weight's plus a suffix. When that would pass the registry's
+// limit, a prefix of the weight's name (cut at a UTF-8 character boundary) and a hash of all
+// of it stand in, so every weight a runtime accepts can be made trainable, under the same name
+// in every run (checkpoints find state by name).
+std::string state_name(const std::string& weight, const char* suffix) {
+  std::string name = weight + suffix;
+  if (name.size() <= TensorRegistry::kMaxNameLength) return name;
+  uint64_t h = 14695981039346656037ull;  // FNV-1a 64
+  for (unsigned char c : weight) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  char tag[20];
+  std::snprintf(tag, sizeof tag, "~%016llx", static_cast<unsigned long long>(h));
+  std::size_t keep = TensorRegistry::kMaxNameLength - std::strlen(suffix) - std::strlen(tag);
+  while (keep > 0 && (static_cast<unsigned char>(weight[keep]) & 0xC0) == 0x80) --keep;
+  return weight.substr(0, keep) + tag + suffix;
+}
+
+constexpr uint32_t kMaxOptimizerGroups = 1u << 16;
+
+// Groups are a dense table indexed by number: a bound keeps `group + 1` from wrapping and a
+// hostile number from allocating gigabytes.
+Status check_group(uint32_t group) {
+  if (group >= kMaxOptimizerGroups) {
+    return error(Code::kInvalidArgument, "group ", group, " is out of range (groups are 0..",
+                 kMaxOptimizerGroups - 1, ")");
+  }
+  return Status::ok();
+}
+}  // namespace
+
+void Optimizer::unregister_state() {
+  for (TensorId id : pinned_) runtime_->unpin(id);
+  pinned_.clear();
+  for (TensorId id : owned_) (void)runtime_->unregister(id);
+  owned_.clear();
+}
+
+Status Optimizer::make_state(const TensorRecord& weight, const char* suffix, uint64_t skew,
+                             Tier home, TensorId* id, float** data) {
+  TensorSpec spec;
+  spec.name = state_name(weight.spec.name, suffix);
+  spec.dtype = DType::kF32;
+  spec.shape = weight.spec.shape;
+  spec.role = Role::kOptimizerState;
+  spec.home = home;
+  Status s = runtime_->register_tensor(spec, id, home == Tier::kDram ? skew : 0);
+  if (!s.is_ok()) {
+    return error(s.code(), "optimizer state for '", weight.spec.name, "': ", s.message());
+  }
+  owned_.push_back(*id);
+  STRATA_RETURN_IF_ERROR(runtime_->pin_in_place(*id, "optimizer"));
+  pinned_.push_back(*id);
+  TensorRecord r;
+  STRATA_RETURN_IF_ERROR(runtime_->info(*id, &r));
+  if (home == Tier::kDram) {
+    *data = reinterpret_cast<float*>(runtime_->tier_base(Tier::kDram) + r.offset);
+    state_bytes_ += r.nbytes;
+  } else {
+    *data = nullptr;
+    nvme_state_bytes_ += r.nbytes;
+  }
+  return Status::ok();
+}
+
+Tier Optimizer::state_home(uint64_t bytes) {
+  switch (config_.state_placement) {
+    case StatePlacement::kInDram:
+      return Tier::kDram;
+    case StatePlacement::kOnNvme:
+      return Tier::kNvme;
+    case StatePlacement::kPlanned:
+      break;
+  }
+  if (!runtime_->tier_available(Tier::kNvme)) return Tier::kDram;
+  const TierUsage dram = runtime_->tier_usage(Tier::kDram);
+  const uint64_t keep =
+      config_.nvme_staging_bytes != 0 ? config_.nvme_staging_bytes : dram.budget / 8;
+  // Page rounding and skews: a little more than `bytes` is allocated.
+  const uint64_t need = bytes + bytes / 64 + 3 * 8192;
+  const uint64_t free = dram.budget - dram.used;
+  return dram.largest_free >= need && free >= need && free - need >= keep ? Tier::kDram
+                                                                          : Tier::kNvme;
+}
+
+Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
+  STRATA_RETURN_IF_ERROR(check_group(group));
+  std::lock_guard lock(mutex_);
+  if (executor_ != nullptr) {
+    return error(Code::kInvalidState, "add_param after the optimizer was attached to an executor");
+  }
+  TensorRecord w, g;
+  STRATA_RETURN_IF_ERROR(runtime_->info(weight, &w));
+  STRATA_RETURN_IF_ERROR(runtime_->info(grad, &g));
+  if (weight == grad) {
+    return error(Code::kInvalidArgument, "tensor '", w.spec.name, "' given as its own grad");
+  }
+  for (const Param& p : params_) {
+    for (TensorId used : {p.weight, p.grad}) {
+      if (used == weight || used == grad) {
+        TensorRecord r;
+        (void)runtime_->info(used, &r);
+        return error(Code::kAlreadyExists, "tensor '", r.spec.name,
+                     "' already belongs to a parameter of this optimizer");
+      }
+    }
+  }
+  for (const TensorRecord* r : {&w, &g}) {
+    const char* role = r == &w ? "weight" : "grad";
+    if (r->tier != Tier::kDram) {
+      return error(Code::kUnsupported, role, " '", r->spec.name, "' is in ", tier_name(r->tier),
+                   ": the optimizer updates weights and reads grads in DRAM");
+    }
+    if (!optim::float_dtype(r->spec.dtype)) {
+      return error(Code::kInvalidArgument, role, " '", r->spec.name, "' is ",
+                   dtype_name(r->spec.dtype), ": the optimizer takes f32, bf16 or f16");
+    }
+  }
+  if (element_count(w) != element_count(g)) {
+    return error(Code::kInvalidArgument, "grad '", g.spec.name, "' has ", element_count(g),
+                 " elements, weight '", w.spec.name, "' has ", element_count(w));
+  }
+  const std::size_t owned_before = owned_.size(), pinned_before = pinned_.size();
+  const uint64_t bytes_before = state_bytes_;
+  auto roll_back = [&](Status s) {
+    while (pinned_.size() > pinned_before) {
+      runtime_->unpin(pinned_.back());
+      pinned_.pop_back();
+    }
+    while (owned_.size() > owned_before) {
+      (void)runtime_->unregister(owned_.back());
+      owned_.pop_back();
+    }
+    state_bytes_ = bytes_before;
+    return s;
+  };
+  Param p;
+  p.weight = weight;
+  p.grad = grad;
+  p.group = group;
+  for (TensorId id : {weight, grad}) {
+    Status s = runtime_->pin_in_place(id, "optimizer");
+    if (!s.is_ok()) return roll_back(s);
+    pinned_.push_back(id);
+  }
+  unsigned char* dram = runtime_->tier_base(Tier::kDram);
+  const std::size_t n = element_count(w);
+  optim::ParamArrays& a = p.arrays;
+  a.count = n;
+  a.grad = dram + g.offset;
+  a.grad_dtype = g.spec.dtype;
+  const bool adamw = config_.kind == OptimizerKind::kAdamW;
+  const bool has_master = w.spec.dtype != DType::kF32;
+  const bool has_avg = adamw || config_.momentum > 0.f;
+  const uint64_t state_bytes =
+      uint64_t{4} * n * ((has_master ? 1 : 0) + (has_avg ? 1 : 0) + (adamw ? 1 : 0));
+  const Tier home = state_bytes == 0 ? Tier::kDram : state_home(state_bytes);
+  p.nvme_state = home == Tier::kNvme;
+  const uint64_t nvme_before = nvme_state_bytes_;
+  auto roll_back_all = [&](Status s) {
+    nvme_state_bytes_ = nvme_before;
+    return roll_back(std::move(s));
+  };
+  // NVMe-homed state is written through a bounce buffer of its initial values.
+  std::vector<float> init;
+  auto write_initial = [&](TensorId id, bool widen) {
+    init.assign(n, 0.f);
+    if (widen) {
+      const optim::ParamArrays w_view{init.data(), nullptr, nullptr,     a.weight, w.spec.dtype,
+                                      init.data(), nullptr, DType::kF32, n};
+      kernels_->accumulate(w_view, 0, n, true);
+    }
+    return runtime_->write(id, 0, init.data(), n * sizeof(float));
+  };
+  if (!has_master) {
+    // The fp32 weight is its own master: no second copy to keep in step.
+    p.master = weight;
+    a.master = reinterpret_cast<float*>(dram + w.offset);
+  } else {
+    a.weight = dram + w.offset;
+    a.weight_dtype = w.spec.dtype;
+    Status s = make_state(w, ".master", kSkew[0], home, &p.master, &a.master);
+    if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.master, true);
+    if (!s.is_ok()) return roll_back_all(s);
+    if (home == Tier::kDram) {
+      // The master starts as the working copy, exactly (bf16 and f16 widen without rounding).
+      const optim::ParamArrays widen{a.master, nullptr, nullptr,     a.weight, w.spec.dtype,
+                                     a.master, nullptr, DType::kF32, n};
+      kernels_->accumulate(widen, 0, n, true);
+    }
+  }
+  if (has_avg) {
+    Status s = make_state(w, adamw ? ".exp_avg" : ".momentum_buffer", kSkew[1], home, &p.exp_avg,
+                          &a.exp_avg);
+    if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.exp_avg, false);
+    if (!s.is_ok()) return roll_back_all(s);
+    if (home == Tier::kDram) std::memset(a.exp_avg, 0, n * sizeof(float));
+  }
+  if (adamw) {
+    Status s = make_state(w, ".exp_avg_sq", kSkew[2], home, &p.exp_avg_sq, &a.exp_avg_sq);
+    if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.exp_avg_sq, false);
+    if (!s.is_ok()) return roll_back_all(s);
+    if (home == Tier::kDram) std::memset(a.exp_avg_sq, 0, n * sizeof(float));
+  }
+  if (config_.accumulation_steps > 1) {
+    Status s = make_state(w, ".grad_accum", kSkew[3], Tier::kDram, &p.accum, &a.grad_accum);
+    if (!s.is_ok()) return roll_back_all(s);
+  }
+  if (p.nvme_state) ++nvme_state_params_;
+  if (group >= groups_.size()) groups_.resize(group + 1, groups_.front());
+  params_.push_back(std::move(p));
+  return Status::ok();
+}
+
+Status Optimizer::set_group(uint32_t group, const GroupHyperparams& h) {
+  STRATA_RETURN_IF_ERROR(check_group(group));
+  STRATA_RETURN_IF_ERROR(check_finite("lr", h.lr, 0.f, true));
+  STRATA_RETURN_IF_ERROR(check_finite("weight_decay", h.weight_decay, 0.f, true));
+  std::lock_guard lock(mutex_);
+  if (group >= groups_.size()) groups_.resize(group + 1, groups_.front());
+  groups_[group] = h;
+  return Status::ok();
+}
+
+Status Optimizer::state_tensor(TensorId weight, StateKind kind, TensorId* out) {
+  std::lock_guard lock(mutex_);
+  for (const Param& p : params_) {
+    if (p.weight != weight) continue;
+    const TensorId id = kind == StateKind::kMaster     ? p.master
+                        : kind == StateKind::kExpAvg   ? p.exp_avg
+                        : kind == StateKind::kExpAvgSq ? p.exp_avg_sq
+                                                       : p.accum;
+    if (id == 0) {
+      return error(Code::kNotFound, "this optimizer keeps no such state (kind ",
+                   static_cast<int>(kind), ") for the weight");
+    }
+    *out = id;
+    return Status::ok();
+  }
+  return error(Code::kNotFound, "the tensor is not a parameter of this optimizer");
+}
+
+std::vector<Optimizer::ParamView> Optimizer::params() {
+  std::lock_guard lock(mutex_);
+  std::vector<ParamView> out;
+  for (const Param& p : params_) {
+    out.push_back(ParamView{p.weight, p.grad, p.master, p.exp_avg, p.exp_avg_sq, p.t});
+  }
+  return out;
+}
+
+std::vector<Optimizer::Task> Optimizer::tasks_for(const std::vector<std::size_t>& params) const {
+  uint64_t total = 0;
+  for (std::size_t i : params) total += params_[i].arrays.count;
+  const uint64_t per_thread = total / (4ull * pool_->size()) + 1;
+  const std::size_t chunk =
+      (std::clamp<uint64_t>(per_thread, kMinTaskElements, kMaxTaskElements) + 63) / 64 * 64;
+  std::vector<Task> tasks;
+  for (std::size_t i : params) {
+    const std::size_t n = params_[i].arrays.count;
+    for (std::size_t b = 0; b < n; b += chunk) tasks.push_back(Task{i, b, std::min(n, b + chunk)});
+    if (n == 0) tasks.push_back(Task{i, 0, 0});
+  }
+  return tasks;
+}
+
+}  // namespace strata

@@ -1,0 +1,283 @@
+// Running the work of a job on the thread pool: AdamW and SGD scalars, automatic updates and
+// norms, explicit steps (strata_optimizer_step).
+#include "runtime/optimizer/optimizer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <type_traits>
+
+#include "common/clock.h"
+
+namespace strata {
+
+namespace {
+// One update's scalars for a group at update count t (the grad multiplied by grad_scale).
+optim::AdamWScalars adamw_scalars(const OptimizerConfig& c, const GroupHyperparams& g, double t,
+                                  float grad_scale) {
+  // Bias corrections in double, as PyTorch computes them in Python floats.
+  optim::AdamWScalars a;
+  a.grad_scale = grad_scale;
+  a.beta1 = c.beta1;
+  a.beta2 = c.beta2;
+  a.eps = c.eps;
+  a.lr_decay = static_cast<float>(static_cast<double>(g.lr) * g.weight_decay);
+  a.step_size = static_cast<float>(g.lr / (1.0 - std::pow(double{c.beta1}, t)));
+  a.inv_bias2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double{c.beta2}, t)));
+  return a;
+}
+
+optim::SgdScalars sgd_scalars(const OptimizerConfig& c, const GroupHyperparams& g, uint64_t t,
+                              float grad_scale) {
+  optim::SgdScalars q;
+  q.grad_scale = grad_scale;
+  q.lr = g.lr;
+  q.weight_decay = g.weight_decay;
+  q.momentum = c.momentum;
+  q.dampening = c.dampening;
+  q.nesterov = c.nesterov;
+  q.first_step = t == 1;
+  return q;
+}
+
+// Elements [begin, end) of `a` as arrays of their own, starting at element 0.
+optim::ParamArrays subarray(const optim::ParamArrays& a, std::size_t begin, std::size_t end) {
+  auto at = [begin](auto* p, DType d) {
+    using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(p)>>,
+                                    const unsigned char, unsigned char>;
+    return p == nullptr
+               ? p
+               : reinterpret_cast<decltype(p)>(reinterpret_cast<Byte*>(p) + begin * dtype_size(d));
+  };
+  optim::ParamArrays s = a;
+  s.master = at(a.master, DType::kF32);
+  s.exp_avg = at(a.exp_avg, DType::kF32);
+  s.exp_avg_sq = at(a.exp_avg_sq, DType::kF32);
+  s.grad = at(a.grad, a.grad_dtype);
+  s.grad_accum = at(a.grad_accum, DType::kF32);
+  s.weight = at(a.weight, a.weight_dtype);
+  s.count = end - begin;
+  return s;
+}
+}  // namespace
+
+double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const StepScalars* s,
+                            bool first) {
+  std::vector<double> sums(kind == JobKind::kNorm ? tasks.size() : 0);
+  std::vector<optim::AdamWScalars> adam_groups;
+  std::vector<optim::SgdScalars> sgd_groups;
+  if (kind == JobKind::kUpdate) {
+    const double t = static_cast<double>(s->t);
+    for (const GroupHyperparams& g : s->groups) {
+      if (config_.kind == OptimizerKind::kAdamW) {
+        adam_groups.push_back(adamw_scalars(config_, g, t, s->grad_scale));
+      } else {
+        sgd_groups.push_back(sgd_scalars(config_, g, s->t, s->grad_scale));
+      }
+    }
+  }
+  pool_->run(tasks.size(), [&](std::size_t k) {
+    const Task& task = tasks[k];
+    const Param& p = params_[task.param];
+    switch (kind) {
+      case JobKind::kAccumulate:
+        kernels_->accumulate(p.arrays, task.begin, task.end, first);
+        break;
+      case JobKind::kNorm:
+        sums[k] = kernels_->sum_squares(p.arrays, task.begin, task.end);
+        break;
+      case JobKind::kUpdate: {
+        const optim::ParamArrays a = update_arrays(p);
+        if (config_.kind == OptimizerKind::kAdamW) {
+          kernels_->adamw(adam_groups[p.group], a, task.begin, task.end);
+        } else {
+          kernels_->sgd(sgd_groups[p.group], a, task.begin, task.end);
+        }
+        break;
+      }
+      case JobKind::kLand:
+      case JobKind::kStash:
+        break;  // explicit mode: run_explicit
+    }
+  });
+  double total = 0;
+  for (double v : sums) total += v;
+  return total;
+}
+
+void Optimizer::run_explicit(std::span<const Task> tasks, Job& job) {
+  std::vector<double> sums(tasks.size(), 0.0);
+  pool_->run(tasks.size(), [&](std::size_t k) {
+    const Task& task = tasks[k];
+    const Param& p = params_[task.param];
+    const std::size_t b = task.begin, e = task.end;
+    const std::size_t slot = p.in_layer;
+    // Views built from the fields fixed at add_param, plus the accumulator where the job
+    // uses it (it was allocated before the job was queued).
+    optim::ParamArrays grad_view;  // the landed grad
+    grad_view.grad = p.arrays.grad;
+    grad_view.grad_dtype = p.arrays.grad_dtype;
+    grad_view.count = p.arrays.count;
+    optim::ParamArrays accum_view;  // the accumulator read as a grad
+    accum_view.grad_dtype = DType::kF32;
+    accum_view.count = p.arrays.count;
+    auto scale = [&](float m) {
+      if (m == 1.f) return;
+      for (std::size_t i = b; i < e; ++i) p.accum_data[i] *= m;
+    };
+    switch (job.kind) {
+      case JobKind::kLand:
+        if (job.add[slot] != 0) {
+          accum_view.grad = p.accum_data;
+          grad_view.grad_accum = p.accum_data;
+          scale(job.mult[slot]);
+          kernels_->accumulate(grad_view, b, e, false);
+          sums[k] = kernels_->sum_squares(accum_view, b, e);
+        } else {
+          sums[k] = kernels_->sum_squares(grad_view, b, e);
+        }
+        break;
+      case JobKind::kStash:
+        if (job.add[slot] != 0) {
+          accum_view.grad = p.accum_data;
+          grad_view.grad_accum = p.accum_data;
+          kernels_->accumulate(grad_view, b, e, true);
+          scale(job.mult[slot]);
+          sums[k] = kernels_->sum_squares(accum_view, b, e);
+        }
+        break;
+      case JobKind::kUpdate: {
+        const UpdateSource& src = job.sources[slot];
+        if (src.skip) break;
+        optim::ParamArrays a = subarray(update_arrays(p), b, e);
+        a.grad_accum = nullptr;
+        thread_local std::vector<float> zeros;
+        if (src.grad == nullptr) {
+          if (zeros.size() < e - b) zeros.assign(e - b, 0.f);
+          a.grad = zeros.data();
+          a.grad_dtype = DType::kF32;
+        } else {
+          a.grad = static_cast<const unsigned char*>(src.grad) + b * dtype_size(src.dtype);
+          a.grad_dtype = src.dtype;
+        }
+        if (config_.kind == OptimizerKind::kAdamW) {
+          kernels_->adamw(src.adamw, a, 0, e - b);
+        } else {
+          kernels_->sgd(src.sgd, a, 0, e - b);
+        }
+        break;
+      }
+      default:
+        break;
+    }
+  });
+  for (std::size_t k = 0; k < tasks.size(); ++k) {
+    job.sums.resize(std::max(job.sums.size(), params_[tasks[k].param].in_layer + 1), 0.0);
+    job.sums[params_[tasks[k].param].in_layer] += sums[k];
+  }
+}
+
+Status Optimizer::step_explicit() {
+  std::unique_lock lock(mutex_);
+  if (!failure_.is_ok()) return failure_;
+  if (in_executor_step_) {
+    return error(Code::kInvalidState,
+                 "step inside an executor step: call it after strata_step_end (the backward "
+                 "pass's grads are not all in yet)");
+  }
+  ++counters_.step;
+  for (std::size_t l = 0; l < layer_params_.size(); ++l) {
+    if (layer_params_[l].empty()) continue;
+    Job job;
+    job.kind = JobKind::kUpdate;
+    job.layer = static_cast<int>(l);
+    bool any = false;
+    for (std::size_t i : layer_params_[l]) {
+      Param& p = params_[i];
+      UpdateSource src;
+      if (p.hold != GradHold::kNone) {
+        src.skip = false;
+        ++p.t;
+        if (p.hold == GradHold::kGrad) {
+          src.grad = p.arrays.grad;
+          src.dtype = p.arrays.grad_dtype;
+        } else if (p.hold == GradHold::kAccum) {
+          src.grad = p.accum_data;
+          src.dtype = DType::kF32;
+        }
+        const float grad_scale = p.grad_mult / counters_.loss_scale;
+        const GroupHyperparams& g = groups_[p.group];
+        src.adamw = adamw_scalars(config_, g, static_cast<double>(p.t), grad_scale);
+        src.sgd = sgd_scalars(config_, g, p.t, grad_scale);
+        any = true;
+      }
+      job.sources.push_back(src);
+    }
+    if (!any) continue;
+    ++pending_[l];
+    queue_.push_back(std::move(job));
+  }
+  lock.unlock();
+  cv_.notify_all();
+  return Status::ok();
+}
+
+Status Optimizer::step() {
+  // One manual step at a time (the header promises it; the pool runs one job at a time). No
+  // dispatcher job runs while unattached, so the pool is this step's alone.
+  std::lock_guard serial(step_mutex_);
+  std::unique_lock lock(mutex_);
+  if (executor_ != nullptr && config_.explicit_updates) {
+    lock.unlock();
+    return step_explicit();
+  }
+  if (executor_ != nullptr) {
+    return error(Code::kInvalidState,
+                 "step: the optimizer is attached to an executor, whose steps run its updates");
+  }
+  if (!failure_.is_ok()) return failure_;
+  if (params_.empty()) return error(Code::kInvalidState, "step: the optimizer has no params");
+  if (nvme_state_params_ != 0) {
+    return error(Code::kInvalidState, "step: ", nvme_state_params_,
+                 " params have their state on NVMe, which is staged through DRAM layer by "
+                 "layer: only an optimizer attached to an executor updates them");
+  }
+  if (all_tasks_params_ != params_.size()) {
+    std::vector<std::size_t> all(params_.size());
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+    all_tasks_ = tasks_for(all);
+    all_tasks_params_ = params_.size();
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  if (micro_ + 1 < config_.accumulation_steps) {
+    const bool first = micro_ == 0;
+    ++micro_;
+    lock.unlock();
+    run_tasks(all_tasks_, JobKind::kAccumulate, nullptr, first);
+    lock.lock();
+    update_seconds_ += seconds_since(t0);
+    return Status::ok();
+  }
+  micro_ = 0;
+  StepScalars s;
+  s.t = counters_.step + 1;
+  s.grad_scale = 1.f / counters_.loss_scale;
+  s.groups = groups_;
+  if (deferred()) {
+    lock.unlock();
+    const double total = run_tasks(all_tasks_, JobKind::kNorm, nullptr, false);
+    lock.lock();
+    finish_norms(total, &s);
+  } else {
+    counters_.step = s.t;
+  }
+  if (!s.skip) {
+    lock.unlock();
+    run_tasks(all_tasks_, JobKind::kUpdate, &s, false);
+    lock.lock();
+  }
+  update_seconds_ += seconds_since(t0);
+  return Status::ok();
+}
+
+}  // namespace strata
