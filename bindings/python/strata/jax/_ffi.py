@@ -35,10 +35,27 @@ class FfiUnavailable(RuntimeError):
     """The FFI library cannot be built or loaded here (the message says why)."""
 
 
+def _strata_library():
+    """The path of the libstrata the package loaded (a bare name from ctypes.util.find_library
+    is looked up in this process's mappings)."""
+    name = _lib.lib._name
+    if os.path.dirname(name):
+        return pathlib.Path(os.path.abspath(name))
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(None, 5)[-1].strip()
+                if os.path.basename(path).startswith("libstrata.so"):
+                    return pathlib.Path(path)
+    except OSError:
+        pass
+    raise FfiUnavailable("cannot tell where %s was loaded from: set STRATA_LIBRARY" % name)
+
+
 def _strata_include_dir():
     env = os.environ.get("STRATA_INCLUDE_DIR")
     candidates = [pathlib.Path(env)] if env else []
-    lib_dir = pathlib.Path(_lib.lib._name).resolve().parent
+    lib_dir = _strata_library().resolve().parent
     # This checkout's include/, then beside the library (an install, or build/<preset>/lib).
     candidates += [pathlib.Path(__file__).resolve().parents[4] / "include",
                    lib_dir.parent / "include"] + [p / "include" for p in lib_dir.parents[1:3]] + [
@@ -60,7 +77,7 @@ def _compiler():
 
 def build(out_dir=None):
     """Compile the FFI library (if not cached) and return its path."""
-    strata_lib = pathlib.Path(os.path.abspath(_lib.lib._name))
+    strata_lib = _strata_library()
     include = _strata_include_dir()
     jax_include = pathlib.Path(jax.ffi.include_dir())
     if not (jax_include / "xla" / "ffi" / "api" / "ffi.h").exists():
