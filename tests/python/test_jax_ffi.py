@@ -15,6 +15,10 @@ from strata.jax import _ffi  # noqa: E402
 import test_jax_api as api  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Two different programs of the same arithmetic (one XLA program against per-layer ones, or
+# with a host callback in the block): equal on the CPU to float rounding, on the GPU (whose
+# reductions may use atomics) to the parity tolerance.
+OTHER_PROGRAM_RTOL = 1e-6 if jax.default_backend() == "cpu" else 1e-5
 
 
 def require_ffi():
@@ -50,7 +54,7 @@ def test_ffi_step_matches_plain_jax_optax_and_host_loop(scan):
         assert trainer.optimizer.stats()["step"] == len(data)
     with api.llama_trainer(blocks, residents, ffi=False) as host_loop:
         assert not host_loop.uses_ffi
-        api.assert_losses(got, [host_loop.step(ids) for ids in data], rtol=1e-6)
+        api.assert_losses(got, [host_loop.step(ids) for ids in data], rtol=OTHER_PROGRAM_RTOL)
 
 
 def test_ffi_stacked_blocks_extras_groups_match_plain_jax_optax():
@@ -76,7 +80,9 @@ def test_ffi_bf16_blocks_train_with_few_slots():
     with api.mlp_trainer(blocks, residents, ffi=True, dtype=jnp.bfloat16, gpu_budget=1 << 20,
                          slot_budget=40000) as trainer:  # a slot (weights, grads) is 16.5 KiB
         assert trainer.executor.plan_info().slots == 2
-        api.assert_losses(ref, [trainer.step(b) for b in data], rtol=api.SAME_RUN_RTOL)
+        # Bit for bit on the CPU; bf16 on the GPU rounds its atomic reductions' orders apart.
+        rtol = api.SAME_RUN_RTOL if jax.default_backend() == "cpu" else 1e-3
+        api.assert_losses(ref, [trainer.step(b) for b in data], rtol=rtol)
 
 
 def test_ffi_failure_inside_the_program_leaves_the_trainer_usable():
@@ -108,7 +114,7 @@ def test_ffi_failure_inside_the_program_leaves_the_trainer_usable():
         # Failed in the forward pass: no grads were released, nothing was updated.
         assert trainer.step_count == 0 and trainer.optimizer.stats()["step"] == 0
         calls["fail"] = False
-        api.assert_losses(expected, [trainer.step(ids) for ids in data], rtol=1e-6)
+        api.assert_losses(expected, [trainer.step(ids) for ids in data], rtol=OTHER_PROGRAM_RTOL)
         with pytest.raises(TypeError, match="inside jax.jit"):
             jax.jit(lambda: trainer.step(data[0]))()
 
