@@ -34,6 +34,8 @@ def main():
     config = models.PRESETS[args.model]
     blocks, residents = models.init_params(config, seed=0)
     trainer = StreamedTrainer(config, blocks, residents, lr=args.lr, weight_decay=0.1)
+    print("each step: %s" % ("one XLA program (FFI acquire/release ops)" if trainer.uses_ffi
+                             else "the host-synchronised loop"), flush=True)
     text = np.frombuffer((ROOT / "examples" / "data" / "corpus.txt").read_bytes(), np.uint8)
     text = text.astype(np.int32) % config.vocab_size
     rng = np.random.default_rng(0)

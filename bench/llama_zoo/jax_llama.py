@@ -28,6 +28,50 @@ def init_params(config, seed=0, dtype=jnp.float32):
     return blocks, residents
 
 
+class LazyBlocks:
+    """The blocks as a sequence that builds block i (numpy, host memory) when indexed, from a
+    generator seeded by (seed, i): strata.jax.Trainer registers listed blocks one at a time, so
+    host memory holds one block beside Strata's arena (the 8B model's fp32 init would need 28
+    GB more). Not init_params' values: uniform with init_params' standard deviation (0.02),
+    which numpy draws several times faster than normal values (the 8B model's 7 B)."""
+
+    def __init__(self, config, seed=0, dtype=jnp.float32):
+        self.config, self.seed, self.dtype = config, seed, dtype
+
+    def __len__(self):
+        return self.config.num_hidden_layers
+
+    def __getitem__(self, i):
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        config, dtype = self.config, self.dtype
+        rng = np.random.default_rng((self.seed, i))
+        h, inter = config.hidden_size, config.intermediate_size
+        kv = h // config.num_attention_heads * config.num_key_value_heads
+
+        def normal(*shape):
+            return _uniform(rng, shape, dtype)
+
+        return {"attn_norm": np.ones(h, dtype), "wq": normal(h, h), "wk": normal(h, kv),
+                "wv": normal(h, kv), "wo": normal(h, h), "mlp_norm": np.ones(h, dtype),
+                "w_gate": normal(h, inter), "w_up": normal(h, inter), "w_down": normal(inter, h)}
+
+    def residents(self):
+        rng = np.random.default_rng((self.seed, len(self)))
+        h, v = self.config.hidden_size, self.config.vocab_size
+        return {"embed": _uniform(rng, (v, h), self.dtype), "norm": np.ones(h, self.dtype),
+                "head": _uniform(rng, (h, v), self.dtype)}
+
+
+def _uniform(rng, shape, dtype):
+    """Uniform on [-a, a] with standard deviation 0.02 (a = 0.02 * sqrt(3))."""
+    a = np.float32(0.02 * 3 ** 0.5)
+    x = rng.random(shape, dtype=np.float32)
+    x *= 2 * a
+    x -= a
+    return x.astype(dtype, copy=False)
+
+
 def rms_norm(x, w, eps):
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)

@@ -40,11 +40,12 @@ class StreamedTrainer(Trainer):
     blocks are copied into Strata and the host copies may be dropped). dtype: the compute dtype
     of the streamed weights and of the residents' working copies (fp32 masters either way).
     lr, weight_decay: floats or schedules (callables of the step). backend: "cuda" or "host"
-    (default: cuda when JAX's default device is a GPU). step(ids) takes token ids (batch, seq)."""
+    (default: cuda when JAX's default device is a GPU). ffi, scan: as strata.jax.Trainer's.
+    step(ids) takes token ids (batch, seq)."""
 
     def __init__(self, config, blocks, residents, lr=1e-3, weight_decay=0.0, dtype=jnp.float32,
                  gpu_budget=None, host_budget=None, nvme=None, backend=None, threads=0,
-                 slot_budget=0):
+                 slot_budget=0, ffi=None, scan=None):
         self.config = config
         dtype = jnp.dtype(dtype)
 
@@ -60,13 +61,18 @@ class StreamedTrainer(Trainer):
 
         block_optimizer = AdamW(lr, weight_decay=weight_decay, threads=threads)
         block_optimizer.hyper(0, 0)  # a clear error for a rate that is neither float nor schedule
-        super().__init__(block_fn, list(blocks),
+        # Any sequence stays as given (llama_zoo.jax_llama.LazyBlocks builds each block when
+        # the Trainer reads it); an iterator becomes a list.
+        if not (hasattr(blocks, "__getitem__") and hasattr(blocks, "__len__")):
+            blocks = list(blocks)
+        super().__init__(block_fn, blocks,
                          {k: np.asarray(v, np.float32) for k, v in residents.items()},
                          embed_fn=embed_fn, loss_fn=loss_fn,
                          optimizer=TorchAdamW(lr, weight_decay),
                          block_optimizer=block_optimizer,
                          dtype=dtype, gpu_budget=gpu_budget, host_budget=host_budget, nvme=nvme,
-                         backend=backend, slot_budget=slot_budget)
+                         backend=backend, slot_budget=slot_budget, ffi=ffi, scan=scan,
+                         stacked=False)
 
     def step(self, ids):
         """One training step on token ids (batch, seq); returns the loss (a float)."""

@@ -38,6 +38,11 @@ PRESETS = {
                       num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8),
     "7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
+    # Llama 3.1 8B's shapes (its vocabulary 128256, untied head, rope theta 500000), as
+    # bench/dist_bench.py's "8b".
+    "8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=8192, rope_theta=500000.0),
     "14b": LlamaConfig(vocab_size=32000, hidden_size=5120, intermediate_size=13824,
                        num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8),
 }

@@ -292,3 +292,29 @@ def test_errors_leave_the_trainer_usable():
             jax.grad(lambda ids: trainer.evaluate(ids))(data[0].astype(np.float32))
         assert trainer.step_count == 0 and trainer.optimizer.stats()["step"] == 0
         assert_losses(expected, [trainer.step(ids) for ids in data], rtol=SAME_RUN_RTOL)
+
+
+class CountingBlocks:
+    """A lazy sequence of blocks: builds (here: copies) block i when indexed."""
+
+    def __init__(self, blocks):
+        self.blocks, self.reads = blocks, 0
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return {k: np.array(v) for k, v in self.blocks[i].items()}
+
+
+def test_lazy_listed_blocks_are_read_one_block_at_a_time():
+    blocks, residents = llama_params()
+    data = batches(2)
+    with llama_trainer(blocks, residents) as listed:
+        expected = [listed.step(ids) for ids in data]
+    lazy = CountingBlocks(blocks)
+    with llama_trainer(lazy, residents, stacked=False) as trainer:
+        # Block 0's structure, each block checked, each block registered: never all at once.
+        assert lazy.reads == 1 + 2 * len(blocks)
+        assert_losses(expected, [trainer.step(ids) for ids in data], rtol=SAME_RUN_RTOL)

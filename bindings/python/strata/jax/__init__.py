@@ -6,9 +6,10 @@
     for batch in batches:
         loss = trainer.step(batch)
 
-The blocks' weights live in Strata's DRAM (or NVMe) and are handed to JAX zero-copy through
-DLPack from each acquired layer's device views; each block's forward and its recomputed
-forward + vjp are jitted per layer; grads go back into the runtime's grad views, and the
+The blocks' weights live in Strata's DRAM (or NVMe). A step is one jitted XLA program in
+which acquiring a block (XLA's stream waits on Strata's loads; the weights are copied from the
+slot into the program) and releasing it with its grads are XLA FFI custom calls; where that
+library cannot be had, a host-synchronised loop of per-layer programs over DLPack views. The
 runtime's CPU AdamW updates fp32 masters as soon as a block's grads land. The residents
 (embedding, head, ...) stay on the device, trained by any optax optimizer. See docs/python.md."""
 from .streamed import AdamW, Trainer  # noqa: F401

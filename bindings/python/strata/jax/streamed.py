@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import core
+from . import _ffi
 from ..core import BACKWARD, FORWARD, VIEW_GRAD, VIEW_WEIGHT
 
 # The dtypes Strata's optimizer trains (working copies and grads; masters are fp32).
@@ -29,6 +30,7 @@ _DTYPE_NAMES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfl
                 jnp.dtype(jnp.float16): "float16"}
 _SUPPORTED = "float32, bfloat16 or float16"
 _FORMAT = "strata.jax/1"
+_FFI_WARNED = []  # the FFI ops' absence is reported once per process
 
 
 def _path_name(path):
@@ -110,6 +112,23 @@ class AdamW:
                 _lookup(g.get("weight_decay", self.weight_decay), step))
 
 
+class _ListedLayers:
+    """Listed blocks' leaves per layer as numpy arrays, read from the blocks when a layer is
+    indexed (a lazy sequence of blocks builds each block then, one at a time)."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def __getitem__(self, i):
+        return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(self.blocks[i])]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
 def _normalize_embed(out):
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (tuple, list)):
         return out[0], tuple(out[1])
@@ -123,18 +142,29 @@ class Trainer:
     """Train a JAX model whose blocks stream through Strata (see the module's docstring).
 
     block_fn(block_params, hidden, *extras) -> hidden; blocks: stacked or listed block params
-    (stacked=None decides: a list or tuple is listed, anything else stacked); residents: a
+    (stacked=None decides: a list or tuple is listed, anything else stacked; with
+    stacked=False any sequence is listed, and a lazy one that builds block i when indexed is
+    read one block at a time, so host memory holds one block); residents: a
     pytree of arrays on the device; embed_fn(residents, batch) -> hidden or (hidden, extras);
     loss_fn(residents, hidden, batch) -> scalar. optimizer: an optax GradientTransformation for
     the residents (None: they stay frozen); block_optimizer: a strata.jax.AdamW. dtype: the
     compute dtype of the streamed weights (None: each leaf's own; float32, bfloat16 or float16;
     fp32 masters either way, initialized from fp32 values where given). backend: "cuda" or
     "host" (None: cuda when JAX's default device is a GPU). Budgets in bytes (None: from the
-    model's size); nvme: paths for the NVMe tier."""
+    model's size); nvme: paths for the NVMe tier.
+
+    ffi: run each step as one XLA program whose acquire and release of the blocks are XLA FFI
+    custom calls (no host synchronization per layer; docs/python.md). None (the default): when
+    the FFI library can be built and loaded here and JAX's device matches the backend (a GPU
+    with cuda, the CPU with host), else the host-synchronised loop (with a warning saying why);
+    $STRATA_JAX_FFI=0 or 1 overrides None. True: required (raises if unavailable); False: the
+    host-synchronised loop. scan: in the FFI program, loop over the blocks with jax.lax.scan
+    (one compiled body; needs every block of one shape) rather than unrolled; None: scan when
+    the blocks' shapes allow."""
 
     def __init__(self, block_fn, blocks, residents=None, *, embed_fn, loss_fn, optimizer=None,
                  block_optimizer=None, stacked=None, dtype=None, gpu_budget=None,
-                 host_budget=None, nvme=None, backend=None, slot_budget=0):
+                 host_budget=None, nvme=None, backend=None, slot_budget=0, ffi=None, scan=None):
         self.block_fn, self.embed_fn, self.loss_fn = block_fn, embed_fn, loss_fn
         self.block_optimizer = block_optimizer if block_optimizer is not None else AdamW()
         if not isinstance(self.block_optimizer, AdamW):
@@ -149,32 +179,75 @@ class Trainer:
         if backend is None:
             backend = "cuda" if self.device.platform == "gpu" else "host"
         self.stacked = not isinstance(blocks, (list, tuple)) if stacked is None else stacked
-        per_layer = self._split_blocks(blocks)  # list of lists of numpy leaves
+        per_layer = self._split_blocks(blocks)  # per layer, its numpy leaves
         self.layers = len(per_layer)
-        itemsize = max(self._dtype_of(a).itemsize for a in per_layer[0])
-        hbm, dram = core.streaming_budgets([sum(int(a.size) for a in leaves)
-                                            for leaves in per_layer], itemsize)
-        self.runtime = core.Runtime(backend=backend,
-                                    hbm_budget=hbm if gpu_budget is None else gpu_budget,
-                                    dram_budget=dram if host_budget is None else host_budget,
-                                    nvme=nvme)
+        itemsize = max(d.itemsize for d in self.leaf_dtypes)
+        hbm, dram = core.streaming_budgets([sum(int(np.prod(s)) for s in shapes)
+                                            for shapes in self.shapes], itemsize)
+        self.scan = scan if scan is not None else all(s == self.shapes[0] for s in self.shapes)
+        if self.scan and any(s != self.shapes[0] for s in self.shapes):
+            raise ValueError("strata.jax: scan=True needs every block of one shape")
+        self._ffi = self._open_ffi(ffi, backend)
+        try:
+            self.runtime = core.Runtime(backend=backend,
+                                        hbm_budget=hbm if gpu_budget is None else gpu_budget,
+                                        dram_budget=dram if host_budget is None else host_budget,
+                                        nvme=nvme)
+        except BaseException:
+            if self._ffi is not None:
+                self._ffi.close()
+            raise
         try:
             self._register(per_layer, slot_budget)
             del per_layer
             self._init_residents(residents, optimizer)
         except BaseException:
+            if self._ffi is not None:
+                self._ffi.close()
             self.runtime.close()
             raise
         self.step_count = 0
         self._compile()
 
     # -- construction --------------------------------------------------------------------
-    def _dtype_of(self, leaf):
-        return self.dtype if self.dtype is not None else jnp.dtype(leaf.dtype)
+    def _open_ffi(self, ffi, backend):
+        """The FFI session for this trainer, or None for the host-synchronised loop."""
+        if ffi is None:
+            env = os.environ.get("STRATA_JAX_FFI", "")
+            if env in ("0", "1"):
+                ffi = env == "1"
+        if ffi is False:
+            return None
+        platform = self.device.platform
+        if (backend == "cuda") != (platform == "gpu") or platform not in ("gpu", "cpu"):
+            why = ("the FFI ops need JAX's device and Strata's backend to match (a GPU with "
+                   "backend cuda, the CPU with backend host); here %s with %s"
+                   % (platform, backend))
+            if ffi:
+                raise ValueError("strata.jax: ffi=True: " + why)
+            return None
+        try:
+            return _ffi.Session()
+        except _ffi.FfiUnavailable as e:
+            if ffi:
+                raise
+            if not _FFI_WARNED:
+                _FFI_WARNED.append(True)
+                warnings.warn("strata.jax: the XLA FFI ops are unavailable, so each layer is "
+                              "synchronised with the host (slower); why: %s" % e, RuntimeWarning,
+                              stacklevel=3)
+            return None
+
+    @property
+    def uses_ffi(self):
+        """Whether steps run as one XLA program with the FFI acquire/release ops."""
+        return self._ffi is not None
 
     def _split_blocks(self, blocks):
-        """Validate the blocks and return one list of numpy leaves per layer; sets the block
-        treedef and leaf names."""
+        """Validate the blocks and return, per layer, its list of numpy leaves (indexable and
+        iterable; listed blocks are read when a layer is, so a lazy sequence that builds block
+        i when indexed keeps one block in host memory); sets the block treedef, leaf names,
+        shapes and dtypes."""
         if self.stacked:
             flat, self.treedef = jax.tree_util.tree_flatten_with_path(blocks)
             if not flat:
@@ -193,6 +266,7 @@ class Trainer:
                                                          zip(names, flat)})
             hosts = [np.asarray(leaf) for _, leaf in flat]
             per_layer = [[h[i] for h in hosts] for i in range(counts.pop())]
+            metas = [[(a.shape, a.dtype) for a in leaves] for leaves in per_layer]
         else:
             if len(blocks) == 0:
                 raise ValueError("strata.jax: no blocks")
@@ -200,8 +274,10 @@ class Trainer:
             if not flat0:
                 raise ValueError("strata.jax: block 0 has no arrays")
             names = [_path_name(p) for p, _ in flat0]
-            per_layer = []
-            for i, block in enumerate(blocks):
+            del flat0
+            metas = []
+            for i in range(len(blocks)):
+                block = blocks[i]
                 flat, treedef = jax.tree_util.tree_flatten_with_path(block)
                 these = [_path_name(p) for p, _ in flat]
                 if treedef != self.treedef:
@@ -215,22 +291,27 @@ class Trainer:
                             "(%s vs %s)" % (treedef, self.treedef)))
                 for name, (_, leaf) in zip(these, flat):
                     _check_leaf("block %d" % i, name, leaf)
-                per_layer.append([np.asarray(leaf) for _, leaf in flat])
+                metas.append([(tuple(leaf.shape), leaf.dtype) for _, leaf in flat])
+                del block, flat
+            per_layer = _ListedLayers(blocks)
         if len(set(names)) != len(names):
             raise ValueError("strata.jax: block leaf names collide: %s" % names)
         self.names = names
-        for name, leaf in zip(names, per_layer[0]):
-            d = self._dtype_of(leaf)
+        def compute(dtype):
+            return self.dtype if self.dtype is not None else jnp.dtype(dtype)
+
+        for name, (_, dtype) in zip(names, metas[0]):
+            d = compute(dtype)
             if d not in _DTYPE_NAMES:
                 raise TypeError("strata.jax: block leaf %r has dtype %s: streamed weights are %s "
                                 "(cast them, or pass dtype=)" % (name, d, _SUPPORTED))
-        self.shapes = [[a.shape for a in leaves] for leaves in per_layer]
-        self.leaf_dtypes = [self._dtype_of(a) for a in per_layer[0]]
-        for i, leaves in enumerate(per_layer):
-            for name, a, d in zip(names, leaves, self.leaf_dtypes):
-                if self._dtype_of(a) != d:
+        self.shapes = [[tuple(shape) for shape, _ in leaves] for leaves in metas]
+        self.leaf_dtypes = [compute(dtype) for _, dtype in metas[0]]
+        for i, leaves in enumerate(metas):
+            for name, (_, dtype), d in zip(names, leaves, self.leaf_dtypes):
+                if compute(dtype) != d:
                     raise TypeError("strata.jax: block %d leaf %r is %s, block 0's is %s"
-                                    % (i, name, a.dtype, d))
+                                    % (i, name, dtype, d))
         return per_layer
 
     def _register(self, per_layer, slot_budget):
@@ -275,6 +356,9 @@ class Trainer:
                            slot_budget=self._slot_budget)
         self.optimizer.attach(ex)
         self.executor = ex
+        if self._ffi is not None:
+            self._ffi.bind(ex, [[int(np.prod(shape)) * d.itemsize for shape, d in
+                                 zip(shapes, self.leaf_dtypes)] for shapes in self.shapes])
 
     def _init_residents(self, residents, optimizer):
         residents = {} if residents is None else residents
@@ -282,7 +366,10 @@ class Trainer:
             _check_leaf("resident", _path_name(path), leaf, inexact=optimizer is not None)
         self.residents = jax.device_put(residents, self.device)
         self.resident_optimizer = optimizer
-        self.opt_state = optimizer.init(self.residents) if optimizer is not None else None
+        # Committed to the device like the residents (and like what the step returns), so the
+        # second step reuses the first one's compiled program instead of compiling again.
+        self.opt_state = jax.device_put(optimizer.init(self.residents), self.device) \
+            if optimizer is not None else None
 
     def _compile(self):
         block_fn, embed_fn, loss_fn = self.block_fn, self.embed_fn, self.loss_fn
@@ -333,6 +420,65 @@ class Trainer:
             return r, opt_state
 
         self._finish = jax.jit(finish, static_argnums=(6,))
+        self._probe = jax.jit(lambda: jnp.zeros((), jnp.int32))
+        if self._ffi is not None:
+            self._program = jax.jit(self._ffi_program(call_block, backward, embed, finish))
+
+    def _ffi_program(self, call_block, backward, embed, finish):
+        """The whole step as one function for jax.jit: embed, the blocks' forward (acquire op,
+        block), the head's value and grad, the blocks' backward (acquire op, recomputed vjp,
+        release op with the grads), the embedding's vjp and the residents' optax update."""
+        session, layers, loss_fn, scan = self._ffi, self.layers, self.loss_fn, self.scan
+
+        def shapes(layer):
+            return [jax.ShapeDtypeStruct(s, d) for s, d in zip(self.shapes[layer],
+                                                               self.leaf_dtypes)]
+
+        def program(r, opt_state, batch):
+            hidden, extras = embed(r, batch)
+            leaves, extras_def = jax.tree_util.tree_flatten(extras)
+            mask = tuple(bool(jnp.issubdtype(jnp.asarray(e).dtype, jnp.inexact))
+                         for e in leaves)
+            diff = [e for e, m in zip(leaves, mask) if m]
+            const = [e for e, m in zip(leaves, mask) if not m]
+            token = jnp.zeros((), jnp.uint32)
+            # Each acquire takes the hidden state (its grad in the backward pass) as an operand:
+            # XLA cannot issue it before the previous block, so at most one block's weights
+            # (and the slots Strata prefetches into) are in HBM at a time.
+            if scan:
+                def forward(carry, _):
+                    x, tok = carry
+                    tok, w = session.acquire(tok, x, FORWARD, shapes(0))
+                    return (call_block(w, x, diff, const, mask, extras_def), tok), x
+
+                (x, token), inputs = jax.lax.scan(forward, (hidden, token), None, length=layers)
+            else:
+                x, inputs = hidden, []
+                for layer in range(layers):
+                    token, w = session.acquire(token, x, FORWARD, shapes(layer), layer)
+                    inputs.append(x)
+                    x = call_block(w, x, diff, const, mask, extras_def)
+            loss, (g_head, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1))(r, x, batch)
+            acc = [jnp.zeros_like(d) for d in diff]
+            if scan:
+                def backward_step(carry, x_in):
+                    g, acc_, tok = carry
+                    tok, w = session.acquire(tok, g, BACKWARD, shapes(0))
+                    g_w, g, acc_ = backward(w, x_in, diff, const, g, acc_, mask, extras_def)
+                    return (g, acc_, session.release(tok, g_w)), None
+
+                (g_x, acc, token), _ = jax.lax.scan(backward_step, (g_x, acc, token), inputs,
+                                                    reverse=True)
+            else:
+                for layer in reversed(range(layers)):
+                    token, w = session.acquire(token, g_x, BACKWARD, shapes(layer), layer)
+                    g_w, g_x, acc = backward(w, inputs[layer], diff, const, g_x, acc, mask,
+                                             extras_def)
+                    token = session.release(token, g_w)
+            r, opt_state = finish(r, opt_state, batch, g_head, g_x, acc, mask)
+            return loss, r, opt_state, token
+
+        return program
 
     # -- the step ------------------------------------------------------------------------
     def _bind(self, layer, phase):
@@ -358,6 +504,11 @@ class Trainer:
                 "Strata's executor from the host between XLA programs (each block's program "
                 "is jitted already). Call it outside any transformation." % what)
 
+    def _check_not_traced(self, batch, what):
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(batch)) \
+                or isinstance(self._probe(), jax.core.Tracer):
+            raise TypeError(self._in_trace_message(what))
+
     def step(self, batch):
         """One training step on `batch` (any pytree: it is passed to embed_fn and loss_fn).
         Returns the loss (a float). A step that raises leaves the trainer usable: before any
@@ -365,6 +516,8 @@ class Trainer:
         the blocks whose grads were released were updated and the step is not counted."""
         if self.runtime._handle is None:
             raise ValueError("strata.jax: the trainer is closed")
+        if self._ffi is not None:
+            return self._step_ffi(batch)
         hidden, diff, const, mask, extras_def = self._prepare(batch, "step")
         for group in range(len(self.block_optimizer.groups) + 1):
             self.optimizer.set_group(group, *self.block_optimizer.hyper(group, self.step_count))
@@ -409,7 +562,30 @@ class Trainer:
         self.step_count += 1
         return float(loss)
 
-    def _abort(self, live, released):
+    def _step_ffi(self, batch):
+        """The step as one XLA program (see _ffi_program); the host waits once, at the end."""
+        self._check_not_traced(batch, "step")
+        for group in range(len(self.block_optimizer.groups) + 1):
+            self.optimizer.set_group(group, *self.block_optimizer.hyper(group, self.step_count))
+        ex = self.executor
+        self._ffi.reset()
+        ex.step_begin()
+        out = None
+        try:
+            out = self._program(self.residents, self.opt_state, batch)
+            # Once per step: every op of the program has run (the last release's token), so
+            # the executor's step can end (which waits for the last grads to reach DRAM).
+            jax.block_until_ready(out)
+            ex.step_end()
+        except BaseException:
+            # Traced but failed while running: some blocks may have released their grads.
+            self._abort(out, 1 if out is not None else 0, exact=False)
+            raise
+        loss, self.residents, self.opt_state, _ = out
+        self.step_count += 1
+        return float(loss)
+
+    def _abort(self, live, released, exact=True):
         """A step raised: let JAX finish with the slots, then replace the executor (whose step
         cannot be completed without feeding the optimizer zero grads)."""
         try:
@@ -419,9 +595,10 @@ class Trainer:
             pass
         self._new_executor()
         if released:
-            warnings.warn("strata.jax: the step failed after %d block(s) released their grads: "
+            warnings.warn("strata.jax: the step failed after %s block(s) released their grads: "
                           "those blocks were updated with this step's grads; the step is not "
-                          "counted" % released, RuntimeWarning, stacklevel=3)
+                          "counted" % (released if exact else "some"), RuntimeWarning,
+                          stacklevel=3)
 
     # -- evaluation and parameters -------------------------------------------------------
     def _read_layer(self, layer, masters=False):
@@ -569,6 +746,8 @@ class Trainer:
         self.optimizer.synchronize()
 
     def close(self):
+        if self._ffi is not None:
+            self._ffi.close()
         self.runtime.close()
 
     def __enter__(self):

@@ -1,0 +1,134 @@
+"""strata.jax's XLA FFI path: each step one XLA program whose acquire and release of the
+streamed blocks are custom calls (registered for the CPU too, where they drive the host
+backend with a NULL stream, so CI runs the same program, ops and ordering as the GPU). Against
+plain JAX + optax to 1e-5, against the host-synchronised loop, scanned and unrolled, and
+after a failure inside the program."""
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+
+import strata.jax as sj  # noqa: E402
+from strata.jax import _ffi  # noqa: E402
+import test_jax_api as api  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+# Two different programs of the same arithmetic (one XLA program against per-layer ones, or
+# with a host callback in the block): equal on the CPU to float rounding, on the GPU (whose
+# reductions may use atomics) to the parity tolerance.
+OTHER_PROGRAM_RTOL = 1e-6 if jax.default_backend() == "cpu" else 1e-5
+
+
+def require_ffi():
+    try:
+        _ffi.load()
+    except _ffi.FfiUnavailable as e:  # CI builds it: only a machine without a compiler skips
+        pytest.skip("the FFI library cannot be built here: %s" % e)
+
+
+@pytest.fixture(autouse=True)
+def _ffi_available():
+    require_ffi()
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+def test_ffi_step_matches_plain_jax_optax_and_host_loop(scan):
+    blocks, residents = api.llama_params()
+    data = api.batches(5)
+    expected, final = api.plain_train(api.plain_loss, {"blocks": blocks, "res": residents},
+                                      optax.adamw(api.LR, weight_decay=api.WD), data)
+    with api.llama_trainer(blocks, residents, ffi=True, scan=scan) as trainer:
+        assert trainer.uses_ffi and trainer.scan == scan
+        got = [trainer.step(ids) for ids in data]
+        api.assert_losses(expected, got)
+        got_blocks, got_res = trainer.get_params()
+        api.assert_close(final["blocks"], got_blocks, what="blocks")
+        api.assert_close(final["res"], got_res, what="residents")
+        stats = trainer.executor.stats()
+        assert stats["steps"] == len(data)
+        # Every layer came through the executor's slots in both passes (the backward may
+        # reuse what the forward left in a slot).
+        assert stats["loads"] == 2 * len(data) * api.CONFIG.num_hidden_layers
+        assert trainer.optimizer.stats()["step"] == len(data)
+    with api.llama_trainer(blocks, residents, ffi=False) as host_loop:
+        assert not host_loop.uses_ffi
+        api.assert_losses(got, [host_loop.step(ids) for ids in data], rtol=OTHER_PROGRAM_RTOL)
+
+
+def test_ffi_stacked_blocks_extras_groups_match_plain_jax_optax():
+    blocks, residents = api.mlp_params()
+    data = api.mlp_data(6)
+    expected, final = api.plain_train(
+        api.mlp_plain_loss, {"blocks": blocks, "res": residents},
+        optax.adamw(api.SCHEDULE, weight_decay=api.WD, mask=api.no_bias_decay), data)
+    with api.mlp_trainer(blocks, residents, ffi=True) as trainer:
+        assert trainer.uses_ffi and trainer.scan
+        api.assert_losses(expected, [trainer.step(b) for b in data])
+        got_blocks, got_res = trainer.get_params()
+        api.assert_close(final["blocks"], got_blocks, what="blocks")
+        api.assert_close(final["res"], got_res, what="residents")
+
+
+def test_ffi_bf16_blocks_train_with_few_slots():
+    # Two slots for three layers: the executor refills slots while the program runs.
+    blocks, residents = api.mlp_params()
+    data = api.mlp_data(4)
+    with api.mlp_trainer(blocks, residents, ffi=True, dtype=jnp.bfloat16) as reference:
+        ref = [reference.step(b) for b in data]
+    with api.mlp_trainer(blocks, residents, ffi=True, dtype=jnp.bfloat16, gpu_budget=1 << 20,
+                         slot_budget=40000) as trainer:  # a slot (weights, grads) is 16.5 KiB
+        assert trainer.executor.plan_info().slots == 2
+        # Bit for bit on the CPU; bf16 on the GPU rounds its atomic reductions' orders apart.
+        rtol = api.SAME_RUN_RTOL if jax.default_backend() == "cpu" else 1e-3
+        api.assert_losses(ref, [trainer.step(b) for b in data], rtol=rtol)
+
+
+def test_ffi_failure_inside_the_program_leaves_the_trainer_usable():
+    blocks, residents = api.llama_params()
+    data = api.batches(3)
+    with api.llama_trainer(blocks, residents, ffi=True) as fresh:
+        expected = [fresh.step(ids) for ids in data]
+    calls = {"n": 0, "fail": True}
+
+    def check(x):
+        calls["n"] += 1
+        if calls["fail"] and calls["n"] == 3:  # the third block's forward, at run time
+            raise RuntimeError("boom at run time")
+        return x
+
+    def flaky_block(p, x, cos, sin):
+        # A host callback outside differentiation (no tangent reaches it), used by the block.
+        seen = jax.pure_callback(check, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                 jax.lax.stop_gradient(x))
+        return api.block_fn(p, x + 0 * seen, cos, sin)
+
+    trainer = sj.Trainer(flaky_block, blocks, residents, embed_fn=api.embed_fn,
+                         loss_fn=api.loss_fn, optimizer=optax.adamw(api.LR, weight_decay=api.WD),
+                         block_optimizer=sj.AdamW(api.LR, weight_decay=api.WD), ffi=True,
+                         scan=False)
+    with trainer:
+        with pytest.raises(Exception, match="boom at run time"):
+            trainer.step(data[0])
+        # Failed in the forward pass: no grads were released, nothing was updated.
+        assert trainer.step_count == 0 and trainer.optimizer.stats()["step"] == 0
+        calls["fail"] = False
+        api.assert_losses(expected, [trainer.step(ids) for ids in data], rtol=OTHER_PROGRAM_RTOL)
+        with pytest.raises(TypeError, match="inside jax.jit"):
+            jax.jit(lambda: trainer.step(data[0]))()
+
+
+def test_ffi_true_refuses_a_backend_that_does_not_match_the_device():
+    blocks, residents = api.mlp_params()
+    other = "cuda" if jax.default_backend() == "cpu" else "host"
+    with pytest.raises(ValueError, match="ffi=True: the FFI ops need JAX's device and Strata's"):
+        api.mlp_trainer(blocks, residents, ffi=True, backend=other)
+
+
+def test_ffi_session_refuses_unbound_use():
+    session = _ffi.Session()
+    session.close()
+    fn = jax.jit(lambda t, x: session.acquire(t, x, 0, [jax.ShapeDtypeStruct((2,), jnp.float32)]))
+    with pytest.raises(Exception, match="not bound"):
+        jax.block_until_ready(fn(jnp.zeros((), jnp.uint32), jnp.zeros(3)))
