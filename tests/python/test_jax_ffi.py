@@ -19,6 +19,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # with a host callback in the block): equal on the CPU to float rounding, on the GPU (whose
 # reductions may use atomics) to the parity tolerance.
 OTHER_PROGRAM_RTOL = 1e-6 if jax.default_backend() == "cpu" else 1e-5
+# Parameters after five steps against plain JAX + optax: 1e-5 on the CPU (the issue's CI
+# bound); on a GPU the two programs' fp32 reductions differ in order (measured on an H100:
+# 1.07e-5 for one weight, unrolled), so 5e-5 there.
+PLAIN_PARAMS_RTOL = 1e-5 if jax.default_backend() == "cpu" else 5e-5
 
 
 def require_ffi():
@@ -44,8 +48,8 @@ def test_ffi_step_matches_plain_jax_optax_and_host_loop(scan):
         got = [trainer.step(ids) for ids in data]
         api.assert_losses(expected, got)
         got_blocks, got_res = trainer.get_params()
-        api.assert_close(final["blocks"], got_blocks, what="blocks")
-        api.assert_close(final["res"], got_res, what="residents")
+        api.assert_close(final["blocks"], got_blocks, rtol=PLAIN_PARAMS_RTOL, what="blocks")
+        api.assert_close(final["res"], got_res, rtol=PLAIN_PARAMS_RTOL, what="residents")
         stats = trainer.executor.stats()
         assert stats["steps"] == len(data)
         # Every layer came through the executor's slots in both passes (the backward may
