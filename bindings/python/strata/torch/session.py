@@ -444,6 +444,10 @@ class StrataSession:
         if tuple(values.shape) != sp.shape:
             raise ValueError("strata.torch: %r has shape %s, the value given has %s"
                              % (sp.name, list(sp.shape), list(values.shape)))
+        self.store_weight(sp, values)
+
+    def store_weight(self, sp, values):
+        """write_weight's writes, its checks done: the weight and, when trained, the master."""
         host = values.detach().to("cpu", self.dtype).contiguous()
         sp.weight.write_pointer(host.data_ptr(), host.numel() * host.element_size())
         if sp.trainable and self.optimizer is not None and self.dtype != torch.float32:

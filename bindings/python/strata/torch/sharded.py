@@ -335,15 +335,7 @@ class ShardedSession(StrataSession):
             self.optimizer.synchronize()
         return self._gather_values(sp, self._read_chunk(sp.weight, sp, self.dtype))
 
-    def write_weight(self, sp, values):
-        self.ensure_built()
-        if self.in_step:
-            raise RuntimeError("strata.torch: weights can be loaded between steps only")
-        if self.optimizer is not None:
-            self.optimizer.synchronize()
-        if tuple(values.shape) != sp.shape:
-            raise ValueError("strata.torch: %r has shape %s, the value given has %s"
-                             % (sp.name, list(sp.shape), list(values.shape)))
+    def store_weight(self, sp, values):
         self._write_chunk(sp.weight, sp, values, self.dtype)
         if sp.trainable and self.optimizer is not None and self.dtype != torch.float32:
             self._write_chunk(self.optimizer.state(sp.weight, "master"), sp, values,
