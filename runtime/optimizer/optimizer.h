@@ -306,6 +306,11 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   void dispatcher_main();
   // The queued job to run next (queue_.size() if none has its grads yet). Under mutex_.
   std::size_t pick_job() const;
+  // Under mutex_: whether some queued update waits for a staging slot (its state is on NVMe
+  // and not being read).
+  bool slot_starved() const;
+  // Under mutex_: whether `a` runs before `b` (pick_job's order, and preemption's).
+  bool runs_before(const Job& a, const Job& b, bool starved) const;
   // Until the latest deferred step has all its norms (its t and loss scale are then settled).
   void wait_for_norms(std::unique_lock<std::mutex>& lock);
   bool deferred() const { return config_.max_grad_norm > 0 || config_.dynamic_loss_scale; }
