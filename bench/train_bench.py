@@ -93,6 +93,9 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         info = model.strata.executor.plan_info()
         out["resident_blocks"] = len(model.strata.resident_blocks)
         out["setup_phases"] = model.strata.setup_seconds  # updated by the optimizer's build
+        caps = model.strata.runtime.capabilities()
+        # Within "runtime": faulting the DRAM arena in (threaded) and pinning it.
+        out["dram_fault_pin_seconds"] = [caps.dram_fault_seconds, caps.dram_pin_seconds]
         out["plan"] = "%d slots of %.0f MB, %d of %d blocks resident" % (
             info.slots, info.slot_bytes / 1e6, out["resident_blocks"], config.num_hidden_layers)
 
@@ -259,7 +262,9 @@ def main():
                          r["setup_seconds"], r.get("plan", "")), flush=True)
                 if r.get("setup_phases"):
                     print("     setup (s): %s" % "  ".join(
-                        "%s %.1f" % kv for kv in r["setup_phases"].items()), flush=True)
+                        "%s %.1f" % kv for kv in r["setup_phases"].items()) +
+                        "  (runtime: fault-in %.1f, pin %.1f)" % tuple(
+                            r["dram_fault_pin_seconds"]), flush=True)
                 if r.get("phases"):
                     print("     phases (host s / device s since the step's start): %s" % "  ".join(
                         "%s %.3f/%.3f" % (k, h, d) for k, (h, d) in r["phases"].items()),

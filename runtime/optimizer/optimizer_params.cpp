@@ -18,6 +18,9 @@ constexpr std::size_t kMinTaskElements = 1 << 16;
 
 constexpr std::size_t kMaxTaskElements = 1 << 20;
 
+// Elements per piece when new state is initialized on the pool.
+constexpr std::size_t kInitPieceElements = 1 << 22;
+
 uint64_t element_count(const TensorRecord& r) {
   return r.nbytes / dtype_size(r.spec.dtype);
 }
@@ -108,8 +111,19 @@ Tier Optimizer::state_home(uint64_t bytes) {
                                                                           : Tier::kNvme;
 }
 
+void Optimizer::init_on_pool(std::size_t n,
+                             const std::function<void(std::size_t, std::size_t)>& part) {
+  const std::size_t pieces = (n + kInitPieceElements - 1) / kInitPieceElements;
+  pool_->run(pieces, [&](std::size_t k) {
+    part(k * kInitPieceElements, std::min(n, (k + 1) * kInitPieceElements));
+  });
+}
+
 Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
   STRATA_RETURN_IF_ERROR(check_group(group));
+  // The new state is initialized on the pool, which runs one job at a time: a manual step()
+  // (the only other user while unattached) holds step_mutex_ while it runs.
+  std::lock_guard serial(step_mutex_);
   std::lock_guard lock(mutex_);
   if (executor_ != nullptr) {
     return error(Code::kInvalidState, "add_param after the optimizer was attached to an executor");
@@ -211,7 +225,8 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
       // The master starts as the working copy, exactly (bf16 and f16 widen without rounding).
       const optim::ParamArrays widen{a.master, nullptr, nullptr,     a.weight, w.spec.dtype,
                                      a.master, nullptr, DType::kF32, n};
-      kernels_->accumulate(widen, 0, n, true);
+      init_on_pool(n,
+                   [&](std::size_t b, std::size_t e) { kernels_->accumulate(widen, b, e, true); });
     }
   }
   if (has_avg) {
@@ -219,13 +234,21 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
                           &a.exp_avg);
     if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.exp_avg, false);
     if (!s.is_ok()) return roll_back_all(s);
-    if (home == Tier::kDram) std::memset(a.exp_avg, 0, n * sizeof(float));
+    if (home == Tier::kDram) {
+      init_on_pool(n, [&](std::size_t b, std::size_t e) {
+        std::memset(a.exp_avg + b, 0, (e - b) * sizeof(float));
+      });
+    }
   }
   if (adamw) {
     Status s = make_state(w, ".exp_avg_sq", kSkew[2], home, &p.exp_avg_sq, &a.exp_avg_sq);
     if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.exp_avg_sq, false);
     if (!s.is_ok()) return roll_back_all(s);
-    if (home == Tier::kDram) std::memset(a.exp_avg_sq, 0, n * sizeof(float));
+    if (home == Tier::kDram) {
+      init_on_pool(n, [&](std::size_t b, std::size_t e) {
+        std::memset(a.exp_avg_sq + b, 0, (e - b) * sizeof(float));
+      });
+    }
   }
   if (config_.accumulation_steps > 1) {
     Status s = make_state(w, ".grad_accum", kSkew[3], Tier::kDram, &p.accum, &a.grad_accum);

@@ -224,7 +224,8 @@ Status Optimizer::step_explicit() {
 
 Status Optimizer::step() {
   // One manual step at a time (the header promises it; the pool runs one job at a time). No
-  // dispatcher job runs while unattached, so the pool is this step's alone.
+  // dispatcher job runs while unattached, and add_param takes step_mutex_ too, so the pool is
+  // this step's alone.
   std::lock_guard serial(step_mutex_);
   std::unique_lock lock(mutex_);
   if (executor_ != nullptr && config_.explicit_updates) {
