@@ -234,6 +234,7 @@ _SIGNATURES = {
     "strata_tensor_write": (c_int32, [c_void_p, c_void_p, c_uint64, c_void_p, c_uint64]),
     "strata_tensor_read": (c_int32, [c_void_p, c_void_p, c_uint64, c_void_p, c_uint64]),
     "strata_tensor_export_dlpack": (c_int32, [c_void_p, c_void_p, P(P(DLManagedTensorVersioned))]),
+    "strata_tensor_data_pointer": (c_int32, [c_void_p, c_void_p, P(c_void_p)]),
     "strata_graph_create": (c_int32, [c_void_p, P(c_void_p)]),
     "strata_graph_destroy": (c_int32, [c_void_p]),
     "strata_graph_add_layer": (c_int32, [c_void_p, P(LayerDesc), P(c_uint32)]),

@@ -226,6 +226,13 @@ class Tensor:
         check(L.strata_tensor_read(self.runtime.handle, self.handle, offset, buf, n))
         return buf.raw
 
+    def data_pointer(self):
+        """The address of the data in its tier (a pinned host pointer in DRAM, a device pointer
+        in HBM on cuda); valid until the tensor moves or is unregistered."""
+        out = ctypes.c_void_p()
+        check(L.strata_tensor_data_pointer(self.runtime.handle, self.handle, ctypes.byref(out)))
+        return out.value
+
     def read_pointer(self, pointer, nbytes, offset=0):
         check(L.strata_tensor_read(self.runtime.handle, self.handle, offset, pointer, nbytes))
 

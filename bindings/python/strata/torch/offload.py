@@ -168,19 +168,27 @@ def _mem_available():
     return None
 
 
-def _auto_resident_blocks(blocks, dtype, device, gpu_budget):
+def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget):
     """How many of the first blocks to keep resident in HBM: as many as fit in 40% of the device
     memory left beside Strata's own (the rest for activations, logits and the allocator), at 20
     bytes per parameter (the compute-dtype weight and grad, an fp32 master, AdamW's m and v, the
     fp32 grad the update reads). Resident blocks need no transfers and are updated by torch's
     AdamW on the device at once, so the CPU's updates of the streamed ones start with the
     resident blocks' forward pass as a head start (the next forward pass needs the first blocks
-    first). 0 on the CPU."""
+    first). The free memory counted is what is left once the rest of the model (embeddings,
+    head: not yet on the device for a meta model) and its optimizer state are there, at the
+    same bytes per parameter (a 128k-vocabulary 8B Llama's embedding and head take 17 GB: left
+    out, 7 blocks were kept on an 80 GB GPU and the first step ran out of memory). 0 on the
+    CPU."""
     if device.type != "cuda":
         return 0
     free, _ = torch.cuda.mem_get_info(device)
-    spare = max(0, free - (gpu_budget or 0)) * 2 // 5
     per_param = 2 * torch.finfo(dtype).bits // 8 + 16
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    coming = sum(p.numel() for p in model.parameters()
+                 if id(p) not in in_blocks and p.device != device)
+    free = max(0, free - coming * per_param)
+    spare = max(0, free - (gpu_budget or 0)) * 2 // 5
     k = 0
     for b in blocks[:-1]:  # at least one block streams
         need = sum(p.numel() for p in b.parameters()) * per_param
@@ -264,7 +272,8 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     from .distributed import resolve
     mesh = resolve(data_parallel, device)  # collective under data parallelism
     if resident_blocks is None:
-        resident_blocks = _auto_resident_blocks(list(all_blocks), dtype, device, gpu_budget)
+        resident_blocks = _auto_resident_blocks(model, list(all_blocks), dtype, device,
+                                                gpu_budget)
     if mesh is not None:  # every rank must stream the same blocks: the fewest any rank keeps
         resident_blocks = min(mesh.gather_objects(resident_blocks))
     if not 0 <= resident_blocks < len(all_blocks):

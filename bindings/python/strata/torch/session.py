@@ -4,6 +4,7 @@ and PEFT wrappers keep working); while a block is not being computed, each param
 zero-stride view of one element with the parameter's real shape, dtype and device, so shapes,
 numel() and grad assignment behave as in plain PyTorch and nothing is stored twice."""
 
+import ctypes
 import time
 
 import torch
@@ -64,15 +65,20 @@ class StreamedParam:
 
 def fill(tensor, values):
     """`values` (the tensor's dtype and element count, on any device) into a Strata tensor. One
-    in DRAM is filled through its DLPack view by torch's copy_: from a GPU a DMA straight into
-    the pinned arena, on the CPU a threaded copy. Elsewhere (NVMe) through host memory."""
+    in DRAM is filled in place by torch's copy_ into a CPU tensor over its memory: from a GPU a
+    DMA straight into the pinned arena, on the CPU a threaded copy. (Its DLPack export cannot
+    serve: torch refuses kDLCUDAHost.) Elsewhere (NVMe) through host memory."""
+    values = values.reshape(-1)
+    nbytes = values.numel() * values.element_size()
+    if nbytes == 0:
+        return
     if tensor.info().tier == core.TIERS["dram"]:
-        view = torch.from_dlpack(tensor).view(-1)
-        view.copy_(values.reshape(-1))
-        del view  # the export ends: the tensor may move again
+        memory = (ctypes.c_char * nbytes).from_address(tensor.data_pointer())
+        view = torch.frombuffer(memory, dtype=torch.uint8).view(values.dtype)
+        view.copy_(values)
     else:
         host = values.to("cpu").contiguous()
-        tensor.write_pointer(host.data_ptr(), host.numel() * host.element_size())
+        tensor.write_pointer(host.data_ptr(), nbytes)
 
 
 class StrataSession:
