@@ -314,16 +314,9 @@ Status Executor::resolve_copies() {
       }
       const uint64_t busy = end > start ? static_cast<uint64_t>(end - start) : 0;
       runtime_->account_counters(link, c.bytes, busy);
-      if (tracer.enabled()) {
-        TraceRecord r;
-        r.kind =
-            static_cast<int32_t>(link == Link::kH2D ? TraceKind::kCopyH2D : TraceKind::kCopyD2H);
-        r.end_ns =
-            static_cast<uint64_t>(std::max<int64_t>(0, static_cast<int64_t>(anchor_host) + end));
-        r.start_ns = r.end_ns > busy ? r.end_ns - busy : 0;
-        r.bytes = c.bytes;
-        tracer.record(r);
-      }
+      tracer.record_transfer(
+          copy_trace_kind(link), c.bytes, busy,
+          static_cast<uint64_t>(std::max<int64_t>(0, static_cast<int64_t>(anchor_host) + end)));
       previous = end;
       have_previous = true;
       last_end_[dir] = c.end;
@@ -458,15 +451,8 @@ Status Executor::wait_for_layer(uint32_t layer, Phase phase, void* stream, Wait 
   waits.erase(std::unique(waits.begin(), waits.end()), waits.end());
   Tracer& tracer = runtime_->tracer();
   const bool tracing = tracer.enabled();
-  TraceRecord r;
   std::shared_ptr<DeviceFence> before;
-  if (tracing) {
-    r.kind = static_cast<int32_t>(TraceKind::kAcquire);
-    r.layer = static_cast<int32_t>(layer);
-    r.phase = static_cast<int32_t>(phase);
-    r.stream = reinterpret_cast<uintptr_t>(stream);
-    STRATA_RETURN_IF_ERROR(backend_->record_fence(stream, &before));
-  }
+  if (tracing) STRATA_RETURN_IF_ERROR(backend_->record_fence(stream, &before));
   for (const auto& f : waits) {
     STRATA_RETURN_IF_ERROR(wait == Wait::kHost ? f->host_wait() : f->enqueue_wait(stream));
   }
@@ -474,7 +460,9 @@ Status Executor::wait_for_layer(uint32_t layer, Phase phase, void* stream, Wait 
     std::shared_ptr<DeviceFence> after;
     STRATA_RETURN_IF_ERROR(backend_->record_fence(stream, &after));
     std::lock_guard lock(mutex_);
-    pending_waits_.push_back(PendingWait{r, std::move(before), std::move(after)});
+    pending_waits_.push_back(PendingWait{
+        layer_trace_record(TraceKind::kAcquire, layer, static_cast<int32_t>(phase), stream),
+        std::move(before), std::move(after)});
   }
   return Status::ok();
 }
@@ -576,13 +564,10 @@ Status Executor::release(uint32_t layer, Phase phase, void* stream) {
   }
   acquired_ = false;
   ++cursor_;
-  if (runtime_->tracer().enabled()) {
-    TraceRecord r;
-    r.kind = static_cast<int32_t>(TraceKind::kRelease);
-    r.layer = static_cast<int32_t>(layer);
-    r.phase = static_cast<int32_t>(phase);
-    r.stream = reinterpret_cast<uintptr_t>(stream);
-    pending_waits_.push_back(PendingWait{r, consumer, consumer});  // placed at step_end
+  if (runtime_->tracer().enabled()) {  // the record is placed at step_end
+    pending_waits_.push_back(PendingWait{
+        layer_trace_record(TraceKind::kRelease, layer, static_cast<int32_t>(phase), stream),
+        consumer, consumer});
   }
   return issue_loads();
 }

@@ -75,15 +75,8 @@ Status Runtime::create(const RuntimeOptions& options, std::shared_ptr<Runtime>* 
         [raw](Link link, uint64_t bytes, uint64_t busy) { raw->account(link, bytes, busy); },
         &runtime->nvme_,
         [raw](IoOp op, uint64_t bytes, uint64_t busy_ns) {
-          Tracer& tracer = raw->tracer();
-          if (!tracer.enabled()) return;
-          TraceRecord r;
-          r.kind = static_cast<int32_t>(op == IoOp::kRead ? TraceKind::kNvmeRead
-                                                          : TraceKind::kNvmeWrite);
-          r.end_ns = tracer.now();
-          r.start_ns = r.end_ns > busy_ns ? r.end_ns - busy_ns : 0;
-          r.bytes = bytes;
-          tracer.record(r);
+          raw->tracer().record_transfer(
+              op == IoOp::kRead ? TraceKind::kNvmeRead : TraceKind::kNvmeWrite, bytes, busy_ns);
         }));
   }
   *out = std::move(runtime);
@@ -366,17 +359,7 @@ void Runtime::finish_move(TensorId id, Tier dst, uint64_t dst_offset, Status sta
   {
     std::lock_guard lock(mutex_);
     TensorRecord* t = registry_.find(id);  // present: a migrating tensor cannot be unregistered
-    if (status.is_ok() && tracer_.enabled()) {
-      TraceRecord r;
-      r.kind = static_cast<int32_t>(TraceKind::kMigration);
-      r.start_ns = r.queued_ns = queued_ns;
-      r.end_ns = tracer_.now();
-      r.bytes = t->nbytes;
-      r.tensor = id;
-      r.src_tier = static_cast<int32_t>(t->tier);
-      r.dst_tier = static_cast<int32_t>(dst);
-      tracer_.record(r);
-    }
+    if (status.is_ok()) tracer_.record_migration(id, t->tier, dst, t->nbytes, queued_ns);
     if (status.is_ok()) {
       // The data has landed: only now is the source given up.
       (void)arena(t->tier)->free(t->offset - t->skew);
@@ -400,13 +383,8 @@ void Runtime::finish_move(TensorId id, Tier dst, uint64_t dst_offset, Status sta
 }
 
 void Runtime::account(Link link, uint64_t bytes, uint64_t busy_ns) {
-  if (tracer_.enabled() && (link == Link::kH2D || link == Link::kD2H)) {
-    TraceRecord r;
-    r.kind = static_cast<int32_t>(link == Link::kH2D ? TraceKind::kCopyH2D : TraceKind::kCopyD2H);
-    r.end_ns = tracer_.now();
-    r.start_ns = r.end_ns > busy_ns ? r.end_ns - busy_ns : 0;
-    r.bytes = bytes;
-    tracer_.record(r);
+  if (link == Link::kH2D || link == Link::kD2H) {
+    tracer_.record_transfer(copy_trace_kind(link), bytes, busy_ns);
   }
   account_counters(link, bytes, busy_ns);
 }
