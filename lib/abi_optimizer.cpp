@@ -1,9 +1,8 @@
-// C ABI: the optimizer and checkpoints.
+// C ABI: the optimizer (checkpoints are abi_checkpoint.cpp).
 #include <cmath>
 #include <cstring>
 
 #include "lib/abi_support.h"
-#include "runtime/optimizer/checkpoint.h"
 
 using namespace strata;
 using namespace strata::abi;
@@ -302,28 +301,6 @@ STRATA_API strata_status_t strata_optimizer_get_stats(strata_optimizer_t* optimi
     v.stage_wait_seconds = s.stage_wait_seconds;
     write_struct(out, v);
     return Status::ok();
-  });
-}
-
-STRATA_API strata_status_t strata_checkpoint_save(strata_runtime_t* runtime,
-                                                  strata_optimizer_t* optimizer, const char* path) {
-  return guarded(__func__, [&] {
-    STRATA_RETURN_IF_ERROR(require(runtime, "runtime"));
-    STRATA_RETURN_IF_ERROR(require(path, "path"));
-    if (*path == '\0') return error(Code::kInvalidArgument, "path is empty");
-    return save_checkpoint(*runtime->impl, optimizer != nullptr ? optimizer->impl.get() : nullptr,
-                           path);
-  });
-}
-
-STRATA_API strata_status_t strata_checkpoint_load(strata_runtime_t* runtime,
-                                                  strata_optimizer_t* optimizer, const char* path) {
-  return guarded(__func__, [&] {
-    STRATA_RETURN_IF_ERROR(require(runtime, "runtime"));
-    STRATA_RETURN_IF_ERROR(require(path, "path"));
-    if (*path == '\0') return error(Code::kInvalidArgument, "path is empty");
-    return load_checkpoint(*runtime->impl, optimizer != nullptr ? optimizer->impl.get() : nullptr,
-                           path);
   });
 }
 

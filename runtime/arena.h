@@ -44,7 +44,6 @@ class Arena {
   uint64_t free_bytes() const { return capacity_ - used_; }
   uint64_t largest_free() const;
   std::size_t free_block_count() const { return free_by_offset_.size(); }
-  std::size_t allocation_count() const { return allocated_.size(); }
 
   uint64_t alignment() const { return alignment_; }
   // `bytes` (0 counts as 1) rounded up to `alignment`; 0 if that overflows.

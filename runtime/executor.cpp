@@ -314,16 +314,9 @@ Status Executor::resolve_copies() {
       }
       const uint64_t busy = end > start ? static_cast<uint64_t>(end - start) : 0;
       runtime_->account_counters(link, c.bytes, busy);
-      if (tracer.enabled()) {
-        TraceRecord r;
-        r.kind =
-            static_cast<int32_t>(link == Link::kH2D ? TraceKind::kCopyH2D : TraceKind::kCopyD2H);
-        r.end_ns =
-            static_cast<uint64_t>(std::max<int64_t>(0, static_cast<int64_t>(anchor_host) + end));
-        r.start_ns = r.end_ns > busy ? r.end_ns - busy : 0;
-        r.bytes = c.bytes;
-        tracer.record(r);
-      }
+      tracer.record_transfer(
+          copy_trace_kind(link), c.bytes, busy,
+          static_cast<uint64_t>(std::max<int64_t>(0, static_cast<int64_t>(anchor_host) + end)));
       previous = end;
       have_previous = true;
       last_end_[dir] = c.end;
@@ -407,136 +400,6 @@ Status Executor::queue_copy(CopyDirection direction, unsigned char* dst, const u
   return Status::ok();
 }
 
-std::vector<std::shared_ptr<DeviceFence>> Executor::slot_free_fences(std::size_t p) const {
-  const ScheduledPosition& sched = schedule_[p];
-  const Slot& slot = slots_[sched.slot];
-  std::vector<std::shared_ptr<DeviceFence>> fences;
-  if (slot.outbound) fences.push_back(slot.outbound);
-  if (!(sched.reuse && !slot.weight_ready.empty()) && slot.consumer)
-    fences.push_back(slot.consumer);
-  return fences;
-}
-
-Status Executor::issue_loads(long must) {
-  while (issued_ < sequence_.size() && issued_ <= cursor_ + plan_.forward_depth) {
-    const bool needed = static_cast<long>(issued_) <= must;
-    // The optimizer may still be writing this layer's weights in DRAM.
-    const uint32_t layer = sequence_[issued_].layer;
-    if (hooks_ && !hooks_->layer_ready(layer)) {
-      if (!needed) return Status::ok();
-      STRATA_RETURN_IF_ERROR(hooks_->wait_layer(layer));
-    }
-    for (const auto& f : slot_free_fences(issued_)) {
-      if (needed) {
-        STRATA_RETURN_IF_ERROR(f->host_wait());
-      } else if (!f->is_done()) {
-        return Status::ok();  // retried at the next acquire or release
-      }
-    }
-    STRATA_RETURN_IF_ERROR(issue_load(issued_));
-    ++issued_;
-  }
-  return Status::ok();
-}
-
-Status Executor::issue_load(std::size_t p) {
-  const StepPosition& pos = sequence_[p];
-  const ScheduledPosition& sched = schedule_[p];
-  const LayerPlan& layer = plan_.layers[pos.layer];
-  const LayerHomes& homes = homes_[pos.layer];
-  Slot& slot = slots_[sched.slot];
-  unsigned char* base = slot_base(sched.slot);
-  Ready& ready = ready_[p];
-  const bool backward = pos.phase == Phase::kBackward;
-  ++stats_.loads;
-
-  // Before anything lands in the slot: its previous user is done with it, and what it sent out
-  // has left.
-  const std::vector<std::shared_ptr<DeviceFence>> slot_free = slot_free_fences(p);
-  if (sched.reuse && !slot.weight_ready.empty()) {
-    ++stats_.reused_loads;
-    ready.weights = slot.weight_ready;
-    ready.activations = slot.activation_ready;
-  } else {
-    slot.weight_ready.clear();
-    slot.activation_ready.clear();
-    if (!homes.nvme_weights.empty()) {
-      NvmeTier* nvme = runtime_->nvme_tier();
-      for (std::size_t i = 0; i < homes.nvme_weights.size(); ++i) {
-        const TensorRecord& r = homes.nvme_weights[i];
-        auto done = std::make_shared<Completion>();
-        nvme->read_to_device(
-            r.spec.name, base + layer.weights[i].offset, r.nbytes, r.offset,
-            Arena::round_up(r.nbytes, NvmeTier::kAlignment), r.nvme_crcs,
-            [done](Status s) { done->complete(std::move(s)); }, slot_free);
-        ready.weights.push_back(std::make_shared<CompletionFence>(done));
-        stats_.bytes_in += r.nbytes;
-      }
-    } else if (layer.weights_as_span) {
-      // The span in chunks cut at tensor ends, each at least chunk_bytes (small tensors merge,
-      // large ones go whole): few, large copies. A tensor is ready with its chunk.
-      std::vector<std::size_t> order(layer.weights.size());
-      for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-      std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-        return layer.weights[a].offset < layer.weights[b].offset;
-      });
-      ready.weights.resize(layer.weights.size());
-      uint64_t chunk_start = 0;
-      std::vector<std::size_t> members;
-      for (std::size_t k = 0; k < order.size(); ++k) {
-        members.push_back(order[k]);
-        const uint64_t end =
-            k + 1 < order.size() ? layer.weights[order[k + 1]].offset : layer.span_bytes;
-        if (end - chunk_start < plan_.config.chunk_bytes && k + 1 < order.size()) continue;
-        std::shared_ptr<DeviceFence> f;
-        STRATA_RETURN_IF_ERROR(queue_copy(
-            CopyDirection::kHostToDevice, base + chunk_start, homes.span + chunk_start,
-            end - chunk_start,
-            chunk_start == 0 ? slot_free : std::vector<std::shared_ptr<DeviceFence>>{}, &f));
-        for (std::size_t m : members) ready.weights[m] = f;
-        members.clear();
-        chunk_start = end;
-      }
-      stats_.bytes_in += layer.span_bytes;
-    } else {
-      for (std::size_t i = 0; i < layer.weights.size(); ++i) {
-        std::shared_ptr<DeviceFence> f;
-        STRATA_RETURN_IF_ERROR(
-            queue_copy(CopyDirection::kHostToDevice, base + layer.weights[i].offset,
-                       homes.weights[i], layer.weights[i].bytes,
-                       i == 0 ? slot_free : std::vector<std::shared_ptr<DeviceFence>>{}, &f));
-        ready.weights.push_back(std::move(f));
-        stats_.bytes_in += layer.weights[i].bytes;
-      }
-    }
-    if (backward) {
-      // Checkpoints come back from DRAM, after the forward pass sent them there.
-      std::vector<std::shared_ptr<DeviceFence>> after = slot_free;
-      if (activations_out_[pos.layer]) after.push_back(activations_out_[pos.layer]);
-      for (std::size_t i = 0; i < layer.activations.size(); ++i) {
-        std::shared_ptr<DeviceFence> f;
-        STRATA_RETURN_IF_ERROR(queue_copy(CopyDirection::kHostToDevice,
-                                          base + layer.activations[i].offset, homes.activations[i],
-                                          layer.activations[i].bytes, after, &f));
-        ready.activations.push_back(std::move(f));
-        stats_.bytes_in += layer.activations[i].bytes;
-      }
-    }
-    slot.weight_ready = ready.weights;
-    slot.activation_ready = ready.activations;
-  }
-  if (backward && !layer.grads.empty()) {
-    // Grad buffers start at zero, so the framework can accumulate micro-batches into them.
-    const uint64_t first = layer.grads.front().offset;
-    const uint64_t end = layer.grads.back().offset + layer.grads.back().bytes;
-    std::shared_ptr<DeviceFence> f;
-    STRATA_RETURN_IF_ERROR(queue_copy(CopyDirection::kHostToDevice, base + first, nullptr,
-                                      end - first, slot_free, &f));
-    ready.grads.assign(layer.grads.size(), f);
-  }
-  return Status::ok();
-}
-
 Status Executor::acquire(uint32_t layer, Phase phase, void* stream, Wait wait, LayerViews* views) {
   std::vector<std::shared_ptr<DeviceFence>> waits;
   {
@@ -588,15 +451,8 @@ Status Executor::wait_for_layer(uint32_t layer, Phase phase, void* stream, Wait 
   waits.erase(std::unique(waits.begin(), waits.end()), waits.end());
   Tracer& tracer = runtime_->tracer();
   const bool tracing = tracer.enabled();
-  TraceRecord r;
   std::shared_ptr<DeviceFence> before;
-  if (tracing) {
-    r.kind = static_cast<int32_t>(TraceKind::kAcquire);
-    r.layer = static_cast<int32_t>(layer);
-    r.phase = static_cast<int32_t>(phase);
-    r.stream = reinterpret_cast<uintptr_t>(stream);
-    STRATA_RETURN_IF_ERROR(backend_->record_fence(stream, &before));
-  }
+  if (tracing) STRATA_RETURN_IF_ERROR(backend_->record_fence(stream, &before));
   for (const auto& f : waits) {
     STRATA_RETURN_IF_ERROR(wait == Wait::kHost ? f->host_wait() : f->enqueue_wait(stream));
   }
@@ -604,7 +460,9 @@ Status Executor::wait_for_layer(uint32_t layer, Phase phase, void* stream, Wait 
     std::shared_ptr<DeviceFence> after;
     STRATA_RETURN_IF_ERROR(backend_->record_fence(stream, &after));
     std::lock_guard lock(mutex_);
-    pending_waits_.push_back(PendingWait{r, std::move(before), std::move(after)});
+    pending_waits_.push_back(PendingWait{
+        layer_trace_record(TraceKind::kAcquire, layer, static_cast<int32_t>(phase), stream),
+        std::move(before), std::move(after)});
   }
   return Status::ok();
 }
@@ -706,13 +564,10 @@ Status Executor::release(uint32_t layer, Phase phase, void* stream) {
   }
   acquired_ = false;
   ++cursor_;
-  if (runtime_->tracer().enabled()) {
-    TraceRecord r;
-    r.kind = static_cast<int32_t>(TraceKind::kRelease);
-    r.layer = static_cast<int32_t>(layer);
-    r.phase = static_cast<int32_t>(phase);
-    r.stream = reinterpret_cast<uintptr_t>(stream);
-    pending_waits_.push_back(PendingWait{r, consumer, consumer});  // placed at step_end
+  if (runtime_->tracer().enabled()) {  // the record is placed at step_end
+    pending_waits_.push_back(PendingWait{
+        layer_trace_record(TraceKind::kRelease, layer, static_cast<int32_t>(phase), stream),
+        consumer, consumer});
   }
   return issue_loads();
 }

@@ -95,7 +95,7 @@ class Executor {
   // to position `must` (if >= 0) are issued even if that means waiting for their slots: the
   // caller needs them now. Keeping unissued what cannot start yet bounds how far the host
   // runs ahead of the device, so CUDA's work queues never fill and block the host.
-  Status issue_loads(long must = -1);  // under mutex_
+  Status issue_loads(long must = -1);  // under mutex_ (executor_loads.cpp, as the next three)
   Status issue_load(std::size_t position);
   std::vector<std::shared_ptr<DeviceFence>> slot_free_fences(std::size_t position) const;
   // Queues one copy (src null: zero fill) after `wait_for`; *last receives its fence.
@@ -144,6 +144,19 @@ class Executor {
     std::vector<unsigned char*> grads, activations;
   };
   std::vector<LayerHomes> homes_;
+  // issue_load's three ways to bring a layer's weights into its slot, chosen by where they live
+  // (executor_loads.cpp says when and why): each fills ready->weights (one fence per weight, in
+  // declared order), counts stats_.bytes_in, and starts nothing before `slot_free`.
+  void load_weights_from_nvme(const LayerPlan& layer, const LayerHomes& homes, unsigned char* base,
+                              const std::vector<std::shared_ptr<DeviceFence>>& slot_free,
+                              Ready* ready);
+  Status load_weights_as_span(const LayerPlan& layer, const LayerHomes& homes, unsigned char* base,
+                              const std::vector<std::shared_ptr<DeviceFence>>& slot_free,
+                              Ready* ready);
+  Status load_weights_per_tensor(const LayerPlan& layer, const LayerHomes& homes,
+                                 unsigned char* base,
+                                 const std::vector<std::shared_ptr<DeviceFence>>& slot_free,
+                                 Ready* ready);
 
   std::mutex mutex_;
   std::shared_ptr<ExecutorHooks> hooks_;

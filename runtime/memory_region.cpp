@@ -8,20 +8,15 @@ namespace strata {
 
 Status MemoryRegion::allocate_device(std::shared_ptr<DeviceBackend> backend, uint64_t bytes,
                                      std::shared_ptr<MemoryRegion>* out) {
-  const auto start = std::chrono::steady_clock::now();
   void* base = nullptr;
   STRATA_RETURN_IF_ERROR(backend->allocate_device(bytes, &base));
-  std::shared_ptr<MemoryRegion> region(
-      new MemoryRegion(std::move(backend), Tier::kHbm, base, bytes));
-  region->setup_seconds_ = seconds_since(start);
-  *out = std::move(region);
+  out->reset(new MemoryRegion(std::move(backend), Tier::kHbm, base, bytes));
   return Status::ok();
 }
 
 Status MemoryRegion::allocate_host(std::shared_ptr<DeviceBackend> backend, uint64_t bytes,
                                    const HostMemoryOptions& options,
                                    std::shared_ptr<MemoryRegion>* out) {
-  const auto start = std::chrono::steady_clock::now();
   void* base = nullptr;
   HostMemoryReport report;
   STRATA_RETURN_IF_ERROR(map_host_memory(bytes, options, &base, &report));
@@ -35,7 +30,6 @@ Status MemoryRegion::allocate_host(std::shared_ptr<DeviceBackend> backend, uint6
       new MemoryRegion(std::move(backend), Tier::kDram, base, bytes));
   region->host_report_ = std::move(report);
   region->pin_seconds_ = seconds_since(pin_start);
-  region->setup_seconds_ = seconds_since(start);
   *out = std::move(region);
   return Status::ok();
 }

@@ -28,8 +28,7 @@ class MemoryRegion {
   uint64_t size() const { return size_; }
   // How the DRAM arena was set up (empty for HBM).
   const HostMemoryReport& host_report() const { return host_report_; }
-  // Seconds spent making the memory usable: faulting in plus pinning for DRAM, cudaMalloc for HBM.
-  double setup_seconds() const { return setup_seconds_; }
+  // Seconds the backend spent pinning the DRAM arena (0 for HBM).
   double pin_seconds() const { return pin_seconds_; }
 
  private:
@@ -41,7 +40,6 @@ class MemoryRegion {
   void* base_;
   uint64_t size_;
   HostMemoryReport host_report_;
-  double setup_seconds_ = 0;
   double pin_seconds_ = 0;
 };
 

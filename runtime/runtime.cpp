@@ -1,11 +1,6 @@
 #include "runtime/runtime.h"
 
-#include <algorithm>
-#include <chrono>
-#include <cstring>
-
 #include "backends/topology/gpu_numa_node.h"
-#include "common/clock.h"
 
 namespace strata {
 
@@ -80,15 +75,8 @@ Status Runtime::create(const RuntimeOptions& options, std::shared_ptr<Runtime>* 
         [raw](Link link, uint64_t bytes, uint64_t busy) { raw->account(link, bytes, busy); },
         &runtime->nvme_,
         [raw](IoOp op, uint64_t bytes, uint64_t busy_ns) {
-          Tracer& tracer = raw->tracer();
-          if (!tracer.enabled()) return;
-          TraceRecord r;
-          r.kind = static_cast<int32_t>(op == IoOp::kRead ? TraceKind::kNvmeRead
-                                                          : TraceKind::kNvmeWrite);
-          r.end_ns = tracer.now();
-          r.start_ns = r.end_ns > busy_ns ? r.end_ns - busy_ns : 0;
-          r.bytes = bytes;
-          tracer.record(r);
+          raw->tracer().record_transfer(
+              op == IoOp::kRead ? TraceKind::kNvmeRead : TraceKind::kNvmeWrite, bytes, busy_ns);
         }));
   }
   *out = std::move(runtime);
@@ -371,17 +359,7 @@ void Runtime::finish_move(TensorId id, Tier dst, uint64_t dst_offset, Status sta
   {
     std::lock_guard lock(mutex_);
     TensorRecord* t = registry_.find(id);  // present: a migrating tensor cannot be unregistered
-    if (status.is_ok() && tracer_.enabled()) {
-      TraceRecord r;
-      r.kind = static_cast<int32_t>(TraceKind::kMigration);
-      r.start_ns = r.queued_ns = queued_ns;
-      r.end_ns = tracer_.now();
-      r.bytes = t->nbytes;
-      r.tensor = id;
-      r.src_tier = static_cast<int32_t>(t->tier);
-      r.dst_tier = static_cast<int32_t>(dst);
-      tracer_.record(r);
-    }
+    if (status.is_ok()) tracer_.record_migration(id, t->tier, dst, t->nbytes, queued_ns);
     if (status.is_ok()) {
       // The data has landed: only now is the source given up.
       (void)arena(t->tier)->free(t->offset - t->skew);
@@ -405,13 +383,8 @@ void Runtime::finish_move(TensorId id, Tier dst, uint64_t dst_offset, Status sta
 }
 
 void Runtime::account(Link link, uint64_t bytes, uint64_t busy_ns) {
-  if (tracer_.enabled() && (link == Link::kH2D || link == Link::kD2H)) {
-    TraceRecord r;
-    r.kind = static_cast<int32_t>(link == Link::kH2D ? TraceKind::kCopyH2D : TraceKind::kCopyD2H);
-    r.end_ns = tracer_.now();
-    r.start_ns = r.end_ns > busy_ns ? r.end_ns - busy_ns : 0;
-    r.bytes = bytes;
-    tracer_.record(r);
+  if (link == Link::kH2D || link == Link::kD2H) {
+    tracer_.record_transfer(copy_trace_kind(link), bytes, busy_ns);
   }
   account_counters(link, bytes, busy_ns);
 }
@@ -507,10 +480,6 @@ void Runtime::synchronize() {
   idle_cv_.wait(lock, [&] { return in_flight_ == 0; });
 }
 
-}  // namespace strata
-
-namespace strata {
-
 Status Runtime::pin_in_place(TensorId id, const char* holder) {
   std::lock_guard lock(mutex_);
   TensorRecord* t = nullptr;
@@ -537,97 +506,6 @@ void Runtime::release_hbm(uint64_t offset) {
   std::lock_guard lock(mutex_);
   (void)arena(Tier::kHbm)->free(offset);
 }
-
-namespace {
-// Runs `n` copies of `bytes` in `direction` and returns the best device-timed rate.
-Status time_copies(DeviceBackend& backend, CopyDirection direction, void* dst, const void* src,
-                   uint64_t bytes, int n, double* rate) {
-  double best = 0;
-  for (int i = 0; i < n; ++i) {
-    auto done = std::make_shared<Completion>();
-    uint64_t busy = 0;
-    CopyRequest r;
-    r.direction = direction;
-    r.dst = dst;
-    r.src = src;
-    r.bytes = bytes;
-    r.on_complete = [done, &busy](CopyResult result) {
-      busy = result.busy_ns;
-      done->complete(std::move(result.status));
-    };
-    STRATA_RETURN_IF_ERROR(backend.submit_copy(std::move(r), nullptr));
-    STRATA_RETURN_IF_ERROR(done->wait(-1));
-    if (i > 0 && busy > 0)
-      best = std::max(best, static_cast<double>(bytes) * 1e9 / static_cast<double>(busy));
-  }
-  *rate = best;
-  return Status::ok();
-}
-}  // namespace
-
-Status Runtime::measure_links(double* h2d, double* d2h) {
-  uint64_t hbm_offset = 0, dram_offset = 0, bytes = 64ull << 20;
-  {
-    std::lock_guard lock(mutex_);
-    bytes = std::min(
-        {bytes, arena(Tier::kHbm)->largest_free() / 2, arena(Tier::kDram)->largest_free() / 2});
-    bytes = bytes / NvmeTier::kAlignment * NvmeTier::kAlignment;
-    if (bytes < NvmeTier::kAlignment) {
-      return error(Code::kOutOfMemory,
-                   "no free HBM or DRAM to measure the links with; give the "
-                   "link speeds in the plan config instead");
-    }
-    STRATA_RETURN_IF_ERROR(arena(Tier::kHbm)->allocate(bytes, "link measurement", &hbm_offset));
-    Status s = arena(Tier::kDram)->allocate(bytes, "link measurement", &dram_offset);
-    if (!s.is_ok()) {
-      (void)arena(Tier::kHbm)->free(hbm_offset);
-      return s;
-    }
-  }
-  unsigned char* device = tier_base(Tier::kHbm) + hbm_offset;
-  unsigned char* host = tier_base(Tier::kDram) + dram_offset;
-  Status s = time_copies(*backend_, CopyDirection::kHostToDevice, device, host, bytes, 4, h2d);
-  if (s.is_ok())
-    s = time_copies(*backend_, CopyDirection::kDeviceToHost, host, device, bytes, 4, d2h);
-  std::lock_guard lock(mutex_);
-  (void)arena(Tier::kHbm)->free(hbm_offset);
-  (void)arena(Tier::kDram)->free(dram_offset);
-  return s;
-}
-
-Status Runtime::measure_nvme_read(double* rate) {
-  if (!nvme_) return error(Code::kUnsupported, "no nvme tier");
-  uint64_t extent = 0, dram_offset = 0, bytes = 256ull << 20;
-  {
-    std::lock_guard lock(mutex_);
-    bytes = std::min({bytes, nvme_->extents().largest_free(), arena(Tier::kDram)->largest_free()});
-    bytes = bytes / NvmeTier::kAlignment * NvmeTier::kAlignment;
-    if (bytes < NvmeTier::kAlignment) {
-      return error(Code::kOutOfMemory, "no free NVMe or DRAM space to measure NVMe reads with");
-    }
-    STRATA_RETURN_IF_ERROR(nvme_->extents().allocate(bytes, "nvme measurement", &extent));
-    Status s = arena(Tier::kDram)->allocate(bytes, "nvme measurement", &dram_offset);
-    if (!s.is_ok()) {
-      (void)nvme_->extents().free(extent);
-      return s;
-    }
-  }
-  auto done = std::make_shared<Completion>();
-  const auto start = std::chrono::steady_clock::now();
-  nvme_->read_to_host("(nvme measurement)", tier_base(Tier::kDram) + dram_offset, extent, bytes,
-                      nullptr, [done](Status st) { done->complete(std::move(st)); });
-  Status s = done->wait(-1);
-  const double seconds = seconds_since(start);
-  *rate = seconds > 0 ? static_cast<double>(bytes) / seconds : 0;
-  std::lock_guard lock(mutex_);
-  (void)nvme_->extents().free(extent);
-  (void)arena(Tier::kDram)->free(dram_offset);
-  return s;
-}
-
-}  // namespace strata
-
-namespace strata {
 
 std::vector<std::pair<uint64_t, std::string>> Runtime::tensor_names() {
   std::lock_guard lock(mutex_);

@@ -118,7 +118,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   // A block of the HBM arena for the executor's slots, and its release.
   Status reserve_hbm(uint64_t bytes, const std::string& what, uint64_t* offset);
   void release_hbm(uint64_t offset);
-  // Measures H2D and D2H with 64 MiB copies (or less, as the arenas allow), device-timed.
+  // The link probes (link_probe.cpp). Measures H2D and D2H with 64 MiB copies (or less, as the
+  // arenas allow), device-timed; and NVMe reads of 256 MiB (or less) into DRAM, wall-timed.
   Status measure_links(double* h2d_bytes_per_second, double* d2h_bytes_per_second);
   Status measure_nvme_read(double* bytes_per_second);
   // Executors of this runtime inside a step (step_begin .. step_end): their weights are being

@@ -3,7 +3,7 @@
 #include <atomic>
 #include <limits>
 
-#include "runtime/safetensors.h"
+#include "common/utf8.h"
 
 namespace strata {
 namespace {
@@ -18,7 +18,7 @@ Status validate_spec(const TensorSpec& spec, uint64_t* nbytes) {
   }
   // Names must survive a checkpoint: safetensors headers are JSON (UTF-8 strings), and
   // "__metadata__" is the format's own key.
-  if (!safetensors::valid_utf8(spec.name)) {
+  if (!valid_utf8(spec.name)) {
     return error(Code::kInvalidArgument, "tensor name is not valid UTF-8");
   }
   if (spec.name == "__metadata__") {

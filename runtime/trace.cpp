@@ -105,6 +105,60 @@ void Tracer::record(const TraceRecord& r) {
   ring->head.store(head + 1, std::memory_order_release);
 }
 
+void Tracer::record_transfer(TraceKind kind, uint64_t bytes, uint64_t busy_ns) {
+  if (!enabled()) return;
+  record_transfer(kind, bytes, busy_ns, now());
+}
+
+void Tracer::record_transfer(TraceKind kind, uint64_t bytes, uint64_t busy_ns, uint64_t end_ns) {
+  if (!enabled()) return;
+  TraceRecord r;
+  r.kind = static_cast<int32_t>(kind);
+  r.end_ns = end_ns;
+  r.start_ns = end_ns > busy_ns ? end_ns - busy_ns : 0;
+  r.bytes = bytes;
+  record(r);
+}
+
+void Tracer::record_migration(uint64_t tensor, Tier src, Tier dst, uint64_t bytes,
+                              uint64_t queued_ns) {
+  if (!enabled()) return;
+  TraceRecord r;
+  r.kind = static_cast<int32_t>(TraceKind::kMigration);
+  r.start_ns = r.queued_ns = queued_ns;
+  r.end_ns = now();
+  r.bytes = bytes;
+  r.tensor = tensor;
+  r.src_tier = static_cast<int32_t>(src);
+  r.dst_tier = static_cast<int32_t>(dst);
+  record(r);
+}
+
+TraceKind copy_trace_kind(Link link) {
+  return link == Link::kH2D ? TraceKind::kCopyH2D : TraceKind::kCopyD2H;
+}
+
+TraceRecord layer_trace_record(TraceKind kind, uint32_t layer, int32_t phase, const void* stream) {
+  TraceRecord r;
+  r.kind = static_cast<int32_t>(kind);
+  r.layer = static_cast<int32_t>(layer);
+  r.phase = phase;
+  r.stream = reinterpret_cast<uintptr_t>(stream);
+  return r;
+}
+
+void TraceSpan::end(uint64_t bytes, int32_t layer, int32_t phase) {
+  if (!tracer_.enabled()) return;
+  TraceRecord r;
+  r.kind = static_cast<int32_t>(kind_);
+  r.start_ns = start_ns_;
+  r.end_ns = tracer_.now();
+  r.bytes = bytes;
+  r.layer = layer;
+  r.phase = phase;
+  tracer_.record(r);
+}
+
 void Tracer::drain(std::vector<TraceRecord>* out) {
   for (auto& ring : rings_) {
     const uint64_t head = ring->head.load(std::memory_order_acquire);

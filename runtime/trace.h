@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/types.h"
 
 namespace strata {
 
@@ -66,6 +67,13 @@ class Tracer {
   // Nanoseconds since start(), for timestamps.
   uint64_t now() const;
   void record(const TraceRecord& r);
+  // What the recording sites write, each filled the same way wherever it is written (no-ops
+  // while tracing is off). A transfer its engine timed (a device copy, a storage request):
+  // busy_ns long, ending at end_ns (now when left out); a start before the trace's is 0.
+  void record_transfer(TraceKind kind, uint64_t bytes, uint64_t busy_ns);
+  void record_transfer(TraceKind kind, uint64_t bytes, uint64_t busy_ns, uint64_t end_ns);
+  // A tensor's move from tier src to dst, from queued_ns (when it was asked for) until now.
+  void record_migration(uint64_t tensor, Tier src, Tier dst, uint64_t bytes, uint64_t queued_ns);
   TraceCounters counters();
   // Writes every record so far as Chrome trace JSON to `path` (atomically: temp + rename),
   // with `names` mapping tensor ids to names. kIo on failure.
@@ -88,5 +96,28 @@ class Tracer {
 };
 
 const char* trace_kind_name(TraceKind kind);
+
+// The kind of a device copy's record: kCopyH2D on Link::kH2D, kCopyD2H otherwise.
+TraceKind copy_trace_kind(Link link);
+
+// An acquire or release of `layer` in `phase` on `stream`, whose times are filled in later, when
+// the executor places it on the device timeline.
+TraceRecord layer_trace_record(TraceKind kind, uint32_t layer, int32_t phase, const void* stream);
+
+// A span of work on the calling thread (the optimizer's slices), from construction to end().
+class TraceSpan {
+ public:
+  TraceSpan(Tracer& tracer, TraceKind kind)
+      : tracer_(tracer), kind_(kind), start_ns_(tracer.enabled() ? tracer.now() : 0) {}
+  // Whether end() records: lets a caller skip computing what it would record.
+  bool tracing() const { return tracer_.enabled(); }
+  // Records the span, ending now (a no-op while tracing is off).
+  void end(uint64_t bytes, int32_t layer, int32_t phase);
+
+ private:
+  Tracer& tracer_;
+  TraceKind kind_;
+  uint64_t start_ns_;
+};
 
 }  // namespace strata

@@ -1,5 +1,5 @@
 // The optimizer's side of checkpoints: a consistent point to save at, and counters restored
-// on load (checkpoint.cpp reads and writes the files).
+// on load (runtime/checkpoint/checkpoint.cpp reads and writes the files).
 #include "runtime/optimizer/optimizer.h"
 
 #include <algorithm>

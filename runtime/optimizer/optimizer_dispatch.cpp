@@ -329,8 +329,7 @@ void Optimizer::dispatcher_main() {
     while (status.is_ok() && stage_status.is_ok() && !skip && job.next_task < tasks.size()) {
       const std::size_t n = std::min(slice, tasks.size() - job.next_task);
       const std::span<const Task> part(tasks.data() + job.next_task, n);
-      Tracer& tracer = runtime_->tracer();
-      const uint64_t trace_start = tracer.enabled() ? tracer.now() : 0;
+      TraceSpan trace(runtime_->tracer(), TraceKind::kOptimizer);
       const auto t0 = std::chrono::steady_clock::now();
       if (explicit_job) {
         run_explicit(part, job);
@@ -338,16 +337,8 @@ void Optimizer::dispatcher_main() {
         norm += run_tasks(part, job.kind, job.scalars.get(), job.first_micro);
       }
       seconds += seconds_since(t0);
-      if (tracer.enabled()) {
-        TraceRecord r;
-        r.kind = static_cast<int32_t>(TraceKind::kOptimizer);
-        r.start_ns = trace_start;
-        r.end_ns = tracer.now();
-        r.bytes = job_bytes(part, job.kind);
-        r.layer = job.layer;
-        r.phase = static_cast<int32_t>(job.kind);
-        tracer.record(r);
-      }
+      if (trace.tracing())
+        trace.end(job_bytes(part, job.kind), job.layer, static_cast<int32_t>(job.kind));
       job.next_task += n;
       if (job.next_task < tasks.size() && job.kind != JobKind::kNorm) {
         std::lock_guard lock(mutex_);

@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "runtime/safetensors.h"
+#include "runtime/checkpoint/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // A memory file: Reader::open takes a path, and /proc/self/fd/N names a regular file.

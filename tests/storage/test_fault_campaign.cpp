@@ -30,12 +30,12 @@
 #include <map>
 #include <thread>
 
-#include "runtime/atomic_directory.h"
+#include "runtime/checkpoint/atomic_directory.h"
+#include "runtime/checkpoint/checkpoint.h"
+#include "runtime/checkpoint/safetensors.h"
 #include "runtime/executor.h"
-#include "runtime/optimizer/checkpoint.h"
 #include "runtime/optimizer/optimizer.h"
 #include "runtime/runtime.h"
-#include "runtime/safetensors.h"
 #include "support/scratch_dir.h"
 
 using namespace strata;

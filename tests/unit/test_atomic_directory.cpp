@@ -11,7 +11,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "runtime/atomic_directory.h"
+#include "runtime/checkpoint/atomic_directory.h"
 #include "tests/support/core_support.h"
 
 using strata::Code;

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "common/crc32c.h"
-#include "runtime/safetensors.h"
+#include "runtime/checkpoint/safetensors.h"
 #include "tests/support/core_support.h"
 
 using strata::Code;

@@ -36,9 +36,6 @@ struct Header {
 // header beyond it before parsing further, the Writer refuses to write one.
 constexpr std::size_t kMaxTensors = std::size_t{1} << 20;
 
-// Whether `text` is well-formed UTF-8 (what JSON strings, and so tensor names, must be).
-bool valid_utf8(std::string_view text);
-
 // The metadata key under which a tensor's CRC-32C is stored.
 std::string crc_metadata_key(std::string_view tensor_name);
 

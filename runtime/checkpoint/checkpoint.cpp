@@ -1,4 +1,4 @@
-#include "runtime/optimizer/checkpoint.h"
+#include "runtime/checkpoint/checkpoint.h"
 
 #include <algorithm>
 #include <cinttypes>
@@ -10,8 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/atomic_directory.h"
-#include "runtime/safetensors.h"
+#include "runtime/checkpoint/atomic_directory.h"
+#include "runtime/checkpoint/safetensors.h"
 
 namespace strata {
 namespace {

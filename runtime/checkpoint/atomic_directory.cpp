@@ -1,4 +1,4 @@
-#include "runtime/atomic_directory.h"
+#include "runtime/checkpoint/atomic_directory.h"
 
 #include <fcntl.h>
 #include <unistd.h>

@@ -1,0 +1,99 @@
+// The link probes: the rates a plan uses when its config gives none, measured on this runtime's
+// own memory (scratch blocks of its arenas, given back afterwards). Runtime's members, kept
+// apart from the registry and the migration engine in runtime.cpp.
+#include <algorithm>
+#include <chrono>
+
+#include "common/clock.h"
+#include "runtime/runtime.h"
+
+namespace strata {
+
+namespace {
+// Runs `n` copies of `bytes` in `direction` and returns the best device-timed rate.
+Status time_copies(DeviceBackend& backend, CopyDirection direction, void* dst, const void* src,
+                   uint64_t bytes, int n, double* rate) {
+  double best = 0;
+  for (int i = 0; i < n; ++i) {
+    auto done = std::make_shared<Completion>();
+    uint64_t busy = 0;
+    CopyRequest r;
+    r.direction = direction;
+    r.dst = dst;
+    r.src = src;
+    r.bytes = bytes;
+    r.on_complete = [done, &busy](CopyResult result) {
+      busy = result.busy_ns;
+      done->complete(std::move(result.status));
+    };
+    STRATA_RETURN_IF_ERROR(backend.submit_copy(std::move(r), nullptr));
+    STRATA_RETURN_IF_ERROR(done->wait(-1));
+    if (i > 0 && busy > 0)
+      best = std::max(best, static_cast<double>(bytes) * 1e9 / static_cast<double>(busy));
+  }
+  *rate = best;
+  return Status::ok();
+}
+}  // namespace
+
+Status Runtime::measure_links(double* h2d, double* d2h) {
+  uint64_t hbm_offset = 0, dram_offset = 0, bytes = 64ull << 20;
+  {
+    std::lock_guard lock(mutex_);
+    bytes = std::min(
+        {bytes, arena(Tier::kHbm)->largest_free() / 2, arena(Tier::kDram)->largest_free() / 2});
+    bytes = bytes / NvmeTier::kAlignment * NvmeTier::kAlignment;
+    if (bytes < NvmeTier::kAlignment) {
+      return error(Code::kOutOfMemory,
+                   "no free HBM or DRAM to measure the links with; give the "
+                   "link speeds in the plan config instead");
+    }
+    STRATA_RETURN_IF_ERROR(arena(Tier::kHbm)->allocate(bytes, "link measurement", &hbm_offset));
+    Status s = arena(Tier::kDram)->allocate(bytes, "link measurement", &dram_offset);
+    if (!s.is_ok()) {
+      (void)arena(Tier::kHbm)->free(hbm_offset);
+      return s;
+    }
+  }
+  unsigned char* device = tier_base(Tier::kHbm) + hbm_offset;
+  unsigned char* host = tier_base(Tier::kDram) + dram_offset;
+  Status s = time_copies(*backend_, CopyDirection::kHostToDevice, device, host, bytes, 4, h2d);
+  if (s.is_ok())
+    s = time_copies(*backend_, CopyDirection::kDeviceToHost, host, device, bytes, 4, d2h);
+  std::lock_guard lock(mutex_);
+  (void)arena(Tier::kHbm)->free(hbm_offset);
+  (void)arena(Tier::kDram)->free(dram_offset);
+  return s;
+}
+
+Status Runtime::measure_nvme_read(double* rate) {
+  if (!nvme_) return error(Code::kUnsupported, "no nvme tier");
+  uint64_t extent = 0, dram_offset = 0, bytes = 256ull << 20;
+  {
+    std::lock_guard lock(mutex_);
+    bytes = std::min({bytes, nvme_->extents().largest_free(), arena(Tier::kDram)->largest_free()});
+    bytes = bytes / NvmeTier::kAlignment * NvmeTier::kAlignment;
+    if (bytes < NvmeTier::kAlignment) {
+      return error(Code::kOutOfMemory, "no free NVMe or DRAM space to measure NVMe reads with");
+    }
+    STRATA_RETURN_IF_ERROR(nvme_->extents().allocate(bytes, "nvme measurement", &extent));
+    Status s = arena(Tier::kDram)->allocate(bytes, "nvme measurement", &dram_offset);
+    if (!s.is_ok()) {
+      (void)nvme_->extents().free(extent);
+      return s;
+    }
+  }
+  auto done = std::make_shared<Completion>();
+  const auto start = std::chrono::steady_clock::now();
+  nvme_->read_to_host("(nvme measurement)", tier_base(Tier::kDram) + dram_offset, extent, bytes,
+                      nullptr, [done](Status st) { done->complete(std::move(st)); });
+  Status s = done->wait(-1);
+  const double seconds = seconds_since(start);
+  *rate = seconds > 0 ? static_cast<double>(bytes) / seconds : 0;
+  std::lock_guard lock(mutex_);
+  (void)nvme_->extents().free(extent);
+  (void)arena(Tier::kDram)->free(dram_offset);
+  return s;
+}
+
+}  // namespace strata
