@@ -37,6 +37,9 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bindings" / "python"))
+
+from host_memory import mem_available, peak_host_bytes  # noqa: E402
+
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 # Hugging Face Llama shapes (vocab 128256): "8b" is Llama 3.1 8B; "3.6b" is Llama 3.2 3B with an
@@ -105,12 +108,6 @@ def fast_init(module):
                 pos += n
 
 
-def mem_available():
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
 
 def grow_host_memory(target):
     """Some VMs (the device machines here) give a guest its RAM as it is first touched: their
@@ -123,7 +120,7 @@ def grow_host_memory(target):
     t0 = time.perf_counter()
     code = ("import torch, sys\n"
             "sys.path.insert(0, %r)\n"
-            "from dist_bench import mem_available\n"
+            "from host_memory import mem_available\n"
             "held, need = [], %d\n"
             "while sum(t.numel() for t in held) < need and mem_available() > (2 << 30):\n"
             "    held.append(torch.empty(min(1 << 30, need), dtype=torch.uint8).fill_(1))\n"
@@ -131,12 +128,6 @@ def grow_host_memory(target):
     subprocess.run([sys.executable, "-c", code], check=True)
     return time.perf_counter() - t0
 
-
-def peak_host_bytes():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def data(config, rows, seq):

@@ -31,12 +31,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bindings" / "python"))
 
-
-def peak_host_bytes():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+from host_memory import peak_host_bytes  # noqa: E402 (bench/ is on sys.path when run)
 
 
 def model_config(name):
