@@ -615,10 +615,7 @@ def test_meta_device_model(arch, offload):
     initialized weights (HF's _init_weights), non-persistent buffers (rotary inv_freq) equal
     to a normally built model's, and training it equals plain PyTorch training the same
     weights."""
-    # Seeded: the blocks are initialized on DEVICE with its generator, whose state would else
-    # depend on the tests run before (on a GPU one such init gave Qwen2's embedding an element
-    # 2.3e-5 off: AdamW near eps, see Tolerances in docs/python.md).
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the blocks are initialized on DEVICE with its generator
     with torch.device("meta"):
         model = model_class(arch)(config(arch))
     model.train()
@@ -648,7 +645,14 @@ def test_meta_device_model(arch, offload):
     # AdamW's eps, where an ulp of difference in the update's rounding (Strata's vectorized
     # AdamW vs torch's) moves the weight by ~lr * 1e-3: measured 1.2e-6 after 3 steps, every
     # other element <= 1e-7. 2e-6 still catches any real divergence (one step moves 2e-3).
-    assert_state_close(snapshot(model), expected_state, atol=2e-6)
+    # On an H100 (blocks initialized there, seed 0) one element of Qwen2's embedding, (123,
+    # 43), gets a single nonzero grad in 3 steps, 1.32e-7 in plain PyTorch and 1.45e-7 here
+    # (a sum that cancels to 1e-5 of its terms: fp32 noise of the GPU's reduction order; the
+    # largest relative grad difference over the embedding is 4.8e-7). Near eps = 1e-8 AdamW's
+    # step is lr * g / (|g| + eps): 7.6% vs 6.9% short of lr, 1.4e-5 apart per step, 2.26e-5
+    # after two steps. So a few elements may be off by up to 1.5% of one step.
+    assert_state_close(snapshot(model), expected_state, atol=2e-6, outliers=4,
+                       outlier_atol=3e-5)
 
 
 # ---------------------------------------------------------------------------------------------
