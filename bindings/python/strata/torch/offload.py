@@ -235,7 +235,9 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     the model's). device: where to compute (None: cuda if available, else cpu with Strata's
     host backend). resident_blocks: how many of the first blocks stay in HBM as plain PyTorch
     modules with checkpointing, trained by torch's AdamW on the device (None: as many as 40% of
-    the free device memory holds, 0 on the CPU; pass 0 to leave the memory to activations).
+    the device memory holds that is free once the rest of the model and its state are there,
+    0 on the CPU; the batch's activations and logits are not known here: pass a smaller
+    number, or 0, when the first step runs out of memory).
     data_parallel: None (data parallel over torch.distributed's default group when it is
     initialized with several ranks), False (never), or a strata.torch.DataParallel
     (strata.torch.distributed). A failed call leaves the model as it was and releases what it
