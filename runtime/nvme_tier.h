@@ -91,7 +91,8 @@ class NvmeTier {
                       std::vector<std::shared_ptr<DeviceFence>> wait_for = {});
 
   // Synchronous byte-range access for strata_tensor_read/write of an NVMe-resident tensor:
-  // whole pieces are read (and checked), patched and written back (with a fresh checksum). A
+  // whole pieces are read (and checked), patched and written back (with a fresh checksum), up
+  // to kRangeDepth pieces in flight. A
   // failed write leaves the bytes of its range unspecified (old, new or a mix, as a failed
   // pwrite does) and every other byte as it was; the tensor stays readable (see
   // resync_checksum), and writing the range again succeeds once the fault is gone.
@@ -99,6 +100,11 @@ class NvmeTier {
                     uint64_t offset, void* dst, uint64_t bytes);
   Status write_range(const std::string& tensor, uint64_t extent, uint64_t len, Checksums* crcs,
                      uint64_t offset, const void* src, uint64_t bytes);
+
+  // Pieces of a byte-range access in flight at once (at most queue_depth): one at a time, a
+  // range access runs at the disk's queue-depth-1 rate (it writes NVMe-homed optimizer state's
+  // initial values and checkpoint loads into NVMe tensors).
+  static constexpr std::size_t kRangeDepth = 8;
 
   // Number of pieces (and checksums) of an extent of `len` bytes at `extent`.
   std::size_t piece_count(uint64_t extent, uint64_t len) const;
@@ -123,6 +129,11 @@ class NvmeTier {
 
   NvmeTier() = default;
   std::vector<Piece> pieces(uint64_t extent, uint64_t len) const;
+  // The pieces of [extent, extent + len) that bytes [offset, offset + bytes) touch, and how
+  // many of them read_range / write_range keep in flight.
+  std::vector<Piece> range_pieces(uint64_t extent, uint64_t len, uint64_t offset,
+                                  uint64_t bytes) const;
+  std::size_t range_depth(std::size_t pieces) const;
   Status submit_io(IoOp op, const Piece& p, unsigned char* buf, std::function<void(Status)> done);
   Status io_sync(IoOp op, const Piece& p, unsigned char* buf);
   Status copy_sync(CopyDirection dir, void* dst, const void* src, uint64_t bytes);
