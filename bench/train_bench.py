@@ -114,11 +114,15 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             forward = block.forward
             block.forward = lambda *a: checkpoint(forward, *a, use_reentrant=False)
 
-        if mode == "resident":
+        if mode in ("resident", "resident-nockpt"):
+            # All in HBM, torch's fused AdamW; "resident" recomputes each block in the backward
+            # (checkpointing, as strata.torch's blocks do), "resident-nockpt" keeps every
+            # activation: the fastest a model that fits can train.
             with torch.device(device):
                 model = LlamaForCausalLM(config)
-            for block in model.model.layers:
-                checkpointed(block)
+            if mode == "resident":
+                for block in model.model.layers:
+                    checkpointed(block)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         elif mode == "fsdp2":
             import torch.distributed as dist
@@ -143,7 +147,7 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             raise ValueError(mode)
 
         def step(ids):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "resident"):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode.startswith("resident")):
                 loss = model(ids, labels=ids).loss
             loss.backward()
             if clip:
@@ -203,7 +207,9 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="1b,3b,7b")
-    p.add_argument("--modes", default="strata,resident,fsdp2")
+    p.add_argument("--modes", default="strata,resident,fsdp2",
+                   help="comma-separated: strata, resident (all in HBM, checkpointed blocks), "
+                        "resident-nockpt (all in HBM, no recompute), fsdp2")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=3)
@@ -248,9 +254,9 @@ def main():
                 results.append(json.loads(lines[-1]))
             r = results[-1]
             if "error" in r:
-                print("%-4s %-8s failed: %s" % (preset, mode, r["error"]), flush=True)
+                print("%-4s %-15s failed: %s" % (preset, mode, r["error"]), flush=True)
             else:
-                print("%-4s %-8s %8.0f tokens/s  %6.1f TFLOPS (6PT/t)  %6.1f (done)  step %.2f s  "
+                print("%-4s %-15s %8.0f tokens/s  %6.1f TFLOPS (6PT/t)  %6.1f (done)  step %.2f s  "
                       "host %.1f GB  device %.1f GB  setup %.0f s  %s"
                       % (preset, mode, r["tokens_per_second"], r["tflops_6pt"], r["tflops_done"],
                          r["step_seconds"], r["peak_host_gb"], r["peak_device_gb"],
@@ -270,16 +276,20 @@ def main():
                           % (r["placement"], r["nvme_read_gb_per_step"],
                              r["nvme_write_gb_per_step"], r["stage_wait_seconds_per_step"],
                              ", ".join("%.3f" % x for x in r["losses"])), flush=True)
-    # Ratios against the peers, per model.
+    # Ratios against the peers, per model (also in the JSON, so a regression shows there).
+    ratios = []
     for preset in args.models.split(","):
         by = {r["mode"]: r for r in results if r["model"] == preset and "error" not in r}
         if "strata" in by:
-            for peer in ("resident", "fsdp2"):
+            for peer in ("resident", "resident-nockpt", "fsdp2"):
                 if peer in by:
-                    print("%-4s strata / %-8s = %.3f (tokens/s)" % (
-                        preset, peer, by["strata"]["tokens_per_second"] / by[peer]["tokens_per_second"]))
+                    ratio = by["strata"]["tokens_per_second"] / by[peer]["tokens_per_second"]
+                    ratios.append({"model": preset, "ratio": "strata/" + peer,
+                                   "tokens_per_second": ratio})
+                    print("%-4s strata / %-15s = %.3f (tokens/s)" % (preset, peer, ratio))
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+        pathlib.Path(args.json).write_text(json.dumps({"results": results, "ratios": ratios},
+                                                      indent=1))
 
 
 if __name__ == "__main__":
