@@ -447,116 +447,93 @@ std::vector<NvmeTier::Piece> NvmeTier::range_pieces(uint64_t extent, uint64_t le
   return out;
 }
 
-std::size_t NvmeTier::range_depth(std::size_t pieces) const {
-  return std::min<std::size_t>({kRangeDepth, options_.queue_depth, pieces});
+Status NvmeTier::run_range(IoOp op, const std::vector<Piece>& todo, const RangeFill& fill,
+                           const RangeSettle& settle) {
+  const std::size_t depth = std::min<std::size_t>({kRangeDepth, options_.queue_depth, todo.size()});
+  std::vector<AlignedBuffer> bufs;
+  bufs.reserve(depth);
+  for (std::size_t k = 0; k < depth; ++k) {
+    bufs.emplace_back(options_.block_size);
+    if (bufs.back().data() == nullptr) {
+      return error(Code::kOutOfMemory, "no memory for a ", op == IoOp::kRead ? "read" : "write",
+                   " buffer");
+    }
+  }
+  PieceTracker t(todo.size());
+  Status first;
+  // Piece i's buffer serves piece i + depth once piece i is settled.
+  auto settle_piece = [&](std::size_t i) {
+    Status s = settle(i, bufs[i % depth].data(), t.wait(i));
+    if (first.is_ok() && !s.is_ok()) first = std::move(s);
+  };
+  std::size_t submitted = 0, settled = 0;
+  for (std::size_t i = 0; i < todo.size(); ++i) {
+    if (i >= depth) settle_piece(settled++);
+    if (!first.is_ok()) break;
+    unsigned char* b = bufs[i % depth].data();
+    Status s = fill(i, b);
+    if (s.is_ok()) {
+      s = submit_io(op, todo[i], b, [&t, i](Status st) { t.complete(i, std::move(st)); });
+    }
+    if (!s.is_ok()) {
+      first = std::move(s);
+      break;
+    }
+    submitted = i + 1;
+  }
+  // Every submitted piece is waited for: its buffer and the tracker live on this stack.
+  while (settled < submitted) settle_piece(settled++);
+  return first;
 }
 
 Status NvmeTier::read_range(const std::string& tensor, uint64_t extent, uint64_t len,
                             const Checksums* crcs, uint64_t offset, void* dst, uint64_t bytes) {
   std::shared_lock lock(range_mutex_);
   const std::vector<Piece> todo = range_pieces(extent, len, offset, bytes);
-  const std::size_t depth = range_depth(todo.size());
-  std::vector<AlignedBuffer> bufs;
-  bufs.reserve(depth);
-  for (std::size_t k = 0; k < depth; ++k) {
-    bufs.emplace_back(options_.block_size);
-    if (bufs.back().data() == nullptr) {
-      return error(Code::kOutOfMemory, "no memory for a read buffer");
-    }
-  }
   auto* out = static_cast<unsigned char*>(dst);
-  PieceTracker t(todo.size());
-  Status first;
-  // Piece i: checked and copied out once read; its buffer then serves piece i + depth.
-  auto settle = [&](std::size_t i) {
-    Status s = t.wait(i);
-    if (!first.is_ok()) return;
-    const Piece& p = todo[i];
-    const unsigned char* b = bufs[i % depth].data();
-    if (s.is_ok()) s = verify(tensor, p, b, crcs);
-    if (!s.is_ok()) {
-      first = std::move(s);
-      return;
-    }
-    const uint64_t from = std::max(offset, p.rel);
-    const uint64_t to = std::min(offset + bytes, p.rel + p.len);
-    std::memcpy(out + (from - offset), b + (from - p.rel), to - from);
-  };
-  std::size_t submitted = 0, settled = 0;
-  for (std::size_t i = 0; i < todo.size(); ++i) {
-    if (i >= depth) settle(settled++);
-    if (!first.is_ok()) break;
-    Status sub = submit_io(IoOp::kRead, todo[i], bufs[i % depth].data(),
-                           [&t, i](Status st) { t.complete(i, std::move(st)); });
-    if (!sub.is_ok()) {
-      first = std::move(sub);
-      break;
-    }
-    submitted = i + 1;
-  }
-  // Every submitted piece is waited for: its buffer and the tracker live on this stack.
-  while (settled < submitted) settle(settled++);
-  return first;
+  return run_range(
+      IoOp::kRead, todo, [](std::size_t, unsigned char*) { return Status::ok(); },
+      [&](std::size_t i, unsigned char* b, Status s) {
+        const Piece& p = todo[i];
+        STRATA_RETURN_IF_ERROR(s);
+        STRATA_RETURN_IF_ERROR(verify(tensor, p, b, crcs));
+        const uint64_t from = std::max(offset, p.rel);
+        const uint64_t to = std::min(offset + bytes, p.rel + p.len);
+        std::memcpy(out + (from - offset), b + (from - p.rel), to - from);
+        return Status::ok();
+      });
 }
 
 Status NvmeTier::write_range(const std::string& tensor, uint64_t extent, uint64_t len,
                              Checksums* crcs, uint64_t offset, const void* src, uint64_t bytes) {
   std::unique_lock lock(range_mutex_);
   const std::vector<Piece> todo = range_pieces(extent, len, offset, bytes);
-  const std::size_t depth = range_depth(todo.size());
-  std::vector<AlignedBuffer> bufs;
-  bufs.reserve(depth);
-  for (std::size_t k = 0; k < depth; ++k) {
-    bufs.emplace_back(options_.block_size);
-    if (bufs.back().data() == nullptr) {
-      return error(Code::kOutOfMemory, "no memory for a write buffer");
-    }
-  }
   const auto* in = static_cast<const unsigned char*>(src);
-  PieceTracker t(todo.size());
   std::vector<uint32_t> crc_of(todo.size(), 0);
-  Status first;
-  // Piece i written: its new checksum, or after a failure what the disk holds (read back into
-  // its buffer, which no later piece uses before this returns).
-  auto settle = [&](std::size_t i) {
-    Status s = t.wait(i);
-    const Piece& p = todo[i];
-    if (!s.is_ok()) {
-      resync_checksum(p, crcs, bufs[i % depth].data());
-      if (first.is_ok()) first = std::move(s);
-    } else if (options_.checksums && crcs != nullptr) {
-      crcs->set(p.index, crc_of[i]);
-    }
-  };
-  std::size_t submitted = 0, settled = 0;
-  for (std::size_t i = 0; i < todo.size(); ++i) {
-    if (i >= depth) settle(settled++);
-    if (!first.is_ok()) break;
-    const Piece& p = todo[i];
-    unsigned char* b = bufs[i % depth].data();
-    const uint64_t from = std::max(offset, p.rel);
-    const uint64_t to = std::min(offset + bytes, p.rel + p.len);
-    if (from != p.rel || to != p.rel + p.len) {  // partial piece: read, check, patch
-      Status s = io_sync(IoOp::kRead, p, b);
-      if (s.is_ok()) s = verify(tensor, p, b, crcs);
-      if (!s.is_ok()) {
-        first = std::move(s);
-        break;
-      }
-    }
-    std::memcpy(b + (from - p.rel), in + (from - offset), to - from);
-    crc_of[i] = options_.checksums ? crc32c(b, p.len) : 0;
-    Status sub =
-        submit_io(IoOp::kWrite, p, b, [&t, i](Status st) { t.complete(i, std::move(st)); });
-    if (!sub.is_ok()) {
-      first = std::move(sub);
-      break;
-    }
-    submitted = i + 1;
-  }
-  // Every submitted piece is waited for: its buffer and the tracker live on this stack.
-  while (settled < submitted) settle(settled++);
-  return first;
+  return run_range(
+      IoOp::kWrite, todo,
+      [&](std::size_t i, unsigned char* b) {
+        const Piece& p = todo[i];
+        const uint64_t from = std::max(offset, p.rel);
+        const uint64_t to = std::min(offset + bytes, p.rel + p.len);
+        if (from != p.rel || to != p.rel + p.len) {  // partial piece: read, check, patch
+          STRATA_RETURN_IF_ERROR(io_sync(IoOp::kRead, p, b));
+          STRATA_RETURN_IF_ERROR(verify(tensor, p, b, crcs));
+        }
+        std::memcpy(b + (from - p.rel), in + (from - offset), to - from);
+        crc_of[i] = options_.checksums ? crc32c(b, p.len) : 0;
+        return Status::ok();
+      },
+      // Written: the new checksum; failed: what the disk holds, read back into the piece's
+      // buffer (no later piece uses it before run_range returns).
+      [&](std::size_t i, unsigned char* b, Status s) {
+        if (!s.is_ok()) {
+          resync_checksum(todo[i], crcs, b);
+          return s;
+        }
+        if (options_.checksums && crcs != nullptr) crcs->set(todo[i].index, crc_of[i]);
+        return Status::ok();
+      });
 }
 
 void NvmeTier::resync_checksum(const Piece& p, Checksums* crcs, unsigned char* buf) {

@@ -129,11 +129,17 @@ class NvmeTier {
 
   NvmeTier() = default;
   std::vector<Piece> pieces(uint64_t extent, uint64_t len) const;
-  // The pieces of [extent, extent + len) that bytes [offset, offset + bytes) touch, and how
-  // many of them read_range / write_range keep in flight.
+  // The pieces of [extent, extent + len) that bytes [offset, offset + bytes) touch.
   std::vector<Piece> range_pieces(uint64_t extent, uint64_t len, uint64_t offset,
                                   uint64_t bytes) const;
-  std::size_t range_depth(std::size_t pieces) const;
+  // The pipeline of read_range and write_range: for each piece of `todo` in order, fill(i, buf)
+  // prepares its buffer and the piece is submitted; settle(i, buf, status) runs once it
+  // completed, in order, at most kRangeDepth (and queue_depth) pieces in flight. The first
+  // failure (of fill, a submit or settle) stops submitting; every submitted piece is settled.
+  using RangeFill = std::function<Status(std::size_t, unsigned char*)>;
+  using RangeSettle = std::function<Status(std::size_t, unsigned char*, Status)>;
+  Status run_range(IoOp op, const std::vector<Piece>& todo, const RangeFill& fill,
+                   const RangeSettle& settle);
   Status submit_io(IoOp op, const Piece& p, unsigned char* buf, std::function<void(Status)> done);
   Status io_sync(IoOp op, const Piece& p, unsigned char* buf);
   Status copy_sync(CopyDirection dir, void* dst, const void* src, uint64_t bytes);
