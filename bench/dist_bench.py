@@ -196,6 +196,22 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def plain_step(model, opt, clip):
+    """The ordinary PyTorch step both strata.torch and FSDP2 run: forward, backward, optional
+    clip_grad_norm_, opt.step(), opt.zero_grad() (set_to_none, torch's default)."""
+    import torch
+
+    def step(ids):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
 def meta_model(config):
     import torch
     from transformers import LlamaForCausalLM
@@ -222,15 +238,7 @@ def setup_strata(config, device, clip, rows, world, resident_blocks=None):
         extra["layout"] = model.strata.mesh.describe()
     extra["close"] = model.strata.close
 
-    def step(ids):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return step, extra
+    return plain_step(model, opt, clip), extra
 
 
 def setup_fsdp2(config, device, clip, rows, world, resident_blocks=None):
@@ -252,15 +260,7 @@ def setup_fsdp2(config, device, clip, rows, world, resident_blocks=None):
     model.model.rotary_emb = type(rotary)(config=config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
-    def step(ids):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return step, {}
+    return plain_step(model, opt, clip), {}
 
 
 def setup_deepspeed(config, device, clip, rows, world, resident_blocks=None):
