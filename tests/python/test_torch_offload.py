@@ -173,3 +173,31 @@ def test_hugging_face_llama_and_qwen2_train_like_plain_pytorch():
         for e, g in zip(expected, got):
             assert abs(e - g) <= 1e-5 * abs(e), (cls.__name__, expected, got)
         model.strata.close()
+
+
+def test_automatic_resident_blocks_leave_room_for_the_rest_of_a_meta_model(monkeypatch):
+    """On a GPU, offload keeps as many blocks resident as 40% of the free memory holds at 20
+    bytes per parameter (bf16), counting as used what the parameters outside the blocks that
+    are not on the device yet (a meta model's embedding and head) will take. Without that, a
+    128k-vocabulary 8B kept 7 blocks on an 80 GB GPU and ran out of memory."""
+    import dataclasses
+
+    from strata.torch.offload import _auto_resident_blocks, find_blocks
+    # A large vocabulary: the embedding and head outweigh several blocks, as at 8B with 128k.
+    config = dataclasses.replace(PRESETS["tiny"], vocab_size=8192)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    blocks = list(find_blocks(model))
+    per_block = sum(p.numel() for p in blocks[0].parameters()) * 20
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks) * 20
+    assert rest > 10 * per_block
+    # Room for the rest of the model, then 40% of what is left holds exactly 2 blocks (40% of
+    # all the free memory would hold every block: at most all but one stream).
+    free = rest + (2 * per_block * 5 + 1) // 2
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    device = torch.device("cuda", 0)
+    assert _auto_resident_blocks(model, blocks, torch.bfloat16, device, 0) == 2
+    # Less free memory than the rest of the model needs: no block stays.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (rest, 2 * free))
+    assert _auto_resident_blocks(model, blocks, torch.bfloat16, device, 0) == 0
