@@ -997,20 +997,24 @@ STRATA_API strata_status_t strata_optimizer_destroy(strata_optimizer_t* optimize
 
 typedef struct strata_param_desc {
   size_t struct_size;      /* STRATA_PARAM_DESC_STRUCT_SIZE */
-  strata_tensor_t* weight; /* borrowed: in DRAM, f32/bf16/f16 */
+  strata_tensor_t* weight; /* borrowed: in DRAM or (since 1.2) on NVMe, f32/bf16/f16 */
   strata_tensor_t* grad;   /* borrowed: in DRAM, f32/bf16/f16, as many elements as weight */
   uint32_t group;          /* hyperparameter group (strata_optimizer_set_group), 0..65535;
                               0 = default */
 } strata_param_desc_t;
 #define STRATA_PARAM_DESC_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_param_desc_t, group)
 
-/* Make a weight trainable: allocates its state in DRAM (zeroed; the master copied from the
- * weight) and pins weight and grad in place while the optimizer lives. To start from fp32
- * values a bf16 weight cannot hold, write them to the master (strata_optimizer_get_state).
+/* Make a weight trainable: allocates its state where the config's state_placement says
+ * (zeroed; the master copied from the weight) and pins weight and grad in place while the
+ * optimizer lives. To start from fp32 values a bf16 weight cannot hold, write them to the
+ * master (strata_optimizer_get_state). An NVMe-homed weight (since 1.2) is updated only by an
+ * attached optimizer: each update stages it in DRAM with its layer's NVMe-homed state and
+ * writes it back, and the executor loads the layer again only after that write has landed.
  * Errors: INVALID_ARGUMENT (NULL, bad struct_size, dtypes, element counts differ, weight given
  * as its own grad, group above 65535), NOT_FOUND, ALREADY_EXISTS (already a param, or a state
- * tensor's name is taken), UNSUPPORTED (weight or grad not in DRAM), OUT_OF_MEMORY (DRAM budget:
- * nothing is left allocated), BUSY (moving), INVALID_STATE (already attached). Thread-safe. */
+ * tensor's name is taken), UNSUPPORTED (weight not in DRAM or NVMe, grad not in DRAM),
+ * OUT_OF_MEMORY (DRAM budget: nothing is left allocated), BUSY (moving), INVALID_STATE
+ * (already attached). Thread-safe. */
 STRATA_API strata_status_t strata_optimizer_add_param(strata_optimizer_t* optimizer,
                                                       const strata_param_desc_t* desc);
 
@@ -1035,12 +1039,13 @@ STRATA_API strata_status_t strata_optimizer_attach(strata_optimizer_t* optimizer
  * Attached in STRATA_UPDATE_EXPLICIT mode (since 1.1): queue the updates of every param holding
  * a grad and return at once (strata_optimizer_synchronize waits for them).
  * Errors: INVALID_ARGUMENT (NULL), INVALID_STATE (attached in AUTO mode, inside an executor
- * step in EXPLICIT mode, no params, a failed update). Thread-safe (calls are serialized). */
+ * step in EXPLICIT mode, no params, a failed update; without an executor: params whose state
+ * or weights live on NVMe). Thread-safe (calls are serialized). */
 STRATA_API strata_status_t strata_optimizer_step(strata_optimizer_t* optimizer);
 
 /* Block until every queued update has finished (an attached optimizer's updates otherwise
  * finish in the background; reading weights or masters needs this first), NVMe-homed state
- * included: its write-backs end and any copy read ahead is dropped. Errors:
+ * and weights included: their write-backs end and any copy read ahead is dropped. Errors:
  * INVALID_ARGUMENT, BACKEND (the grads of a layer failed to land: the message names it; the
  * optimizer then refuses further steps). Thread-safe. */
 STRATA_API strata_status_t strata_optimizer_synchronize(strata_optimizer_t* optimizer);

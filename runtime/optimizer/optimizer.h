@@ -117,8 +117,10 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
                        std::shared_ptr<Optimizer>* out);
   ~Optimizer() override;
 
-  // Adds a trainable weight (DRAM, fp32/bf16/fp16) and its grad (DRAM, same element count,
-  // fp32/bf16/fp16): allocates and initializes its state. Not once attached.
+  // Adds a trainable weight (DRAM or NVMe, fp32/bf16/fp16) and its grad (DRAM, same element
+  // count, fp32/bf16/fp16): allocates and initializes its state. Not once attached. An
+  // NVMe-homed weight is staged through DRAM with the layer's NVMe-homed state for each
+  // update (attached only) and written back before the executor loads the layer again.
   Status add_param(TensorId weight, TensorId grad, uint32_t group);
   Status set_group(uint32_t group, const GroupHyperparams& h);
   Status state_tensor(TensorId weight, StateKind kind, TensorId* out);
@@ -182,14 +184,16 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     float grad_mult = 1.f;
     double grad_sq = 0;
     uint64_t t = 0;
-    // State on NVMe (master unless the weight is fp32, exp_avg, exp_avg_sq: those it has).
-    // Their arrays are null; while the layer's state is staged, `staged` points at them in
-    // its slot (set under mutex_ before an update can be picked).
+    // State on NVMe (master unless the weight is fp32, exp_avg, exp_avg_sq: those it has),
+    // and/or the weight itself on NVMe. Their arrays are null; while the layer's stage is in
+    // DRAM, `staged` points at them in its slot, by StagedTensor::kind (set under mutex_
+    // before an update can be picked).
     bool nvme_state = false;
-    std::array<float*, 3> staged{};
+    bool nvme_weight = false;
+    std::array<void*, 4> staged{};
   };
-  // NVMe-homed state of one executor layer: laid out in one staging slot, read in before the
-  // layer's update, written back after it.
+  // NVMe-homed state (and weights) of one executor layer: laid out in one staging slot, read
+  // in before the layer's update, written back after it.
   enum class StagePhase : uint8_t { kIdle, kReading, kStaged, kWriting };
   struct StagedTensor {
     TensorId id = 0;
@@ -198,7 +202,7 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     std::shared_ptr<Checksums> crcs;
     uint64_t offset = 0;  // in the slot, 4 KiB-aligned
     std::size_t param = 0;
-    int kind = 0;  // 0 master, 1 exp_avg, 2 exp_avg_sq
+    int kind = 0;  // 0 master, 1 exp_avg, 2 exp_avg_sq, 3 the weight (NVMe-homed)
   };
   struct LayerStage {
     std::vector<StagedTensor> tensors;
@@ -211,6 +215,10 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     // read ahead at most once per executor step, and dropped by synchronize().
     bool ahead = false;
     uint64_t round = 0;
+    // Some of the layer's weights live on NVMe: the executor may load the layer again only
+    // once the write-back has landed, so the update's pending_ count is held until then.
+    bool holds_weights = false;
+    bool pending_held = false;
   };
   struct StageIo {
     bool write;
@@ -332,7 +340,8 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // NVMe-homed state and its staging (attached).
   uint64_t nvme_state_bytes_ = 0;
   uint64_t nvme_state_params_ = 0;
-  std::vector<LayerStage> stages_;  // per executor layer
+  uint64_t nvme_weight_params_ = 0;  // params whose weight is NVMe-homed
+  std::vector<LayerStage> stages_;   // per executor layer
   std::size_t nvme_layers_ = 0;
   // Executor steps that will be followed by updates read NVMe-homed state ahead (the order:
   // descending when updates follow grads, ascending when they run in forward order).

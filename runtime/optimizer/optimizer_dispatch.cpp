@@ -398,7 +398,14 @@ void Optimizer::dispatcher_main() {
           }
         }
       } else {
-        --pending_[static_cast<std::size_t>(job.layer)];
+        const auto l = static_cast<std::size_t>(job.layer);
+        // A layer with NVMe-homed weights is loadable once they are written back
+        // (on_stage_io lets go of the count then).
+        if (staged && stages_[l].holds_weights && stages_[l].phase == StagePhase::kWriting) {
+          stages_[l].pending_held = true;
+        } else {
+          --pending_[l];
+        }
       }
     }
     cv_.notify_all();

@@ -144,12 +144,16 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
       }
     }
   }
+  if (w.tier != Tier::kDram && w.tier != Tier::kNvme) {
+    return error(Code::kUnsupported, "weight '", w.spec.name, "' is in ", tier_name(w.tier),
+                 ": the optimizer updates weights in DRAM, or on NVMe staged through DRAM");
+  }
+  if (g.tier != Tier::kDram) {
+    return error(Code::kUnsupported, "grad '", g.spec.name, "' is in ", tier_name(g.tier),
+                 ": the optimizer reads grads in DRAM");
+  }
   for (const TensorRecord* r : {&w, &g}) {
     const char* role = r == &w ? "weight" : "grad";
-    if (r->tier != Tier::kDram) {
-      return error(Code::kUnsupported, role, " '", r->spec.name, "' is in ", tier_name(r->tier),
-                   ": the optimizer updates weights and reads grads in DRAM");
-    }
     if (!optim::float_dtype(r->spec.dtype)) {
       return error(Code::kInvalidArgument, role, " '", r->spec.name, "' is ",
                    dtype_name(r->spec.dtype), ": the optimizer takes f32, bf16 or f16");
@@ -188,6 +192,17 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
   a.count = n;
   a.grad = dram + g.offset;
   a.grad_dtype = g.spec.dtype;
+  // An NVMe-homed weight: its values (the master's initial ones) come through a bounce buffer;
+  // updates reach it through the layer's staging slot.
+  p.nvme_weight = w.tier == Tier::kNvme;
+  std::vector<unsigned char> weight_values;
+  const void* weight_data = p.nvme_weight ? nullptr : dram + w.offset;
+  if (p.nvme_weight) {
+    weight_values.resize(w.nbytes);
+    Status s = runtime_->read(weight, 0, weight_values.data(), w.nbytes);
+    if (!s.is_ok()) return roll_back(s);
+    weight_data = weight_values.data();
+  }
   const bool adamw = config_.kind == OptimizerKind::kAdamW;
   const bool has_master = w.spec.dtype != DType::kF32;
   const bool has_avg = adamw || config_.momentum > 0.f;
@@ -205,8 +220,9 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
   auto write_initial = [&](TensorId id, bool widen) {
     init.assign(n, 0.f);
     if (widen) {
-      const optim::ParamArrays w_view{init.data(), nullptr, nullptr,     a.weight, w.spec.dtype,
-                                      init.data(), nullptr, DType::kF32, n};
+      const optim::ParamArrays w_view{init.data(), nullptr,      nullptr,
+                                      weight_data, w.spec.dtype, init.data(),
+                                      nullptr,     DType::kF32,  n};
       kernels_->accumulate(w_view, 0, n, true);
     }
     return runtime_->write(id, 0, init.data(), n * sizeof(float));
@@ -214,17 +230,17 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
   if (!has_master) {
     // The fp32 weight is its own master: no second copy to keep in step.
     p.master = weight;
-    a.master = reinterpret_cast<float*>(dram + w.offset);
+    a.master = p.nvme_weight ? nullptr : reinterpret_cast<float*>(dram + w.offset);
   } else {
-    a.weight = dram + w.offset;
+    a.weight = p.nvme_weight ? nullptr : dram + w.offset;
     a.weight_dtype = w.spec.dtype;
     Status s = make_state(w, ".master", kSkew[0], home, &p.master, &a.master);
     if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.master, true);
     if (!s.is_ok()) return roll_back_all(s);
     if (home == Tier::kDram) {
       // The master starts as the working copy, exactly (bf16 and f16 widen without rounding).
-      const optim::ParamArrays widen{a.master, nullptr, nullptr,     a.weight, w.spec.dtype,
-                                     a.master, nullptr, DType::kF32, n};
+      const optim::ParamArrays widen{
+          a.master, nullptr, nullptr, weight_data, w.spec.dtype, a.master, nullptr, DType::kF32, n};
       init_on_pool(n,
                    [&](std::size_t b, std::size_t e) { kernels_->accumulate(widen, b, e, true); });
     }
@@ -255,6 +271,7 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
     if (!s.is_ok()) return roll_back_all(s);
   }
   if (p.nvme_state) ++nvme_state_params_;
+  if (p.nvme_weight) ++nvme_weight_params_;
   if (group >= groups_.size()) groups_.resize(group + 1, groups_.front());
   params_.push_back(std::move(p));
   return Status::ok();

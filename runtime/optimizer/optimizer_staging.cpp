@@ -1,5 +1,5 @@
-// Optimizer state homed on NVMe, staged through DRAM slots layer by layer: layout, read-ahead,
-// transfers and write-back (docs/optimizer.md).
+// Optimizer state (and weights) homed on NVMe, staged through DRAM slots layer by layer: layout,
+// read-ahead, transfers and write-back (docs/optimizer.md).
 #include "runtime/optimizer/optimizer.h"
 
 #include <algorithm>
@@ -18,17 +18,21 @@ Status Optimizer::layout_stages() {
   free_staging();
   stages_.assign(layer_params_.size(), LayerStage{});
   nvme_layers_ = 0;
-  if (nvme_state_params_ == 0) return Status::ok();
+  if (nvme_state_params_ == 0 && nvme_weight_params_ == 0) return Status::ok();
   uint64_t largest = 0;
   std::size_t largest_layer = 0;
   for (std::size_t l = 0; l < layer_params_.size(); ++l) {
     LayerStage& st = stages_[l];
     for (std::size_t i : layer_params_[l]) {
       Param& p = params_[i];
-      if (!p.nvme_state) continue;
-      const TensorId ids[3] = {p.master == p.weight ? TensorId{0} : p.master, p.exp_avg,
-                               p.exp_avg_sq};
-      for (int k = 0; k < 3; ++k) {
+      // The weight is staged whole, not only written: an update that skips it (no grad, a
+      // non-finite step) writes back the values it read, and the 4 KiB-rounded tail with them.
+      const TensorId none = 0;
+      const TensorId ids[4] = {p.nvme_state && p.master != p.weight ? p.master : none,
+                               p.nvme_state ? p.exp_avg : none, p.nvme_state ? p.exp_avg_sq : none,
+                               p.nvme_weight ? p.weight : none};
+      st.holds_weights = st.holds_weights || p.nvme_weight;
+      for (int k = 0; k < 4; ++k) {
         if (ids[k] == 0) continue;
         TensorRecord r;
         STRATA_RETURN_IF_ERROR(runtime_->info(ids[k], &r));
@@ -192,8 +196,7 @@ std::vector<Optimizer::StageIo> Optimizer::stage_more() {
     unsigned char* base = staging_base_ + static_cast<uint64_t>(st.slot) * slot_bytes_;
     for (std::size_t k = 0; k < st.tensors.size(); ++k) {
       const StagedTensor& t = st.tensors[k];
-      params_[t.param].staged[static_cast<std::size_t>(t.kind)] =
-          reinterpret_cast<float*>(base + t.offset);
+      params_[t.param].staged[static_cast<std::size_t>(t.kind)] = base + t.offset;
       ios.push_back(StageIo{false, static_cast<uint32_t>(l), k});
     }
     st.outstanding = static_cast<int>(st.tensors.size());
@@ -231,14 +234,19 @@ void Optimizer::on_stage_io(const StageIo& io, Status s) {
     if (s.is_ok()) {
       (io.write ? nvme_write_bytes_ : nvme_read_bytes_) += t.len;
     } else if (st.status.is_ok()) {
-      st.status =
-          error(s.code(), "optimizer: ", io.write ? "writing" : "reading", " the state '", t.name,
-                "' of layer ", io.layer, io.write ? " to" : " from", " NVMe: ", s.message());
+      st.status = error(s.code(), "optimizer: ", io.write ? "writing" : "reading", " the ",
+                        t.kind == 3 ? "weight" : "state", " '", t.name, "' of layer ", io.layer,
+                        io.write ? " to" : " from", " NVMe: ", s.message());
       fail(st.status);
     }
     if (--st.outstanding == 0) {
       if (io.write) {
-        // Written back: the slot is free for the next layer.
+        // Written back: the slot is free for the next layer, and a layer whose weights were
+        // in it may be loaded again (a failed write fails the optimizer, which stops loads).
+        if (st.pending_held) {
+          st.pending_held = false;
+          --pending_[io.layer];
+        }
         release_slot(io.layer);
         more = stage_more();
       } else {
@@ -283,10 +291,18 @@ std::vector<Optimizer::StageIo> Optimizer::read_ahead(bool descending) {
 
 optim::ParamArrays Optimizer::update_arrays(const Param& p) const {
   optim::ParamArrays a = p.arrays;
+  const auto f32 = [&](int kind) { return static_cast<float*>(p.staged[kind]); };
   if (p.nvme_state) {
-    if (p.master != p.weight) a.master = p.staged[0];
-    if (p.exp_avg != 0) a.exp_avg = p.staged[1];
-    if (p.exp_avg_sq != 0) a.exp_avg_sq = p.staged[2];
+    if (p.master != p.weight) a.master = f32(0);
+    if (p.exp_avg != 0) a.exp_avg = f32(1);
+    if (p.exp_avg_sq != 0) a.exp_avg_sq = f32(2);
+  }
+  if (p.nvme_weight) {
+    if (p.master == p.weight) {
+      a.master = f32(3);  // an fp32 weight is its own master
+    } else {
+      a.weight = p.staged[3];
+    }
   }
   return a;
 }

@@ -238,10 +238,11 @@ Status Optimizer::step() {
   }
   if (!failure_.is_ok()) return failure_;
   if (params_.empty()) return error(Code::kInvalidState, "step: the optimizer has no params");
-  if (nvme_state_params_ != 0) {
-    return error(Code::kInvalidState, "step: ", nvme_state_params_,
-                 " params have their state on NVMe, which is staged through DRAM layer by "
-                 "layer: only an optimizer attached to an executor updates them");
+  if (nvme_state_params_ != 0 || nvme_weight_params_ != 0) {
+    return error(Code::kInvalidState, "step: ", std::max(nvme_state_params_, nvme_weight_params_),
+                 " params have their ", nvme_state_params_ != 0 ? "state" : "weights",
+                 " on NVMe, which is staged through DRAM layer by layer: only an optimizer "
+                 "attached to an executor updates them");
   }
   if (all_tasks_params_ != params_.size()) {
     std::vector<std::size_t> all(params_.size());

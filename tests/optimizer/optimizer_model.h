@@ -51,17 +51,20 @@ struct Model {
 };
 
 inline strata_tensor_t* register_tensor(strata_runtime_t* rt, const std::string& name, int64_t n,
-                                        strata_dtype_t dtype, strata_role_t role) {
+                                        strata_dtype_t dtype, strata_role_t role,
+                                        strata_tier_t tier = STRATA_TIER_DRAM) {
   const int64_t shape[1] = {n};
-  const strata_tensor_desc_t d = desc(name.c_str(), shape, 1, STRATA_TIER_DRAM, dtype, role);
+  const strata_tensor_desc_t d = desc(name.c_str(), shape, 1, tier, dtype, role);
   strata_tensor_t* t = nullptr;
   STRATA_REQUIRE_OK(strata_tensor_register(rt, &d, &t));
   return t;
 }
 
+// weight_tier: where the weights live (NVMe needs an NVMe tier in `config`); grads: DRAM.
 inline Model make_model(int layers, uint64_t seed, strata_device_backend_t backend,
                         std::vector<int64_t> sizes = {3000, 1100},
-                        const strata_runtime_config_t* config = nullptr) {
+                        const strata_runtime_config_t* config = nullptr,
+                        strata_tier_t weight_tier = STRATA_TIER_DRAM) {
   Model m;
   m.sizes = std::move(sizes);
   m.rt = make_runtime(config != nullptr ? *config : config_for(backend, 64 * kMiB, 256 * kMiB));
@@ -72,8 +75,8 @@ inline Model make_model(int layers, uint64_t seed, strata_device_backend_t backe
     m.grads.emplace_back();
     for (std::size_t k = 0; k < m.sizes.size(); ++k) {
       const std::string base = "layers." + std::to_string(l) + ".w" + std::to_string(k);
-      strata_tensor_t* w =
-          register_tensor(m.rt.get(), base, m.sizes[k], STRATA_DTYPE_BF16, STRATA_ROLE_WEIGHT);
+      strata_tensor_t* w = register_tensor(m.rt.get(), base, m.sizes[k], STRATA_DTYPE_BF16,
+                                           STRATA_ROLE_WEIGHT, weight_tier);
       std::vector<uint16_t> init(static_cast<std::size_t>(m.sizes[k]));
       for (auto& x : init) x = to_bf16(dist(rng));
       STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), w, 0, init.data(), init.size() * 2));

@@ -1,9 +1,10 @@
 // Optimizer state homed on NVMe (STRATA_STATE_PLACEMENT_NVME, STRATA_STATE_PLACEMENT_PLANNED),
 // through the C ABI on the backend under test: training with the state staged through DRAM slots is
 // bit for bit training with the state in DRAM (every update mode, clipping, slot reuse,
-// preemption); PLANNED puts the last layers' state on NVMe when DRAM is short; checkpoints carry
-// NVMe-homed state; a damaged state file fails the optimizer with the tensor's name, and nothing
-// hangs; misuse is refused with a message that names the problem.
+// preemption), and so is training with the weights themselves on NVMe; PLANNED puts the last
+// layers' state on NVMe when DRAM is short; checkpoints carry NVMe-homed state; a damaged state
+// file fails the optimizer with the tensor's name, and nothing hangs; misuse is refused with a
+// message that names the problem.
 #define CATCH_CONFIG_RUNNER
 #include <fcntl.h>
 #include <unistd.h>
@@ -152,6 +153,71 @@ TEST_CASE("state on NVMe trains bit for bit as state in DRAM", "[optimizer][nvme
   }
 }
 
+TEST_CASE("weights on NVMe train bit for bit as weights in DRAM", "[optimizer][nvme]") {
+  // The weights' home is NVMe: every update stages them with the layer's NVMe-homed state and
+  // writes them back, and the executor loads a layer again only after that write has landed
+  // (a load before it would stream the step before's weights: other grads, other results).
+  struct Variant {
+    const char* name;
+    uint32_t placement;
+    Loop loop;
+    float max_grad_norm;
+  };
+  for (const Variant& var : {
+           Variant{"weights and state on NVMe, per layer during the backward",
+                   STRATA_STATE_PLACEMENT_NVME, Loop::kAuto, 0.f},
+           Variant{"weights and state on NVMe, clipped", STRATA_STATE_PLACEMENT_NVME, Loop::kAuto,
+                   0.5f},
+           Variant{"weights and state on NVMe, explicit updates", STRATA_STATE_PLACEMENT_NVME,
+                   Loop::kExplicit, 0.f},
+           Variant{"weights on NVMe, state in DRAM", STRATA_STATE_PLACEMENT_DRAM, Loop::kExplicit,
+                   0.f},
+       }) {
+    DYNAMIC_SECTION(var.name) {
+      ScratchDir scratch;
+      NvmeConfig nv(scratch, 16 * kMiB, 64 * kMiB);
+      strata_optimizer_config_t c = adamw_config();
+      c.max_grad_norm = var.max_grad_norm;
+      if (var.loop == Loop::kExplicit) c.update_mode = STRATA_UPDATE_EXPLICIT;
+      Model in_dram = make_model(5, 42, backend_under_test());
+      Model on_nvme =
+          make_model(5, 42, backend_under_test(), {3000, 1100}, &nv.config, STRATA_TIER_NVME);
+      OptimizerPtr od = make_optimizer(in_dram, c);
+      c.state_placement = var.placement;
+      OptimizerPtr on = make_optimizer(on_nvme, c);
+      // The masters start from the NVMe-homed weights' values.
+      REQUIRE(snapshot(on_nvme, on.get()) == snapshot(in_dram, od.get()));
+      Streamed sd, sn;
+      attach_streamed(in_dram, od.get(), &sd);
+      attach_streamed(on_nvme, on.get(), &sn);
+      train(in_dram, od.get(), sd.ex, var.loop, 0, 5);
+      train(on_nvme, on.get(), sn.ex, var.loop, 0, 5);
+      REQUIRE(snapshot(on_nvme, on.get()) == snapshot(in_dram, od.get()));
+      // A weight written between steps (a checkpoint load, a framework's write) is what the
+      // next forward pass streams and the next update starts from.
+      for (Model* m : {&in_dram, &on_nvme}) {
+        std::vector<uint16_t> v(static_cast<std::size_t>(m->sizes[1]), to_bf16(0.75f));
+        STRATA_REQUIRE_OK(
+            strata_tensor_write(m->rt.get(), m->weights[2][1], 0, v.data(), v.size() * 2));
+      }
+      train(in_dram, od.get(), sd.ex, var.loop, 5, 3);
+      train(on_nvme, on.get(), sn.ex, var.loop, 5, 3);
+      REQUIRE(snapshot(on_nvme, on.get()) == snapshot(in_dram, od.get()));
+      const strata_optimizer_stats_t s = stats_of(on.get());
+      REQUIRE(s.staging_slots >= 1);
+      // Every update read the layer's weights (and state) and wrote them back: 5 layers of
+      // 4 KiB-rounded bf16 weights (8 KiB + 4 KiB) per step, 8 steps.
+      const uint64_t weight_bytes = 5 * (8192 + 4096);
+      REQUIRE(s.nvme_read_bytes >= 8 * (weight_bytes + s.nvme_state_bytes));
+      REQUIRE(s.nvme_write_bytes >= 8 * (weight_bytes + s.nvme_state_bytes));
+      if (var.placement == STRATA_STATE_PLACEMENT_DRAM) REQUIRE(s.nvme_state_bytes == 0);
+      strata_tier_t tier = -1;
+      STRATA_REQUIRE_OK(strata_tensor_tier(on_nvme.rt.get(), on_nvme.weights[0][0], &tier));
+      REQUIRE(tier == STRATA_TIER_NVME);
+    }
+  }
+}
+
 TEST_CASE("a checkpoint carries NVMe-homed state and resumes bit for bit",
           "[optimizer][nvme][checkpoint]") {
   ScratchDir scratch;
@@ -269,6 +335,32 @@ TEST_CASE("NVMe-homed state misuse gets clear errors", "[optimizer][nvme]") {
     make_streamed(m, &st, 0);
     STRATA_REQUIRE_ERROR(strata_optimizer_attach(o.get(), st.ex), STRATA_ERROR_OUT_OF_MEMORY,
                          "nvme_staging_bytes 4096");
+  }
+  SECTION("NVMe-homed weights: a manual step; an HBM weight or an NVMe grad") {
+    ScratchDir scratch;
+    NvmeConfig nv(scratch, 16 * kMiB, 64 * kMiB);
+    Model m = make_model(1, 5, backend_under_test(), {3000, 1100}, &nv.config, STRATA_TIER_NVME);
+    OptimizerPtr o = make_optimizer(m, adamw_config());
+    STRATA_REQUIRE_ERROR(strata_optimizer_step(o.get()), STRATA_ERROR_INVALID_STATE,
+                         "params have their weights on NVMe");
+    strata_optimizer_t* raw = nullptr;
+    strata_optimizer_config_t c = adamw_config();
+    STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &raw));
+    OptimizerPtr other(raw);
+    strata_tensor_t* g = register_tensor(m.rt.get(), "nvme.grad", 3000, STRATA_DTYPE_BF16,
+                                         STRATA_ROLE_GRAD, STRATA_TIER_NVME);
+    strata_param_desc_t p{};
+    p.struct_size = STRATA_PARAM_DESC_STRUCT_SIZE;
+    p.weight = m.weights[0][0];
+    p.grad = g;
+    STRATA_REQUIRE_ERROR(strata_optimizer_add_param(other.get(), &p), STRATA_ERROR_UNSUPPORTED,
+                         "grad 'nvme.grad' is in nvme: the optimizer reads grads in DRAM");
+    strata_tensor_t* hbm = register_tensor(m.rt.get(), "hbm.weight", 3000, STRATA_DTYPE_BF16,
+                                           STRATA_ROLE_WEIGHT, STRATA_TIER_HBM);
+    p.weight = hbm;
+    p.grad = m.grads[0][0];
+    STRATA_REQUIRE_ERROR(strata_optimizer_add_param(other.get(), &p), STRATA_ERROR_UNSUPPORTED,
+                         "weight 'hbm.weight' is in hbm");
   }
   SECTION("a 1.0/1.1-sized stats struct gets the fields its size covers") {
     ScratchDir scratch;

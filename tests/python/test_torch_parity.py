@@ -870,19 +870,38 @@ def test_out_of_memory_names_the_resident_blocks(offload):
     assert len(notes) == 1 and "resident_blocks" in notes[0], notes
 
 
-@pytest.mark.parametrize("placement", ["nvme", "planned"])
+def smallest_host_budget(counts, element_size):
+    """The least host_budget nvme_budgets accepts: every block's weights on NVMe."""
+    low, high = 0, strata.core.nvme_budgets(counts, element_size)[0]
+    while low < high:
+        mid = (low + high) // 2
+        try:
+            strata.core.nvme_budgets(counts, element_size, mid)
+            high = mid
+        except ValueError:
+            low = mid + 1
+    return low
+
+
+@pytest.mark.parametrize("placement", ["nvme", "planned", "weights"])
 def test_optimizer_state_on_nvme(placement, offload, tmp_path):
     """Idiom: a model whose training state does not fit in host memory, offloaded with an NVMe
     tier: the optimizer state staged from NVMe trains exactly as plain PyTorch, and the
     placement says where it is. "planned" with a host_budget that holds about half of the
-    state puts the last block's state on NVMe."""
+    state puts the last block's state on NVMe; "weights", a host_budget that holds only the
+    grads and the staging, puts every block's weights on NVMe too."""
     base = build("llama")
     data = batches(STEPS)
     expected, _, expected_state = plain_run(deepcopy(base), data)
-    kwargs = {"nvme": str(tmp_path / "tier"), "state_placement": placement}
+    kwargs = {"nvme": str(tmp_path / "tier"),
+              "state_placement": "planned" if placement == "weights" else placement}
+    counts = [[p.numel() for p in b.parameters()] for b in blocks_of(base)]
+    if placement == "weights":
+        kwargs["host_budget"] = smallest_host_budget(counts, 4)
+        _, _, _, spilled = strata.core.nvme_budgets(counts, 4, kwargs["host_budget"])
+        assert spilled == len(counts)
     if placement == "planned":
-        counts = [[p.numel() for p in b.parameters()] for b in blocks_of(base)]
-        host, _, _ = strata.core.nvme_budgets(counts, 4)
+        host, _, _, _ = strata.core.nvme_budgets(counts, 4)
         # Room for all the state but most of the last block's (fp32 weights: m and v), the
         # margin for the arena's alignment taken out too (it would hold this tiny model's).
         kwargs["host_budget"] = (host - strata.core.NVME_DRAM_MARGIN
@@ -899,8 +918,14 @@ def test_optimizer_state_on_nvme(placement, offload, tmp_path):
     assert "on NVMe" in line and "staged through" in line, line
     if placement == "nvme":
         assert stats["nvme_state_params"] == stats["params"], line
-    else:
+    elif placement == "planned":
         assert 0 < stats["nvme_state_layers"] < len(model.strata.layers), line
+    else:
+        n = len(model.strata.layers)
+        assert "the weights of %d blocks on NVMe (blocks 0-%d)" % (n, n - 1) in line, line
+        assert all(sp.weight.info().tier == strata.core.TIERS["nvme"]
+                   for entries in model.strata.layers for sp in entries)
+    assert "weights of" not in line or placement == "weights", line
     assert model.strata.optimizer.stats()["nvme_read_bytes"] > 0
 
 
@@ -916,7 +941,7 @@ def test_nvme_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="not 'planned' or 'nvme'"):
         st.offload(model, device=DEVICE, nvme=str(tmp_path / "t"), state_placement="disk")
     with pytest.raises(ValueError, match="host_budget .* below"):
-        st.offload(model, device=DEVICE, nvme=str(tmp_path / "t"), host_budget=1 << 20)
+        st.offload(model, device=DEVICE, nvme=str(tmp_path / "t"), host_budget=1 << 16)
     assert getattr(model, "strata", None) is None
     model = st.offload(model, device=DEVICE, resident_blocks=0, nvme=str(tmp_path / "one"))
     try:

@@ -56,33 +56,48 @@ NVME_DRAM_MARGIN = 16 << 20
 
 
 def nvme_budgets(blocks, element_size, host_budget=None, available=None):
-    """(DRAM budget, NVMe budget, staging bytes) for streaming `blocks` (per block, the element
-    counts of its trainable tensors) with AdamW state that may spill to NVMe (state_placement
-    "planned"). DRAM always holds each tensor's weight and grad and room to stage 4 blocks'
-    state (what Strata stages at most at once); the rest of the DRAM budget holds state, the
-    first blocks' first, and NVMe what does not fit. Sizes count each tensor's 4 KiB rounding.
-    host_budget None: room for all of the state if that fits in 85% of `available`
-    (MemAvailable), else that much."""
+    """(DRAM budget, NVMe budget, staging bytes, weight blocks) for streaming `blocks` (per
+    block, the element counts of its trainable tensors) with AdamW state that may spill to NVMe
+    (state_placement "planned"). DRAM always holds each tensor's grad and room to stage up to 4
+    blocks' NVMe-homed tensors (what Strata stages at most at once), then the weights, then
+    state, the first blocks' first; NVMe holds what does not fit. When the budget is short,
+    fewer staging slots come first (down to one), then the last `weight blocks` blocks keep
+    their weights on NVMe too (streamed from there, staged with their state for each update).
+    Sizes count each tensor's 4 KiB rounding. host_budget None: room for all of it if that
+    fits in 85% of `available` (MemAvailable), else that much."""
     page = 4096
 
     def rounded(n):
         return -(-n // page) * page
 
     copies = state_bytes_per_param(element_size) // 4
-    weights_grads = sum(2 * rounded(n * element_size) for b in blocks for n in b)
+    weights = [sum(rounded(n * element_size) for n in b) for b in blocks]
+    grads = sum(weights)
     block_state = [sum(copies * rounded(n * 4 + page) for n in b) for b in blocks]
-    staging = 4 * max(block_state)
-    floor = weights_grads + staging
-    full = floor + sum(block_state) + NVME_DRAM_MARGIN
+    n = len(blocks)
+
+    def staging(slots, spilled):  # a slot holds a block's state and, when spilled, weights
+        return min(slots, n) * max(st + (w if i >= n - spilled else 0)
+                                   for i, (st, w) in enumerate(zip(block_state, weights)))
+
+    def need(slots, spilled):
+        return sum(weights[:n - spilled]) + grads + staging(slots, spilled)
+
+    full = need(4, 0) + sum(block_state) + NVME_DRAM_MARGIN
     if host_budget is None:
-        host_budget = full if available is None else max(floor, min(full, int(available * 0.85)))
-    if host_budget < floor:
+        host_budget = full if available is None else min(full, int(available * 0.85))
+    plans = [(slots, spilled) for slots in (4, 3, 2, 1) for spilled in range(n + 1)]
+    fits = [p for p in plans if need(*p) <= host_budget]
+    if not fits:
+        least = min(need(*p) for p in plans)
         raise ValueError(
-            "host_budget %d bytes is below the %d bytes DRAM needs with training state on NVMe "
-            "(each parameter's weight and grad, and %d bytes to stage 4 blocks' state)"
-            % (host_budget, floor, staging))
+            "host_budget %d bytes is below the %d bytes DRAM needs with training state and "
+            "weights on NVMe (each parameter's grad, and one staging slot for a block's state "
+            "and weights)" % (host_budget, least))
+    slots, spilled = fits[0]
+    full = sum(weights) + grads + staging(slots, spilled) + sum(block_state) + NVME_DRAM_MARGIN
     nvme = int(max(0, full - host_budget) * 1.05) + (64 << 20)
-    return host_budget, nvme, staging
+    return host_budget, nvme, staging(slots, spilled), spilled
 
 
 class Runtime:

@@ -227,10 +227,12 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     DRAM bytes (None: what the blocks, grads and optimizer state need; with nvme, that or 85% of
     the available memory, whichever is less). nvme: an NVMe tier, a path or a list of paths
     (files, striped): the optimizer state that host_budget cannot hold goes there, the last
-    blocks' first, staged through DRAM for each update. nvme_budget: its bytes (None or 0: what
-    the spilled state needs). state_placement (with nvme): "planned" (default: DRAM first, the
-    rest on NVMe) or "nvme" (all of the streamed blocks' optimizer state on NVMe, leaving DRAM
-    to the weights and grads). slot_budget: HBM for streaming slots
+    blocks' first, staged through DRAM for each update; when host_budget cannot even hold every
+    streamed weight beside the grads and staging, the last blocks' weights go there too
+    (streamed from NVMe, written back by their updates). nvme_budget: its bytes (None or 0:
+    what the spilled tensors need). state_placement (with nvme): "planned" (default: DRAM
+    first, the rest on NVMe) or "nvme" (all of the streamed blocks' optimizer state on NVMe,
+    leaving DRAM to the weights and grads). slot_budget: HBM for streaming slots
     within gpu_budget (0: all of it). dtype: the compute dtype of the streamed weights (None:
     the model's). device: where to compute (None: cuda if available, else cpu with Strata's
     host backend). resident_blocks: how many of the first blocks stay in HBM as plain PyTorch
@@ -291,6 +293,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
             "rank keeps 1/(ranks per host) of the training state in DRAM: size host_budget "
             "for that, or train without data_parallel")
     state_options = {}
+    weights_on_nvme = 0
     if nvme:
         # Training state may spill to NVMe: DRAM holds the weights, grads and staging, and as
         # much state as host_budget allows (the first blocks'); the planner puts the rest on
@@ -298,16 +301,20 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         from .. import core
         counts = [[p.numel() for p in b.parameters() if p.requires_grad] for b in blocks]
         try:
-            host_budget, auto_nvme, staging = core.nvme_budgets(
+            host_budget, auto_nvme, staging, nvme_weights = core.nvme_budgets(
                 counts, torch.finfo(dtype).bits // 8, host_budget, _mem_available())
         except ValueError as e:
             raise ValueError("strata.torch.offload: %s; nothing was changed" % e) from None
         if state_placement == "nvme":
             state = core.state_bytes_per_param(torch.finfo(dtype).bits // 8)
-            auto_nvme = int(sum(map(sum, counts)) * state * 1.05) + (64 << 20) * len(counts)
+            spilled = sum(map(sum, counts[len(counts) - nvme_weights:])) if nvme_weights else 0
+            auto_nvme = int((sum(map(sum, counts)) * state + spilled * (torch.finfo(dtype).bits
+                                                                          // 8)) * 1.05) \
+                + (64 << 20) * len(counts)
         nvme_budget = nvme_budget or auto_nvme
         state_options = {"state_placement": state_placement or "planned",
                          "nvme_staging_bytes": staging}
+        weights_on_nvme = nvme_weights
     elif host_budget is not None and host_budget < _estimate_dram(blocks, dtype, mesh):
         raise ValueError("strata.torch.offload: host_budget %d bytes is below the %d bytes the "
                          "streamed blocks need in pinned DRAM (weights, grads, fp32 masters and "
@@ -325,6 +332,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         session = ShardedSession(mesh, *args)
     session.resident_blocks = kept
     session.state_options = state_options
+    session.nvme_weight_blocks = weights_on_nvme
     started = time.perf_counter()
     session.applying = False
     installed = []

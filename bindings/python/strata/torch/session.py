@@ -204,6 +204,10 @@ class StrataSession:
                 % (size(s["state_bytes"] - s["staging_bytes"]), size(s["nvme_state_bytes"]),
                    s["nvme_state_params"], s["params"], s["nvme_state_layers"],
                    len(self.layers)))
+        spilled = [i for i in range(len(self.layers)) if self.weight_home(i) == "nvme"]
+        if spilled:
+            line += "; the weights of %d blocks on NVMe (blocks %d-%d)" % (
+                len(spilled), spilled[0], spilled[-1])
         if s["staging_slots"]:
             line += ", staged through %d DRAM slots of %s" % (
                 s["staging_slots"], size(s["staging_bytes"] // s["staging_slots"]))
@@ -219,8 +223,15 @@ class StrataSession:
         """Register a block parameter's weight and, when it trains, its grad (shapes only)."""
         self.register_shape(sp, sp.name, p.shape, p.requires_grad)
 
+    def weight_home(self, layer):
+        """Where block `layer`'s weights live: the last nvme_weight_blocks blocks' on NVMe
+        (offload chose that when DRAM cannot hold every weight), the others' in DRAM."""
+        spilled = getattr(self, "nvme_weight_blocks", 0)
+        return "nvme" if layer >= len(self.blocks) - spilled else "dram"
+
     def register_shape(self, sp, name, shape, trainable):
-        sp.weight = self.runtime.register(name, shape, DTYPE_NAMES[self.dtype], "weight", "dram")
+        sp.weight = self.runtime.register(name, shape, DTYPE_NAMES[self.dtype], "weight",
+                                          self.weight_home(sp.layer))
         if trainable:
             sp.grad = self.runtime.register(name + ".grad", shape, DTYPE_NAMES[self.dtype], "grad",
                                             "dram")
