@@ -827,11 +827,15 @@ def test_what_is_refused_is_refused_clearly(offload):
     assert_state_close(snapshot(model), expected_state)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_resident_blocks(arch, offload):
+@pytest.mark.parametrize("arch,chunk", [("llama", None), ("gpt2", None), ("llama", 1)])
+def test_resident_blocks(arch, chunk, offload, monkeypatch):
     """st.offload(model, resident_blocks=1): the first block stays a plain module (checkpointed,
     RNG-exact) trained by torch's AdamW, the rest stream; with dropout, accumulation and
-    clipping, training equals plain PyTorch's."""
+    clipping, training equals plain PyTorch's. chunk=1: the resident parameters' update runs
+    one parameter at a time (AdamW.RESIDENT_CHUNK; 64M elements by default), with the same
+    result."""
+    if chunk is not None:
+        monkeypatch.setattr(st.AdamW, "RESIDENT_CHUNK", chunk)
     dropout = 0.1 if arch == "gpt2" else 0.0
     base = build(arch, dropout=dropout, layers=3)
     data = batches(4)
