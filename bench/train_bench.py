@@ -11,7 +11,9 @@ the median step time after warm-up, and peak host memory (VmHWM) and device memo
 
 --nvme PATH (strata only) gives the runtime an NVMe tier there: optimizer state that does not
 fit in --host-budget GiB (default: 85% of MemAvailable) goes to NVMe, staged through DRAM
-(docs/optimizer.md), and the result reports the placement and the NVMe traffic per step.
+(docs/optimizer.md), and so do the last blocks' weights when the budget cannot hold them; the
+result reports the placement, the NVMe traffic per step and the pinned DRAM per streamed
+parameter.
 A model is a preset name or a spec "h4096-l40-i14336-kv8-v32000" (hidden, layers, FFN,
 KV heads, vocabulary; 32 heads of 128).
 
@@ -201,6 +203,11 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
                        nvme_read_gb_per_step=stats["nvme_read_bytes"] / n / 1e9,
                        nvme_write_gb_per_step=stats["nvme_write_bytes"] / n / 1e9,
                        stage_wait_seconds_per_step=stats["stage_wait_seconds"] / n)
+            # What Strata's pinned DRAM holds per streamed parameter (grads, weights left in
+            # DRAM, state, staging), against the 16 bytes of DRAM-only training.
+            streamed = sum(p.numel() for b in model.strata.blocks for p in b.parameters())
+            used = model.strata.runtime.tier_usage("dram")["used"]
+            out.update(dram_used_gb=used / 1e9, dram_bytes_per_streamed_param=used / streamed)
     return out
 
 
