@@ -194,6 +194,9 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
                peak_device_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0)
     if mode == "strata":
         out["peak_device_gb"] += model.strata.runtime.capabilities().tier_budget_bytes[0] / 1e9
+        keeper = getattr(model.strata, "activations", None)
+        out["kept_activations"] = keeper.count if keeper is not None else 0
+        out["plan"] += " (%d keep activations)" % out["kept_activations"]
         stats = model.strata.optimizer.stats()
         out["optimizer_seconds_per_step"] = stats["update_seconds"] / (warmup + steps)
         if nvme:

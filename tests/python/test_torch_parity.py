@@ -827,13 +827,16 @@ def test_what_is_refused_is_refused_clearly(offload):
     assert_state_close(snapshot(model), expected_state)
 
 
-@pytest.mark.parametrize("arch,chunk", [("llama", None), ("gpt2", None), ("llama", 1)])
-def test_resident_blocks(arch, chunk, offload, monkeypatch):
+@pytest.mark.parametrize("arch,chunk,keep", [("llama", None, False), ("gpt2", None, False),
+                                             ("llama", 1, False), ("gpt2", None, True),
+                                             ("llama", None, True)])
+def test_resident_blocks(arch, chunk, keep, offload, monkeypatch):
     """st.offload(model, resident_blocks=1): the first block stays a plain module (checkpointed,
     RNG-exact) trained by torch's AdamW, the rest stream; with dropout, accumulation and
     clipping, training equals plain PyTorch's. chunk=1: the resident parameters' update runs
     one parameter at a time (AdamW.RESIDENT_CHUNK; 64M elements by default), with the same
-    result."""
+    result. keep: the resident block keeps its activations (no recompute; what measured spare
+    memory turns on, strata.torch.activations), with the same result."""
     if chunk is not None:
         monkeypatch.setattr(st.AdamW, "RESIDENT_CHUNK", chunk)
     dropout = 0.1 if arch == "gpt2" else 0.0
@@ -847,12 +850,21 @@ def test_resident_blocks(arch, chunk, offload, monkeypatch):
     def offload_keeping_one(m):
         m = offload(m, resident_blocks=1)
         sessions.append(m.strata)
+        if keep:
+            m.strata.activations.forced = 1
+            recomputed = []
+            # A submodule's hook: the recompute calls the block's own forward, not the block.
+            next(iter(m.strata.resident_blocks[0].children())).register_forward_hook(
+                lambda *_: recomputed.append(torch.is_grad_enabled()))
+            sessions.append(recomputed)
         torch.manual_seed(7)
         return m
 
     got, got_norms, got_state = strata_run(offload_keeping_one, deepcopy(base), data,
                                            accumulate=2, clip=1.0)
     assert len(sessions[0].blocks) == 2
+    if keep:  # one forward per micro-batch: none recomputed in the backward
+        assert len(sessions[1]) == len(data), sessions[1]
     assert_losses_close(got, expected)
     assert got_norms == pytest.approx(expected_norms, rel=1e-6)
     assert_state_close(got_state, expected_state)

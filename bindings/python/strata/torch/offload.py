@@ -199,12 +199,15 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget):
     return k
 
 
-def _keep_resident(block):
+def _keep_resident(keeper, index, block):
     """A block kept in HBM runs as plain PyTorch with activation checkpointing (RNG-exact, as
-    the streamed blocks recompute), so its activation memory is what a streamed block's is."""
+    the streamed blocks recompute), so its activation memory is what a streamed block's is;
+    unless the measured memory lets it keep its activations (strata.torch.activations), which
+    gives the same values without the recompute."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
     from torch.utils.checkpoint import checkpoint
 
+    from .activations import tokens_of
     from .block import without_caches
     run = block.forward
 
@@ -213,6 +216,10 @@ def _keep_resident(block):
             return run(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         args, kwargs = tree_unflatten(without_caches(leaves), spec)
+        if index == len(keeper.blocks) - 1:
+            keeper.observe(index, run, args, kwargs)
+        if keeper.keeps(index, tokens_of(args)):
+            return run(*args, **kwargs)
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     block.forward = forward
@@ -348,8 +355,10 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
             block.forward = streamed_forward(session, i, block.forward)
             installed.append(block)
             _install_state_hooks(session, i, block)
-        for block in kept:
-            _keep_resident(block)
+        from .activations import ActivationKeeper
+        session.activations = ActivationKeeper(device, kept)
+        for index, block in enumerate(kept):
+            _keep_resident(session.activations, index, block)
             installed.append(block)
         streamed = {id(p): p for b in blocks for p in b.parameters()}
         for m in model.modules():

@@ -153,6 +153,9 @@ class AdamW(torch.optim.Optimizer):
                 for key in ("lr", "betas", "eps", "weight_decay"):
                     inner[key] = group[key]
             self._step_resident()
+        keeper = getattr(session, "activations", None)
+        if keeper is not None:
+            keeper.on_step()  # which resident blocks may keep their activations from now on
         return loss
 
     # Elements per resident update: the fp32 grads and torch's foreach temporaries exist for

@@ -1,0 +1,123 @@
+"""Which resident blocks keep their activations for the backward pass instead of recomputing
+them (issue 13, item 2: spare HBM spent on skipping recompute), decided from measured memory.
+
+A resident block runs as plain PyTorch with activation checkpointing, so its activation memory
+is what a streamed block's is. When the device has memory to spare once the model, its
+optimizer state and a step's peak are in, some of them can run without checkpointing: the
+same values (checkpointing recomputes exactly what the forward computed, dropout's RNG
+included), one forward pass less per block. How many cannot be known at offload time (the
+batch's activations and logits are unknown then), so it is measured:
+
+- the bytes one resident block saves for its backward when not checkpointed, for the actual
+  inputs of the first forward pass with grad: its forward run once on fake tensors (shapes
+  only, no memory, no compute; the RNG state restored), summing what autograd saves beside the
+  parameters;
+- the device's peak allocated memory through the second optimizer step (AdamW's moments exist
+  from the first).
+
+From the third step on, the last `count` resident blocks run without checkpointing, count =
+(total - peak - margin) // block bytes. A forward pass with more tokens than the measured
+steps had runs checkpointed (activations and logits grow with the tokens). Only on CUDA."""
+
+import torch
+
+
+def saved_bytes(run, args, kwargs, device, params):
+    """Bytes `run(*args, **kwargs)` would save for its backward beside `params` (its
+    parameters), from a forward on fake tensors; None when that cannot be done."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.utils._pytree import tree_map
+
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        if not isinstance(t, FakeTensor):  # a real tensor here is a parameter or buffer
+            return t
+        key = t.untyped_storage()._cdata  # the StorageImpl: the same for every view of it
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                # The mode converts a real tensor to the same fake one while that one lives:
+                # held here, the parameters' fake storages (and the views of them autograd
+                # saves) are known, and no storage address is reused meanwhile.
+                fake_params = [mode.from_tensor(p) for p in params]
+                seen.update(f.untyped_storage()._cdata for f in fake_params)
+                fake = tree_map(lambda x: mode.from_tensor(x) if torch.is_tensor(x) else x,
+                                (args, kwargs))
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    run(*fake[0], **fake[1])
+    except Exception:  # an op without a fake kernel, a custom block: keep checkpointing
+        return None
+    return total
+
+
+def tokens_of(args):
+    """Tokens in a block's input (its first tensor argument, [..., hidden])."""
+    for a in args:
+        if torch.is_tensor(a) and a.dim() >= 2:
+            return a.numel() // a.shape[-1]
+    return 0
+
+
+class ActivationKeeper:
+    """One per offloaded model with resident blocks."""
+
+    # Device memory left unused below the total, as a fraction of it: the caching allocator's
+    # fragmentation, and what the measured steps did not show.
+    MARGIN = 0.08
+    DECIDE_AFTER_STEPS = 2
+
+    def __init__(self, device, blocks):
+        self.device = device
+        self.blocks = blocks  # the resident blocks, in order
+        self.count = 0  # the last `count` resident blocks keep their activations
+        self.forced = None  # a fixed count (tests, tools); None: measured
+        self.steps = 0
+        self.tokens = 0  # the most tokens a measured step had
+        self.block_bytes = None  # one block's saved bytes at self.tokens
+        self.decided = False
+
+    def keeps(self, index, tokens):
+        """Whether resident block `index` runs without checkpointing now."""
+        count = self.forced if self.forced is not None else self.count
+        if count <= 0 or index < len(self.blocks) - count:
+            return False
+        return self.forced is not None or tokens <= self.tokens
+
+    def observe(self, index, run, args, kwargs):
+        """A forward pass with grad of resident block `index`, before the decision: note its
+        tokens and, for the most tokens seen, what it would save."""
+        if self.decided or self.device.type != "cuda":
+            return
+        tokens = tokens_of(args)
+        if tokens > self.tokens:
+            self.tokens = tokens
+            self.block_bytes = saved_bytes(run, args, kwargs, self.device,
+                                           list(self.blocks[index].parameters()))
+
+    def on_step(self):
+        """After an optimizer step: the decision, once enough steps were measured."""
+        self.steps += 1
+        if self.decided or self.steps < self.DECIDE_AFTER_STEPS or self.device.type != "cuda":
+            return
+        self.decided = True
+        if not self.block_bytes:
+            return
+        total = torch.cuda.mem_get_info(self.device)[1]
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.count = plan_kept(total, peak, self.block_bytes, len(self.blocks), self.MARGIN)
+
+
+def plan_kept(total, peak, block_bytes, blocks, margin):
+    """How many resident blocks can keep their activations: the memory between the measured
+    peak and the total less `margin` of it, in blocks' worth of saved bytes."""
+    if block_bytes <= 0:
+        return 0
+    spare = total - peak - int(total * margin)
+    return max(0, min(blocks, spare // block_bytes))
