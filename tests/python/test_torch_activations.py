@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from strata.torch.activations import ActivationKeeper, plan_kept, saved_bytes, tokens_of
-from torch_parity_models import ARCHS, build
+from torch_parity_models import ARCHS, DEVICE, build
 
 
 def real_saved_bytes(module, args, kwargs):
@@ -39,7 +39,7 @@ def test_fake_forward_measures_what_autograd_saves(arch):
         captured.setdefault("call", (args, kwargs))
 
     handle = block.register_forward_pre_hook(grab, with_kwargs=True)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     with torch.no_grad():
         model(ids, use_cache=False)
     handle.remove()
@@ -47,8 +47,7 @@ def test_fake_forward_measures_what_autograd_saves(arch):
     args = tuple(a.detach().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point()
                  else a for a in args)
     state = torch.get_rng_state()
-    fake = saved_bytes(block.forward, args, kwargs, torch.device("cpu"),
-                       list(block.parameters()))
+    fake = saved_bytes(block.forward, args, kwargs, DEVICE, list(block.parameters()))
     assert torch.equal(torch.get_rng_state(), state)
     assert fake is not None and fake > 0
     assert fake == real_saved_bytes(block, args, kwargs)
@@ -56,13 +55,13 @@ def test_fake_forward_measures_what_autograd_saves(arch):
 
 
 def test_plan_and_the_tokens_guard():
-    """count = (total - peak - margin) // block bytes, within [0, blocks]; the last blocks
+    """count = (usable - peak - margin) // block bytes, within [0, blocks]; the last blocks
     keep theirs, and only for inputs no larger than the measured ones."""
     gb = 1 << 30
-    assert plan_kept(140 * gb, 100 * gb, 4 * gb, 28, 0.08) == (140 - 100 - 11.2) * gb // (4 * gb)
-    assert plan_kept(80 * gb, 79 * gb, gb, 10, 0.08) == 0
-    assert plan_kept(140 * gb, gb, gb, 5, 0.0) == 5
-    assert plan_kept(140 * gb, gb, 0, 5, 0.0) == 0
+    assert plan_kept(140 * gb, 100 * gb, 4 * gb, 28, 14 * gb) == 6
+    assert plan_kept(80 * gb, 79 * gb, gb, 10, 8 * gb) == 0
+    assert plan_kept(140 * gb, gb, gb, 5, 0) == 5
+    assert plan_kept(140 * gb, gb, 0, 5, 0) == 0
     keeper = ActivationKeeper(torch.device("cpu"), [object()] * 4)
     keeper.count, keeper.tokens = 2, 1024
     assert [keeper.keeps(i, 1024) for i in range(4)] == [False, False, True, True]

@@ -12,12 +12,17 @@ batch's activations and logits are unknown then), so it is measured:
   inputs of the first forward pass with grad: its forward run once on fake tensors (shapes
   only, no memory, no compute; the RNG state restored), summing what autograd saves beside the
   parameters;
-- the device's peak allocated memory through the second optimizer step (AdamW's moments exist
-  from the first).
+- the memory torch's caching allocator held at its peak through the second optimizer step
+  (AdamW's moments exist from the first): reserved, not allocated, since what fragmentation
+  strands is as unusable as what is allocated (an H200 run planned from the allocated peak ran
+  out of memory asking for 15.6 GiB of logits with 11 GiB reserved and unused);
+- what torch could hold at most: the device's free memory plus what torch holds now (the CUDA
+  context and Strata's own HBM arena are outside it).
 
 From the third step on, the last `count` resident blocks run without checkpointing, count =
-(total - peak - margin) // block bytes. A forward pass with more tokens than the measured
-steps had runs checkpointed (activations and logits grow with the tokens). Only on CUDA."""
+(usable - peak - 10% of the device) // (1.25 x block bytes). A forward pass with more tokens
+than the measured steps had runs checkpointed (activations and logits grow with the tokens).
+Only on CUDA."""
 
 import torch
 
@@ -68,9 +73,11 @@ def tokens_of(args):
 class ActivationKeeper:
     """One per offloaded model with resident blocks."""
 
-    # Device memory left unused below the total, as a fraction of it: the caching allocator's
-    # fragmentation, and what the measured steps did not show.
-    MARGIN = 0.08
+    # Device memory left unused, as a fraction of the total, and each kept block's bytes taken
+    # this much larger: the fragmentation a new allocation pattern brings, and what the
+    # measured steps did not show.
+    MARGIN = 0.10
+    BLOCK_FACTOR = 1.25
     DECIDE_AFTER_STEPS = 2
 
     def __init__(self, device, blocks):
@@ -93,7 +100,7 @@ class ActivationKeeper:
     def observe(self, index, run, args, kwargs):
         """A forward pass with grad of resident block `index`, before the decision: note its
         tokens and, for the most tokens seen, what it would save."""
-        if self.decided or self.device.type != "cuda":
+        if self.decided or self.forced is not None or self.device.type != "cuda":
             return
         tokens = tokens_of(args)
         if tokens > self.tokens:
@@ -109,15 +116,17 @@ class ActivationKeeper:
         self.decided = True
         if not self.block_bytes:
             return
-        total = torch.cuda.mem_get_info(self.device)[1]
-        peak = torch.cuda.max_memory_allocated(self.device)
-        self.count = plan_kept(total, peak, self.block_bytes, len(self.blocks), self.MARGIN)
+        free, total = torch.cuda.mem_get_info(self.device)
+        usable = free + torch.cuda.memory_reserved(self.device)
+        peak = torch.cuda.max_memory_reserved(self.device)
+        self.count = plan_kept(usable, peak, int(self.block_bytes * self.BLOCK_FACTOR),
+                               len(self.blocks), int(total * self.MARGIN))
 
 
-def plan_kept(total, peak, block_bytes, blocks, margin):
+def plan_kept(usable, peak, block_bytes, blocks, margin):
     """How many resident blocks can keep their activations: the memory between the measured
-    peak and the total less `margin` of it, in blocks' worth of saved bytes."""
+    peak and what torch could hold, less `margin` bytes, in blocks' worth of saved bytes."""
     if block_bytes <= 0:
         return 0
-    spare = total - peak - int(total * margin)
+    spare = usable - peak - margin
     return max(0, min(blocks, spare // block_bytes))
