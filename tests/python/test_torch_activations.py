@@ -69,3 +69,19 @@ def test_plan_and_the_tokens_guard():
     keeper.on_step()
     keeper.on_step()
     assert keeper.count == 2  # on the CPU nothing is measured or decided
+
+
+def test_an_out_of_memory_error_turns_keeping_off():
+    """An out-of-memory error in a forward pass while blocks keep their activations says so,
+    and the next steps recompute again (the measured plan did not hold for that step)."""
+    from strata.torch.block import note_memory
+
+    class Session:
+        resident_blocks = [object()] * 3
+        activations = ActivationKeeper(torch.device("cpu"), [object()] * 3)
+
+    Session.activations.count = 2
+    error = torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    note_memory(Session, error)
+    assert Session.activations.count == 0
+    assert any("were keeping their activations" in n for n in error.__notes__), error.__notes__

@@ -51,6 +51,13 @@ def note_memory(session, error):
             "(st.offload(resident_blocks=...), by default what 40%% of the free memory held at "
             "offload); pass a smaller resident_blocks, or 0, to leave more to activations"
             % len(session.resident_blocks))
+        keeper = getattr(session, "activations", None)
+        if keeper is not None and keeper.count > 0 and keeper.forced is None:
+            # The measured plan was wrong for this step: recompute again from the next one.
+            error.add_note(
+                "strata.torch: %d resident block(s) were keeping their activations (measured "
+                "spare memory); from the next step they are recomputed again" % keeper.count)
+            keeper.count = 0
 
 
 def _autocast_state(device_type):

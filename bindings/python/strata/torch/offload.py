@@ -170,9 +170,10 @@ def _mem_available():
 
 def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget):
     """How many of the first blocks to keep resident in HBM: as many as fit in 40% of the device
-    memory left beside Strata's own (the rest for activations, logits and the allocator), at 20
-    bytes per parameter (the compute-dtype weight and grad, an fp32 master, AdamW's m and v, the
-    fp32 grad the update reads). Resident blocks need no transfers and are updated by torch's
+    memory left beside Strata's own (the rest for activations, logits and the allocator), at 16
+    bytes per parameter in bf16 (the compute-dtype weight and grad, an fp32 master unless the
+    weights are fp32, AdamW's m and v; the fp32 grads the update reads exist a chunk at a time,
+    st.AdamW.RESIDENT_CHUNK). Resident blocks need no transfers and are updated by torch's
     AdamW on the device at once, so the CPU's updates of the streamed ones start with the
     resident blocks' forward pass as a head start (the next forward pass needs the first blocks
     first). The free memory counted is what is left once the rest of the model (embeddings,
@@ -183,7 +184,9 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget):
     if device.type != "cuda":
         return 0
     free, _ = torch.cuda.mem_get_info(device)
-    per_param = 2 * torch.finfo(dtype).bits // 8 + 16
+    from .. import core
+    element = torch.finfo(dtype).bits // 8
+    per_param = 2 * element + core.state_bytes_per_param(element)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     coming = sum(p.numel() for p in model.parameters()
                  if id(p) not in in_blocks and p.device != device)
