@@ -948,7 +948,8 @@ typedef struct strata_optimizer_config {
  * update (from the start of a step that will update, in the order the updates will run, as
  * many layers as there are slots; then as each update is queued),
  * updated there, and written back while later updates run; the layer's next load waits only
- * for the update (the bf16/f16 working copy in DRAM), not for the write-back. Such state is
+ * for the update (the bf16/f16 working copy in DRAM), not for the write-back, unless the weight
+ * itself is NVMe-homed (strata_optimizer_add_param): then for its write-back too. Such state is
  * updated only by an attached optimizer (strata_optimizer_step without an executor refuses).
  * DRAM: every param's state in DRAM (as in 1.0; OUT_OF_MEMORY when it does not fit). */
 #define STRATA_STATE_PLACEMENT_DRAM 0u
