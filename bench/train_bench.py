@@ -194,6 +194,7 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
                peak_device_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0)
     if mode == "strata":
         out["peak_device_gb"] += model.strata.runtime.capabilities().tier_budget_bytes[0] / 1e9
+        out["placement"] = model.strata.placement()  # after the steps: kept activations known
         keeper = getattr(model.strata, "activations", None)
         out["kept_activations"] = keeper.count if keeper is not None else 0
         out["plan"] += " (%d keep activations)" % out["kept_activations"]
@@ -281,10 +282,12 @@ def main():
                         "%s %.3f/%.3f" % (k, h, d) for k, (h, d) in r["phases"].items()),
                         flush=True)
                 if "placement" in r:
-                    print("     %s\n     NVMe per step: read %.1f GB, write %.1f GB; updates "
-                          "waited %.2f s for state; losses %s"
-                          % (r["placement"], r["nvme_read_gb_per_step"],
-                             r["nvme_write_gb_per_step"], r["stage_wait_seconds_per_step"],
+                    print("     %s" % r["placement"], flush=True)
+                if "nvme_read_gb_per_step" in r:
+                    print("     NVMe per step: read %.1f GB, write %.1f GB; updates waited %.2f s "
+                          "for state; losses %s"
+                          % (r["nvme_read_gb_per_step"], r["nvme_write_gb_per_step"],
+                             r["stage_wait_seconds_per_step"],
                              ", ".join("%.3f" % x for x in r["losses"])), flush=True)
     # Ratios against the peers, per model (also in the JSON, so a regression shows there).
     ratios = []

@@ -863,6 +863,7 @@ def test_resident_blocks(arch, chunk, keep, offload, monkeypatch):
     got, got_norms, got_state = strata_run(offload_keeping_one, deepcopy(base), data,
                                            accumulate=2, clip=1.0)
     assert len(sessions[0].blocks) == 2
+    assert sessions[0].placement().startswith("1 of 3 blocks resident on the device")
     if keep:  # one forward per micro-batch: none recomputed in the backward
         assert len(sessions[1]) == len(data), sessions[1]
     assert_losses_close(got, expected)
@@ -938,7 +939,7 @@ def test_optimizer_state_on_nvme(placement, offload, tmp_path):
         assert 0 < stats["nvme_state_layers"] < len(model.strata.layers), line
     else:
         n = len(model.strata.layers)
-        assert "the weights of %d blocks on NVMe (blocks 0-%d)" % (n, n - 1) in line, line
+        assert "the weights of %d blocks on NVMe (streamed blocks 0-%d)" % (n, n - 1) in line, line
         assert all(sp.weight.info().tier == strata.core.TIERS["nvme"]
                    for entries in model.strata.layers for sp in entries)
     assert "weights of" not in line or placement == "weights", line

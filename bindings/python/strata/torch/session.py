@@ -191,22 +191,32 @@ class StrataSession:
         self.timed("plan", t)
 
     def placement(self):
-        """Where the training state lives, one line: the optimizer's state in DRAM and on NVMe
-        (how many params and blocks), the staging slots, and the DRAM and NVMe budgets."""
+        """Where the training state lives, one line: the blocks kept resident on the device
+        (and how many of them keep their activations, once measured), the optimizer's state
+        in DRAM and on NVMe (how many params and blocks), the weights on NVMe, the staging
+        slots, and the DRAM and NVMe budgets."""
         if self.optimizer is None:
             return "no optimizer yet: state is placed when strata.torch.AdamW is created"
+        kept = getattr(self, "resident_blocks", [])
+        head = ""
+        if kept:
+            keeper = getattr(self, "activations", None)
+            head = "%d of %d blocks resident on the device (torch's AdamW there%s); " % (
+                len(kept), len(kept) + len(self.blocks),
+                "; %d keep their activations" % keeper.count
+                if keeper is not None and keeper.decided else "")
         s = self.optimizer.stats()
         caps = self.runtime.capabilities()
         def size(n):
             return "%.2f GiB" % (n / (1 << 30)) if n >= 1 << 30 else "%.1f MiB" % (n / (1 << 20))
 
-        line = ("optimizer state %s in DRAM, %s on NVMe (%d of %d params, %d of %d blocks)"
+        line = head + ("optimizer state %s in DRAM, %s on NVMe (%d of %d params, %d of %d blocks)"
                 % (size(s["state_bytes"] - s["staging_bytes"]), size(s["nvme_state_bytes"]),
                    s["nvme_state_params"], s["params"], s["nvme_state_layers"],
                    len(self.layers)))
         spilled = [i for i in range(len(self.layers)) if self.weight_home(i) == "nvme"]
         if spilled:
-            line += "; the weights of %d blocks on NVMe (blocks %d-%d)" % (
+            line += "; the weights of %d blocks on NVMe (streamed blocks %d-%d)" % (
                 len(spilled), spilled[0], spilled[-1])
         if s["staging_slots"]:
             line += ", staged through %d DRAM slots of %s" % (
