@@ -9,6 +9,8 @@ resumes bit-identical. Models: tiny Hugging Face Llama, Qwen2, Mistral and GPT-2
 STRATA_PARITY_DEVICE=cuda runs both sides on the GPU instead (fp32, TF32 off)."""
 import gc
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -653,6 +655,77 @@ def test_meta_device_model(arch, offload):
     # after two steps. So a few elements may be off by up to 1.5% of one step.
     assert_state_close(snapshot(model), expected_state, atol=2e-6, outliers=4,
                        outlier_atol=3e-5)
+
+
+@pytest.mark.parametrize("arch,sharded,resident", [("llama", False, 0), ("gpt2", True, 1),
+                                                     ("qwen2", False, 1)])
+def test_weights_from_safetensors(arch, sharded, resident, offload, tmp_path, monkeypatch):
+    """Idiom: a meta model and a Hugging Face checkpoint, st.offload(model, weights=dir): every
+    parameter's values come from the file (the streamed blocks' straight into Strata, never
+    materialized on the device; tied weights stay tied), and training equals plain PyTorch
+    training the model the checkpoint was saved from. A sharded checkpoint (index + shards)
+    loads the same; a checkpoint that lacks a parameter or has another shape is refused before
+    anything changes."""
+    from safetensors.torch import save_file, save_model
+
+    base = build(arch)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    if sharded:  # two shards and the index Hugging Face writes
+        state = {k: v.detach().cpu().contiguous() for k, v in base.state_dict().items()
+                 if k != "lm_head.weight" or not base.config.tie_word_embeddings}
+        keys = sorted(state)
+        halves = {"model-00001-of-00002.safetensors": keys[:len(keys) // 2],
+                  "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+        for name, part in halves.items():
+            save_file({k: state[k] for k in part}, str(ckpt / name))
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {k: name for name, part in halves.items() for k in part}}))
+    else:
+        save_model(base.cpu(), str(ckpt / "model.safetensors"))
+        base.to(DEVICE)
+    data = batches(3)
+    expected, _, expected_state = plain_run(deepcopy(base), data)
+
+    def meta_model():
+        with torch.device("meta"):
+            m = model_class(arch)(config(arch))
+        m.train()
+        return m
+
+    # Refused, nothing changed: a parameter missing, a shape that differs.
+    broken = tmp_path / "broken.safetensors"
+    state = {k: v.detach().cpu().contiguous() for k, v in base.state_dict().items()
+             if "layers.1.mlp" not in k and ".h.1.mlp" not in k}
+    state.pop("lm_head.weight", None)
+    first = next(iter(state))
+    state[first] = torch.zeros(3, 3)
+    save_file(state, str(broken))
+    model = meta_model()
+    with pytest.raises(ValueError, match=r"does not fit the model: missing \d+: .*mlp.*shapes "
+                                         r"differ: " + first.replace(".", r"\.")):
+        st.offload(model, device=DEVICE, weights=broken)
+    assert getattr(model, "strata", None) is None
+    assert all(p.is_meta for p in model.parameters())
+    with pytest.raises(ValueError, match="does not exist"):
+        st.offload(model, device=DEVICE, weights=tmp_path / "nowhere")
+
+    def no_materialize(*args, **kwargs):
+        raise AssertionError("materialized (and initialized) although weights= gives values")
+
+    import sys
+    monkeypatch.setattr(sys.modules["strata.torch.offload"], "materialize", no_materialize)
+    model = offload(meta_model(), weights=ckpt, resident_blocks=resident)
+    opt = strata_adamw(model.parameters())  # the streamed blocks are loaded here
+    if model.config.tie_word_embeddings:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert snapshot(model).keys() == expected_state.keys()
+    for name, t in snapshot(model).items():  # the checkpoint's values, nothing initialized
+        assert torch.equal(t.cpu(), base.state_dict()[name].detach().cpu()), name
+    got, _ = train(model, opt, data)
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), expected_state)
 
 
 # ---------------------------------------------------------------------------------------------

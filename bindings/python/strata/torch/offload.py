@@ -230,7 +230,7 @@ def _keep_resident(keeper, index, block):
 
 def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, dtype=None,
             device=None, backend="auto", slot_budget=0, resident_blocks=None,
-            state_placement=None, data_parallel=None):
+            state_placement=None, data_parallel=None, weights=None):
     """Stream `model`'s blocks through Strata; returns the model, changed in place.
 
     gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: pinned
@@ -252,8 +252,12 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     number, or 0, when the first step runs out of memory).
     data_parallel: None (data parallel over torch.distributed's default group when it is
     initialized with several ranks), False (never), or a strata.torch.DataParallel
-    (strata.torch.distributed). A failed call leaves the model as it was and releases what it
-    allocated."""
+    (strata.torch.distributed). weights: a safetensors checkpoint (a file, or a Hugging Face
+    directory with model.safetensors or its sharded index) every parameter's values come from,
+    for a model best built on the meta device: the streamed blocks' go from the file into
+    Strata's pinned arena, the rest onto the device (strata.torch.weights); a checkpoint that
+    lacks a parameter or has another shape is refused before anything changes. A failed call
+    leaves the model as it was and releases what it allocated."""
     if getattr(model, "strata", None) is not None:
         raise RuntimeError("strata.torch.offload: this model is already offloaded "
                            "(model.strata exists); offload a model once")
@@ -270,6 +274,16 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     if state_placement is not None and not nvme:
         raise ValueError("strata.torch.offload: state_placement=%r needs nvme= (the NVMe "
                          "tier's file paths)" % state_placement)
+    source = None
+    if weights is not None:
+        from .weights import SafetensorsWeights, check_covers, names_by_tensor
+        source = SafetensorsWeights(weights)
+        try:
+            check_covers(source, model)
+        except BaseException:
+            source.close()
+            raise
+        source = (source, names_by_tensor(model))
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
@@ -285,6 +299,12 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                          % dtype)
     from .distributed import resolve
     mesh = resolve(data_parallel, device)  # collective under data parallelism
+    if source is not None and mesh is not None:
+        source[0].close()
+        raise NotImplementedError(
+            "strata.torch.offload: weights= under data parallelism is not supported yet (each "
+            "rank would read its own shards from the file); load the model on each rank, or "
+            "train without data_parallel")
     if resident_blocks is None:
         resident_blocks = _auto_resident_blocks(model, list(all_blocks), dtype, device,
                                                 gpu_budget)
@@ -342,6 +362,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         session = ShardedSession(mesh, *args)
     session.resident_blocks = kept
     session.state_options = state_options
+    session.weights_source = source
     session.nvme_weight_blocks = weights_on_nvme
     started = time.perf_counter()
     session.applying = False
@@ -379,7 +400,11 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                 moved.append((p, p.data))
             for name, b in m.named_buffers(recurse=False):
                 moved.append(((m, name), b))
-            materialize(m, device, init, recurse=False)
+            if source is None:
+                materialize(m, device, init, recurse=False)
+            else:
+                from .weights import load_module
+                load_module(m, device, *source)
             for p in m.parameters(recurse=False):
                 if p.dtype == torch.float32 and dtype != torch.float32:
                     # Its fp32 master (strata.torch.AdamW) starts from these values.

@@ -35,6 +35,13 @@ class StreamedParam:
         own: a write cannot reach another parameter), and a mark to notice writes by."""
         if self.zero is None:
             self.zero = torch.zeros((), dtype=dtype, device=device)
+        if self.param.is_meta:
+            # Loaded from offload(weights=) without ever being materialized: .data cannot go
+            # from meta to a device, swap_tensors keeps the Parameter object (and attributes).
+            attrs = dict(self.param.__dict__)
+            torch.utils.swap_tensors(self.param, torch.nn.Parameter(
+                self.zero.expand(self.shape), self.param.requires_grad))
+            self.param.__dict__.update(attrs)
         self.param.data = self.zero.expand(self.shape)
         self.mark = (self.param._version, self.zero._version)
 
@@ -138,7 +145,9 @@ class StrataSession:
         if self.executor is not None:
             raise RuntimeError("strata.torch: create the optimizer (strata.torch.AdamW) before "
                                "the first forward pass")
-        from .offload import materialize  # the one place meta blocks get storage
+        from .offload import materialize, rebuild_meta_buffers  # where meta blocks get storage
+        from .weights import load_buffers
+        source = getattr(self, "weights_source", None)  # offload(weights=): (file, names)
         trainable_any = any(p.requires_grad for b in self.blocks for p in b.parameters())
         opt = None
         if optimizer is not None and trainable_any:
@@ -163,13 +172,19 @@ class StrataSession:
             # GPU its random init runs there (torch's CPU generator is one sequential stream:
             # 1.6-2.2 s per 202M-element normal_, 52 s for a 7B model's blocks), and its values
             # reach the pinned arena by DMA.
-            materialize(block, self.device, self.init)
+            if source is None:
+                materialize(block, self.device, self.init)
+            else:  # only the buffers: the parameters' values go from the file to the arena
+                for m in block.modules():
+                    load_buffers(m, self.device, *source)
+                    rebuild_meta_buffers(m, self.device)
             t = self.timed("init", t)
             entries = registered[i]
             for sp, p in zip(entries, block.parameters()):
                 assert sp.param is p
                 group = 0 if group_of is None else group_of.get(id(p), 0)
-                self.write_param(sp, p.detach(), opt, group)
+                values = p.detach() if source is None else source[0].tensor(source[1][id(p)])
+                self.write_param(sp, values, opt, group)
                 self.by_id[id(p)] = sp
             grads = [sp for sp in entries if sp.trainable]
             for j, sp in enumerate(grads):
@@ -180,6 +195,7 @@ class StrataSession:
             for sp in entries:
                 sp.park(self.dtype, self.device)
             t = time.perf_counter()  # write_values timed the copies and the optimizer state
+        self.close_weights()
         self.executor = core.Executor(
             self.runtime, [{"name": "layers.%d" % i, "weights": [sp.weight for sp in entries],
                             "grads": [sp.grad for sp in entries if sp.trainable]}
@@ -509,4 +525,12 @@ class StrataSession:
         if self.closed:
             return
         self.closed = True
+        self.close_weights()
         self.runtime.close()
+
+    def close_weights(self):
+        """Let go of offload(weights=)'s checkpoint once the blocks hold its values."""
+        source = getattr(self, "weights_source", None)
+        if source is not None:
+            source[0].close()
+            self.weights_source = None
