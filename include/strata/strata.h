@@ -1133,7 +1133,9 @@ typedef struct strata_optimizer_stats {
   /* Since 1.2: state placed on NVMe, and its staging (state_bytes counts DRAM only). */
   uint64_t nvme_state_bytes;  /* state tensors on NVMe */
   uint64_t nvme_state_params; /* params with state on NVMe */
-  uint64_t nvme_state_layers; /* executor layers with state on NVMe (0 until attached) */
+  uint64_t nvme_state_layers; /* executor layers staged through DRAM for their updates: with
+                                 state (or, since weights may be, weights) on NVMe (0 until
+                                 attached) */
   uint64_t staging_bytes;     /* DRAM of the staging slots (part of state_bytes) */
   uint32_t staging_slots;     /* layers whose state can be staged at once */
   uint64_t nvme_read_bytes;   /* state read for updates since creation */

@@ -286,9 +286,9 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   std::vector<StageIo> read_ahead(bool descending);
   void start_io(const std::vector<StageIo>& ios);
   void on_stage_io(const StageIo& io, Status s);
-  // Under mutex_: after a layer's update (dirty: it changed the state) — its write-back, or
-  // the slot back at once.
-  std::vector<StageIo> finish_stage(std::size_t layer, bool dirty);
+  // Under mutex_: after a layer's update (dirty: it changed the state) — its write-back
+  // (*wrote set), or the slot back at once (and the reads that slot lets start).
+  std::vector<StageIo> finish_stage(std::size_t layer, bool dirty, bool* wrote);
   bool needs_stage(const Job& job) const;
   // Under mutex_: a free slot, else one taken back from a layer read ahead that no queued
   // update needs yet; -1 if none.

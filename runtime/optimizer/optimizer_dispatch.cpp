@@ -361,9 +361,10 @@ void Optimizer::dispatcher_main() {
       std::lock_guard lock(mutex_);
       update_seconds_ += seconds;
       --running_;
+      bool wrote = false;  // this job started its layer's write-back
       if (staged) {
         writes = finish_stage(static_cast<std::size_t>(job.layer),
-                              status.is_ok() && stage_status.is_ok() && !skip);
+                              status.is_ok() && stage_status.is_ok() && !skip, &wrote);
       }
       if (!status.is_ok()) {
         fail(error(status.code(), "optimizer: grads of layer ", job.layer,
@@ -401,7 +402,7 @@ void Optimizer::dispatcher_main() {
         const auto l = static_cast<std::size_t>(job.layer);
         // A layer with NVMe-homed weights is loadable once they are written back
         // (on_stage_io lets go of the count then).
-        if (staged && stages_[l].holds_weights && stages_[l].phase == StagePhase::kWriting) {
+        if (wrote && stages_[l].holds_weights) {
           stages_[l].pending_held = true;
         } else {
           --pending_[l];

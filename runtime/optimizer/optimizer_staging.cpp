@@ -25,8 +25,8 @@ Status Optimizer::layout_stages() {
     LayerStage& st = stages_[l];
     for (std::size_t i : layer_params_[l]) {
       Param& p = params_[i];
-      // The weight is staged whole, not only written: an update that skips it (no grad, a
-      // non-finite step) writes back the values it read, and the 4 KiB-rounded tail with them.
+      // The weight is staged whole, not only written: a param the update leaves alone (no
+      // grad in explicit mode) is written back as it was read, its 4 KiB-rounded tail too.
       const TensorId none = 0;
       const TensorId ids[4] = {p.nvme_state && p.master != p.weight ? p.master : none,
                                p.nvme_state ? p.exp_avg : none, p.nvme_state ? p.exp_avg_sq : none,
@@ -261,12 +261,18 @@ void Optimizer::on_stage_io(const StageIo& io, Status s) {
   start_io(more);
 }
 
-std::vector<Optimizer::StageIo> Optimizer::finish_stage(std::size_t layer, bool dirty) {
+std::vector<Optimizer::StageIo> Optimizer::finish_stage(std::size_t layer, bool dirty,
+                                                        bool* wrote) {
   LayerStage& st = stages_[layer];
   std::vector<StageIo> ios;
   st.ahead = false;
   st.round = ahead_round_;  // updated this round: not read ahead again in it
-  if (dirty && st.status.is_ok() && !stopping_) {
+  *wrote = false;
+  // Also while stopping: the destructor drains the queue and then waits for every transfer,
+  // and an update whose write-back were dropped would be lost (NVMe-homed weights one step
+  // behind after strata_optimizer_destroy, which promises to finish queued updates).
+  if (dirty && st.status.is_ok()) {
+    *wrote = true;
     st.phase = StagePhase::kWriting;
     st.outstanding = static_cast<int>(st.tensors.size());
     io_in_flight_ += st.outstanding;

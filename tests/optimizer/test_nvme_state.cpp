@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -216,6 +217,41 @@ TEST_CASE("weights on NVMe train bit for bit as weights in DRAM", "[optimizer][n
       REQUIRE(tier == STRATA_TIER_NVME);
     }
   }
+}
+
+TEST_CASE("destroying the optimizer finishes the last update of NVMe-homed weights",
+          "[optimizer][nvme]") {
+  // strata_optimizer_destroy finishes queued updates: with the executor destroyed first (so
+  // nothing detaches and synchronizes), the last step's updates still reach the NVMe-homed
+  // weights and state instead of being dropped with their staging slots.
+  ScratchDir scratch;
+  NvmeConfig nv(scratch, 16 * kMiB, 64 * kMiB);
+  strata_optimizer_config_t c = adamw_config();
+  c.update_mode = STRATA_UPDATE_EXPLICIT;
+  Model in_dram = make_model(4, 42, backend_under_test());
+  Model on_nvme =
+      make_model(4, 42, backend_under_test(), {3000, 1100}, &nv.config, STRATA_TIER_NVME);
+  std::vector<std::vector<uint16_t>> after[2];
+  for (Model* m : {&in_dram, &on_nvme}) {
+    strata_optimizer_config_t mc = c;
+    if (m == &on_nvme) mc.state_placement = STRATA_STATE_PLACEMENT_NVME;
+    OptimizerPtr o = make_optimizer(*m, mc);
+    auto st = std::make_unique<Streamed>();
+    attach_streamed(*m, o.get(), st.get());
+    train(*m, o.get(), st->ex, Loop::kExplicit, 0, 2);
+    streamed_pass(*m, st->ex, 2, 0);
+    STRATA_REQUIRE_OK(strata_optimizer_set_group(o.get(), 0, 1e-2f / 3, 0.1f));
+    STRATA_REQUIRE_OK(strata_optimizer_set_group(o.get(), 1, 1e-2f / 3, 0.f));
+    STRATA_REQUIRE_OK(strata_optimizer_step(o.get()));  // queued, not waited for
+    st.reset();                                         // the executor goes first
+    o.reset();
+    for (auto& layer : m->weights) {
+      for (std::size_t k = 0; k < layer.size(); ++k) {
+        after[m == &on_nvme].push_back(read_bf16(m->rt.get(), layer[k], m->sizes[k]));
+      }
+    }
+  }
+  REQUIRE(after[1] == after[0]);
 }
 
 TEST_CASE("a checkpoint carries NVMe-homed state and resumes bit for bit",

@@ -4,7 +4,8 @@ test_resident_blocks with keep=True)."""
 import pytest
 import torch
 
-from strata.torch.activations import ActivationKeeper, plan_kept, saved_bytes, tokens_of
+from strata.torch.activations import (ActivationKeeper, plan_kept, saved_bytes, shape_of,
+                                      tokens_of)
 from torch_parity_models import ARCHS, DEVICE, build
 
 
@@ -51,7 +52,7 @@ def test_fake_forward_measures_what_autograd_saves(arch):
     assert torch.equal(torch.get_rng_state(), state)
     assert fake is not None and fake > 0
     assert fake == real_saved_bytes(block, args, kwargs)
-    assert tokens_of(args) == 32
+    assert tokens_of(args) == 32 and shape_of(args) == (32, 16)
 
 
 def test_plan_and_the_tokens_guard():
@@ -63,9 +64,14 @@ def test_plan_and_the_tokens_guard():
     assert plan_kept(140 * gb, gb, gb, 5, 0) == 5
     assert plan_kept(140 * gb, gb, 0, 5, 0) == 0
     keeper = ActivationKeeper(torch.device("cpu"), [object()] * 4)
-    keeper.count, keeper.tokens = 2, 1024
-    assert [keeper.keeps(i, 1024) for i in range(4)] == [False, False, True, True]
-    assert not keeper.keeps(3, 2048)  # more tokens than measured: checkpointed
+    keeper.count, keeper.tokens, keeper.seq = 2, 1024, 512
+
+    def inputs(batch, seq):
+        return (torch.empty(batch, seq, 8),)
+
+    assert [keeper.keeps(i, inputs(2, 512)) for i in range(4)] == [False, False, True, True]
+    assert not keeper.keeps(3, inputs(4, 512))  # more tokens than measured: checkpointed
+    assert not keeper.keeps(3, inputs(1, 1024))  # as many tokens, a longer sequence: too
     keeper.on_step()
     keeper.on_step()
     assert keeper.count == 2  # on the CPU nothing is measured or decided

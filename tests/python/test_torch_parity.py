@@ -960,6 +960,26 @@ def test_out_of_memory_names_the_resident_blocks(offload):
     assert len(notes) == 1 and "resident_blocks" in notes[0], notes
 
 
+def test_nvme_budgets_take_slots_before_weights():
+    """A DRAM budget a little short of four staging slots takes fewer slots before it puts any
+    weights on NVMe (a spilled weight costs the disk four transfers per step); frozen weights
+    count in DRAM too."""
+    block = [4096 * 4096, 4096 * 1024, 4096 * 1024, 4096 * 4096, 3 * 4096 * 14336, 4096, 4096]
+    counts = [block] * 32
+    _, _, staging4, spilled = strata.core.nvme_budgets(counts, 2)
+    assert spilled == 0
+    # Weights and grads (bf16, page-aligned sizes) and four slots: all of it but the state.
+    four_slots = 2 * 2 * sum(map(sum, counts)) + staging4
+    _, _, staging, spilled = strata.core.nvme_budgets(counts, 2, four_slots - staging4 // 4)
+    assert spilled == 0 and staging == 3 * staging4 // 4
+    _, _, staging, spilled = strata.core.nvme_budgets(counts, 2, four_slots - staging4 // 2)
+    assert spilled == 0 and staging == staging4 // 2
+    frozen = [[4096 * 4096]] * 32  # the same budget with frozen weights beside: less room
+    _, _, staging_f, _ = strata.core.nvme_budgets(counts, 2, four_slots - staging4 // 2,
+                                                  frozen=frozen)
+    assert staging_f < staging
+
+
 def smallest_host_budget(counts, element_size):
     """The least host_budget nvme_budgets accepts: every block's weights on NVMe."""
     low, high = 0, strata.core.nvme_budgets(counts, element_size)[0]

@@ -55,24 +55,27 @@ def state_bytes_per_param(element_size):
 NVME_DRAM_MARGIN = 16 << 20
 
 
-def nvme_budgets(blocks, element_size, host_budget=None, available=None):
+def nvme_budgets(blocks, element_size, host_budget=None, available=None, frozen=None):
     """(DRAM budget, NVMe budget, staging bytes, weight blocks) for streaming `blocks` (per
-    block, the element counts of its trainable tensors) with AdamW state that may spill to NVMe
-    (state_placement "planned"). DRAM always holds each tensor's grad and room to stage up to 4
-    blocks' NVMe-homed tensors (what Strata stages at most at once), then the weights, then
-    state, the first blocks' first; NVMe holds what does not fit. When the budget is short,
-    fewer staging slots come first (down to one), then the last `weight blocks` blocks keep
-    their weights on NVMe too (streamed from there, staged with their state for each update).
-    Sizes count each tensor's 4 KiB rounding. host_budget None: room for all of it if that
-    fits in 85% of `available` (MemAvailable), else that much."""
+    block, the element counts of its trainable tensors; `frozen`: of its frozen ones, weights
+    only) with AdamW state that may spill to NVMe (state_placement "planned"). DRAM always
+    holds each trainable tensor's grad and room to stage up to 4 blocks' NVMe-homed tensors
+    (what Strata stages at most at once), then the weights, then state, the first blocks'
+    first; NVMe holds what does not fit. When the budget is short, fewer staging slots come
+    first (down to one), and only then do the last `weight blocks` blocks keep their weights on
+    NVMe too (streamed from there, staged with their state for each update): a spilled weight
+    costs the disk four transfers per step, a slot only read-ahead. Sizes count each tensor's
+    4 KiB rounding. host_budget None: room for all of it if that fits in 85% of `available`
+    (MemAvailable), else that much."""
     page = 4096
 
     def rounded(n):
         return -(-n // page) * page
 
     copies = state_bytes_per_param(element_size) // 4
-    weights = [sum(rounded(n * element_size) for n in b) for b in blocks]
-    grads = sum(weights)
+    frozen = frozen or [[] for _ in blocks]
+    grads = sum(rounded(n * element_size) for b in blocks for n in b)
+    weights = [sum(rounded(n * element_size) for n in b + f) for b, f in zip(blocks, frozen)]
     block_state = [sum(copies * rounded(n * 4 + page) for n in b) for b in blocks]
     n = len(blocks)
 
@@ -86,7 +89,7 @@ def nvme_budgets(blocks, element_size, host_budget=None, available=None):
     full = need(4, 0) + sum(block_state) + NVME_DRAM_MARGIN
     if host_budget is None:
         host_budget = full if available is None else min(full, int(available * 0.85))
-    plans = [(slots, spilled) for slots in (4, 3, 2, 1) for spilled in range(n + 1)]
+    plans = [(slots, spilled) for spilled in range(n + 1) for slots in (4, 3, 2, 1)]
     fits = [p for p in plans if need(*p) <= host_budget]
     if not fits:
         least = min(need(*p) for p in plans)

@@ -20,9 +20,11 @@ batch's activations and logits are unknown then), so it is measured:
   context and Strata's own HBM arena are outside it).
 
 From the third step on, the last `count` resident blocks run without checkpointing, count =
-(usable - peak - 10% of the device) // (1.25 x block bytes). A forward pass with more tokens
-than the measured steps had runs checkpointed (activations and logits grow with the tokens).
-Only on CUDA."""
+(usable - peak - 10% of the device) // (1.25 x block bytes). A forward pass with more tokens,
+or longer sequences, than the measured steps had runs checkpointed (activations and logits
+grow with the tokens, attention's with the sequence). An out-of-memory error anywhere (the
+allocator counts them: a forward, a backward, a step) turns keeping off for good. Only on
+CUDA."""
 
 import torch
 
@@ -64,10 +66,16 @@ def saved_bytes(run, args, kwargs, device, params):
 
 def tokens_of(args):
     """Tokens in a block's input (its first tensor argument, [..., hidden])."""
+    return shape_of(args)[0]
+
+
+def shape_of(args):
+    """(tokens, sequence length) of a block's input (its first tensor argument, [..., seq,
+    hidden]); (0, 0) when it has none."""
     for a in args:
         if torch.is_tensor(a) and a.dim() >= 2:
-            return a.numel() // a.shape[-1]
-    return 0
+            return a.numel() // a.shape[-1], a.shape[-2]
+    return 0, 0
 
 
 class ActivationKeeper:
@@ -87,22 +95,34 @@ class ActivationKeeper:
         self.forced = None  # a fixed count (tests, tools); None: measured
         self.steps = 0
         self.tokens = 0  # the most tokens a measured step had
+        self.seq = 0  # and the longest sequence
         self.block_bytes = None  # one block's saved bytes at self.tokens
         self.decided = False
+        self.ooms = 0  # the allocator's out-of-memory count when the plan was made
 
-    def keeps(self, index, tokens):
-        """Whether resident block `index` runs without checkpointing now."""
-        count = self.forced if self.forced is not None else self.count
-        if count <= 0 or index < len(self.blocks) - count:
+    def keeps(self, index, args):
+        """Whether resident block `index` runs without checkpointing now (args: its inputs)."""
+        if self.forced is not None:
+            return index >= len(self.blocks) - self.forced
+        if self.count <= 0 or index < len(self.blocks) - self.count:
             return False
-        return self.forced is not None or tokens <= self.tokens
+        if index == len(self.blocks) - self.count and self.oom_since_plan():
+            self.count = 0
+            return False
+        tokens, seq = shape_of(args)
+        return tokens <= self.tokens and seq <= self.seq
+
+    def oom_since_plan(self):
+        return self.device.type == "cuda" and \
+            torch.cuda.memory_stats(self.device).get("num_ooms", 0) > self.ooms
 
     def observe(self, index, run, args, kwargs):
         """A forward pass with grad of resident block `index`, before the decision: note its
         tokens and, for the most tokens seen, what it would save."""
         if self.decided or self.forced is not None or self.device.type != "cuda":
             return
-        tokens = tokens_of(args)
+        tokens, seq = shape_of(args)
+        self.seq = max(self.seq, seq)
         if tokens > self.tokens:
             self.tokens = tokens
             self.block_bytes = saved_bytes(run, args, kwargs, self.device,
@@ -116,6 +136,7 @@ class ActivationKeeper:
         self.decided = True
         if not self.block_bytes:
             return
+        self.ooms = torch.cuda.memory_stats(self.device).get("num_ooms", 0)
         free, total = torch.cuda.mem_get_info(self.device)
         usable = free + torch.cuda.memory_reserved(self.device)
         peak = torch.cuda.max_memory_reserved(self.device)

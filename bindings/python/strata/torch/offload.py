@@ -210,7 +210,6 @@ def _keep_resident(keeper, index, block):
     from torch.utils._pytree import tree_flatten, tree_unflatten
     from torch.utils.checkpoint import checkpoint
 
-    from .activations import tokens_of
     from .block import without_caches
     run = block.forward
 
@@ -221,7 +220,7 @@ def _keep_resident(keeper, index, block):
         args, kwargs = tree_unflatten(without_caches(leaves), spec)
         if index == len(keeper.blocks) - 1:
             keeper.observe(index, run, args, kwargs)
-        if keeper.keeps(index, tokens_of(args)):
+        if keeper.keeps(index, args):
             return run(*args, **kwargs)
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
@@ -330,14 +329,16 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         # NVMe (docs/optimizer.md, "State on NVMe").
         from .. import core
         counts = [[p.numel() for p in b.parameters() if p.requires_grad] for b in blocks]
+        frozen = [[p.numel() for p in b.parameters() if not p.requires_grad] for b in blocks]
         try:
             host_budget, auto_nvme, staging, nvme_weights = core.nvme_budgets(
-                counts, torch.finfo(dtype).bits // 8, host_budget, _mem_available())
+                counts, torch.finfo(dtype).bits // 8, host_budget, _mem_available(), frozen)
         except ValueError as e:
             raise ValueError("strata.torch.offload: %s; nothing was changed" % e) from None
         if state_placement == "nvme":
             state = core.state_bytes_per_param(torch.finfo(dtype).bits // 8)
-            spilled = sum(map(sum, counts[len(counts) - nvme_weights:])) if nvme_weights else 0
+            spilled = sum(map(sum, counts[len(counts) - nvme_weights:])) + \
+                sum(map(sum, frozen[len(frozen) - nvme_weights:])) if nvme_weights else 0
             auto_nvme = int((sum(map(sum, counts)) * state + spilled * (torch.finfo(dtype).bits
                                                                           // 8)) * 1.05) \
                 + (64 << 20) * len(counts)

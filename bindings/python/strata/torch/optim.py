@@ -159,7 +159,8 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     # Elements per resident update: the fp32 grads and torch's foreach temporaries exist for
-    # this many parameters at a time, not for every resident parameter at once.
+    # chunks of whole tensors up to this size (a larger tensor is a chunk of its own), not for
+    # every resident parameter at once.
     RESIDENT_CHUNK = 1 << 26
 
     def _step_resident(self):
