@@ -10,8 +10,11 @@ and the tier traffic at the end.
     python examples/train.py                          # tiny model, bundled text, 30 steps
     python examples/train.py --model 1b --steps 20 --batch 8 --seq 2048 --dtype bfloat16
     python examples/train.py --model path/to/config.json   # a Hugging Face config (transformers)
+    python examples/train.py --model path/to/config.json --weights path/to/checkpoint_dir
+                                                      # fine-tune its safetensors weights
 """
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -80,20 +83,26 @@ def main():
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weights", default=None,
+                   help="start from a safetensors checkpoint of this model (a file, or a Hugging "
+                        "Face directory): the model is built on the meta device and the file's "
+                        "values go straight into Strata")
     args = p.parse_args()
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     torch.manual_seed(args.seed)
-    model, config = build_model(args.model)
+    with torch.device("meta") if args.weights else contextlib.nullcontext():
+        model, config = build_model(args.model)
     params = sum(p.numel() for p in model.parameters())
     gib = 1 << 30
     model = st.offload(model, device=device, dtype=dtype,
                        gpu_budget=int(args.gpu_budget * gib) if args.gpu_budget else None,
                        host_budget=int(args.host_budget * gib) if args.host_budget else None,
                        nvme=args.nvme,
-                       nvme_budget=int(args.nvme_budget * gib) if args.nvme_budget else None)
+                       nvme_budget=int(args.nvme_budget * gib) if args.nvme_budget else None,
+                       weights=args.weights)
     session = model.strata
     opt = st.AdamW(model, lr=args.lr, weight_decay=0.1)
     caps = session.runtime.capabilities()

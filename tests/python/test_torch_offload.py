@@ -201,3 +201,29 @@ def test_automatic_resident_blocks_leave_room_for_the_rest_of_a_meta_model(monke
     # Less free memory than the rest of the model needs: no block stays.
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (rest, 2 * free))
     assert _auto_resident_blocks(model, blocks, torch.bfloat16, device, 0) == 0
+
+
+def test_main_job_starts_from_a_checkpoint(tmp_path):
+    """examples/train.py --weights: the main job fine-tunes a safetensors checkpoint. A
+    checkpoint of all zeros gives all-zero logits, so the first loss is exactly ln(vocab); a
+    random init would not."""
+    import math
+    import pathlib
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_model
+
+    model = LlamaForCausalLM(PRESETS["tiny"])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    save_model(model, str(tmp_path / "model.safetensors"))
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "train.py"), "--model", "tiny", "--steps", "2",
+         "--batch", "2", "--seq", "16", "--device", "cpu", "--weights", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first = float(out.stdout.split("loss ")[-1].split(" ->")[0])
+    assert first == pytest.approx(math.log(PRESETS["tiny"].vocab_size), abs=1e-4), out.stdout
