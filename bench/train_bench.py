@@ -54,7 +54,7 @@ def model_config(name):
 
 
 def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=None, nvme=None,
-            host_budget=None, trace=None):
+            host_budget=None, trace=None, weights=None):
     import torch
     from llama_zoo.torch_llama import LlamaForCausalLM, flops_per_token
 
@@ -83,7 +83,8 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             model = LlamaForCausalLM(config)
         model = st.offload(model, device=device, dtype=torch.bfloat16,
                            resident_blocks=resident_blocks, nvme=nvme,
-                           host_budget=int(host_budget * (1 << 30)) if host_budget else None)
+                           host_budget=int(host_budget * (1 << 30)) if host_budget else None,
+                           weights=weights)
         opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         if nvme:
             out["placement"] = model.strata.placement()
@@ -232,6 +233,9 @@ def main():
     p.add_argument("--nvme", default=None, help="strata: an NVMe tier file for optimizer state")
     p.add_argument("--host-budget", type=float, default=None,
                    help="strata: GiB of pinned DRAM (with --nvme: the rest of the state spills)")
+    p.add_argument("--weights", default=None,
+                   help="strata: load the model from this safetensors checkpoint "
+                        "(st.offload(weights=)) instead of initializing it")
     p.add_argument("--trace", default=None,
                    help="strata: a Chrome trace of the measured steps, written to TRACE-MODEL.json")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -240,7 +244,7 @@ def main():
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.batch, args.seq, args.steps,
                                  args.warmup, args.clip, args.resident_blocks, args.nvme,
-                                 args.host_budget, args.trace)), flush=True)
+                                 args.host_budget, args.trace, args.weights)), flush=True)
         return
     results = []
     for preset in args.models.split(","):
@@ -254,6 +258,8 @@ def main():
                 cmd += ["--nvme", args.nvme]
             if args.host_budget:
                 cmd += ["--host-budget", str(args.host_budget)]
+            if args.weights and mode == "strata":
+                cmd += ["--weights", args.weights]
             if args.trace:
                 cmd += ["--trace", "%s-%s.json" % (args.trace, preset)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
