@@ -657,14 +657,18 @@ def test_meta_device_model(arch, offload):
                        outlier_atol=3e-5)
 
 
-@pytest.mark.parametrize("arch,sharded,resident", [("llama", False, 0), ("gpt2", True, 1),
-                                                     ("qwen2", False, 1)])
-def test_weights_from_safetensors(arch, sharded, resident, offload, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch,sharded,resident,nvme", [("llama", False, 0, False),
+                                                          ("gpt2", True, 1, False),
+                                                          ("qwen2", False, 1, False),
+                                                          ("llama", False, 0, True)])
+def test_weights_from_safetensors(arch, sharded, resident, nvme, offload, tmp_path,
+                                  monkeypatch):
     """Idiom: a meta model and a Hugging Face checkpoint, st.offload(model, weights=dir): every
     parameter's values come from the file (the streamed blocks' straight into Strata, never
     materialized on the device; tied weights stay tied), and training equals plain PyTorch
     training the model the checkpoint was saved from. A sharded checkpoint (index + shards)
-    loads the same; a checkpoint that lacks a parameter or has another shape is refused before
+    loads the same, and so does one whose blocks' weights and state go to NVMe (the smallest
+    host budget); a checkpoint that lacks a parameter or has another shape is refused before
     anything changes."""
     from safetensors.torch import save_file, save_model
 
@@ -715,8 +719,15 @@ def test_weights_from_safetensors(arch, sharded, resident, offload, tmp_path, mo
 
     import sys
     monkeypatch.setattr(sys.modules["strata.torch.offload"], "materialize", no_materialize)
-    model = offload(meta_model(), weights=ckpt, resident_blocks=resident)
+    extra = {}
+    if nvme:
+        counts = [[p.numel() for p in b.parameters()] for b in blocks_of(base)]
+        extra = {"nvme": str(tmp_path / "tier"), "host_budget": smallest_host_budget(counts, 4)}
+    model = offload(meta_model(), weights=ckpt, resident_blocks=resident, **extra)
     opt = strata_adamw(model.parameters())  # the streamed blocks are loaded here
+    if nvme:
+        assert all(sp.weight.info().tier == strata.core.TIERS["nvme"]
+                   for entries in model.strata.layers for sp in entries)
     if model.config.tie_word_embeddings:
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert snapshot(model).keys() == expected_state.keys()
