@@ -368,6 +368,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     started = time.perf_counter()
     session.applying = False
     installed = []
+    reads = None  # offload(weights=): the residents' tensors, read ahead
     moved = []  # (param or (module, buffer name), its data before): undone on failure
     try:
         session.anchor = torch.zeros(0, device=device, requires_grad=True)
@@ -394,9 +395,11 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         # Everything else is resident on the device, in the compute dtype (buffers keep theirs);
         # the blocks are registered with the runtime later (StrataSession.build).
         in_blocks = {id(m) for b in blocks for m in b.modules()}
-        for m in model.modules():
-            if id(m) in in_blocks:
-                continue
+        rest = [m for m in model.modules() if id(m) not in in_blocks]
+        if source is not None:  # the next module's tensors are read while this one is copied
+            from .weights import Prefetcher, load_module
+            reads = Prefetcher(*source, [list(m.parameters(recurse=False)) for m in rest])
+        for m in rest:
             for p in m.parameters(recurse=False):
                 moved.append((p, p.data))
             for name, b in m.named_buffers(recurse=False):
@@ -404,8 +407,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
             if source is None:
                 materialize(m, device, init, recurse=False)
             else:
-                from .weights import load_module
-                load_module(m, device, *source)
+                load_module(m, device, *source, values=reads.next())
             for p in m.parameters(recurse=False):
                 if p.dtype == torch.float32 and dtype != torch.float32:
                     # Its fp32 master (strata.torch.AdamW) starts from these values.
@@ -414,7 +416,11 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
             rebuild_meta_buffers(m, device)
             for name, b in list(m.named_buffers(recurse=False)):
                 m._buffers[name] = b.to(device)
+        if reads is not None:
+            reads.close()
     except BaseException:
+        if reads is not None:
+            reads.close()
         for target, data in reversed(moved):
             if isinstance(target, tuple):
                 target[0]._buffers[target[1]] = data

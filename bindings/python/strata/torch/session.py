@@ -166,35 +166,47 @@ class StrataSession:
                 entries.append(sp)
             registered.append(entries)
         t = self.timed("register", t)
-        for i, block in enumerate(self.blocks):
-            # A meta block gets storage and its init values on the compute device, one block at
-            # a time, as `model.to_empty(device=...)` and `_init_weights` would give it: on a
-            # GPU its random init runs there (torch's CPU generator is one sequential stream:
-            # 1.6-2.2 s per 202M-element normal_, 52 s for a 7B model's blocks), and its values
-            # reach the pinned arena by DMA.
-            if source is None:
-                materialize(block, self.device, self.init)
-            else:  # only the buffers: the parameters' values go from the file to the arena
-                for m in block.modules():
-                    load_buffers(m, self.device, *source)
-                    rebuild_meta_buffers(m, self.device)
-            t = self.timed("init", t)
-            entries = registered[i]
-            for sp, p in zip(entries, block.parameters()):
-                assert sp.param is p
-                group = 0 if group_of is None else group_of.get(id(p), 0)
-                values = p.detach() if source is None else source[0].tensor(source[1][id(p)])
-                self.write_param(sp, values, opt, group)
-                self.by_id[id(p)] = sp
-            grads = [sp for sp in entries if sp.trainable]
-            for j, sp in enumerate(grads):
-                sp.grad_index = j
-            self.layers.append(entries)
-            # The block's parameters give their storage up: they point at slot memory while
-            # acquired and at a placeholder otherwise.
-            for sp in entries:
-                sp.park(self.dtype, self.device)
-            t = time.perf_counter()  # write_values timed the copies and the optimizer state
+        reads = None
+        if source is not None:  # the next block's tensors are read while this one is written
+            from .weights import Prefetcher
+            reads = Prefetcher(*source, [list(b.parameters()) for b in self.blocks])
+        try:
+            for i, block in enumerate(self.blocks):
+                # A meta block gets storage and its init values on the compute device, one
+                # block at a time, as `model.to_empty(device=...)` and `_init_weights` would
+                # give it: on a GPU its random init runs there (torch's CPU generator is one
+                # sequential stream: 1.6-2.2 s per 202M-element normal_, 52 s for a 7B model's
+                # blocks), and its values reach the pinned arena by DMA.
+                if source is None:
+                    materialize(block, self.device, self.init)
+                else:  # only the buffers: the parameters' values go from the file to the arena
+                    for m in block.modules():
+                        load_buffers(m, self.device, *source)
+                        rebuild_meta_buffers(m, self.device)
+                t = self.timed("init", t)
+                entries = registered[i]
+                read = None
+                if reads is not None:
+                    read = reads.next()
+                    t = self.timed("read", t)  # waiting for the file (offload(weights=))
+                for k, (sp, p) in enumerate(zip(entries, block.parameters())):
+                    assert sp.param is p
+                    group = 0 if group_of is None else group_of.get(id(p), 0)
+                    values = p.detach() if source is None else read[k]
+                    self.write_param(sp, values, opt, group)
+                    self.by_id[id(p)] = sp
+                grads = [sp for sp in entries if sp.trainable]
+                for j, sp in enumerate(grads):
+                    sp.grad_index = j
+                self.layers.append(entries)
+                # The block's parameters give their storage up: they point at slot memory while
+                # acquired and at a placeholder otherwise.
+                for sp in entries:
+                    sp.park(self.dtype, self.device)
+                t = time.perf_counter()  # write_values timed the copies and the optimizer state
+        finally:
+            if reads is not None:
+                reads.close()
         self.close_weights()
         self.executor = core.Executor(
             self.runtime, [{"name": "layers.%d" % i, "weights": [sp.weight for sp in entries],

@@ -1,9 +1,10 @@
 """A safetensors checkpoint as the source of an offloaded model's values (st.offload(weights=)):
 a model built on the meta device gets its parameters from the file, the streamed blocks'
-straight into Strata's pinned arena (each tensor read from the file's memory map and copied
-once, converted to the compute dtype on the way; fp32 values also start the fp32 master), the
-rest onto the device. Host memory never holds the model as torch tensors, and nothing is
-initialized only to be overwritten.
+into Strata's pinned arena (converted to the compute dtype on the way; fp32 values also start
+the fp32 master), the rest onto the device. A thread reads the next block's (or module's)
+tensors while the current ones are copied, so the disk streams at its rate; host memory holds
+at most two groups of tensors, never the model, and nothing is initialized only to be
+overwritten.
 
 A Hugging Face checkpoint directory works as it is: model.safetensors, or the shards that
 model.safetensors.index.json lists. Names are the model's state_dict names; a tied parameter
@@ -119,20 +120,55 @@ def unique_parameters(model):
     return list({id(p): p for p in model.parameters()}.values())
 
 
+class Prefetcher:
+    """Reads the tensors of the next group (a block's, a module's parameters) on a thread while
+    the caller writes the current group's: the file's reads overlap the copies into the arena
+    and onto the device (which release the GIL). Two groups' values in memory at most."""
+
+    def __init__(self, weights, names, groups):
+        from concurrent.futures import ThreadPoolExecutor
+        self._weights, self._names, self._groups = weights, names, groups
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="strata-weights")
+        self._next, self._future = 0, None
+        self._submit()
+
+    def _submit(self):
+        self._future = None
+        if self._next < len(self._groups):
+            group = self._groups[self._next]
+            # clone(): safetensors hands out tensors over the file's memory map, whose pages
+            # are read when first touched; touching them here is the read ahead.
+            self._future = self._pool.submit(
+                lambda: [self._weights.tensor(self._names[id(t)]).clone() for t in group])
+            self._next += 1
+
+    def next(self):
+        """The next group's values, in order (a read's error is raised here)."""
+        values = self._future.result()
+        self._submit()
+        return values
+
+    def close(self):
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 @torch.no_grad()
-def load_module(module, device, weights, names):
+def load_module(module, device, weights, names, values=None):
     """`module`'s own parameters get their values from `weights` on `device` (a meta one gets
     storage there; the parameters stay the same objects), and so do its persistent buffers
-    still on the meta device (its non-persistent ones are rebuilt by the caller)."""
-    for p in module.parameters(recurse=False):
-        values = weights.tensor(names[id(p)])
+    still on the meta device (its non-persistent ones are rebuilt by the caller). values: the
+    parameters' values already read (a Prefetcher's), in parameters() order."""
+    for k, p in enumerate(module.parameters(recurse=False)):
+        read = weights.tensor(names[id(p)]) if values is None else values[k]
+        # To the device in the file's dtype, converted there: a bf16 file for an fp32 model
+        # would otherwise be widened on the CPU and copied at twice the bytes.
+        read = read.to(device=device, copy=True).to(dtype=p.dtype)
         if p.is_meta:
             attrs = dict(p.__dict__)
-            torch.utils.swap_tensors(p, torch.nn.Parameter(
-                values.to(device=device, dtype=p.dtype, copy=True), p.requires_grad))
+            torch.utils.swap_tensors(p, torch.nn.Parameter(read, p.requires_grad))
             p.__dict__.update(attrs)
         else:
-            p.data = values.to(device=device, dtype=p.dtype, copy=True)
+            p.data = read
     load_buffers(module, device, weights, names)
 
 
