@@ -57,7 +57,8 @@ def saved_bytes(run, args, kwargs, device, params):
                 seen.update(f.untyped_storage()._cdata for f in fake_params)
                 fake = tree_map(lambda x: mode.from_tensor(x) if torch.is_tensor(x) else x,
                                 (args, kwargs))
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+                with torch.enable_grad(), hooks:
                     run(*fake[0], **fake[1])
     except Exception:  # an op without a fake kernel, a custom block: keep checkpointing
         return None
