@@ -56,6 +56,15 @@ void train(Model& m, strata_optimizer_t* o, strata_executor_t* ex, Loop loop, in
   }
 }
 
+// The same steps on the all-DRAM model and the one with NVMe-homed tensors, then every byte
+// of their weights and optimizer state compared.
+void train_alike(Model& in_dram, strata_optimizer_t* od, strata_executor_t* ed, Model& on_nvme,
+                 strata_optimizer_t* on, strata_executor_t* en, Loop loop, int first, int steps) {
+  train(in_dram, od, ed, loop, first, steps);
+  train(on_nvme, on, en, loop, first, steps);
+  REQUIRE(snapshot(on_nvme, on) == snapshot(in_dram, od));
+}
+
 }  // namespace
 
 TEST_CASE("state on NVMe trains bit for bit as state in DRAM", "[optimizer][nvme]") {
@@ -105,9 +114,7 @@ TEST_CASE("state on NVMe trains bit for bit as state in DRAM", "[optimizer][nvme
       Streamed sd, sn;
       attach_streamed(in_dram, od.get(), &sd);
       attach_streamed(on_nvme, on.get(), &sn);
-      train(in_dram, od.get(), sd.ex, var.loop, 0, 5);
-      train(on_nvme, on.get(), sn.ex, var.loop, 0, 5);
-      REQUIRE(snapshot(on_nvme, on.get()) == snapshot(in_dram, od.get()));
+      train_alike(in_dram, od.get(), sd.ex, on_nvme, on.get(), sn.ex, var.loop, 0, 5);
       // After synchronize (which the loops end with) the NVMe copy is the only one: a write
       // to the state is what the next updates see, not a copy read ahead before it.
       for (Model* m : {&in_dram, &on_nvme}) {
@@ -120,9 +127,7 @@ TEST_CASE("state on NVMe trains bit for bit as state in DRAM", "[optimizer][nvme
           STRATA_REQUIRE_OK(strata_tensor_write(m->rt.get(), t, 0, v.data(), v.size() * 4));
         }
       }
-      train(in_dram, od.get(), sd.ex, var.loop, 5, 2);
-      train(on_nvme, on.get(), sn.ex, var.loop, 5, 2);
-      REQUIRE(snapshot(on_nvme, on.get()) == snapshot(in_dram, od.get()));
+      train_alike(in_dram, od.get(), sd.ex, on_nvme, on.get(), sn.ex, var.loop, 5, 2);
 
       const strata_optimizer_stats_t s = stats_of(on.get());
       const strata_optimizer_stats_t d = stats_of(od.get());
@@ -191,9 +196,7 @@ TEST_CASE("weights on NVMe train bit for bit as weights in DRAM", "[optimizer][n
       Streamed sd, sn;
       attach_streamed(in_dram, od.get(), &sd);
       attach_streamed(on_nvme, on.get(), &sn);
-      train(in_dram, od.get(), sd.ex, var.loop, 0, 5);
-      train(on_nvme, on.get(), sn.ex, var.loop, 0, 5);
-      REQUIRE(snapshot(on_nvme, on.get()) == snapshot(in_dram, od.get()));
+      train_alike(in_dram, od.get(), sd.ex, on_nvme, on.get(), sn.ex, var.loop, 0, 5);
       // A weight written between steps (a checkpoint load, a framework's write) is what the
       // next forward pass streams and the next update starts from.
       for (Model* m : {&in_dram, &on_nvme}) {
@@ -201,9 +204,7 @@ TEST_CASE("weights on NVMe train bit for bit as weights in DRAM", "[optimizer][n
         STRATA_REQUIRE_OK(
             strata_tensor_write(m->rt.get(), m->weights[2][1], 0, v.data(), v.size() * 2));
       }
-      train(in_dram, od.get(), sd.ex, var.loop, 5, 3);
-      train(on_nvme, on.get(), sn.ex, var.loop, 5, 3);
-      REQUIRE(snapshot(on_nvme, on.get()) == snapshot(in_dram, od.get()));
+      train_alike(in_dram, od.get(), sd.ex, on_nvme, on.get(), sn.ex, var.loop, 5, 3);
       const strata_optimizer_stats_t s = stats_of(on.get());
       REQUIRE(s.staging_slots >= 1);
       // Every update read the layer's weights (and state) and wrote them back: 5 layers of
