@@ -53,6 +53,55 @@ def model_config(name):
                          % (name, ", ".join(PRESETS)))
 
 
+def probe_compute(config, batch, seq, device):
+    """Device seconds of one streamed block's forward pass (no grad, as a checkpointed block's
+    first pass), of its backward pass (the forward recomputed, then the backward: what
+    strata.torch runs), and of the rest of a step (the head and the loss, forward and
+    backward), each measured alone on a fresh block of the model's shape: the compute the
+    placement's step model is given, measured apart from the step it predicts."""
+    import torch
+    import torch.nn.functional as F
+    from llama_zoo.torch_llama import DecoderLayer, rotary
+
+    dtype = torch.bfloat16
+    block = DecoderLayer(config).to(device, dtype)
+    x = torch.randn(batch, seq, config.hidden_size, device=device, dtype=dtype,
+                    requires_grad=True)
+    cos, sin = rotary(config, seq, device, dtype)
+    g = torch.randn_like(x)
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False).to(device, dtype)
+    labels = torch.randint(0, config.vocab_size, (batch * seq,), device=device)
+
+    def timed(fn, reps=3):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(times)
+
+    def forward():
+        with torch.no_grad():
+            block(x, cos, sin)
+
+    def backward():
+        block(x, cos, sin).backward(g)
+
+    def rest():
+        logits = head(x.detach().requires_grad_())
+        F.cross_entropy(logits.float().view(-1, config.vocab_size), labels).backward()
+
+    out = timed(forward), timed(backward), timed(rest)
+    del block, head, x, g
+    torch.cuda.empty_cache()
+    return out
+
+
 def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=None, nvme=None,
             host_budget=None, trace=None, weights=None):
     import torch
@@ -193,6 +242,19 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
                tflops_done=full * tokens / t / 1e12, losses=losses,
                peak_host_gb=peak_host_bytes() / 1e9,
                peak_device_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0)
+    if mode == "strata" and cuda:
+        # The step Strata's model predicts, from rates measured apart from the steps above.
+        try:
+            fwd, bwd, rest = probe_compute(config, batch, seq, device)
+        except torch.cuda.OutOfMemoryError:
+            fwd = None
+        if fwd is not None:
+            kept = len(model.strata.resident_blocks)
+            predicted = model.strata.predict(fwd, bwd, rest + kept * (fwd + bwd))
+            out.update(probe_seconds=[fwd, bwd, rest],
+                       predicted_step_seconds=predicted.info["predicted_step_seconds"],
+                       predicted_over_measured=predicted.info["predicted_step_seconds"] / t,
+                       prediction=predicted.text)
     if mode == "strata":
         out["peak_device_gb"] += model.strata.runtime.capabilities().tier_budget_bytes[0] / 1e9
         out["placement"] = model.strata.placement()  # after the steps: kept activations known
@@ -289,6 +351,12 @@ def main():
                         flush=True)
                 if "placement" in r:
                     print("     %s" % r["placement"], flush=True)
+                if "predicted_step_seconds" in r:
+                    print("     predicted step %.2f s = %.3f of the measured (block forward "
+                          "%.3f s, backward %.3f s, rest %.3f s, measured apart)\n     %s"
+                          % (r["predicted_step_seconds"], r["predicted_over_measured"],
+                             *r["probe_seconds"], r["prediction"].replace("\n", "\n     ")),
+                          flush=True)
                 if "nvme_read_gb_per_step" in r:
                     print("     NVMe per step: read %.1f GB, write %.1f GB; updates waited %.2f s "
                           "for state; losses %s"

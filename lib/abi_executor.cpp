@@ -198,14 +198,7 @@ STRATA_API strata_status_t strata_plan_dump(strata_plan_t* plan, strata_plan_for
     } else {
       return error(Code::kInvalidArgument, "unknown plan format ", format);
     }
-    if (out_length != nullptr) *out_length = text.size();
-    if (buffer == nullptr) return Status::ok();
-    if (capacity <= text.size()) {
-      return error(Code::kInvalidArgument, "buffer of ", capacity,
-                   " bytes is too small: the dump needs ", text.size() + 1, " bytes with its NUL");
-    }
-    std::memcpy(buffer, text.c_str(), text.size() + 1);
-    return Status::ok();
+    return copy_out_text(text, buffer, capacity, out_length);
   });
 }
 

@@ -114,6 +114,20 @@ void write_struct(T* user, const T& value) {
   user->struct_size = keep;
 }
 
+// A dump into the caller's buffer: *out_length (may be NULL) gets the length without the NUL;
+// a NULL buffer only asks for it; one too small for the text and its NUL is refused.
+inline Status copy_out_text(const std::string& text, char* buffer, std::size_t capacity,
+                            std::size_t* out_length) {
+  if (out_length != nullptr) *out_length = text.size();
+  if (buffer == nullptr) return Status::ok();
+  if (capacity <= text.size()) {
+    return error(Code::kInvalidArgument, "buffer of ", capacity,
+                 " bytes is too small: the dump needs ", text.size() + 1, " bytes with its NUL");
+  }
+  std::memcpy(buffer, text.c_str(), text.size() + 1);
+  return Status::ok();
+}
+
 inline Status require(const void* ptr, const char* what) {
   return ptr == nullptr ? error(Code::kInvalidArgument, what, " is NULL") : Status::ok();
 }

@@ -96,4 +96,74 @@ Status Runtime::measure_nvme_read(double* rate) {
   return s;
 }
 
+Status Runtime::measure_nvme(double* read, double* write, double* mixed) {
+  if (!nvme_) return error(Code::kUnsupported, "no nvme tier");
+  // Two regions of `bytes` each, on the disk and in DRAM: one written then read alone, then
+  // one read while the other is written. 1 GiB: a virtual disk's first few hundred MiB can run
+  // well above its sustained rate (256 MiB measured 20% above what 30 GB a step achieved).
+  uint64_t extent = 0, dram_offset = 0, bytes = 1ull << 30;
+  {
+    std::lock_guard lock(mutex_);
+    bytes = std::min(
+        {bytes, nvme_->extents().largest_free() / 2, arena(Tier::kDram)->largest_free() / 2});
+    bytes = bytes / NvmeTier::kAlignment * NvmeTier::kAlignment;
+    if (bytes < NvmeTier::kAlignment) {
+      return error(Code::kOutOfMemory, "no free NVMe or DRAM space to measure the disk with");
+    }
+    STRATA_RETURN_IF_ERROR(nvme_->extents().allocate(2 * bytes, "nvme measurement", &extent));
+    Status s = arena(Tier::kDram)->allocate(2 * bytes, "nvme measurement", &dram_offset);
+    if (!s.is_ok()) {
+      (void)nvme_->extents().free(extent);
+      return s;
+    }
+  }
+  unsigned char* host = tier_base(Tier::kDram) + dram_offset;
+  auto submit = [&](bool writing, uint64_t half) {
+    auto done = std::make_shared<Completion>();
+    auto finish = [done](Status st) { done->complete(std::move(st)); };
+    if (writing) {
+      nvme_->write_from_host("(nvme measurement)", host + half * bytes, extent + half * bytes,
+                             bytes, nullptr, finish);
+    } else {
+      nvme_->read_to_host("(nvme measurement)", host + half * bytes, extent + half * bytes, bytes,
+                          nullptr, finish);
+    }
+    return done;
+  };
+  Status s = Status::ok();
+  double t_write = 0, t_read = 0, t_both = 0;
+  {
+    auto start = std::chrono::steady_clock::now();
+    // Both halves get written (the second one is read from in the mixed run).
+    auto a = submit(true, 0), b = submit(true, 1);
+    s = a->wait(-1);
+    Status sb = b->wait(-1);
+    if (s.is_ok()) s = sb;
+    t_write = seconds_since(start) / 2;
+    if (s.is_ok()) {
+      start = std::chrono::steady_clock::now();
+      s = submit(false, 0)->wait(-1);
+      t_read = seconds_since(start);
+    }
+    if (s.is_ok()) {
+      start = std::chrono::steady_clock::now();
+      auto r = submit(false, 1), w = submit(true, 0);
+      s = r->wait(-1);
+      Status sw = w->wait(-1);
+      if (s.is_ok()) s = sw;
+      t_both = seconds_since(start);
+    }
+  }
+  if (s.is_ok()) {
+    *write = t_write > 0 ? static_cast<double>(bytes) / t_write : 0;
+    *read = t_read > 0 ? static_cast<double>(bytes) / t_read : 0;
+    const double serial = t_read + t_write;
+    *mixed = serial > 0 ? std::clamp(t_both / serial, 0.5, 1.0) : 1.0;
+  }
+  std::lock_guard lock(mutex_);
+  (void)nvme_->extents().free(extent);
+  (void)arena(Tier::kDram)->free(dram_offset);
+  return s;
+}
+
 }  // namespace strata

@@ -122,6 +122,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   // arenas allow), device-timed; and NVMe reads of 256 MiB (or less) into DRAM, wall-timed.
   Status measure_links(double* h2d_bytes_per_second, double* d2h_bytes_per_second);
   Status measure_nvme_read(double* bytes_per_second);
+  // The disk's read and write rates alone (bytes/s) and `mixed`: the time to read and write
+  // the same bytes at once over the time to do them one after the other (0.5 .. 1).
+  Status measure_nvme(double* read, double* write, double* mixed);
   // Executors of this runtime inside a step (step_begin .. step_end): their weights are being
   // streamed and updated, so checkpoints refuse to save or load (kInvalidState) until it is 0.
   void note_step(bool begun) { steps_in_progress_.fetch_add(begun ? 1 : -1); }

@@ -53,8 +53,8 @@ expect_failure(unlisted "${m}" "${header}"
   "libstrata.so exports strata_trace_stop@@STRATA_1.0, which lib/strata.map does not list")
 
 # A compat symbol the map lists in its old node only.
-replace_once("${map}" "STRATA_1.2 {\n  global:\n    strata_optimizer_config_init;\n}"
-             "STRATA_1.2 {\n}" m)
+replace_once("${map}" "STRATA_1.2 {\n  global:\n    strata_optimizer_config_init;\n"
+             "STRATA_1.2 {\n  global:\n" m)
 expect_failure(compat_unlisted "${m}" "${header}"
   "libstrata.so exports strata_optimizer_config_init@@STRATA_1.2, which lib/strata.map does not list that way")
 

@@ -1241,6 +1241,145 @@ STRATA_API strata_status_t strata_trace_get_counters(strata_runtime_t* runtime,
                                                      strata_trace_counters_t* out);
 
 /* ---------------------------------------------------------------------------------------------
+ * Placement (since 1.2): where a streamed model's training state should live
+ *
+ * Declare, then place: before registering anything, a framework describes each layer by role
+ * (streamed weights, grads, optimizer state, and the update's size), the DRAM and NVMe budgets
+ * and the rates a step runs at; the placement tries every split of the state and the weights
+ * between DRAM and NVMe the budgets allow (always the last layers' first: their grads land
+ * first and the next forward pass needs them last), predicts each one's step with a
+ * simulation of the executor and the optimizer together (PCIe loads and grads, compute, CPU
+ * updates, the disk's reads and writes, the staging slots), and keeps the fastest (within 1%:
+ * the fewest bytes on NVMe). The caller then registers its tensors where it says, and gives the
+ * optimizer STRATA_STATE_PLACEMENT_PLANNED with nvme_staging_bytes = staging_slots * slot_bytes
+ * and a DRAM budget of dram_bytes: it then puts exactly this placement's state on NVMe.
+ * Nothing is allocated.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct strata_placement strata_placement_t;
+
+#define STRATA_HOME_CHOOSE (-1) /* the placement chooses: STRATA_TIER_DRAM or STRATA_TIER_NVME */
+
+typedef struct strata_placement_layer {
+  size_t struct_size;       /* STRATA_PLACEMENT_LAYER_STRUCT_SIZE */
+  const char* name;         /* borrowed (copied); NULL = "layer.N" */
+  uint64_t weight_bytes;    /* the streamed working copy, loaded for both passes */
+  uint64_t grad_bytes;      /* sent to DRAM by the backward pass (grads live in DRAM) */
+  uint64_t state_bytes;     /* optimizer state (fp32 master, moments); 0 = frozen layer */
+  uint64_t update_elements; /* elements one update of the layer touches */
+  double forward_seconds;   /* device time per step; 0 = not counted */
+  double backward_seconds;  /* recomputation included; 0 = not counted */
+  int32_t weight_tier;      /* STRATA_HOME_CHOOSE, STRATA_TIER_DRAM or STRATA_TIER_NVME */
+  int32_t state_tier;       /* the same, for the optimizer state */
+} strata_placement_layer_t;
+#define STRATA_PLACEMENT_LAYER_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_placement_layer_t, state_tier)
+
+typedef struct strata_placement_request {
+  size_t struct_size; /* STRATA_PLACEMENT_REQUEST_STRUCT_SIZE */
+  /* Borrowed: layer_count pointers, forward order, each with its own struct_size. */
+  const strata_placement_layer_t* const* layers;
+  uint32_t layer_count;
+  uint32_t staging_slots;     /* 0 = choose, 1..max_staging_slots */
+  uint32_t max_staging_slots; /* 0 = 4, what the optimizer stages at once at most */
+  uint32_t prefetch_depth;    /* layers loaded ahead of the compute; 0 = 1 */
+  /* 0 = what the runtime's tier has free (DRAM's largest free block; NVMe's free bytes), or
+   * none without a runtime. */
+  uint64_t dram_budget_bytes;
+  uint64_t nvme_budget_bytes;
+  double other_device_seconds; /* device time per step outside the layers (head, loss) */
+  /* Rates; 0 = measured on the runtime (links: a few 64 MiB copies; the disk: 1 GiB written,
+   * read, then read and written at once, less where the tier or DRAM has less free; the
+   * update: AdamW over 64M scratch elements on the optimizer's default threads, about a
+   * second), or not counted without one. nvme_mixed: the time to read and write at
+   * once over the time to do them one after the other, 0.5..1. All finite and >= 0. */
+  double h2d_bytes_per_second;
+  double d2h_bytes_per_second;
+  double nvme_read_bytes_per_second;
+  double nvme_write_bytes_per_second;
+  double nvme_mixed;
+  double update_elements_per_second;
+  /* 1: a layer's update waits for the whole backward pass (gradient clipping, or an explicit
+   * optimizer step such as PyTorch's); 0: for its own grads only. */
+  int32_t updates_after_backward;
+} strata_placement_request_t;
+#define STRATA_PLACEMENT_REQUEST_STRUCT_SIZE \
+  STRATA_STRUCT_SIZE(strata_placement_request_t, updates_after_backward)
+
+/* Defaults, and struct_size set. Errors: INVALID_ARGUMENT (NULL). Thread-safe. */
+STRATA_API_SINCE(1, 2)
+strata_status_t strata_placement_request_init(strata_placement_request_t* request);
+STRATA_API_SINCE(1, 2)
+strata_status_t strata_placement_layer_init(strata_placement_layer_t* layer);
+
+/* Choose a placement. runtime: may be NULL (then every rate and budget must be given, or is
+ * not counted / none); used only to measure rates and read budgets, never changed beyond the
+ * scratch memory a measurement borrows and gives back. request: borrowed. out_placement: owned
+ * by the caller (strata_placement_destroy). Errors: INVALID_ARGUMENT (NULL request or output,
+ * bad struct_size, no layers, a tier that is not DRAM, NVMe or STRATA_HOME_CHOOSE, a negative
+ * or non-finite rate or time, nvme_mixed outside 0.5..1, staging_slots above
+ * max_staging_slots), OUT_OF_MEMORY (no placement fits the budgets: the message says what DRAM
+ * needs at least and what it has; or a measurement's scratch memory was refused),
+ * UNSUPPORTED (a rate to measure on a runtime without the tier it needs). Thread-safe with
+ * respect to other runtimes; measurements on one runtime serialize with its allocations. */
+STRATA_API_SINCE(1, 2)
+strata_status_t strata_placement_create(strata_runtime_t* runtime,
+                                        const strata_placement_request_t* request,
+                                        strata_placement_t** out_placement);
+
+/* Destroy a placement; NULL is accepted. */
+STRATA_API_SINCE(1, 2) strata_status_t strata_placement_destroy(strata_placement_t* placement);
+
+typedef struct strata_placement_info {
+  size_t struct_size; /* caller sets STRATA_PLACEMENT_INFO_STRUCT_SIZE */
+  uint32_t layers;
+  uint32_t staging_slots;      /* 0 when nothing is staged */
+  uint32_t state_nvme_layers;  /* layers whose optimizer state is on NVMe */
+  uint32_t weight_nvme_layers; /* layers whose weights are on NVMe */
+  uint32_t candidates;         /* placements simulated */
+  uint64_t slot_bytes;         /* one staging slot */
+  uint64_t dram_bytes;         /* grads, DRAM weights and state, staging slots */
+  uint64_t nvme_bytes;
+  /* The rates used (given or measured). */
+  double h2d_bytes_per_second;
+  double d2h_bytes_per_second;
+  double nvme_read_bytes_per_second;
+  double nvme_write_bytes_per_second;
+  double nvme_mixed;
+  double update_elements_per_second;
+  double predicted_step_seconds; /* steady state, one step's end to the next one's */
+  /* Busy time of each resource in one step. */
+  double predicted_compute_seconds;
+  double predicted_h2d_seconds;
+  double predicted_d2h_seconds;
+  double predicted_nvme_read_seconds;
+  double predicted_nvme_write_seconds;
+  double predicted_update_seconds;
+  double predicted_gpu_wait_seconds; /* compute idle */
+  /* The CPU idle from the backward pass's end to the last update's end: updates waiting for
+   * their state from NVMe. */
+  double predicted_update_wait_seconds;
+  char bottleneck[16]; /* "compute", "h2d", "d2h", "nvme" or "update" */
+} strata_placement_info_t;
+#define STRATA_PLACEMENT_INFO_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_placement_info_t, bottleneck)
+
+/* The placement's numbers. Errors: INVALID_ARGUMENT (NULL, bad struct_size). Thread-safe. */
+STRATA_API_SINCE(1, 2)
+strata_status_t strata_placement_get_info(strata_placement_t* placement,
+                                          strata_placement_info_t* out);
+
+/* Layer `index`'s homes: STRATA_TIER_DRAM or STRATA_TIER_NVME for its weights and its state
+ * (either output may be NULL). Errors: INVALID_ARGUMENT (NULL placement, index out of range).
+ * Thread-safe. */
+STRATA_API_SINCE(1, 2)
+strata_status_t strata_placement_get_layer(strata_placement_t* placement, uint32_t index,
+                                           int32_t* weight_tier, int32_t* state_tier);
+
+/* The placement as JSON or readable text (STRATA_PLAN_FORMAT_*), with the same buffer rules as
+ * strata_plan_dump. Errors: INVALID_ARGUMENT. Thread-safe. */
+STRATA_API_SINCE(1, 2)
+strata_status_t strata_placement_dump(strata_placement_t* placement, strata_plan_format_t format,
+                                      char* buffer, size_t capacity, size_t* out_length);
+
+/* ---------------------------------------------------------------------------------------------
  * Experimental: no stability promise (the rules are at the top of this header). Empty in this
  * release.
  * ------------------------------------------------------------------------------------------- */

@@ -2,6 +2,7 @@
 // no leak (the asan-ubsan preset runs this), no hang (ctest's timeout).
 #define CATCH_CONFIG_MAIN
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <thread>
 
@@ -485,4 +486,132 @@ TEST_CASE("asking for cuda in a build or machine without it says why", "[abi]") 
   strata_runtime_config_t slow = config_for(STRATA_DEVICE_BACKEND_CUDA, kMiB, kMiB, kMiB);
   const strata_status_t s2 = strata_runtime_create(&slow, &r);
   REQUIRE(s2 != STRATA_OK);
+}
+
+TEST_CASE("placement: bad requests are refused by name, good ones measure and choose",
+          "[abi][placement]") {
+  strata_placement_layer_t layers[3];
+  const strata_placement_layer_t* pointers[3];
+  for (int i = 0; i < 3; ++i) {
+    STRATA_REQUIRE_OK(strata_placement_layer_init(&layers[i]));
+    REQUIRE(layers[i].weight_tier == STRATA_HOME_CHOOSE);
+    layers[i].weight_bytes = layers[i].grad_bytes = kMiB;
+    layers[i].state_bytes = 6 * kMiB;
+    layers[i].update_elements = kMiB / 2;
+    pointers[i] = &layers[i];
+  }
+  strata_placement_request_t q;
+  STRATA_REQUIRE_OK(strata_placement_request_init(&q));
+  q.layers = pointers;
+  q.layer_count = 3;
+  q.dram_budget_bytes = 64 * kMiB;
+  strata_placement_t* p = nullptr;
+  STRATA_REQUIRE_ERROR(strata_placement_request_init(nullptr), STRATA_ERROR_INVALID_ARGUMENT,
+                       "request");
+  STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, nullptr, &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "NULL");
+  STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &q, nullptr), STRATA_ERROR_INVALID_ARGUMENT,
+                       "out_placement");
+  strata_placement_request_t small = q;
+  small.struct_size = 8;
+  STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &small, &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "struct_size");
+  strata_placement_request_t none = q;
+  none.layer_count = 0;
+  STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &none, &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "no layers");
+  strata_placement_request_t null_layers = q;
+  null_layers.layers = nullptr;
+  STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &null_layers, &p),
+                       STRATA_ERROR_INVALID_ARGUMENT, "layers is NULL");
+  strata_placement_request_t nan = q;
+  nan.nvme_read_bytes_per_second = std::nan("");
+  STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &nan, &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "finite");
+  strata_placement_request_t mixed = q;
+  mixed.nvme_mixed = 0.2;
+  STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &mixed, &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "nvme_mixed 0.2");
+  strata_placement_request_t slots = q;
+  slots.staging_slots = 9;
+  STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &slots, &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "staging_slots 9");
+  layers[1].state_tier = 7;
+  STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &q, &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "state tier 7");
+  layers[1].state_tier = STRATA_HOME_CHOOSE;
+  strata_placement_request_t tight = q;
+  tight.dram_budget_bytes = 8 * kMiB;  // everything needs 24 MiB, and there is no NVMe
+  STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &tight, &p), STRATA_ERROR_OUT_OF_MEMORY,
+                       "DRAM needs at least 25165824");
+  REQUIRE(p == nullptr);
+
+  // Without a runtime: nothing measured, all in DRAM (it fits).
+  STRATA_REQUIRE_OK(strata_placement_create(nullptr, &q, &p));
+  strata_placement_info_t info{};
+  info.struct_size = STRATA_PLACEMENT_INFO_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_placement_get_info(p, &info));
+  REQUIRE(info.layers == 3);
+  REQUIRE(info.nvme_bytes == 0);
+  REQUIRE(info.dram_bytes == 24 * kMiB);
+  REQUIRE(info.update_elements_per_second == 0);
+  int32_t w = -5, s = -5;
+  STRATA_REQUIRE_OK(strata_placement_get_layer(p, 2, &w, nullptr));
+  REQUIRE(w == STRATA_TIER_DRAM);
+  STRATA_REQUIRE_ERROR(strata_placement_get_layer(p, 3, &w, &s), STRATA_ERROR_INVALID_ARGUMENT,
+                       "out of range");
+  size_t n = 0;
+  STRATA_REQUIRE_OK(strata_placement_dump(p, STRATA_PLAN_FORMAT_TEXT, nullptr, 0, &n));
+  std::string text(n + 1, '\0');
+  STRATA_REQUIRE_ERROR(strata_placement_dump(p, STRATA_PLAN_FORMAT_TEXT, text.data(), n, nullptr),
+                       STRATA_ERROR_INVALID_ARGUMENT, "too small");
+  STRATA_REQUIRE_OK(strata_placement_dump(p, STRATA_PLAN_FORMAT_TEXT, text.data(), n + 1, &n));
+  REQUIRE_THAT(text, Catch::Contains("predicted step"));
+  STRATA_REQUIRE_ERROR(strata_placement_dump(p, 5, nullptr, 0, &n), STRATA_ERROR_INVALID_ARGUMENT,
+                       "unknown placement format 5");
+  strata_placement_info_t short_info{};
+  short_info.struct_size = 4;
+  STRATA_REQUIRE_ERROR(strata_placement_get_info(p, &short_info), STRATA_ERROR_INVALID_ARGUMENT,
+                       "struct_size");
+  REQUIRE(strata_placement_destroy(p) == STRATA_OK);
+  REQUIRE(strata_placement_destroy(nullptr) == STRATA_OK);
+
+  // On a runtime with an NVMe tier: budgets from its tiers, every rate measured, and a DRAM
+  // budget of 20 MiB with one staging slot puts the last two layers' state on NVMe (grads and
+  // weights 6 MiB, a slot 6, one layer's state 6).
+  ScratchDir scratch;
+  const std::string file = scratch.file("tier");
+  const char* paths[1] = {file.c_str()};
+  strata_runtime_config_t c = config_for(STRATA_DEVICE_BACKEND_HOST, 8 * kMiB, 32 * kMiB);
+  c.nvme_paths = paths;
+  c.nvme_path_count = 1;
+  c.nvme_budget_bytes = 64 * kMiB;
+  RuntimePtr r = make_runtime(c);
+  strata_placement_request_t on_runtime = q;
+  on_runtime.dram_budget_bytes = 20 * kMiB;
+  on_runtime.max_staging_slots = 1;
+  on_runtime.nvme_budget_bytes = 0;  // the tier's free bytes
+  STRATA_REQUIRE_OK(strata_placement_create(r.get(), &on_runtime, &p));
+  STRATA_REQUIRE_OK(strata_placement_get_info(p, &info));
+  REQUIRE(info.h2d_bytes_per_second > 0);
+  REQUIRE(info.nvme_read_bytes_per_second > 0);
+  REQUIRE(info.nvme_write_bytes_per_second > 0);
+  REQUIRE(info.nvme_mixed >= 0.5);
+  REQUIRE(info.nvme_mixed <= 1.0);
+  REQUIRE(info.update_elements_per_second > 0);
+  REQUIRE(info.dram_bytes == 18 * kMiB);
+  REQUIRE(info.state_nvme_layers == 2);
+  REQUIRE(info.staging_slots == 1);
+  STRATA_REQUIRE_OK(strata_placement_get_layer(p, 2, nullptr, &s));
+  REQUIRE(s == STRATA_TIER_NVME);  // the last layer's first
+  STRATA_REQUIRE_OK(strata_placement_get_layer(p, 0, nullptr, &s));
+  REQUIRE(s == STRATA_TIER_DRAM);
+  strata_placement_destroy(p);
+  // The measurement gave back what it borrowed.
+  strata_tier_usage_t u{};
+  u.struct_size = STRATA_TIER_USAGE_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_runtime_tier_usage(r.get(), STRATA_TIER_DRAM, &u));
+  REQUIRE(u.used_bytes == 0);
+  STRATA_REQUIRE_OK(strata_runtime_tier_usage(r.get(), STRATA_TIER_NVME, &u));
+  REQUIRE(u.used_bytes == 0);
 }

@@ -971,35 +971,59 @@ def test_out_of_memory_names_the_resident_blocks(offload):
     assert len(notes) == 1 and "resident_blocks" in notes[0], notes
 
 
-def test_nvme_budgets_take_slots_before_weights():
-    """A DRAM budget a little short of four staging slots takes fewer slots before it puts any
-    weights on NVMe (a spilled weight costs the disk four transfers per step); frozen weights
-    count in DRAM too."""
+def test_placement_spills_state_before_weights():
+    """With the disk's rates, the placement spills optimizer state (24 bytes moved per step per
+    12 freed) before weights (8 moved per 2 freed), and takes fewer staging slots before
+    either; frozen weights take DRAM too, so the same budget spills more beside them."""
     block = [4096 * 4096, 4096 * 1024, 4096 * 1024, 4096 * 4096, 3 * 4096 * 14336, 4096, 4096]
-    counts = [block] * 32
-    _, _, staging4, spilled = strata.core.nvme_budgets(counts, 2)
-    assert spilled == 0
-    # Weights and grads (bf16, page-aligned sizes) and four slots: all of it but the state.
-    four_slots = 2 * 2 * sum(map(sum, counts)) + staging4
-    _, _, staging, spilled = strata.core.nvme_budgets(counts, 2, four_slots - staging4 // 4)
-    assert spilled == 0 and staging == 3 * staging4 // 4
-    _, _, staging, spilled = strata.core.nvme_budgets(counts, 2, four_slots - staging4 // 2)
-    assert spilled == 0 and staging == staging4 // 2
-    frozen = [[4096 * 4096]] * 32  # the same budget with frozen weights beside: less room
-    _, _, staging_f, _ = strata.core.nvme_budgets(counts, 2, four_slots - staging4 // 2,
-                                                  frozen=frozen)
-    assert staging_f < staging
+    layers = strata.core.placement_layers([block] * 32, 2)
+    for layer in layers:
+        layer.update(forward_seconds=0.1, backward_seconds=0.2)
+    rates = {"h2d": 50e9, "d2h": 50e9, "nvme_read": 2e9, "nvme_write": 2e9, "nvme_mixed": 0.8,
+             "update_elements": 4.5e9}
+    everything = sum(l["weight_bytes"] + l["grad_bytes"] + l["state_bytes"] for l in layers)
+    whole = strata.core.place(layers, dram_budget=everything, nvme_budget=1 << 40, rates=rates)
+    assert whole.info["nvme_bytes"] == 0 and whole.info["staging_slots"] == 0
+    state = layers[0]["state_bytes"]
+    short = strata.core.place(layers, dram_budget=everything - 3 * state, nvme_budget=1 << 40,
+                              rates=rates)
+    assert short.info["weight_nvme_layers"] == 0
+    assert 4 <= short.info["state_nvme_layers"] <= 7, short.text
+    assert [h for h in short.homes[:-7]] == [("dram", "dram")] * 25  # the last blocks spill
+    # Frozen weights beside every block: the same budget spills more state.
+    frozen = strata.core.placement_layers([block] * 32, 2, frozen=[[4096 * 4096]] * 32)
+    more = strata.core.place(frozen, dram_budget=everything - 3 * state, nvme_budget=1 << 40,
+                             rates=rates)
+    assert more.info["state_nvme_layers"] > short.info["state_nvme_layers"]
+    # A faster disk is never predicted slower.
+    fast = strata.core.place(layers, dram_budget=everything - 3 * state, nvme_budget=1 << 40,
+                             rates=dict(rates, nvme_read=8e9, nvme_write=8e9))
+    assert (fast.info["predicted_step_seconds"]
+            <= short.info["predicted_step_seconds"] * (1 + 1e-9))
+    assert "predicted step" in short.text and '"bottleneck"' in short.json
+
+
+def test_placement_refusals():
+    """Bad requests are refused by name; a budget nothing fits in says what DRAM needs."""
+    layers = strata.core.placement_layers([[1 << 20]] * 2, 2)
+    with pytest.raises(ValueError, match="state_tier"):
+        strata.core.place([dict(layers[0], state_tier="disk")])
+    with pytest.raises(ValueError, match="unknown placement rate"):
+        strata.core.place(layers, rates={"pcie": 1e9})
+    with pytest.raises(MemoryError, match="DRAM needs at least"):
+        strata.core.place(layers, dram_budget=1 << 20)
 
 
 def smallest_host_budget(counts, element_size):
-    """The least host_budget nvme_budgets accepts: every block's weights on NVMe."""
-    low, high = 0, strata.core.nvme_budgets(counts, element_size)[0]
+    """The least host_budget offload accepts with NVMe: every block's weights on NVMe."""
+    layers = strata.core.placement_layers(counts, element_size)
+    low, high = 0, strata.core.full_dram(layers)
     while low < high:
         mid = (low + high) // 2
         try:
-            strata.core.nvme_budgets(counts, element_size, mid)
+            strata.core.place(layers, dram_budget=mid, nvme_budget=1 << 50)
             high = mid
-        except ValueError:
+        except MemoryError:
             low = mid + 1
     return low
 
@@ -1008,10 +1032,10 @@ def smallest_host_budget(counts, element_size):
 def test_optimizer_state_on_nvme(placement, offload, tmp_path):
     """Idiom: a model whose training state does not fit in host memory, offloaded with an NVMe
     tier: the optimizer state staged from NVMe trains exactly as plain PyTorch, and the
-    placement says where it is. "planned" with a host_budget that holds about half of the
-    state puts the last block's state on NVMe; "weights", a host_budget that holds only the
+    placement says where it is. "planned" with a host_budget a byte short of everything
+    (4 blocks) puts the last blocks' state on NVMe; "weights", a host_budget that holds only the
     grads and the staging, puts every block's weights on NVMe too."""
-    base = build("llama")
+    base = build("llama", layers=4 if placement == "planned" else 2)
     data = batches(STEPS)
     expected, _, expected_state = plain_run(deepcopy(base), data)
     kwargs = {"nvme": str(tmp_path / "tier"),
@@ -1019,14 +1043,12 @@ def test_optimizer_state_on_nvme(placement, offload, tmp_path):
     counts = [[p.numel() for p in b.parameters()] for b in blocks_of(base)]
     if placement == "weights":
         kwargs["host_budget"] = smallest_host_budget(counts, 4)
-        _, _, _, spilled = strata.core.nvme_budgets(counts, 4, kwargs["host_budget"])
-        assert spilled == len(counts)
     if placement == "planned":
-        host, _, _, _ = strata.core.nvme_budgets(counts, 4)
-        # Room for all the state but most of the last block's (fp32 weights: m and v), the
-        # margin for the arena's alignment taken out too (it would hold this tiny model's).
-        kwargs["host_budget"] = (host - strata.core.NVME_DRAM_MARGIN
-                                 - int(sum(counts[-1]) * 8 * 0.9))
+        # A byte short of everything in DRAM: some blocks' state must go, and with one slot
+        # to stage through, the last two blocks' do (fp32 weights: m and v).
+        layers = strata.core.placement_layers(counts, 4)
+        kwargs["host_budget"] = sum(
+            l["weight_bytes"] + l["grad_bytes"] + l["state_bytes"] for l in layers) - 1
     model = offload(deepcopy(base), **kwargs)
     opt = strata_adamw(model.parameters())
     line = model.strata.placement()
@@ -1048,6 +1070,27 @@ def test_optimizer_state_on_nvme(placement, offload, tmp_path):
                    for entries in model.strata.layers for sp in entries)
     assert "weights of" not in line or placement == "weights", line
     assert model.strata.optimizer.stats()["nvme_read_bytes"] > 0
+
+
+@pytest.mark.parametrize("nvme", [False, True])
+def test_predicted_step(nvme, offload, tmp_path):
+    """model.strata.predict: the step Strata's model predicts from the compute given per block
+    and the rates the session measured. Its compute is exactly what was given (two blocks,
+    each forward and backward, and the rest once), and the step is at least that; with NVMe,
+    with the homes the placement chose."""
+    kwargs = {"nvme": str(tmp_path / "tier"), "host_budget": smallest_host_budget(
+        [[p.numel() for p in b.parameters()] for b in blocks_of(build("llama"))], 4)} \
+        if nvme else {}
+    model = offload(build("llama"), **kwargs)
+    strata_adamw(model.parameters())
+    p = model.strata.predict(0.5, 1.0, 0.25)
+    assert p.info["predicted_compute_seconds"] == pytest.approx(2 * (0.5 + 1.0) + 0.25)
+    assert p.info["predicted_step_seconds"] >= p.info["predicted_compute_seconds"] - 1e-9
+    assert p.info["update_elements_per_second"] > 0 and p.info["h2d_bytes_per_second"] > 0
+    assert p.info["weight_nvme_layers"] == (2 if nvme else 0), p.text
+    if nvme:
+        assert p.info["nvme_read_bytes_per_second"] > 0 and p.info["staging_slots"] >= 1
+        assert "chosen from" in model.strata.placement()
 
 
 def test_nvme_arguments_are_checked(tmp_path):

@@ -129,6 +129,40 @@ class PlanInfo(Struct):
                 ("bottleneck", ctypes.c_char * 16)]
 
 
+class PlacementLayer(Struct):
+    _fields_ = [("struct_size", c_size_t), ("name", c_char_p), ("weight_bytes", c_uint64),
+                ("grad_bytes", c_uint64), ("state_bytes", c_uint64),
+                ("update_elements", c_uint64), ("forward_seconds", c_double),
+                ("backward_seconds", c_double), ("weight_tier", c_int32),
+                ("state_tier", c_int32)]
+
+
+class PlacementRequest(Struct):
+    _fields_ = [("struct_size", c_size_t), ("layers", ctypes.POINTER(ctypes.POINTER(PlacementLayer))),
+                ("layer_count", c_uint32), ("staging_slots", c_uint32),
+                ("max_staging_slots", c_uint32), ("prefetch_depth", c_uint32),
+                ("dram_budget_bytes", c_uint64), ("nvme_budget_bytes", c_uint64),
+                ("other_device_seconds", c_double), ("h2d_bytes_per_second", c_double),
+                ("d2h_bytes_per_second", c_double), ("nvme_read_bytes_per_second", c_double),
+                ("nvme_write_bytes_per_second", c_double), ("nvme_mixed", c_double),
+                ("update_elements_per_second", c_double), ("updates_after_backward", c_int32)]
+
+
+class PlacementInfo(Struct):
+    _fields_ = [("struct_size", c_size_t), ("layers", c_uint32), ("staging_slots", c_uint32),
+                ("state_nvme_layers", c_uint32), ("weight_nvme_layers", c_uint32),
+                ("candidates", c_uint32), ("slot_bytes", c_uint64), ("dram_bytes", c_uint64),
+                ("nvme_bytes", c_uint64), ("h2d_bytes_per_second", c_double),
+                ("d2h_bytes_per_second", c_double), ("nvme_read_bytes_per_second", c_double),
+                ("nvme_write_bytes_per_second", c_double), ("nvme_mixed", c_double),
+                ("update_elements_per_second", c_double), ("predicted_step_seconds", c_double),
+                ("predicted_compute_seconds", c_double), ("predicted_h2d_seconds", c_double),
+                ("predicted_d2h_seconds", c_double), ("predicted_nvme_read_seconds", c_double),
+                ("predicted_nvme_write_seconds", c_double),
+                ("predicted_update_seconds", c_double), ("predicted_gpu_wait_seconds", c_double),
+                ("predicted_update_wait_seconds", c_double), ("bottleneck", ctypes.c_char * 16)]
+
+
 class LayerViews(Struct):
     _fields_ = [("struct_size", c_size_t), ("weight_count", c_uint32),
                 ("weights", ctypes.POINTER(c_void_p)), ("grad_count", c_uint32),
@@ -244,6 +278,13 @@ _SIGNATURES = {
     "strata_plan_destroy": (c_int32, [c_void_p]),
     "strata_plan_get_info": (c_int32, [c_void_p, P(PlanInfo)]),
     "strata_plan_dump": (c_int32, [c_void_p, c_int32, c_char_p, c_size_t, P(c_size_t)]),
+    "strata_placement_request_init": (c_int32, [P(PlacementRequest)]),
+    "strata_placement_layer_init": (c_int32, [P(PlacementLayer)]),
+    "strata_placement_create": (c_int32, [c_void_p, P(PlacementRequest), P(c_void_p)]),
+    "strata_placement_destroy": (c_int32, [c_void_p]),
+    "strata_placement_get_info": (c_int32, [c_void_p, P(PlacementInfo)]),
+    "strata_placement_get_layer": (c_int32, [c_void_p, c_uint32, P(c_int32), P(c_int32)]),
+    "strata_placement_dump": (c_int32, [c_void_p, c_int32, c_char_p, c_size_t, P(c_size_t)]),
     "strata_executor_create": (c_int32, [c_void_p, P(c_void_p)]),
     "strata_executor_destroy": (c_int32, [c_void_p]),
     "strata_executor_get_stats": (c_int32, [c_void_p, P(ExecutorStats)]),

@@ -55,18 +55,11 @@ def state_bytes_per_param(element_size):
 NVME_DRAM_MARGIN = 16 << 20
 
 
-def nvme_budgets(blocks, element_size, host_budget=None, available=None, frozen=None):
-    """(DRAM budget, NVMe budget, staging bytes, weight blocks) for streaming `blocks` (per
-    block, the element counts of its trainable tensors; `frozen`: of its frozen ones, weights
-    only) with AdamW state that may spill to NVMe (state_placement "planned"). DRAM always
-    holds each trainable tensor's grad and room to stage up to 4 blocks' NVMe-homed tensors
-    (what Strata stages at most at once), then the weights, then state, the first blocks'
-    first; NVMe holds what does not fit. When the budget is short, fewer staging slots come
-    first (down to one), and only then do the last `weight blocks` blocks keep their weights on
-    NVMe too (streamed from there, staged with their state for each update): a spilled weight
-    costs the disk four transfers per step, a slot only read-ahead. Sizes count each tensor's
-    4 KiB rounding. host_budget None: room for all of it if that fits in 85% of `available`
-    (MemAvailable), else that much."""
+def placement_layers(blocks, element_size, frozen=None, state_tier="choose"):
+    """Per block, the sizes a placement (place()) weighs for streaming `blocks` (per block, the
+    element counts of its trainable tensors; `frozen`: of its frozen ones, weights only) with
+    AdamW: bf16/f16/f32 weights and grads, the state (an fp32 master unless the weights are
+    fp32, m, v), each tensor at the DRAM arena's 4 KiB rounding: what the arena holds, exactly."""
     page = 4096
 
     def rounded(n):
@@ -74,33 +67,112 @@ def nvme_budgets(blocks, element_size, host_budget=None, available=None, frozen=
 
     copies = state_bytes_per_param(element_size) // 4
     frozen = frozen or [[] for _ in blocks]
-    grads = sum(rounded(n * element_size) for b in blocks for n in b)
-    weights = [sum(rounded(n * element_size) for n in b + f) for b, f in zip(blocks, frozen)]
-    block_state = [sum(copies * rounded(n * 4 + page) for n in b) for b in blocks]
-    n = len(blocks)
+    return [{"weight_bytes": sum(rounded(n * element_size) for n in b + f),
+             "grad_bytes": sum(rounded(n * element_size) for n in b),
+             "state_bytes": sum(copies * rounded(n * 4) for n in b),
+             "update_elements": sum(b), "state_tier": state_tier}
+            for b, f in zip(blocks, frozen)]
 
-    def staging(slots, spilled):  # a slot holds a block's state and, when spilled, weights
-        return min(slots, n) * max(st + (w if i >= n - spilled else 0)
-                                   for i, (st, w) in enumerate(zip(block_state, weights)))
 
-    def need(slots, spilled):
-        return sum(weights[:n - spilled]) + grads + staging(slots, spilled)
+def full_dram(layers, slots=4):
+    """DRAM for `layers` (placement_layers) with every tensor in DRAM, room to stage `slots`
+    blocks' state, and the arena's margin: what host_budget defaults to, at most."""
+    return (sum(l["weight_bytes"] + l["grad_bytes"] + l["state_bytes"] for l in layers)
+            + slots * max(l["state_bytes"] for l in layers) + NVME_DRAM_MARGIN)
 
-    full = need(4, 0) + sum(block_state) + NVME_DRAM_MARGIN
-    if host_budget is None:
-        host_budget = full if available is None else min(full, int(available * 0.85))
-    plans = [(slots, spilled) for spilled in range(n + 1) for slots in (4, 3, 2, 1)]
-    fits = [p for p in plans if need(*p) <= host_budget]
-    if not fits:
-        least = min(need(*p) for p in plans)
-        raise ValueError(
-            "host_budget %d bytes is below the %d bytes DRAM needs with training state and "
-            "weights on NVMe (each parameter's grad, and one staging slot for a block's state "
-            "and weights)" % (host_budget, least))
-    slots, spilled = fits[0]
-    full = sum(weights) + grads + staging(slots, spilled) + sum(block_state) + NVME_DRAM_MARGIN
-    nvme = int(max(0, full - host_budget) * 1.05) + (64 << 20)
-    return host_budget, nvme, staging(slots, spilled), spilled
+
+_HOMES = {"choose": -1, "dram": 1, "nvme": 2}
+_PLACEMENT_RATES = ("h2d", "d2h", "nvme_read", "nvme_write", "nvme_mixed", "update_elements")
+
+
+class Placement:
+    """Where a streamed model's weights and optimizer state should live (strata_placement_*):
+    `homes` per layer ("dram" or "nvme" for its weights and its state), `info` (a dict of
+    strata_placement_info_t's fields: staging slots, bytes per tier, the rates used and the
+    predicted step with each resource's busy time), `text` and `json` (the dumps)."""
+
+    def __init__(self, handle):
+        info = _lib.PlacementInfo()
+        check(L.strata_placement_get_info(handle, ctypes.byref(info)))
+        self.info = {name: getattr(info, name) for name, _ in _lib.PlacementInfo._fields_
+                     if name != "struct_size"}
+        self.info["bottleneck"] = info.bottleneck.decode()
+        names = {1: "dram", 2: "nvme"}
+        self.homes = []
+        for i in range(info.layers):
+            w, st = ctypes.c_int32(), ctypes.c_int32()
+            check(L.strata_placement_get_layer(handle, i, ctypes.byref(w), ctypes.byref(st)))
+            self.homes.append((names[w.value], names[st.value]))
+        self.text = _dump(L.strata_placement_dump, handle, 1)
+        self.json = _dump(L.strata_placement_dump, handle, 0)
+
+
+def _dump(fn, handle, format):
+    """A strata_*_dump (plan, placement) as text: its length asked first, then the text."""
+    n = ctypes.c_size_t()
+    check(fn(handle, format, None, 0, ctypes.byref(n)))
+    buf = ctypes.create_string_buffer(n.value + 1)
+    check(fn(handle, format, buf, n.value + 1, ctypes.byref(n)))
+    return buf.value.decode()
+
+
+def place(layers, runtime=None, dram_budget=0, nvme_budget=0, staging_slots=0,
+          max_staging_slots=4, prefetch_depth=1, other_device_seconds=0.0, rates=None,
+          updates_after_backward=True):
+    """Choose where each layer's weights and optimizer state live (strata_placement_create).
+
+    layers: per layer (forward order) a dict with weight_bytes, grad_bytes, state_bytes,
+    update_elements, and optionally name, forward_seconds, backward_seconds, weight_tier and
+    state_tier ("choose", the default, "dram" or "nvme"). rates: h2d, d2h, nvme_read,
+    nvme_write (bytes/s), nvme_mixed (0.5..1), update_elements (per second); one missing or 0
+    is measured on `runtime` (or not counted without one). Budgets 0: what the runtime's tiers
+    have free. Returns a Placement."""
+    rates = dict(rates or {})
+    unknown = set(rates) - set(_PLACEMENT_RATES)
+    if unknown:
+        raise ValueError("unknown placement rate(s) %s; known: %s"
+                         % (sorted(unknown), ", ".join(_PLACEMENT_RATES)))
+    structs = []
+    for i, layer in enumerate(layers):
+        d = _lib.PlacementLayer()
+        check(L.strata_placement_layer_init(ctypes.byref(d)))
+        if layer.get("name") is not None:
+            d.name = layer["name"].encode()
+        for key in ("weight_bytes", "grad_bytes", "state_bytes", "update_elements"):
+            setattr(d, key, int(layer.get(key, 0)))
+        d.forward_seconds = float(layer.get("forward_seconds", 0.0))
+        d.backward_seconds = float(layer.get("backward_seconds", 0.0))
+        for key in ("weight_tier", "state_tier"):
+            home = layer.get(key, "choose")
+            if home not in _HOMES:
+                raise ValueError("layer %d: %s %r is not one of %s" % (i, key, home,
+                                                                      ", ".join(_HOMES)))
+            setattr(d, key, _HOMES[home])
+        structs.append(d)
+    pointers = (ctypes.POINTER(_lib.PlacementLayer) * max(1, len(structs)))(
+        *[ctypes.pointer(d) for d in structs])
+    q = _lib.PlacementRequest()
+    check(L.strata_placement_request_init(ctypes.byref(q)))
+    q.layers = pointers
+    q.layer_count = len(structs)
+    q.staging_slots = int(staging_slots)
+    q.max_staging_slots = int(max_staging_slots)
+    q.prefetch_depth = int(prefetch_depth)
+    q.dram_budget_bytes = int(dram_budget)
+    q.nvme_budget_bytes = int(nvme_budget)
+    q.other_device_seconds = float(other_device_seconds)
+    for key in _PLACEMENT_RATES:
+        field = key + ("_bytes_per_second" if key in ("h2d", "d2h", "nvme_read", "nvme_write")
+                       else "_per_second" if key == "update_elements" else "")
+        setattr(q, field, float(rates.get(key, 0.0)))
+    q.updates_after_backward = 1 if updates_after_backward else 0
+    handle = ctypes.c_void_p()
+    check(L.strata_placement_create(runtime.handle if runtime is not None else None,
+                                    ctypes.byref(q), ctypes.byref(handle)))
+    try:
+        return Placement(handle)
+    finally:
+        L.strata_placement_destroy(handle)
 
 
 class Runtime:
@@ -316,11 +388,7 @@ class Executor:
         return info
 
     def plan_text(self):
-        n = ctypes.c_size_t()
-        check(L.strata_plan_dump(self._plan, 1, None, 0, ctypes.byref(n)))
-        buf = ctypes.create_string_buffer(n.value + 1)
-        check(L.strata_plan_dump(self._plan, 1, buf, n.value + 1, ctypes.byref(n)))
-        return buf.value.decode()
+        return _dump(L.strata_plan_dump, self._plan, 1)
 
     def stats(self):
         s = _lib.ExecutorStats()

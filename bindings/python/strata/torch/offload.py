@@ -168,6 +168,20 @@ def _mem_available():
     return None
 
 
+def _disk_free(paths):
+    """Bytes the NVMe tier's files can take: the striped files grow equally, so each file
+    system holds its share (its files over all of them) of the budget; 5% and 1 GiB of each
+    are left to it."""
+    free, files = {}, {}
+    for path in paths:
+        folder = os.path.dirname(os.path.abspath(path))
+        st = os.statvfs(folder)
+        dev = os.stat(folder).st_dev
+        free[dev] = max(0, int(st.f_bavail * st.f_frsize * 0.95) - (1 << 30))
+        files[dev] = files.get(dev, 0) + 1
+    return min(free[dev] * len(paths) // files[dev] for dev in free)
+
+
 def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget):
     """How many of the first blocks to keep resident in HBM: as many as fit in 40% of the device
     memory left beside Strata's own (the rest for activations, logits and the allocator), at 16
@@ -321,31 +335,34 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
             "strata.torch.offload: nvme= under data parallelism is not supported yet; each "
             "rank keeps 1/(ranks per host) of the training state in DRAM: size host_budget "
             "for that, or train without data_parallel")
-    state_options = {}
-    weights_on_nvme = 0
+    layers = None  # with nvme: per block, the sizes the placement weighs
     if nvme:
-        # Training state may spill to NVMe: DRAM holds the weights, grads and staging, and as
-        # much state as host_budget allows (the first blocks'); the planner puts the rest on
-        # NVMe (docs/optimizer.md, "State on NVMe").
+        # Training state may spill to NVMe: the placement (strata_placement_*) chooses, from
+        # the budgets and the rates measured on the runtime, which blocks' state and weights go
+        # there, fastest predicted step first (docs/optimizer.md, "State on NVMe"). Here it
+        # only checks, with no rates, that some placement fits: nothing is created otherwise.
         from .. import core
+        element = torch.finfo(dtype).bits // 8
         counts = [[p.numel() for p in b.parameters() if p.requires_grad] for b in blocks]
         frozen = [[p.numel() for p in b.parameters() if not p.requires_grad] for b in blocks]
+        layers = core.placement_layers(counts, element, frozen,
+                                       "nvme" if state_placement == "nvme" else "choose")
+        for i, layer in enumerate(layers):
+            layer["name"] = "blocks.%d" % i
+        if host_budget is None:
+            host_budget = min(core.full_dram(layers), int(_mem_available() * 0.85))
+        if not nvme_budget:
+            # Room for everything that could spill (5% for its alignment), at most what the
+            # disks have free: the runtime preallocates its files.
+            nvme_budget = min(
+                int(sum(l["weight_bytes"] + l["state_bytes"] for l in layers) * 1.05)
+                + (64 << 20) * len(layers), _disk_free(nvme))
         try:
-            host_budget, auto_nvme, staging, nvme_weights = core.nvme_budgets(
-                counts, torch.finfo(dtype).bits // 8, host_budget, _mem_available(), frozen)
-        except ValueError as e:
-            raise ValueError("strata.torch.offload: %s; nothing was changed" % e) from None
-        if state_placement == "nvme":
-            state = core.state_bytes_per_param(torch.finfo(dtype).bits // 8)
-            spilled = sum(map(sum, counts[len(counts) - nvme_weights:])) + \
-                sum(map(sum, frozen[len(frozen) - nvme_weights:])) if nvme_weights else 0
-            auto_nvme = int((sum(map(sum, counts)) * state + spilled * (torch.finfo(dtype).bits
-                                                                          // 8)) * 1.05) \
-                + (64 << 20) * len(counts)
-        nvme_budget = nvme_budget or auto_nvme
-        state_options = {"state_placement": state_placement or "planned",
-                         "nvme_staging_bytes": staging}
-        weights_on_nvme = nvme_weights
+            core.place(layers, dram_budget=host_budget, nvme_budget=nvme_budget)
+        except MemoryError as e:
+            raise ValueError("strata.torch.offload: host_budget %d bytes is below what DRAM "
+                             "needs with training state and weights on NVMe (%s); nothing was "
+                             "changed" % (host_budget, e)) from None
     elif host_budget is not None and host_budget < _estimate_dram(blocks, dtype, mesh):
         raise ValueError("strata.torch.offload: host_budget %d bytes is below the %d bytes the "
                          "streamed blocks need in pinned DRAM (weights, grads, fp32 masters and "
@@ -362,9 +379,13 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         from .sharded import ShardedSession
         session = ShardedSession(mesh, *args)
     session.resident_blocks = kept
-    session.state_options = state_options
     session.weights_source = source
-    session.nvme_weight_blocks = weights_on_nvme
+    if layers is not None:
+        try:
+            session.place(layers, host_budget, state_placement)
+        except BaseException:
+            session.close()
+            raise
     started = time.perf_counter()
     session.applying = False
     installed = []

@@ -218,6 +218,65 @@ class StrataSession:
         self.optimizer = opt
         self.timed("plan", t)
 
+    def place(self, layers, dram_budget, state_placement=None):
+        """Choose where the streamed blocks' optimizer state and weights live, on NVMe or in
+        DRAM (core.place: every split the budgets allow, simulated with the rates measured on
+        this runtime, the fastest kept), and set the optimizer's options to realize it: its
+        PLANNED state placement fills DRAM in forward order while keeping the staging slots
+        free, so the DRAM budget puts exactly the chosen blocks' state on NVMe. `layers`:
+        core.placement_layers of the blocks."""
+        nvme_budget = self.runtime.capabilities().tier_budget_bytes[2]
+        choice = core.place(layers, runtime=self.runtime, dram_budget=dram_budget,
+                            nvme_budget=max(0, int((nvme_budget - (64 << 20) * len(layers))
+                                                   / 1.05)))
+        self.placement_choice, self.placement_layers = choice, layers
+        # The optimizer fills DRAM param by param, so the block at the boundary may keep part
+        # of its state in DRAM (at most one block less on NVMe than chosen). Nothing spilled:
+        # a page kept free (0 would mean 1/8 of DRAM), so an estimate a little short spills
+        # rather than fails.
+        staging = choice.info["staging_slots"] * choice.info["slot_bytes"] or 4096
+        self.state_options = {"state_placement": state_placement or "planned",
+                              "nvme_staging_bytes": staging}
+        self.nvme_weight_blocks = choice.info["weight_nvme_layers"]
+
+    def predict(self, forward_seconds=0.0, backward_seconds=0.0, other_seconds=0.0):
+        """The step Strata's model predicts for this session's streamed blocks (a
+        core.Placement: its info's predicted_* fields, its text), given the device time of one
+        streamed block's forward and backward pass (recomputation included) and of the rest
+        of the model per step; with the homes and rates the placement chose (or, without
+        NVMe, every tensor in DRAM, the executor's measured links and the CPU update's rate
+        measured now)."""
+        self.ensure_built()
+        choice = getattr(self, "placement_choice", None)
+        if choice is not None:
+            layers = [dict(layer, weight_tier=w, state_tier=st)
+                      for layer, (w, st) in zip(self.placement_layers, choice.homes)]
+            info = choice.info
+            rates = {"h2d": info["h2d_bytes_per_second"], "d2h": info["d2h_bytes_per_second"],
+                     "nvme_read": info["nvme_read_bytes_per_second"],
+                     "nvme_write": info["nvme_write_bytes_per_second"],
+                     "nvme_mixed": info["nvme_mixed"],
+                     "update_elements": info["update_elements_per_second"]}
+            runtime = None
+        else:
+            element = torch.finfo(self.dtype).bits // 8
+            counts = [[sp.param.numel() for sp in entries if sp.trainable]
+                      for entries in self.layers]
+            frozen = [[sp.param.numel() for sp in entries if not sp.trainable]
+                      for entries in self.layers]
+            layers = [dict(layer, weight_tier="dram", state_tier="dram")
+                      for layer in core.placement_layers(counts, element, frozen)]
+            plan = self.executor.plan_info()
+            rates = {"h2d": plan.h2d_bytes_per_second, "d2h": plan.d2h_bytes_per_second}
+            runtime = self.runtime  # measures the update's rate (its own scratch memory)
+        for layer in layers:
+            layer.update(forward_seconds=forward_seconds, backward_seconds=backward_seconds)
+        depth = max(1, self.executor.plan_info().forward_prefetch_depth)
+        return core.place(layers, runtime=runtime, dram_budget=1 << 62, nvme_budget=1 << 62,
+                          staging_slots=(choice.info["staging_slots"] or 1) if choice else 0,
+                          prefetch_depth=depth, other_device_seconds=other_seconds,
+                          rates=rates)
+
     def placement(self):
         """Where the training state lives, one line: the blocks kept resident on the device
         (and how many of them keep their activations, once measured), the optimizer's state
@@ -249,6 +308,14 @@ class StrataSession:
         if s["staging_slots"]:
             line += ", staged through %d DRAM slots of %s" % (
                 s["staging_slots"], size(s["staging_bytes"] // s["staging_slots"]))
+        choice = getattr(self, "placement_choice", None)
+        if choice is not None:
+            i = choice.info
+            line += ("; chosen from %d placements by predicted step: %.2f s before compute "
+                     "(bottleneck %s; disk read %.2f s, write %.2f s, CPU update %.2f s)"
+                     % (i["candidates"], i["predicted_step_seconds"], i["bottleneck"],
+                        i["predicted_nvme_read_seconds"], i["predicted_nvme_write_seconds"],
+                        i["predicted_update_seconds"]))
         line += "; budgets: DRAM %s" % size(caps.tier_budget_bytes[1])
         if caps.tiers_available[2]:
             line += ", NVMe %s" % size(caps.tier_budget_bytes[2])

@@ -1,0 +1,15 @@
+// How fast this host runs the optimizer's update: AdamW over a scratch parameter, on the
+// threads an optimizer would use, for a placement's prediction (runtime/placement.h).
+#pragma once
+
+#include "common/status.h"
+
+namespace strata::optim {
+
+// Elements per second of an AdamW update (bf16 grad and working copy, fp32 master and
+// moments: what a streamed layer's update touches) on `threads` threads (0 = the CPUs of
+// `numa_node` less one, an optimizer's default) bound to `numa_node` (< 0: none). Takes about a
+// second and 1 GiB of memory. Errors: kOutOfMemory (threads or memory refused).
+Status measure_update_rate(unsigned threads, int numa_node, double* elements_per_second);
+
+}  // namespace strata::optim

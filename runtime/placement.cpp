@@ -1,0 +1,488 @@
+#include "runtime/placement.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+
+#include "common/json.h"
+
+namespace strata {
+namespace {
+
+// ---- A list scheduler: tasks on single-server resources, started in time order ----------------
+//
+// Each task runs on one resource for a fixed time once its dependencies have ended. A resource
+// serves, whenever it is free, the ready task that became ready first (ties: the lower
+// priority value). Picking the task with the earliest possible start over all resources keeps
+// time moving forward, so a request issued later never overtakes one issued earlier.
+
+enum Resource : int { kCompute, kH2d, kD2h, kDisk, kCpu, kResources };
+
+struct Task {
+  int resource = kCompute;
+  double duration = 0;
+  long priority = 0;
+  std::vector<int> dependents;
+  int unmet = 0;
+  double ready = 0, start = -1, end = -1;
+};
+
+class Schedule {
+ public:
+  int add(int resource, double duration, long priority, std::initializer_list<int> deps) {
+    const int id = static_cast<int>(tasks_.size());
+    Task t;
+    t.resource = resource;
+    t.duration = std::max(0.0, duration);
+    t.priority = priority;
+    tasks_.push_back(std::move(t));
+    for (int d : deps) depend(id, d);
+    return id;
+  }
+  // `task` starts only after `on` ends (-1: nothing).
+  void depend(int task, int on) {
+    if (on < 0) return;
+    tasks_[static_cast<std::size_t>(on)].dependents.push_back(task);
+    ++tasks_[static_cast<std::size_t>(task)].unmet;
+  }
+  void run() {
+    std::vector<std::vector<int>> ready(kResources);
+    double free_at[kResources] = {};
+    for (std::size_t i = 0; i < tasks_.size(); ++i) {
+      if (tasks_[i].unmet == 0)
+        ready[static_cast<std::size_t>(tasks_[i].resource)].push_back(static_cast<int>(i));
+    }
+    for (std::size_t done = 0; done < tasks_.size(); ++done) {
+      int best_r = -1;
+      std::size_t best_k = 0;
+      double best_start = std::numeric_limits<double>::infinity();
+      long best_priority = 0;
+      for (int r = 0; r < kResources; ++r) {
+        auto& q = ready[static_cast<std::size_t>(r)];
+        if (q.empty()) continue;
+        double earliest = std::numeric_limits<double>::infinity();
+        for (int id : q) earliest = std::min(earliest, task(id).ready);
+        const double start = std::max(free_at[r], earliest);
+        // Among the tasks ready by then, the lowest priority value.
+        std::size_t pick = 0;
+        long priority = std::numeric_limits<long>::max();
+        for (std::size_t k = 0; k < q.size(); ++k) {
+          const Task& t = task(q[k]);
+          if (t.ready <= start && t.priority < priority) {
+            priority = t.priority;
+            pick = k;
+          }
+        }
+        if (start < best_start || (start == best_start && priority < best_priority)) {
+          best_start = start;
+          best_r = r;
+          best_k = pick;
+          best_priority = priority;
+        }
+      }
+      if (best_r < 0) return;  // a cycle: cannot happen with the graphs built below
+      auto& q = ready[static_cast<std::size_t>(best_r)];
+      const int id = q[best_k];
+      q.erase(q.begin() + static_cast<long>(best_k));
+      Task& t = tasks_[static_cast<std::size_t>(id)];
+      t.start = best_start;
+      t.end = best_start + t.duration;
+      free_at[best_r] = t.end;
+      busy_[best_r] += t.duration;
+      for (int d : t.dependents) {
+        Task& u = tasks_[static_cast<std::size_t>(d)];
+        u.ready = std::max(u.ready, t.end);
+        if (--u.unmet == 0) ready[static_cast<std::size_t>(u.resource)].push_back(d);
+      }
+    }
+  }
+  const Task& task(int id) const { return tasks_[static_cast<std::size_t>(id)]; }
+  double end(int id) const { return id < 0 ? 0 : task(id).end; }
+  double busy(int r) const { return busy_[r]; }
+
+ private:
+  std::vector<Task> tasks_;
+  double busy_[kResources] = {};
+};
+
+double seconds(uint64_t bytes, double rate, double factor = 1) {
+  return rate > 0 ? static_cast<double>(bytes) / rate * factor : 0;
+}
+
+// Steps simulated: the first fills the pipeline, the period is measured over the rest.
+constexpr int kSteps = 4;
+
+}  // namespace
+
+StepPrediction predict_step(const PlacementRequest& request, const std::vector<LayerHome>& homes,
+                            uint32_t slots) {
+  const auto& layers = request.layers;
+  const std::size_t n = layers.size();
+  const PlacementRates& rate = request.rates;
+  const double mixed = rate.nvme_mixed > 0 ? rate.nvme_mixed : 1;
+  const uint32_t depth = std::max<uint32_t>(1, request.prefetch_depth);
+  Schedule sched;
+  double disk_read = 0, disk_write = 0;
+  auto read = [&](uint64_t bytes, long priority, std::initializer_list<int> deps) {
+    const double t = seconds(bytes, rate.nvme_read, mixed);
+    disk_read += t;
+    return sched.add(kDisk, t, priority, deps);
+  };
+  // Per layer: the task whose end lets the next step load it (its update, or the write-back of
+  // an NVMe-homed weight), and the write-back of its staged state.
+  std::vector<int> weights_current(n, -1), written_back(n, -1);
+  // The staging sequence over all steps: each read's task and the write-back that frees its
+  // slot; read q takes the slot write-back q - slots gives back.
+  std::vector<int> stage_reads, stage_writes;
+  std::vector<int> position_compute, position_out;  // the executor's sequence, all steps
+  std::vector<int> step_end(kSteps, -1);
+  std::vector<std::vector<int>> updates(kSteps);  // each step's update tasks
+  int previous_compute = -1, previous_backward_end = -1;
+  long seq = 0;  // priorities: the order things are issued in
+  for (int s = 0; s < kSteps; ++s) {
+    // The optimizer reads ahead the NVMe-homed state of this step's updates from its start
+    // (in forward order, the order its updates run).
+    std::vector<int> staged(n, -1);
+    std::vector<std::size_t> stage_index(n, 0);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (layers[i].state_bytes == 0 || !(homes[i].state_on_nvme || homes[i].weights_on_nvme))
+        continue;
+      const uint64_t bytes =
+          layers[i].state_bytes + (homes[i].weights_on_nvme ? layers[i].weight_bytes : 0);
+      staged[i] = read(bytes, seq++, {previous_backward_end, written_back[i]});
+      stage_index[i] = stage_reads.size();
+      stage_reads.push_back(staged[i]);
+      stage_writes.push_back(-1);
+    }
+    // The executor: forward 0..n-1, the rest of the model, backward n-1..0.
+    std::vector<int> grads_out(n, -1);
+    auto position = [&](std::size_t i, bool backward) {
+      const std::size_t p = position_compute.size();
+      const PlacementLayer& l = layers[i];
+      const double h2d = seconds(l.weight_bytes, rate.h2d);
+      // The forward pass loads a layer once its last update is in (an NVMe-homed weight: once
+      // written back); the backward pass loads the same values again.
+      const int current = backward ? -1 : weights_current[i];
+      int first, load;
+      if (homes[i].weights_on_nvme) {  // disk -> staging -> HBM
+        first = read(l.weight_bytes, seq++, {current});
+        load = sched.add(kH2d, h2d, seq++, {first});
+      } else {
+        first = load = sched.add(kH2d, h2d, seq++, {current});
+      }
+      // Its HBM slot is the one `depth + 1` positions back: free once that one computed and
+      // sent its grads out.
+      if (p >= depth + 1) {
+        sched.depend(first, position_compute[p - depth - 1]);
+        sched.depend(first, position_out[p - depth - 1]);
+      }
+      const int compute = sched.add(kCompute, backward ? l.backward_seconds : l.forward_seconds,
+                                    seq++, {load, previous_compute});
+      previous_compute = compute;
+      int out = -1;
+      if (backward)
+        out = grads_out[i] = sched.add(kD2h, seconds(l.grad_bytes, rate.d2h), seq++, {compute});
+      position_compute.push_back(compute);
+      position_out.push_back(out);
+    };
+    for (std::size_t i = 0; i < n; ++i) position(i, false);
+    previous_compute = sched.add(kCompute, request.other_device_seconds, seq++, {previous_compute});
+    for (std::size_t i = n; i-- > 0;) position(i, true);
+    // The end of the backward pass: the last compute done and every grad landed.
+    const int backward_end = sched.add(kCompute, 0, seq++, {previous_compute});
+    for (std::size_t i = 0; i < n; ++i) sched.depend(backward_end, grads_out[i]);
+    step_end[static_cast<std::size_t>(s)] = backward_end;
+    // The updates, queued in forward order; when several wait, one holding a staging slot
+    // goes first (it frees the slot for the next read).
+    for (std::size_t i = 0; i < n; ++i) {
+      if (layers[i].state_bytes == 0) continue;
+      const long base = static_cast<long>(s) * 4 * static_cast<long>(n);
+      const long priority =
+          base + (staged[i] >= 0 ? 0 : static_cast<long>(n)) + static_cast<long>(i);
+      const double cpu = rate.update_elements > 0
+                             ? static_cast<double>(layers[i].update_elements) / rate.update_elements
+                             : 0;
+      const int update =
+          sched.add(kCpu, cpu, priority,
+                    {request.updates_after_backward ? backward_end : grads_out[i], staged[i]});
+      weights_current[i] = update;
+      updates[static_cast<std::size_t>(s)].push_back(update);
+      if (staged[i] < 0) continue;
+      const uint64_t bytes =
+          layers[i].state_bytes + (homes[i].weights_on_nvme ? layers[i].weight_bytes : 0);
+      const double t = seconds(bytes, rate.nvme_write, mixed);
+      disk_write += t;
+      const int write = sched.add(kDisk, t, seq++, {update});
+      stage_writes[stage_index[i]] = write;
+      written_back[i] = write;
+      if (homes[i].weights_on_nvme) weights_current[i] = write;
+    }
+    previous_backward_end = backward_end;
+  }
+  // Staging slots: read q waits for the write-back that frees the slot it takes.
+  if (slots > 0) {
+    for (std::size_t q = slots; q < stage_reads.size(); ++q)
+      sched.depend(stage_reads[q], stage_writes[q - slots]);
+  }
+  sched.run();
+  StepPrediction p;
+  p.step_seconds = (sched.end(step_end[kSteps - 1]) - sched.end(step_end[1])) / (kSteps - 2);
+  const double per_step = 1.0 / kSteps;
+  p.compute = sched.busy(kCompute) * per_step;
+  p.h2d = sched.busy(kH2d) * per_step;
+  p.d2h = sched.busy(kD2h) * per_step;
+  p.update = sched.busy(kCpu) * per_step;
+  p.nvme_read = disk_read * per_step;
+  p.nvme_write = disk_write * per_step;
+  p.gpu_wait = std::max(0.0, p.step_seconds - p.compute);
+  // The CPU idle between a step's backward end and its last update's end: the updates waiting
+  // for their state (or, updating as grads land, for grads), over the steady-state steps.
+  for (int s = 1; s < kSteps; ++s) {
+    double last = 0, busy = 0;
+    for (int u : updates[static_cast<std::size_t>(s)]) {
+      last = std::max(last, sched.end(u));
+      busy += sched.task(u).duration;
+    }
+    const double span = last - sched.end(step_end[static_cast<std::size_t>(s)]);
+    if (!updates[static_cast<std::size_t>(s)].empty())
+      p.update_wait += std::max(0.0, span - busy) / (kSteps - 1);
+  }
+  const std::pair<double, const char*> busy[] = {{p.compute, "compute"},
+                                                 {p.h2d, "h2d"},
+                                                 {p.d2h, "d2h"},
+                                                 {p.nvme_read + p.nvme_write, "nvme"},
+                                                 {p.update, "update"}};
+  p.bottleneck = std::max_element(std::begin(busy), std::end(busy), [](auto& a, auto& b) {
+                   return a.first < b.first;
+                 })->second;
+  return p;
+}
+
+namespace {
+
+struct Footprint {
+  uint64_t dram = 0, nvme = 0, slot = 0;
+};
+
+// What `homes` with `slots` staging slots takes of each tier. A slot holds the largest staged
+// layer's state and, when its weights are on NVMe too, its weights.
+Footprint footprint(const std::vector<PlacementLayer>& layers, const std::vector<LayerHome>& homes,
+                    uint32_t slots) {
+  Footprint f;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    const PlacementLayer& l = layers[i];
+    f.dram += l.grad_bytes;
+    (homes[i].weights_on_nvme ? f.nvme : f.dram) += l.weight_bytes;
+    (homes[i].state_on_nvme ? f.nvme : f.dram) += l.state_bytes;
+    if (l.state_bytes > 0 && (homes[i].state_on_nvme || homes[i].weights_on_nvme)) {
+      f.slot = std::max(f.slot, (homes[i].state_on_nvme ? l.state_bytes : 0) +
+                                    (homes[i].weights_on_nvme ? l.weight_bytes : 0));
+    }
+  }
+  f.dram += f.slot * slots;
+  return f;
+}
+
+Status check_tier(int tier, const std::string& layer, const char* role) {
+  if (tier == -1 || tier == 1 || tier == 2) return Status::ok();
+  return error(Code::kInvalidArgument, "layer '", layer, "': ", role, " tier ", tier,
+               " is not -1 (choose), 1 (dram) or 2 (nvme)");
+}
+
+std::string layer_name(const PlacementRequest& r, std::size_t i) {
+  return r.layers[i].name.empty() ? "layer." + std::to_string(i) : r.layers[i].name;
+}
+
+std::string gib(uint64_t bytes) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(2) << static_cast<double>(bytes) / (1ull << 30) << " GiB";
+  return o.str();
+}
+
+}  // namespace
+
+Status choose_placement(const PlacementRequest& request, Placement* out) {
+  const std::size_t n = request.layers.size();
+  if (n == 0) return error(Code::kInvalidArgument, "the placement request has no layers");
+  if (request.max_staging_slots == 0 || request.staging_slots > request.max_staging_slots) {
+    return error(Code::kInvalidArgument, "staging_slots ", request.staging_slots,
+                 " must be at most max_staging_slots ", request.max_staging_slots,
+                 ", which must be >= 1");
+  }
+  const PlacementRates& r = request.rates;
+  for (double v : {r.h2d, r.d2h, r.nvme_read, r.nvme_write, r.nvme_mixed, r.update_elements,
+                   request.other_device_seconds}) {
+    if (!(v >= 0) || std::isinf(v))
+      return error(Code::kInvalidArgument, "placement rates and times must be finite and >= 0");
+  }
+  if (r.nvme_mixed > 1 || (r.nvme_mixed > 0 && r.nvme_mixed < 0.5)) {
+    return error(Code::kInvalidArgument, "nvme_mixed ", r.nvme_mixed,
+                 " is outside [0.5, 1] (0 = 1: reads and writes serialized)");
+  }
+  // The layers whose homes are chosen, as suffixes: `k` spills the state of the last k
+  // choosable layers, `w` the weights of the last w. Fixed homes stay as given.
+  std::vector<std::size_t> state_choosable, weight_choosable;
+  std::vector<LayerHome> fixed(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const PlacementLayer& l = request.layers[i];
+    STRATA_RETURN_IF_ERROR(check_tier(l.weight_tier, layer_name(request, i), "weight"));
+    STRATA_RETURN_IF_ERROR(check_tier(l.state_tier, layer_name(request, i), "state"));
+    if (!(l.forward_seconds >= 0) || !(l.backward_seconds >= 0) || std::isinf(l.forward_seconds) ||
+        std::isinf(l.backward_seconds)) {
+      return error(Code::kInvalidArgument, "layer '", layer_name(request, i),
+                   "': forward and backward seconds must be finite and >= 0");
+    }
+    fixed[i].weights_on_nvme = l.weight_tier == 2;
+    fixed[i].state_on_nvme = l.state_tier == 2 && l.state_bytes > 0;
+    if (l.state_tier == -1 && l.state_bytes > 0) state_choosable.push_back(i);
+    if (l.weight_tier == -1) weight_choosable.push_back(i);
+  }
+  const bool nvme = request.nvme_budget > 0;
+  const std::size_t max_k = nvme ? state_choosable.size() : 0;
+  const std::size_t max_w = nvme ? weight_choosable.size() : 0;
+  const uint32_t first_slots = request.staging_slots ? request.staging_slots : 1;
+  const uint32_t last_slots =
+      request.staging_slots ? request.staging_slots : request.max_staging_slots;
+
+  auto homes_for = [&](std::size_t k, std::size_t w) {
+    std::vector<LayerHome> h = fixed;
+    for (std::size_t j = state_choosable.size() - k; j < state_choosable.size(); ++j)
+      h[state_choosable[j]].state_on_nvme = true;
+    for (std::size_t j = weight_choosable.size() - w; j < weight_choosable.size(); ++j)
+      h[weight_choosable[j]].weights_on_nvme = true;
+    return h;
+  };
+  auto staged_any = [&](const std::vector<LayerHome>& h) {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (request.layers[i].state_bytes > 0 && (h[i].state_on_nvme || h[i].weights_on_nvme))
+        return true;
+    }
+    return false;
+  };
+
+  bool found = false;
+  Placement best;
+  uint64_t least_dram = std::numeric_limits<uint64_t>::max();
+  uint32_t candidates = 0;
+  for (std::size_t w = 0; w <= max_w; ++w) {
+    for (uint32_t slots = first_slots; slots <= last_slots; ++slots) {
+      // The least state spilled that fits DRAM with these weights and slots: DRAM first.
+      for (std::size_t k = 0; k <= max_k; ++k) {
+        std::vector<LayerHome> h = homes_for(k, w);
+        // A layer whose weights spilled is staged with its state: spill that state too.
+        bool consistent = true;
+        for (std::size_t i = 0; i < n; ++i) {
+          if (h[i].weights_on_nvme && request.layers[i].state_bytes > 0 && !h[i].state_on_nvme &&
+              request.layers[i].state_tier == -1)
+            consistent = false;
+        }
+        if (!consistent) continue;
+        const uint32_t used_slots = staged_any(h) ? slots : 0;
+        const Footprint f = footprint(request.layers, h, used_slots);
+        least_dram = std::min(least_dram, f.dram);
+        if (f.dram > request.dram_budget) continue;
+        if (f.nvme > request.nvme_budget) break;  // more spilling only needs more NVMe
+        ++candidates;
+        Placement c;
+        c.homes = std::move(h);
+        c.staging_slots = used_slots;
+        c.slot_bytes = f.slot;
+        c.dram_bytes = f.dram;
+        c.nvme_bytes = f.nvme;
+        c.prediction = predict_step(request, c.homes, used_slots);
+        // Fastest first; within 1% of it, the fewest bytes on NVMe, then the fewest slots.
+        const double a = c.prediction.step_seconds, b = best.prediction.step_seconds;
+        const bool better =
+            !found || a < b * 0.99 ||
+            (a <= b * 1.01 &&
+             (c.nvme_bytes < best.nvme_bytes ||
+              (c.nvme_bytes == best.nvme_bytes && c.staging_slots < best.staging_slots && a <= b)));
+        if (better) {
+          best = std::move(c);
+          found = true;
+        }
+        break;
+      }
+      if (!nvme) break;
+    }
+  }
+  if (!found) {
+    return error(Code::kOutOfMemory, "no placement fits: DRAM needs at least ", least_dram,
+                 " bytes (", gib(least_dram), ": every grad, ",
+                 nvme ? "one staging slot and what cannot go to NVMe" : "weights and state",
+                 ") and the budget is ", request.dram_budget, " (", gib(request.dram_budget), ")",
+                 nvme ? "" : "; an NVMe budget lets state and weights spill");
+  }
+  best.candidates = candidates;
+  best.rates = request.rates;
+  for (std::size_t i = 0; i < n; ++i) best.names.push_back(layer_name(request, i));
+  *out = std::move(best);
+  return Status::ok();
+}
+
+std::string placement_to_json(const Placement& pl) {
+  const StepPrediction& p = pl.prediction;
+  std::ostringstream o;
+  o << std::setprecision(6) << "{\"staging_slots\": " << pl.staging_slots
+    << ", \"slot_bytes\": " << pl.slot_bytes << ", \"dram_bytes\": " << pl.dram_bytes
+    << ", \"nvme_bytes\": " << pl.nvme_bytes << ", \"candidates\": " << pl.candidates
+    << ", \"rates\": {\"h2d\": " << pl.rates.h2d << ", \"d2h\": " << pl.rates.d2h
+    << ", \"nvme_read\": " << pl.rates.nvme_read << ", \"nvme_write\": " << pl.rates.nvme_write
+    << ", \"nvme_mixed\": " << pl.rates.nvme_mixed
+    << ", \"update_elements\": " << pl.rates.update_elements << "}"
+    << ", \"predicted\": {\"step_seconds\": " << p.step_seconds
+    << ", \"bottleneck\": " << json_string(p.bottleneck) << ", \"compute\": " << p.compute
+    << ", \"h2d\": " << p.h2d << ", \"d2h\": " << p.d2h << ", \"nvme_read\": " << p.nvme_read
+    << ", \"nvme_write\": " << p.nvme_write << ", \"update\": " << p.update
+    << ", \"gpu_wait\": " << p.gpu_wait << ", \"update_wait\": " << p.update_wait
+    << "}, \"layers\": [";
+  for (std::size_t i = 0; i < pl.homes.size(); ++i) {
+    o << (i ? ", " : "") << "{\"name\": " << json_string(pl.names[i]) << ", \"weights\": \""
+      << (pl.homes[i].weights_on_nvme ? "nvme" : "dram") << "\", \"state\": \""
+      << (pl.homes[i].state_on_nvme ? "nvme" : "dram") << "\"}";
+  }
+  o << "]}";
+  return o.str();
+}
+
+std::string placement_to_text(const Placement& pl) {
+  const StepPrediction& p = pl.prediction;
+  std::size_t state_nvme = 0, weights_nvme = 0;
+  for (const LayerHome& h : pl.homes) {
+    state_nvme += h.state_on_nvme;
+    weights_nvme += h.weights_on_nvme;
+  }
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(3);
+  o << "Strata placement: " << pl.homes.size() << " layers; state of " << state_nvme
+    << " and weights of " << weights_nvme << " on NVMe; " << pl.staging_slots
+    << " staging slot(s) of " << gib(pl.slot_bytes) << "; DRAM " << gib(pl.dram_bytes) << ", NVMe "
+    << gib(pl.nvme_bytes) << " (" << pl.candidates << " placements compared)\n";
+  o << "  predicted step " << p.step_seconds << " s, bottleneck " << p.bottleneck
+    << " (busy: compute " << p.compute << " s, h2d " << p.h2d << " s, d2h " << p.d2h
+    << " s, nvme read " << p.nvme_read << " s, write " << p.nvme_write << " s, update " << p.update
+    << " s; the GPU waits " << p.gpu_wait << " s, updates wait for state " << p.update_wait
+    << " s)\n";
+  o << std::setprecision(2) << "  rates: h2d " << pl.rates.h2d / 1e9 << " GB/s, d2h "
+    << pl.rates.d2h / 1e9 << " GB/s, nvme read " << pl.rates.nvme_read / 1e9 << " GB/s, write "
+    << pl.rates.nvme_write / 1e9 << " GB/s, mixed x" << pl.rates.nvme_mixed << ", update "
+    << pl.rates.update_elements / 1e9 << " G elements/s\n";
+  // Runs of layers with the same homes, so an 80-layer model stays a few lines.
+  for (std::size_t i = 0; i < pl.homes.size();) {
+    std::size_t j = i;
+    while (j + 1 < pl.homes.size() &&
+           pl.homes[j + 1].weights_on_nvme == pl.homes[i].weights_on_nvme &&
+           pl.homes[j + 1].state_on_nvme == pl.homes[i].state_on_nvme)
+      ++j;
+    o << "  " << pl.names[i] << (j > i ? " .. " + pl.names[j] : "") << ": weights "
+      << (pl.homes[i].weights_on_nvme ? "nvme" : "dram") << ", state "
+      << (pl.homes[i].state_on_nvme ? "nvme" : "dram") << "\n";
+    i = j + 1;
+  }
+  return o.str();
+}
+
+}  // namespace strata
