@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <iomanip>
 #include <limits>
+#include <queue>
 #include <sstream>
 
 #include "common/json.h"
@@ -49,44 +50,60 @@ class Schedule {
     ++tasks_[static_cast<std::size_t>(task)].unmet;
   }
   void run() {
-    std::vector<std::vector<int>> ready(kResources);
+    // Per resource: tasks whose dependencies ended, by the time they became ready (pending),
+    // and those ready by the time the resource is free, by priority (available). A resource
+    // serves the best available task when it is free, else, idle, the best of those ready
+    // when the first pending one is.
+    // O(tasks log tasks): a placement of hundreds of layers simulates hundreds of times.
+    using Entry = std::pair<double, long>;  // (ready or priority, task)
+    using MinHeap = std::priority_queue<Entry, std::vector<Entry>, std::greater<>>;
+    std::vector<MinHeap> pending(kResources), available(kResources);
     double free_at[kResources] = {};
+    auto make_ready = [&](int id) {
+      const Task& t = task(id);
+      pending[static_cast<std::size_t>(t.resource)].emplace(t.ready, id);
+    };
     for (std::size_t i = 0; i < tasks_.size(); ++i) {
-      if (tasks_[i].unmet == 0)
-        ready[static_cast<std::size_t>(tasks_[i].resource)].push_back(static_cast<int>(i));
+      if (tasks_[i].unmet == 0) make_ready(static_cast<int>(i));
     }
+    // Moves `r`'s pending tasks ready by `time` to its available ones.
+    auto release = [&](int r, double time) {
+      auto& p = pending[static_cast<std::size_t>(r)];
+      while (!p.empty() && p.top().first <= time) {
+        const long id = p.top().second;
+        p.pop();
+        available[static_cast<std::size_t>(r)].emplace(task(static_cast<int>(id)).priority, id);
+      }
+    };
     for (std::size_t done = 0; done < tasks_.size(); ++done) {
       int best_r = -1;
-      std::size_t best_k = 0;
       double best_start = std::numeric_limits<double>::infinity();
       long best_priority = 0;
       for (int r = 0; r < kResources; ++r) {
-        auto& q = ready[static_cast<std::size_t>(r)];
-        if (q.empty()) continue;
-        double earliest = std::numeric_limits<double>::infinity();
-        for (int id : q) earliest = std::min(earliest, task(id).ready);
-        const double start = std::max(free_at[r], earliest);
-        // Among the tasks ready by then, the lowest priority value.
-        std::size_t pick = 0;
-        long priority = std::numeric_limits<long>::max();
-        for (std::size_t k = 0; k < q.size(); ++k) {
-          const Task& t = task(q[k]);
-          if (t.ready <= start && t.priority < priority) {
-            priority = t.priority;
-            pick = k;
-          }
+        release(r, free_at[r]);
+        auto& a = available[static_cast<std::size_t>(r)];
+        auto& p = pending[static_cast<std::size_t>(r)];
+        double start = free_at[r];
+        long priority = 0;
+        if (!a.empty()) {
+          priority = a.top().first;
+        } else if (!p.empty()) {  // idle until its first pending task is ready
+          start = p.top().first;
+          priority = task(static_cast<int>(p.top().second)).priority;
+        } else {
+          continue;
         }
         if (start < best_start || (start == best_start && priority < best_priority)) {
           best_start = start;
           best_r = r;
-          best_k = pick;
           best_priority = priority;
         }
       }
       if (best_r < 0) return;  // a cycle: cannot happen with the graphs built below
-      auto& q = ready[static_cast<std::size_t>(best_r)];
-      const int id = q[best_k];
-      q.erase(q.begin() + static_cast<long>(best_k));
+      release(best_r, best_start);
+      auto& a = available[static_cast<std::size_t>(best_r)];
+      const int id = static_cast<int>(a.top().second);
+      a.pop();
       Task& t = tasks_[static_cast<std::size_t>(id)];
       t.start = best_start;
       t.end = best_start + t.duration;
@@ -95,7 +112,7 @@ class Schedule {
       for (int d : t.dependents) {
         Task& u = tasks_[static_cast<std::size_t>(d)];
         u.ready = std::max(u.ready, t.end);
-        if (--u.unmet == 0) ready[static_cast<std::size_t>(u.resource)].push_back(d);
+        if (--u.unmet == 0) make_ready(d);
       }
     }
   }
@@ -307,6 +324,10 @@ std::string gib(uint64_t bytes) {
 Status choose_placement(const PlacementRequest& request, Placement* out) {
   const std::size_t n = request.layers.size();
   if (n == 0) return error(Code::kInvalidArgument, "the placement request has no layers");
+  if (n > kMaxPlacementLayers) {
+    return error(Code::kInvalidArgument, "the placement request has ", n, " layers; at most ",
+                 kMaxPlacementLayers, " are simulated");
+  }
   if (request.max_staging_slots == 0 || request.staging_slots > request.max_staging_slots) {
     return error(Code::kInvalidArgument, "staging_slots ", request.staging_slots,
                  " must be at most max_staging_slots ", request.max_staging_slots,
@@ -330,6 +351,13 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
     const PlacementLayer& l = request.layers[i];
     STRATA_RETURN_IF_ERROR(check_tier(l.weight_tier, layer_name(request, i), "weight"));
     STRATA_RETURN_IF_ERROR(check_tier(l.state_tier, layer_name(request, i), "state"));
+    for (uint64_t v : {l.weight_bytes, l.grad_bytes, l.state_bytes, l.update_elements}) {
+      // Sums over every layer stay far from wrapping, and no host has 2^50 bytes.
+      if (v > kMaxLayerBytes) {
+        return error(Code::kInvalidArgument, "layer '", layer_name(request, i), "': a size of ", v,
+                     " is above the ", kMaxLayerBytes, " a layer may declare");
+      }
+    }
     if (!(l.forward_seconds >= 0) || !(l.backward_seconds >= 0) || std::isinf(l.forward_seconds) ||
         std::isinf(l.backward_seconds)) {
       return error(Code::kInvalidArgument, "layer '", layer_name(request, i),
@@ -347,67 +375,74 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
   const uint32_t last_slots =
       request.staging_slots ? request.staging_slots : request.max_staging_slots;
 
-  auto homes_for = [&](std::size_t k, std::size_t w) {
-    std::vector<LayerHome> h = fixed;
-    for (std::size_t j = state_choosable.size() - k; j < state_choosable.size(); ++j)
-      h[state_choosable[j]].state_on_nvme = true;
-    for (std::size_t j = weight_choosable.size() - w; j < weight_choosable.size(); ++j)
-      h[weight_choosable[j]].weights_on_nvme = true;
-    return h;
-  };
-  auto staged_any = [&](const std::vector<LayerHome>& h) {
-    for (std::size_t i = 0; i < n; ++i) {
-      if (request.layers[i].state_bytes > 0 && (h[i].state_on_nvme || h[i].weights_on_nvme))
-        return true;
-    }
-    return false;
-  };
-
+  const auto& L = request.layers;
   bool found = false;
   Placement best;
   uint64_t least_dram = std::numeric_limits<uint64_t>::max();
   uint32_t candidates = 0;
-  for (std::size_t w = 0; w <= max_w; ++w) {
-    for (uint32_t slots = first_slots; slots <= last_slots; ++slots) {
-      // The least state spilled that fits DRAM with these weights and slots: DRAM first.
-      for (std::size_t k = 0; k <= max_k; ++k) {
-        std::vector<LayerHome> h = homes_for(k, w);
-        // A layer whose weights spilled is staged with its state: spill that state too.
-        bool consistent = true;
-        for (std::size_t i = 0; i < n; ++i) {
-          if (h[i].weights_on_nvme && request.layers[i].state_bytes > 0 && !h[i].state_on_nvme &&
-              request.layers[i].state_tier == -1)
-            consistent = false;
-        }
-        if (!consistent) continue;
-        const uint32_t used_slots = staged_any(h) ? slots : 0;
-        const Footprint f = footprint(request.layers, h, used_slots);
-        least_dram = std::min(least_dram, f.dram);
-        if (f.dram > request.dram_budget) continue;
-        if (f.nvme > request.nvme_budget) break;  // more spilling only needs more NVMe
-        ++candidates;
-        Placement c;
-        c.homes = std::move(h);
-        c.staging_slots = used_slots;
-        c.slot_bytes = f.slot;
-        c.dram_bytes = f.dram;
-        c.nvme_bytes = f.nvme;
-        c.prediction = predict_step(request, c.homes, used_slots);
-        // Fastest first; within 1% of it, the fewest bytes on NVMe, then the fewest slots.
-        const double a = c.prediction.step_seconds, b = best.prediction.step_seconds;
-        const bool better =
-            !found || a < b * 0.99 ||
-            (a <= b * 1.01 &&
-             (c.nvme_bytes < best.nvme_bytes ||
-              (c.nvme_bytes == best.nvme_bytes && c.staging_slots < best.staging_slots && a <= b)));
-        if (better) {
-          best = std::move(c);
-          found = true;
-        }
-        break;
+  for (uint32_t slots = first_slots; slots <= last_slots; ++slots) {
+    // The weights of the last w layers on NVMe, then the least state spilled (the last k
+    // layers') that fits DRAM: DRAM first. More weights spilled frees DRAM for state but moves
+    // 4 x their bytes a step: past the best w, each step only adds traffic, so the search
+    // stops after two candidates in a row no faster than this slot count's best.
+    double best_here = std::numeric_limits<double>::infinity();
+    int slower = 0;
+    for (std::size_t w = 0; w <= max_w && slower < 2; ++w) {
+      std::vector<LayerHome> h = fixed;
+      for (std::size_t j = weight_choosable.size() - w; j < weight_choosable.size(); ++j)
+        h[weight_choosable[j]].weights_on_nvme = true;
+      // A layer whose weights spilled is staged with its state: that state spills too (and,
+      // state spilling as a suffix, every later layer's).
+      std::size_t k = 0;
+      for (std::size_t q = 0; q < state_choosable.size(); ++q) {
+        if (h[state_choosable[q]].weights_on_nvme) k = std::max(k, state_choosable.size() - q);
       }
-      if (!nvme) break;
+      for (std::size_t q = state_choosable.size() - k; q < state_choosable.size(); ++q)
+        h[state_choosable[q]].state_on_nvme = true;
+      // The footprint without slots, then each further layer's state out, in O(1) each.
+      Footprint f = footprint(L, h, 0);
+      bool staged = false;
+      for (std::size_t i = 0; i < n; ++i)
+        staged = staged || (L[i].state_bytes > 0 && (h[i].state_on_nvme || h[i].weights_on_nvme));
+      auto dram = [&] { return f.dram + (staged ? f.slot * slots : 0); };
+      while (dram() > request.dram_budget && k < max_k) {
+        const std::size_t j = state_choosable[state_choosable.size() - 1 - k];
+        h[j].state_on_nvme = true;
+        f.dram -= L[j].state_bytes;
+        f.nvme += L[j].state_bytes;
+        f.slot =
+            std::max(f.slot, L[j].state_bytes + (h[j].weights_on_nvme ? L[j].weight_bytes : 0));
+        staged = true;
+        ++k;
+      }
+      least_dram = std::min(least_dram, dram());
+      if (dram() > request.dram_budget) continue;  // more weights out may make it fit
+      if (f.nvme > request.nvme_budget) break;     // more weights out only needs more NVMe
+      ++candidates;
+      Placement c;
+      c.homes = std::move(h);
+      c.staging_slots = staged ? slots : 0;
+      c.slot_bytes = f.slot;
+      c.dram_bytes = dram();
+      c.nvme_bytes = f.nvme;
+      c.prediction = predict_step(request, c.homes, c.staging_slots);
+      const double a = c.prediction.step_seconds;
+      slower = a >= best_here ? slower + 1 : 0;
+      best_here = std::min(best_here, a);
+      // Fastest first; within 1% of it, the fewest bytes on NVMe, then the fewest slots.
+      const double b = best.prediction.step_seconds;
+      const bool better =
+          !found || a < b * 0.99 ||
+          (a <= b * 1.01 &&
+           (c.nvme_bytes < best.nvme_bytes ||
+            (c.nvme_bytes == best.nvme_bytes && c.staging_slots < best.staging_slots && a <= b)));
+      if (better) {
+        best = std::move(c);
+        found = true;
+      }
+      if (!staged) break;  // nothing on NVMe: neither slots nor more weights out can help
     }
+    if (!nvme) break;
   }
   if (!found) {
     return error(Code::kOutOfMemory, "no placement fits: DRAM needs at least ", least_dram,

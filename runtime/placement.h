@@ -14,6 +14,7 @@
 // same reason, so a placement is realized by the DRAM budget it leaves for state.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -21,6 +22,11 @@
 #include "common/status.h"
 
 namespace strata {
+
+// Bounds on a request (hostile input through the C ABI): each simulation is O(layers log
+// layers), and byte sums over every layer must not wrap.
+constexpr std::size_t kMaxPlacementLayers = 16384;
+constexpr uint64_t kMaxLayerBytes = 1ull << 50;
 
 struct PlacementLayer {
   std::string name;

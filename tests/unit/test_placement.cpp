@@ -194,3 +194,27 @@ TEST_CASE("placement: the dumps name every run of layers and the prediction") {
   CHECK(json.find("\"bottleneck\"") != std::string::npos);
   CHECK(json.find("\"nvme_mixed\": 0.8") != std::string::npos);
 }
+
+TEST_CASE("placement: hostile sizes are refused, a deep model is planned") {
+  PlacementRequest r;
+  r.layers = {layer(1000, 6000), layer(1000, 6000)};
+  r.dram_budget = 1 << 20;
+  Placement p;
+  r.layers[1].state_bytes = UINT64_MAX;  // would wrap every sum
+  Status s = choose_placement(r, &p);
+  CHECK(s.code() == Code::kInvalidArgument);
+  CHECK(s.message().find("above the") != std::string::npos);
+  r.layers.assign(kMaxPlacementLayers + 1, layer(1000, 6000));
+  CHECK(choose_placement(r, &p).code() == Code::kInvalidArgument);
+  // 2000 layers with state spilling: the search and each simulation stay near-linear (a
+  // quadratic scheduler took minutes here), and the choice is a suffix that fits.
+  r.layers.assign(2000, layer(1000, 6000, 0.01, 0.02));
+  r.rates = {1e6, 1e6, 6e5, 6e5, 0.9, 1e6};
+  r.dram_budget = 2000 * 8000 - 300 * 6000;
+  r.nvme_budget = 1ull << 40;
+  REQUIRE(choose_placement(r, &p).is_ok());
+  CHECK(p.dram_bytes <= r.dram_budget);
+  CHECK(p.homes.back().state_on_nvme);
+  CHECK_FALSE(p.homes.front().state_on_nvme);
+  CHECK(p.prediction.step_seconds > 0);
+}
