@@ -339,6 +339,17 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
     if (!(v >= 0) || std::isinf(v))
       return error(Code::kInvalidArgument, "placement rates and times must be finite and >= 0");
   }
+  // Bounds that keep every simulated time finite (2^50 bytes at 1 B/s, a million tasks).
+  for (double v : {r.h2d, r.d2h, r.nvme_read, r.nvme_write, r.update_elements}) {
+    if (v > 0 && v < 1) {
+      return error(Code::kInvalidArgument, "a placement rate of ", v,
+                   " per second is below 1 (0 = not counted)");
+    }
+  }
+  if (request.other_device_seconds > kMaxSeconds) {
+    return error(Code::kInvalidArgument, "other_device_seconds ", request.other_device_seconds,
+                 " is above ", kMaxSeconds);
+  }
   if (r.nvme_mixed > 1 || (r.nvme_mixed > 0 && r.nvme_mixed < 0.5)) {
     return error(Code::kInvalidArgument, "nvme_mixed ", r.nvme_mixed,
                  " is outside [0.5, 1] (0 = 1: reads and writes serialized)");
@@ -358,10 +369,10 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
                      " is above the ", kMaxLayerBytes, " a layer may declare");
       }
     }
-    if (!(l.forward_seconds >= 0) || !(l.backward_seconds >= 0) || std::isinf(l.forward_seconds) ||
-        std::isinf(l.backward_seconds)) {
+    if (!(l.forward_seconds >= 0) || !(l.backward_seconds >= 0) ||
+        l.forward_seconds > kMaxSeconds || l.backward_seconds > kMaxSeconds) {
       return error(Code::kInvalidArgument, "layer '", layer_name(request, i),
-                   "': forward and backward seconds must be finite and >= 0");
+                   "': forward and backward seconds must be >= 0 and at most ", kMaxSeconds);
     }
     fixed[i].weights_on_nvme = l.weight_tier == 2;
     fixed[i].state_on_nvme = l.state_tier == 2 && l.state_bytes > 0;

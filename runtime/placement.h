@@ -27,6 +27,7 @@ namespace strata {
 // layers), and byte sums over every layer must not wrap.
 constexpr std::size_t kMaxPlacementLayers = 16384;
 constexpr uint64_t kMaxLayerBytes = 1ull << 50;
+constexpr double kMaxSeconds = 1e9;  // a layer's pass, or the rest of a step
 
 struct PlacementLayer {
   std::string name;

@@ -1314,7 +1314,8 @@ strata_status_t strata_placement_layer_init(strata_placement_layer_t* layer);
  * not counted / none); used only to measure rates and read budgets, never changed beyond the
  * scratch memory a measurement borrows and gives back. request: borrowed. out_placement: owned
  * by the caller (strata_placement_destroy). Errors: INVALID_ARGUMENT (NULL request or output,
- * bad struct_size, no layers or more than 16384, a size above 2^50 bytes or elements, a tier that
+ * bad struct_size, no layers or more than 16384, a size above 2^50 bytes or elements, a rate
+ * between 0 and 1 per second, a time above 1e9 s, a tier that
  * is not DRAM, NVMe or STRATA_HOME_CHOOSE, a negative or non-finite rate or time, nvme_mixed
  * outside 0.5..1, staging_slots above max_staging_slots), OUT_OF_MEMORY (no placement fits the
  * budgets: the message says what DRAM needs at least and what it has; or a measurement's scratch

@@ -1,7 +1,9 @@
 // libFuzzer: graph and plan API sequences through the C ABI. The input is a little program:
 // tensors of fuzzed sizes, homes and roles; layers drawn from them (repeats, foreign handles,
 // empty lists); residents; plan configs with fuzzed numbers (NaN, inf, huge); a few executor
-// steps with acquires and releases in fuzzed order. Every call must return a status.
+// steps with acquires and releases in fuzzed order; then a placement request with fuzzed
+// sizes, tiers, budgets and rates (NaN, inf, huge, all given: no measurement per input).
+// Every call must return a status.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -39,6 +41,60 @@ strata_runtime_t* runtime() {
     return r;
   }();
   return rt;
+}
+
+// A placement request from the rest of the input. Sizes mix small and huge (up to 2^64 - 1),
+// tiers include invalid values, rates may be NaN, inf or 0 (not counted without a runtime).
+void fuzz_placement(Input& in) {
+  const unsigned count = in.get<uint8_t>() % 80;
+  std::vector<strata_placement_layer_t> layers(count);
+  std::vector<const strata_placement_layer_t*> pointers;
+  auto size = [&] {
+    const uint8_t shift = in.get<uint8_t>() % 72;
+    return shift >= 64 ? UINT64_MAX : static_cast<uint64_t>(in.get<uint16_t>()) << (shift % 48);
+  };
+  for (auto& l : layers) {
+    strata_placement_layer_init(&l);
+    if (in.get<uint8_t>() % 16 == 0) l.struct_size = in.get<uint8_t>();
+    l.weight_bytes = size();
+    l.grad_bytes = size();
+    l.state_bytes = size();
+    l.update_elements = size();
+    l.forward_seconds = in.get<double>();
+    l.backward_seconds = in.get<double>();
+    l.weight_tier = static_cast<int8_t>(in.get<uint8_t>()) % 4;
+    l.state_tier = static_cast<int8_t>(in.get<uint8_t>()) % 4;
+    pointers.push_back(in.get<uint8_t>() == 255 ? nullptr : &l);
+  }
+  strata_placement_request_t q;
+  strata_placement_request_init(&q);
+  q.layers = pointers.data();
+  q.layer_count = static_cast<uint32_t>(pointers.size());
+  q.staging_slots = in.get<uint8_t>() % 8;
+  q.max_staging_slots = in.get<uint8_t>() % 8;
+  q.prefetch_depth = in.get<uint8_t>();
+  q.dram_budget_bytes = size();
+  q.nvme_budget_bytes = size();
+  q.other_device_seconds = in.get<double>();
+  q.h2d_bytes_per_second = in.get<double>();
+  q.d2h_bytes_per_second = in.get<double>();
+  q.nvme_read_bytes_per_second = in.get<double>();
+  q.nvme_write_bytes_per_second = in.get<double>();
+  q.nvme_mixed = in.get<double>();
+  q.update_elements_per_second = in.get<double>();
+  q.updates_after_backward = in.get<uint8_t>() % 2;
+  strata_placement_t* p = nullptr;
+  if (strata_placement_create(nullptr, &q, &p) == STRATA_OK) {
+    strata_placement_info_t info{};
+    info.struct_size = STRATA_PLACEMENT_INFO_STRUCT_SIZE;
+    (void)strata_placement_get_info(p, &info);
+    int32_t w = 0, st = 0;
+    (void)strata_placement_get_layer(p, in.get<uint8_t>(), &w, &st);
+    char buf[512];
+    size_t needed = 0;
+    (void)strata_placement_dump(p, in.get<uint8_t>() % 3, buf, sizeof buf, &needed);
+    (void)strata_placement_destroy(p);
+  }
 }
 
 }  // namespace
@@ -144,5 +200,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)strata_graph_destroy(graph);
   }
   for (strata_tensor_t* t : tensors) (void)strata_tensor_unregister(rt, t);
+  fuzz_placement(in);
   return 0;
 }

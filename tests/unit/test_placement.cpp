@@ -206,6 +206,15 @@ TEST_CASE("placement: hostile sizes are refused, a deep model is planned") {
   CHECK(s.message().find("above the") != std::string::npos);
   r.layers.assign(kMaxPlacementLayers + 1, layer(1000, 6000));
   CHECK(choose_placement(r, &p).code() == Code::kInvalidArgument);
+  // Rates and times that would make simulated times infinite.
+  r.layers.assign(2, layer(1000, 6000));
+  r.rates.nvme_read = 1e-300;
+  CHECK(choose_placement(r, &p).code() == Code::kInvalidArgument);
+  r.rates.nvme_read = 0;
+  r.layers[0].backward_seconds = 1e300;
+  s = choose_placement(r, &p);
+  CHECK(s.code() == Code::kInvalidArgument);
+  CHECK(s.message().find("at most") != std::string::npos);
   // 2000 layers with state spilling: the search and each simulation stay near-linear (a
   // quadratic scheduler took minutes here), and the choice is a suffix that fits.
   r.layers.assign(2000, layer(1000, 6000, 0.01, 0.02));
