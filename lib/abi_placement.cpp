@@ -124,9 +124,12 @@ STRATA_API strata_status_t strata_placement_create(strata_runtime_t* runtime,
         const TierUsage u = rt.tier_usage(Tier::kNvme);
         r.nvme_budget = u.budget - u.used;
       }
-      // Invalid requests are refused before any measurement costs time.
-      if (r.layers.empty())
-        return error(Code::kInvalidArgument, "the placement request has no layers");
+      // A request that is invalid, or that no placement fits, is refused before any
+      // measurement costs time (a choice with the rates not counted decides that).
+      Placement dry;
+      PlacementRequest unmeasured = r;
+      if (unmeasured.rates.nvme_mixed == 0) unmeasured.rates.nvme_mixed = 1;
+      STRATA_RETURN_IF_ERROR(choose_placement(unmeasured, &dry));
       STRATA_RETURN_IF_ERROR(measure_missing(rt, &r.rates, nvme && r.nvme_budget > 0));
     }
     if (r.rates.nvme_mixed == 0) r.rates.nvme_mixed = 1;

@@ -1319,9 +1319,9 @@ strata_status_t strata_placement_layer_init(strata_placement_layer_t* layer);
  * is not DRAM, NVMe or STRATA_HOME_CHOOSE, a negative or non-finite rate or time, nvme_mixed
  * outside 0.5..1, staging_slots above max_staging_slots), OUT_OF_MEMORY (no placement fits the
  * budgets: the message says what DRAM needs at least and what it has; or a measurement's scratch
- * memory was refused), UNSUPPORTED (a rate to measure on a runtime without the tier it needs).
- * Thread-safe with respect to other runtimes; measurements on one runtime serialize with its
- * allocations. */
+ * memory was refused). On a runtime without an NVMe tier (or with no NVMe budget) the disk's
+ * rates are not measured: nothing can spill. Thread-safe with respect to other runtimes;
+ * measurements on one runtime serialize with its allocations. */
 STRATA_API_SINCE(1, 2)
 strata_status_t strata_placement_create(strata_runtime_t* runtime,
                                         const strata_placement_request_t* request,

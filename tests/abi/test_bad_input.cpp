@@ -502,6 +502,11 @@ TEST_CASE("placement: bad requests are refused by name, good ones measure and ch
   }
   strata_placement_request_t q;
   STRATA_REQUIRE_OK(strata_placement_request_init(&q));
+  REQUIRE(q.struct_size == STRATA_PLACEMENT_REQUEST_STRUCT_SIZE);
+  REQUIRE(q.max_staging_slots == 4);  // the defaults the header documents
+  REQUIRE(q.prefetch_depth == 1);
+  REQUIRE(q.updates_after_backward == 1);
+  REQUIRE(q.staging_slots == 0);
   q.layers = pointers;
   q.layer_count = 3;
   q.dram_budget_bytes = 64 * kMiB;
@@ -536,6 +541,15 @@ TEST_CASE("placement: bad requests are refused by name, good ones measure and ch
   slots.staging_slots = 9;
   STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &slots, &p), STRATA_ERROR_INVALID_ARGUMENT,
                        "staging_slots 9");
+  layers[1].struct_size = 8;  // each layer's own struct_size is checked
+  STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &q, &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "strata_placement_layer_t.struct_size");
+  layers[1].struct_size = STRATA_PLACEMENT_LAYER_STRUCT_SIZE;
+  const strata_placement_layer_t* holes[3] = {&layers[0], nullptr, &layers[2]};
+  strata_placement_request_t with_hole = q;
+  with_hole.layers = holes;
+  STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &with_hole, &p),
+                       STRATA_ERROR_INVALID_ARGUMENT, "layers[1] is NULL");
   layers[1].state_tier = 7;
   STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &q, &p), STRATA_ERROR_INVALID_ARGUMENT,
                        "state tier 7");
@@ -607,6 +621,20 @@ TEST_CASE("placement: bad requests are refused by name, good ones measure and ch
   STRATA_REQUIRE_OK(strata_placement_get_layer(p, 0, nullptr, &s));
   REQUIRE(s == STRATA_TIER_DRAM);
   strata_placement_destroy(p);
+  // A DRAM budget of 0 is what the runtime's DRAM tier has free (32 MiB): all fits there, and
+  // a runtime without an NVMe budget left leaves nothing to spill to.
+  strata_placement_request_t from_tiers = q;
+  from_tiers.dram_budget_bytes = 0;
+  STRATA_REQUIRE_OK(strata_placement_create(r.get(), &from_tiers, &p));
+  STRATA_REQUIRE_OK(strata_placement_get_info(p, &info));
+  REQUIRE(info.nvme_bytes == 0);
+  REQUIRE(info.dram_bytes == 24 * kMiB);
+  strata_placement_destroy(p);
+  RuntimePtr no_nvme = host_runtime();  // 64 MiB of DRAM, no NVMe tier
+  strata_placement_request_t tight_host = q;
+  tight_host.dram_budget_bytes = 8 * kMiB;
+  STRATA_REQUIRE_ERROR(strata_placement_create(no_nvme.get(), &tight_host, &p),
+                       STRATA_ERROR_OUT_OF_MEMORY, "an NVMe budget lets");
   // The measurement gave back what it borrowed.
   strata_tier_usage_t u{};
   u.struct_size = STRATA_TIER_USAGE_STRUCT_SIZE;
