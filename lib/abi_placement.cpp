@@ -80,6 +80,10 @@ STRATA_API strata_status_t strata_placement_create(strata_runtime_t* runtime,
     if (q.layer_count > 0 && q.layers == nullptr) {
       return error(Code::kInvalidArgument, "layers is NULL with a layer_count of ", q.layer_count);
     }
+    if (q.layer_count > kMaxPlacementLayers) {  // before copying any of them
+      return error(Code::kInvalidArgument, "the placement request has ", q.layer_count,
+                   " layers; at most ", kMaxPlacementLayers, " are simulated");
+    }
     PlacementRequest r;
     for (uint32_t i = 0; i < q.layer_count; ++i) {
       strata_placement_layer_t l{};
@@ -120,7 +124,9 @@ STRATA_API strata_status_t strata_placement_create(strata_runtime_t* runtime,
       Runtime& rt = *runtime->impl;
       const bool nvme = rt.tier_available(Tier::kNvme);
       if (r.dram_budget == 0) r.dram_budget = rt.tier_usage(Tier::kDram).largest_free;
-      if (r.nvme_budget == 0 && nvme) {
+      if (!nvme) {
+        r.nvme_budget = 0;  // nothing can spill to a tier the runtime does not have
+      } else if (r.nvme_budget == 0) {
         const TierUsage u = rt.tier_usage(Tier::kNvme);
         r.nvme_budget = u.budget - u.used;
       }

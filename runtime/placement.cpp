@@ -16,9 +16,10 @@ namespace {
 // ---- A list scheduler: tasks on single-server resources, started in time order ----------------
 //
 // Each task runs on one resource for a fixed time once its dependencies have ended. A resource
-// serves, whenever it is free, the ready task that became ready first (ties: the lower
-// priority value). Picking the task with the earliest possible start over all resources keeps
-// time moving forward, so a request issued later never overtakes one issued earlier.
+// serves, whenever it is free, the ready task with the lowest priority value (the order the
+// runtime issues work in); idle, the first task to become ready. Picking the task with the earliest
+// possible start over all resources keeps time moving forward, so a request issued later never
+// overtakes one issued earlier.
 
 enum Resource : int { kCompute, kH2d, kD2h, kDisk, kCpu, kResources };
 
@@ -129,6 +130,11 @@ double seconds(uint64_t bytes, double rate, double factor = 1) {
   return rate > 0 ? static_cast<double>(bytes) / rate * factor : 0;
 }
 
+// What an update stages through DRAM and writes back: its NVMe-homed state and weights.
+uint64_t staged_bytes(const PlacementLayer& l, const LayerHome& h) {
+  return (h.state_on_nvme ? l.state_bytes : 0) + (h.weights_on_nvme ? l.weight_bytes : 0);
+}
+
 // Steps simulated: the first fills the pipeline, the period is measured over the rest.
 constexpr int kSteps = 4;
 
@@ -140,7 +146,7 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
   const std::size_t n = layers.size();
   const PlacementRates& rate = request.rates;
   const double mixed = rate.nvme_mixed > 0 ? rate.nvme_mixed : 1;
-  const uint32_t depth = std::max<uint32_t>(1, request.prefetch_depth);
+  const std::size_t depth = std::max<std::size_t>(1, request.prefetch_depth);
   Schedule sched;
   double disk_read = 0, disk_write = 0;
   auto read = [&](uint64_t bytes, long priority, std::initializer_list<int> deps) {
@@ -157,7 +163,7 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
   std::vector<int> position_compute, position_out;  // the executor's sequence, all steps
   std::vector<int> step_end(kSteps, -1);
   std::vector<std::vector<int>> updates(kSteps);  // each step's update tasks
-  int previous_compute = -1, previous_backward_end = -1;
+  int previous_compute = -1, previous_backward_end = -1, previous_first = -1;
   long seq = 0;  // priorities: the order things are issued in
   for (int s = 0; s < kSteps; ++s) {
     // The optimizer reads ahead the NVMe-homed state of this step's updates from its start
@@ -167,8 +173,7 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
     for (std::size_t i = 0; i < n; ++i) {
       if (layers[i].state_bytes == 0 || !(homes[i].state_on_nvme || homes[i].weights_on_nvme))
         continue;
-      const uint64_t bytes =
-          layers[i].state_bytes + (homes[i].weights_on_nvme ? layers[i].weight_bytes : 0);
+      const uint64_t bytes = staged_bytes(layers[i], homes[i]);
       staged[i] = read(bytes, seq++, {previous_backward_end, written_back[i]});
       stage_index[i] = stage_reads.size();
       stage_reads.push_back(staged[i]);
@@ -183,13 +188,16 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
       // The forward pass loads a layer once its last update is in (an NVMe-homed weight: once
       // written back); the backward pass loads the same values again.
       const int current = backward ? -1 : weights_current[i];
+      // The executor issues its loads in order: one waits for the one before it to start
+      // its first leg (approximated: to end it).
       int first, load;
       if (homes[i].weights_on_nvme) {  // disk -> staging -> HBM
-        first = read(l.weight_bytes, seq++, {current});
+        first = read(l.weight_bytes, seq++, {current, previous_first});
         load = sched.add(kH2d, h2d, seq++, {first});
       } else {
-        first = load = sched.add(kH2d, h2d, seq++, {current});
+        first = load = sched.add(kH2d, h2d, seq++, {current, previous_first});
       }
+      previous_first = first;
       // Its HBM slot is the one `depth + 1` positions back: free once that one computed and
       // sent its grads out.
       if (p >= depth + 1) {
@@ -228,9 +236,7 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
       weights_current[i] = update;
       updates[static_cast<std::size_t>(s)].push_back(update);
       if (staged[i] < 0) continue;
-      const uint64_t bytes =
-          layers[i].state_bytes + (homes[i].weights_on_nvme ? layers[i].weight_bytes : 0);
-      const double t = seconds(bytes, rate.nvme_write, mixed);
+      const double t = seconds(staged_bytes(layers[i], homes[i]), rate.nvme_write, mixed);
       disk_write += t;
       const int write = sched.add(kDisk, t, seq++, {update});
       stage_writes[stage_index[i]] = write;
@@ -328,10 +334,15 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
     return error(Code::kInvalidArgument, "the placement request has ", n, " layers; at most ",
                  kMaxPlacementLayers, " are simulated");
   }
-  if (request.max_staging_slots == 0 || request.staging_slots > request.max_staging_slots) {
+  if (request.max_staging_slots == 0 || request.max_staging_slots > kMaxStagingSlots ||
+      request.staging_slots > request.max_staging_slots) {
     return error(Code::kInvalidArgument, "staging_slots ", request.staging_slots,
                  " must be at most max_staging_slots ", request.max_staging_slots,
-                 ", which must be >= 1");
+                 ", which must be 1..", kMaxStagingSlots, " (what the optimizer stages at once)");
+  }
+  if (request.prefetch_depth > kMaxPrefetchDepth) {
+    return error(Code::kInvalidArgument, "prefetch_depth ", request.prefetch_depth, " is above ",
+                 kMaxPrefetchDepth);
   }
   const PlacementRates& r = request.rates;
   for (double v : {r.h2d, r.d2h, r.nvme_read, r.nvme_write, r.nvme_mixed, r.update_elements,
@@ -339,7 +350,7 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
     if (!(v >= 0) || std::isinf(v))
       return error(Code::kInvalidArgument, "placement rates and times must be finite and >= 0");
   }
-  // Bounds that keep every simulated time finite (2^50 bytes at 1 B/s, a million tasks).
+  // Bounds that keep every simulated time finite (2^44 bytes at 1 B/s, a million tasks).
   for (double v : {r.h2d, r.d2h, r.nvme_read, r.nvme_write, r.update_elements}) {
     if (v > 0 && v < 1) {
       return error(Code::kInvalidArgument, "a placement rate of ", v,
@@ -363,7 +374,7 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
     STRATA_RETURN_IF_ERROR(check_tier(l.weight_tier, layer_name(request, i), "weight"));
     STRATA_RETURN_IF_ERROR(check_tier(l.state_tier, layer_name(request, i), "state"));
     for (uint64_t v : {l.weight_bytes, l.grad_bytes, l.state_bytes, l.update_elements}) {
-      // Sums over every layer stay far from wrapping, and no host has 2^50 bytes.
+      // Sums over every layer (3 roles x 16384 layers x 2^44) stay below 2^64.
       if (v > kMaxLayerBytes) {
         return error(Code::kInvalidArgument, "layer '", layer_name(request, i), "': a size of ", v,
                      " is above the ", kMaxLayerBytes, " a layer may declare");
@@ -376,6 +387,10 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
     }
     fixed[i].weights_on_nvme = l.weight_tier == 2;
     fixed[i].state_on_nvme = l.state_tier == 2 && l.state_bytes > 0;
+    if ((l.weight_tier == 2 || l.state_tier == 2) && request.nvme_budget == 0) {
+      return error(Code::kInvalidArgument, "layer '", layer_name(request, i),
+                   "' has a home fixed on NVMe, and the NVMe budget is 0");
+    }
     if (l.state_tier == -1 && l.state_bytes > 0) state_choosable.push_back(i);
     if (l.weight_tier == -1) weight_choosable.push_back(i);
   }
@@ -387,10 +402,9 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
       request.staging_slots ? request.staging_slots : request.max_staging_slots;
 
   const auto& L = request.layers;
-  bool found = false;
-  Placement best;
+  std::vector<Placement> fits;
   uint64_t least_dram = std::numeric_limits<uint64_t>::max();
-  uint32_t candidates = 0;
+  uint64_t least_nvme = std::numeric_limits<uint64_t>::max();  // of those DRAM holds
   for (uint32_t slots = first_slots; slots <= last_slots; ++slots) {
     // The weights of the last w layers on NVMe, then the least state spilled (the last k
     // layers') that fits DRAM: DRAM first. More weights spilled frees DRAM for state but moves
@@ -428,8 +442,9 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
       }
       least_dram = std::min(least_dram, dram());
       if (dram() > request.dram_budget) continue;  // more weights out may make it fit
-      if (f.nvme > request.nvme_budget) break;     // more weights out only needs more NVMe
-      ++candidates;
+      least_nvme = std::min(least_nvme, f.nvme);
+      // More weights out may need less state out, and so less NVMe: keep looking.
+      if (f.nvme > request.nvme_budget) continue;
       Placement c;
       c.homes = std::move(h);
       c.staging_slots = staged ? slots : 0;
@@ -440,29 +455,42 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
       const double a = c.prediction.step_seconds;
       slower = a >= best_here ? slower + 1 : 0;
       best_here = std::min(best_here, a);
-      // Fastest first; within 1% of it, the fewest bytes on NVMe, then the fewest slots.
-      const double b = best.prediction.step_seconds;
-      const bool better =
-          !found || a < b * 0.99 ||
-          (a <= b * 1.01 &&
-           (c.nvme_bytes < best.nvme_bytes ||
-            (c.nvme_bytes == best.nvme_bytes && c.staging_slots < best.staging_slots && a <= b)));
-      if (better) {
-        best = std::move(c);
-        found = true;
-      }
+      fits.push_back(std::move(c));
       if (!staged) break;  // nothing on NVMe: neither slots nor more weights out can help
     }
     if (!nvme) break;
   }
-  if (!found) {
+  if (fits.empty() && least_nvme != std::numeric_limits<uint64_t>::max()) {
+    return error(Code::kOutOfMemory,
+                 "no placement fits: with what DRAM holds, NVMe needs at "
+                 "least ",
+                 least_nvme, " bytes (", gib(least_nvme), ") and the budget is ",
+                 request.nvme_budget, " (", gib(request.nvme_budget), ")");
+  }
+  if (fits.empty()) {
     return error(Code::kOutOfMemory, "no placement fits: DRAM needs at least ", least_dram,
                  " bytes (", gib(least_dram), ": every grad, ",
                  nvme ? "one staging slot and what cannot go to NVMe" : "weights and state",
                  ") and the budget is ", request.dram_budget, " (", gib(request.dram_budget), ")",
                  nvme ? "" : "; an NVMe budget lets state and weights spill");
   }
-  best.candidates = candidates;
+  // The fastest; of those within 1% of it, the fewest bytes on NVMe, then the fewest slots,
+  // then the faster.
+  double fastest = std::numeric_limits<double>::infinity();
+  for (const Placement& c : fits) fastest = std::min(fastest, c.prediction.step_seconds);
+  std::size_t pick = fits.size();
+  for (std::size_t i = 0; i < fits.size(); ++i) {
+    const Placement& c = fits[i];
+    if (c.prediction.step_seconds > fastest * 1.01) continue;
+    const bool better = pick == fits.size() || c.nvme_bytes < fits[pick].nvme_bytes ||
+                        (c.nvme_bytes == fits[pick].nvme_bytes &&
+                         (c.staging_slots < fits[pick].staging_slots ||
+                          (c.staging_slots == fits[pick].staging_slots &&
+                           c.prediction.step_seconds < fits[pick].prediction.step_seconds)));
+    if (better) pick = i;
+  }
+  Placement best = std::move(fits[pick]);
+  best.candidates = static_cast<uint32_t>(fits.size());
   best.rates = request.rates;
   for (std::size_t i = 0; i < n; ++i) best.names.push_back(layer_name(request, i));
   *out = std::move(best);

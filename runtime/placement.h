@@ -26,7 +26,9 @@ namespace strata {
 // Bounds on a request (hostile input through the C ABI): each simulation is O(layers log
 // layers), and byte sums over every layer must not wrap.
 constexpr std::size_t kMaxPlacementLayers = 16384;
-constexpr uint64_t kMaxLayerBytes = 1ull << 50;
+constexpr uint64_t kMaxLayerBytes = 1ull << 44;  // 3 roles x 16384 layers x 2^44 < 2^64
+constexpr uint32_t kMaxStagingSlots = 4;         // the optimizer's own limit
+constexpr uint32_t kMaxPrefetchDepth = 1024;
 constexpr double kMaxSeconds = 1e9;  // a layer's pass, or the rest of a step
 
 struct PlacementLayer {
@@ -97,8 +99,8 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
 
 // Chooses homes and a staging slot count under the budgets, fastest predicted step first, then
 // the fewest bytes on NVMe. Errors: kInvalidArgument (no layers, a fixed tier that is not DRAM
-// or NVMe, NVMe homes without an NVMe budget), kOutOfMemory (nothing fits: the message says
-// what DRAM needs at least and what it has).
+// or NVMe, a home fixed on NVMe without an NVMe budget, sizes, rates or times out of bounds),
+// kOutOfMemory (nothing fits: the message says what DRAM, or else NVMe, needs at least).
 Status choose_placement(const PlacementRequest& request, Placement* out);
 
 std::string placement_to_json(const Placement& placement);

@@ -1279,7 +1279,7 @@ typedef struct strata_placement_request {
   const strata_placement_layer_t* const* layers;
   uint32_t layer_count;
   uint32_t staging_slots;     /* 0 = choose, 1..max_staging_slots */
-  uint32_t max_staging_slots; /* 0 = 4, what the optimizer stages at once at most */
+  uint32_t max_staging_slots; /* 0 = 4, what the optimizer stages at once at most; 1..4 */
   uint32_t prefetch_depth;    /* layers loaded ahead of the compute; 0 = 1 */
   /* 0 = what the runtime's tier has free (DRAM's largest free block; NVMe's free bytes), or
    * none without a runtime. */
@@ -1314,11 +1314,13 @@ strata_status_t strata_placement_layer_init(strata_placement_layer_t* layer);
  * not counted / none); used only to measure rates and read budgets, never changed beyond the
  * scratch memory a measurement borrows and gives back. request: borrowed. out_placement: owned
  * by the caller (strata_placement_destroy). Errors: INVALID_ARGUMENT (NULL request or output,
- * bad struct_size, no layers or more than 16384, a size above 2^50 bytes or elements, a rate
- * between 0 and 1 per second, a time above 1e9 s, a tier that
+ * bad struct_size, no layers or more than 16384, a size above 2^44 bytes or elements, a rate
+ * between 0 and 1 per second, a time above 1e9 s, max_staging_slots above 4, prefetch_depth
+ * above 1024, a home fixed on NVMe with no NVMe budget, a tier that
  * is not DRAM, NVMe or STRATA_HOME_CHOOSE, a negative or non-finite rate or time, nvme_mixed
  * outside 0.5..1, staging_slots above max_staging_slots), OUT_OF_MEMORY (no placement fits the
- * budgets: the message says what DRAM needs at least and what it has; or a measurement's scratch
+ * budgets: the message says what DRAM, or else NVMe, needs at least and what it has; or a
+ * measurement's scratch
  * memory was refused). On a runtime without an NVMe tier (or with no NVMe budget) the disk's
  * rates are not measured: nothing can spill. Thread-safe with respect to other runtimes;
  * measurements on one runtime serialize with its allocations. */

@@ -635,6 +635,9 @@ TEST_CASE("placement: bad requests are refused by name, good ones measure and ch
   tight_host.dram_budget_bytes = 8 * kMiB;
   STRATA_REQUIRE_ERROR(strata_placement_create(no_nvme.get(), &tight_host, &p),
                        STRATA_ERROR_OUT_OF_MEMORY, "an NVMe budget lets");
+  tight_host.nvme_budget_bytes = 1ull << 30;  // a budget for a tier this runtime lacks: ignored
+  STRATA_REQUIRE_ERROR(strata_placement_create(no_nvme.get(), &tight_host, &p),
+                       STRATA_ERROR_OUT_OF_MEMORY, "an NVMe budget lets");
   // The measurement gave back what it borrowed.
   strata_tier_usage_t u{};
   u.struct_size = STRATA_TIER_USAGE_STRUCT_SIZE;

@@ -71,8 +71,8 @@ void fuzz_placement(Input& in) {
   q.layers = pointers.data();
   q.layer_count = static_cast<uint32_t>(pointers.size());
   q.staging_slots = in.get<uint8_t>() % 8;
-  q.max_staging_slots = in.get<uint8_t>() % 8;
-  q.prefetch_depth = in.get<uint8_t>();
+  q.max_staging_slots = in.get<uint8_t>() % 2 ? in.get<uint8_t>() % 8 : in.get<uint32_t>();
+  q.prefetch_depth = in.get<uint8_t>() % 2 ? in.get<uint8_t>() : in.get<uint32_t>();
   q.dram_budget_bytes = size();
   q.nvme_budget_bytes = size();
   q.other_device_seconds = in.get<double>();

@@ -1014,6 +1014,19 @@ def test_placement_refusals():
         strata.core.place(layers, dram_budget=1 << 20)
 
 
+def test_nvme_budget_too_small_is_refused(tmp_path):
+    """An nvme_budget that cannot hold what DRAM leaves over is refused by offload, with
+    nothing changed (the check and the choice use the same NVMe figure)."""
+    model = build("llama")
+    counts = [[p.numel() for p in b.parameters()] for b in blocks_of(model)]
+    host = smallest_host_budget(counts, 4)
+    for budget in (1 << 20, (64 << 20) * len(counts) + (1 << 20)):
+        with pytest.raises(ValueError, match="nothing was changed"):
+            st.offload(model, device=DEVICE, nvme=str(tmp_path / "t"), host_budget=host,
+                       nvme_budget=budget)
+        assert getattr(model, "strata", None) is None
+
+
 def smallest_host_budget(counts, element_size):
     """The least host_budget offload accepts with NVMe: every block's weights on NVMe."""
     layers = strata.core.placement_layers(counts, element_size)
@@ -1032,8 +1045,8 @@ def smallest_host_budget(counts, element_size):
 def test_optimizer_state_on_nvme(placement, offload, tmp_path):
     """Idiom: a model whose training state does not fit in host memory, offloaded with an NVMe
     tier: the optimizer state staged from NVMe trains exactly as plain PyTorch, and the
-    placement says where it is. "planned" with a host_budget a byte short of everything
-    (4 blocks) puts the last blocks' state on NVMe; "weights", a host_budget that holds only the
+    placement says where it is. "planned" with a host_budget for two of four blocks' state
+    and a staging slot puts the last blocks' state on NVMe; "weights", a host_budget that holds only the
     grads and the staging, puts every block's weights on NVMe too."""
     base = build("llama", layers=4 if placement == "planned" else 2)
     data = batches(STEPS)
@@ -1044,11 +1057,12 @@ def test_optimizer_state_on_nvme(placement, offload, tmp_path):
     if placement == "weights":
         kwargs["host_budget"] = smallest_host_budget(counts, 4)
     if placement == "planned":
-        # A byte short of everything in DRAM: some blocks' state must go, and with one slot
-        # to stage through, the last two blocks' do (fp32 weights: m and v).
+        # Room for the weights, the grads, the first two blocks' state and one staging slot:
+        # the last blocks' state goes to NVMe (fp32 weights: m and v).
         layers = strata.core.placement_layers(counts, 4)
-        kwargs["host_budget"] = sum(
-            l["weight_bytes"] + l["grad_bytes"] + l["state_bytes"] for l in layers) - 1
+        kwargs["host_budget"] = (sum(l["weight_bytes"] + l["grad_bytes"] for l in layers)
+                                 + sum(l["state_bytes"] for l in layers[:2])
+                                 + max(l["state_bytes"] for l in layers))
     model = offload(deepcopy(base), **kwargs)
     opt = strata_adamw(model.parameters())
     line = model.strata.placement()

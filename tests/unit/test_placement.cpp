@@ -72,8 +72,12 @@ TEST_CASE("placement: state on NVMe costs its reads and writes, overlapped as me
   CHECK(serial.nvme_write == Approx(8.0));
   CHECK(serial.step_seconds == Approx(12.0).margin(0.01));
   CHECK(serial.bottleneck == "nvme");
-  r.rates.nvme_mixed = 0.5;  // the disk overlaps reads with writes fully
-  CHECK(predict_step(r, homes, 4).step_seconds == Approx(6.0).margin(0.01));
+  // The disk overlapping reads with writes fully: at equal rates, half the time.
+  r.rates.nvme_write = 6000;
+  CHECK(predict_step(r, homes, 4).step_seconds == Approx(8.0).margin(0.01));
+  r.rates.nvme_mixed = 0.5;
+  CHECK(predict_step(r, homes, 4).step_seconds == Approx(4.0).margin(0.01));
+  r.rates.nvme_write = 3000;
   // One slot: each read waits for the previous layer's write-back, still disk-bound.
   r.rates.nvme_mixed = 1;
   CHECK(predict_step(r, homes, 1).step_seconds >= serial.step_seconds - 1e-9);
@@ -226,4 +230,55 @@ TEST_CASE("placement: hostile sizes are refused, a deep model is planned") {
   CHECK(p.homes.back().state_on_nvme);
   CHECK_FALSE(p.homes.front().state_on_nvme);
   CHECK(p.prediction.step_seconds > 0);
+}
+
+TEST_CASE("placement: review regressions (bounds, a fit behind an NVMe overflow, staged bytes)") {
+  PlacementRequest r;
+  r.layers = {layer(1000, 6000), layer(1000, 6000)};
+  r.dram_budget = 1 << 20;
+  Placement p;
+  r.prefetch_depth = UINT32_MAX;  // depth + 1 wrapped to 0 and indexed out of bounds
+  CHECK(choose_placement(r, &p).code() == Code::kInvalidArgument);
+  r.prefetch_depth = 1;
+  r.max_staging_slots = 5;  // looped 4 billion times at UINT32_MAX
+  CHECK(choose_placement(r, &p).code() == Code::kInvalidArgument);
+  r.max_staging_slots = 4;
+  r.layers[0].grad_bytes = kMaxLayerBytes + 1;  // 16384 of these wrapped the DRAM sum to 0
+  CHECK(choose_placement(r, &p).code() == Code::kInvalidArgument);
+  r.layers[0].grad_bytes = 1000;
+  r.layers[1].weight_tier = 2;  // fixed on NVMe without an NVMe budget
+  Status s = choose_placement(r, &p);
+  CHECK(s.code() == Code::kInvalidArgument);
+  CHECK(s.message().find("NVMe budget is 0") != std::string::npos);
+
+  // No weights out: state must all go (NVMe 85 > 70). One layer's weights out: two layers'
+  // state suffices (DRAM 82, NVMe 65). The search once stopped at the first NVMe overflow.
+  PlacementRequest q;
+  q.layers = {layer(1, 30), layer(1, 50), layer(10, 5)};
+  for (auto& l : q.layers) l.grad_bytes = 0;
+  q.staging_slots = 1;
+  q.dram_budget = 85;
+  q.nvme_budget = 70;
+  REQUIRE(choose_placement(q, &p).is_ok());
+  CHECK(p.homes[2].weights_on_nvme);
+  CHECK(p.nvme_bytes == 65);
+  CHECK(p.dram_bytes == 82);
+  q.nvme_budget = 60;  // now nothing fits, and the message says NVMe is what is short
+  s = choose_placement(q, &p);
+  CHECK(s.code() == Code::kOutOfMemory);
+  CHECK(s.message().find("NVMe needs at least 65") != std::string::npos);
+
+  // Weights on NVMe, state in DRAM: the update stages and writes back the weights only; the
+  // executor reads them twice more (forward and backward).
+  PlacementRequest w;
+  w.layers = {layer(1000, 6000)};
+  w.layers[0].weight_tier = 2;
+  w.layers[0].state_tier = 1;
+  w.rates.nvme_read = w.rates.nvme_write = 1000;
+  w.dram_budget = 1 << 20;
+  w.nvme_budget = 1 << 20;
+  REQUIRE(choose_placement(w, &p).is_ok());
+  CHECK(p.slot_bytes == 1000);
+  CHECK(p.prediction.nvme_read == Approx(3.0));
+  CHECK(p.prediction.nvme_write == Approx(1.0));
 }

@@ -58,8 +58,10 @@ NVME_DRAM_MARGIN = 16 << 20
 def placement_layers(blocks, element_size, frozen=None, state_tier="choose"):
     """Per block, the sizes a placement (place()) weighs for streaming `blocks` (per block, the
     element counts of its trainable tensors; `frozen`: of its frozen ones, weights only) with
-    AdamW: bf16/f16/f32 weights and grads, the state (an fp32 master unless the weights are
-    fp32, m, v), each tensor at the DRAM arena's 4 KiB rounding: what the arena holds, exactly."""
+    AdamW: bf16/f16/f32 weights and grads, each at the DRAM arena's 4 KiB rounding and a page
+    of alignment skew, and the state (an fp32 master unless the weights are fp32, m, v) as the
+    optimizer's PLANNED placement counts a param's state (its bytes, 1/64 more and 24 KiB), so
+    a placement never plans more into DRAM than the optimizer then puts there."""
     page = 4096
 
     def rounded(n):
@@ -67,9 +69,13 @@ def placement_layers(blocks, element_size, frozen=None, state_tier="choose"):
 
     copies = state_bytes_per_param(element_size) // 4
     frozen = frozen or [[] for _ in blocks]
-    return [{"weight_bytes": sum(rounded(n * element_size) for n in b + f),
-             "grad_bytes": sum(rounded(n * element_size) for n in b),
-             "state_bytes": sum(copies * rounded(n * 4) for n in b),
+    def state(n):  # optimizer_params.cpp: need = bytes + bytes / 64 + 3 * 8192
+        b = copies * n * 4
+        return b + b // 64 + 3 * 8192
+
+    return [{"weight_bytes": sum(rounded(n * element_size) + page for n in b + f),
+             "grad_bytes": sum(rounded(n * element_size) + page for n in b),
+             "state_bytes": sum(state(n) for n in b),
              "update_elements": sum(b), "state_tier": state_tier}
             for b, f in zip(blocks, frozen)]
 

@@ -350,19 +350,32 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         for i, layer in enumerate(layers):
             layer["name"] = "blocks.%d" % i
         if host_budget is None:
-            host_budget = min(core.full_dram(layers), int(_mem_available() * 0.85))
+            available = _mem_available()
+            host_budget = core.full_dram(layers)
+            if available is not None:
+                host_budget = min(host_budget, int(available * 0.85))
+        # The NVMe tier holds what the placement puts there, 5% more for its per-tensor
+        # alignment and 64 MiB a block: the placement may use (budget - margin) / 1.05, the
+        # same figure here (the check) and in session.place (the choice).
+        margin = (64 << 20) * len(layers)
         if not nvme_budget:
-            # Room for everything that could spill (5% for its alignment), at most what the
-            # disks have free: the runtime preallocates its files.
-            nvme_budget = min(
-                int(sum(l["weight_bytes"] + l["state_bytes"] for l in layers) * 1.05)
-                + (64 << 20) * len(layers), _disk_free(nvme))
+            # Room for everything that could spill, at most what the disks have free: the
+            # runtime preallocates its files.
+            spillable = sum(l["weight_bytes"] + l["state_bytes"] for l in layers)
+            nvme_budget = min(-(-spillable * 105 // 100) + margin, _disk_free(nvme))
+        place_nvme = (nvme_budget - margin) * 100 // 105
+        if place_nvme <= 0:
+            raise ValueError("strata.torch.offload: nvme_budget %d bytes leaves no room for "
+                             "training state after the tier's margins (64 MiB a block and 5%%); "
+                             "nothing was changed" % nvme_budget)
         try:
-            core.place(layers, dram_budget=host_budget, nvme_budget=nvme_budget)
+            core.place(layers, dram_budget=host_budget, nvme_budget=place_nvme)
         except MemoryError as e:
-            raise ValueError("strata.torch.offload: host_budget %d bytes is below what DRAM "
-                             "needs with training state and weights on NVMe (%s); nothing was "
-                             "changed" % (host_budget, e)) from None
+            short = ("host_budget %d bytes is below what DRAM needs" % host_budget
+                     if "DRAM needs" in str(e) else
+                     "nvme_budget %d bytes is below what NVMe needs" % nvme_budget)
+            raise ValueError("strata.torch.offload: %s with training state and weights on NVMe "
+                             "(%s); nothing was changed" % (short, e)) from None
     elif host_budget is not None and host_budget < _estimate_dram(blocks, dtype, mesh):
         raise ValueError("strata.torch.offload: host_budget %d bytes is below the %d bytes the "
                          "streamed blocks need in pinned DRAM (weights, grads, fp32 masters and "
@@ -382,7 +395,10 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     session.weights_source = source
     if layers is not None:
         try:
-            session.place(layers, host_budget, state_placement)
+            session.place(layers, host_budget, place_nvme, state_placement)
+        except MemoryError as e:  # the choice with measured rates fits wherever the check did
+            session.close()
+            raise ValueError("strata.torch.offload: %s; nothing was changed" % e) from None
         except BaseException:
             session.close()
             raise

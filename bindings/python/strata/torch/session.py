@@ -218,22 +218,20 @@ class StrataSession:
         self.optimizer = opt
         self.timed("plan", t)
 
-    def place(self, layers, dram_budget, state_placement=None):
+    def place(self, layers, dram_budget, nvme_budget, state_placement=None):
         """Choose where the streamed blocks' optimizer state and weights live, on NVMe or in
         DRAM (core.place: every split the budgets allow, simulated with the rates measured on
         this runtime, the fastest kept), and set the optimizer's options to realize it: its
         PLANNED state placement fills DRAM in forward order while keeping the staging slots
         free, so the DRAM budget puts exactly the chosen blocks' state on NVMe. `layers`:
-        core.placement_layers of the blocks."""
-        nvme_budget = self.runtime.capabilities().tier_budget_bytes[2]
+        core.placement_layers of the blocks; nvme_budget: what the placement may put on NVMe
+        (the tier less its margins)."""
         choice = core.place(layers, runtime=self.runtime, dram_budget=dram_budget,
-                            nvme_budget=max(0, int((nvme_budget - (64 << 20) * len(layers))
-                                                   / 1.05)))
+                            nvme_budget=nvme_budget)
         self.placement_choice, self.placement_layers = choice, layers
-        # The optimizer fills DRAM param by param, so the block at the boundary may keep part
-        # of its state in DRAM (at most one block less on NVMe than chosen). Nothing spilled:
-        # a page kept free (0 would mean 1/8 of DRAM), so an estimate a little short spills
-        # rather than fails.
+        # The optimizer fills DRAM param by param with the margin placement_layers counts,
+        # so the block at the boundary may keep part of its state in DRAM. Nothing spilled: a
+        # page kept free (0 would mean 1/8 of DRAM).
         staging = choice.info["staging_slots"] * choice.info["slot_bytes"] or 4096
         self.state_options = {"state_placement": state_placement or "planned",
                               "nvme_staging_bytes": staging}
