@@ -1023,7 +1023,7 @@ def test_nvme_budget_too_small_is_refused(tmp_path):
     for budget in (1 << 20, (64 << 20) * len(counts) + (1 << 20)):
         with pytest.raises(ValueError, match="nothing was changed"):
             st.offload(model, device=DEVICE, nvme=str(tmp_path / "t"), host_budget=host,
-                       nvme_budget=budget)
+                       nvme_budget=budget, resident_blocks=0)  # every block streams
         assert getattr(model, "strata", None) is None
 
 
