@@ -133,9 +133,7 @@ STRATA_API strata_status_t strata_placement_create(strata_runtime_t* runtime,
       // A request that is invalid, or that no placement fits, is refused before any
       // measurement costs time (a choice with the rates not counted decides that).
       Placement dry;
-      PlacementRequest unmeasured = r;
-      if (unmeasured.rates.nvme_mixed == 0) unmeasured.rates.nvme_mixed = 1;
-      STRATA_RETURN_IF_ERROR(choose_placement(unmeasured, &dry));
+      STRATA_RETURN_IF_ERROR(choose_placement(r, &dry));
       STRATA_RETURN_IF_ERROR(measure_missing(rt, &r.rates, nvme && r.nvme_budget > 0));
     }
     if (r.rates.nvme_mixed == 0) r.rates.nvme_mixed = 1;

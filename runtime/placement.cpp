@@ -130,7 +130,11 @@ double seconds(uint64_t bytes, double rate, double factor = 1) {
   return rate > 0 ? static_cast<double>(bytes) / rate * factor : 0;
 }
 
-// What an update stages through DRAM and writes back: its NVMe-homed state and weights.
+// Whether a layer's update stages through DRAM (a trainable layer with state or weights on
+// NVMe), and what it stages and writes back: its NVMe-homed state and weights.
+bool staged(const PlacementLayer& l, const LayerHome& h) {
+  return l.state_bytes > 0 && (h.state_on_nvme || h.weights_on_nvme);
+}
 uint64_t staged_bytes(const PlacementLayer& l, const LayerHome& h) {
   return (h.state_on_nvme ? l.state_bytes : 0) + (h.weights_on_nvme ? l.weight_bytes : 0);
 }
@@ -168,15 +172,14 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
   for (int s = 0; s < kSteps; ++s) {
     // The optimizer reads ahead the NVMe-homed state of this step's updates from its start
     // (in forward order, the order its updates run).
-    std::vector<int> staged(n, -1);
+    std::vector<int> reads(n, -1);  // each staged layer's read
     std::vector<std::size_t> stage_index(n, 0);
     for (std::size_t i = 0; i < n; ++i) {
-      if (layers[i].state_bytes == 0 || !(homes[i].state_on_nvme || homes[i].weights_on_nvme))
-        continue;
-      const uint64_t bytes = staged_bytes(layers[i], homes[i]);
-      staged[i] = read(bytes, seq++, {previous_backward_end, written_back[i]});
+      if (!staged(layers[i], homes[i])) continue;
+      reads[i] =
+          read(staged_bytes(layers[i], homes[i]), seq++, {previous_backward_end, written_back[i]});
       stage_index[i] = stage_reads.size();
-      stage_reads.push_back(staged[i]);
+      stage_reads.push_back(reads[i]);
       stage_writes.push_back(-1);
     }
     // The executor: forward 0..n-1, the rest of the model, backward n-1..0.
@@ -226,16 +229,16 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
       if (layers[i].state_bytes == 0) continue;
       const long base = static_cast<long>(s) * 4 * static_cast<long>(n);
       const long priority =
-          base + (staged[i] >= 0 ? 0 : static_cast<long>(n)) + static_cast<long>(i);
+          base + (reads[i] >= 0 ? 0 : static_cast<long>(n)) + static_cast<long>(i);
       const double cpu = rate.update_elements > 0
                              ? static_cast<double>(layers[i].update_elements) / rate.update_elements
                              : 0;
       const int update =
           sched.add(kCpu, cpu, priority,
-                    {request.updates_after_backward ? backward_end : grads_out[i], staged[i]});
+                    {request.updates_after_backward ? backward_end : grads_out[i], reads[i]});
       weights_current[i] = update;
       updates[static_cast<std::size_t>(s)].push_back(update);
-      if (staged[i] < 0) continue;
+      if (reads[i] < 0) continue;
       const double t = seconds(staged_bytes(layers[i], homes[i]), rate.nvme_write, mixed);
       disk_write += t;
       const int write = sched.add(kDisk, t, seq++, {update});
@@ -300,10 +303,7 @@ Footprint footprint(const std::vector<PlacementLayer>& layers, const std::vector
     f.dram += l.grad_bytes;
     (homes[i].weights_on_nvme ? f.nvme : f.dram) += l.weight_bytes;
     (homes[i].state_on_nvme ? f.nvme : f.dram) += l.state_bytes;
-    if (l.state_bytes > 0 && (homes[i].state_on_nvme || homes[i].weights_on_nvme)) {
-      f.slot = std::max(f.slot, (homes[i].state_on_nvme ? l.state_bytes : 0) +
-                                    (homes[i].weights_on_nvme ? l.weight_bytes : 0));
-    }
+    if (staged(l, homes[i])) f.slot = std::max(f.slot, staged_bytes(l, homes[i]));
   }
   f.dram += f.slot * slots;
   return f;
@@ -426,18 +426,16 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
         h[state_choosable[q]].state_on_nvme = true;
       // The footprint without slots, then each further layer's state out, in O(1) each.
       Footprint f = footprint(L, h, 0);
-      bool staged = false;
-      for (std::size_t i = 0; i < n; ++i)
-        staged = staged || (L[i].state_bytes > 0 && (h[i].state_on_nvme || h[i].weights_on_nvme));
-      auto dram = [&] { return f.dram + (staged ? f.slot * slots : 0); };
+      bool any_staged = false;
+      for (std::size_t i = 0; i < n; ++i) any_staged = any_staged || staged(L[i], h[i]);
+      auto dram = [&] { return f.dram + (any_staged ? f.slot * slots : 0); };
       while (dram() > request.dram_budget && k < max_k) {
         const std::size_t j = state_choosable[state_choosable.size() - 1 - k];
         h[j].state_on_nvme = true;
         f.dram -= L[j].state_bytes;
         f.nvme += L[j].state_bytes;
-        f.slot =
-            std::max(f.slot, L[j].state_bytes + (h[j].weights_on_nvme ? L[j].weight_bytes : 0));
-        staged = true;
+        f.slot = std::max(f.slot, staged_bytes(L[j], h[j]));
+        any_staged = true;
         ++k;
       }
       least_dram = std::min(least_dram, dram());
@@ -447,7 +445,7 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
       if (f.nvme > request.nvme_budget) continue;
       Placement c;
       c.homes = std::move(h);
-      c.staging_slots = staged ? slots : 0;
+      c.staging_slots = any_staged ? slots : 0;
       c.slot_bytes = f.slot;
       c.dram_bytes = dram();
       c.nvme_bytes = f.nvme;
@@ -456,7 +454,7 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
       slower = a >= best_here ? slower + 1 : 0;
       best_here = std::min(best_here, a);
       fits.push_back(std::move(c));
-      if (!staged) break;  // nothing on NVMe: neither slots nor more weights out can help
+      if (!any_staged) break;  // nothing on NVMe: neither slots nor more weights out help
     }
     if (!nvme) break;
   }
