@@ -1252,8 +1252,9 @@ STRATA_API strata_status_t strata_trace_get_counters(strata_runtime_t* runtime,
  * updates, the disk's reads and writes, the staging slots), and keeps the fastest (within 1%:
  * the fewest bytes on NVMe). The caller then registers its tensors where it says, and gives the
  * optimizer STRATA_STATE_PLACEMENT_PLANNED with nvme_staging_bytes = staging_slots * slot_bytes
- * and a DRAM budget of dram_bytes: it then puts exactly this placement's state on NVMe.
- * Nothing is allocated.
+ * and a DRAM budget of dram_bytes: it then puts this placement's state on NVMe, or less
+ * (it fills DRAM param by param, so the layer at the boundary may keep part of its state in
+ * DRAM when the sizes declared are above what it allocates). Nothing is allocated.
  * ------------------------------------------------------------------------------------------- */
 typedef struct strata_placement strata_placement_t;
 

@@ -223,7 +223,9 @@ class StrataSession:
         DRAM (core.place: every split the budgets allow, simulated with the rates measured on
         this runtime, the fastest kept), and set the optimizer's options to realize it: its
         PLANNED state placement fills DRAM in forward order while keeping the staging slots
-        free, so the DRAM budget puts exactly the chosen blocks' state on NVMe. `layers`:
+        free, so the DRAM budget puts the chosen blocks' state on NVMe (or, at the boundary
+        block, a little less: placement_layers counts as the optimizer does, never below what
+        it allocates). `layers`:
         core.placement_layers of the blocks; nvme_budget: what the placement may put on NVMe
         (the tier less its margins)."""
         choice = core.place(layers, runtime=self.runtime, dram_budget=dram_budget,
