@@ -134,7 +134,7 @@ Run time_strata(uint64_t n, uint64_t chunk, strata_dtype_t dtype, unsigned threa
       }
       check(strata_tensor_write(rt, t[k], 0, fill.data(), fill.size()), "write");
     }
-    strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, t[0], t[1], 0};
+    strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, t[0], t[1], 0, STRATA_MASTER_SEPARATE};
     check(strata_optimizer_add_param(opt, &p), "add_param");
   }
   check(strata_optimizer_step(opt), "warm-up step");

@@ -126,6 +126,14 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
     out = {"mode": mode, "model": preset, "params": config.parameters(), "batch": batch, "seq": seq,
            "clip": clip}
     t_setup = time.perf_counter()
+    if mode == "strata-separate":
+        # strata with whole fp32 masters (strata.h STRATA_MASTER_SEPARATE) instead of split
+        # ones: the layout before, for comparison in the same run.
+        import strata.torch.session
+        separate = lambda dtype: "separate"  # noqa: E731
+        strata.torch.session.master_layout = separate
+        sys.modules["strata.torch.offload"].master_layout = separate
+        mode = "strata"
     if mode == "strata":
         import strata.torch as st
         with torch.device("meta"):
@@ -282,7 +290,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="1b,3b,7b")
     p.add_argument("--modes", default="strata,resident,fsdp2",
-                   help="comma-separated: strata, resident (all in HBM, checkpointed blocks), "
+                   help="comma-separated: strata, strata-separate (strata with whole fp32 "
+                        "masters, not split ones), resident (all in HBM, checkpointed blocks), "
                         "resident-nockpt (all in HBM, no recompute), fsdp2")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)

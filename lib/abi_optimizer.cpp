@@ -14,6 +14,8 @@ constexpr std::size_t kOptimizerConfigV1_0Size =
 // A 1.0 or 1.1 caller's stats end at `binding`; they get what their size covers.
 constexpr std::size_t kOptimizerStatsV1_0Size =
     STRATA_STRUCT_SIZE(strata_optimizer_stats_t, binding);
+// A param desc before 1.2's master_layout.
+constexpr std::size_t kParamDescV1_0Size = STRATA_STRUCT_SIZE(strata_param_desc_t, group);
 
 OptimizerConfig to_core(const strata_optimizer_config_t& c) {
   OptimizerConfig o;
@@ -155,12 +157,12 @@ STRATA_API strata_status_t strata_optimizer_add_param(strata_optimizer_t* optimi
                                                       const strata_param_desc_t* desc) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
-    strata_param_desc_t d{};
-    STRATA_RETURN_IF_ERROR(
-        read_struct(desc, STRATA_PARAM_DESC_STRUCT_SIZE, "strata_param_desc_t", &d));
+    strata_param_desc_t d{};  // a 1.0/1.1-sized desc: master_layout SEPARATE (0)
+    STRATA_RETURN_IF_ERROR(read_struct(desc, kParamDescV1_0Size, "strata_param_desc_t", &d));
     STRATA_RETURN_IF_ERROR(require(d.weight, "desc->weight"));
     STRATA_RETURN_IF_ERROR(require(d.grad, "desc->grad"));
-    return optimizer->impl->add_param(tensor_id(d.weight), tensor_id(d.grad), d.group);
+    return optimizer->impl->add_param(tensor_id(d.weight), tensor_id(d.grad), d.group,
+                                      static_cast<MasterLayout>(d.master_layout));
   });
 }
 
@@ -260,7 +262,7 @@ STRATA_API strata_status_t strata_optimizer_get_state(strata_optimizer_t* optimi
     STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
     STRATA_RETURN_IF_ERROR(require(weight, "weight"));
     STRATA_RETURN_IF_ERROR(require(out_tensor, "out_tensor"));
-    if (kind < STRATA_STATE_MASTER || kind > STRATA_STATE_GRAD_ACCUM) {
+    if (kind < STRATA_STATE_MASTER || kind > STRATA_STATE_MASTER_LOW) {
       return error(Code::kInvalidArgument, "unknown state kind ", kind);
     }
     TensorId id = 0;
@@ -268,6 +270,28 @@ STRATA_API strata_status_t strata_optimizer_get_state(strata_optimizer_t* optimi
         optimizer->impl->state_tensor(tensor_id(weight), static_cast<StateKind>(kind), &id));
     *out_tensor = tensor_handle(id);
     return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_master_read(strata_optimizer_t* optimizer,
+                                                        strata_tensor_t* weight, float* dst,
+                                                        uint64_t count) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    STRATA_RETURN_IF_ERROR(require(weight, "weight"));
+    STRATA_RETURN_IF_ERROR(require(dst, "dst"));
+    return optimizer->impl->master_read(tensor_id(weight), dst, count);
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_master_write(strata_optimizer_t* optimizer,
+                                                         strata_tensor_t* weight, const float* src,
+                                                         uint64_t count) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    STRATA_RETURN_IF_ERROR(require(weight, "weight"));
+    STRATA_RETURN_IF_ERROR(require(src, "src"));
+    return optimizer->impl->master_write(tensor_id(weight), src, count);
   });
 }
 

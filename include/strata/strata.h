@@ -1002,17 +1002,34 @@ typedef struct strata_param_desc {
   strata_tensor_t* grad;   /* borrowed: in DRAM, f32/bf16/f16, as many elements as weight */
   uint32_t group;          /* hyperparameter group (strata_optimizer_set_group), 0..65535;
                               0 = default */
+  uint32_t master_layout;  /* since 1.2: how a bf16 weight's fp32 master is kept
+                              (STRATA_MASTER_*); default STRATA_MASTER_SEPARATE */
 } strata_param_desc_t;
-#define STRATA_PARAM_DESC_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_param_desc_t, group)
+#define STRATA_PARAM_DESC_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_param_desc_t, master_layout)
+
+/* Master layouts (since 1.2). SEPARATE: the master is an fp32 tensor "<weight>.master" (4 bytes
+ * per parameter) and every update also writes the weight, rounded from it. SPLIT (bf16 weights
+ * only; an fp32 weight is its own master either way): the weight is the master's upper half,
+ * rounded to nearest even as torch's .to(torch.bfloat16), and the optimizer keeps only the
+ * signed 16-bit rest, "<weight>.master_low" (I16, STRATA_STATE_MASTER_LOW): 2 bytes per
+ * parameter of state instead of 4, on DRAM or NVMe as the state placement says, and no
+ * separate working copy to write. The weights an update produces are the same in both layouts;
+ * the master too, except where it lands exactly halfway between two bf16 values and rounds
+ * down to the even one: the rest (+2^15) does not fit 16 bits, and the master is kept one ulp
+ * (2^-24 relative) nearer the weight. Writing a SPLIT param's weight tensor moves its master
+ * with it (the rest stays); strata_optimizer_master_write sets both. */
+#define STRATA_MASTER_SEPARATE 0u
+#define STRATA_MASTER_SPLIT 1u
 
 /* Make a weight trainable: allocates its state where the config's state_placement says
  * (zeroed; the master copied from the weight) and pins weight and grad in place while the
  * optimizer lives. To start from fp32 values a bf16 weight cannot hold, write them to the
- * master (strata_optimizer_get_state). An NVMe-homed weight (since 1.2) is updated only by an
+ * master (strata_optimizer_master_write). An NVMe-homed weight (since 1.2) is updated only by an
  * attached optimizer: each update stages it in DRAM with its layer's NVMe-homed state and
  * writes it back, and the executor loads the layer again only after that write has landed.
  * Errors: INVALID_ARGUMENT (NULL, bad struct_size, dtypes, element counts differ, weight given
- * as its own grad, group above 65535), NOT_FOUND, ALREADY_EXISTS (already a param, or a state
+ * as its own grad, group above 65535, unknown master_layout, STRATA_MASTER_SPLIT with an f16
+ * weight), NOT_FOUND, ALREADY_EXISTS (already a param, or a state
  * tensor's name is taken), UNSUPPORTED (weight not in DRAM or NVMe, grad not in DRAM),
  * OUT_OF_MEMORY (DRAM budget: nothing is left allocated), BUSY (moving), INVALID_STATE
  * (already attached). Thread-safe. */
@@ -1104,16 +1121,39 @@ typedef int32_t strata_state_kind_t;
 #define STRATA_STATE_EXP_AVG 1    /* AdamW m, SGD momentum buffer */
 #define STRATA_STATE_EXP_AVG_SQ 2 /* AdamW v */
 #define STRATA_STATE_GRAD_ACCUM 3 /* fp32 grad sum (accumulation_steps > 1) */
+#define STRATA_STATE_MASTER_LOW 4 /* since 1.2: a split master's low halves (I16) */
 
 /* The state tensor of one kind for a param's weight (owned by the optimizer: read or write it
  * between updates, i.e. after strata_optimizer_synchronize and outside executor steps — state
  * on NVMe is read ahead of its update from the start of a step; do not unregister it). Errors:
- * INVALID_ARGUMENT (NULL, unknown kind), NOT_FOUND (not a param, or no state of that kind).
+ * INVALID_ARGUMENT (NULL, unknown kind), NOT_FOUND (not a param, or no state of that kind:
+ * STRATA_STATE_MASTER of a split master, whose halves are the weight and
+ * STRATA_STATE_MASTER_LOW — strata_optimizer_master_read gives it whole).
  * Thread-safe. */
 STRATA_API strata_status_t strata_optimizer_get_state(strata_optimizer_t* optimizer,
                                                       strata_tensor_t* weight,
                                                       strata_state_kind_t kind,
                                                       strata_tensor_t** out_tensor);
+
+/* A param's fp32 master, `count` floats (the param's element count) into `dst` (borrowed),
+ * in any layout and tier: the weight itself when fp32, "<weight>.master", or a split master
+ * put together. Waits for queued updates (as strata_optimizer_synchronize). Errors:
+ * INVALID_ARGUMENT (NULL, count is not the param's), NOT_FOUND (not a param), INVALID_STATE
+ * (inside an executor step: its updates and read-ahead run), and the optimizer's failure or a
+ * tier's read error (DATA_CORRUPTION, IO). Thread-safe. */
+STRATA_API_SINCE(1, 2)
+strata_status_t strata_optimizer_master_read(strata_optimizer_t* optimizer, strata_tensor_t* weight,
+                                             float* dst, uint64_t count);
+
+/* Set a param's fp32 master from `src` (borrowed, `count` floats) and its weight to the master
+ * rounded to the weight's dtype (nearest even), as an update writes them: the value the next
+ * load streams and the next update starts from (a SPLIT master's halfway case as above).
+ * Waits, errors and thread-safety as strata_optimizer_master_read (a tier's write error
+ * instead of a read error). */
+STRATA_API_SINCE(1, 2)
+strata_status_t strata_optimizer_master_write(strata_optimizer_t* optimizer,
+                                              strata_tensor_t* weight, const float* src,
+                                              uint64_t count);
 
 typedef struct strata_optimizer_stats {
   size_t struct_size;     /* caller sets STRATA_OPTIMIZER_STATS_STRUCT_SIZE */

@@ -20,7 +20,8 @@ bool isa_supported(Isa isa);
 
 // One parameter's arrays, all `count` elements long. Pointers not used by a kernel may be null.
 struct ParamArrays {
-  float* master = nullptr;      // fp32 master weights (may be the working copy itself)
+  float* master = nullptr;      // fp32 master weights (may be the working copy itself); null
+                                // when the master is split (master_low)
   float* exp_avg = nullptr;     // AdamW m / SGD momentum buffer
   float* exp_avg_sq = nullptr;  // AdamW v
   const void* grad = nullptr;   // as it left the GPU
@@ -29,6 +30,10 @@ struct ParamArrays {
   void* weight = nullptr;       // working copy written from the master; null when it is the master
   DType weight_dtype = DType::kF32;
   std::size_t count = 0;
+  // A split master (docs/optimizer.md): the fp32 master is the bf16 `weight`'s bits followed by
+  // these signed 16-bit remainders, master = bits(weight) << 16 + master_low (kernels_impl.h's
+  // load_split/store_split). Set only with a bf16 weight, and then `master` is null.
+  int16_t* master_low = nullptr;
 };
 
 // Per-step scalars. The grad used is (grad + grad_accum) * grad_scale, where grad_scale folds
@@ -60,6 +65,11 @@ struct KernelTable {
   double (*sum_squares)(const ParamArrays&, std::size_t begin, std::size_t end);
   // grad_accum = grad (first) or grad_accum += grad, over [begin, end).
   void (*accumulate)(const ParamArrays&, std::size_t begin, std::size_t end, bool first);
+  // out = the fp32 master over [begin, end) (split, separate, or an fp32 `master` alone).
+  void (*master_get)(const ParamArrays&, float* out, std::size_t begin, std::size_t end);
+  // The master = in, and the working copy (`weight`, when set) rounded from it, as an update
+  // writes them.
+  void (*master_set)(const ParamArrays&, const float* in, std::size_t begin, std::size_t end);
 };
 
 const KernelTable& kernels(Isa isa);

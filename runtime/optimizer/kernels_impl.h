@@ -55,11 +55,35 @@ inline float load(const F16* p, std::size_t i) {
 inline void store(float* p, std::size_t i, float x) {
   p[i] = x;
 }
-inline void store(Bf16* p, std::size_t i, float x) {
-  const uint32_t u = std::bit_cast<uint32_t>(x);
+// x rounded to bf16 (nearest, ties to even), as the bits of a float's upper half.
+inline uint32_t bf16_bits(uint32_t u) {
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   const uint32_t nan = (u >> 16) | 0x40u;  // keep NaN a (quiet) NaN
-  p[i].bits = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded;
+}
+inline void store(Bf16* p, std::size_t i, float x) {
+  p[i].bits = static_cast<uint16_t>(bf16_bits(std::bit_cast<uint32_t>(x)));
+}
+
+// The split master (ParamArrays::master_low): the bf16 weight is the master rounded to nearest
+// even, exactly what store(Bf16*) writes, and the remainder u - (weight << 16) is kept as a
+// signed 16-bit number. It always fits but in one case: a master exactly halfway between two
+// bf16 values that rounded down to the even one (+0x8000; rounding up leaves -0x8000, which
+// fits). An even bf16 value is the nearest of 2^16 + 1 floats, one more than 16 bits name, so
+// that master is kept one ulp nearer the weight (+0x7FFF): a relative change of 2^-24, in 1 of
+// 2^17 updated values, below the rounding of the update's own arithmetic; the weight is the
+// same. A NaN master keeps the weight's quiet NaN (remainder 0).
+inline float load_split(const Bf16* w, const int16_t* low, std::size_t i) {
+  return std::bit_cast<float>((static_cast<uint32_t>(w[i].bits) << 16) +
+                              static_cast<uint32_t>(static_cast<int32_t>(low[i])));
+}
+inline void store_split(Bf16* w, int16_t* low, std::size_t i, float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  const uint32_t hi = bf16_bits(u);
+  const uint32_t rest = u - (hi << 16);  // the remainder, two's complement
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  w[i].bits = static_cast<uint16_t>(hi);
+  low[i] = static_cast<int16_t>(nan ? 0u : rest == 0x8000u ? 0x7FFFu : (rest & 0xFFFFu));
 }
 inline void store(F16* p, std::size_t i, float x) {
 #ifdef STRATA_SOFT_F16
@@ -78,11 +102,12 @@ inline float raw_grad(const G* __restrict g, const float* __restrict acc, std::s
 }
 
 // The loop proper: every array a restrict parameter (not a lambda capture, through which GCC
-// loses restrict and versions the loop for aliasing), the accumulator a compile-time choice.
-template <typename G, typename W, bool kAccum>
-void adamw_loop(const AdamWScalars& s, float* __restrict master, float* __restrict m,
-                float* __restrict v, const G* __restrict g, const float* __restrict acc,
-                W* __restrict w, std::size_t begin, std::size_t end) {
+// loses restrict and versions the loop for aliasing), the accumulator and the split master
+// compile-time choices (kSplit: the master is w's bits and `low`, `master` unused).
+template <typename G, typename W, bool kAccum, bool kSplit>
+void adamw_loop(const AdamWScalars& s, float* __restrict master, int16_t* __restrict low,
+                float* __restrict m, float* __restrict v, const G* __restrict g,
+                const float* __restrict acc, W* __restrict w, std::size_t begin, std::size_t end) {
   const float omb1 = 1.f - s.beta1, b2 = s.beta2, omb2 = 1.f - s.beta2;
   const float scale = s.grad_scale, lr_decay = s.lr_decay, step = s.step_size;
   const float ib2 = s.inv_bias2_sqrt, eps = s.eps;
@@ -97,12 +122,21 @@ void adamw_loop(const AdamWScalars& s, float* __restrict master, float* __restri
     const float denom = std::sqrt(vi) * ib2 + eps;
     // p - p * lr_decay rather than p * (1 - lr_decay): the rounding of (1 - lr_decay) would
     // bias every step the same way (1e-6 relative after 20 steps); this keeps it at 1 ulp.
-    const float p0 = master[i];
+    float p0;
+    if constexpr (kSplit) {
+      p0 = load_split(w, low, i);
+    } else {
+      p0 = master[i];
+    }
     const float p = (p0 - p0 * lr_decay) - step * (mi / denom);
     m[i] = mi;
     v[i] = vi;
-    master[i] = p;
-    if constexpr (!std::is_same_v<W, void>) store(w, i, p);
+    if constexpr (kSplit) {
+      store_split(w, low, i, p);
+    } else {
+      master[i] = p;
+      if constexpr (!std::is_same_v<W, void>) store(w, i, p);
+    }
   }
 }
 
@@ -110,22 +144,37 @@ template <typename G, typename W>
 void adamw_typed(const AdamWScalars& s, const ParamArrays& a, std::size_t begin, std::size_t end) {
   const G* g = static_cast<const G*>(a.grad);
   W* w = static_cast<W*>(a.weight);
-  if (a.grad_accum != nullptr) {
-    adamw_loop<G, W, true>(s, a.master, a.exp_avg, a.exp_avg_sq, g, a.grad_accum, w, begin, end);
-  } else {
-    adamw_loop<G, W, false>(s, a.master, a.exp_avg, a.exp_avg_sq, g, nullptr, w, begin, end);
+  float* x = a.master;
+  float* m = a.exp_avg;
+  float* v = a.exp_avg_sq;
+  const float* acc = a.grad_accum;
+  if constexpr (std::is_same_v<W, Bf16>) {
+    if (a.master_low != nullptr) {
+      int16_t* lo = a.master_low;
+      if (acc != nullptr)
+        return adamw_loop<G, W, true, true>(s, x, lo, m, v, g, acc, w, begin, end);
+      return adamw_loop<G, W, false, true>(s, x, lo, m, v, g, nullptr, w, begin, end);
+    }
   }
+  if (acc != nullptr)
+    return adamw_loop<G, W, true, false>(s, x, nullptr, m, v, g, acc, w, begin, end);
+  adamw_loop<G, W, false, false>(s, x, nullptr, m, v, g, nullptr, w, begin, end);
 }
 
-template <typename G, typename W, bool kAccum, bool kMomentum>
-void sgd_loop(const SgdScalars& s, float* __restrict master, float* __restrict buf,
-              const G* __restrict g, const float* __restrict acc, W* __restrict w,
-              std::size_t begin, std::size_t end) {
+template <typename G, typename W, bool kAccum, bool kMomentum, bool kSplit>
+void sgd_loop(const SgdScalars& s, float* __restrict master, int16_t* __restrict low,
+              float* __restrict buf, const G* __restrict g, const float* __restrict acc,
+              W* __restrict w, std::size_t begin, std::size_t end) {
   const float scale = s.grad_scale, lr = s.lr, wd = s.weight_decay, mom = s.momentum;
   const float omd = 1.f - s.dampening;
   const bool first = s.first_step, nesterov = s.nesterov;
   for (std::size_t i = begin; i < end; ++i) {
-    const float p = master[i];
+    float p;
+    if constexpr (kSplit) {
+      p = load_split(w, low, i);
+    } else {
+      p = master[i];
+    }
     float gi = load(g, i);
     if constexpr (kAccum) gi += acc[i];
     float d = gi * scale + wd * p;
@@ -135,26 +184,42 @@ void sgd_loop(const SgdScalars& s, float* __restrict master, float* __restrict b
       d = nesterov ? d + mom * b : b;
     }
     const float np = p - lr * d;
-    master[i] = np;
-    if constexpr (!std::is_same_v<W, void>) store(w, i, np);
+    if constexpr (kSplit) {
+      store_split(w, low, i, np);
+    } else {
+      master[i] = np;
+      if constexpr (!std::is_same_v<W, void>) store(w, i, np);
+    }
+  }
+}
+
+template <typename G, typename W, bool kSplit>
+void sgd_variant(const SgdScalars& s, const ParamArrays& a, std::size_t begin, std::size_t end) {
+  const G* g = static_cast<const G*>(a.grad);
+  W* w = static_cast<W*>(a.weight);
+  float* x = a.master;
+  int16_t* lo = a.master_low;
+  const bool momentum = a.exp_avg != nullptr && s.momentum != 0.f;
+  const bool accum = a.grad_accum != nullptr;
+  float* buf = a.exp_avg;
+  const float* acc = a.grad_accum;
+  if (momentum && accum) {
+    sgd_loop<G, W, true, true, kSplit>(s, x, lo, buf, g, acc, w, begin, end);
+  } else if (momentum) {
+    sgd_loop<G, W, false, true, kSplit>(s, x, lo, buf, g, nullptr, w, begin, end);
+  } else if (accum) {
+    sgd_loop<G, W, true, false, kSplit>(s, x, lo, nullptr, g, acc, w, begin, end);
+  } else {
+    sgd_loop<G, W, false, false, kSplit>(s, x, lo, nullptr, g, nullptr, w, begin, end);
   }
 }
 
 template <typename G, typename W>
 void sgd_typed(const SgdScalars& s, const ParamArrays& a, std::size_t begin, std::size_t end) {
-  const G* g = static_cast<const G*>(a.grad);
-  W* w = static_cast<W*>(a.weight);
-  const bool momentum = a.exp_avg != nullptr && s.momentum != 0.f;
-  const bool accum = a.grad_accum != nullptr;
-  if (momentum && accum) {
-    sgd_loop<G, W, true, true>(s, a.master, a.exp_avg, g, a.grad_accum, w, begin, end);
-  } else if (momentum) {
-    sgd_loop<G, W, false, true>(s, a.master, a.exp_avg, g, nullptr, w, begin, end);
-  } else if (accum) {
-    sgd_loop<G, W, true, false>(s, a.master, nullptr, g, a.grad_accum, w, begin, end);
-  } else {
-    sgd_loop<G, W, false, false>(s, a.master, nullptr, g, nullptr, w, begin, end);
+  if constexpr (std::is_same_v<W, Bf16>) {
+    if (a.master_low != nullptr) return sgd_variant<G, W, true>(s, a, begin, end);
   }
+  sgd_variant<G, W, false>(s, a, begin, end);
 }
 
 template <typename G>
@@ -191,6 +256,64 @@ void accumulate_typed(const ParamArrays& a, std::size_t begin, std::size_t end, 
     for (std::size_t i = begin; i < end; ++i) acc[i] = load(g, i);
   } else {
     for (std::size_t i = begin; i < end; ++i) acc[i] += load(g, i);
+  }
+}
+
+// The master as fp32 (master_get) and set from fp32 with its working copy (master_set), in any
+// layout: split, separate (master and weight), or an fp32 weight that is its own master (passed
+// as `master`, weight null).
+template <typename W>
+void master_get_typed(const ParamArrays& a, float* __restrict out, std::size_t begin,
+                      std::size_t end) {
+  const W* __restrict w = static_cast<const W*>(a.weight);
+  if constexpr (std::is_same_v<W, Bf16>) {
+    if (a.master_low != nullptr) {
+      const int16_t* __restrict low = a.master_low;
+      for (std::size_t i = begin; i < end; ++i) out[i] = load_split(w, low, i);
+      return;
+    }
+  }
+  const float* __restrict master = a.master;
+  for (std::size_t i = begin; i < end; ++i) out[i] = master[i];
+}
+
+template <typename W>
+void master_set_typed(const ParamArrays& a, const float* __restrict in, std::size_t begin,
+                      std::size_t end) {
+  W* __restrict w = static_cast<W*>(a.weight);
+  if constexpr (std::is_same_v<W, Bf16>) {
+    if (a.master_low != nullptr) {
+      int16_t* __restrict low = a.master_low;
+      for (std::size_t i = begin; i < end; ++i) store_split(w, low, i, in[i]);
+      return;
+    }
+  }
+  float* __restrict master = a.master;
+  for (std::size_t i = begin; i < end; ++i) master[i] = in[i];
+  if (w != nullptr) {
+    for (std::size_t i = begin; i < end; ++i) store(w, i, in[i]);
+  }
+}
+
+void master_get(const ParamArrays& a, float* out, std::size_t begin, std::size_t end) {
+  switch (a.weight == nullptr ? DType::kF32 : a.weight_dtype) {
+    case DType::kBF16:
+      return master_get_typed<Bf16>(a, out, begin, end);
+    case DType::kF16:
+      return master_get_typed<F16>(a, out, begin, end);
+    default:
+      return master_get_typed<float>(a, out, begin, end);
+  }
+}
+
+void master_set(const ParamArrays& a, const float* in, std::size_t begin, std::size_t end) {
+  switch (a.weight == nullptr ? DType::kF32 : a.weight_dtype) {
+    case DType::kBF16:
+      return master_set_typed<Bf16>(a, in, begin, end);
+    case DType::kF16:
+      return master_set_typed<F16>(a, in, begin, end);
+    default:
+      return master_set_typed<float>(a, in, begin, end);
   }
 }
 
@@ -261,7 +384,8 @@ void accumulate(const ParamArrays& a, std::size_t begin, std::size_t end, bool f
 }  // namespace
 
 const KernelTable& table() {
-  static const KernelTable t{STRATA_KERNEL_ISA, &adamw, &sgd, &sum_squares, &accumulate};
+  static const KernelTable t{STRATA_KERNEL_ISA, &adamw,      &sgd,       &sum_squares,
+                             &accumulate,       &master_get, &master_set};
   return t;
 }
 

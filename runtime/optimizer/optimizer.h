@@ -78,7 +78,19 @@ struct GroupHyperparams {
   float weight_decay = 0.f;
 };
 
-enum class StateKind : int32_t { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kGradAccum = 3 };
+enum class StateKind : int32_t {
+  kMaster = 0,
+  kExpAvg = 1,
+  kExpAvgSq = 2,
+  kGradAccum = 3,
+  kMasterLow = 4,  // a split master's low halves (MasterLayout::kSplit)
+};
+
+// How a bf16 weight's fp32 master is kept (strata.h STRATA_MASTER_*). kSplit: the weight is the
+// master's upper half (rounded to nearest even) and the optimizer keeps only a signed 16-bit
+// remainder, `<w>.master_low`: 2 bytes per parameter instead of 4, and the update writes no
+// separate working copy (kernels_impl.h's store_split says what is exact and what is not).
+enum class MasterLayout : uint32_t { kSeparate = 0, kSplit = 1 };
 
 struct OptimizerStats {
   uint64_t step = 0;           // updates applied (AdamW's t)
@@ -121,9 +133,15 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // count, fp32/bf16/fp16): allocates and initializes its state. Not once attached. An
   // NVMe-homed weight is staged through DRAM with the layer's NVMe-homed state for each
   // update (attached only) and written back before the executor loads the layer again.
-  Status add_param(TensorId weight, TensorId grad, uint32_t group);
+  Status add_param(TensorId weight, TensorId grad, uint32_t group,
+                   MasterLayout layout = MasterLayout::kSeparate);
   Status set_group(uint32_t group, const GroupHyperparams& h);
   Status state_tensor(TensorId weight, StateKind kind, TensorId* out);
+  // A param's fp32 master (the weight when it is fp32), whatever its layout and tier; writing
+  // sets the master and the working copy the executor streams (rounded as an update rounds).
+  // Waits for queued updates; not inside an executor step (its updates and read-ahead run).
+  Status master_read(TensorId weight, float* dst, uint64_t count);
+  Status master_write(TensorId weight, const float* src, uint64_t count);
 
   Status attach(Executor* executor);
   Status detach();
@@ -190,6 +208,7 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     // before an update can be picked).
     bool nvme_state = false;
     bool nvme_weight = false;
+    bool split = false;  // MasterLayout::kSplit: `master` is the low halves (I16)
     std::array<void*, 4> staged{};
   };
   // NVMe-homed state (and weights) of one executor layer: laid out in one staging slot, read
@@ -202,7 +221,7 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     std::shared_ptr<Checksums> crcs;
     uint64_t offset = 0;  // in the slot, 4 KiB-aligned
     std::size_t param = 0;
-    int kind = 0;  // 0 master, 1 exp_avg, 2 exp_avg_sq, 3 the weight (NVMe-homed)
+    int kind = 0;  // 0 master (or its low halves), 1 exp_avg, 2 exp_avg_sq, 3 the weight
   };
   struct LayerStage {
     std::vector<StagedTensor> tensors;
@@ -272,7 +291,10 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   Optimizer(std::shared_ptr<Runtime> runtime, const OptimizerConfig& config);
   // Registers a state tensor in `home` (DRAM: *data points at it; NVMe: *data is null).
   Status make_state(const TensorRecord& weight, const char* suffix, uint64_t skew, Tier home,
-                    TensorId* id, float** data);
+                    TensorId* id, void** data, DType dtype = DType::kF32);
+  // master_read/_write's frame: synchronized, between executor steps, `count` checked.
+  Status master_access(TensorId weight, uint64_t count, const char* what,
+                       const std::function<Status(const Param&)>& access);
   // Where a new param's state of `bytes` goes under the placement policy.
   Tier state_home(uint64_t bytes);
   // Attach: lays out each layer's NVMe-homed state and allocates the staging slots.

@@ -197,7 +197,8 @@ uint64_t Optimizer::job_bytes(std::span<const Task> tasks, JobKind kind) const {
     uint64_t per = dtype_size(a.grad_dtype) + (a.grad_accum != nullptr ? 4 : 0);
     if (kind == JobKind::kAccumulate) per = dtype_size(a.grad_dtype) + 8;
     if (kind == JobKind::kUpdate) {
-      per += 8;  // master read and write
+      // The master read and written (a split one: its low halves and the weight read too).
+      per += a.master_low != nullptr ? 4 + dtype_size(a.weight_dtype) : 8;
       if (a.exp_avg != nullptr) per += 8;
       if (a.exp_avg_sq != nullptr) per += 8;
       if (a.weight != nullptr) per += dtype_size(a.weight_dtype);

@@ -12,7 +12,9 @@ Status Optimizer::ensure_accum(Param& p) {
   if (p.accum != 0) return Status::ok();
   TensorRecord w;
   STRATA_RETURN_IF_ERROR(runtime_->info(p.weight, &w));
-  Status s = make_state(w, ".grad_accum", kSkew[3], Tier::kDram, &p.accum, &p.accum_data);
+  void* data = nullptr;
+  Status s = make_state(w, ".grad_accum", kSkew[3], Tier::kDram, &p.accum, &data);
+  p.accum_data = static_cast<float*>(data);
   if (!s.is_ok()) {
     return error(s.code(),
                  "gradient accumulation (a backward pass onto grads not zeroed since the last "

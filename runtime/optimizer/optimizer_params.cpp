@@ -65,10 +65,10 @@ void Optimizer::unregister_state() {
 }
 
 Status Optimizer::make_state(const TensorRecord& weight, const char* suffix, uint64_t skew,
-                             Tier home, TensorId* id, float** data) {
+                             Tier home, TensorId* id, void** data, DType dtype) {
   TensorSpec spec;
   spec.name = state_name(weight.spec.name, suffix);
-  spec.dtype = DType::kF32;
+  spec.dtype = dtype;
   spec.shape = weight.spec.shape;
   spec.role = Role::kOptimizerState;
   spec.home = home;
@@ -82,7 +82,7 @@ Status Optimizer::make_state(const TensorRecord& weight, const char* suffix, uin
   TensorRecord r;
   STRATA_RETURN_IF_ERROR(runtime_->info(*id, &r));
   if (home == Tier::kDram) {
-    *data = reinterpret_cast<float*>(runtime_->tier_base(Tier::kDram) + r.offset);
+    *data = runtime_->tier_base(Tier::kDram) + r.offset;
     state_bytes_ += r.nbytes;
   } else {
     *data = nullptr;
@@ -119,8 +119,12 @@ void Optimizer::init_on_pool(std::size_t n,
   });
 }
 
-Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
+Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, MasterLayout layout) {
   STRATA_RETURN_IF_ERROR(check_group(group));
+  if (layout != MasterLayout::kSeparate && layout != MasterLayout::kSplit) {
+    return error(Code::kInvalidArgument, "unknown master_layout ", static_cast<uint32_t>(layout),
+                 " (STRATA_MASTER_SEPARATE 0, STRATA_MASTER_SPLIT 1)");
+  }
   // The new state is initialized on the pool, which runs one job at a time: a manual step()
   // (the only other user while unattached) holds step_mutex_ while it runs.
   std::lock_guard serial(step_mutex_);
@@ -158,6 +162,11 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
       return error(Code::kInvalidArgument, role, " '", r->spec.name, "' is ",
                    dtype_name(r->spec.dtype), ": the optimizer takes f32, bf16 or f16");
     }
+  }
+  if (layout == MasterLayout::kSplit && w.spec.dtype == DType::kF16) {
+    return error(Code::kInvalidArgument, "weight '", w.spec.name,
+                 "' is f16: a split master needs a bf16 weight (the upper half of an fp32), "
+                 "use STRATA_MASTER_SEPARATE");
   }
   if (element_count(w) != element_count(g)) {
     return error(Code::kInvalidArgument, "grad '", g.spec.name, "' has ", element_count(g),
@@ -205,9 +214,11 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
   }
   const bool adamw = config_.kind == OptimizerKind::kAdamW;
   const bool has_master = w.spec.dtype != DType::kF32;
+  // A split master keeps only the low halves: the bf16 weight is the rest (kernels_impl.h).
+  p.split = has_master && layout == MasterLayout::kSplit;
   const bool has_avg = adamw || config_.momentum > 0.f;
   const uint64_t state_bytes =
-      uint64_t{4} * n * ((has_master ? 1 : 0) + (has_avg ? 1 : 0) + (adamw ? 1 : 0));
+      n * ((has_master ? (p.split ? 2 : 4) : 0) + (has_avg ? 4 : 0) + (adamw ? 4 : 0));
   const Tier home = state_bytes == 0 ? Tier::kDram : state_home(state_bytes);
   p.nvme_state = home == Tier::kNvme;
   const uint64_t nvme_before = nvme_state_bytes_;
@@ -231,12 +242,31 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
     // The fp32 weight is its own master: no second copy to keep in step.
     p.master = weight;
     a.master = p.nvme_weight ? nullptr : reinterpret_cast<float*>(dram + w.offset);
+  } else if (p.split) {
+    // The master starts as the weight, exactly: its low halves are zero.
+    a.weight = p.nvme_weight ? nullptr : dram + w.offset;
+    a.weight_dtype = w.spec.dtype;
+    void* low = nullptr;
+    Status s = make_state(w, ".master_low", kSkew[0], home, &p.master, &low, DType::kI16);
+    if (s.is_ok() && home == Tier::kNvme) {
+      const std::vector<int16_t> zeros(n, 0);
+      s = runtime_->write(p.master, 0, zeros.data(), n * sizeof(int16_t));
+    }
+    if (!s.is_ok()) return roll_back_all(s);
+    a.master_low = static_cast<int16_t*>(low);
+    if (home == Tier::kDram) {
+      init_on_pool(n, [&](std::size_t b, std::size_t e) {
+        std::memset(a.master_low + b, 0, (e - b) * sizeof(int16_t));
+      });
+    }
   } else {
     a.weight = p.nvme_weight ? nullptr : dram + w.offset;
     a.weight_dtype = w.spec.dtype;
-    Status s = make_state(w, ".master", kSkew[0], home, &p.master, &a.master);
+    void* master = nullptr;
+    Status s = make_state(w, ".master", kSkew[0], home, &p.master, &master);
     if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.master, true);
     if (!s.is_ok()) return roll_back_all(s);
+    a.master = static_cast<float*>(master);
     if (home == Tier::kDram) {
       // The master starts as the working copy, exactly (bf16 and f16 widen without rounding).
       const optim::ParamArrays widen{
@@ -246,8 +276,10 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
     }
   }
   if (has_avg) {
-    Status s = make_state(w, adamw ? ".exp_avg" : ".momentum_buffer", kSkew[1], home, &p.exp_avg,
-                          &a.exp_avg);
+    void* data = nullptr;
+    Status s =
+        make_state(w, adamw ? ".exp_avg" : ".momentum_buffer", kSkew[1], home, &p.exp_avg, &data);
+    a.exp_avg = static_cast<float*>(data);
     if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.exp_avg, false);
     if (!s.is_ok()) return roll_back_all(s);
     if (home == Tier::kDram) {
@@ -257,7 +289,9 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
     }
   }
   if (adamw) {
-    Status s = make_state(w, ".exp_avg_sq", kSkew[2], home, &p.exp_avg_sq, &a.exp_avg_sq);
+    void* data = nullptr;
+    Status s = make_state(w, ".exp_avg_sq", kSkew[2], home, &p.exp_avg_sq, &data);
+    a.exp_avg_sq = static_cast<float*>(data);
     if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.exp_avg_sq, false);
     if (!s.is_ok()) return roll_back_all(s);
     if (home == Tier::kDram) {
@@ -267,7 +301,9 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group) {
     }
   }
   if (config_.accumulation_steps > 1) {
-    Status s = make_state(w, ".grad_accum", kSkew[3], Tier::kDram, &p.accum, &a.grad_accum);
+    void* data = nullptr;
+    Status s = make_state(w, ".grad_accum", kSkew[3], Tier::kDram, &p.accum, &data);
+    a.grad_accum = static_cast<float*>(data);
     if (!s.is_ok()) return roll_back_all(s);
   }
   if (p.nvme_state) ++nvme_state_params_;
@@ -291,10 +327,17 @@ Status Optimizer::state_tensor(TensorId weight, StateKind kind, TensorId* out) {
   std::lock_guard lock(mutex_);
   for (const Param& p : params_) {
     if (p.weight != weight) continue;
-    const TensorId id = kind == StateKind::kMaster     ? p.master
-                        : kind == StateKind::kExpAvg   ? p.exp_avg
-                        : kind == StateKind::kExpAvgSq ? p.exp_avg_sq
-                                                       : p.accum;
+    if (p.split && kind == StateKind::kMaster) {
+      return error(Code::kNotFound,
+                   "the weight's master is split (STRATA_MASTER_SPLIT): its upper half is the "
+                   "bf16 weight, its lower half the STRATA_STATE_MASTER_LOW tensor; "
+                   "strata_optimizer_master_read/_write give and take it as fp32");
+    }
+    const TensorId id = kind == StateKind::kMaster      ? p.master
+                        : kind == StateKind::kMasterLow ? (p.split ? p.master : 0)
+                        : kind == StateKind::kExpAvg    ? p.exp_avg
+                        : kind == StateKind::kExpAvgSq  ? p.exp_avg_sq
+                                                        : p.accum;
     if (id == 0) {
       return error(Code::kNotFound, "this optimizer keeps no such state (kind ",
                    static_cast<int>(kind), ") for the weight");
@@ -303,6 +346,72 @@ Status Optimizer::state_tensor(TensorId weight, StateKind kind, TensorId* out) {
     return Status::ok();
   }
   return error(Code::kNotFound, "the tensor is not a parameter of this optimizer");
+}
+
+Status Optimizer::master_access(TensorId weight, uint64_t count, const char* what,
+                                const std::function<Status(const Param&)>& access) {
+  // After synchronize nothing is queued or staged; the lock keeps a step from starting.
+  STRATA_RETURN_IF_ERROR(synchronize());
+  std::lock_guard lock(mutex_);
+  STRATA_RETURN_IF_ERROR(failure_);
+  if (in_executor_step_) {
+    return error(Code::kInvalidState, what,
+                 " inside an executor step (its updates and state read-ahead run): call it "
+                 "between steps");
+  }
+  for (const Param& p : params_) {
+    if (p.weight != weight) continue;
+    if (count != p.arrays.count) {
+      return error(Code::kInvalidArgument, what, ": count is ", count, ", the param has ",
+                   p.arrays.count, " elements");
+    }
+    return access(p);
+  }
+  return error(Code::kNotFound, "the tensor is not a parameter of this optimizer");
+}
+
+Status Optimizer::master_read(TensorId weight, float* dst, uint64_t count) {
+  return master_access(weight, count, "master_read", [&](const Param& p) {
+    const std::size_t n = p.arrays.count;
+    if (p.master == p.weight || !p.split) {  // fp32: the weight or the master itself
+      return runtime_->read(p.master, 0, dst, n * sizeof(float));
+    }
+    std::vector<uint16_t> hi(n);
+    std::vector<int16_t> low(n);
+    STRATA_RETURN_IF_ERROR(runtime_->read(p.weight, 0, hi.data(), n * sizeof(uint16_t)));
+    STRATA_RETURN_IF_ERROR(runtime_->read(p.master, 0, low.data(), n * sizeof(int16_t)));
+    optim::ParamArrays v;
+    v.weight = hi.data();
+    v.weight_dtype = DType::kBF16;
+    v.master_low = low.data();
+    v.count = n;
+    kernels_->master_get(v, dst, 0, n);
+    return Status::ok();
+  });
+}
+
+Status Optimizer::master_write(TensorId weight, const float* src, uint64_t count) {
+  return master_access(weight, count, "master_write", [&](const Param& p) {
+    const std::size_t n = p.arrays.count;
+    if (p.master == p.weight) return runtime_->write(p.weight, 0, src, n * sizeof(float));
+    // The working copy and the master (or its low halves), as an update writes them.
+    std::vector<unsigned char> copy(n * dtype_size(p.arrays.weight_dtype));
+    std::vector<float> master(p.split ? 0 : n);
+    std::vector<int16_t> low(p.split ? n : 0);
+    optim::ParamArrays v;
+    v.weight = copy.data();
+    v.weight_dtype = p.arrays.weight_dtype;
+    v.master = p.split ? nullptr : master.data();
+    v.master_low = p.split ? low.data() : nullptr;
+    v.count = n;
+    kernels_->master_set(v, src, 0, n);
+    if (p.split) {
+      STRATA_RETURN_IF_ERROR(runtime_->write(p.master, 0, low.data(), n * sizeof(int16_t)));
+    } else {
+      STRATA_RETURN_IF_ERROR(runtime_->write(p.master, 0, master.data(), n * sizeof(float)));
+    }
+    return runtime_->write(p.weight, 0, copy.data(), copy.size());
+  });
 }
 
 std::vector<Optimizer::ParamView> Optimizer::params() {

@@ -299,7 +299,11 @@ optim::ParamArrays Optimizer::update_arrays(const Param& p) const {
   optim::ParamArrays a = p.arrays;
   const auto f32 = [&](int kind) { return static_cast<float*>(p.staged[kind]); };
   if (p.nvme_state) {
-    if (p.master != p.weight) a.master = f32(0);
+    if (p.split) {
+      a.master_low = static_cast<int16_t*>(p.staged[0]);
+    } else if (p.master != p.weight) {
+      a.master = f32(0);
+    }
     if (p.exp_avg != 0) a.exp_avg = f32(1);
     if (p.exp_avg_sq != 0) a.exp_avg_sq = f32(2);
   }

@@ -56,6 +56,7 @@ optim::ParamArrays subarray(const optim::ParamArrays& a, std::size_t begin, std:
   s.grad = at(a.grad, a.grad_dtype);
   s.grad_accum = at(a.grad_accum, DType::kF32);
   s.weight = at(a.weight, a.weight_dtype);
+  s.master_low = at(a.master_low, DType::kI16);
   s.count = end - begin;
   return s;
 }

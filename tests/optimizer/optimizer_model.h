@@ -88,7 +88,8 @@ inline Model make_model(int layers, uint64_t seed, strata_device_backend_t backe
   return m;
 }
 
-inline OptimizerPtr make_optimizer(Model& m, const strata_optimizer_config_t& c) {
+inline OptimizerPtr make_optimizer(Model& m, const strata_optimizer_config_t& c,
+                                   uint32_t master_layout = STRATA_MASTER_SEPARATE) {
   strata_optimizer_t* o = nullptr;
   STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
   OptimizerPtr opt(o);
@@ -99,6 +100,7 @@ inline OptimizerPtr make_optimizer(Model& m, const strata_optimizer_config_t& c)
       p.weight = m.weights[l][k];
       p.grad = m.grads[l][k];
       p.group = k == 1 ? 1 : 0;  // the second weight of each layer: no weight decay
+      p.master_layout = master_layout;
       STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
     }
   }
@@ -119,8 +121,8 @@ inline std::vector<std::vector<unsigned char>> snapshot(Model& m, strata_optimiz
     for (std::size_t k = 0; k < m.weights[l].size(); ++k) {
       strata_tensor_t* w = m.weights[l][k];
       std::vector<strata_tensor_t*> ts{w};
-      for (strata_state_kind_t kind :
-           {STRATA_STATE_MASTER, STRATA_STATE_EXP_AVG, STRATA_STATE_EXP_AVG_SQ}) {
+      for (strata_state_kind_t kind : {STRATA_STATE_MASTER, STRATA_STATE_MASTER_LOW,
+                                       STRATA_STATE_EXP_AVG, STRATA_STATE_EXP_AVG_SQ}) {
         strata_tensor_t* s = nullptr;
         if (strata_optimizer_get_state(opt, w, kind, &s) == STRATA_OK) ts.push_back(s);
       }

@@ -248,3 +248,132 @@ TEST_CASE("half.h converts fp16 exactly as _Float16 does", "[kernels]") {
     REQUIRE(half_from_float(f) == want);
   }
 }
+
+namespace {
+
+// What a split master gives back for x (its bits u): x itself, but for a NaN (a NaN) and a
+// value exactly halfway between two bf16 values that rounded down to the even one (one ulp
+// nearer it: kernels_impl.h's store_split).
+bool split_keeps(uint32_t u, uint32_t got) {
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (got & 0x7FFFFFFFu) > 0x7F800000u;
+  const bool tie_down = (u & 0xFFFFu) == 0x8000u && ((u >> 16) & 1u) == 0;
+  return got == (tie_down ? u - 1 : u);
+}
+
+}  // namespace
+
+TEST_CASE("a split master: the bf16 weight rounds as torch, the master comes back whole",
+          "[kernels]") {
+  // Every special case, then a sweep: all 2^16 upper halves with lower halves around the
+  // rounding boundary, and random bits.
+  std::vector<uint32_t> bits = {0u,          0x80000000u, 1u,          0x80000001u, 0x00008000u,
+                                0x00018000u, 0x3F808000u, 0x3F818000u, 0xBF808000u, 0x7F7FFFFFu,
+                                0xFF7FFFFFu, 0x7F7F8000u, 0x7F800000u, 0xFF800000u, 0x7FC00000u,
+                                0x7F800001u, 0xFFFF0001u, 0x7FFFFFFFu};
+  for (uint32_t hi = 0; hi < 0x10000u; ++hi) {
+    for (uint32_t lo : {0u, 1u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu}) bits.push_back(hi << 16 | lo);
+  }
+  std::mt19937 rng(11);
+  for (int i = 0; i < 100000; ++i) bits.push_back(static_cast<uint32_t>(rng()));
+  const std::size_t n = bits.size();
+  std::vector<float> x(n);
+  for (std::size_t i = 0; i < n; ++i) x[i] = std::bit_cast<float>(bits[i]);
+  for (Isa isa : isas()) {
+    DYNAMIC_SECTION(isa_name(isa)) {
+      const KernelTable& k = kernels(isa);
+      std::vector<uint16_t> w_split(n), w_sep(n);
+      std::vector<int16_t> low(n);
+      std::vector<float> master(n), back(n);
+      ParamArrays split;
+      split.weight = w_split.data();
+      split.weight_dtype = DType::kBF16;
+      split.master_low = low.data();
+      split.count = n;
+      ParamArrays separate;
+      separate.weight = w_sep.data();
+      separate.weight_dtype = DType::kBF16;
+      separate.master = master.data();
+      separate.count = n;
+      k.master_set(split, x.data(), 0, n);
+      k.master_set(separate, x.data(), 0, n);
+      k.master_get(split, back.data(), 0, n);
+      std::size_t nudged = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        INFO("bits " << std::hex << bits[i]);
+        REQUIRE(w_split[i] == w_sep[i]);  // the weight: torch's rounding, in both layouts
+        const uint32_t got = std::bit_cast<uint32_t>(back[i]);
+        REQUIRE(split_keeps(bits[i], got));
+        if ((bits[i] & 0x7FFFFFFFu) <= 0x7F800000u) {
+          REQUIRE(w_split[i] == to_bf16(x[i]));  // and the master still rounds to the weight
+          REQUIRE(to_bf16(back[i]) == w_split[i]);
+          nudged += got != bits[i];
+        }
+      }
+      REQUIRE(nudged > 0);  // the halfway cases were there
+    }
+  }
+}
+
+TEST_CASE("AdamW and SGD on a split master write what they write on a separate one", "[kernels]") {
+  const std::size_t n = 100003;
+  for (Isa isa : isas()) {
+    for (bool sgd : {false, true}) {
+      DYNAMIC_SECTION(isa_name(isa) << (sgd ? " SGD with momentum" : " AdamW")) {
+        const KernelTable& k = kernels(isa);
+        std::mt19937 rng(5);
+        std::normal_distribution<float> dist(0.f, 1.f);
+        std::vector<float> master(n), start(n);
+        std::vector<uint16_t> w_sep(n), w_split(n), grad(n);
+        std::vector<int16_t> low(n);
+        for (auto& v : start) v = dist(rng);
+        for (auto& g : grad) g = to_bf16(dist(rng));
+        ParamArrays split, separate;
+        split.weight = w_split.data();
+        split.master_low = low.data();
+        separate.weight = w_sep.data();
+        separate.master = master.data();
+        std::vector<float> m1(n, 0.1f), v1(n, 0.2f), m2(m1), v2(v1);
+        for (ParamArrays* a : {&split, &separate}) {
+          a->weight_dtype = DType::kBF16;
+          a->grad = grad.data();
+          a->grad_dtype = DType::kBF16;
+          a->count = n;
+          k.master_set(*a, start.data(), 0, n);
+        }
+        split.exp_avg = m1.data();
+        split.exp_avg_sq = v1.data();
+        separate.exp_avg = m2.data();
+        separate.exp_avg_sq = v2.data();
+        // The same starting master in both (the split one may hold a nudged halfway value).
+        std::vector<float> from(n);
+        k.master_get(split, from.data(), 0, n);
+        k.master_set(separate, from.data(), 0, n);
+        if (sgd) {
+          SgdScalars s;
+          s.lr = 1e-2f;
+          s.weight_decay = 1e-3f;
+          s.momentum = 0.9f;
+          k.sgd(s, split, 0, n);
+          k.sgd(s, separate, 0, n);
+        } else {
+          AdamWScalars s;
+          s.lr_decay = 1e-4f;
+          s.step_size = 1e-2f;
+          s.inv_bias2_sqrt = 30.f;
+          k.adamw(s, split, 0, n / 2);
+          k.adamw(s, split, n / 2, n);
+          k.adamw(s, separate, 0, n);
+        }
+        std::vector<float> got(n);
+        k.master_get(split, got.data(), 0, n);
+        for (std::size_t i = 0; i < n; ++i) {
+          INFO(i);
+          REQUIRE(w_split[i] == w_sep[i]);
+          REQUIRE(split_keeps(std::bit_cast<uint32_t>(master[i]), std::bit_cast<uint32_t>(got[i])));
+        }
+        REQUIRE(m1 == m2);
+        REQUIRE(v1 == v2);
+      }
+    }
+  }
+}

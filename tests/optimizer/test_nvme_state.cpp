@@ -75,6 +75,7 @@ TEST_CASE("state on NVMe trains bit for bit as state in DRAM", "[optimizer][nvme
     float max_grad_norm;
     uint64_t staging;  // nvme_staging_bytes
     std::vector<int64_t> sizes = {3000, 1100};
+    uint32_t layout = STRATA_MASTER_SEPARATE;  // of both runs
   };
   for (const Variant& var : {
            Variant{"on NVMe, per layer during the backward", STRATA_STATE_PLACEMENT_NVME,
@@ -94,6 +95,20 @@ TEST_CASE("state on NVMe trains bit for bit as state in DRAM", "[optimizer][nvme
                    {300000, 70000}},
            Variant{"planned: DRAM short, the last layers on NVMe", STRATA_STATE_PLACEMENT_PLANNED,
                    Loop::kExplicit, 0.f, 2 * 61440},
+           Variant{"split masters on NVMe, explicit updates",
+                   STRATA_STATE_PLACEMENT_NVME,
+                   Loop::kExplicit,
+                   0.f,
+                   0,
+                   {3000, 1100},
+                   STRATA_MASTER_SPLIT},
+           Variant{"split masters on NVMe, clipped, one slot",
+                   STRATA_STATE_PLACEMENT_NVME,
+                   Loop::kAuto,
+                   0.5f,
+                   100000,
+                   {3000, 1100},
+                   STRATA_MASTER_SPLIT},
        }) {
     DYNAMIC_SECTION(var.name) {
       ScratchDir scratch;
@@ -107,10 +122,10 @@ TEST_CASE("state on NVMe trains bit for bit as state in DRAM", "[optimizer][nvme
       if (var.loop == Loop::kExplicit) c.update_mode = STRATA_UPDATE_EXPLICIT;
       Model in_dram = make_model(5, 42, backend_under_test(), var.sizes);
       Model on_nvme = make_model(5, 42, backend_under_test(), var.sizes, &nv.config);
-      OptimizerPtr od = make_optimizer(in_dram, c);
+      OptimizerPtr od = make_optimizer(in_dram, c, var.layout);
       c.state_placement = var.placement;
       c.nvme_staging_bytes = var.staging;
-      OptimizerPtr on = make_optimizer(on_nvme, c);
+      OptimizerPtr on = make_optimizer(on_nvme, c, var.layout);
       Streamed sd, sn;
       attach_streamed(in_dram, od.get(), &sd);
       attach_streamed(on_nvme, on.get(), &sn);
@@ -168,8 +183,13 @@ TEST_CASE("weights on NVMe train bit for bit as weights in DRAM", "[optimizer][n
     uint32_t placement;
     Loop loop;
     float max_grad_norm;
+    uint32_t layout = STRATA_MASTER_SEPARATE;  // of both runs
   };
   for (const Variant& var : {
+           Variant{"split masters: weights and low halves on NVMe, clipped",
+                   STRATA_STATE_PLACEMENT_NVME, Loop::kAuto, 0.5f, STRATA_MASTER_SPLIT},
+           Variant{"split masters: weights on NVMe, low halves in DRAM",
+                   STRATA_STATE_PLACEMENT_DRAM, Loop::kExplicit, 0.f, STRATA_MASTER_SPLIT},
            Variant{"weights and state on NVMe, per layer during the backward",
                    STRATA_STATE_PLACEMENT_NVME, Loop::kAuto, 0.f},
            Variant{"weights and state on NVMe, clipped", STRATA_STATE_PLACEMENT_NVME, Loop::kAuto,
@@ -188,9 +208,9 @@ TEST_CASE("weights on NVMe train bit for bit as weights in DRAM", "[optimizer][n
       Model in_dram = make_model(5, 42, backend_under_test());
       Model on_nvme =
           make_model(5, 42, backend_under_test(), {3000, 1100}, &nv.config, STRATA_TIER_NVME);
-      OptimizerPtr od = make_optimizer(in_dram, c);
+      OptimizerPtr od = make_optimizer(in_dram, c, var.layout);
       c.state_placement = var.placement;
-      OptimizerPtr on = make_optimizer(on_nvme, c);
+      OptimizerPtr on = make_optimizer(on_nvme, c, var.layout);
       // The masters start from the NVMe-homed weights' values.
       REQUIRE(snapshot(on_nvme, on.get()) == snapshot(in_dram, od.get()));
       Streamed sd, sn;
@@ -432,7 +452,7 @@ TEST_CASE("a weight whose name leaves no room for a state suffix is trainable",
   strata_optimizer_t* raw = nullptr;
   STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &c, &raw));
   OptimizerPtr o(raw);
-  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0};
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE};
   STRATA_REQUIRE_OK(strata_optimizer_add_param(o.get(), &p));
   std::vector<std::string> names;
   for (strata_state_kind_t kind :

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <tuple>
 
 #include "optimizer/optimizer_model.h"
 #include "support/device_views.h"
@@ -94,7 +95,7 @@ TEST_CASE("clipping scales by max_norm / (norm + 1e-6), as clip_grad_norm_", "[o
   }
   STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), w, 0, w0.data(), 4000));
   STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), g, 0, g0.data(), 4000));
-  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0};
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE};
   STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
   strata_tensor_t* master = nullptr;
   STRATA_REQUIRE_OK(strata_optimizer_get_state(opt.get(), w, STRATA_STATE_MASTER, &master));
@@ -183,7 +184,8 @@ TEST_CASE("optimizer misuse gets clear errors", "[optimizer]") {
   STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
   OptimizerPtr opt(o);
   STRATA_REQUIRE_ERROR(strata_optimizer_step(opt.get()), STRATA_ERROR_INVALID_STATE, "no params");
-  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[0][0], m.weights[0][0], 0};
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[0][0], m.weights[0][0], 0,
+                        STRATA_MASTER_SEPARATE};
   STRATA_REQUIRE_ERROR(strata_optimizer_add_param(opt.get(), &p), STRATA_ERROR_INVALID_ARGUMENT,
                        "its own grad");
   p.grad = m.grads[0][1];  // 1100 elements for 3000
@@ -232,7 +234,7 @@ TEST_CASE("optimizer misuse gets clear errors", "[optimizer]") {
   strata_optimizer_t* to = nullptr;
   STRATA_REQUIRE_OK(strata_optimizer_create(tiny.rt.get(), &c, &to));
   OptimizerPtr topt(to);
-  strata_param_desc_t bp{STRATA_PARAM_DESC_STRUCT_SIZE, big, bigg, 0};
+  strata_param_desc_t bp{STRATA_PARAM_DESC_STRUCT_SIZE, big, bigg, 0, STRATA_MASTER_SEPARATE};
   STRATA_REQUIRE_ERROR(strata_optimizer_add_param(topt.get(), &bp), STRATA_ERROR_OUT_OF_MEMORY,
                        "big");
   strata_tier_usage_t u{};
@@ -425,8 +427,11 @@ TEST_CASE("explicit update mode misuse gets clear errors", "[optimizer]") {
 TEST_CASE("a resumed run continues bit for bit", "[checkpoint]") {
   ScratchDir scratch;
   const std::string ckpt = scratch.file("ckpt");
-  for (bool streamed : {false, true}) {
-    DYNAMIC_SECTION((streamed ? "executor-driven" : "manual steps")) {
+  for (auto [streamed, layout] : {std::pair{false, STRATA_MASTER_SEPARATE},
+                                  {true, STRATA_MASTER_SEPARATE},
+                                  {true, STRATA_MASTER_SPLIT}}) {
+    DYNAMIC_SECTION((streamed ? "executor-driven" : "manual steps")
+                    << (layout == STRATA_MASTER_SPLIT ? ", split masters" : "")) {
       strata_optimizer_config_t c = adamw_config();
       c.loss_scale = 8.f;
       c.dynamic_loss_scale = 1;
@@ -443,17 +448,17 @@ TEST_CASE("a resumed run continues bit for bit", "[checkpoint]") {
       const strata_device_backend_t backend =
           streamed ? backend_under_test() : STRATA_DEVICE_BACKEND_HOST;
       Model a = make_model(3, 9, backend);
-      OptimizerPtr ao = make_optimizer(a, c);
+      OptimizerPtr ao = make_optimizer(a, c, layout);
       run(a, ao.get(), 0, 8);
       // Interrupted: 5 steps, save, a new process-like start from the same init, load, 3 more.
       {
         Model b = make_model(3, 9, backend);
-        OptimizerPtr bo = make_optimizer(b, c);
+        OptimizerPtr bo = make_optimizer(b, c, layout);
         run(b, bo.get(), 0, 5);
         STRATA_REQUIRE_OK(strata_checkpoint_save(b.rt.get(), bo.get(), ckpt.c_str()));
       }
       Model r = make_model(3, 1234, backend);  // another init: the load overwrites it
-      OptimizerPtr ro = make_optimizer(r, c);
+      OptimizerPtr ro = make_optimizer(r, c, layout);
       STRATA_REQUIRE_OK(strata_checkpoint_load(r.rt.get(), ro.get(), ckpt.c_str()));
       strata_optimizer_stats_t s = stats_of(ro.get());
       REQUIRE(s.step == 5);
@@ -551,7 +556,8 @@ TEST_CASE("SIGKILL in the middle of a save leaves the previous checkpoint whole"
       strata_optimizer_t* o = nullptr;
       if (strata_optimizer_create(m.rt.get(), &c, &o) != STRATA_OK) _exit(2);
       for (int k = 0; k < 3; ++k) {
-        strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[k][0], m.grads[k][0], 0};
+        strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[k][0], m.grads[k][0], 0,
+                              STRATA_MASTER_SEPARATE};
         if (strata_optimizer_add_param(o, &p) != STRATA_OK) _exit(2);
       }
       std::vector<float> v(static_cast<std::size_t>(n));
@@ -622,7 +628,8 @@ TEST_CASE("SIGKILL in the middle of a load leaves the checkpoint whole", "[check
     STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
     opt->reset(o);
     for (int k = 0; k < 3; ++k) {
-      strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[k][0], m.grads[k][0], 0};
+      strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[k][0], m.grads[k][0], 0,
+                            STRATA_MASTER_SEPARATE};
       STRATA_REQUIRE_OK(strata_optimizer_add_param(o, &p));
     }
   };
@@ -702,7 +709,7 @@ TEST_CASE("a checkpoint for the safetensors compatibility test", "[checkpoint]")
   strata_optimizer_t* o = nullptr;
   STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &c, &o));
   OptimizerPtr opt(o);
-  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0};
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE};
   STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
   STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
   STRATA_REQUIRE_OK(strata_checkpoint_save(rt.get(), opt.get(), out));
@@ -710,4 +717,177 @@ TEST_CASE("a checkpoint for the safetensors compatibility test", "[checkpoint]")
 
 int main(int argc, char** argv) {
   return run_on_backend_under_test(argc, argv);
+}
+
+namespace {
+
+// Every param's master, read whole (strata_optimizer_master_read), as fp32.
+std::vector<std::vector<float>> masters_of(Model& m, strata_optimizer_t* o) {
+  std::vector<std::vector<float>> out;
+  for (auto& layer : m.weights) {
+    for (std::size_t k = 0; k < layer.size(); ++k) {
+      std::vector<float> v(static_cast<std::size_t>(m.sizes[k]));
+      STRATA_REQUIRE_OK(strata_optimizer_master_read(o, layer[k], v.data(), v.size()));
+      out.push_back(std::move(v));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("a split master trains as a separate one, in 2 bytes per parameter less", "[optimizer]") {
+  enum class Loop { kAuto, kClipped, kExplicit };
+  for (Loop loop : {Loop::kAuto, Loop::kClipped, Loop::kExplicit}) {
+    DYNAMIC_SECTION((loop == Loop::kAuto      ? "updates during the backward"
+                     : loop == Loop::kClipped ? "clipped"
+                                              : "explicit updates")) {
+      strata_optimizer_config_t c = adamw_config();
+      if (loop == Loop::kClipped) c.max_grad_norm = 0.5f;
+      if (loop == Loop::kExplicit) c.update_mode = STRATA_UPDATE_EXPLICIT;
+      Model sep = make_model(4, 21, backend_under_test());
+      Model spl = make_model(4, 21, backend_under_test());
+      OptimizerPtr so = make_optimizer(sep, c);
+      OptimizerPtr po = make_optimizer(spl, c, STRATA_MASTER_SPLIT);
+      Streamed ss, sp;
+      attach_streamed(sep, so.get(), &ss);
+      attach_streamed(spl, po.get(), &sp);
+      for (auto [m, o, ex] : {std::tuple{&sep, so.get(), ss.ex}, {&spl, po.get(), sp.ex}}) {
+        if (loop == Loop::kExplicit) {
+          run_explicit(*m, o, ex, 0, 6, 1);
+        } else {
+          run_streamed(*m, o, ex, 0, 6, 1);
+        }
+      }
+      // The weights streamed and updated are the same bits; the masters too, but for values
+      // that landed exactly halfway between two bf16 values (one ulp: 2^-24 relative).
+      const auto ms = masters_of(sep, so.get()), mp = masters_of(spl, po.get());
+      std::size_t t = 0;
+      uint64_t elements = 0;
+      for (std::size_t l = 0; l < sep.weights.size(); ++l) {
+        for (std::size_t k = 0; k < sep.sizes.size(); ++k, ++t) {
+          const auto a = read_bf16(sep.rt.get(), sep.weights[l][k], sep.sizes[k]);
+          const auto b = read_bf16(spl.rt.get(), spl.weights[l][k], spl.sizes[k]);
+          REQUIRE(a == b);
+          for (std::size_t i = 0; i < a.size(); ++i) {
+            REQUIRE(std::abs(ms[t][i] - mp[t][i]) <= std::abs(ms[t][i]) * 0x1p-23f);
+            REQUIRE(to_bf16(mp[t][i]) == b[i]);  // the weight is the master, rounded
+          }
+          elements += a.size();
+        }
+      }
+      // No fp32 master tensor: its low halves (I16) instead, 2 bytes per parameter less.
+      strata_tensor_t* low = nullptr;
+      STRATA_REQUIRE_OK(
+          strata_optimizer_get_state(po.get(), spl.weights[1][0], STRATA_STATE_MASTER_LOW, &low));
+      strata_tensor_info_t info{};
+      info.struct_size = STRATA_TENSOR_INFO_STRUCT_SIZE;
+      STRATA_REQUIRE_OK(strata_tensor_get_info(spl.rt.get(), low, &info));
+      REQUIRE(info.dtype == STRATA_DTYPE_I16);
+      REQUIRE(info.nbytes == 2 * static_cast<uint64_t>(spl.sizes[0]));
+      const auto sa = stats_of(so.get()), sb = stats_of(po.get());
+      INFO("separate " << sa.state_bytes << " bytes, split " << sb.state_bytes);
+      REQUIRE(sa.state_bytes - sb.state_bytes >= 2 * elements - 8 * 4096);
+      REQUIRE(sa.state_bytes - sb.state_bytes <= 2 * elements + 8 * 4096);
+    }
+  }
+}
+
+TEST_CASE("master_read and master_write, in every layout", "[optimizer]") {
+  Model m = make_model(2, 3, STRATA_DEVICE_BACKEND_HOST);
+  strata_tensor_t* f32w = register_tensor(m.rt.get(), "f32.w", 500, STRATA_DTYPE_F32,
+                                          STRATA_ROLE_WEIGHT, STRATA_TIER_DRAM);
+  strata_tensor_t* f32g = register_tensor(m.rt.get(), "f32.g", 500, STRATA_DTYPE_F32,
+                                          STRATA_ROLE_GRAD, STRATA_TIER_DRAM);
+  strata_tensor_t* f16w = register_tensor(m.rt.get(), "f16.w", 500, STRATA_DTYPE_F16,
+                                          STRATA_ROLE_WEIGHT, STRATA_TIER_DRAM);
+  strata_tensor_t* f16g = register_tensor(m.rt.get(), "f16.g", 500, STRATA_DTYPE_F16,
+                                          STRATA_ROLE_GRAD, STRATA_TIER_DRAM);
+  strata_optimizer_config_t c = adamw_config();
+  strata_optimizer_t* o = nullptr;
+  STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
+  OptimizerPtr opt(o);
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[0][0], m.grads[0][0], 0,
+                        STRATA_MASTER_SPLIT};
+  STRATA_REQUIRE_OK(strata_optimizer_add_param(o, &p));
+  p = {STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[0][1], m.grads[0][1], 0, STRATA_MASTER_SEPARATE};
+  STRATA_REQUIRE_OK(strata_optimizer_add_param(o, &p));
+  p = {STRATA_PARAM_DESC_STRUCT_SIZE, f32w, f32g, 0, STRATA_MASTER_SPLIT};  // its own master
+  STRATA_REQUIRE_OK(strata_optimizer_add_param(o, &p));
+  p = {STRATA_PARAM_DESC_STRUCT_SIZE, f16w, f16g, 0, STRATA_MASTER_SPLIT};
+  STRATA_REQUIRE_ERROR(strata_optimizer_add_param(o, &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "f16: a split master needs a bf16 weight");
+  p.master_layout = 7;
+  STRATA_REQUIRE_ERROR(strata_optimizer_add_param(o, &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "unknown master_layout 7");
+  // A 1.0/1.1-sized desc (no master_layout) is SEPARATE.
+  p = {offsetof(strata_param_desc_t, master_layout), m.weights[1][0], m.grads[1][0], 0, 1};
+  STRATA_REQUIRE_OK(strata_optimizer_add_param(o, &p));
+  strata_tensor_t* master = nullptr;
+  STRATA_REQUIRE_OK(strata_optimizer_get_state(o, m.weights[1][0], STRATA_STATE_MASTER, &master));
+  STRATA_REQUIRE_ERROR(
+      strata_optimizer_get_state(o, m.weights[1][0], STRATA_STATE_MASTER_LOW, &master),
+      STRATA_ERROR_NOT_FOUND, "no such state");
+  STRATA_REQUIRE_ERROR(strata_optimizer_get_state(o, m.weights[0][0], STRATA_STATE_MASTER, &master),
+                       STRATA_ERROR_NOT_FOUND, "master is split");
+  REQUIRE(strata_optimizer_get_state(o, m.weights[0][0], 5, &master) ==
+          STRATA_ERROR_INVALID_ARGUMENT);
+
+  // Values a bf16 weight cannot hold, a halfway one among them.
+  for (auto [w, n] : {std::pair{m.weights[0][0], 3000}, {m.weights[0][1], 1100}, {f32w, 500}}) {
+    INFO(n << " elements");
+    std::vector<float> v(static_cast<std::size_t>(n));
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = 0.001f * static_cast<float>(i) + 1e-7f;
+    v[1] = std::bit_cast<float>(0x3F808000u);  // halfway: rounds down to even 0x3F80
+    STRATA_REQUIRE_OK(strata_optimizer_master_write(o, w, v.data(), v.size()));
+    std::vector<float> back(v.size());
+    STRATA_REQUIRE_OK(strata_optimizer_master_read(o, w, back.data(), back.size()));
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (w == m.weights[0][0] && i == 1) {
+        REQUIRE(std::bit_cast<uint32_t>(back[i]) == 0x3F807FFFu);  // one ulp nearer the weight
+      } else {
+        REQUIRE(back[i] == v[i]);
+      }
+    }
+    if (w != f32w) {
+      // The working copy is the master rounded, as torch's .to(torch.bfloat16).
+      const auto bits = read_bf16(m.rt.get(), w, n);
+      for (std::size_t i = 0; i < v.size(); ++i) REQUIRE(bits[i] == to_bf16(v[i]));
+    }
+    REQUIRE(strata_optimizer_master_read(o, w, back.data(), back.size() - 1) ==
+            STRATA_ERROR_INVALID_ARGUMENT);
+    STRATA_REQUIRE_ERROR(strata_optimizer_master_write(o, w, v.data(), v.size() + 1),
+                         STRATA_ERROR_INVALID_ARGUMENT, "count is");
+  }
+  float x = 0;
+  STRATA_REQUIRE_ERROR(strata_optimizer_master_read(o, m.weights[1][1], &x, 1),
+                       STRATA_ERROR_NOT_FOUND, "not a parameter");
+  REQUIRE(strata_optimizer_master_read(o, m.weights[0][0], nullptr, 3000) ==
+          STRATA_ERROR_INVALID_ARGUMENT);
+  REQUIRE(strata_optimizer_master_write(nullptr, m.weights[0][0], &x, 1) ==
+          STRATA_ERROR_INVALID_ARGUMENT);
+  REQUIRE(strata_optimizer_master_read(o, nullptr, &x, 1) == STRATA_ERROR_INVALID_ARGUMENT);
+}
+
+TEST_CASE("master_read and master_write refuse inside an executor step", "[optimizer]") {
+  Model m = make_model(2, 5, backend_under_test());
+  strata_optimizer_config_t c = adamw_config();
+  c.update_mode = STRATA_UPDATE_EXPLICIT;
+  OptimizerPtr opt = make_optimizer(m, c, STRATA_MASTER_SPLIT);
+  Streamed st;
+  attach_streamed(m, opt.get(), &st);
+  std::vector<float> v(3000, 0.5f);
+  STRATA_REQUIRE_OK(strata_step_begin(st.ex));
+  STRATA_REQUIRE_ERROR(strata_optimizer_master_write(opt.get(), m.weights[0][0], v.data(), 3000),
+                       STRATA_ERROR_INVALID_STATE, "inside an executor step");
+  STRATA_REQUIRE_ERROR(strata_optimizer_master_read(opt.get(), m.weights[0][0], v.data(), 3000),
+                       STRATA_ERROR_INVALID_STATE, "inside an executor step");
+  STRATA_REQUIRE_OK(strata_step_abort(st.ex, nullptr));
+  STRATA_REQUIRE_OK(strata_optimizer_master_write(opt.get(), m.weights[0][0], v.data(), 3000));
+  // The next forward pass streams the written value.
+  run_explicit(m, opt.get(), st.ex, 0, 1, 1);
+  std::vector<float> after(3000);
+  STRATA_REQUIRE_OK(strata_optimizer_master_read(opt.get(), m.weights[0][0], after.data(), 3000));
+  REQUIRE(std::abs(after[0] - 0.5f) < 0.05f);
+  REQUIRE(after[0] != 0.5f);  // and one update moved it
 }

@@ -203,7 +203,7 @@ class GradInfo(Struct):
 
 class ParamDesc(Struct):
     _fields_ = [("struct_size", c_size_t), ("weight", c_void_p), ("grad", c_void_p),
-                ("group", c_uint32)]
+                ("group", c_uint32), ("master_layout", c_uint32)]
 
 
 class OptimizerStats(Struct):
@@ -312,6 +312,8 @@ _SIGNATURES = {
     "strata_optimizer_grad_zero": (c_int32, [c_void_p, c_void_p, c_int32]),
     "strata_optimizer_set_param_step": (c_int32, [c_void_p, c_void_p, c_uint64]),
     "strata_optimizer_get_state": (c_int32, [c_void_p, c_void_p, c_int32, P(c_void_p)]),
+    "strata_optimizer_master_read": (c_int32, [c_void_p, c_void_p, c_void_p, c_uint64]),
+    "strata_optimizer_master_write": (c_int32, [c_void_p, c_void_p, c_void_p, c_uint64]),
     "strata_optimizer_get_stats": (c_int32, [c_void_p, P(OptimizerStats)]),
     "strata_checkpoint_save": (c_int32, [c_void_p, c_void_p, c_char_p]),
     "strata_checkpoint_load": (c_int32, [c_void_p, c_void_p, c_char_p]),

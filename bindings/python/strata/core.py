@@ -20,7 +20,10 @@ VIEW_WEIGHT, VIEW_GRAD, VIEW_ACTIVATION = 0, 1, 2
 OPTIMIZERS = {"adamw": 0, "sgd": 1}
 UPDATE_MODES = {"auto": 0, "explicit": 1}
 STATE_PLACEMENTS = {"dram": 0, "planned": 1, "nvme": 2}
-STATES = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2, "grad_accum": 3}
+STATES = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2, "grad_accum": 3, "master_low": 4}
+# How a bf16 weight's fp32 master is kept (strata.h STRATA_MASTER_*): "split" keeps only its low
+# halves, the weight being the rest (2 bytes per parameter instead of 4).
+MASTER_LAYOUTS = {"separate": 0, "split": 1}
 LINKS = ["h2d", "d2h", "nvme_read", "nvme_write"]
 
 
@@ -34,28 +37,33 @@ def dtype_size(dtype):
     return L.strata_dtype_size(DTYPES[dtype])
 
 
-def streaming_budgets(block_params, element_size):
+def streaming_budgets(block_params, element_size, master_layout="separate"):
     """Default (HBM, DRAM) budgets in bytes for streaming blocks of `block_params` parameters
     each, stored in elements of `element_size` bytes and trained with AdamW: DRAM holds each
     parameter's weight and grad plus fp32 m and v and, unless the weights are fp32 (their own
-    masters), an fp32 master, with 2% for the state's page alignment; HBM holds slots for a few
-    blocks (weights and grad buffers) and the planner's margin."""
-    per_param = 2 * element_size + state_bytes_per_param(element_size)
+    masters), an fp32 master (a split one: its low halves), with 2% for the state's page
+    alignment; HBM holds slots for a few blocks (weights and grad buffers) and the planner's
+    margin."""
+    per_param = 2 * element_size + state_bytes_per_param(element_size, master_layout)
     dram = int(sum(block_params) * per_param * 1.02) + (256 << 20)
     hbm = 2 * 4 * element_size * max(block_params) + (64 << 20)
     return hbm, dram
 
 
-def state_bytes_per_param(element_size):
-    """AdamW's state per parameter: m and v, and an fp32 master unless the weight is fp32."""
-    return 8 if element_size == 4 else 12
+def state_bytes_per_param(element_size, master_layout="separate"):
+    """AdamW's state per parameter: m and v, and an fp32 master unless the weight is fp32 (a
+    split master: its low halves, 2 bytes; the bf16 weight is the rest)."""
+    if element_size == 4:
+        return 8
+    return 10 if master_layout == "split" else 12
 
 
 # DRAM beyond the tensors' rounded sizes, with state on NVMe (the arena's own alignment).
 NVME_DRAM_MARGIN = 16 << 20
 
 
-def placement_layers(blocks, element_size, frozen=None, state_tier="choose"):
+def placement_layers(blocks, element_size, frozen=None, state_tier="choose",
+                     master_layout="separate"):
     """Per block, the sizes a placement (place()) weighs for streaming `blocks` (per block, the
     element counts of its trainable tensors; `frozen`: of its frozen ones, weights only) with
     AdamW: bf16/f16/f32 weights and grads, each at the DRAM arena's 4 KiB rounding and a page
@@ -67,10 +75,11 @@ def placement_layers(blocks, element_size, frozen=None, state_tier="choose"):
     def rounded(n):
         return -(-n // page) * page
 
-    copies = state_bytes_per_param(element_size) // 4
+    per_param = state_bytes_per_param(element_size, master_layout)
     frozen = frozen or [[] for _ in blocks]
+
     def state(n):  # optimizer_params.cpp: need = bytes + bytes / 64 + 3 * 8192
-        b = copies * n * 4
+        b = per_param * n
         return b + b // 64 + 3 * 8192
 
     return [{"weight_bytes": sum(rounded(n * element_size) + page for n in b + f),
@@ -470,9 +479,22 @@ class Optimizer:
     def handle(self):
         return self._handle
 
-    def add_param(self, weight, grad, group=0):
-        desc = _lib.ParamDesc(weight=weight.handle.value, grad=grad.handle.value, group=group)
+    def add_param(self, weight, grad, group=0, master_layout="separate"):
+        if master_layout not in MASTER_LAYOUTS:
+            raise ValueError("master_layout must be one of %s, not %r"
+                             % (sorted(MASTER_LAYOUTS), master_layout))
+        desc = _lib.ParamDesc(weight=weight.handle.value, grad=grad.handle.value, group=group,
+                              master_layout=MASTER_LAYOUTS[master_layout])
         check(L.strata_optimizer_add_param(self._handle, ctypes.byref(desc)))
+
+    def master_read(self, weight, pointer, count):
+        """The param's fp32 master (any layout or tier) into `count` floats at `pointer`."""
+        check(L.strata_optimizer_master_read(self._handle, weight.handle, pointer, count))
+
+    def master_write(self, weight, pointer, count):
+        """Set the param's fp32 master from `count` floats at `pointer`, and its weight to it
+        rounded (as an update writes them)."""
+        check(L.strata_optimizer_master_write(self._handle, weight.handle, pointer, count))
 
     def set_group(self, group, lr, weight_decay):
         check(L.strata_optimizer_set_group(self._handle, group, lr, weight_decay))

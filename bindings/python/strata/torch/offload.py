@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .block import streamed_forward
-from .session import DTYPE_NAMES, StrataSession
+from .session import DTYPE_NAMES, StrataSession, master_layout
 
 
 def find_blocks(model):
@@ -152,7 +152,7 @@ def _estimate_dram(blocks, dtype, mesh=None):
         from .sharded import chunk_elements
         counts = [sum(chunk_elements(p.numel(), mesh.shard_size) for p in b.parameters())
                   for b in blocks]
-    _, dram = core.streaming_budgets(counts, torch.finfo(dtype).bits // 8)
+    _, dram = core.streaming_budgets(counts, torch.finfo(dtype).bits // 8, master_layout(dtype))
     return dram
 
 
@@ -346,7 +346,8 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         counts = [[p.numel() for p in b.parameters() if p.requires_grad] for b in blocks]
         frozen = [[p.numel() for p in b.parameters() if not p.requires_grad] for b in blocks]
         layers = core.placement_layers(counts, element, frozen,
-                                       "nvme" if state_placement == "nvme" else "choose")
+                                       "nvme" if state_placement == "nvme" else "choose",
+                                       master_layout=master_layout(dtype))
         for i, layer in enumerate(layers):
             layer["name"] = "blocks.%d" % i
         if host_budget is None:

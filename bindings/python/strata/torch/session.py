@@ -88,6 +88,28 @@ def fill(tensor, values):
         tensor.write_pointer(host.data_ptr(), nbytes)
 
 
+def master_layout(dtype):
+    """How strata.torch keeps a streamed parameter's fp32 master: split for bf16 weights (the
+    weight is its upper half, the optimizer keeps the low 16 bits: strata.h STRATA_MASTER_SPLIT),
+    a separate fp32 tensor for fp16 ones (fp32 weights are their own)."""
+    return "split" if dtype == torch.bfloat16 else "separate"
+
+
+def split_master(values):
+    """fp32 values as a split master's halves: the bf16 weight (torch's rounding, nearest even)
+    and the signed 16-bit rest, computed where the values are (on a GPU: there, during setup).
+    The optimizer's kernels (runtime/optimizer/kernels_impl.h, store_split) do the same on the
+    CPU; tests/python/test_torch_parity.py checks the optimizer reads these back as the values.
+    A value halfway between two bf16 values that rounded down keeps a rest of 2^15 - 1 (one ulp
+    nearer the weight: 2^15 does not fit); a NaN keeps 0."""
+    weight = values.to(torch.bfloat16)
+    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    rest = bits - ((weight.view(torch.int16).to(torch.int64) & 0xFFFF) << 16)
+    rest.masked_fill_(rest == 0x8000, 0x7FFF)
+    rest.masked_fill_(torch.isnan(values), 0)
+    return weight, rest.to(torch.int16)
+
+
 class StrataSession:
     """One offloaded model. Blocks are registered with the runtime when the optimizer is created
     (or at the first forward pass without one), one at a time: host memory never holds the
@@ -106,7 +128,8 @@ class StrataSession:
         # state, planning): where offloading a large model spends its time.
         self.setup_seconds = {}
         started = time.perf_counter()
-        hbm, dram = core.streaming_budgets(self.block_counts(blocks), torch.finfo(dtype).bits // 8)
+        hbm, dram = core.streaming_budgets(self.block_counts(blocks), torch.finfo(dtype).bits // 8,
+                                           master_layout(dtype))
         gpu_budget = hbm if gpu_budget is None else gpu_budget
         host_budget = dram if host_budget is None else host_budget
         # The runtime computes on the model's GPU (cuda:1 is ordinal 1), not always the first.
@@ -265,7 +288,8 @@ class StrataSession:
             frozen = [[sp.param.numel() for sp in entries if not sp.trainable]
                       for entries in self.layers]
             layers = [dict(layer, weight_tier="dram", state_tier="dram")
-                      for layer in core.placement_layers(counts, element, frozen)]
+                      for layer in core.placement_layers(
+                          counts, element, frozen, master_layout=master_layout(self.dtype))]
             plan = self.executor.plan_info()
             rates = {"h2d": plan.h2d_bytes_per_second, "d2h": plan.d2h_bytes_per_second}
             runtime = self.runtime  # measures the update's rate (its own scratch memory)
@@ -350,12 +374,19 @@ class StrataSession:
         """`values` (sp.weight's shape) into sp.weight; its optimizer state (the master from
         the fp32 values, when given in fp32)."""
         t = time.perf_counter()
-        fill(sp.weight, values.to(self.dtype))  # rounded where `values` are (on a GPU: there)
+        trains = sp.trainable and opt is not None
+        layout = master_layout(self.dtype)
+        # The master starts from fp32 values, not their rounded copy: a split one's low
+        # halves are computed with the weight, where `values` are (on a GPU: there).
+        split = trains and layout == "split" and values.dtype == torch.float32
+        weight, rest = split_master(values) if split else (values.to(self.dtype), None)
+        fill(sp.weight, weight)  # rounded where `values` are
         t = self.timed("weights", t)
-        if sp.trainable and opt is not None:
-            opt.add_param(sp.weight, sp.grad, group)
-            if values.dtype == torch.float32 and self.dtype != torch.float32:
-                # The master starts from the fp32 values, not their rounded copy.
+        if trains:
+            opt.add_param(sp.weight, sp.grad, group, master_layout=layout)
+            if split:
+                fill(opt.state(sp.weight, "master_low"), rest)
+            elif values.dtype == torch.float32 and self.dtype != torch.float32:
                 fill(opt.state(sp.weight, "master"), values)
             self.timed("optimizer_state", t)
 
@@ -548,17 +579,25 @@ class StrataSession:
         return host
 
     def read_state(self, sp, kind):
-        """A trainable streamed parameter's optimizer state of `kind` (fp32, on the CPU)."""
+        """A trainable streamed parameter's optimizer state of `kind` (fp32, on the CPU; the
+        master put together whatever its layout)."""
         t = torch.empty(sp.shape, dtype=torch.float32)
-        self.optimizer.state(sp.weight, kind).read_pointer(t.data_ptr(), t.numel() * 4)
+        if kind == "master":
+            self.optimizer.master_read(sp.weight, t.data_ptr(), t.numel())
+        else:
+            self.optimizer.state(sp.weight, kind).read_pointer(t.data_ptr(), t.numel() * 4)
         return t
 
     def write_state(self, sp, kind, value):
+        """Set a state of `kind`; the master sets the weight too (rounded from it)."""
         t = value.detach().to("cpu", torch.float32).contiguous()
         if tuple(t.shape) != sp.shape:
             raise ValueError("strata.torch.AdamW.load_state_dict: state %r of %r has shape %s, "
                              "expected %s" % (kind, sp.name, list(t.shape), list(sp.shape)))
-        self.optimizer.state(sp.weight, kind).write_pointer(t.data_ptr(), t.numel() * 4)
+        if kind == "master":
+            self.optimizer.master_write(sp.weight, t.data_ptr(), t.numel())
+        else:
+            self.optimizer.state(sp.weight, kind).write_pointer(t.data_ptr(), t.numel() * 4)
 
     def read_grad(self, sp):
         """A streamed parameter's held grad as an fp32 CPU tensor (a copy)."""
@@ -584,12 +623,13 @@ class StrataSession:
 
     def store_weight(self, sp, values):
         """write_weight's writes, its checks done: the weight and, when trained, the master."""
+        if sp.trainable and self.optimizer is not None and self.dtype != torch.float32:
+            # The master and the weight rounded from it, in any layout.
+            master = values.detach().to("cpu", torch.float32).contiguous()
+            self.optimizer.master_write(sp.weight, master.data_ptr(), master.numel())
+            return
         host = values.detach().to("cpu", self.dtype).contiguous()
         sp.weight.write_pointer(host.data_ptr(), host.numel() * host.element_size())
-        if sp.trainable and self.optimizer is not None and self.dtype != torch.float32:
-            master = values.detach().to("cpu", torch.float32).contiguous()
-            self.optimizer.state(sp.weight, "master").write_pointer(master.data_ptr(),
-                                                                     master.numel() * 4)
 
     def _not_copyable(self, *args):
         raise TypeError(

@@ -336,12 +336,20 @@ class ShardedSession(StrataSession):
         return self._gather_values(sp, self._read_chunk(sp.weight, sp, self.dtype))
 
     def store_weight(self, sp, values):
-        self._write_chunk(sp.weight, sp, values, self.dtype)
         if sp.trainable and self.optimizer is not None and self.dtype != torch.float32:
-            self._write_chunk(self.optimizer.state(sp.weight, "master"), sp, values,
-                              torch.float32)
+            self._write_master(sp, values)  # and the weight, rounded from it
+        else:
+            self._write_chunk(sp.weight, sp, values, self.dtype)
+
+    def _write_master(self, sp, values):
+        chunk = self._own_chunk(sp, values.detach().to("cpu", torch.float32))
+        self.optimizer.master_write(sp.weight, chunk.data_ptr(), chunk.numel())
 
     def read_state(self, sp, kind):
+        if kind == "master":  # put together whatever its layout
+            host = torch.empty(sp.chunk, dtype=torch.float32)
+            self.optimizer.master_read(sp.weight, host.data_ptr(), host.numel())
+            return self._gather_values(sp, host)
         return self._gather_values(
             sp, self._read_chunk(self.optimizer.state(sp.weight, kind), sp, torch.float32))
 
@@ -349,7 +357,10 @@ class ShardedSession(StrataSession):
         if tuple(value.shape) != sp.shape:
             raise ValueError("strata.torch.AdamW.load_state_dict: state %r of %r has shape %s, "
                              "expected %s" % (kind, sp.name, list(value.shape), list(sp.shape)))
-        self._write_chunk(self.optimizer.state(sp.weight, kind), sp, value, torch.float32)
+        if kind == "master":
+            self._write_master(sp, value)
+        else:
+            self._write_chunk(self.optimizer.state(sp.weight, kind), sp, value, torch.float32)
 
     def read_grad(self, sp):
         host = torch.empty(sp.chunk, dtype=torch.float32)
