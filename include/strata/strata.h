@@ -1013,11 +1013,13 @@ typedef struct strata_param_desc {
  * rounded to nearest even as torch's .to(torch.bfloat16), and the optimizer keeps only the
  * signed 16-bit rest, "<weight>.master_low" (I16, STRATA_STATE_MASTER_LOW): 2 bytes per
  * parameter of state instead of 4, on DRAM or NVMe as the state placement says, and no
- * separate working copy to write. The weights an update produces are the same in both layouts;
- * the master too, except where it lands exactly halfway between two bf16 values and rounds
- * down to the even one: the rest (+2^15) does not fit 16 bits, and the master is kept one ulp
- * (2^-24 relative) nearer the weight. Writing a SPLIT param's weight tensor moves its master
- * with it (the rest stays); strata_optimizer_master_write sets both. */
+ * separate working copy to write. From the same master an update writes the same weight and
+ * master in both layouts, except where the master lands exactly halfway between two bf16 values
+ * and rounds down to the even one: the rest (+2^15) does not fit 16 bits, and the master is
+ * kept one ulp (2^-24 relative) nearer the weight (so later updates may round differently from
+ * a separate master's). Writing a SPLIT param's weight tensor alone moves its master with it:
+ * the weight plus the old rest where that still rounds to the weight, else the weight itself;
+ * strata_optimizer_master_write sets both. */
 #define STRATA_MASTER_SEPARATE 0u
 #define STRATA_MASTER_SPLIT 1u
 

@@ -71,11 +71,15 @@ inline void store(Bf16* p, std::size_t i, float x) {
 // bf16 values that rounded down to the even one (+0x8000; rounding up leaves -0x8000, which
 // fits). An even bf16 value is the nearest of 2^16 + 1 floats, one more than 16 bits name, so
 // that master is kept one ulp nearer the weight (+0x7FFF): a relative change of 2^-24, in 1 of
-// 2^17 updated values, below the rounding of the update's own arithmetic; the weight is the
-// same. A NaN master keeps the weight's quiet NaN (remainder 0).
+// 2^17 updated values; the weight is the same. A NaN master keeps the weight's quiet NaN
+// (remainder 0). A remainder that does not belong to the weight (the weight was written alone:
+// a checkpoint's weights loaded without the optimizer, a framework's write) would put together
+// a master that does not round to the weight, or a NaN (0 with a negative rest): then the
+// master is the weight itself.
 inline float load_split(const Bf16* w, const int16_t* low, std::size_t i) {
-  return std::bit_cast<float>((static_cast<uint32_t>(w[i].bits) << 16) +
-                              static_cast<uint32_t>(static_cast<int32_t>(low[i])));
+  const uint32_t hi = static_cast<uint32_t>(w[i].bits) << 16;
+  const uint32_t u = hi + static_cast<uint32_t>(static_cast<int32_t>(low[i]));
+  return std::bit_cast<float>((bf16_bits(u) << 16) == hi ? u : hi);
 }
 inline void store_split(Bf16* w, int16_t* low, std::size_t i, float x) {
   const uint32_t u = std::bit_cast<uint32_t>(x);

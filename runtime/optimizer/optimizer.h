@@ -292,7 +292,11 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // Registers a state tensor in `home` (DRAM: *data points at it; NVMe: *data is null).
   Status make_state(const TensorRecord& weight, const char* suffix, uint64_t skew, Tier home,
                     TensorId* id, void** data, DType dtype = DType::kF32);
-  // master_read/_write's frame: synchronized, between executor steps, `count` checked.
+  // synchronize() under `lock` (held on return): every queued update, transfer and pending
+  // load done, copies read ahead dropped; the optimizer's failure, if any.
+  Status drain(std::unique_lock<std::mutex>& lock);
+  // master_read/_write's frame: drained, between executor steps, `count` checked, all under
+  // one hold of step_mutex_ and mutex_ (no step or update can start meanwhile).
   Status master_access(TensorId weight, uint64_t count, const char* what,
                        const std::function<Status(const Param&)>& access);
   // Where a new param's state of `bytes` goes under the placement policy.

@@ -173,6 +173,10 @@ Status Optimizer::wait_layer(uint32_t layer) {
 
 Status Optimizer::synchronize() {
   std::unique_lock lock(mutex_);
+  return drain(lock);
+}
+
+Status Optimizer::drain(std::unique_lock<std::mutex>& lock) {
   cv_.wait(lock, [&] {
     if (!failure_.is_ok()) return true;
     if (!queue_.empty() || running_ > 0 || io_in_flight_ > 0) return false;
@@ -193,12 +197,13 @@ uint64_t Optimizer::job_bytes(std::span<const Task> tasks, JobKind kind) const {
   uint64_t bytes = 0;
   for (const Task& t : tasks) {
     const optim::ParamArrays& a = params_[t.param].arrays;
+    const bool split = params_[t.param].split;  // a.master_low is null while staged from NVMe
     const uint64_t n = t.end - t.begin;
     uint64_t per = dtype_size(a.grad_dtype) + (a.grad_accum != nullptr ? 4 : 0);
     if (kind == JobKind::kAccumulate) per = dtype_size(a.grad_dtype) + 8;
     if (kind == JobKind::kUpdate) {
       // The master read and written (a split one: its low halves and the weight read too).
-      per += a.master_low != nullptr ? 4 + dtype_size(a.weight_dtype) : 8;
+      per += split ? 4 + dtype_size(a.weight_dtype) : 8;
       if (a.exp_avg != nullptr) per += 8;
       if (a.exp_avg_sq != nullptr) per += 8;
       if (a.weight != nullptr) per += dtype_size(a.weight_dtype);

@@ -350,10 +350,12 @@ Status Optimizer::state_tensor(TensorId weight, StateKind kind, TensorId* out) {
 
 Status Optimizer::master_access(TensorId weight, uint64_t count, const char* what,
                                 const std::function<Status(const Param&)>& access) {
-  // After synchronize nothing is queued or staged; the lock keeps a step from starting.
-  STRATA_RETURN_IF_ERROR(synchronize());
-  std::lock_guard lock(mutex_);
-  STRATA_RETURN_IF_ERROR(failure_);
+  // step_mutex_: no manual step() runs its kernels meanwhile. Drained under mutex_ and held
+  // through the access: no update, read-ahead or executor step starts until it is done (the
+  // whole-tensor reads and writes hold it: this is a between-steps call).
+  std::lock_guard serial(step_mutex_);
+  std::unique_lock lock(mutex_);
+  STRATA_RETURN_IF_ERROR(drain(lock));
   if (in_executor_step_) {
     return error(Code::kInvalidState, what,
                  " inside an executor step (its updates and state read-ahead run): call it "
@@ -405,12 +407,13 @@ Status Optimizer::master_write(TensorId weight, const float* src, uint64_t count
     v.master_low = p.split ? low.data() : nullptr;
     v.count = n;
     kernels_->master_set(v, src, 0, n);
-    if (p.split) {
-      STRATA_RETURN_IF_ERROR(runtime_->write(p.master, 0, low.data(), n * sizeof(int16_t)));
-    } else {
-      STRATA_RETURN_IF_ERROR(runtime_->write(p.master, 0, master.data(), n * sizeof(float)));
-    }
-    return runtime_->write(p.weight, 0, copy.data(), copy.size());
+    STRATA_RETURN_IF_ERROR(p.split
+                               ? runtime_->write(p.master, 0, low.data(), n * sizeof(int16_t))
+                               : runtime_->write(p.master, 0, master.data(), n * sizeof(float)));
+    Status s = runtime_->write(p.weight, 0, copy.data(), copy.size());
+    // The master is written and its weight is not: they no longer belong together.
+    if (!s.is_ok()) failure_ = s;
+    return s;
   });
 }
 

@@ -310,6 +310,24 @@ TEST_CASE("a split master: the bf16 weight rounds as torch, the master comes bac
         }
       }
       REQUIRE(nudged > 0);  // the halfway cases were there
+      // A weight written alone (the rests stay): the master put together still rounds to the
+      // new weight (the old rest where it fits, else the weight itself), never a NaN from a
+      // rest that wraps (0 with a negative rest, the case that made one).
+      std::vector<uint16_t> fresh(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        fresh[i] = static_cast<uint16_t>(i % 7 == 0 ? 0 : i % 7 == 1 ? 0x8000 : rng());
+      }
+      w_split = fresh;
+      k.master_get(split, back.data(), 0, n);
+      for (std::size_t i = 0; i < n; ++i) {
+        INFO("weight " << std::hex << fresh[i] << " rest " << low[i]);
+        const uint32_t upper = static_cast<uint32_t>(fresh[i]) << 16;
+        if ((upper & 0x7FFFFFFFu) > 0x7F800000u) continue;  // a NaN weight: a NaN master
+        REQUIRE(to_bf16(back[i]) == fresh[i]);
+        const uint32_t got = std::bit_cast<uint32_t>(back[i]);
+        const uint32_t with_rest = upper + static_cast<uint32_t>(static_cast<int32_t>(low[i]));
+        REQUIRE((got == with_rest || got == upper));
+      }
     }
   }
 }

@@ -859,6 +859,17 @@ TEST_CASE("master_read and master_write, in every layout", "[optimizer]") {
     STRATA_REQUIRE_ERROR(strata_optimizer_master_write(o, w, v.data(), v.size() + 1),
                          STRATA_ERROR_INVALID_ARGUMENT, "count is");
   }
+  // A split weight written alone: the master moves with it, and a stale rest never makes it a
+  // NaN (weight 0 under the rest -1 of 0x3F7FFFFF wrapped to 0xFFFFFFFF).
+  {
+    strata_tensor_t* w = m.weights[0][0];
+    std::vector<float> v(3000, std::bit_cast<float>(0x3F7FFFFFu));  // weight 0x3F80, rest -1
+    STRATA_REQUIRE_OK(strata_optimizer_master_write(o, w, v.data(), v.size()));
+    std::vector<uint16_t> zeros(3000, 0);
+    STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), w, 0, zeros.data(), zeros.size() * 2));
+    STRATA_REQUIRE_OK(strata_optimizer_master_read(o, w, v.data(), v.size()));
+    REQUIRE(v[0] == 0.f);
+  }
   float x = 0;
   STRATA_REQUIRE_ERROR(strata_optimizer_master_read(o, m.weights[1][1], &x, 1),
                        STRATA_ERROR_NOT_FOUND, "not a parameter");

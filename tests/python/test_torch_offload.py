@@ -284,9 +284,17 @@ def test_bf16_split_masters_train_as_separate_ones_in_less_dram(device, monkeypa
         model.strata.close()
     (la, ma, wa, ua, n), (lb, mb, wb, ub, _) = runs["separate"], runs["split"]
     assert la[-1] < la[0] - 0.1
-    assert la == lb
+    # From the same master an update writes the same weight in both layouts; a nudged master
+    # (below) may later round an element differently: losses within 1e-6, weights one bf16 ulp
+    # apart at most, in a handful of elements.
+    for a, b in zip(la, lb):
+        assert abs(a - b) <= 1e-6 * abs(a), (la, lb)
     for key in wa:
-        assert torch.equal(wa[key], wb[key]), key
+        if wa[key].dtype != torch.bfloat16:
+            assert torch.equal(wa[key], wb[key]), key
+            continue
+        ulps = (wa[key].view(torch.int16).int() - wb[key].view(torch.int16).int()).abs()
+        assert int(ulps.max()) <= 1 and int((ulps > 0).sum()) <= 4, key
     # The masters: equal but where a halfway value was nudged one ulp (about 1 in 2^17 updated
     # values) and the few updates since rounded on from there.
     for key in ma:

@@ -200,6 +200,7 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget):
     free, _ = torch.cuda.mem_get_info(device)
     from .. import core
     element = torch.finfo(dtype).bits // 8
+    # Resident blocks are trained by torch's AdamW with whole fp32 masters (never split).
     per_param = 2 * element + core.state_bytes_per_param(element)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     coming = sum(p.numel() for p in model.parameters()
