@@ -299,90 +299,46 @@ void master_set_typed(const ParamArrays& a, const float* __restrict in, std::siz
   }
 }
 
-void master_get(const ParamArrays& a, float* out, std::size_t begin, std::size_t end) {
-  switch (a.weight == nullptr ? DType::kF32 : a.weight_dtype) {
+// Dtype dispatch: one branch per call (a parameter range), never per element: f<T>() with T
+// the element type of `d` (fp32 for any other).
+template <typename F>
+decltype(auto) by_dtype(DType d, F&& f) {
+  switch (d) {
     case DType::kBF16:
-      return master_get_typed<Bf16>(a, out, begin, end);
+      return f.template operator()<Bf16>();
     case DType::kF16:
-      return master_get_typed<F16>(a, out, begin, end);
+      return f.template operator()<F16>();
     default:
-      return master_get_typed<float>(a, out, begin, end);
+      return f.template operator()<float>();
   }
 }
-
-void master_set(const ParamArrays& a, const float* in, std::size_t begin, std::size_t end) {
-  switch (a.weight == nullptr ? DType::kF32 : a.weight_dtype) {
-    case DType::kBF16:
-      return master_set_typed<Bf16>(a, in, begin, end);
-    case DType::kF16:
-      return master_set_typed<F16>(a, in, begin, end);
-    default:
-      return master_set_typed<float>(a, in, begin, end);
-  }
-}
-
-// Dtype dispatch: one branch per call (a parameter range), never per element.
-template <template <typename, typename> class Op, typename... Args>
-void by_dtypes(DType grad, DType weight, bool has_weight, Args&&... args) {
-  auto with_grad = [&]<typename G>() {
-    if (!has_weight) return Op<G, void>::run(args...);
-    switch (weight) {
-      case DType::kBF16:
-        return Op<G, Bf16>::run(args...);
-      case DType::kF16:
-        return Op<G, F16>::run(args...);
-      default:
-        return Op<G, float>::run(args...);
-    }
-  };
-  switch (grad) {
-    case DType::kBF16:
-      return with_grad.template operator()<Bf16>();
-    case DType::kF16:
-      return with_grad.template operator()<F16>();
-    default:
-      return with_grad.template operator()<float>();
-  }
-}
-
-template <typename G, typename W>
-struct AdamWOp {
-  static void run(const AdamWScalars& s, const ParamArrays& a, std::size_t b, std::size_t e) {
-    adamw_typed<G, W>(s, a, b, e);
-  }
-};
-template <typename G, typename W>
-struct SgdOp {
-  static void run(const SgdScalars& s, const ParamArrays& a, std::size_t b, std::size_t e) {
-    sgd_typed<G, W>(s, a, b, e);
-  }
-};
 
 void adamw(const AdamWScalars& s, const ParamArrays& a, std::size_t begin, std::size_t end) {
-  by_dtypes<AdamWOp>(a.grad_dtype, a.weight_dtype, a.weight != nullptr, s, a, begin, end);
+  by_dtype(a.grad_dtype, [&]<typename G>() {
+    if (a.weight == nullptr) return adamw_typed<G, void>(s, a, begin, end);
+    by_dtype(a.weight_dtype, [&]<typename W>() { adamw_typed<G, W>(s, a, begin, end); });
+  });
 }
 void sgd(const SgdScalars& s, const ParamArrays& a, std::size_t begin, std::size_t end) {
-  by_dtypes<SgdOp>(a.grad_dtype, a.weight_dtype, a.weight != nullptr, s, a, begin, end);
+  by_dtype(a.grad_dtype, [&]<typename G>() {
+    if (a.weight == nullptr) return sgd_typed<G, void>(s, a, begin, end);
+    by_dtype(a.weight_dtype, [&]<typename W>() { sgd_typed<G, W>(s, a, begin, end); });
+  });
 }
 double sum_squares(const ParamArrays& a, std::size_t begin, std::size_t end) {
-  switch (a.grad_dtype) {
-    case DType::kBF16:
-      return sum_squares_typed<Bf16>(a, begin, end);
-    case DType::kF16:
-      return sum_squares_typed<F16>(a, begin, end);
-    default:
-      return sum_squares_typed<float>(a, begin, end);
-  }
+  return by_dtype(a.grad_dtype, [&]<typename G>() { return sum_squares_typed<G>(a, begin, end); });
 }
 void accumulate(const ParamArrays& a, std::size_t begin, std::size_t end, bool first) {
-  switch (a.grad_dtype) {
-    case DType::kBF16:
-      return accumulate_typed<Bf16>(a, begin, end, first);
-    case DType::kF16:
-      return accumulate_typed<F16>(a, begin, end, first);
-    default:
-      return accumulate_typed<float>(a, begin, end, first);
-  }
+  by_dtype(a.grad_dtype, [&]<typename G>() { accumulate_typed<G>(a, begin, end, first); });
+}
+// An fp32 weight that is its own master comes as `master` alone (weight null).
+void master_get(const ParamArrays& a, float* out, std::size_t begin, std::size_t end) {
+  by_dtype(a.weight == nullptr ? DType::kF32 : a.weight_dtype,
+           [&]<typename W>() { master_get_typed<W>(a, out, begin, end); });
+}
+void master_set(const ParamArrays& a, const float* in, std::size_t begin, std::size_t end) {
+  by_dtype(a.weight == nullptr ? DType::kF32 : a.weight_dtype,
+           [&]<typename W>() { master_set_typed<W>(a, in, begin, end); });
 }
 
 }  // namespace

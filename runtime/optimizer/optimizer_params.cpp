@@ -226,79 +226,62 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, Mast
     nvme_state_bytes_ = nvme_before;
     return roll_back(std::move(s));
   };
-  // NVMe-homed state is written through a bounce buffer of its initial values.
-  std::vector<float> init;
-  auto write_initial = [&](TensorId id, bool widen) {
-    init.assign(n, 0.f);
-    if (widen) {
-      const optim::ParamArrays w_view{init.data(), nullptr,      nullptr,
-                                      weight_data, w.spec.dtype, init.data(),
-                                      nullptr,     DType::kF32,  n};
-      kernels_->accumulate(w_view, 0, n, true);
+  // A new state tensor of `dtype`, zeroed: on NVMe through a bounce buffer of zeros, in DRAM
+  // on the pool.
+  auto zeroed = [&](const char* suffix, uint64_t skew, DType dtype, TensorId* id,
+                    void** data) -> Status {
+    STRATA_RETURN_IF_ERROR(make_state(w, suffix, skew, home, id, data, dtype));
+    const std::size_t elem = dtype_size(dtype);
+    if (home == Tier::kNvme) {
+      const std::vector<unsigned char> zeros(n * elem);
+      return runtime_->write(*id, 0, zeros.data(), zeros.size());
     }
-    return runtime_->write(id, 0, init.data(), n * sizeof(float));
+    auto* bytes = static_cast<unsigned char*>(*data);
+    init_on_pool(
+        n, [&](std::size_t b, std::size_t e) { std::memset(bytes + b * elem, 0, (e - b) * elem); });
+    return Status::ok();
   };
   if (!has_master) {
     // The fp32 weight is its own master: no second copy to keep in step.
     p.master = weight;
     a.master = p.nvme_weight ? nullptr : reinterpret_cast<float*>(dram + w.offset);
-  } else if (p.split) {
-    // The master starts as the weight, exactly: its low halves are zero.
-    a.weight = p.nvme_weight ? nullptr : dram + w.offset;
-    a.weight_dtype = w.spec.dtype;
-    void* low = nullptr;
-    Status s = make_state(w, ".master_low", kSkew[0], home, &p.master, &low, DType::kI16);
-    if (s.is_ok() && home == Tier::kNvme) {
-      const std::vector<int16_t> zeros(n, 0);
-      s = runtime_->write(p.master, 0, zeros.data(), n * sizeof(int16_t));
-    }
-    if (!s.is_ok()) return roll_back_all(s);
-    a.master_low = static_cast<int16_t*>(low);
-    if (home == Tier::kDram) {
-      init_on_pool(n, [&](std::size_t b, std::size_t e) {
-        std::memset(a.master_low + b, 0, (e - b) * sizeof(int16_t));
-      });
-    }
   } else {
     a.weight = p.nvme_weight ? nullptr : dram + w.offset;
     a.weight_dtype = w.spec.dtype;
+  }
+  if (p.split) {
+    // The master starts as the weight, exactly: its low halves are zero.
+    void* low = nullptr;
+    Status s = zeroed(".master_low", kSkew[0], DType::kI16, &p.master, &low);
+    a.master_low = static_cast<int16_t*>(low);
+    if (!s.is_ok()) return roll_back_all(s);
+  } else if (has_master) {
     void* master = nullptr;
     Status s = make_state(w, ".master", kSkew[0], home, &p.master, &master);
-    if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.master, true);
     if (!s.is_ok()) return roll_back_all(s);
     a.master = static_cast<float*>(master);
-    if (home == Tier::kDram) {
-      // The master starts as the working copy, exactly (bf16 and f16 widen without rounding).
-      const optim::ParamArrays widen{
-          a.master, nullptr, nullptr, weight_data, w.spec.dtype, a.master, nullptr, DType::kF32, n};
-      init_on_pool(n,
-                   [&](std::size_t b, std::size_t e) { kernels_->accumulate(widen, b, e, true); });
-    }
+    // The master starts as the working copy, exactly (bf16 and f16 widen without rounding):
+    // in place in DRAM, through a bounce buffer to NVMe.
+    std::vector<float> bounce(home == Tier::kNvme ? n : 0);
+    float* to = home == Tier::kNvme ? bounce.data() : a.master;
+    const optim::ParamArrays widen{to,      nullptr,     nullptr, weight_data, w.spec.dtype, to,
+                                   nullptr, DType::kF32, n};
+    init_on_pool(n, [&](std::size_t b, std::size_t e) { kernels_->accumulate(widen, b, e, true); });
+    if (home == Tier::kNvme) s = runtime_->write(p.master, 0, bounce.data(), n * sizeof(float));
+    if (!s.is_ok()) return roll_back_all(s);
   }
   if (has_avg) {
     void* data = nullptr;
     Status s =
-        make_state(w, adamw ? ".exp_avg" : ".momentum_buffer", kSkew[1], home, &p.exp_avg, &data);
+        zeroed(adamw ? ".exp_avg" : ".momentum_buffer", kSkew[1], DType::kF32, &p.exp_avg, &data);
     a.exp_avg = static_cast<float*>(data);
-    if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.exp_avg, false);
     if (!s.is_ok()) return roll_back_all(s);
-    if (home == Tier::kDram) {
-      init_on_pool(n, [&](std::size_t b, std::size_t e) {
-        std::memset(a.exp_avg + b, 0, (e - b) * sizeof(float));
-      });
-    }
   }
   if (adamw) {
     void* data = nullptr;
-    Status s = make_state(w, ".exp_avg_sq", kSkew[2], home, &p.exp_avg_sq, &data);
+    Status s = zeroed(".exp_avg_sq", kSkew[2], DType::kF32, &p.exp_avg_sq, &data);
     a.exp_avg_sq = static_cast<float*>(data);
-    if (s.is_ok() && home == Tier::kNvme) s = write_initial(p.exp_avg_sq, false);
     if (!s.is_ok()) return roll_back_all(s);
-    if (home == Tier::kDram) {
-      init_on_pool(n, [&](std::size_t b, std::size_t e) {
-        std::memset(a.exp_avg_sq + b, 0, (e - b) * sizeof(float));
-      });
-    }
   }
   if (config_.accumulation_steps > 1) {
     void* data = nullptr;
