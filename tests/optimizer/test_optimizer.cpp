@@ -902,3 +902,61 @@ TEST_CASE("master_read and master_write refuse inside an executor step", "[optim
   REQUIRE(std::abs(after[0] - 0.5f) < 0.05f);
   REQUIRE(after[0] != 0.5f);  // and one update moved it
 }
+
+TEST_CASE("master_read beside manual steps on another thread sees whole steps only",
+          "[optimizer]") {
+  // Constant grads: the masters after k steps are the same in every run. A read from another
+  // thread while steps run must see one of those states, never a step half done (the access
+  // and a manual step's kernels are serialized; TSan checks the memory too). Many short steps
+  // and reads in a tight loop: a step starting between a read's wait and its access would be
+  // caught here.
+  Model a = make_model(1, 4, STRATA_DEVICE_BACKEND_HOST, {20000, 700});
+  Model b = make_model(1, 4, STRATA_DEVICE_BACKEND_HOST, {20000, 700});
+  OptimizerPtr ao = make_optimizer(a, adamw_config(), STRATA_MASTER_SPLIT);
+  OptimizerPtr bo = make_optimizer(b, adamw_config(), STRATA_MASTER_SPLIT);
+  for (Model* m : {&a, &b}) {
+    for (std::size_t k = 0; k < m->weights[0].size(); ++k) {
+      const auto w = read_bf16(m->rt.get(), m->weights[0][k], m->sizes[k]);
+      const auto g = grads_for(w, 0, 0, 0);
+      STRATA_REQUIRE_OK(
+          strata_tensor_write(m->rt.get(), m->grads[0][k], 0, g.data(), g.size() * 2));
+    }
+  }
+  const int steps = 400;
+  auto master = [](Model& m, strata_optimizer_t* o) {
+    std::vector<float> v(static_cast<std::size_t>(m.sizes[0]));
+    STRATA_REQUIRE_OK(strata_optimizer_master_read(o, m.weights[0][0], v.data(), v.size()));
+    return v;
+  };
+  std::vector<std::vector<float>> states{master(a, ao.get())};
+  for (int i = 0; i < steps; ++i) {
+    STRATA_REQUIRE_OK(strata_optimizer_step(ao.get()));
+    states.push_back(master(a, ao.get()));
+  }
+  std::atomic<int> failures{0};
+  std::atomic<bool> done{false};
+  std::thread stepper([&] {
+    for (int i = 0; i < steps; ++i) failures += strata_optimizer_step(bo.get()) != STRATA_OK;
+    done = true;
+  });
+  int whole = 0, reads = 0;
+  std::vector<float> v(static_cast<std::size_t>(b.sizes[0]));
+  std::size_t last = 0;  // states only move forward
+  while (!done) {
+    ++reads;
+    if (strata_optimizer_master_read(bo.get(), b.weights[0][0], v.data(), v.size()) != STRATA_OK) {
+      ++failures;
+      continue;
+    }
+    const auto at = std::find(states.begin() + static_cast<std::ptrdiff_t>(last), states.end(), v);
+    if (at != states.end()) {
+      ++whole;
+      last = static_cast<std::size_t>(at - states.begin());
+    }
+  }
+  stepper.join();
+  INFO(reads << " reads");
+  REQUIRE(failures == 0);
+  REQUIRE(whole == reads);
+  REQUIRE(master(b, bo.get()) == states.back());
+}
