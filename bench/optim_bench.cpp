@@ -95,10 +95,14 @@ struct Run {
   std::string isa, binding;
 };
 
-// AdamW over `n` elements in params of `chunk`: weights and grads of `dtype` (f32 or bf16).
-Run time_strata(uint64_t n, uint64_t chunk, strata_dtype_t dtype, unsigned threads, int reps) {
-  const uint64_t es = dtype == STRATA_DTYPE_BF16 ? 2 : 4;
-  const uint64_t state = dtype == STRATA_DTYPE_BF16 ? 12 : 8;  // master (bf16 only), m, v
+// AdamW over `n` elements in params of `chunk`: weights and grads of `dtype` (f32 or bf16),
+// bf16 masters kept whole or split (STRATA_MASTER_*).
+Run time_strata(uint64_t n, uint64_t chunk, strata_dtype_t dtype, unsigned threads, int reps,
+                uint32_t master_layout = STRATA_MASTER_SEPARATE) {
+  const bool bf16 = dtype == STRATA_DTYPE_BF16;
+  const uint64_t es = bf16 ? 2 : 4;
+  // master (bf16 only: 4 bytes, 2 split), m, v
+  const uint64_t state = 8 + (bf16 ? (master_layout == STRATA_MASTER_SPLIT ? 2 : 4) : 0);
   strata_runtime_config_t c;
   strata_runtime_config_init(&c);
   c.device_backend = STRATA_DEVICE_BACKEND_HOST;  // host memory only: no GPU needed
@@ -134,7 +138,7 @@ Run time_strata(uint64_t n, uint64_t chunk, strata_dtype_t dtype, unsigned threa
       }
       check(strata_tensor_write(rt, t[k], 0, fill.data(), fill.size()), "write");
     }
-    strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, t[0], t[1], 0, STRATA_MASTER_SEPARATE};
+    strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, t[0], t[1], 0, master_layout};
     check(strata_optimizer_add_param(opt, &p), "add_param");
   }
   check(strata_optimizer_step(opt), "warm-up step");
@@ -173,6 +177,9 @@ int run_optim(const Options& opt, Report* report) {
   progress("Strata AdamW, bf16 weights and grads, fp32 masters");
   const Run bf16 =
       time_strata(n, chunk, STRATA_DTYPE_BF16, static_cast<unsigned>(threads_opt), reps);
+  progress("Strata AdamW, bf16 weights and grads, split fp32 masters");
+  const Run split = time_strata(n, chunk, STRATA_DTYPE_BF16, static_cast<unsigned>(threads_opt),
+                                reps, STRATA_MASTER_SPLIT);
   progress("Strata AdamW, fp32 weights and grads");
   const Run fp32 =
       time_strata(n, chunk, STRATA_DTYPE_F32, static_cast<unsigned>(threads_opt), reps);
@@ -184,6 +191,13 @@ int run_optim(const Options& opt, Report* report) {
                      "bf16 weights+grads, fp32 master/m/v"});
   report->add_vs("adamw_bf16_bandwidth", bf16.params_per_second * kBytesPerParam / 1e9, "GB/s",
                  "STREAM triad", triad, false, "28 B/param");
+  // A split master's update names 26 bytes per parameter: the weight and the low halves read
+  // and written (8) instead of the master read and written and the weight written (10).
+  report->add_vs("adamw_bf16_split_params", split.params_per_second / 1e9, "Gparam/s",
+                 "whole fp32 masters", bf16.params_per_second / 1e9, false,
+                 "bf16 weights+grads, split master (2 B) + m/v");
+  report->add_vs("adamw_bf16_split_bandwidth", split.params_per_second * 26.0 / 1e9, "GB/s",
+                 "STREAM triad", triad, false, "26 B/param");
   report->add(Result{"adamw_fp32_params", fp32.params_per_second / 1e9, "Gparam/s", "", 0, 0,
                      "fp32 weights (own masters) + grads"});
   report->add_vs("adamw_fp32_bandwidth", fp32.params_per_second * kBytesPerParam / 1e9, "GB/s",
