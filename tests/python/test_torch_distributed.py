@@ -1,7 +1,7 @@
 """strata.torch data parallel (issue 16) on the CPU: ranks are processes under a gloo process
 group, each with its own Strata runtime (host backend), running tests/python/torch_dist_worker.py.
 
-- 2 ranks x b rows train like plain PyTorch DDP at 2 x b (losses and parameters within 1e-6)
+- 2 ranks x b rows train like plain PyTorch DDP at 2 x b (losses within 1e-6, parameters 2e-6)
   and like one rank at 2b rows (losses within 1e-6; parameters within 1e-5, because DDP itself
   departs that far from one process here: a batch's grad summed in two halves rounds
   differently, and AdamW magnifies the rounding of grads near zero; measured 4.2e-6).
@@ -106,7 +106,11 @@ def test_two_ranks_train_like_ddp_and_like_one_rank_with_twice_the_batch(tmp_pat
     strata2 = run_ranks(tmp_path, "strata.pt", 2)
     ddp2 = run_ranks(tmp_path, "ddp.pt", 2, mode="ddp")
     assert strata2["losses"][-1] < strata2["losses"][0] - 0.1  # it learns
-    assert_close(strata2, ddp2, atol=1e-6, rtol=1e-6)
+    # 2e-6: with torch 2.15 DDP's own result moved by 1-2 fp32 ulps on the norm weights (where
+    # Strata's 2 ranks still equal one process exactly), and AdamW magnifies such a rounding
+    # of a near-zero grad: one element of 93k differed by 1.19e-6, the rest by < 5e-7 (1e-6
+    # held with earlier torch). A wrong reduction moves elements by steps of lr = 3e-3.
+    assert_close(strata2, ddp2, atol=2e-6, rtol=1e-6)
     one = one_rank(tmp_path)
     assert_close(strata2, one, atol=1e-5)
     # Each rank keeps optimizer state for its half of every parameter (chunks padded to 64).
