@@ -17,6 +17,11 @@ parameter.
 A model is a preset name or a spec "h4096-l40-i14336-kv8-v32000" (hidden, layers, FFN,
 KV heads, vocabulary; 32 heads of 128).
 
+--modes deepspeed-nvme runs the peer of issue 14, DeepSpeed ZeRO-Infinity (ZeRO-3 with parameters
+and optimizer state offloaded to NVMe, in PATH.deepspeed beside --nvme PATH); deepspeed-cpu
+offloads them to DRAM instead (docs/benchmarks.md says how to run it where DeepSpeed and
+libaio are not installed).
+
 --clip N clips every configuration with torch.nn.utils.clip_grad_norm_(model.parameters(), N)
 between backward and step, as LLM recipes do (strata.torch included: its streamed grads take
 part in the global norm).
@@ -100,6 +105,60 @@ def probe_compute(config, batch, seq, device):
     del block, head, x, g
     torch.cuda.empty_cache()
     return out
+
+
+def setup_deepspeed(config, mode, batch, clip, nvme, param_buffers=16):
+    """DeepSpeed ZeRO-3 on this one GPU (a process group of one), the model built partitioned
+    under zero.Init, blocks checkpointed as strata.torch's are, bf16, its CPU AdamW. Offloaded to
+    NVMe (ZeRO-Infinity: bf16 parameters and the fp32 optimizer state in a directory beside
+    the --nvme file, through its libaio op) or to pinned DRAM. Weights start from torch's
+    default initialization (zero.Init partitions each module as it is built, before the
+    model's own init could run), so its losses start elsewhere than the other modes'."""
+    import deepspeed
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    from llama_zoo.torch_llama import LlamaForCausalLM
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29518"), ("RANK", "0"),
+                       ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    torch.cuda.set_device(0)
+    if mode == "deepspeed-nvme":
+        if not nvme:
+            raise SystemExit("deepspeed-nvme needs --nvme PATH (its files go to PATH.deepspeed/)")
+        path = nvme + ".deepspeed"
+        os.makedirs(path, exist_ok=True)
+        # Its swap buffers must each hold the largest parameter (the embedding or the head),
+        # and there must be enough for two blocks' parameters at once (the one computing and
+        # the one prefetched): with the documented 5, step 2's forward pass fails "Not enough
+        # buffers 0 for swapping 1" (DeepSpeed issue 3062).
+        largest = max(config.vocab_size * config.hidden_size,
+                      config.hidden_size * config.intermediate_size)
+        offload_param = {"device": "nvme", "nvme_path": path, "pin_memory": True,
+                         "buffer_count": param_buffers, "buffer_size": int(largest * 1.05)}
+        offload_optimizer = {"device": "nvme", "nvme_path": path, "pin_memory": True,
+                             "buffer_count": 4}
+    else:
+        offload_param = {"device": "cpu", "pin_memory": True}
+        offload_optimizer = {"device": "cpu", "pin_memory": True}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+        "gradient_clipping": clip, "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "offload_param": offload_param,
+                              "offload_optimizer": offload_optimizer},
+        # ZeRO-Infinity's documented settings for its async I/O (libaio).
+        "aio": {"block_size": 1048576, "queue_depth": 8, "single_submit": False,
+                "overlap_events": True},
+    }
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = LlamaForCausalLM(config)
+    for block in model.model.layers:
+        forward = block.forward
+        block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(forward)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config)
+    return engine
 
 
 def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=None, nvme=None,
@@ -203,9 +262,23 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             model.to_empty(device="cpu")
             model.apply(model._init_weights)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        elif mode in ("deepspeed-nvme", "deepspeed-cpu"):
+            # The peer of issue 14: DeepSpeed ZeRO-3 on one GPU, its parameters and optimizer
+            # state offloaded to NVMe (ZeRO-Infinity: deepspeed-nvme, in a directory beside
+            # --nvme) or to pinned DRAM (deepspeed-cpu).
+            engine = setup_deepspeed(config, mode, batch, clip, nvme,
+                                     int(os.environ.get("DS_PARAM_BUFFERS", "16")))
+            model = engine.module
+
+            def step(ids):
+                loss = engine(ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+                return loss
         else:
             raise ValueError(mode)
 
+    if not mode.startswith(("strata", "deepspeed")):
         def step(ids):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode.startswith("resident")):
                 loss = model(ids, labels=ids).loss
@@ -230,11 +303,18 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         losses.append(loss.item())
         if cuda:
             torch.cuda.synchronize()
+        # Progress on stderr (a slow configuration's steps take minutes).
+        print("%s %s step %d: %.2f s, loss %.4f" % (mode, preset, i, time.perf_counter() - t0,
+                                                  losses[-1]), file=sys.stderr, flush=True)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             for name, host, event in marks[1:]:
                 phases.setdefault(name, []).append(
                     (host - marks[0][1], marks[0][2].elapsed_time(event) / 1e3 if cuda else 0.0))
+    if mode == "deepspeed-nvme":
+        # Its swap files (tens of GB) would otherwise crowd the next mode off the disk.
+        import shutil
+        shutil.rmtree(nvme + ".deepspeed", ignore_errors=True)
     if mode == "strata":
         opt.synchronize()
         if trace:
@@ -292,7 +372,9 @@ def main():
     p.add_argument("--modes", default="strata,resident,fsdp2",
                    help="comma-separated: strata, strata-separate (strata with whole fp32 "
                         "masters, not split ones), resident (all in HBM, checkpointed blocks), "
-                        "resident-nockpt (all in HBM, no recompute), fsdp2")
+                        "resident-nockpt (all in HBM, no recompute), fsdp2, deepspeed-nvme "
+                        "(ZeRO-3 offloading parameters and optimizer state to NVMe beside --nvme: "
+                        "ZeRO-Infinity), deepspeed-cpu (ZeRO-3 offloading to DRAM)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=3)
@@ -301,7 +383,9 @@ def main():
                    help="clip_grad_norm_(model.parameters(), CLIP) before every step (0: off)")
     p.add_argument("--resident-blocks", type=int, default=None,
                    help="strata: blocks kept in HBM (default: strata.torch.offload's choice)")
-    p.add_argument("--nvme", default=None, help="strata: an NVMe tier file for optimizer state")
+    p.add_argument("--nvme", default=None,
+                   help="strata: an NVMe tier file for optimizer state and weights; "
+                        "deepspeed-nvme: its files go to the directory PATH.deepspeed")
     p.add_argument("--host-budget", type=float, default=None,
                    help="strata: GiB of pinned DRAM (with --nvme: the rest of the state spills)")
     p.add_argument("--weights", default=None,
@@ -377,7 +461,8 @@ def main():
     for preset in args.models.split(","):
         by = {r["mode"]: r for r in results if r["model"] == preset and "error" not in r}
         if "strata" in by:
-            for peer in ("resident", "resident-nockpt", "fsdp2"):
+            for peer in ("resident", "resident-nockpt", "fsdp2", "deepspeed-nvme",
+                         "deepspeed-cpu"):
                 if peer in by:
                     ratio = by["strata"]["tokens_per_second"] / by[peer]["tokens_per_second"]
                     ratios.append({"model": preset, "ratio": "strata/" + peer,
