@@ -1222,8 +1222,12 @@ STRATA_API strata_status_t strata_checkpoint_save(strata_runtime_t* runtime,
  * shapes, a tensor without its checksum entry: the message names them; nothing written),
  * NOT_FOUND (no checkpoint at path), INVALID_STATE (mid-step, as for save), IO,
  * DATA_CORRUPTION (a tensor failed its checksum while loading: the tensors are partly loaded,
- * and the optimizer refuses to step until a load succeeds). Thread-safe with respect to other
- * runtimes. */
+ * and the optimizer refuses to step until a load succeeds). With optimizer NULL only the
+ * registered tensors are written: an optimizer that holds loaded weights keeps its masters and
+ * moments (a separate master would put its old value back at the next update; a split one
+ * keeps its low half only where that still rounds to the new weight), so to train from the
+ * loaded weights set the masters with strata_optimizer_master_write, or load with the
+ * optimizer. Thread-safe with respect to other runtimes. */
 STRATA_API strata_status_t strata_checkpoint_load(strata_runtime_t* runtime,
                                                   strata_optimizer_t* optimizer, const char* path);
 

@@ -736,6 +736,49 @@ std::vector<std::vector<float>> masters_of(Model& m, strata_optimizer_t* o) {
 
 }  // namespace
 
+TEST_CASE("weights loaded without the optimizer leave its masters; master_write sets them",
+          "[checkpoint]") {
+  ScratchDir scratch;
+  const std::string ckpt = scratch.file("weights");
+  for (uint32_t layout : {STRATA_MASTER_SEPARATE, STRATA_MASTER_SPLIT}) {
+    DYNAMIC_SECTION("layout " << layout) {
+      Model m = make_model(2, 9, STRATA_DEVICE_BACKEND_HOST);
+      OptimizerPtr o = make_optimizer(m, adamw_config(), layout);
+      run_manual(m, o.get(), 0, 2, 1);
+      STRATA_REQUIRE_OK(strata_checkpoint_save(m.rt.get(), nullptr, ckpt.c_str()));
+      std::vector<std::vector<uint16_t>> saved;
+      for (auto& layer : m.weights) {
+        for (std::size_t k = 0; k < layer.size(); ++k) {
+          saved.emplace_back(static_cast<std::size_t>(m.sizes[k]));
+          STRATA_REQUIRE_OK(strata_tensor_read(m.rt.get(), layer[k], 0, saved.back().data(),
+                                               saved.back().size() * 2));
+        }
+      }
+      run_manual(m, o.get(), 2, 2, 1);  // the masters move on
+      const auto before = masters_of(m, o.get());
+      STRATA_REQUIRE_OK(strata_checkpoint_load(m.rt.get(), nullptr, ckpt.c_str()));
+      // The weights are the checkpoint's; a separate master is what it was (a split one
+      // follows its weight: test_kernels.cpp's stale-rest cases).
+      if (layout == STRATA_MASTER_SEPARATE) REQUIRE(masters_of(m, o.get()) == before);
+      std::size_t i = 0;
+      std::vector<std::vector<float>> widened;
+      for (auto& layer : m.weights) {
+        for (std::size_t k = 0; k < layer.size(); ++k, ++i) {
+          std::vector<uint16_t> now(saved[i].size());
+          STRATA_REQUIRE_OK(
+              strata_tensor_read(m.rt.get(), layer[k], 0, now.data(), now.size() * 2));
+          REQUIRE(now == saved[i]);
+          std::vector<float> w(now.size());
+          for (std::size_t e = 0; e < w.size(); ++e) w[e] = from_bf16(now[e]);
+          STRATA_REQUIRE_OK(strata_optimizer_master_write(o.get(), layer[k], w.data(), w.size()));
+          widened.push_back(std::move(w));
+        }
+      }
+      REQUIRE(masters_of(m, o.get()) == widened);
+    }
+  }
+}
+
 TEST_CASE("a split master trains as a separate one, in 2 bytes per parameter less", "[optimizer]") {
   enum class Loop { kAuto, kClipped, kExplicit };
   for (Loop loop : {Loop::kAuto, Loop::kClipped, Loop::kExplicit}) {

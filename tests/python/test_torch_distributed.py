@@ -118,6 +118,14 @@ def test_two_ranks_train_like_ddp_and_like_one_rank_with_twice_the_batch(tmp_pat
     assert one["elements"] <= 2 * strata2["elements"] <= one["elements"] + 2 * 64 * params
 
 
+def test_weights_loaded_without_the_optimizer_set_every_shards_masters(tmp_path):
+    # st.load_checkpoint(path, model) with no optimizer under sharding: each rank sets the
+    # masters of its own chunks from the loaded weights (test_torch_offload.py has the idiom
+    # in one process); checked on every chunk, gathered.
+    got = run_ranks(tmp_path, "weights.pt", 2, shard_size=2, dtype="bfloat16", weights_at=2)
+    assert got["masters_follow"] is True
+
+
 def test_bf16_with_fp32_reduction_trains_like_one_rank(tmp_path):
     # bf16 weights and grads, grads averaged in fp32 and rounded once into the bf16 chunk.
     # bf16's tolerance: the two sides' grads round to bf16 from differently formed sums, and

@@ -304,3 +304,46 @@ def test_bf16_split_masters_train_as_separate_ones_in_less_dram(device, monkeypa
     # 2 bytes per parameter less (each tensor's page rounding and skew on top).
     saved = ua - ub
     assert 2 * n <= saved + 2 * 4096 * len(ma) and saved <= 2 * n + 2 * 4096 * len(ma), (saved, n)
+
+
+@pytest.mark.parametrize("dtype,layout", [(torch.bfloat16, "split"), (torch.bfloat16, "separate"),
+                                          (torch.float16, "separate")])
+def test_weights_loaded_without_the_optimizer_are_what_the_next_steps_train(dtype, layout,
+                                                                            monkeypatch, tmp_path):
+    """Idiom: mid-training, st.load_checkpoint(path, model) with no optimizer (the weights of a
+    checkpoint, the optimizer's moments kept), as model.load_state_dict(weights) does in plain
+    PyTorch: the next steps start from the loaded weights. A bf16/fp16 weight's fp32 master
+    must become the loaded weight (widened), in either layout: a master left as it was would
+    put the old weights back at the next update (separate), or add a stale low half to the
+    loaded ones (split). The oracle: loading the same weights with model.load_state_dict."""
+    import strata.torch.session as session
+    monkeypatch.setattr(session, "master_layout", lambda d: layout)
+    config = PRESETS["tiny"]
+    torch.manual_seed(6)
+    base = LlamaForCausalLM(config)
+    data = batches(config, 6, seed=6)
+    path = str(tmp_path / "weights")
+    runs = []
+    for load in ("load_checkpoint", "load_state_dict"):
+        model = st.offload(copy.deepcopy(base), device="cpu", dtype=dtype, resident_blocks=0)
+        opt = st.AdamW(model, lr=3e-3, weight_decay=0.1)
+        train(model, opt, data[:2], "cpu")
+        if load == "load_checkpoint":
+            st.save_checkpoint(path, model)  # the weights, no optimizer state
+        weights = {n: t.clone() for n, t in model.state_dict().items()}
+        train(model, opt, data[2:4], "cpu")  # the masters move on
+        if load == "load_checkpoint":
+            st.load_checkpoint(path, model)
+        else:
+            model.load_state_dict(weights)
+        s = model.strata
+        for sp in (sp for entries in s.layers for sp in entries if sp.trainable):
+            assert torch.equal(s.read_state(sp, "master"), weights[sp.name].float()), sp.name
+        losses = train(model, opt, data[4:], "cpu")
+        opt.synchronize()
+        runs.append((losses, {n: t.clone() for n, t in model.state_dict().items()}))
+        model.strata.close()
+    (la, wa), (lb, wb) = runs
+    assert la == lb
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key

@@ -97,6 +97,10 @@ def main(argv=None):
     p.add_argument("--resume-at", type=int, default=None,
                    help="save a checkpoint after this many steps, then train a fresh model "
                         "from it to the end: its losses go to the output as 'resumed'")
+    p.add_argument("--weights-at", type=int, default=None,
+                   help="save the weights alone after this many steps; after the run, load them "
+                        "back without the optimizer: 'masters_follow' in the output says whether "
+                        "every streamed master became its loaded weight")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -123,10 +127,14 @@ def main(argv=None):
     if args.mode == "strata":
         import strata.torch as st
         model, opt = strata_model(args.rank)
-        if args.resume_at is not None:
-            def after(step):
-                if step == args.resume_at:
-                    st.save_checkpoint(checkpoint, model, opt)
+        saved_weights = {}
+
+        def after(step):
+            if step == args.resume_at:
+                st.save_checkpoint(checkpoint, model, opt)
+            if step == args.weights_at:
+                st.save_checkpoint(checkpoint + "-weights", model)
+                saved_weights.update((k, v.clone()) for k, v in model.state_dict().items())
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -140,6 +148,12 @@ def main(argv=None):
     out = {"losses": losses, "state": state}
     if args.mode == "strata":  # the elements this rank keeps optimizer state for
         out["elements"] = model.strata.optimizer.stats()["elements"]
+    if args.weights_at is not None:
+        st.load_checkpoint(checkpoint + "-weights", model)
+        session = model.strata
+        out["masters_follow"] = all(
+            torch.equal(session.read_state(sp, "master"), saved_weights[sp.name].float())
+            for entries in session.layers for sp in entries if sp.trainable)
     if args.resume_at is not None:
         # Another init (seed), then the checkpoint: the rest of the run again.
         resumed, resumed_opt = strata_model(100 + args.rank)

@@ -190,6 +190,10 @@ def load_checkpoint(path, model, optimizer=None):
                          % (sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))))
     session.runtime.load_checkpoint(_streamed_dir(path, session),
                                     session.optimizer if optimizer is not None else None)
+    if optimizer is None:
+        # The weights only: the masters follow them (the optimizer's moments stay), as after
+        # model.load_state_dict.
+        session.masters_from_weights()
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
     for name, value in saved.items():

@@ -621,6 +621,16 @@ class StrataSession:
                              % (sp.name, list(sp.shape), list(values.shape)))
         self.store_weight(sp, values)
 
+    def masters_from_weights(self):
+        """After the weights were written behind the optimizer (a checkpoint loaded without its
+        optimizer state): every trained streamed parameter's fp32 master becomes its weight,
+        widened, as model.load_state_dict sets it, so the next update starts from the loaded
+        weights and not from the masters of before (which would put the old weights back)."""
+        if self.optimizer is None or self.dtype == torch.float32:
+            return  # an fp32 weight is its own master
+        for sp in (sp for entries in self.layers for sp in entries if sp.trainable):
+            self.store_weight(sp, self.read_weight(sp))
+
     def store_weight(self, sp, values):
         """write_weight's writes, its checks done: the weight and, when trained, the master."""
         if sp.trainable and self.optimizer is not None and self.dtype != torch.float32:

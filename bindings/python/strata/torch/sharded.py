@@ -341,6 +341,15 @@ class ShardedSession(StrataSession):
         else:
             self._write_chunk(sp.weight, sp, values, self.dtype)
 
+    def masters_from_weights(self):
+        """Session.masters_from_weights on this rank's chunks (no gathering)."""
+        if self.optimizer is None or self.dtype == torch.float32:
+            return
+        self.optimizer.synchronize()
+        for sp in (sp for entries in self.layers for sp in entries if sp.trainable):
+            chunk = self._read_chunk(sp.weight, sp, self.dtype).float()
+            self.optimizer.master_write(sp.weight, chunk.data_ptr(), chunk.numel())
+
     def _write_master(self, sp, values):
         chunk = self._own_chunk(sp, values.detach().to("cpu", torch.float32))
         self.optimizer.master_write(sp.weight, chunk.data_ptr(), chunk.numel())
