@@ -311,21 +311,23 @@ def test_bf16_split_masters_train_as_separate_ones_in_less_dram(device, monkeypa
 def test_weights_loaded_without_the_optimizer_are_what_the_next_steps_train(dtype, layout,
                                                                             monkeypatch, tmp_path):
     """Idiom: mid-training, st.load_checkpoint(path, model) with no optimizer (the weights of a
-    checkpoint, the optimizer's moments kept), as model.load_state_dict(weights) does in plain
+    checkpoint, the optimizer's moments kept), or model.load_state_dict(weights), as in plain
     PyTorch: the next steps start from the loaded weights. A bf16/fp16 weight's fp32 master
-    must become the loaded weight (widened), in either layout: a master left as it was would
-    put the old weights back at the next update (separate), or add a stale low half to the
-    loaded ones (split). The oracle: loading the same weights with model.load_state_dict."""
+    (streamed: Strata's, in either layout; resident: strata.torch's torch AdamW's) must become
+    the loaded weight: a master left as it was would put the old weights back at the next
+    update. Checked sharply: a step at lr 0 then changes nothing; and both loads then train
+    alike."""
     import strata.torch.session as session
     monkeypatch.setattr(session, "master_layout", lambda d: layout)
     config = PRESETS["tiny"]
     torch.manual_seed(6)
     base = LlamaForCausalLM(config)
-    data = batches(config, 6, seed=6)
+    data = batches(config, 7, seed=6)
     path = str(tmp_path / "weights")
     runs = []
     for load in ("load_checkpoint", "load_state_dict"):
-        model = st.offload(copy.deepcopy(base), device="cpu", dtype=dtype, resident_blocks=0)
+        # One block resident (with the embedding, norm and head): their masters are torch's.
+        model = st.offload(copy.deepcopy(base), device="cpu", dtype=dtype, resident_blocks=1)
         opt = st.AdamW(model, lr=3e-3, weight_decay=0.1)
         train(model, opt, data[:2], "cpu")
         if load == "load_checkpoint":
@@ -339,7 +341,14 @@ def test_weights_loaded_without_the_optimizer_are_what_the_next_steps_train(dtyp
         s = model.strata
         for sp in (sp for entries in s.layers for sp in entries if sp.trainable):
             assert torch.equal(s.read_state(sp, "master"), weights[sp.name].float()), sp.name
-        losses = train(model, opt, data[4:], "cpu")
+        for g in opt.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+        train(model, opt, data[4:5], "cpu")
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, weights[name]), (load, name)
+        for g in opt.param_groups:
+            g["lr"], g["weight_decay"] = 3e-3, 0.1
+        losses = train(model, opt, data[5:], "cpu")
         opt.synchronize()
         runs.append((losses, {n: t.clone() for n, t in model.state_dict().items()}))
         model.strata.close()

@@ -1086,6 +1086,27 @@ def test_optimizer_state_on_nvme(placement, offload, tmp_path):
     assert model.strata.optimizer.stats()["nvme_read_bytes"] > 0
 
 
+def test_checkpoints_without_the_optimizer_wait_for_its_updates(offload, tmp_path):
+    """Idiom: st.save_checkpoint(path, model) or st.load_checkpoint(path, model) (no optimizer)
+    right after opt.step(), whose updates still run (here: every block's weights on NVMe,
+    written back by each update): the save holds the updated weights whole and the load is
+    not torn by an update landing under it (it failed its checksums, or saved stale weights,
+    before both waited for the optimizer)."""
+    base = build("llama")
+    counts = [[p.numel() for p in b.parameters()] for b in blocks_of(base)]
+    model = offload(base, nvme=str(tmp_path / "tier"), host_budget=smallest_host_budget(counts, 4))
+    opt = strata_adamw(model.parameters())
+    data = batches(4)
+    path = str(tmp_path / "weights")
+    train(model, opt, data[:2])
+    st.save_checkpoint(path, model)  # no synchronize before it
+    synchronize(opt)
+    expected = snapshot(model)
+    train(model, opt, data[2:3])
+    st.load_checkpoint(path, model)  # nor before this one
+    assert_state_close(snapshot(model), expected, exact=True)
+
+
 @pytest.mark.parametrize("nvme", [False, True])
 def test_predicted_step(nvme, offload, tmp_path):
     """model.strata.predict: the step Strata's model predicts from the compute given per block

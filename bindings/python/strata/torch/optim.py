@@ -98,6 +98,13 @@ class AdamW(torch.optim.Optimizer):
                                          eps=group["eps"], weight_decay=group["weight_decay"]))
         self._inner = torch.optim.AdamW(inner_groups, foreach=foreach, fused=fused) \
             if inner_groups else None
+        # Each resident parameter's version (torch's in-place write counter) when its master
+        # and it last agreed: a write since (model.load_state_dict, st.load_checkpoint, an
+        # in-place edit under no_grad) makes the master follow the parameter before the next
+        # update, as plain PyTorch's AdamW, which updates the parameter itself, would.
+        self._synced = {}
+        for p, master, _ in self._resident:
+            self._mark_synced(p, master)
         self._ready = True
 
     def add_param_group(self, param_group):
@@ -163,6 +170,21 @@ class AdamW(torch.optim.Optimizer):
     # every resident parameter at once.
     RESIDENT_CHUNK = 1 << 26
 
+    def _mark_synced(self, p, master):
+        if master is not p:
+            self._synced[id(p)] = p._version
+
+    @torch.no_grad()
+    def _sync_resident_masters(self):
+        """The fp32 master of every resident parameter written since it last agreed with its
+        master becomes the parameter's values (widened), as strata.torch's streamed
+        parameters' masters do on a load (Session.store_weight). Writes through p.data are not
+        seen (torch counts no version for them)."""
+        for p, master, _ in self._resident:
+            if master is not p and p._version != self._synced.get(id(p)):
+                master.copy_(p)
+                self._mark_synced(p, master)
+
     def _step_resident(self):
         """torch's AdamW over the resident parameters, a chunk at a time: each inner step sees
         only the chunk's masters (its param groups' lists swapped for the chunk's), with fp32
@@ -170,6 +192,7 @@ class AdamW(torch.optim.Optimizer):
         them; the memory it needs beside the state is a chunk's, where all at once an 8B
         model's 11 resident blocks and head took 14 GB of fp32 grads and as much again in
         foreach temporaries."""
+        self._sync_resident_masters()
         groups = self._inner.param_groups
         saved = [g["params"] for g in groups]
         chunks, chunk, size = [], [], 0
@@ -195,6 +218,7 @@ class AdamW(torch.optim.Optimizer):
                         master.grad = None  # 4 bytes per parameter, needed only by the update
                         if p.grad is not None:
                             p.copy_(master)
+                            self._mark_synced(p, master)
         finally:
             for g, params in zip(groups, saved):
                 g["params"] = params
@@ -230,6 +254,7 @@ class AdamW(torch.optim.Optimizer):
                 entry["master"] = self._read_state(sp, "master")
             state[sp.param] = entry
         if self._inner is not None:
+            self._sync_resident_masters()
             for p, master, _ in self._resident:
                 if master in self._inner.state and self._inner.state[master]:
                     entry = dict(self._inner.state[master])
@@ -280,11 +305,12 @@ class AdamW(torch.optim.Optimizer):
                 self._session.optimizer.set_param_step(sp.weight, int(entry["step"]))
         if self._inner is not None:
             for p, master, _ in self._resident:
-                self._restore_resident(master, saved.get(p))
+                self._restore_resident(p, master, saved.get(p))
 
-    def _restore_resident(self, master, entry):
+    def _restore_resident(self, p, master, entry):
         """A resident parameter's torch AdamW state (and fp32 master) from a saved entry; no
-        entry: no state (the parameter has not been updated yet)."""
+        entry: no state (the parameter has not been updated yet). A saved master is the
+        parameter's from then on (a write to the parameter before it does not count)."""
         self._inner.state.pop(master, None)
         if entry is None:
             return
@@ -292,6 +318,7 @@ class AdamW(torch.optim.Optimizer):
         for key, value in entry.items():
             if key == "master":
                 master.copy_(value)
+                self._mark_synced(p, master)
             elif key == "step":
                 inner[key] = value.detach().clone().cpu().float()
             else:
@@ -303,6 +330,7 @@ class AdamW(torch.optim.Optimizer):
         optimizer state (with masters) and every group's hyperparameters."""
         state = {}
         if self._inner is not None:
+            self._sync_resident_masters()
             for k, (p, master, _) in enumerate(self._resident):
                 if master in self._inner.state and self._inner.state[master]:
                     entry = {key: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
@@ -323,8 +351,8 @@ class AdamW(torch.optim.Optimizer):
             mine.update(g)
         if self._inner is None:
             return
-        for k, (_, master, _) in enumerate(self._resident):
-            self._restore_resident(master, saved["resident"].get(k))
+        for k, (p, master, _) in enumerate(self._resident):
+            self._restore_resident(p, master, saved["resident"].get(k))
 
 
 __all__ = ["AdamW", "StreamedGrad"]
