@@ -107,6 +107,9 @@ def probe_compute(config, batch, seq, device):
     return out
 
 
+PROGRESS = "progress: "  # stderr lines that are not a failed run's error
+
+
 def setup_deepspeed(config, mode, batch, clip, nvme, param_buffers=16):
     """DeepSpeed ZeRO-3 on this one GPU (a process group of one), the model built partitioned
     under zero.Init, blocks checkpointed as strata.torch's are, bf16, its CPU AdamW. Offloaded to
@@ -164,9 +167,10 @@ def setup_deepspeed(config, mode, batch, clip, nvme, param_buffers=16):
 def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=None, nvme=None,
             host_budget=None, trace=None, weights=None):
     import torch
-    from llama_zoo.torch_llama import LlamaForCausalLM, flops_per_token
+    from llama_zoo.torch_llama import LlamaForCausalLM
 
     config = model_config(preset)
+    opt = None  # the optimizer, where the mode has one of its own
     # STRATA_BENCH_DEVICE=cpu: a dry run of the script on a machine without a GPU.
     device = torch.device(os.environ.get("STRATA_BENCH_DEVICE", "cuda"))
     cuda = device.type == "cuda"
@@ -269,26 +273,54 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             engine = setup_deepspeed(config, mode, batch, clip, nvme,
                                      int(os.environ.get("DS_PARAM_BUFFERS", "16")))
             model = engine.module
-
-            def step(ids):
-                loss = engine(ids, labels=ids).loss
-                engine.backward(loss)
-                engine.step()
-                return loss
+            step = _engine_step(engine)
         else:
             raise ValueError(mode)
-
-    if not mode.startswith(("strata", "deepspeed")):
-        def step(ids):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode.startswith("resident")):
-                loss = model(ids, labels=ids).loss
-            loss.backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+        if opt is not None:
+            step = _plain_step(model, opt, clip, autocast=mode.startswith("resident"))
     out["setup_seconds"] = time.perf_counter() - t_setup
+    try:
+        return _measure(out, mode, preset, config, model, step, data, device, cuda, marks, steps,
+                        warmup, batch, seq, trace, nvme, opt)
+    finally:
+        if mode == "deepspeed-nvme":
+            # Its swap files (tens of GB) would otherwise crowd the next mode off the disk,
+            # a failed run's too.
+            import shutil
+            shutil.rmtree(nvme + ".deepspeed", ignore_errors=True)
+
+
+def _plain_step(model, opt, clip, autocast):
+    """One step of plain PyTorch: autocast to bf16 (resident modes), backward, clip, step."""
+    import torch
+
+    def step(ids):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def _engine_step(engine):
+    """One step of a DeepSpeed engine (its config clips)."""
+    def step(ids):
+        loss = engine(ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
+def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, steps, warmup,
+             batch, seq, trace, nvme, opt):
+    """run_one's measured steps and what it reports of them."""
+    import torch
+    from llama_zoo.torch_llama import flops_per_token
     times, losses = [], []
     phases = {}  # name -> [(host seconds, device seconds) since the step's start], per step
     for i in range(warmup + steps):
@@ -303,18 +335,15 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         losses.append(loss.item())
         if cuda:
             torch.cuda.synchronize()
-        # Progress on stderr (a slow configuration's steps take minutes).
-        print("%s %s step %d: %.2f s, loss %.4f" % (mode, preset, i, time.perf_counter() - t0,
-                                                  losses[-1]), file=sys.stderr, flush=True)
+        # Progress on stderr (a slow configuration's steps take minutes; seen with --one).
+        print("%s%s %s step %d: %.2f s, loss %.4f" % (PROGRESS, mode, preset, i,
+                                                    time.perf_counter() - t0, losses[-1]),
+              file=sys.stderr, flush=True)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             for name, host, event in marks[1:]:
                 phases.setdefault(name, []).append(
                     (host - marks[0][1], marks[0][2].elapsed_time(event) / 1e3 if cuda else 0.0))
-    if mode == "deepspeed-nvme":
-        # Its swap files (tens of GB) would otherwise crowd the next mode off the disk.
-        import shutil
-        shutil.rmtree(nvme + ".deepspeed", ignore_errors=True)
     if mode == "strata":
         opt.synchronize()
         if trace:
@@ -420,7 +449,8 @@ def main():
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
             if proc.returncode != 0 or not lines:
-                err = (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]
+                err = ([l for l in proc.stderr.strip().splitlines()
+                        if not l.startswith(PROGRESS)] or ["exit %d" % proc.returncode])[-1]
                 results.append({"mode": mode, "model": preset, "error": err[:300]})
             else:
                 results.append(json.loads(lines[-1]))
