@@ -87,6 +87,21 @@ Runtime::~Runtime() {
   shutdown();
 }
 
+void Runtime::add_background_writer(const void* key, std::function<void()> wait) {
+  std::lock_guard lock(writers_mutex_);
+  writers_.emplace_back(key, std::move(wait));
+}
+
+void Runtime::remove_background_writer(const void* key) {
+  std::lock_guard lock(writers_mutex_);
+  std::erase_if(writers_, [key](const auto& w) { return w.first == key; });
+}
+
+void Runtime::wait_for_background_writers() {
+  std::lock_guard lock(writers_mutex_);
+  for (const auto& w : writers_) w.second();
+}
+
 std::size_t Runtime::shutdown() {
   {
     std::lock_guard lock(mutex_);

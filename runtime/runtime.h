@@ -129,6 +129,15 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   // streamed and updated, so checkpoints refuse to save or load (kInvalidState) until it is 0.
   void note_step(bool begun) { steps_in_progress_.fetch_add(begun ? 1 : -1); }
   int steps_in_progress() const { return steps_in_progress_.load(); }
+  // Services that write registered tensors in the background after the call that asked for
+  // it returned (an optimizer's updates): a checkpoint waits for all of them, whichever
+  // optimizer it was given (none included), or it would save or load weights an update is
+  // still writing. `wait` is called under the registry's own mutex, so remove_background_writer
+  // (from the service's destructor) waits for a wait in progress; `wait` must not call back
+  // into the registry.
+  void add_background_writer(const void* key, std::function<void()> wait);
+  void remove_background_writer(const void* key);
+  void wait_for_background_writers();
 
  private:
   explicit Runtime(std::shared_ptr<DeviceBackend> backend) : backend_(std::move(backend)) {}
@@ -166,6 +175,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   bool shut_down_ = false;
   std::array<LinkCounters, kLinkCount> links_{};
   std::atomic<int> steps_in_progress_{0};
+  std::mutex writers_mutex_;  // not mutex_: a wait takes as long as the updates it waits for
+  std::vector<std::pair<const void*, std::function<void()>>> writers_;
 };
 
 }  // namespace strata

@@ -1204,10 +1204,9 @@ STRATA_API strata_status_t strata_optimizer_get_stats(strata_optimizer_t* optimi
  * at any moment leaves the previous checkpoint whole.
  * ------------------------------------------------------------------------------------------- */
 
-/* Save to the directory `path` (borrowed). optimizer may be NULL (weights only). Waits for
- * `optimizer`'s running updates; with NULL it waits for none, so an optimizer updating these
- * weights must be synchronized first (strata_optimizer_synchronize), or the files may hold
- * weights half-updated. Must be called between optimizer steps (not inside an accumulation)
+/* Save to the directory `path` (borrowed). optimizer may be NULL (weights only). Waits for the
+ * running updates of every optimizer of the runtime, `optimizer` or not, so the files hold
+ * whole updated weights. Must be called between optimizer steps (not inside an accumulation)
  * and between executor steps. Errors: INVALID_ARGUMENT (NULL runtime or path), INVALID_STATE
  * (mid-step: an executor of the runtime is between strata_step_begin and strata_step_end, or
  * the optimizer is inside an accumulation; or no tensor is registered with role WEIGHT), IO
@@ -1224,13 +1223,14 @@ STRATA_API strata_status_t strata_checkpoint_save(strata_runtime_t* runtime,
  * shapes, a tensor without its checksum entry: the message names them; nothing written),
  * NOT_FOUND (no checkpoint at path), INVALID_STATE (mid-step, as for save), IO,
  * DATA_CORRUPTION (a tensor failed its checksum while loading: the tensors are partly loaded,
- * and the optimizer refuses to step until a load succeeds). With optimizer NULL only the
- * registered tensors are written, and no optimizer's running updates are waited for
- * (synchronize one that updates these weights first, as for save): an optimizer that holds loaded
- * weights keeps its masters and moments (a separate master would put its old value back at the next
- * update; a split one keeps its low half only where that still rounds to the new weight), so to
- * train from the loaded weights set the masters with strata_optimizer_master_write, or load with
- * the optimizer. Thread-safe with respect to other runtimes. */
+ * and the optimizer refuses to step until a load succeeds). Waits first for the running
+ * updates of every optimizer of the runtime (a late update would overwrite the load). With
+ * optimizer NULL only the registered tensors are written: an optimizer that holds loaded
+ * weights keeps its masters and moments (a separate master would put its old value back at
+ * the next update; a split one keeps its low half only where that still rounds to the new
+ * weight), so to train from the loaded weights set the masters with
+ * strata_optimizer_master_write, or load with the optimizer. Thread-safe with respect to other
+ * runtimes. */
 STRATA_API strata_status_t strata_checkpoint_load(strata_runtime_t* runtime,
                                                   strata_optimizer_t* optimizer, const char* path);
 

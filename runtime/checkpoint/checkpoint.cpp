@@ -183,6 +183,7 @@ Status check_between_steps(Runtime& runtime, const char* verb) {
 
 Status save_checkpoint(Runtime& runtime, Optimizer* optimizer, const std::string& path) {
   STRATA_RETURN_IF_ERROR(check_between_steps(runtime, "save"));
+  runtime.wait_for_background_writers();  // every optimizer's updates, given or not
   OptimizerCounters counters;
   if (optimizer != nullptr) STRATA_RETURN_IF_ERROR(optimizer->quiesce_for_checkpoint(&counters));
   std::vector<Item> weights, state;
@@ -227,6 +228,7 @@ Status save_checkpoint(Runtime& runtime, Optimizer* optimizer, const std::string
 
 Status load_checkpoint(Runtime& runtime, Optimizer* optimizer, const std::string& path) {
   STRATA_RETURN_IF_ERROR(check_between_steps(runtime, "load"));
+  runtime.wait_for_background_writers();  // a late update would overwrite or tear the load
   std::string dir;
   STRATA_RETURN_IF_ERROR(resolve_atomic_directory(path, &dir));
   std::unique_ptr<safetensors::Reader> model, opt_file;

@@ -97,11 +97,15 @@ Status Optimizer::create(std::shared_ptr<Runtime> runtime, const OptimizerConfig
   o->counters_.loss_scale = o->config_.loss_scale;
   STRATA_RETURN_IF_ERROR(spawn_thread(
       "the optimizer's dispatcher", [p = o.get()] { p->dispatcher_main(); }, &o->dispatcher_));
+  // A checkpoint of the runtime waits for the updates running (a failed optimizer's error is
+  // its own calls' to report).
+  o->runtime_->add_background_writer(o.get(), [p = o.get()] { (void)p->synchronize(); });
   *out = std::move(o);
   return Status::ok();
 }
 
 Optimizer::~Optimizer() {
+  runtime_->remove_background_writer(this);  // waits for a checkpoint's wait on this one
   {
     std::unique_lock lock(mutex_);
     stopping_ = true;

@@ -275,6 +275,49 @@ TEST_CASE("destroying the optimizer finishes the last update of NVMe-homed weigh
   REQUIRE(after[1] == after[0]);
 }
 
+TEST_CASE("a checkpoint without the optimizer waits for its running updates",
+          "[optimizer][nvme][checkpoint]") {
+  // strata_optimizer_step returns with the updates queued; with the weights and state on NVMe
+  // each update stages, updates and writes back for a while. A save or a load given no
+  // optimizer right then must still wait for them: the save holds the updated weights, and a
+  // late update does not overwrite the load.
+  ScratchDir scratch;
+  const std::string path = scratch.file("weights");
+  NvmeConfig nv(scratch, 16 * kMiB, 64 * kMiB);
+  strata_optimizer_config_t c = adamw_config();
+  c.update_mode = STRATA_UPDATE_EXPLICIT;
+  c.state_placement = STRATA_STATE_PLACEMENT_NVME;
+  Model m = make_model(4, 42, backend_under_test(), {3000, 1100}, &nv.config, STRATA_TIER_NVME);
+  OptimizerPtr o = make_optimizer(m, c);
+  Streamed st;
+  attach_streamed(m, o.get(), &st);
+  auto weights = [&] {
+    std::vector<std::vector<uint16_t>> out;
+    for (auto& layer : m.weights) {
+      for (std::size_t k = 0; k < layer.size(); ++k) {
+        out.push_back(read_bf16(m.rt.get(), layer[k], m.sizes[k]));
+      }
+    }
+    return out;
+  };
+  auto queue_step = [&](int step) {
+    streamed_pass(m, st.ex, step, 0);
+    STRATA_REQUIRE_OK(strata_optimizer_set_group(o.get(), 0, 1e-2f / (1 + step), 0.1f));
+    STRATA_REQUIRE_OK(strata_optimizer_set_group(o.get(), 1, 1e-2f / (1 + step), 0.f));
+    STRATA_REQUIRE_OK(strata_optimizer_step(o.get()));  // queued, not waited for
+  };
+  train(m, o.get(), st.ex, Loop::kExplicit, 0, 2);
+  queue_step(2);
+  STRATA_REQUIRE_OK(strata_checkpoint_save(m.rt.get(), nullptr, path.c_str()));
+  STRATA_REQUIRE_OK(strata_optimizer_synchronize(o.get()));
+  const auto saved = weights();
+  queue_step(3);
+  STRATA_REQUIRE_OK(strata_checkpoint_load(m.rt.get(), nullptr, path.c_str()));
+  REQUIRE(weights() == saved);
+  STRATA_REQUIRE_OK(strata_optimizer_synchronize(o.get()));
+  REQUIRE(weights() == saved);  // no update was left to land after the load
+}
+
 TEST_CASE("a checkpoint carries NVMe-homed state and resumes bit for bit",
           "[optimizer][nvme][checkpoint]") {
   ScratchDir scratch;
