@@ -511,10 +511,19 @@ def arm_failure(model, failure):
         if armed[0]:
             raise RuntimeError("injected failure")
 
+    def raise_in_backward(module, args, output):
+        # A grad hook on block 0's output: it raises in the backward pass after every later
+        # block's backward finished and before block 0's.
+        if armed[0]:
+            out = output[0] if isinstance(output, tuple) else output
+            out.register_hook(lambda grad: hook(None, None, None))
+
     if failure == "block_forward_hook":
         blocks_of(model)[1].register_forward_hook(hook)
     elif failure == "hook_inside_block":
         blocks_of(model)[1].mlp.register_forward_hook(hook)
+    elif failure.startswith("backward"):
+        blocks_of(model)[0].register_forward_hook(raise_in_backward)
     return armed
 
 
@@ -528,15 +537,19 @@ def run_with_failing_step(model, opt, data, failure, armed):
     with pytest.raises(RuntimeError):
         model(ids, labels=labels).loss.backward()
     armed[0] = False
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=failure != "backward_zero_grad_keeping_zeros")
     return losses + train(model, opt, data[2:])[0]
 
 
-@pytest.mark.parametrize("failure", ["int32_labels", "block_forward_hook", "hook_inside_block"])
+@pytest.mark.parametrize("failure", ["int32_labels", "block_forward_hook", "hook_inside_block",
+                                     "backward", "backward_zero_grad_keeping_zeros"])
 def test_exception_mid_step_leaves_a_usable_session(failure, offload):
     """Idiom: a step raises mid-forward (int32 labels raising in the loss; an exception from a
-    forward hook on or inside a block); the loop goes on. The next steps train as in plain
-    PyTorch, where the failed step left nothing behind."""
+    forward hook on or inside a block) or mid-backward (a grad hook between blocks), the loop
+    zeroes the grads and goes on. The next steps train as in plain PyTorch, where the failed
+    step left nothing behind once the grads were zeroed: the grads of the blocks whose
+    backward had finished are .grad as soon as they land, so zero_grad drops them (before,
+    they appeared only at the next forward pass, after zero_grad, and added to its grads)."""
     base = build("llama")
     data = batches(4)
     plain = deepcopy(base)

@@ -147,6 +147,7 @@ class StrataSession:
         self.backward_next = None  # the block whose backward the executor expects next
         self.held = set()  # ids of trainable streamed params the optimizer holds a grad for
         self.landed_layers = set()  # blocks whose backward pass this step delivered grads
+        self.delivered = []  # parameters of the block being released that got grads
 
     # --- registration ----------------------------------------------------------------------
 
@@ -427,8 +428,10 @@ class StrataSession:
                                          for p in b.parameters()):
             raise RuntimeError(
                 "strata.torch: create the optimizer (strata.torch.AdamW(model.parameters(), "
-                "...)) before the first forward pass with grad: the streamed blocks' grads live "
-                "in its state (evaluate under torch.no_grad(), or freeze the blocks)")
+                "...)) after strata.torch.offload(model) and before the first forward pass with "
+                "grad: the streamed blocks' grads live in its state. An optimizer created "
+                "before offload, or one of torch.optim's, cannot update streamed parameters "
+                "(evaluate under torch.no_grad(), or freeze the blocks, to run without one)")
         self.ensure_built()
         if phase == FORWARD and index == 0:
             if self.in_step:
@@ -465,12 +468,14 @@ class StrataSession:
                                                             sp.grad_index))
                 view.copy_(g)
                 del view
+                self.delivered.append(sp)
 
     def end(self, index, phase):
         self.release_layer(index, phase)
         if phase == BACKWARD:
             self.backward_next = index - 1
             self.landed_layers.add(index)
+            self.show_delivered_grads()
             if index == 0:
                 self.in_step = False
                 self.executor.step_end()
@@ -483,6 +488,7 @@ class StrataSession:
             return
         self.in_step = False
         self.backward_next = None
+        self.delivered = []  # what landed is the optimizer's to say (grads_landed, below)
         for i in range(len(self.layers)):
             self.unbind(i)
         self.executor.step_abort(self.stream())
@@ -500,6 +506,18 @@ class StrataSession:
                         "strata.torch: requires_grad of streamed parameter %r changed to %s after "
                         "the optimizer was created; freeze or unfreeze block parameters before "
                         "strata.torch.AdamW(...)" % (sp.name, sp.param.requires_grad))
+
+    def show_delivered_grads(self):
+        """As autograd sets .grad when a parameter's grad is accumulated, not when the whole
+        backward pass ends: the parameters the block just released got grads for show them
+        now (a lazy StreamedGrad: nothing waits for the copy). A backward pass that raises
+        later leaves them visible, so zero_grad drops them as in plain PyTorch."""
+        from .grads import StreamedGrad
+        for sp in self.delivered:
+            if id(sp.param) not in self.held or sp.param.grad is None:
+                self.held.add(id(sp.param))
+                sp.param.grad = StreamedGrad.of(self, sp)
+        self.delivered = []
 
     def grads_landed(self):
         """After a backward pass: every trainable streamed parameter whose grads came shows

@@ -244,6 +244,7 @@ class ShardedSession(StrataSession):
             works.append(self.mesh.reduce_scatter(out, full, what))
             keep += [g, full, out]
             pairs.append((out, view))
+            self.delivered.append(sp)
         self.reduction = (index, works, keep, pairs)
 
     def _finish_reduction(self, index):
