@@ -306,9 +306,10 @@ def test_bf16_split_masters_train_as_separate_ones_in_less_dram(device, monkeypa
     assert 2 * n <= saved + 2 * 4096 * len(ma) and saved <= 2 * n + 2 * 4096 * len(ma), (saved, n)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,layout", [(torch.bfloat16, "split"), (torch.bfloat16, "separate"),
                                           (torch.float16, "separate")])
-def test_weights_loaded_without_the_optimizer_are_what_the_next_steps_train(dtype, layout,
+def test_weights_loaded_without_the_optimizer_are_what_the_next_steps_train(dtype, layout, device,
                                                                             monkeypatch, tmp_path):
     """Idiom: mid-training, st.load_checkpoint(path, model) with no optimizer (the weights of a
     checkpoint, the optimizer's moments kept), or model.load_state_dict(weights), as in plain
@@ -327,28 +328,28 @@ def test_weights_loaded_without_the_optimizer_are_what_the_next_steps_train(dtyp
     runs = []
     for load in ("load_checkpoint", "load_state_dict"):
         # One block resident (with the embedding, norm and head): their masters are torch's.
-        model = st.offload(copy.deepcopy(base), device="cpu", dtype=dtype, resident_blocks=1)
+        model = st.offload(copy.deepcopy(base), device=device, dtype=dtype, resident_blocks=1)
         opt = st.AdamW(model, lr=3e-3, weight_decay=0.1)
-        train(model, opt, data[:2], "cpu")
+        train(model, opt, data[:2], device)
         if load == "load_checkpoint":
             st.save_checkpoint(path, model)  # the weights, no optimizer state
         weights = {n: t.clone() for n, t in model.state_dict().items()}
-        train(model, opt, data[2:4], "cpu")  # the masters move on
+        train(model, opt, data[2:4], device)  # the masters move on
         if load == "load_checkpoint":
             st.load_checkpoint(path, model)
         else:
             model.load_state_dict(weights)
         s = model.strata
         for sp in (sp for entries in s.layers for sp in entries if sp.trainable):
-            assert torch.equal(s.read_state(sp, "master"), weights[sp.name].float()), sp.name
+            assert torch.equal(s.read_state(sp, "master"), weights[sp.name].cpu().float()), sp.name
         for g in opt.param_groups:
             g["lr"], g["weight_decay"] = 0.0, 0.0
-        train(model, opt, data[4:5], "cpu")
+        train(model, opt, data[4:5], device)
         for name, value in model.state_dict().items():
             assert torch.equal(value, weights[name]), (load, name)
         for g in opt.param_groups:
             g["lr"], g["weight_decay"] = 3e-3, 0.1
-        losses = train(model, opt, data[5:], "cpu")
+        losses = train(model, opt, data[5:], device)
         opt.synchronize()
         runs.append((losses, {n: t.clone() for n, t in model.state_dict().items()}))
         model.strata.close()

@@ -611,6 +611,9 @@ def test_use_after_close_raises_a_clear_error(offload):
     with pytest.raises((RuntimeError, ValueError), match=r"(?i)closed"):
         with torch.no_grad():
             model(ids, labels=ids)
+    for call in (opt.state_dict, opt.synchronize):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
 
 
 def assert_hf_initialized(name, t):
@@ -908,6 +911,15 @@ def test_what_is_refused_is_refused_clearly(offload):
     opt = strata_adamw(model.parameters())
     with pytest.raises(NotImplementedError, match="constructor"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError, match="betas must be two numbers"):
+        strata_adamw(model.parameters(), betas=(0.9,))
+    with pytest.raises(ValueError, match="backend 'gpu' is not"):
+        st.offload(deepcopy(base), device=DEVICE, backend="gpu")
+    # A scheduler cycling momentum: refused at the step, saying how to keep it.
+    opt.param_groups[0]["betas"] = (0.85, 0.999)
+    with pytest.raises(ValueError, match="cycle_momentum=False"):
+        opt.step()
+    opt.param_groups[0]["betas"] = (0.9, 0.999)
     block_param = next(blocks_of(model)[0].parameters())
     block_param.requires_grad_(False)
     ids = data[0]

@@ -303,6 +303,9 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if backend not in ("auto", "cuda", "host"):
+        raise ValueError("strata.torch.offload: backend %r is not 'auto', 'cuda' or 'host'"
+                         % (backend,))
     if backend == "auto":
         backend = "cuda" if device.type == "cuda" else "host"
     all_blocks = find_blocks(model)

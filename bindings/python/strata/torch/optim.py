@@ -35,6 +35,9 @@ class AdamW(torch.optim.Optimizer):
                 "N), which Strata follows exactly")
         if not 0.0 <= max_grad_norm:
             raise ValueError("strata.torch.AdamW: max_grad_norm must be >= 0")
+        if len(tuple(betas)) != 2:
+            raise ValueError("strata.torch.AdamW: betas must be two numbers (beta1, beta2), "
+                             "got %r" % (betas,))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=False, maximize=False, foreach=foreach, capturable=False,
                         differentiable=False, fused=fused)
@@ -122,9 +125,12 @@ class AdamW(torch.optim.Optimizer):
                 continue
             if tuple(group["betas"]) != self._betas or group["eps"] != self._eps:
                 raise ValueError(
-                    "strata.torch.AdamW: betas and eps are the same for every group of streamed "
-                    "parameters (group %d has betas %s, eps %s; the optimizer has %s, %s)"
-                    % (gi, tuple(group["betas"]), group["eps"], self._betas, self._eps))
+                    "strata.torch.AdamW: betas and eps are fixed when the optimizer is created "
+                    "(Strata's CPU AdamW has one of each for every group of streamed "
+                    "parameters), but group %d now has betas %s, eps %s against %s, %s; a "
+                    "scheduler that cycles momentum (OneCycleLR, CyclicLR) needs "
+                    "cycle_momentum=False" % (gi, tuple(group["betas"]), group["eps"],
+                                              self._betas, self._eps))
 
     # --- the step ------------------------------------------------------------------------
 
@@ -230,8 +236,10 @@ class AdamW(torch.optim.Optimizer):
 
     def synchronize(self):
         """Wait for the streamed blocks' queued updates (reading their weights does so itself)."""
-        if self._session is not None and self._session.optimizer is not None:
-            self._session.optimizer.synchronize()
+        if self._session is not None:
+            self._session.check_open()
+            if self._session.optimizer is not None:
+                self._session.optimizer.synchronize()
 
     # --- state ----------------------------------------------------------------------------
 
