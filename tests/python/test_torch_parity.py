@@ -1166,6 +1166,9 @@ def test_nvme_arguments_are_checked(tmp_path):
         st.offload(model, device=DEVICE, nvme=str(tmp_path / "t"), state_placement="disk")
     with pytest.raises(ValueError, match="host_budget .* below"):
         st.offload(model, device=DEVICE, nvme=str(tmp_path / "t"), host_budget=1 << 16)
+    # Without NVMe: the message says what the bytes are (a tiny model's are mostly headroom).
+    with pytest.raises(ValueError, match="host_budget 65536 bytes is below .* 256 MiB of headroom"):
+        st.offload(model, device=DEVICE, host_budget=1 << 16)
     assert getattr(model, "strata", None) is None
     model = st.offload(model, device=DEVICE, resident_blocks=0, nvme=str(tmp_path / "one"))
     try:

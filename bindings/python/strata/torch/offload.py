@@ -383,9 +383,10 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                              "(%s); nothing was changed" % (short, e)) from None
     elif host_budget is not None and host_budget < _estimate_dram(blocks, dtype, mesh):
         raise ValueError("strata.torch.offload: host_budget %d bytes is below the %d bytes the "
-                         "streamed blocks need in pinned DRAM (weights, grads, fp32 masters and "
-                         "AdamW moments; or pass nvme= to put state on NVMe); nothing was changed"
-                         % (host_budget, _estimate_dram(blocks, dtype, mesh)))
+                         "streamed blocks need in pinned DRAM (their weights, grads, fp32 masters "
+                         "and AdamW moments, 2%% for page alignment, and a fixed 256 MiB of "
+                         "headroom beyond them; or pass nvme= to put state on NVMe); nothing "
+                         "was changed" % (host_budget, _estimate_dram(blocks, dtype, mesh)))
     prefixes = {id(m): n + "." for n, m in model.named_modules(remove_duplicate=False)}
     names = [prefixes[id(b)] for b in blocks]  # each block's prefix in the model's names
     init = getattr(model, "_init_weights", None)
