@@ -913,6 +913,14 @@ def test_what_is_refused_is_refused_clearly(offload):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
     with pytest.raises(ValueError, match="betas must be two numbers"):
         strata_adamw(model.parameters(), betas=(0.9,))
+    # A streamed weight of the wrong shape in load_state_dict: Strata's message alone (not
+    # also torch's "Missing key(s)" for a key that is there); the rest loads (its own values).
+    sd = model.state_dict()
+    key = next(n for n, p in model.named_parameters() if ".layers.0." in n and p.dim() == 2)
+    sd[key] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match="has shape") as refused:
+        model.load_state_dict(sd)
+    assert "Missing key" not in str(refused.value), refused.value
     with pytest.raises(ValueError, match="backend 'gpu' is not"):
         st.offload(deepcopy(base), device=DEVICE, backend="gpu")
     # A scheduler cycling momentum: refused at the step, saying how to keep it.

@@ -113,9 +113,10 @@ class _StateHooks:
             if key in state_dict:
                 try:
                     self.session.write_weight(sp, state_dict.pop(key))
-                    self.handled.append(key)
                 except ValueError as e:
                     error_msgs.append(str(e))
+                # Written, or its error reported: not "missing" either way.
+                self.handled.append(key)
 
     def load_post(self, module, incompatible):
         for key in self.handled:
