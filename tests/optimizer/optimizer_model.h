@@ -114,6 +114,17 @@ inline std::vector<uint16_t> read_bf16(strata_runtime_t* rt, strata_tensor_t* t,
   return v;
 }
 
+// Every weight's bf16 values, layer by layer.
+inline std::vector<std::vector<uint16_t>> bf16_weights(Model& m) {
+  std::vector<std::vector<uint16_t>> out;
+  for (auto& layer : m.weights) {
+    for (std::size_t k = 0; k < layer.size(); ++k) {
+      out.push_back(read_bf16(m.rt.get(), layer[k], m.sizes[k]));
+    }
+  }
+  return out;
+}
+
 // Every byte of the weights and the optimizer's state.
 inline std::vector<std::vector<unsigned char>> snapshot(Model& m, strata_optimizer_t* opt) {
   std::vector<std::vector<unsigned char>> out;
@@ -252,13 +263,19 @@ inline void run_streamed(Model& m, strata_optimizer_t* opt, strata_executor_t* e
 }
 
 // PyTorch's loop in explicit mode: micro_batches backward passes, step(), zero_grad().
+// One explicit step's passes, then strata_optimizer_step: its updates queued, not waited for.
+inline void queue_explicit_step(Model& m, strata_optimizer_t* opt, strata_executor_t* ex, int s,
+                                int micro_batches = 1) {
+  for (int micro = 0; micro < micro_batches; ++micro) streamed_pass(m, ex, s, micro);
+  STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 0, 1e-2f / (1 + s), 0.1f));
+  STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 1, 1e-2f / (1 + s), 0.f));
+  STRATA_REQUIRE_OK(strata_optimizer_step(opt));
+}
+
 inline void run_explicit(Model& m, strata_optimizer_t* opt, strata_executor_t* ex, int first_step,
                          int steps, int micro_batches) {
   for (int s = first_step; s < first_step + steps; ++s) {
-    for (int micro = 0; micro < micro_batches; ++micro) streamed_pass(m, ex, s, micro);
-    STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 0, 1e-2f / (1 + s), 0.1f));
-    STRATA_REQUIRE_OK(strata_optimizer_set_group(opt, 1, 1e-2f / (1 + s), 0.f));
-    STRATA_REQUIRE_OK(strata_optimizer_step(opt));
+    queue_explicit_step(m, opt, ex, s, micro_batches);
     for (auto& layer : m.weights) {
       for (strata_tensor_t* w : layer) STRATA_REQUIRE_OK(strata_optimizer_grad_zero(opt, w, 0));
     }

@@ -260,17 +260,10 @@ TEST_CASE("destroying the optimizer finishes the last update of NVMe-homed weigh
     auto st = std::make_unique<Streamed>();
     attach_streamed(*m, o.get(), st.get());
     train(*m, o.get(), st->ex, Loop::kExplicit, 0, 2);
-    streamed_pass(*m, st->ex, 2, 0);
-    STRATA_REQUIRE_OK(strata_optimizer_set_group(o.get(), 0, 1e-2f / 3, 0.1f));
-    STRATA_REQUIRE_OK(strata_optimizer_set_group(o.get(), 1, 1e-2f / 3, 0.f));
-    STRATA_REQUIRE_OK(strata_optimizer_step(o.get()));  // queued, not waited for
-    st.reset();                                         // the executor goes first
+    queue_explicit_step(*m, o.get(), st->ex, 2);
+    st.reset();  // the executor goes first
     o.reset();
-    for (auto& layer : m->weights) {
-      for (std::size_t k = 0; k < layer.size(); ++k) {
-        after[m == &on_nvme].push_back(read_bf16(m->rt.get(), layer[k], m->sizes[k]));
-      }
-    }
+    after[m == &on_nvme] = bf16_weights(*m);
   }
   REQUIRE(after[1] == after[0]);
 }
@@ -291,31 +284,16 @@ TEST_CASE("a checkpoint without the optimizer waits for its running updates",
   OptimizerPtr o = make_optimizer(m, c);
   Streamed st;
   attach_streamed(m, o.get(), &st);
-  auto weights = [&] {
-    std::vector<std::vector<uint16_t>> out;
-    for (auto& layer : m.weights) {
-      for (std::size_t k = 0; k < layer.size(); ++k) {
-        out.push_back(read_bf16(m.rt.get(), layer[k], m.sizes[k]));
-      }
-    }
-    return out;
-  };
-  auto queue_step = [&](int step) {
-    streamed_pass(m, st.ex, step, 0);
-    STRATA_REQUIRE_OK(strata_optimizer_set_group(o.get(), 0, 1e-2f / (1 + step), 0.1f));
-    STRATA_REQUIRE_OK(strata_optimizer_set_group(o.get(), 1, 1e-2f / (1 + step), 0.f));
-    STRATA_REQUIRE_OK(strata_optimizer_step(o.get()));  // queued, not waited for
-  };
   train(m, o.get(), st.ex, Loop::kExplicit, 0, 2);
-  queue_step(2);
+  queue_explicit_step(m, o.get(), st.ex, 2);
   STRATA_REQUIRE_OK(strata_checkpoint_save(m.rt.get(), nullptr, path.c_str()));
   STRATA_REQUIRE_OK(strata_optimizer_synchronize(o.get()));
-  const auto saved = weights();
-  queue_step(3);
+  const auto saved = bf16_weights(m);
+  queue_explicit_step(m, o.get(), st.ex, 3);
   STRATA_REQUIRE_OK(strata_checkpoint_load(m.rt.get(), nullptr, path.c_str()));
-  REQUIRE(weights() == saved);
+  REQUIRE(bf16_weights(m) == saved);
   STRATA_REQUIRE_OK(strata_optimizer_synchronize(o.get()));
-  REQUIRE(weights() == saved);  // no update was left to land after the load
+  REQUIRE(bf16_weights(m) == saved);  // no update was left to land after the load
 }
 
 TEST_CASE("a checkpoint carries NVMe-homed state and resumes bit for bit",
