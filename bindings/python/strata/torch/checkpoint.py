@@ -105,10 +105,6 @@ def save_checkpoint(path, model, optimizer=None):
     every rank calls it with the same path."""
     session = _session(model)
     _check_optimizer(optimizer, session)
-    if session.optimizer is not None:
-        # Updates still running write the weights: the files must hold them whole, with or
-        # without the optimizer's state.
-        session.optimizer.synchronize()
     mesh = getattr(session, "mesh", None)
     lead = mesh is None or mesh.rank == 0
     path = os.fspath(path).rstrip("/")
@@ -192,10 +188,8 @@ def load_checkpoint(path, model, optimizer=None):
         raise ValueError("strata.torch.load_checkpoint: the checkpoint's resident tensors differ "
                          "from the model's (missing: %s; unexpected: %s)"
                          % (sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))))
-    if session.optimizer is not None:
-        # Updates still running would write the weights under the load (and the masters would
-        # then follow a torn load): wait for them whether or not the optimizer's state loads.
-        session.optimizer.synchronize()
+    # The runtime's load (as its save) first waits for the updates still running, whether or
+    # not the optimizer's state is part of it (strata_checkpoint_load).
     session.runtime.load_checkpoint(_streamed_dir(path, session),
                                     session.optimizer if optimizer is not None else None)
     if optimizer is None:
