@@ -57,15 +57,21 @@ Status Executor::create(std::shared_ptr<Runtime> runtime, Plan plan,
     }
     if (layer.weights_as_span) homes.span = dram + layer.span_dram_offset;
     for (const auto* list : {&layer.grads, &layer.activations}) {
+      const bool grads = list == &layer.grads;
       for (const SlotTensor& t : *list) {
         STRATA_RETURN_IF_ERROR(pin(t.id));
         TensorRecord r;
         STRATA_RETURN_IF_ERROR(rt.info(t.id, &r));
-        if (r.tier != Tier::kDram) {
+        // Grads may live in HBM (the planner allows it): their release copy stays on the
+        // device, on the outbound queue, and the optimizer fetches them when it reads them.
+        const bool on_device = grads && r.tier == Tier::kHbm;
+        if (r.tier != Tier::kDram && !on_device) {
           return error(Code::kInvalidState, "tensor '", r.spec.name, "' moved to ",
                        tier_name(r.tier), " after planning; plan again");
         }
-        (list == &layer.grads ? homes.grads : homes.activations).push_back(dram + r.offset);
+        unsigned char* home = (on_device ? rt.tier_base(Tier::kHbm) : dram) + r.offset;
+        (grads ? homes.grads : homes.activations).push_back(home);
+        if (grads) homes.grads_on_device.push_back(on_device ? 1 : 0);
       }
     }
     e->homes_.push_back(std::move(homes));
@@ -383,7 +389,7 @@ Status Executor::check_position(uint32_t layer, Phase phase, const char* verb) c
 Status Executor::queue_copy(CopyDirection direction, unsigned char* dst, const unsigned char* src,
                             uint64_t bytes,
                             const std::vector<std::shared_ptr<DeviceFence>>& wait_for,
-                            std::shared_ptr<DeviceFence>* last) {
+                            std::shared_ptr<DeviceFence>* last, bool on_link) {
   // One copy: a contiguous range of any size runs at the link's peak as a single transfer
   // (chunking exists to merge small tensors, not to split large ones).
   CopyRequest r;
@@ -394,7 +400,7 @@ Status Executor::queue_copy(CopyDirection direction, unsigned char* dst, const u
   r.wait_for = wait_for;
   STRATA_RETURN_IF_ERROR(backend_->submit_copy(std::move(r), last));
   // Zero fills move no data over PCIe and are not counted on a link.
-  if (src != nullptr) {
+  if (src != nullptr && on_link) {
     pending_copies_.push_back(PendingCopy{direction, bytes, wait_for, *last});
   }
   return Status::ok();
@@ -549,11 +555,12 @@ Status Executor::release(uint32_t layer, Phase phase, void* stream) {
   std::vector<std::shared_ptr<DeviceFence>> landed;
   for (std::size_t i = 0; i < outgoing.size(); ++i) {
     std::shared_ptr<DeviceFence> f;
+    const bool on_link = !backward || homes.grads_on_device[i] == 0;
     STRATA_RETURN_IF_ERROR(queue_copy(CopyDirection::kDeviceToHost, destinations[i],
-                                      base + outgoing[i].offset, outgoing[i].bytes, {consumer},
-                                      &f));
+                                      base + outgoing[i].offset, outgoing[i].bytes, {consumer}, &f,
+                                      on_link));
     slot.outbound = f;
-    stats_.bytes_out += outgoing[i].bytes;
+    if (on_link) stats_.bytes_out += outgoing[i].bytes;
     landed.push_back(std::move(f));
   }
   if (backward && hooks_) STRATA_RETURN_IF_ERROR(hooks_->on_grads_queued(layer, std::move(landed)));

@@ -98,10 +98,11 @@ class Executor {
   Status issue_loads(long must = -1);  // under mutex_ (executor_loads.cpp, as the next three)
   Status issue_load(std::size_t position);
   std::vector<std::shared_ptr<DeviceFence>> slot_free_fences(std::size_t position) const;
-  // Queues one copy (src null: zero fill) after `wait_for`; *last receives its fence.
+  // Queues one copy (src null: zero fill) after `wait_for`; *last receives its fence. A copy
+  // that stays on the device (grads homed in HBM) is not counted on a link.
   Status queue_copy(CopyDirection direction, unsigned char* dst, const unsigned char* src,
                     uint64_t bytes, const std::vector<std::shared_ptr<DeviceFence>>& wait_for,
-                    std::shared_ptr<DeviceFence>* last);
+                    std::shared_ptr<DeviceFence>* last, bool on_link = true);
   Status wait_all_outstanding();
   // Waits for the step's outbound copies (their first error is the result) and for abandoned
   // loads (errors ignored), counts its copies and emits its trace records.
@@ -142,6 +143,7 @@ class Executor {
     std::vector<unsigned char*> weights;     // per weight in DRAM
     std::vector<TensorRecord> nvme_weights;  // per weight on NVMe (extent, checksums)
     std::vector<unsigned char*> grads, activations;
+    std::vector<uint8_t> grads_on_device;  // per grad: homed in HBM (a device-side copy)
   };
   std::vector<LayerHomes> homes_;
   // issue_load's three ways to bring a layer's weights into its slot, chosen by where they live

@@ -94,9 +94,11 @@ Status lay_out_layer(Lookup& lookup, const LayerSpec& spec, uint32_t index,
   for (TensorId id : spec.grads) {
     TensorRecord r;
     STRATA_RETURN_IF_ERROR(lookup.get(id, out->name, "grad", &r));
-    if (r.tier != Tier::kDram) {
+    // DRAM, or HBM: then the optimizer fetches them into DRAM a layer at a time when it reads
+    // them (2 bytes per bf16 parameter of DRAM less; docs/optimizer.md, "Grads on the device").
+    if (r.tier != Tier::kDram && r.tier != Tier::kHbm) {
       return error(Code::kInvalidArgument, "layer '", out->name, "': grad '", r.spec.name,
-                   "' lives in ", tier_name(r.tier), "; grads stream out to dram homes");
+                   "' lives in ", tier_name(r.tier), "; grads stream out to dram or hbm homes");
     }
     out->grads.push_back({r.id, cursor, r.nbytes});
     out->grad_bytes += r.nbytes;

@@ -655,8 +655,8 @@ typedef struct strata_layer_desc {
   size_t struct_size; /* STRATA_LAYER_DESC_STRUCT_SIZE */
   const char* name;   /* borrowed (copied); NULL = "layer.N" */
   /* Tensor handle arrays, borrowed (copied during the call). Weights (required, in DRAM or all
-   * on NVMe) are streamed into HBM for both passes; grads (in DRAM) are HBM buffers the
-   * backward pass fills, sent to the grad tensors afterwards; activation checkpoints (in DRAM)
+   * on NVMe) are streamed into HBM for both passes; grads (in DRAM, or since 1.2 in HBM) are
+   * HBM buffers the backward pass fills, sent to the grad tensors afterwards; activation checkpoints (in DRAM)
    * are HBM buffers the forward pass fills, parked in the tensors and brought back for the
    * backward pass; optimizer state is declared for placement only. A tensor may appear once
    * in the whole graph. */
@@ -999,7 +999,8 @@ STRATA_API strata_status_t strata_optimizer_destroy(strata_optimizer_t* optimize
 typedef struct strata_param_desc {
   size_t struct_size;      /* STRATA_PARAM_DESC_STRUCT_SIZE */
   strata_tensor_t* weight; /* borrowed: in DRAM or (since 1.2) on NVMe, f32/bf16/f16 */
-  strata_tensor_t* grad;   /* borrowed: in DRAM, f32/bf16/f16, as many elements as weight */
+  strata_tensor_t* grad;   /* borrowed: in DRAM or (since 1.2) HBM, f32/bf16/f16, as many
+                              elements as weight */
   uint32_t group;          /* hyperparameter group (strata_optimizer_set_group), 0..65535;
                               0 = default */
   uint32_t master_layout;  /* since 1.2: how a bf16 weight's fp32 master is kept
@@ -1029,10 +1030,16 @@ typedef struct strata_param_desc {
  * master (strata_optimizer_master_write). An NVMe-homed weight (since 1.2) is updated only by an
  * attached optimizer: each update stages it in DRAM with its layer's NVMe-homed state and
  * writes it back, and the executor loads the layer again only after that write has landed.
+ * An HBM-homed grad (since 1.2; 2 bytes per bf16 parameter of DRAM less, the grads' bytes of
+ * HBM more) is likewise read by an attached optimizer only: each job that reads a layer's
+ * grads (norm, accumulation, update, explicit mode's landing) first copies them into one DRAM
+ * buffer the size of the largest layer's HBM-homed grads, allocated at attach and counted in
+ * state_bytes; strata_optimizer_grad_read copies the one it reads. Results are bit for bit
+ * those of the same grads in DRAM.
  * Errors: INVALID_ARGUMENT (NULL, bad struct_size, dtypes, element counts differ, weight given
  * as its own grad, group above 65535, unknown master_layout, STRATA_MASTER_SPLIT with an f16
  * weight), NOT_FOUND, ALREADY_EXISTS (already a param, or a state
- * tensor's name is taken), UNSUPPORTED (weight not in DRAM or NVMe, grad not in DRAM),
+ * tensor's name is taken), UNSUPPORTED (weight not in DRAM or NVMe, grad not in DRAM or HBM),
  * OUT_OF_MEMORY (DRAM budget: nothing is left allocated), BUSY (moving), INVALID_STATE
  * (already attached). Thread-safe. */
 STRATA_API strata_status_t strata_optimizer_add_param(strata_optimizer_t* optimizer,
@@ -1060,7 +1067,7 @@ STRATA_API strata_status_t strata_optimizer_attach(strata_optimizer_t* optimizer
  * a grad and return at once (strata_optimizer_synchronize waits for them).
  * Errors: INVALID_ARGUMENT (NULL), INVALID_STATE (attached in AUTO mode, inside an executor
  * step in EXPLICIT mode, no params, a failed update; without an executor: params whose state
- * or weights live on NVMe). Thread-safe (calls are serialized). */
+ * or weights live on NVMe, or whose grads live in HBM). Thread-safe (calls are serialized). */
 STRATA_API strata_status_t strata_optimizer_step(strata_optimizer_t* optimizer);
 
 /* Block until every queued update has finished (an attached optimizer's updates otherwise

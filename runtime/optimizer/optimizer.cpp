@@ -119,6 +119,7 @@ Optimizer::~Optimizer() {
     cv_.wait(lock, [&] { return io_in_flight_ == 0; });
   }
   free_staging();
+  free_grad_fetch();
   unregister_state();
 }
 
@@ -173,6 +174,11 @@ Status Optimizer::attach(Executor* executor) {
     landing_.assign(plan.layer_count, 0);
     grads_in_ = 0;
     STRATA_RETURN_IF_ERROR(layout_stages());
+    Status fetch = layout_grad_fetch();
+    if (!fetch.is_ok()) {
+      free_staging();
+      return fetch;
+    }
     executor_ = executor;
   }
   // Outside mutex_: the executor calls the hooks under its own lock, so it is always taken first.
@@ -181,6 +187,7 @@ Status Optimizer::attach(Executor* executor) {
     std::lock_guard lock(mutex_);
     executor_ = nullptr;
     free_staging();
+    free_grad_fetch();
   }
   return s;
 }
@@ -237,7 +244,7 @@ OptimizerStats Optimizer::stats() {
   s.nvme_state_layers = nvme_layers_;
   s.staging_bytes = staging_bytes_;
   s.staging_slots = static_cast<uint32_t>(slot_free_.size());
-  s.state_bytes += staging_bytes_;
+  s.state_bytes += staging_bytes_ + grad_fetch_bytes_;
   s.nvme_read_bytes = nvme_read_bytes_;
   s.nvme_write_bytes = nvme_write_bytes_;
   s.stage_wait_seconds = stage_wait_seconds_;

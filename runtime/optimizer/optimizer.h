@@ -129,10 +129,12 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
                        std::shared_ptr<Optimizer>* out);
   ~Optimizer() override;
 
-  // Adds a trainable weight (DRAM or NVMe, fp32/bf16/fp16) and its grad (DRAM, same element
-  // count, fp32/bf16/fp16): allocates and initializes its state. Not once attached. An
+  // Adds a trainable weight (DRAM or NVMe, fp32/bf16/fp16) and its grad (DRAM or HBM, same
+  // element count, fp32/bf16/fp16): allocates and initializes its state. Not once attached. An
   // NVMe-homed weight is staged through DRAM with the layer's NVMe-homed state for each
-  // update (attached only) and written back before the executor loads the layer again.
+  // update (attached only) and written back before the executor loads the layer again. An
+  // HBM-homed grad is copied into a DRAM buffer of the largest layer's grads by each job that
+  // reads it (attached only).
   Status add_param(TensorId weight, TensorId grad, uint32_t group,
                    MasterLayout layout = MasterLayout::kSeparate);
   Status set_group(uint32_t group, const GroupHyperparams& h);
@@ -210,6 +212,12 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     bool nvme_weight = false;
     bool split = false;  // MasterLayout::kSplit: `master` is the low halves (I16)
     std::array<void*, 4> staged{};
+    // A grad homed in HBM (2 bytes per bf16 parameter of DRAM less): `arrays.grad` points at
+    // its place in the DRAM fetch buffer (at fetch_offset, set at attach), which a job fills
+    // from `grad_device` slice by slice before it reads the grad (fetch_grads).
+    bool hbm_grad = false;
+    const unsigned char* grad_device = nullptr;
+    uint64_t fetch_offset = 0;
   };
   // NVMe-homed state (and weights) of one executor layer: laid out in one staging slot, read
   // in before the layer's update, written back after it.
@@ -322,6 +330,15 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   int free_slot() const;  // under mutex_: a free slot, -1 if none
   void release_slot(std::size_t layer);
   bool stage_ready(const Job& job) const;
+  // Grads homed in HBM: attach lays each layer's out in one DRAM buffer (the largest layer's
+  // size), which the dispatcher's jobs, one at a time, fill before reading them.
+  Status layout_grad_fetch();
+  void free_grad_fetch();
+  // Whether `job` reads the grad tensor of `p` (not its accumulator, a zero, or nothing).
+  static bool reads_grad(const Job& job, const Param& p);
+  // Copies the HBM-homed grads of `part`'s tasks that `job` reads into the fetch buffer and
+  // waits for them. Dispatcher thread only (the buffer is the running job's).
+  Status fetch_grads(std::span<const Task> part, const Job& job);
   // The arrays an update of `p` uses: staged state for NVMe-homed params.
   optim::ParamArrays update_arrays(const Param& p) const;
   std::vector<Task> tasks_for(const std::vector<std::size_t>& params) const;
@@ -382,6 +399,11 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   int io_in_flight_ = 0;  // staging transfers whose callback has not run
   uint64_t nvme_read_bytes_ = 0, nvme_write_bytes_ = 0;
   double stage_wait_seconds_ = 0;
+  // Grads homed in HBM, and the DRAM buffer they are fetched into (attached).
+  std::size_t hbm_grad_params_ = 0;
+  TensorId grad_fetch_id_ = 0;
+  unsigned char* grad_fetch_base_ = nullptr;
+  uint64_t grad_fetch_bytes_ = 0;
 
   // Serializes step(), which runs the pool outside mutex_, and add_param, which runs it to
   // initialize state.

@@ -335,6 +335,8 @@ void Optimizer::dispatcher_main() {
     while (status.is_ok() && stage_status.is_ok() && !skip && job.next_task < tasks.size()) {
       const std::size_t n = std::min(slice, tasks.size() - job.next_task);
       const std::span<const Task> part(tasks.data() + job.next_task, n);
+      status = fetch_grads(part, job);
+      if (!status.is_ok()) break;
       TraceSpan trace(runtime_->tracer(), TraceKind::kOptimizer);
       const auto t0 = std::chrono::steady_clock::now();
       if (explicit_job) {

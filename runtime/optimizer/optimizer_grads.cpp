@@ -3,6 +3,7 @@
 #include "runtime/optimizer/optimizer.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "runtime/optimizer/optimizer_internal.h"
 
@@ -75,6 +76,14 @@ Status Optimizer::grad_read(TensorId weight, float* dst, uint64_t count) {
   }
   optim::ParamArrays a;
   a.grad = p->hold == GradHold::kAccum ? static_cast<const void*>(p->accum_data) : p->arrays.grad;
+  std::vector<unsigned char> fetched;  // an HBM-homed grad: copied here (the fetch buffer is
+                                       // the dispatcher's)
+  if (p->hold == GradHold::kGrad && p->hbm_grad) {
+    fetched.resize(count * dtype_size(p->arrays.grad_dtype));
+    Status s = runtime_->backend()->copy_sync(fetched.data(), p->grad_device, fetched.size());
+    if (!s.is_ok()) return error(s.code(), "grad_read: fetching the grad from HBM: ", s.message());
+    a.grad = fetched.data();
+  }
   a.grad_dtype = p->hold == GradHold::kAccum ? DType::kF32 : p->arrays.grad_dtype;
   a.grad_accum = dst;
   a.count = count;

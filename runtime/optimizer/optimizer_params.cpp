@@ -152,9 +152,9 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, Mast
     return error(Code::kUnsupported, "weight '", w.spec.name, "' is in ", tier_name(w.tier),
                  ": the optimizer updates weights in DRAM, or on NVMe staged through DRAM");
   }
-  if (g.tier != Tier::kDram) {
+  if (g.tier != Tier::kDram && g.tier != Tier::kHbm) {
     return error(Code::kUnsupported, "grad '", g.spec.name, "' is in ", tier_name(g.tier),
-                 ": the optimizer reads grads in DRAM");
+                 ": the optimizer reads grads in DRAM, or in HBM fetched into DRAM");
   }
   for (const TensorRecord* r : {&w, &g}) {
     const char* role = r == &w ? "weight" : "grad";
@@ -199,7 +199,13 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, Mast
   const std::size_t n = element_count(w);
   optim::ParamArrays& a = p.arrays;
   a.count = n;
-  a.grad = dram + g.offset;
+  // An HBM-homed grad is read through the fetch buffer attach lays out (arrays.grad set there).
+  p.hbm_grad = g.tier == Tier::kHbm;
+  if (p.hbm_grad) {
+    p.grad_device = runtime_->tier_base(Tier::kHbm) + g.offset;
+  } else {
+    a.grad = dram + g.offset;
+  }
   a.grad_dtype = g.spec.dtype;
   // An NVMe-homed weight: its values (the master's initial ones) come through a bounce buffer;
   // updates reach it through the layer's staging slot.
@@ -291,6 +297,7 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, Mast
   }
   if (p.nvme_state) ++nvme_state_params_;
   if (p.nvme_weight) ++nvme_weight_params_;
+  if (p.hbm_grad) ++hbm_grad_params_;
   if (group >= groups_.size()) groups_.resize(group + 1, groups_.front());
   params_.push_back(std::move(p));
   return Status::ok();

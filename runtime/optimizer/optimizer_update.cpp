@@ -245,6 +245,11 @@ Status Optimizer::step() {
                  " on NVMe, which is staged through DRAM layer by layer: only an optimizer "
                  "attached to an executor updates them");
   }
+  if (hbm_grad_params_ != 0) {
+    return error(Code::kInvalidState, "step: ", hbm_grad_params_,
+                 " params have their grads in HBM, which are fetched into DRAM layer by layer: "
+                 "only an optimizer attached to an executor updates them");
+  }
   if (all_tasks_params_ != params_.size()) {
     std::vector<std::size_t> all(params_.size());
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;

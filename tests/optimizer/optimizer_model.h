@@ -60,11 +60,13 @@ inline strata_tensor_t* register_tensor(strata_runtime_t* rt, const std::string&
   return t;
 }
 
-// weight_tier: where the weights live (NVMe needs an NVMe tier in `config`); grads: DRAM.
+// weight_tier: where the weights live (NVMe needs an NVMe tier in `config`); grad_tier: where
+// the grads do (DRAM, or HBM).
 inline Model make_model(int layers, uint64_t seed, strata_device_backend_t backend,
                         std::vector<int64_t> sizes = {3000, 1100},
                         const strata_runtime_config_t* config = nullptr,
-                        strata_tier_t weight_tier = STRATA_TIER_DRAM) {
+                        strata_tier_t weight_tier = STRATA_TIER_DRAM,
+                        strata_tier_t grad_tier = STRATA_TIER_DRAM) {
   Model m;
   m.sizes = std::move(sizes);
   m.rt = make_runtime(config != nullptr ? *config : config_for(backend, 64 * kMiB, 256 * kMiB));
@@ -82,7 +84,7 @@ inline Model make_model(int layers, uint64_t seed, strata_device_backend_t backe
       STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), w, 0, init.data(), init.size() * 2));
       m.weights.back().push_back(w);
       m.grads.back().push_back(register_tensor(m.rt.get(), base + ".grad", m.sizes[k],
-                                               STRATA_DTYPE_BF16, STRATA_ROLE_GRAD));
+                                               STRATA_DTYPE_BF16, STRATA_ROLE_GRAD, grad_tier));
     }
   }
   return m;

@@ -431,8 +431,9 @@ TEST_CASE("NVMe-homed state misuse gets clear errors", "[optimizer][nvme]") {
     p.struct_size = STRATA_PARAM_DESC_STRUCT_SIZE;
     p.weight = m.weights[0][0];
     p.grad = g;
-    STRATA_REQUIRE_ERROR(strata_optimizer_add_param(other.get(), &p), STRATA_ERROR_UNSUPPORTED,
-                         "grad 'nvme.grad' is in nvme: the optimizer reads grads in DRAM");
+    STRATA_REQUIRE_ERROR(
+        strata_optimizer_add_param(other.get(), &p), STRATA_ERROR_UNSUPPORTED,
+        "grad 'nvme.grad' is in nvme: the optimizer reads grads in DRAM, or in HBM");
     strata_tensor_t* hbm = register_tensor(m.rt.get(), "hbm.weight", 3000, STRATA_DTYPE_BF16,
                                            STRATA_ROLE_WEIGHT, STRATA_TIER_HBM);
     p.weight = hbm;

@@ -1,0 +1,116 @@
+// Grads homed in HBM: the executor leaves each layer's grads on the device, and every job that
+// reads them (norm, accumulation, update, explicit mode's landing and stash) first copies the
+// slice it is about to run into one DRAM buffer, the size of the largest layer's grads. DRAM
+// then holds no grad per parameter (2 bytes per bf16 parameter less: 12 bytes per parameter
+// with split masters instead of 14), for the price of the grads' HBM and of one more PCIe copy
+// per read (docs/optimizer.md, "Grads on the device").
+#include "runtime/optimizer/optimizer.h"
+
+#include <algorithm>
+#include <atomic>
+
+namespace strata {
+
+namespace {
+constexpr uint64_t kFetchAlignment = 64;  // each param's grads start on a cache line
+}  // namespace
+
+Status Optimizer::layout_grad_fetch() {
+  free_grad_fetch();
+  if (hbm_grad_params_ == 0) return Status::ok();
+  uint64_t largest = 0;
+  for (const auto& layer : layer_params_) {
+    uint64_t offset = 0;
+    for (std::size_t i : layer) {
+      Param& p = params_[i];
+      if (!p.hbm_grad) continue;
+      p.fetch_offset = offset;
+      offset += Arena::round_up(p.arrays.count * dtype_size(p.arrays.grad_dtype), kFetchAlignment);
+    }
+    largest = std::max(largest, offset);
+  }
+  static std::atomic<uint64_t> serial{0};
+  TensorSpec spec;
+  spec.name = "strata.optimizer." + std::to_string(serial.fetch_add(1)) + ".grad_fetch";
+  spec.dtype = DType::kU8;
+  spec.shape = {static_cast<int64_t>(largest)};
+  spec.role = Role::kOptimizerState;
+  spec.home = Tier::kDram;
+  Status s = runtime_->register_tensor(spec, &grad_fetch_id_);
+  if (!s.is_ok()) {
+    grad_fetch_id_ = 0;
+    return error(s.code(), "optimizer: a DRAM buffer to read HBM-homed grads through (", largest,
+                 " bytes, the largest layer's grads): ", s.message());
+  }
+  TensorRecord r;
+  (void)runtime_->info(grad_fetch_id_, &r);
+  (void)runtime_->pin_in_place(grad_fetch_id_, "optimizer grad fetch");
+  grad_fetch_base_ = runtime_->tier_base(Tier::kDram) + r.offset;
+  grad_fetch_bytes_ = largest;
+  for (Param& p : params_) {
+    if (p.hbm_grad) p.arrays.grad = grad_fetch_base_ + p.fetch_offset;
+  }
+  return Status::ok();
+}
+
+void Optimizer::free_grad_fetch() {
+  if (grad_fetch_id_ != 0) {
+    runtime_->unpin(grad_fetch_id_);
+    (void)runtime_->unregister(grad_fetch_id_);
+  }
+  grad_fetch_id_ = 0;
+  grad_fetch_base_ = nullptr;
+  grad_fetch_bytes_ = 0;
+  for (Param& p : params_) {
+    if (p.hbm_grad) p.arrays.grad = nullptr;
+  }
+}
+
+bool Optimizer::reads_grad(const Job& job, const Param& p) {
+  switch (job.kind) {
+    case JobKind::kAccumulate:
+    case JobKind::kNorm:
+    case JobKind::kLand:
+      return true;
+    case JobKind::kStash:
+      return job.add[p.in_layer] != 0;
+    case JobKind::kUpdate:
+      if (job.sources.empty()) return true;
+      // Explicit mode: the held grad, not the fp32 accumulator or a zero grad.
+      return !job.sources[p.in_layer].skip && job.sources[p.in_layer].grad == p.arrays.grad;
+  }
+  return false;
+}
+
+Status Optimizer::fetch_grads(std::span<const Task> part, const Job& job) {
+  if (hbm_grad_params_ == 0) return Status::ok();
+  std::vector<std::shared_ptr<DeviceFence>> fences;
+  Status status;
+  for (const Task& t : part) {
+    const Param& p = params_[t.param];
+    if (!p.hbm_grad || !reads_grad(job, p)) continue;
+    const uint64_t elem = dtype_size(p.arrays.grad_dtype);
+    CopyRequest r;
+    r.direction = CopyDirection::kDeviceToHost;
+    r.dst = grad_fetch_base_ + p.fetch_offset + t.begin * elem;
+    r.src = p.grad_device + t.begin * elem;
+    r.bytes = (t.end - t.begin) * elem;
+    std::shared_ptr<DeviceFence> fence;
+    status = runtime_->backend()->submit_copy(std::move(r), &fence);
+    if (!status.is_ok()) break;
+    fences.push_back(std::move(fence));
+  }
+  // Every submitted copy is waited for, also after a failed submit: none may still write into
+  // the buffer when the next job fills it.
+  for (const auto& f : fences) {
+    Status s = f->host_wait();
+    if (status.is_ok() && !s.is_ok()) status = s;
+  }
+  if (!status.is_ok()) {
+    return error(status.code(), "optimizer: fetching layer ", job.layer,
+                 "'s grads from HBM: ", status.message());
+  }
+  return Status::ok();
+}
+
+}  // namespace strata
