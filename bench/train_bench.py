@@ -197,6 +197,11 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         strata.torch.session.master_layout = separate
         sys.modules["strata.torch.offload"].master_layout = separate
         mode = "strata"
+    grads = "host"
+    if mode == "strata-device-grads":
+        # The streamed blocks' grads in HBM (offload(grads="device"): 12 bytes per parameter
+        # of DRAM instead of 14), the optimizer reading them from there.
+        grads, mode = "device", "strata"
     if mode == "strata":
         import strata.torch as st
         with torch.device("meta"):
@@ -204,7 +209,7 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         model = st.offload(model, device=device, dtype=torch.bfloat16,
                            resident_blocks=resident_blocks, nvme=nvme,
                            host_budget=int(host_budget * (1 << 30)) if host_budget else None,
-                           weights=weights)
+                           weights=weights, grads=grads)
         opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         if nvme:
             out["placement"] = model.strata.placement()
@@ -387,11 +392,11 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
                        nvme_read_gb_per_step=stats["nvme_read_bytes"] / n / 1e9,
                        nvme_write_gb_per_step=stats["nvme_write_bytes"] / n / 1e9,
                        stage_wait_seconds_per_step=stats["stage_wait_seconds"] / n)
-            # What Strata's pinned DRAM holds per streamed parameter (grads, weights left in
-            # DRAM, state, staging), against the 16 bytes of DRAM-only training.
-            streamed = sum(p.numel() for b in model.strata.blocks for p in b.parameters())
-            used = model.strata.runtime.tier_usage("dram")["used"]
-            out.update(dram_used_gb=used / 1e9, dram_bytes_per_streamed_param=used / streamed)
+        # What Strata's pinned DRAM holds per streamed parameter (grads, weights left in DRAM,
+        # state, staging, buffers), against the 16 bytes of DRAM-only training.
+        streamed = sum(p.numel() for b in model.strata.blocks for p in b.parameters())
+        used = model.strata.runtime.tier_usage("dram")["used"]
+        out.update(dram_used_gb=used / 1e9, dram_bytes_per_streamed_param=used / streamed)
     return out
 
 
@@ -400,7 +405,8 @@ def main():
     p.add_argument("--models", default="1b,3b,7b")
     p.add_argument("--modes", default="strata,resident,fsdp2",
                    help="comma-separated: strata, strata-separate (strata with whole fp32 "
-                        "masters, not split ones), resident (all in HBM, checkpointed blocks), "
+                        "masters, not split ones), strata-device-grads (the streamed blocks' "
+                        "grads in HBM, not DRAM), resident (all in HBM, checkpointed blocks), "
                         "resident-nockpt (all in HBM, no recompute), fsdp2, deepspeed-nvme "
                         "(ZeRO-3 offloading parameters and optimizer state to NVMe beside --nvme: "
                         "ZeRO-Infinity), deepspeed-cpu (ZeRO-3 offloading to DRAM)")
@@ -463,6 +469,9 @@ def main():
                       % (preset, mode, r["tokens_per_second"], r["tflops_6pt"], r["tflops_done"],
                          r["step_seconds"], r["peak_host_gb"], r["peak_device_gb"],
                          r["setup_seconds"], r.get("plan", "")), flush=True)
+                if "dram_bytes_per_streamed_param" in r:
+                    print("     pinned DRAM %.1f GB: %.2f bytes per streamed parameter"
+                          % (r["dram_used_gb"], r["dram_bytes_per_streamed_param"]), flush=True)
                 if r.get("setup_phases"):
                     print("     setup (s): %s" % "  ".join(
                         "%s %.1f" % kv for kv in r["setup_phases"].items()) +

@@ -80,6 +80,9 @@ def main():
                         "in --host-budget goes there")
     p.add_argument("--nvme-budget", type=float, default=None,
                    help="GiB of the NVMe tier (default: what the spilled state needs)")
+    p.add_argument("--grads", default="host", choices=["host", "device"],
+                   help="where the streamed blocks' grads live between backward and step: "
+                        "'device' saves 2 bytes per parameter of DRAM for as many of HBM")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace here")
     p.add_argument("--seed", type=int, default=0)
@@ -102,7 +105,7 @@ def main():
                        host_budget=int(args.host_budget * gib) if args.host_budget else None,
                        nvme=args.nvme,
                        nvme_budget=int(args.nvme_budget * gib) if args.nvme_budget else None,
-                       weights=args.weights)
+                       weights=args.weights, grads=args.grads)
     session = model.strata
     opt = st.AdamW(model, lr=args.lr, weight_decay=0.1)
     caps = session.runtime.capabilities()

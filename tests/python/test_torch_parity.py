@@ -153,6 +153,48 @@ def test_grads_after_backward_match(arch, offload):
         assert torch.allclose(got[name].grad.clone(), p.grad, rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.parametrize("loop", [{}, {"clip": 0.5}, {"accumulate": 2}, {"zero_grad": False},
+                                  {"set_to_none": False}],
+                         ids=["plain", "clip_grad_norm", "accumulate", "no_zero_grad",
+                              "zero_grad_keeping_zeros"])
+def test_grads_on_the_device_train_as_plain_pytorch(loop, offload):
+    """offload(grads="device"): the streamed blocks' grads live in the device's memory (on the
+    CPU, the simulated device's) and the optimizer copies each block's to the host when it reads
+    them; every idiom still trains as plain PyTorch, and p.grad reads the same values."""
+    base = build("llama")
+    data = batches(4 if "accumulate" in loop else STEPS)
+    expected, expected_norms, expected_state = plain_run(deepcopy(base), data, **loop)
+    model = offload(deepcopy(base), grads="device")
+    session = model.strata
+    opt = strata_adamw(model.parameters())
+    got, got_norms = train(model, opt, data, **loop)
+    synchronize(opt)
+    assert session.layers and all(sp.grad.info().tier == strata.core.TIERS["hbm"]
+                                  for layer in session.layers for sp in layer if sp.trainable)
+    assert_losses_close(got, expected)
+    if "clip" in loop:
+        assert_losses_close(got_norms, expected_norms)
+    assert_state_close(snapshot(model), expected_state)
+    plain = deepcopy(base)
+    plain.load_state_dict(snapshot(model))  # the same weights: the grads compare as above
+    for m in (plain, model):
+        m.zero_grad()
+        m(data[0], labels=data[0]).loss.backward()
+    got_grads = dict(model.named_parameters())
+    for name, p in plain.named_parameters():
+        assert_grad_close(name, got_grads[name].grad, p.grad)
+
+
+def test_grads_on_the_device_refusals(offload, tmp_path):
+    """What grads='device' does not do yet, and a typo, are refused before anything changes."""
+    base = build("llama")
+    with pytest.raises(ValueError, match="grads is 'gpu', not 'host' or 'device'"):
+        st.offload(deepcopy(base), device=DEVICE, grads="gpu")
+    with pytest.raises(NotImplementedError, match="grads='device' with nvme="):
+        st.offload(deepcopy(base), device=DEVICE, grads="device", nvme=str(tmp_path / "t"))
+    assert open_runtimes() == 0
+
+
 def test_legacy_model_argument(offload):
     """Idiom (legacy): st.AdamW(model, ...) instead of model.parameters()."""
     base = build("llama")

@@ -37,17 +37,28 @@ def dtype_size(dtype):
     return L.strata_dtype_size(DTYPES[dtype])
 
 
-def streaming_budgets(block_params, element_size, master_layout="separate"):
+def streaming_budgets(block_params, element_size, master_layout="separate", grads="dram"):
     """Default (HBM, DRAM) budgets in bytes for streaming blocks of `block_params` parameters
     each, stored in elements of `element_size` bytes and trained with AdamW: DRAM holds each
     parameter's weight and grad plus fp32 m and v and, unless the weights are fp32 (their own
     masters), an fp32 master (a split one: its low halves), with 2% for the state's page
     alignment; HBM holds slots for a few blocks (weights and grad buffers) and the planner's
-    margin."""
-    per_param = 2 * element_size + state_bytes_per_param(element_size, master_layout)
+    margin. grads="hbm": the grads live in HBM instead (docs/optimizer.md, "Grads on the
+    device"), and DRAM holds only the buffer the optimizer reads one block's grads through."""
+    grad_bytes = element_size if grads == "dram" else 0
+    per_param = element_size + grad_bytes + state_bytes_per_param(element_size, master_layout)
     dram = int(sum(block_params) * per_param * 1.02) + (256 << 20)
     hbm = 2 * 4 * element_size * max(block_params) + (64 << 20)
+    if grads == "hbm":
+        dram += element_size * max(block_params) + (1 << 20)
+        hbm += grads_hbm_bytes(block_params, element_size)
     return hbm, dram
+
+
+def grads_hbm_bytes(block_params, element_size):
+    """HBM the streamed blocks' grads take when they live there: their bytes, 1% and 64 KiB a
+    block for the HBM arena's per-tensor alignment."""
+    return sum(int(n * element_size * 1.01) + (64 << 10) for n in block_params)
 
 
 def state_bytes_per_param(element_size, master_layout="separate"):

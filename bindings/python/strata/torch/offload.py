@@ -145,7 +145,7 @@ def _install_state_hooks(session, index, block):
     block.register_load_state_dict_post_hook(_Hook(hooks, "load_post"))
 
 
-def _estimate_dram(blocks, dtype, mesh=None):
+def _estimate_dram(blocks, dtype, mesh=None, grads="dram"):
     from .. import core
     if mesh is None:
         counts = [sum(p.numel() for p in b.parameters()) for b in blocks]
@@ -153,7 +153,8 @@ def _estimate_dram(blocks, dtype, mesh=None):
         from .sharded import chunk_elements
         counts = [sum(chunk_elements(p.numel(), mesh.shard_size) for p in b.parameters())
                   for b in blocks]
-    _, dram = core.streaming_budgets(counts, torch.finfo(dtype).bits // 8, master_layout(dtype))
+    _, dram = core.streaming_budgets(counts, torch.finfo(dtype).bits // 8, master_layout(dtype),
+                                     grads)
     return dram
 
 
@@ -183,7 +184,7 @@ def _disk_free(paths):
     return min(free[dev] * len(paths) // files[dev] for dev in free)
 
 
-def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget):
+def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"):
     """How many of the first blocks to keep resident in HBM: as many as fit in 40% of the device
     memory left beside Strata's own (the rest for activations, logits and the allocator), at 16
     bytes per parameter in bf16 (the compute-dtype weight and grad, an fp32 master unless the
@@ -207,6 +208,9 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget):
     coming = sum(p.numel() for p in model.parameters()
                  if id(p) not in in_blocks and p.device != device)
     free = max(0, free - coming * per_param)
+    if grads == "hbm":  # the streamed blocks' grads (counted for every block: an upper bound)
+        free = max(0, free - core.grads_hbm_bytes(
+            [sum(p.numel() for p in b.parameters()) for b in blocks], element))
     spare = max(0, free - (gpu_budget or 0)) * 2 // 5
     k = 0
     for b in blocks[:-1]:  # at least one block streams
@@ -245,7 +249,7 @@ def _keep_resident(keeper, index, block):
 
 def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, dtype=None,
             device=None, backend="auto", slot_budget=0, resident_blocks=None,
-            state_placement=None, data_parallel=None, weights=None):
+            state_placement=None, data_parallel=None, weights=None, grads="host"):
     """Stream `model`'s blocks through Strata; returns the model, changed in place.
 
     gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: pinned
@@ -271,11 +275,19 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     directory with model.safetensors or its sharded index) every parameter's values come from,
     for a model best built on the meta device: the streamed blocks' go from the file into
     Strata's pinned arena, the rest onto the device (strata.torch.weights); a checkpoint that
-    lacks a parameter or has another shape is refused before anything changes. A failed call
+    lacks a parameter or has another shape is refused before anything changes.
+    grads: where the streamed blocks' grads live between the backward pass and the step,
+    "host" (pinned DRAM) or "device" (the GPU's memory, beside gpu_budget: 2 bytes per bf16
+    parameter of DRAM less, 12 instead of 14, and as many more of HBM; the optimizer copies
+    each block's grads to the CPU when it reads them, twice per step with clipping). The
+    training is bit for bit the same. Not yet with nvme= or data parallelism. A failed call
     leaves the model as it was and releases what it allocated."""
     if getattr(model, "strata", None) is not None:
         raise RuntimeError("strata.torch.offload: this model is already offloaded "
                            "(model.strata exists); offload a model once")
+    if grads not in ("host", "device"):
+        raise ValueError("strata.torch.offload: grads is %r, not 'host' or 'device'" % (grads,))
+    grads_home = "dram" if grads == "host" else "hbm"
     if isinstance(nvme, (str, bytes, os.PathLike)):
         nvme = [nvme]  # one path, not its characters
     nvme = list(nvme) if nvme else []
@@ -323,9 +335,15 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
             "strata.torch.offload: weights= under data parallelism is not supported yet (each "
             "rank would read its own shards from the file); load the model on each rank, or "
             "train without data_parallel")
+    if grads_home == "hbm" and (nvme or mesh is not None):
+        # The placement (nvme=) counts grads in DRAM, and a sharded session reduces them into
+        # DRAM shards: neither reads grads from the device yet.
+        raise NotImplementedError(
+            "strata.torch.offload: grads='device' %s is not supported yet; use grads='host'"
+            % ("with nvme=" if nvme else "under data parallelism"))
     if resident_blocks is None:
         resident_blocks = _auto_resident_blocks(model, list(all_blocks), dtype, device,
-                                                gpu_budget)
+                                                gpu_budget, grads_home)
     if mesh is not None:  # every rank must stream the same blocks: the fewest any rank keeps
         resident_blocks = min(mesh.gather_objects(resident_blocks))
     if not 0 <= resident_blocks < len(all_blocks):
@@ -382,19 +400,27 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                      "nvme_budget %d bytes is below what NVMe needs" % nvme_budget)
             raise ValueError("strata.torch.offload: %s with training state and weights on NVMe "
                              "(%s); nothing was changed" % (short, e)) from None
-    elif host_budget is not None and host_budget < _estimate_dram(blocks, dtype, mesh):
+    elif host_budget is not None and host_budget < _estimate_dram(blocks, dtype, mesh,
+                                                                  grads_home):
+        need = _estimate_dram(blocks, dtype, mesh, grads_home)
+        hint = ""
+        if grads_home == "dram" and mesh is None:
+            hint = ("; grads='device' needs %d (the grads on the GPU)"
+                    % _estimate_dram(blocks, dtype, mesh, "hbm"))
         raise ValueError("strata.torch.offload: host_budget %d bytes is below the %d bytes the "
-                         "streamed blocks need in pinned DRAM (their weights, grads, fp32 masters "
+                         "streamed blocks need in pinned DRAM (their weights, %sfp32 masters "
                          "and AdamW moments, 2%% for page alignment, and a fixed 256 MiB of "
-                         "headroom beyond them; or pass nvme= to put state on NVMe); nothing "
-                         "was changed" % (host_budget, _estimate_dram(blocks, dtype, mesh)))
+                         "headroom beyond them; or pass nvme= to put state on NVMe%s); nothing "
+                         "was changed" % (host_budget, need,
+                                          "grads, " if grads_home == "dram" else
+                                          "one block's grads, ", hint))
     prefixes = {id(m): n + "." for n, m in model.named_modules(remove_duplicate=False)}
     names = [prefixes[id(b)] for b in blocks]  # each block's prefix in the model's names
     init = getattr(model, "_init_weights", None)
     args = (blocks, names, device, dtype, gpu_budget, host_budget, nvme, nvme_budget, backend,
             slot_budget, init)
     if mesh is None:
-        session = StrataSession(*args)
+        session = StrataSession(*args, grads=grads_home)
     else:
         from .sharded import ShardedSession
         session = ShardedSession(mesh, *args)

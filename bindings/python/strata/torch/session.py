@@ -116,8 +116,11 @@ class StrataSession:
     model twice."""
 
     def __init__(self, blocks, names, device, dtype, gpu_budget, host_budget, nvme, nvme_budget,
-                 backend, slot_budget=0, init=None):
+                 backend, slot_budget=0, init=None, grads="dram"):
         self.blocks = blocks
+        # Where the streamed blocks' grads live: "dram", or "hbm" (the optimizer reads them
+        # through one block's DRAM buffer: 2 bytes per bf16 parameter of DRAM less).
+        self.grads_home = grads
         self.device = device
         self.dtype = dtype
         self.cuda = device.type == "cuda"
@@ -128,8 +131,10 @@ class StrataSession:
         # state, planning): where offloading a large model spends its time.
         self.setup_seconds = {}
         started = time.perf_counter()
-        hbm, dram = core.streaming_budgets(self.block_counts(blocks), torch.finfo(dtype).bits // 8,
-                                           master_layout(dtype))
+        counts, element = self.block_counts(blocks), torch.finfo(dtype).bits // 8
+        hbm, dram = core.streaming_budgets(counts, element, master_layout(dtype), grads)
+        if gpu_budget is not None and grads == "hbm":
+            gpu_budget += core.grads_hbm_bytes(counts, element)  # beside the slots' budget
         gpu_budget = hbm if gpu_budget is None else gpu_budget
         host_budget = dram if host_budget is None else host_budget
         # The runtime computes on the model's GPU (cuda:1 is ordinal 1), not always the first.
@@ -364,7 +369,7 @@ class StrataSession:
                                           self.weight_home(sp.layer))
         if trainable:
             sp.grad = self.runtime.register(name + ".grad", shape, DTYPE_NAMES[self.dtype], "grad",
-                                            "dram")
+                                            self.grads_home)
 
     def write_param(self, sp, values, opt, group):
         """Write a block parameter's values (on the CPU or the compute device) into its weight and, when
