@@ -62,16 +62,14 @@ Status Executor::create(std::shared_ptr<Runtime> runtime, Plan plan,
         STRATA_RETURN_IF_ERROR(pin(t.id));
         TensorRecord r;
         STRATA_RETURN_IF_ERROR(rt.info(t.id, &r));
-        // Grads may live in HBM (the planner allows it): their release copy stays on the
-        // device, on the outbound queue, and the optimizer fetches them when it reads them.
-        const bool on_device = grads && r.tier == Tier::kHbm;
-        if (r.tier != Tier::kDram && !on_device) {
+        // A grad planned in its HBM home (SlotTensor::in_home) is written there by the
+        // backward pass; anything else is in DRAM.
+        const Tier planned = t.in_home ? Tier::kHbm : Tier::kDram;
+        if (r.tier != planned) {
           return error(Code::kInvalidState, "tensor '", r.spec.name, "' moved to ",
                        tier_name(r.tier), " after planning; plan again");
         }
-        unsigned char* home = (on_device ? rt.tier_base(Tier::kHbm) : dram) + r.offset;
-        (grads ? homes.grads : homes.activations).push_back(home);
-        if (grads) homes.grads_on_device.push_back(on_device ? 1 : 0);
+        (grads ? homes.grads : homes.activations).push_back(rt.tier_base(planned) + r.offset);
       }
     }
     e->homes_.push_back(std::move(homes));
@@ -389,7 +387,7 @@ Status Executor::check_position(uint32_t layer, Phase phase, const char* verb) c
 Status Executor::queue_copy(CopyDirection direction, unsigned char* dst, const unsigned char* src,
                             uint64_t bytes,
                             const std::vector<std::shared_ptr<DeviceFence>>& wait_for,
-                            std::shared_ptr<DeviceFence>* last, bool on_link) {
+                            std::shared_ptr<DeviceFence>* last) {
   // One copy: a contiguous range of any size runs at the link's peak as a single transfer
   // (chunking exists to merge small tensors, not to split large ones).
   CopyRequest r;
@@ -400,7 +398,7 @@ Status Executor::queue_copy(CopyDirection direction, unsigned char* dst, const u
   r.wait_for = wait_for;
   STRATA_RETURN_IF_ERROR(backend_->submit_copy(std::move(r), last));
   // Zero fills move no data over PCIe and are not counted on a link.
-  if (src != nullptr && on_link) {
+  if (src != nullptr) {
     pending_copies_.push_back(PendingCopy{direction, bytes, wait_for, *last});
   }
   return Status::ok();
@@ -430,7 +428,9 @@ Status Executor::acquire(uint32_t layer, Phase phase, void* stream, Wait wait, L
     views->activations.clear();
     for (const SlotTensor& t : lp.weights) views->weights.push_back(base + t.offset);
     if (phase == Phase::kBackward) {
-      for (const SlotTensor& t : lp.grads) views->grads.push_back(base + t.offset);
+      for (std::size_t i = 0; i < lp.grads.size(); ++i) {
+        views->grads.push_back(grad_view(lp, homes_[layer], base, i));
+      }
     }
     for (const SlotTensor& t : lp.activations) views->activations.push_back(base + t.offset);
     if (wait != Wait::kNone) {
@@ -495,9 +495,16 @@ Status Executor::view(uint32_t layer, Phase phase, ViewRole role, uint32_t index
     return error(Code::kInvalidArgument, "view: layer ", layer, " has ", list.size(),
                  " tensor(s) of that role, index ", index, " is out of range");
   }
-  *data = slot_base(schedule_[cursor_].slot) + list[index].offset;
+  unsigned char* base = slot_base(schedule_[cursor_].slot);
+  *data = role == ViewRole::kGrad ? grad_view(lp, homes_[layer], base, index)
+                                  : base + list[index].offset;
   *tensor = list[index].id;
   return Status::ok();
+}
+
+unsigned char* Executor::grad_view(const LayerPlan& lp, const LayerHomes& homes,
+                                   unsigned char* base, std::size_t index) const {
+  return lp.grads[index].in_home ? homes.grads[index] : base + lp.grads[index].offset;
 }
 
 Status Executor::write_view(uint32_t layer, Phase phase, ViewRole role, uint32_t index,
@@ -554,13 +561,18 @@ Status Executor::release(uint32_t layer, Phase phase, void* stream) {
   const auto& destinations = backward ? homes.grads : homes.activations;
   std::vector<std::shared_ptr<DeviceFence>> landed;
   for (std::size_t i = 0; i < outgoing.size(); ++i) {
+    if (outgoing[i].in_home) {
+      // Written in its HBM home by the caller's stream: there once the stream gets here (no
+      // copy, so nothing queues behind later layers' copies on the outbound queue).
+      landed.push_back(consumer);
+      continue;
+    }
     std::shared_ptr<DeviceFence> f;
-    const bool on_link = !backward || homes.grads_on_device[i] == 0;
     STRATA_RETURN_IF_ERROR(queue_copy(CopyDirection::kDeviceToHost, destinations[i],
-                                      base + outgoing[i].offset, outgoing[i].bytes, {consumer}, &f,
-                                      on_link));
+                                      base + outgoing[i].offset, outgoing[i].bytes, {consumer},
+                                      &f));
     slot.outbound = f;
-    if (on_link) stats_.bytes_out += outgoing[i].bytes;
+    stats_.bytes_out += outgoing[i].bytes;
     landed.push_back(std::move(f));
   }
   if (backward && hooks_) STRATA_RETURN_IF_ERROR(hooks_->on_grads_queued(layer, std::move(landed)));

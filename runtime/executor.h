@@ -98,11 +98,10 @@ class Executor {
   Status issue_loads(long must = -1);  // under mutex_ (executor_loads.cpp, as the next three)
   Status issue_load(std::size_t position);
   std::vector<std::shared_ptr<DeviceFence>> slot_free_fences(std::size_t position) const;
-  // Queues one copy (src null: zero fill) after `wait_for`; *last receives its fence. A copy
-  // that stays on the device (grads homed in HBM) is not counted on a link.
+  // Queues one copy (src null: zero fill) after `wait_for`; *last receives its fence.
   Status queue_copy(CopyDirection direction, unsigned char* dst, const unsigned char* src,
                     uint64_t bytes, const std::vector<std::shared_ptr<DeviceFence>>& wait_for,
-                    std::shared_ptr<DeviceFence>* last, bool on_link = true);
+                    std::shared_ptr<DeviceFence>* last);
   Status wait_all_outstanding();
   // Waits for the step's outbound copies (their first error is the result) and for abandoned
   // loads (errors ignored), counts its copies and emits its trace records.
@@ -142,10 +141,14 @@ class Executor {
     unsigned char* span = nullptr;           // DRAM span of the weights, when weights_as_span
     std::vector<unsigned char*> weights;     // per weight in DRAM
     std::vector<TensorRecord> nvme_weights;  // per weight on NVMe (extent, checksums)
-    std::vector<unsigned char*> grads, activations;
-    std::vector<uint8_t> grads_on_device;  // per grad: homed in HBM (a device-side copy)
+    std::vector<unsigned char*> grads, activations;  // a grad in HBM: its device address
   };
   std::vector<LayerHomes> homes_;
+  // Where grad `index` of a layer is written in the backward pass: its slot space, or its home
+  // (SlotTensor::in_home).
+  unsigned char* grad_view(const LayerPlan& lp, const LayerHomes& homes, unsigned char* base,
+                           std::size_t index) const;
+
   // issue_load's three ways to bring a layer's weights into its slot, chosen by where they live
   // (executor_loads.cpp says when and why): each fills ready->weights (one fence per weight, in
   // declared order), counts stats_.bytes_in, and starts nothing before `slot_free`.

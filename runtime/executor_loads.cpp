@@ -84,13 +84,30 @@ Status Executor::issue_load(std::size_t p) {
     slot.activation_ready = ready.activations;
   }
   if (backward && !layer.grads.empty()) {
-    // Grad buffers start at zero, so the framework can accumulate micro-batches into them.
-    const uint64_t first = layer.grads.front().offset;
-    const uint64_t end = layer.grads.back().offset + layer.grads.back().bytes;
-    std::shared_ptr<DeviceFence> f;
-    STRATA_RETURN_IF_ERROR(queue_copy(CopyDirection::kHostToDevice, base + first, nullptr,
-                                      end - first, slot_free, &f));
-    ready.grads.assign(layer.grads.size(), f);
+    // Grad buffers start at zero, so the framework can accumulate micro-batches into them: the
+    // slot's grad range in one fill, each grad kept in its HBM home on its own (its last
+    // reader, the optimizer's update of the step before, was done before this load: the
+    // hooks gate it).
+    ready.grads.assign(layer.grads.size(), nullptr);
+    uint64_t first = UINT64_MAX, end = 0;
+    for (std::size_t i = 0; i < layer.grads.size(); ++i) {
+      const SlotTensor& g = layer.grads[i];
+      if (g.in_home) {
+        STRATA_RETURN_IF_ERROR(queue_copy(CopyDirection::kHostToDevice, homes.grads[i], nullptr,
+                                          g.bytes, slot_free, &ready.grads[i]));
+        continue;
+      }
+      first = std::min(first, g.offset);
+      end = std::max(end, g.offset + g.bytes);
+    }
+    if (end > 0) {
+      std::shared_ptr<DeviceFence> f;
+      STRATA_RETURN_IF_ERROR(queue_copy(CopyDirection::kHostToDevice, base + first, nullptr,
+                                        end - first, slot_free, &f));
+      for (std::size_t i = 0; i < layer.grads.size(); ++i) {
+        if (!layer.grads[i].in_home) ready.grads[i] = f;
+      }
+    }
   }
   return Status::ok();
 }

@@ -94,14 +94,19 @@ Status lay_out_layer(Lookup& lookup, const LayerSpec& spec, uint32_t index,
   for (TensorId id : spec.grads) {
     TensorRecord r;
     STRATA_RETURN_IF_ERROR(lookup.get(id, out->name, "grad", &r));
-    // DRAM, or HBM: then the optimizer fetches them into DRAM a layer at a time when it reads
-    // them (2 bytes per bf16 parameter of DRAM less; docs/optimizer.md, "Grads on the device").
+    // DRAM, or HBM: then the backward pass writes them there (no slot space, no copy out) and
+    // the optimizer fetches them into DRAM when it reads them (2 bytes per bf16 parameter of
+    // DRAM less; docs/optimizer.md, "Grads on the device").
     if (r.tier != Tier::kDram && r.tier != Tier::kHbm) {
       return error(Code::kInvalidArgument, "layer '", out->name, "': grad '", r.spec.name,
                    "' lives in ", tier_name(r.tier), "; grads stream out to dram or hbm homes");
     }
-    out->grads.push_back({r.id, cursor, r.nbytes});
     out->grad_bytes += r.nbytes;
+    if (r.tier == Tier::kHbm) {
+      out->grads.push_back({r.id, 0, r.nbytes, true});
+      continue;
+    }
+    out->grads.push_back({r.id, cursor, r.nbytes});
     cursor = align_up(cursor + std::max<uint64_t>(r.nbytes, 1), kSlotAlignment);
   }
   for (TensorId id : spec.activations) {

@@ -36,6 +36,9 @@ struct SlotTensor {
   TensorId id = 0;
   uint64_t offset = 0;  // in the slot
   uint64_t bytes = 0;
+  // A grad homed in HBM: its view is its home, not slot space (offset unused), so nothing is
+  // copied out at release and the optimizer reads it from there.
+  bool in_home = false;
 };
 
 struct LayerPlan {

@@ -655,8 +655,9 @@ typedef struct strata_layer_desc {
   size_t struct_size; /* STRATA_LAYER_DESC_STRUCT_SIZE */
   const char* name;   /* borrowed (copied); NULL = "layer.N" */
   /* Tensor handle arrays, borrowed (copied during the call). Weights (required, in DRAM or all
-   * on NVMe) are streamed into HBM for both passes; grads (in DRAM, or since 1.2 in HBM) are
-   * HBM buffers the backward pass fills, sent to the grad tensors afterwards; activation checkpoints (in DRAM)
+   * on NVMe) are streamed into HBM for both passes; grads (in DRAM) are HBM buffers the
+   * backward pass fills, sent to the grad tensors afterwards (since 1.2 a grad may live in HBM:
+   * then its view is the grad tensor itself, zeroed at the backward load); activation checkpoints (in DRAM)
    * are HBM buffers the forward pass fills, parked in the tensors and brought back for the
    * backward pass; optimizer state is declared for placement only. A tensor may appear once
    * in the whole graph. */

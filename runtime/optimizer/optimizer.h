@@ -336,9 +336,19 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   void free_grad_fetch();
   // Whether `job` reads the grad tensor of `p` (not its accumulator, a zero, or nothing).
   static bool reads_grad(const Job& job, const Param& p);
-  // Copies the HBM-homed grads of `part`'s tasks that `job` reads into the fetch buffer and
-  // waits for them. Dispatcher thread only (the buffer is the running job's).
-  Status fetch_grads(std::span<const Task> part, const Job& job);
+  // Starts copying the HBM-homed grads of `tasks` that `job` reads into the fetch buffer, all
+  // at once (in task order, on the D2H queue): (*arrivals)[k] is task k's fence, null where
+  // it reads nothing from HBM. The tasks wait for their own (Arrivals::wait), so the first
+  // computes while the rest still arrive. Dispatcher thread only (the buffer is the running
+  // job's): every fence is waited for before another job runs (Arrivals::drain).
+  struct Arrivals {
+    std::vector<std::shared_ptr<DeviceFence>> fences;
+    std::mutex mutex;
+    Status failed;  // the first failed wait
+    void wait(std::size_t k);
+    Status drain();
+  };
+  Status fetch_grads(std::span<const Task> tasks, const Job& job, Arrivals* arrivals);
   // The arrays an update of `p` uses: staged state for NVMe-homed params.
   optim::ParamArrays update_arrays(const Param& p) const;
   std::vector<Task> tasks_for(const std::vector<std::size_t>& params) const;
@@ -347,15 +357,17 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // step_mutex_ (the pool runs one job at a time).
   void init_on_pool(std::size_t n, const std::function<void(std::size_t, std::size_t)>& part);
   // Explicit-mode jobs (kLand, kStash, kUpdate with sources) over `tasks`.
-  void run_explicit(std::span<const Task> tasks, Job& job);
+  void run_explicit(std::span<const Task> tasks, Job& job, Arrivals* arrivals = nullptr,
+                    std::size_t offset = 0);
   // The fp32 accumulator of a param, allocated on first use. Under mutex_.
   Status ensure_accum(Param& p);
   // Explicit mode: the param of `weight`, attached, its grads landed. Under mutex_ (waits).
   Status held_grad(TensorId weight, std::unique_lock<std::mutex>& lock, Param** out);
   Status step_explicit();  // under step_mutex_
   // Runs one kind of work over `tasks` on the pool; kNorm returns the sum of squares.
+  // `arrivals` (may be null): task k waits for arrivals->wait(offset + k) first.
   double run_tasks(std::span<const Task> tasks, JobKind kind, const StepScalars* scalars,
-                   bool first_micro);
+                   bool first_micro, Arrivals* arrivals = nullptr, std::size_t offset = 0);
   uint64_t job_bytes(std::span<const Task> tasks, JobKind kind) const;  // for the trace
   // After every norm is in: the step's grad scale and skip decision, and loss-scale update.
   void finish_norms(double total_squared, StepScalars* scalars);  // under mutex_

@@ -332,22 +332,35 @@ void Optimizer::dispatcher_main() {
     const std::size_t slice = job.kind == JobKind::kNorm ? tasks.size() : pool_->size();
     const bool explicit_job =
         !job.sources.empty() || job.kind == JobKind::kLand || job.kind == JobKind::kStash;
+    // HBM-homed grads: every remaining task's copy starts now, each task waits for its own.
+    Arrivals arrivals;
+    const std::size_t first_task = job.next_task;
+    if (status.is_ok() && stage_status.is_ok() && !skip && job.next_task < tasks.size()) {
+      status = fetch_grads(std::span<const Task>(tasks).subspan(first_task), job, &arrivals);
+    }
     while (status.is_ok() && stage_status.is_ok() && !skip && job.next_task < tasks.size()) {
       const std::size_t n = std::min(slice, tasks.size() - job.next_task);
       const std::span<const Task> part(tasks.data() + job.next_task, n);
-      status = fetch_grads(part, job);
-      if (!status.is_ok()) break;
+      const std::size_t offset = job.next_task - first_task;
       TraceSpan trace(runtime_->tracer(), TraceKind::kOptimizer);
       const auto t0 = std::chrono::steady_clock::now();
       if (explicit_job) {
-        run_explicit(part, job);
+        run_explicit(part, job, &arrivals, offset);
       } else {
-        norm += run_tasks(part, job.kind, job.scalars.get(), job.first_micro);
+        norm += run_tasks(part, job.kind, job.scalars.get(), job.first_micro, &arrivals, offset);
+      }
+      {
+        std::lock_guard lock(arrivals.mutex);
+        if (!arrivals.failed.is_ok()) {
+          status = error(arrivals.failed.code(), "optimizer: fetching layer ", job.layer,
+                         "'s grads from HBM: ", arrivals.failed.message());
+        }
       }
       seconds += seconds_since(t0);
       if (trace.tracing())
         trace.end(job_bytes(part, job.kind), job.layer, static_cast<int32_t>(job.kind));
       job.next_task += n;
+      if (!status.is_ok()) break;
       if (job.next_task < tasks.size() && job.kind != JobKind::kNorm) {
         std::lock_guard lock(mutex_);
         const std::size_t pick = pick_job();
@@ -363,7 +376,19 @@ void Optimizer::dispatcher_main() {
         }
       }
     }
-    if (preempted) continue;
+    if (preempted) {
+      // Its grads still arriving land before the next job's take the buffer (it fetches its
+      // remaining slices again when it resumes).
+      (void)arrivals.drain();
+      continue;
+    }
+    {
+      Status fetched = arrivals.drain();
+      if (status.is_ok() && !fetched.is_ok()) {
+        status = error(fetched.code(), "optimizer: fetching layer ", job.layer,
+                       "'s grads from HBM: ", fetched.message());
+      }
+    }
     std::vector<StageIo> writes;
     {
       std::lock_guard lock(mutex_);

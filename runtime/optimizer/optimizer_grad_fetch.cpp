@@ -82,11 +82,31 @@ bool Optimizer::reads_grad(const Job& job, const Param& p) {
   return false;
 }
 
-Status Optimizer::fetch_grads(std::span<const Task> part, const Job& job) {
+void Optimizer::Arrivals::wait(std::size_t k) {
+  if (k >= fences.size() || !fences[k]) return;
+  Status s = fences[k]->host_wait();
+  if (!s.is_ok()) {
+    std::lock_guard lock(mutex);
+    if (failed.is_ok()) failed = std::move(s);
+  }
+}
+
+Status Optimizer::Arrivals::drain() {
+  // Every submitted copy ends before the buffer is anyone else's (errors: the first one).
+  for (auto& f : fences) {
+    if (!f) continue;
+    Status s = f->host_wait();
+    if (!s.is_ok() && failed.is_ok()) failed = std::move(s);
+  }
+  fences.clear();
+  return failed;
+}
+
+Status Optimizer::fetch_grads(std::span<const Task> tasks, const Job& job, Arrivals* arrivals) {
+  arrivals->fences.assign(tasks.size(), nullptr);
   if (hbm_grad_params_ == 0) return Status::ok();
-  std::vector<std::shared_ptr<DeviceFence>> fences;
-  Status status;
-  for (const Task& t : part) {
+  for (std::size_t k = 0; k < tasks.size(); ++k) {
+    const Task& t = tasks[k];
     const Param& p = params_[t.param];
     if (!p.hbm_grad || !reads_grad(job, p)) continue;
     const uint64_t elem = dtype_size(p.arrays.grad_dtype);
@@ -95,20 +115,12 @@ Status Optimizer::fetch_grads(std::span<const Task> part, const Job& job) {
     r.dst = grad_fetch_base_ + p.fetch_offset + t.begin * elem;
     r.src = p.grad_device + t.begin * elem;
     r.bytes = (t.end - t.begin) * elem;
-    std::shared_ptr<DeviceFence> fence;
-    status = runtime_->backend()->submit_copy(std::move(r), &fence);
-    if (!status.is_ok()) break;
-    fences.push_back(std::move(fence));
-  }
-  // Every submitted copy is waited for, also after a failed submit: none may still write into
-  // the buffer when the next job fills it.
-  for (const auto& f : fences) {
-    Status s = f->host_wait();
-    if (status.is_ok() && !s.is_ok()) status = s;
-  }
-  if (!status.is_ok()) {
-    return error(status.code(), "optimizer: fetching layer ", job.layer,
-                 "'s grads from HBM: ", status.message());
+    Status s = runtime_->backend()->submit_copy(std::move(r), &arrivals->fences[k]);
+    if (!s.is_ok()) {
+      (void)arrivals->drain();
+      return error(s.code(), "optimizer: fetching layer ", job.layer,
+                   "'s grads from HBM: ", s.message());
+    }
   }
   return Status::ok();
 }

@@ -63,7 +63,7 @@ optim::ParamArrays subarray(const optim::ParamArrays& a, std::size_t begin, std:
 }  // namespace
 
 double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const StepScalars* s,
-                            bool first) {
+                            bool first, Arrivals* arrivals, std::size_t offset) {
   std::vector<double> sums(kind == JobKind::kNorm ? tasks.size() : 0);
   std::vector<optim::AdamWScalars> adam_groups;
   std::vector<optim::SgdScalars> sgd_groups;
@@ -78,6 +78,7 @@ double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const Ste
     }
   }
   pool_->run(tasks.size(), [&](std::size_t k) {
+    if (arrivals != nullptr) arrivals->wait(offset + k);
     const Task& task = tasks[k];
     const Param& p = params_[task.param];
     switch (kind) {
@@ -106,9 +107,11 @@ double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const Ste
   return total;
 }
 
-void Optimizer::run_explicit(std::span<const Task> tasks, Job& job) {
+void Optimizer::run_explicit(std::span<const Task> tasks, Job& job, Arrivals* arrivals,
+                             std::size_t offset) {
   std::vector<double> sums(tasks.size(), 0.0);
   pool_->run(tasks.size(), [&](std::size_t k) {
+    if (arrivals != nullptr) arrivals->wait(offset + k);
     const Task& task = tasks[k];
     const Param& p = params_[task.param];
     const std::size_t b = task.begin, e = task.end;

@@ -894,6 +894,13 @@ TEST_CASE("grads homed in HBM train as grads in DRAM, in 2 bytes per parameter l
           REQUIRE(std::any_of(a.begin(), a.end(), [](float x) { return x != 0.f; }));
         }
       }
+      // The backward pass wrote the grads in their HBM homes: nothing was copied out of HBM.
+      strata_executor_stats_t dx{}, hx{};
+      dx.struct_size = hx.struct_size = STRATA_EXECUTOR_STATS_STRUCT_SIZE;
+      STRATA_REQUIRE_OK(strata_executor_get_stats(ds.ex, &dx));
+      STRATA_REQUIRE_OK(strata_executor_get_stats(hs.ex, &hx));
+      REQUIRE(dx.bytes_out > 0);
+      REQUIRE(hx.bytes_out == 0);
       // DRAM holds no grads: what they took, less the fetch buffer of one layer's grads.
       strata_tier_usage_t du{}, hu{};
       du.struct_size = hu.struct_size = STRATA_TIER_USAGE_STRUCT_SIZE;

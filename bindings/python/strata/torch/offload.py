@@ -208,13 +208,18 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"
     coming = sum(p.numel() for p in model.parameters()
                  if id(p) not in in_blocks and p.device != device)
     free = max(0, free - coming * per_param)
-    if grads == "hbm":  # the streamed blocks' grads (counted for every block: an upper bound)
-        free = max(0, free - core.grads_hbm_bytes(
-            [sum(p.numel() for p in b.parameters()) for b in blocks], element))
     spare = max(0, free - (gpu_budget or 0)) * 2 // 5
+    counts = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    grad_bytes = 0
+    if grads == "hbm":
+        # The streamed blocks' grads in HBM come out of the residents' share, not out of what
+        # the activations and logits are left: a block kept resident gives its grads' share
+        # back (its own grad is in per_param).
+        grad_bytes = element
+        spare -= core.grads_hbm_bytes(counts, element)
     k = 0
-    for b in blocks[:-1]:  # at least one block streams
-        need = sum(p.numel() for p in b.parameters()) * per_param
+    for n in counts[:-1]:  # at least one block streams
+        need = n * (per_param - grad_bytes)
         if need > spare:
             break
         spare -= need
