@@ -209,7 +209,11 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         model = st.offload(model, device=device, dtype=torch.bfloat16,
                            resident_blocks=resident_blocks, nvme=nvme,
                            host_budget=int(host_budget * (1 << 30)) if host_budget else None,
-                           weights=weights, grads=grads)
+                           weights=weights, grads=grads,
+                           # STRATA_BENCH_SLOT_BUDGET (GiB): the executor's slots (how many
+                           # blocks load ahead), for A/B runs; default: the planner's choice.
+                           slot_budget=int(float(os.environ.get("STRATA_BENCH_SLOT_BUDGET", "0"))
+                                           * (1 << 30)))
         opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         if nvme:
             out["placement"] = model.strata.placement()
