@@ -939,7 +939,9 @@ typedef struct strata_optimizer_config {
   uint32_t state_placement;
   /* Since 1.2: DRAM for staging NVMe-homed state during updates (a few layers' worth, reused);
    * 0 = auto: STRATA_STATE_PLACEMENT_PLANNED keeps 1/8 of the DRAM budget free for it, and attach
-   * takes what is free, up to 4 layers' worth. */
+   * takes what is free, up to 4 layers' worth. With grads homed in HBM, attach first takes the
+   * buffer they are read through (strata_optimizer_add_param) out of the same free DRAM:
+   * include it here. */
   uint64_t nvme_staging_bytes;
 } strata_optimizer_config_t;
 #define STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE \

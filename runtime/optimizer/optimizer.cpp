@@ -173,11 +173,13 @@ Status Optimizer::attach(Executor* executor) {
     pending_.assign(plan.layer_count, 0);
     landing_.assign(plan.layer_count, 0);
     grads_in_ = 0;
-    STRATA_RETURN_IF_ERROR(layout_stages());
-    Status fetch = layout_grad_fetch();
-    if (!fetch.is_ok()) {
-      free_staging();
-      return fetch;
+    // The grads' fetch buffer first: a PLANNED state placement kept nvme_staging_bytes free
+    // for both, and the staging takes what is left of it.
+    STRATA_RETURN_IF_ERROR(layout_grad_fetch());
+    Status staged = layout_stages();
+    if (!staged.is_ok()) {
+      free_grad_fetch();
+      return staged;
     }
     executor_ = executor;
   }

@@ -186,12 +186,19 @@ def test_grads_on_the_device_train_as_plain_pytorch(loop, offload):
 
 
 def test_grads_on_the_device_refusals(offload, tmp_path):
-    """What grads='device' does not do yet, and a typo, are refused before anything changes."""
+    """A typo, and a host_budget too small even with the grads on the device (with and without
+    NVMe), are refused before anything changes; one too small for grads in DRAM says what
+    grads='device' would need."""
     base = build("llama")
     with pytest.raises(ValueError, match="grads is 'gpu', not 'host' or 'device'"):
         st.offload(deepcopy(base), device=DEVICE, grads="gpu")
-    with pytest.raises(NotImplementedError, match="grads='device' with nvme="):
-        st.offload(deepcopy(base), device=DEVICE, grads="device", nvme=str(tmp_path / "t"))
+    with pytest.raises(ValueError, match="one block's grads, .*nothing was changed"):
+        st.offload(deepcopy(base), device=DEVICE, grads="device", host_budget=1 << 20)
+    with pytest.raises(ValueError, match="grads='device' needs"):
+        st.offload(deepcopy(base), device=DEVICE, host_budget=1 << 20)
+    with pytest.raises(ValueError, match="host_budget 4096 bytes is below"):
+        st.offload(deepcopy(base), device=DEVICE, grads="device", host_budget=4096,
+                   nvme=str(tmp_path / "t"))
     assert open_runtimes() == 0
 
 
@@ -1102,9 +1109,10 @@ def test_nvme_budget_too_small_is_refused(tmp_path):
         assert getattr(model, "strata", None) is None
 
 
-def smallest_host_budget(counts, element_size):
-    """The least host_budget offload accepts with NVMe: every block's weights on NVMe."""
-    layers = strata.core.placement_layers(counts, element_size)
+def smallest_host_budget(counts, element_size, grads="dram"):
+    """The least host_budget offload accepts with NVMe: every block's weights on NVMe (and with
+    grads="hbm", the buffer the grads are read through)."""
+    layers = strata.core.placement_layers(counts, element_size, grads=grads)
     low, high = 0, strata.core.full_dram(layers)
     while low < high:
         mid = (low + high) // 2
@@ -1113,16 +1121,20 @@ def smallest_host_budget(counts, element_size):
             high = mid
         except MemoryError:
             low = mid + 1
-    return low
+    return low + (strata.core.grad_fetch_bytes(counts, element_size) if grads == "hbm" else 0)
 
 
-@pytest.mark.parametrize("placement", ["nvme", "planned", "weights"])
+@pytest.mark.parametrize("placement", ["nvme", "planned", "weights", "weights_grads_on_device"])
 def test_optimizer_state_on_nvme(placement, offload, tmp_path):
     """Idiom: a model whose training state does not fit in host memory, offloaded with an NVMe
     tier: the optimizer state staged from NVMe trains exactly as plain PyTorch, and the
     placement says where it is. "planned" with a host_budget for two of four blocks' state
     and a staging slot puts the last blocks' state on NVMe; "weights", a host_budget that holds only the
-    grads and the staging, puts every block's weights on NVMe too."""
+    grads and the staging, puts every block's weights on NVMe too; with grads="device" DRAM
+    holds no grads, only one block's to read them through, and the staging."""
+    grads_on_device = placement == "weights_grads_on_device"
+    if grads_on_device:
+        placement = "weights"
     base = build("llama", layers=4 if placement == "planned" else 2)
     data = batches(STEPS)
     expected, _, expected_state = plain_run(deepcopy(base), data)
@@ -1130,7 +1142,12 @@ def test_optimizer_state_on_nvme(placement, offload, tmp_path):
               "state_placement": "planned" if placement == "weights" else placement}
     counts = [[p.numel() for p in b.parameters()] for b in blocks_of(base)]
     if placement == "weights":
-        kwargs["host_budget"] = smallest_host_budget(counts, 4)
+        kwargs["host_budget"] = smallest_host_budget(counts, 4,
+                                                     "hbm" if grads_on_device else "dram")
+        if grads_on_device:
+            kwargs["grads"] = "device"
+            # Below what grads in DRAM need: those would not fit.
+            assert kwargs["host_budget"] < smallest_host_budget(counts, 4)
     if placement == "planned":
         # Room for the weights, the grads, the first two blocks' state and one staging slot:
         # the last blocks' state goes to NVMe (fp32 weights: m and v).
@@ -1157,6 +1174,9 @@ def test_optimizer_state_on_nvme(placement, offload, tmp_path):
         assert "the weights of %d blocks on NVMe (streamed blocks 0-%d)" % (n, n - 1) in line, line
         assert all(sp.weight.info().tier == strata.core.TIERS["nvme"]
                    for entries in model.strata.layers for sp in entries)
+        if grads_on_device:
+            assert all(sp.grad.info().tier == strata.core.TIERS["hbm"]
+                       for entries in model.strata.layers for sp in entries)
     assert "weights of" not in line or placement == "weights", line
     assert model.strata.optimizer.stats()["nvme_read_bytes"] > 0
 

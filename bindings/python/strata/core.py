@@ -74,13 +74,15 @@ NVME_DRAM_MARGIN = 16 << 20
 
 
 def placement_layers(blocks, element_size, frozen=None, state_tier="choose",
-                     master_layout="separate"):
+                     master_layout="separate", grads="dram"):
     """Per block, the sizes a placement (place()) weighs for streaming `blocks` (per block, the
     element counts of its trainable tensors; `frozen`: of its frozen ones, weights only) with
     AdamW: bf16/f16/f32 weights and grads, each at the DRAM arena's 4 KiB rounding and a page
     of alignment skew, and the state (an fp32 master unless the weights are fp32, m, v) as the
     optimizer's PLANNED placement counts a param's state (its bytes, 1/64 more and 24 KiB), so
-    a placement never plans more into DRAM than the optimizer then puts there."""
+    a placement never plans more into DRAM than the optimizer then puts there. grads="hbm":
+    the grads live on the device, none in DRAM (grad_fetch_bytes says what DRAM keeps for
+    reading them instead)."""
     page = 4096
 
     def rounded(n):
@@ -94,10 +96,18 @@ def placement_layers(blocks, element_size, frozen=None, state_tier="choose",
         return b + b // 64 + 3 * 8192
 
     return [{"weight_bytes": sum(rounded(n * element_size) + page for n in b + f),
-             "grad_bytes": sum(rounded(n * element_size) + page for n in b),
+             "grad_bytes": (sum(rounded(n * element_size) + page for n in b)
+                            if grads == "dram" else 0),
              "state_bytes": sum(state(n) for n in b),
              "update_elements": sum(b), "state_tier": state_tier}
             for b, f in zip(blocks, frozen)]
+
+
+def grad_fetch_bytes(blocks, element_size):
+    """DRAM the optimizer reads HBM-homed grads through (optimizer_grad_fetch.cpp): the
+    largest block's grads, each 64-byte aligned, rounded to the arena's pages, and a page."""
+    return max(-(-sum(-(-n * element_size // 64) * 64 for n in b) // 4096) * 4096
+               for b in blocks) + 4096
 
 
 def full_dram(layers, slots=4):

@@ -285,7 +285,9 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     "host" (pinned DRAM) or "device" (the GPU's memory, beside gpu_budget: 2 bytes per bf16
     parameter of DRAM less, 12 instead of 14, and as many more of HBM; the optimizer copies
     each block's grads to the CPU when it reads them, twice per step with clipping). The
-    training is bit for bit the same. Not yet with nvme= or data parallelism. A failed call
+    training is bit for bit the same. With nvme=, DRAM then holds no grads either: down to the
+    staging and one block's grads to read them through. Not yet under data parallelism. A
+    failed call
     leaves the model as it was and releases what it allocated."""
     if getattr(model, "strata", None) is not None:
         raise RuntimeError("strata.torch.offload: this model is already offloaded "
@@ -340,12 +342,11 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
             "strata.torch.offload: weights= under data parallelism is not supported yet (each "
             "rank would read its own shards from the file); load the model on each rank, or "
             "train without data_parallel")
-    if grads_home == "hbm" and (nvme or mesh is not None):
-        # The placement (nvme=) counts grads in DRAM, and a sharded session reduces them into
-        # DRAM shards: neither reads grads from the device yet.
+    if grads_home == "hbm" and mesh is not None:
+        # A sharded session reduces the grads into DRAM shards: not from the device yet.
         raise NotImplementedError(
-            "strata.torch.offload: grads='device' %s is not supported yet; use grads='host'"
-            % ("with nvme=" if nvme else "under data parallelism"))
+            "strata.torch.offload: grads='device' under data parallelism is not supported "
+            "yet; use grads='host'")
     if resident_blocks is None:
         resident_blocks = _auto_resident_blocks(model, list(all_blocks), dtype, device,
                                                 gpu_budget, grads_home)
@@ -375,12 +376,15 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         frozen = [[p.numel() for p in b.parameters() if not p.requires_grad] for b in blocks]
         layers = core.placement_layers(counts, element, frozen,
                                        "nvme" if state_placement == "nvme" else "choose",
-                                       master_layout=master_layout(dtype))
+                                       master_layout=master_layout(dtype), grads=grads_home)
         for i, layer in enumerate(layers):
             layer["name"] = "blocks.%d" % i
+        # Grads on the device: DRAM keeps one block's for the optimizer to read them through,
+        # beside what the placement places (the optimizer takes it before its staging slots).
+        fetch = core.grad_fetch_bytes(counts, element) if grads_home == "hbm" else 0
         if host_budget is None:
             available = _mem_available()
-            host_budget = core.full_dram(layers)
+            host_budget = core.full_dram(layers) + fetch
             if available is not None:
                 host_budget = min(host_budget, int(available * 0.85))
         # The NVMe tier holds what the placement puts there, 5% more for its per-tensor
@@ -398,7 +402,10 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                              "training state after the tier's margins (64 MiB a block and 5%%); "
                              "nothing was changed" % nvme_budget)
         try:
-            core.place(layers, dram_budget=host_budget, nvme_budget=place_nvme)
+            if host_budget <= fetch:
+                raise MemoryError("DRAM needs more than the %d bytes of one block's grads, which "
+                                  "grads='device' reads through" % fetch)
+            core.place(layers, dram_budget=host_budget - fetch, nvme_budget=place_nvme)
         except MemoryError as e:
             short = ("host_budget %d bytes is below what DRAM needs" % host_budget
                      if "DRAM needs" in str(e) else
@@ -433,7 +440,8 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     session.weights_source = source
     if layers is not None:
         try:
-            session.place(layers, host_budget, place_nvme, state_placement)
+            session.place(layers, host_budget - fetch, place_nvme, state_placement,
+                          grad_fetch=fetch)
         except MemoryError as e:  # the choice with measured rates fits wherever the check did
             session.close()
             raise ValueError("strata.torch.offload: %s; nothing was changed" % e) from None

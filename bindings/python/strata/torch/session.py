@@ -247,7 +247,7 @@ class StrataSession:
         self.optimizer = opt
         self.timed("plan", t)
 
-    def place(self, layers, dram_budget, nvme_budget, state_placement=None):
+    def place(self, layers, dram_budget, nvme_budget, state_placement=None, grad_fetch=0):
         """Choose where the streamed blocks' optimizer state and weights live, on NVMe or in
         DRAM (core.place: every split the budgets allow, simulated with the rates measured on
         this runtime, the fastest kept), and set the optimizer's options to realize it: its
@@ -256,7 +256,8 @@ class StrataSession:
         block, a little less: placement_layers counts as the optimizer does, never below what
         it allocates). `layers`:
         core.placement_layers of the blocks; nvme_budget: what the placement may put on NVMe
-        (the tier less its margins)."""
+        (the tier less its margins). grad_fetch: DRAM for reading grads homed on the device
+        (core.grad_fetch_bytes), kept free beside the staging slots."""
         choice = core.place(layers, runtime=self.runtime, dram_budget=dram_budget,
                             nvme_budget=nvme_budget)
         self.placement_choice, self.placement_layers = choice, layers
@@ -265,7 +266,7 @@ class StrataSession:
         # page kept free (0 would mean 1/8 of DRAM).
         staging = choice.info["staging_slots"] * choice.info["slot_bytes"] or 4096
         self.state_options = {"state_placement": state_placement or "planned",
-                              "nvme_staging_bytes": staging}
+                              "nvme_staging_bytes": staging + grad_fetch}
         self.nvme_weight_blocks = choice.info["weight_nvme_layers"]
 
     def predict(self, forward_seconds=0.0, backward_seconds=0.0, other_seconds=0.0):
