@@ -657,10 +657,10 @@ typedef struct strata_layer_desc {
   /* Tensor handle arrays, borrowed (copied during the call). Weights (required, in DRAM or all
    * on NVMe) are streamed into HBM for both passes; grads (in DRAM) are HBM buffers the
    * backward pass fills, sent to the grad tensors afterwards (since 1.2 a grad may live in HBM:
-   * then its view is the grad tensor itself, zeroed at the backward load); activation checkpoints (in DRAM)
-   * are HBM buffers the forward pass fills, parked in the tensors and brought back for the
-   * backward pass; optimizer state is declared for placement only. A tensor may appear once
-   * in the whole graph. */
+   * then its view is the grad tensor itself, zeroed at the backward load); activation checkpoints
+   * (in DRAM) are HBM buffers the forward pass fills, parked in the tensors and brought back for
+   * the backward pass; optimizer state is declared for placement only. A tensor may appear once in
+   * the whole graph. */
   strata_tensor_t* const* weights;
   uint32_t weight_count;
   strata_tensor_t* const* grads;
