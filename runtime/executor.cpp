@@ -190,6 +190,7 @@ Status Executor::step_end() {
     for (Slot& s : slots_) {
       if (s.outbound) outbound.push_back(s.outbound);
     }
+    if (home_grads_landed_) outbound.push_back(std::move(home_grads_landed_));
     in_step_ = false;
     runtime_->note_step(false);
     ++stats_.steps;
@@ -236,6 +237,7 @@ Status Executor::step_abort(void* stream) {
     for (Slot& s : slots_) {
       if (s.outbound) outbound.push_back(s.outbound);
       if (s.consumer) outbound.push_back(s.consumer);
+      if (home_grads_landed_) outbound.push_back(std::move(home_grads_landed_));
       for (auto& f : s.weight_ready) abandoned.push_back(f);
       for (auto& f : s.activation_ready) abandoned.push_back(f);
     }
@@ -565,6 +567,7 @@ Status Executor::release(uint32_t layer, Phase phase, void* stream) {
       // Written in its HBM home by the caller's stream: there once the stream gets here (no
       // copy, so nothing queues behind later layers' copies on the outbound queue).
       landed.push_back(consumer);
+      home_grads_landed_ = consumer;
       continue;
     }
     std::shared_ptr<DeviceFence> f;

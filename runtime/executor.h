@@ -168,6 +168,10 @@ class Executor {
   std::vector<Slot> slots_;
   std::vector<Ready> ready_;                                   // per position of the current step
   std::vector<std::shared_ptr<DeviceFence>> activations_out_;  // per layer, forward outbound
+  // The last backward release that left grads in their HBM homes (SlotTensor::in_home): they
+  // have landed once the caller's stream got there, which step_end waits for as it waits for
+  // the copies of grads homed in DRAM.
+  std::shared_ptr<DeviceFence> home_grads_landed_;
   bool in_step_ = false;
   bool acquired_ = false;
   bool acquiring_ = false;  // an acquire is waiting for its layer's data (without mutex_)

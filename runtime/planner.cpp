@@ -101,11 +101,11 @@ Status lay_out_layer(Lookup& lookup, const LayerSpec& spec, uint32_t index,
       return error(Code::kInvalidArgument, "layer '", out->name, "': grad '", r.spec.name,
                    "' lives in ", tier_name(r.tier), "; grads stream out to dram or hbm homes");
     }
-    out->grad_bytes += r.nbytes;
-    if (r.tier == Tier::kHbm) {
+    if (r.tier == Tier::kHbm) {  // not copied out: no outbound bytes
       out->grads.push_back({r.id, 0, r.nbytes, true});
       continue;
     }
+    out->grad_bytes += r.nbytes;
     out->grads.push_back({r.id, cursor, r.nbytes});
     cursor = align_up(cursor + std::max<uint64_t>(r.nbytes, 1), kSlotAlignment);
   }

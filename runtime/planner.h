@@ -50,6 +50,7 @@ struct LayerPlan {
   uint64_t span_dram_offset = 0;
   uint64_t span_bytes = 0;
   bool weights_on_nvme = false;
+  // grad_bytes: the grads copied out to DRAM (not those in their HBM homes).
   uint64_t weight_bytes = 0, grad_bytes = 0, activation_bytes = 0;
   uint64_t footprint = 0;                            // slot bytes this layer needs
   double forward_seconds = 0, backward_seconds = 0;  // per step (all micro-batches)

@@ -344,8 +344,8 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   struct Arrivals {
     std::vector<std::shared_ptr<DeviceFence>> fences;
     std::mutex mutex;
-    Status failed;  // the first failed wait
-    void wait(std::size_t k);
+    Status failed;             // the first failed wait
+    bool wait(std::size_t k);  // false: the copy failed (the task must not run)
     Status drain();
   };
   Status fetch_grads(std::span<const Task> tasks, const Job& job, Arrivals* arrivals);

@@ -82,13 +82,13 @@ bool Optimizer::reads_grad(const Job& job, const Param& p) {
   return false;
 }
 
-void Optimizer::Arrivals::wait(std::size_t k) {
-  if (k >= fences.size() || !fences[k]) return;
+bool Optimizer::Arrivals::wait(std::size_t k) {
+  if (k >= fences.size() || !fences[k]) return true;
   Status s = fences[k]->host_wait();
-  if (!s.is_ok()) {
-    std::lock_guard lock(mutex);
-    if (failed.is_ok()) failed = std::move(s);
-  }
+  if (s.is_ok()) return true;
+  std::lock_guard lock(mutex);
+  if (failed.is_ok()) failed = std::move(s);
+  return false;
 }
 
 Status Optimizer::Arrivals::drain() {

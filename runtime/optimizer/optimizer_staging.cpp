@@ -59,7 +59,11 @@ Status Optimizer::layout_stages() {
   if (nvme_layers_ == 0) return Status::ok();
   const TierUsage dram = runtime_->tier_usage(Tier::kDram);
   uint64_t room = dram.largest_free;
-  if (config_.nvme_staging_bytes != 0) room = std::min(room, config_.nvme_staging_bytes);
+  // nvme_staging_bytes also covers the HBM-homed grads' fetch buffer, laid out before this.
+  if (config_.nvme_staging_bytes != 0) {
+    room = std::min(
+        room, config_.nvme_staging_bytes - std::min(config_.nvme_staging_bytes, grad_fetch_bytes_));
+  }
   const std::size_t slots = static_cast<std::size_t>(
       std::min<uint64_t>({room / largest, kMaxStagingSlots, nvme_layers_}));
   if (slots == 0) {

@@ -78,7 +78,8 @@ double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const Ste
     }
   }
   pool_->run(tasks.size(), [&](std::size_t k) {
-    if (arrivals != nullptr) arrivals->wait(offset + k);
+    // A grad that did not arrive: the task runs nothing (the job fails with it).
+    if (arrivals != nullptr && !arrivals->wait(offset + k)) return;
     const Task& task = tasks[k];
     const Param& p = params_[task.param];
     switch (kind) {
@@ -111,7 +112,8 @@ void Optimizer::run_explicit(std::span<const Task> tasks, Job& job, Arrivals* ar
                              std::size_t offset) {
   std::vector<double> sums(tasks.size(), 0.0);
   pool_->run(tasks.size(), [&](std::size_t k) {
-    if (arrivals != nullptr) arrivals->wait(offset + k);
+    // A grad that did not arrive: the task runs nothing (the job fails with it).
+    if (arrivals != nullptr && !arrivals->wait(offset + k)) return;
     const Task& task = tasks[k];
     const Param& p = params_[task.param];
     const std::size_t b = task.begin, e = task.end;

@@ -284,7 +284,8 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     grads: where the streamed blocks' grads live between the backward pass and the step,
     "host" (pinned DRAM) or "device" (the GPU's memory, beside gpu_budget: 2 bytes per bf16
     parameter of DRAM less, 12 instead of 14, and as many more of HBM; the optimizer copies
-    each block's grads to the CPU when it reads them, twice per step with clipping). The
+    each block's grads to the CPU when it reads them: for their sums of squares as they land,
+    and for the update). The
     training is bit for bit the same. With nvme=, DRAM then holds no grads either: down to the
     staging and one block's grads to read them through. Not yet under data parallelism. A
     failed call
