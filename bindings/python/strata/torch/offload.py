@@ -285,11 +285,10 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     "host" (pinned DRAM) or "device" (the GPU's memory, beside gpu_budget: 2 bytes per bf16
     parameter of DRAM less, 12 instead of 14, and as many more of HBM; the optimizer copies
     each block's grads to the CPU when it reads them: for their sums of squares as they land,
-    and for the update). The
-    training is bit for bit the same. With nvme=, DRAM then holds no grads either: down to the
-    staging and one block's grads to read them through. Not yet under data parallelism. A
-    failed call
-    leaves the model as it was and releases what it allocated."""
+    and for the update). The training is bit for bit the same. With nvme=, DRAM then holds no
+    grads either: down to the staging and one block's grads to read them through. Not yet
+    under data parallelism.
+    A failed call leaves the model as it was and releases what it allocated."""
     if getattr(model, "strata", None) is not None:
         raise RuntimeError("strata.torch.offload: this model is already offloaded "
                            "(model.strata exists); offload a model once")
