@@ -214,7 +214,7 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     std::array<void*, 4> staged{};
     // A grad homed in HBM (2 bytes per bf16 parameter of DRAM less): `arrays.grad` points at
     // its place in the DRAM fetch buffer (at fetch_offset, set at attach), which a job fills
-    // from `grad_device` slice by slice before it reads the grad (fetch_grads).
+    // from `grad_device` before its tasks read the grad (fetch_grads).
     bool hbm_grad = false;
     const unsigned char* grad_device = nullptr;
     uint64_t fetch_offset = 0;
@@ -298,6 +298,12 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   };
   Optimizer(std::shared_ptr<Runtime> runtime, const OptimizerConfig& config);
   // Registers a state tensor in `home` (DRAM: *data points at it; NVMe: *data is null).
+  // A pinned DRAM byte buffer of the optimizer's own, "strata.optimizer.N.<suffix>" (staging,
+  // the grads' fetch buffer): *id and *base, or *id 0 and the runtime's error. drop_buffer
+  // gives it back (a no-op for 0) and zeroes *id.
+  Status make_buffer(const char* suffix, uint64_t bytes, const char* pin_reason, TensorId* id,
+                     unsigned char** base);
+  void drop_buffer(TensorId* id);
   Status make_state(const TensorRecord& weight, const char* suffix, uint64_t skew, Tier home,
                     TensorId* id, void** data, DType dtype = DType::kF32);
   // synchronize() under `lock` (held on return): every queued update, transfer and pending
@@ -349,6 +355,8 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     Status drain();
   };
   Status fetch_grads(std::span<const Task> tasks, const Job& job, Arrivals* arrivals);
+  // A fetch of `layer`'s grads that failed with `s`, as the job reports it.
+  static Status fetch_failed(int layer, const Status& s);
   // The arrays an update of `p` uses: staged state for NVMe-homed params.
   optim::ParamArrays update_arrays(const Param& p) const;
   std::vector<Task> tasks_for(const std::vector<std::size_t>& params) const;

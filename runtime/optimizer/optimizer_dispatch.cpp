@@ -351,10 +351,7 @@ void Optimizer::dispatcher_main() {
       }
       {
         std::lock_guard lock(arrivals.mutex);
-        if (!arrivals.failed.is_ok()) {
-          status = error(arrivals.failed.code(), "optimizer: fetching layer ", job.layer,
-                         "'s grads from HBM: ", arrivals.failed.message());
-        }
+        if (!arrivals.failed.is_ok()) status = fetch_failed(job.layer, arrivals.failed);
       }
       seconds += seconds_since(t0);
       if (trace.tracing())
@@ -384,10 +381,7 @@ void Optimizer::dispatcher_main() {
     }
     {
       Status fetched = arrivals.drain();
-      if (status.is_ok() && !fetched.is_ok()) {
-        status = error(fetched.code(), "optimizer: fetching layer ", job.layer,
-                       "'s grads from HBM: ", fetched.message());
-      }
+      if (status.is_ok() && !fetched.is_ok()) status = fetch_failed(job.layer, fetched);
     }
     std::vector<StageIo> writes;
     {

@@ -1,13 +1,13 @@
-// Grads homed in HBM: the executor leaves each layer's grads on the device, and every job that
-// reads them (norm, accumulation, update, explicit mode's landing and stash) first copies the
-// slice it is about to run into one DRAM buffer, the size of the largest layer's grads. DRAM
+// Grads homed in HBM: the backward pass leaves each layer's grads on the device, and every job
+// that reads them (norm, accumulation, update, explicit mode's landing and stash) first queues
+// the copies of its tasks' grads into one DRAM buffer, the size of the largest layer's grads,
+// and each task waits for its own. DRAM
 // then holds no grad per parameter (2 bytes per bf16 parameter less: 12 bytes per parameter
 // with split masters instead of 14), for the price of the grads' HBM and of one more PCIe copy
 // per read (docs/optimizer.md, "Grads on the device").
 #include "runtime/optimizer/optimizer.h"
 
 #include <algorithm>
-#include <atomic>
 
 namespace strata {
 
@@ -29,23 +29,12 @@ Status Optimizer::layout_grad_fetch() {
     }
     largest = std::max(largest, offset);
   }
-  static std::atomic<uint64_t> serial{0};
-  TensorSpec spec;
-  spec.name = "strata.optimizer." + std::to_string(serial.fetch_add(1)) + ".grad_fetch";
-  spec.dtype = DType::kU8;
-  spec.shape = {static_cast<int64_t>(largest)};
-  spec.role = Role::kOptimizerState;
-  spec.home = Tier::kDram;
-  Status s = runtime_->register_tensor(spec, &grad_fetch_id_);
+  Status s = make_buffer("grad_fetch", largest, "optimizer grad fetch", &grad_fetch_id_,
+                         &grad_fetch_base_);
   if (!s.is_ok()) {
-    grad_fetch_id_ = 0;
     return error(s.code(), "optimizer: a DRAM buffer to read HBM-homed grads through (", largest,
                  " bytes, the largest layer's grads): ", s.message());
   }
-  TensorRecord r;
-  (void)runtime_->info(grad_fetch_id_, &r);
-  (void)runtime_->pin_in_place(grad_fetch_id_, "optimizer grad fetch");
-  grad_fetch_base_ = runtime_->tier_base(Tier::kDram) + r.offset;
   grad_fetch_bytes_ = largest;
   for (Param& p : params_) {
     if (p.hbm_grad) p.arrays.grad = grad_fetch_base_ + p.fetch_offset;
@@ -54,11 +43,7 @@ Status Optimizer::layout_grad_fetch() {
 }
 
 void Optimizer::free_grad_fetch() {
-  if (grad_fetch_id_ != 0) {
-    runtime_->unpin(grad_fetch_id_);
-    (void)runtime_->unregister(grad_fetch_id_);
-  }
-  grad_fetch_id_ = 0;
+  drop_buffer(&grad_fetch_id_);
   grad_fetch_base_ = nullptr;
   grad_fetch_bytes_ = 0;
   for (Param& p : params_) {
@@ -118,11 +103,14 @@ Status Optimizer::fetch_grads(std::span<const Task> tasks, const Job& job, Arriv
     Status s = runtime_->backend()->submit_copy(std::move(r), &arrivals->fences[k]);
     if (!s.is_ok()) {
       (void)arrivals->drain();
-      return error(s.code(), "optimizer: fetching layer ", job.layer,
-                   "'s grads from HBM: ", s.message());
+      return fetch_failed(job.layer, s);
     }
   }
   return Status::ok();
+}
+
+Status Optimizer::fetch_failed(int layer, const Status& s) {
+  return error(s.code(), "optimizer: fetching layer ", layer, "'s grads from HBM: ", s.message());
 }
 
 }  // namespace strata

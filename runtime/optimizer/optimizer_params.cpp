@@ -3,6 +3,7 @@
 #include "runtime/optimizer/optimizer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 
@@ -62,6 +63,35 @@ void Optimizer::unregister_state() {
   pinned_.clear();
   for (TensorId id : owned_) (void)runtime_->unregister(id);
   owned_.clear();
+}
+
+Status Optimizer::make_buffer(const char* suffix, uint64_t bytes, const char* pin_reason,
+                              TensorId* id, unsigned char** base) {
+  static std::atomic<uint64_t> serial{0};
+  TensorSpec spec;
+  spec.name = "strata.optimizer." + std::to_string(serial.fetch_add(1)) + "." + suffix;
+  spec.dtype = DType::kU8;
+  spec.shape = {static_cast<int64_t>(bytes)};
+  spec.role = Role::kOptimizerState;
+  spec.home = Tier::kDram;
+  Status s = runtime_->register_tensor(spec, id);
+  if (!s.is_ok()) {
+    *id = 0;
+    return s;
+  }
+  TensorRecord r;
+  (void)runtime_->info(*id, &r);
+  (void)runtime_->pin_in_place(*id, pin_reason);
+  *base = runtime_->tier_base(Tier::kDram) + r.offset;
+  return Status::ok();
+}
+
+void Optimizer::drop_buffer(TensorId* id) {
+  if (*id != 0) {
+    runtime_->unpin(*id);
+    (void)runtime_->unregister(*id);
+  }
+  *id = 0;
 }
 
 Status Optimizer::make_state(const TensorRecord& weight, const char* suffix, uint64_t skew,

@@ -73,22 +73,12 @@ Status Optimizer::layout_stages() {
                  ", nvme_staging_bytes ", config_.nvme_staging_bytes,
                  "): raise the DRAM budget or nvme_staging_bytes");
   }
-  static std::atomic<uint64_t> serial{0};
-  TensorSpec spec;
-  spec.name = "strata.optimizer." + std::to_string(serial.fetch_add(1)) + ".nvme_staging";
-  spec.dtype = DType::kU8;
-  spec.shape = {static_cast<int64_t>(slots * largest)};
-  spec.role = Role::kOptimizerState;
-  spec.home = Tier::kDram;
-  Status s = runtime_->register_tensor(spec, &staging_id_);
+  Status s = make_buffer("nvme_staging", slots * largest, "optimizer staging", &staging_id_,
+                         &staging_base_);
   if (!s.is_ok()) {
     return error(s.code(), "optimizer: staging for NVMe-homed state (", slots, " x ", largest,
                  " bytes): ", s.message());
   }
-  TensorRecord r;
-  (void)runtime_->info(staging_id_, &r);
-  (void)runtime_->pin_in_place(staging_id_, "optimizer staging");
-  staging_base_ = runtime_->tier_base(Tier::kDram) + r.offset;
   slot_bytes_ = largest;
   slot_free_.assign(slots, 1);
   staging_bytes_ = slots * largest;
@@ -96,11 +86,7 @@ Status Optimizer::layout_stages() {
 }
 
 void Optimizer::free_staging() {
-  if (staging_id_ != 0) {
-    runtime_->unpin(staging_id_);
-    (void)runtime_->unregister(staging_id_);
-  }
-  staging_id_ = 0;
+  drop_buffer(&staging_id_);
   staging_base_ = nullptr;
   slot_bytes_ = 0;
   slot_free_.clear();

@@ -412,9 +412,8 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                      "nvme_budget %d bytes is below what NVMe needs" % nvme_budget)
             raise ValueError("strata.torch.offload: %s with training state and weights on NVMe "
                              "(%s); nothing was changed" % (short, e)) from None
-    elif host_budget is not None and host_budget < _estimate_dram(blocks, dtype, mesh,
-                                                                  grads_home):
-        need = _estimate_dram(blocks, dtype, mesh, grads_home)
+    elif host_budget is not None and host_budget < (
+            need := _estimate_dram(blocks, dtype, mesh, grads_home)):
         hint = ""
         if grads_home == "dram" and mesh is None:
             hint = ("; grads='device' needs %d (the grads on the GPU)"
