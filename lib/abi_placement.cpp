@@ -8,6 +8,8 @@
 using namespace strata;
 using namespace strata::abi;
 
+static_assert(STRATA_TIER_HBM == kGradsInHbm && STRATA_TIER_DRAM == kGradsInDram);
+
 struct strata_placement {
   Placement placement;
 };
@@ -64,6 +66,7 @@ STRATA_API strata_status_t strata_placement_layer_init(strata_placement_layer_t*
     layer->struct_size = STRATA_PLACEMENT_LAYER_STRUCT_SIZE;
     layer->weight_tier = STRATA_HOME_CHOOSE;
     layer->state_tier = STRATA_HOME_CHOOSE;
+    layer->grad_tier = STRATA_TIER_DRAM;
     return Status::ok();
   });
 }
@@ -101,6 +104,7 @@ STRATA_API strata_status_t strata_placement_create(strata_runtime_t* runtime,
       layer.backward_seconds = l.backward_seconds;
       layer.weight_tier = l.weight_tier;
       layer.state_tier = l.state_tier;
+      layer.grad_tier = l.grad_tier;
       r.layers.push_back(std::move(layer));
     }
     r.staging_slots = q.staging_slots;
@@ -165,6 +169,7 @@ STRATA_API strata_status_t strata_placement_get_info(strata_placement_t* placeme
     }
     info.candidates = p.candidates;
     info.slot_bytes = p.slot_bytes;
+    info.grad_fetch_bytes = p.grad_fetch_bytes;
     info.dram_bytes = p.dram_bytes;
     info.nvme_bytes = p.nvme_bytes;
     info.h2d_bytes_per_second = p.rates.h2d;

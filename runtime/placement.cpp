@@ -211,8 +211,16 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
                                     seq++, {load, previous_compute});
       previous_compute = compute;
       int out = -1;
-      if (backward)
+      if (backward && l.grad_tier == kGradsInHbm) {
+        // In their HBM homes once computed (the slot holds none); a step that waits for the
+        // whole backward pass reads each layer's once during it (the clipping norm, or the
+        // explicit step's landing), through the fetch buffer.
+        grads_out[i] = request.updates_after_backward
+                           ? sched.add(kD2h, seconds(l.grad_bytes, rate.d2h), seq++, {compute})
+                           : compute;
+      } else if (backward) {
         out = grads_out[i] = sched.add(kD2h, seconds(l.grad_bytes, rate.d2h), seq++, {compute});
+      }
       position_compute.push_back(compute);
       position_out.push_back(out);
     };
@@ -224,7 +232,10 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
     for (std::size_t i = 0; i < n; ++i) sched.depend(backward_end, grads_out[i]);
     step_end[static_cast<std::size_t>(s)] = backward_end;
     // The updates, queued in forward order; when several wait, one holding a staging slot
-    // goes first (it frees the slot for the next read).
+    // goes first (it frees the slot for the next read). An update of HBM-homed grads copies
+    // them into the one fetch buffer as it runs (each part is updated as it lands, so it lasts
+    // the longer of the two), once the previous reader of the buffer is done.
+    int previous_fetcher = -1;
     for (std::size_t i = 0; i < n; ++i) {
       if (layers[i].state_bytes == 0) continue;
       const long base = static_cast<long>(s) * 4 * static_cast<long>(n);
@@ -233,9 +244,15 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
       const double cpu = rate.update_elements > 0
                              ? static_cast<double>(layers[i].update_elements) / rate.update_elements
                              : 0;
-      const int update =
-          sched.add(kCpu, cpu, priority,
-                    {request.updates_after_backward ? backward_end : grads_out[i], reads[i]});
+      const int gate = request.updates_after_backward ? backward_end : grads_out[i];
+      const bool fetched = layers[i].grad_tier == kGradsInHbm;
+      const double fetch = fetched ? seconds(layers[i].grad_bytes, rate.d2h) : 0;
+      const int update = sched.add(kCpu, std::max(cpu, fetch), priority,
+                                   {gate, reads[i], fetched ? previous_fetcher : -1});
+      if (fetched) {
+        sched.add(kD2h, fetch, seq++, {gate, reads[i], previous_fetcher});
+        previous_fetcher = update;
+      }
       weights_current[i] = update;
       updates[static_cast<std::size_t>(s)].push_back(update);
       if (reads[i] < 0) continue;
@@ -290,22 +307,27 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
 namespace {
 
 struct Footprint {
-  uint64_t dram = 0, nvme = 0, slot = 0;
+  uint64_t dram = 0, nvme = 0, slot = 0, fetch = 0;
 };
 
 // What `homes` with `slots` staging slots takes of each tier. A slot holds the largest staged
-// layer's state and, when its weights are on NVMe too, its weights.
+// layer's state and, when its weights are on NVMe too, its weights; HBM-homed grads take one
+// buffer in DRAM, the largest such layer's (in `dram` and in `fetch`).
 Footprint footprint(const std::vector<PlacementLayer>& layers, const std::vector<LayerHome>& homes,
                     uint32_t slots) {
   Footprint f;
   for (std::size_t i = 0; i < layers.size(); ++i) {
     const PlacementLayer& l = layers[i];
-    f.dram += l.grad_bytes;
+    if (l.grad_tier == kGradsInHbm) {
+      f.fetch = std::max(f.fetch, l.grad_bytes);
+    } else {
+      f.dram += l.grad_bytes;
+    }
     (homes[i].weights_on_nvme ? f.nvme : f.dram) += l.weight_bytes;
     (homes[i].state_on_nvme ? f.nvme : f.dram) += l.state_bytes;
     if (staged(l, homes[i])) f.slot = std::max(f.slot, staged_bytes(l, homes[i]));
   }
-  f.dram += f.slot * slots;
+  f.dram += f.fetch + f.slot * slots;
   return f;
 }
 
@@ -373,6 +395,10 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
     const PlacementLayer& l = request.layers[i];
     STRATA_RETURN_IF_ERROR(check_tier(l.weight_tier, layer_name(request, i), "weight"));
     STRATA_RETURN_IF_ERROR(check_tier(l.state_tier, layer_name(request, i), "state"));
+    if (l.grad_tier != kGradsInHbm && l.grad_tier != kGradsInDram) {
+      return error(Code::kInvalidArgument, "layer '", layer_name(request, i), "': grad tier ",
+                   l.grad_tier, " is not 0 (hbm) or 1 (dram)");
+    }
     for (uint64_t v : {l.weight_bytes, l.grad_bytes, l.state_bytes, l.update_elements}) {
       // Sums over every layer (3 roles x 16384 layers x 2^44) stay below 2^64.
       if (v > kMaxLayerBytes) {
@@ -447,6 +473,7 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
       c.homes = std::move(h);
       c.staging_slots = any_staged ? slots : 0;
       c.slot_bytes = f.slot;
+      c.grad_fetch_bytes = f.fetch;
       c.dram_bytes = dram();
       c.nvme_bytes = f.nvme;
       c.prediction = predict_step(request, c.homes, c.staging_slots);
@@ -467,7 +494,7 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
   }
   if (fits.empty()) {
     return error(Code::kOutOfMemory, "no placement fits: DRAM needs at least ", least_dram,
-                 " bytes (", gib(least_dram), ": every grad, ",
+                 " bytes (", gib(least_dram), ": every grad in DRAM, ",
                  nvme ? "one staging slot and what cannot go to NVMe" : "weights and state",
                  ") and the budget is ", request.dram_budget, " (", gib(request.dram_budget), ")",
                  nvme ? "" : "; an NVMe budget lets state and weights spill");
@@ -490,7 +517,10 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
   Placement best = std::move(fits[pick]);
   best.candidates = static_cast<uint32_t>(fits.size());
   best.rates = request.rates;
-  for (std::size_t i = 0; i < n; ++i) best.names.push_back(layer_name(request, i));
+  for (std::size_t i = 0; i < n; ++i) {
+    best.names.push_back(layer_name(request, i));
+    best.grads_in_hbm.push_back(request.layers[i].grad_tier == kGradsInHbm);
+  }
   *out = std::move(best);
   return Status::ok();
 }
@@ -499,11 +529,11 @@ std::string placement_to_json(const Placement& pl) {
   const StepPrediction& p = pl.prediction;
   std::ostringstream o;
   o << std::setprecision(6) << "{\"staging_slots\": " << pl.staging_slots
-    << ", \"slot_bytes\": " << pl.slot_bytes << ", \"dram_bytes\": " << pl.dram_bytes
-    << ", \"nvme_bytes\": " << pl.nvme_bytes << ", \"candidates\": " << pl.candidates
-    << ", \"rates\": {\"h2d\": " << pl.rates.h2d << ", \"d2h\": " << pl.rates.d2h
-    << ", \"nvme_read\": " << pl.rates.nvme_read << ", \"nvme_write\": " << pl.rates.nvme_write
-    << ", \"nvme_mixed\": " << pl.rates.nvme_mixed
+    << ", \"slot_bytes\": " << pl.slot_bytes << ", \"grad_fetch_bytes\": " << pl.grad_fetch_bytes
+    << ", \"dram_bytes\": " << pl.dram_bytes << ", \"nvme_bytes\": " << pl.nvme_bytes
+    << ", \"candidates\": " << pl.candidates << ", \"rates\": {\"h2d\": " << pl.rates.h2d
+    << ", \"d2h\": " << pl.rates.d2h << ", \"nvme_read\": " << pl.rates.nvme_read
+    << ", \"nvme_write\": " << pl.rates.nvme_write << ", \"nvme_mixed\": " << pl.rates.nvme_mixed
     << ", \"update_elements\": " << pl.rates.update_elements << "}"
     << ", \"predicted\": {\"step_seconds\": " << p.step_seconds
     << ", \"bottleneck\": " << json_string(p.bottleneck) << ", \"compute\": " << p.compute
@@ -514,7 +544,8 @@ std::string placement_to_json(const Placement& pl) {
   for (std::size_t i = 0; i < pl.homes.size(); ++i) {
     o << (i ? ", " : "") << "{\"name\": " << json_string(pl.names[i]) << ", \"weights\": \""
       << (pl.homes[i].weights_on_nvme ? "nvme" : "dram") << "\", \"state\": \""
-      << (pl.homes[i].state_on_nvme ? "nvme" : "dram") << "\"}";
+      << (pl.homes[i].state_on_nvme ? "nvme" : "dram") << "\", \"grads\": \""
+      << (pl.grads_in_hbm[i] ? "hbm" : "dram") << "\"}";
   }
   o << "]}";
   return o.str();
@@ -531,8 +562,10 @@ std::string placement_to_text(const Placement& pl) {
   o << std::fixed << std::setprecision(3);
   o << "Strata placement: " << pl.homes.size() << " layers; state of " << state_nvme
     << " and weights of " << weights_nvme << " on NVMe; " << pl.staging_slots
-    << " staging slot(s) of " << gib(pl.slot_bytes) << "; DRAM " << gib(pl.dram_bytes) << ", NVMe "
-    << gib(pl.nvme_bytes) << " (" << pl.candidates << " placements compared)\n";
+    << " staging slot(s) of " << gib(pl.slot_bytes)
+    << (pl.grad_fetch_bytes ? "; grads in HBM read through " + gib(pl.grad_fetch_bytes) : "")
+    << "; DRAM " << gib(pl.dram_bytes) << ", NVMe " << gib(pl.nvme_bytes) << " (" << pl.candidates
+    << " placements compared)\n";
   o << "  predicted step " << p.step_seconds << " s, bottleneck " << p.bottleneck
     << " (busy: compute " << p.compute << " s, h2d " << p.h2d << " s, d2h " << p.d2h
     << " s, nvme read " << p.nvme_read << " s, write " << p.nvme_write << " s, update " << p.update
@@ -547,11 +580,13 @@ std::string placement_to_text(const Placement& pl) {
     std::size_t j = i;
     while (j + 1 < pl.homes.size() &&
            pl.homes[j + 1].weights_on_nvme == pl.homes[i].weights_on_nvme &&
-           pl.homes[j + 1].state_on_nvme == pl.homes[i].state_on_nvme)
+           pl.homes[j + 1].state_on_nvme == pl.homes[i].state_on_nvme &&
+           pl.grads_in_hbm[j + 1] == pl.grads_in_hbm[i])
       ++j;
     o << "  " << pl.names[i] << (j > i ? " .. " + pl.names[j] : "") << ": weights "
       << (pl.homes[i].weights_on_nvme ? "nvme" : "dram") << ", state "
-      << (pl.homes[i].state_on_nvme ? "nvme" : "dram") << "\n";
+      << (pl.homes[i].state_on_nvme ? "nvme" : "dram") << ", grads "
+      << (pl.grads_in_hbm[i] ? "hbm" : "dram") << "\n";
     i = j + 1;
   }
   return o.str();

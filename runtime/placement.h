@@ -30,11 +30,16 @@ constexpr uint64_t kMaxLayerBytes = 1ull << 44;  // 3 roles x 16384 layers x 2^4
 constexpr uint32_t kMaxStagingSlots = 4;         // the optimizer's own limit
 constexpr uint32_t kMaxPrefetchDepth = 1024;
 constexpr double kMaxSeconds = 1e9;  // a layer's pass, or the rest of a step
+// A layer's grad tier (the C ABI's STRATA_TIER_HBM and STRATA_TIER_DRAM).
+constexpr int kGradsInHbm = 0;
+constexpr int kGradsInDram = 1;
 
 struct PlacementLayer {
   std::string name;
-  uint64_t weight_bytes = 0;     // streamed working copy, loaded for both passes
-  uint64_t grad_bytes = 0;       // sent to DRAM by the backward pass (DRAM-homed always)
+  uint64_t weight_bytes = 0;  // streamed working copy, loaded for both passes
+  // Grads in DRAM: what the backward pass sends there. In HBM: what each read of them copies
+  // to DRAM (the optimizer's fetch buffer, the size of the largest such layer's grads).
+  uint64_t grad_bytes = 0;
   uint64_t state_bytes = 0;      // optimizer state (fp32 master, moments); 0: frozen layer
   uint64_t update_elements = 0;  // elements one update of this layer touches
   double forward_seconds = 0;    // device time of the forward pass; 0 = not counted
@@ -42,6 +47,7 @@ struct PlacementLayer {
   // -1: the placement chooses; else the tier the caller fixed (1 = DRAM, 2 = NVMe).
   int weight_tier = -1;
   int state_tier = -1;
+  int grad_tier = 1;  // 1 = DRAM, 0 = HBM (the caller's choice: the placement never moves grads)
 };
 
 struct PlacementRates {
@@ -85,12 +91,14 @@ struct LayerHome {
 struct Placement {
   std::vector<LayerHome> homes;
   uint32_t staging_slots = 0;
-  uint64_t slot_bytes = 0;  // one staging slot: the largest layer's staged state and weights
+  uint64_t slot_bytes = 0;        // one staging slot: the largest layer's staged state and weights
+  uint64_t grad_fetch_bytes = 0;  // DRAM HBM-homed grads are read through (in dram_bytes)
   uint64_t dram_bytes = 0, nvme_bytes = 0;
   uint32_t candidates = 0;  // placements simulated
   PlacementRates rates;
   StepPrediction prediction;
   std::vector<std::string> names;
+  std::vector<bool> grads_in_hbm;  // per layer, as the request declared
 };
 
 // The step `homes` with `slots` staging slots would take (no budget check).

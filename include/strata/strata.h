@@ -1311,9 +1311,10 @@ STRATA_API strata_status_t strata_trace_get_counters(strata_runtime_t* runtime,
  * updates, the disk's reads and writes, the staging slots), and keeps the fastest (within 1%:
  * the fewest bytes on NVMe). The caller then registers its tensors where it says, and gives the
  * optimizer STRATA_STATE_PLACEMENT_PLANNED with nvme_staging_bytes = staging_slots * slot_bytes
- * and a DRAM budget of dram_bytes: it then puts this placement's state on NVMe, or less
- * (it fills DRAM param by param, so the layer at the boundary may keep part of its state in
- * DRAM when the sizes declared are above what it allocates). Nothing is allocated.
+ * (+ grad_fetch_bytes with grads in HBM) and a DRAM budget of dram_bytes: it then puts this
+ * placement's state on NVMe, or less (it fills DRAM param by param, so the layer at the boundary
+ * may keep part of its state in DRAM when the sizes declared are above what it allocates). Nothing
+ * is allocated.
  * ------------------------------------------------------------------------------------------- */
 typedef struct strata_placement strata_placement_t;
 
@@ -1323,15 +1324,22 @@ typedef struct strata_placement_layer {
   size_t struct_size;       /* STRATA_PLACEMENT_LAYER_STRUCT_SIZE */
   const char* name;         /* borrowed (copied); NULL = "layer.N" */
   uint64_t weight_bytes;    /* the streamed working copy, loaded for both passes */
-  uint64_t grad_bytes;      /* sent to DRAM by the backward pass (grads live in DRAM) */
+  uint64_t grad_bytes;      /* grad_tier DRAM: sent there by the backward pass; HBM: copied
+                               to DRAM by each read of them (the update; with
+                               updates_after_backward, the norm or landing too) */
   uint64_t state_bytes;     /* optimizer state (fp32 master, moments); 0 = frozen layer */
   uint64_t update_elements; /* elements one update of the layer touches */
   double forward_seconds;   /* device time per step; 0 = not counted */
   double backward_seconds;  /* recomputation included; 0 = not counted */
   int32_t weight_tier;      /* STRATA_HOME_CHOOSE, STRATA_TIER_DRAM or STRATA_TIER_NVME */
   int32_t state_tier;       /* the same, for the optimizer state */
+  /* Where the grads live, as registered (the placement does not choose it): STRATA_TIER_DRAM,
+   * the default, or STRATA_TIER_HBM, which takes no DRAM per layer but one buffer of the
+   * largest such layer's grad_bytes that every read goes through (strata_optimizer_add_param,
+   * "HBM-homed grad"). */
+  int32_t grad_tier;
 } strata_placement_layer_t;
-#define STRATA_PLACEMENT_LAYER_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_placement_layer_t, state_tier)
+#define STRATA_PLACEMENT_LAYER_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_placement_layer_t, grad_tier)
 
 typedef struct strata_placement_request {
   size_t struct_size; /* STRATA_PLACEMENT_REQUEST_STRUCT_SIZE */
@@ -1377,13 +1385,13 @@ strata_status_t strata_placement_layer_init(strata_placement_layer_t* layer);
  * bad struct_size, no layers or more than 16384, a size above 2^44 bytes or elements, a rate
  * between 0 and 1 per second, a time above 1e9 s, max_staging_slots above 4, prefetch_depth
  * above 1024, a home fixed on NVMe with no NVMe budget, a tier that
- * is not DRAM, NVMe or STRATA_HOME_CHOOSE, a negative or non-finite rate or time, nvme_mixed
- * outside 0.5..1, staging_slots above max_staging_slots), OUT_OF_MEMORY (no placement fits the
- * budgets: the message says what DRAM, or else NVMe, needs at least and what it has; or a
- * measurement's scratch
- * memory was refused). On a runtime without an NVMe tier (or with no NVMe budget) the disk's
- * rates are not measured: nothing can spill. Thread-safe with respect to other runtimes;
- * measurements on one runtime serialize with its allocations. */
+ * is not DRAM, NVMe or STRATA_HOME_CHOOSE, a grad tier that is not DRAM or HBM, a negative or
+ * non-finite rate or time, nvme_mixed outside 0.5..1, staging_slots above max_staging_slots),
+ * OUT_OF_MEMORY (no placement fits the budgets: the message says what DRAM, or else NVMe, needs at
+ * least and what it has; or a measurement's scratch memory was refused). On a runtime without an
+ * NVMe tier (or with no NVMe budget) the disk's rates are not measured: nothing can spill.
+ * Thread-safe with respect to other runtimes; measurements on one runtime serialize with its
+ * allocations. */
 STRATA_API_SINCE(1, 2)
 strata_status_t strata_placement_create(strata_runtime_t* runtime,
                                         const strata_placement_request_t* request,
@@ -1422,8 +1430,13 @@ typedef struct strata_placement_info {
    * their state from NVMe. */
   double predicted_update_wait_seconds;
   char bottleneck[16]; /* "compute", "h2d", "d2h", "nvme" or "update" */
+  /* The buffer HBM-homed grads are read through (part of dram_bytes; 0 with none): the
+   * optimizer lays it out before its staging slots, so give it nvme_staging_bytes =
+   * staging_slots * slot_bytes + grad_fetch_bytes. */
+  uint64_t grad_fetch_bytes;
 } strata_placement_info_t;
-#define STRATA_PLACEMENT_INFO_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_placement_info_t, bottleneck)
+#define STRATA_PLACEMENT_INFO_STRUCT_SIZE \
+  STRATA_STRUCT_SIZE(strata_placement_info_t, grad_fetch_bytes)
 
 /* The placement's numbers. Errors: INVALID_ARGUMENT (NULL, bad struct_size). Thread-safe. */
 STRATA_API_SINCE(1, 2)

@@ -495,6 +495,7 @@ TEST_CASE("placement: bad requests are refused by name, good ones measure and ch
   for (int i = 0; i < 3; ++i) {
     STRATA_REQUIRE_OK(strata_placement_layer_init(&layers[i]));
     REQUIRE(layers[i].weight_tier == STRATA_HOME_CHOOSE);
+    REQUIRE(layers[i].grad_tier == STRATA_TIER_DRAM);
     layers[i].weight_bytes = layers[i].grad_bytes = kMiB;
     layers[i].state_bytes = 6 * kMiB;
     layers[i].update_elements = kMiB / 2;
@@ -554,6 +555,10 @@ TEST_CASE("placement: bad requests are refused by name, good ones measure and ch
   STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &q, &p), STRATA_ERROR_INVALID_ARGUMENT,
                        "state tier 7");
   layers[1].state_tier = STRATA_HOME_CHOOSE;
+  layers[1].grad_tier = STRATA_TIER_NVME;
+  STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &q, &p), STRATA_ERROR_INVALID_ARGUMENT,
+                       "grad tier 2");
+  layers[1].grad_tier = STRATA_TIER_DRAM;
   strata_placement_request_t tight = q;
   tight.dram_budget_bytes = 8 * kMiB;  // everything needs 24 MiB, and there is no NVMe
   STRATA_REQUIRE_ERROR(strata_placement_create(nullptr, &tight, &p), STRATA_ERROR_OUT_OF_MEMORY,
@@ -568,6 +573,7 @@ TEST_CASE("placement: bad requests are refused by name, good ones measure and ch
   REQUIRE(info.layers == 3);
   REQUIRE(info.nvme_bytes == 0);
   REQUIRE(info.dram_bytes == 24 * kMiB);
+  REQUIRE(info.grad_fetch_bytes == 0);
   REQUIRE(info.update_elements_per_second == 0);
   int32_t w = -5, s = -5;
   STRATA_REQUIRE_OK(strata_placement_get_layer(p, 2, &w, nullptr));
@@ -589,6 +595,15 @@ TEST_CASE("placement: bad requests are refused by name, good ones measure and ch
                        "struct_size");
   REQUIRE(strata_placement_destroy(p) == STRATA_OK);
   REQUIRE(strata_placement_destroy(nullptr) == STRATA_OK);
+
+  // Grads in HBM: one layer's grads of DRAM to read them through, instead of every layer's.
+  for (auto& l : layers) l.grad_tier = STRATA_TIER_HBM;
+  STRATA_REQUIRE_OK(strata_placement_create(nullptr, &q, &p));
+  STRATA_REQUIRE_OK(strata_placement_get_info(p, &info));
+  REQUIRE(info.grad_fetch_bytes == kMiB);
+  REQUIRE(info.dram_bytes == 22 * kMiB);
+  REQUIRE(strata_placement_destroy(p) == STRATA_OK);
+  for (auto& l : layers) l.grad_tier = STRATA_TIER_DRAM;
 
   // On a runtime with an NVMe tier: budgets from its tiers, every rate measured, and a DRAM
   // budget of 20 MiB with one staging slot puts the last two layers' state on NVMe (grads and

@@ -64,6 +64,7 @@ void fuzz_placement(Input& in) {
     l.backward_seconds = in.get<double>();
     l.weight_tier = static_cast<int8_t>(in.get<uint8_t>()) % 4;
     l.state_tier = static_cast<int8_t>(in.get<uint8_t>()) % 4;
+    l.grad_tier = static_cast<int8_t>(in.get<uint8_t>()) % 3;
     pointers.push_back(in.get<uint8_t>() == 255 ? nullptr : &l);
   }
   strata_placement_request_t q;

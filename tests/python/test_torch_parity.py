@@ -1085,6 +1085,33 @@ def test_placement_spills_state_before_weights():
     assert "predicted step" in short.text and '"bottleneck"' in short.json
 
 
+def test_placement_with_grads_on_the_device():
+    """Grads on the device (placement_layers(grads="hbm")): the placement counts one block's
+    grads of DRAM to read them through instead of every block's, and their copies on the D2H
+    link; the same budget then keeps more state in DRAM."""
+    block = [4096 * 4096, 4096 * 1024, 4096 * 1024, 4096 * 4096, 3 * 4096 * 14336, 4096, 4096]
+    rates = {"h2d": 50e9, "d2h": 50e9, "nvme_read": 2e9, "nvme_write": 2e9, "nvme_mixed": 0.8,
+             "update_elements": 4.5e9}
+    dram = strata.core.placement_layers([block] * 8, 2)
+    hbm = strata.core.placement_layers([block] * 8, 2, grads="hbm")
+    assert all(l["grad_tier"] == "hbm" for l in hbm)
+    fetch = strata.core.grad_fetch_bytes([block] * 8, 2)
+    budget = strata.core.full_dram(hbm, slots=0) - strata.core.NVME_DRAM_MARGIN
+    whole = strata.core.place(hbm, dram_budget=budget, nvme_budget=1 << 40, rates=rates)
+    assert whole.info["grad_fetch_bytes"] == fetch
+    assert whole.info["dram_bytes"] == budget and whole.info["nvme_bytes"] == 0, whole.text
+    assert "grads hbm" in whole.text and '"grads": "hbm"' in whole.json
+    spilled = strata.core.place(dram, dram_budget=budget, nvme_budget=1 << 40, rates=rates)
+    assert spilled.info["grad_fetch_bytes"] == 0 and spilled.info["state_nvme_layers"] > 0
+    # Each block's grads cross PCIe twice a step (the landing, then the update), not once.
+    d2h = [strata.core.place(layers, dram_budget=1 << 50, rates=rates)
+           .info["predicted_d2h_seconds"] for layers in (dram, hbm)]
+    assert d2h[1] == pytest.approx(2 * 8 * fetch / rates["d2h"], rel=1e-6)
+    assert d2h[0] == pytest.approx(sum(l["grad_bytes"] for l in dram) / rates["d2h"], rel=1e-6)
+    with pytest.raises(ValueError, match="grad_tier"):
+        strata.core.place([dict(hbm[0], grad_tier="nvme")])
+
+
 def test_placement_refusals():
     """Bad requests are refused by name; a budget nothing fits in says what DRAM needs."""
     layers = strata.core.placement_layers([[1 << 20]] * 2, 2)
@@ -1121,7 +1148,7 @@ def smallest_host_budget(counts, element_size, grads="dram"):
             high = mid
         except MemoryError:
             low = mid + 1
-    return low + (strata.core.grad_fetch_bytes(counts, element_size) if grads == "hbm" else 0)
+    return low
 
 
 @pytest.mark.parametrize("placement", ["nvme", "planned", "weights", "weights_grads_on_device"])

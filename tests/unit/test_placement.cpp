@@ -151,6 +151,53 @@ TEST_CASE("placement: frozen layers and fixed homes") {
   CHECK(p.slot_bytes == 6000);
 }
 
+TEST_CASE("placement: grads in HBM take one fetch buffer of DRAM, and every read crosses PCIe") {
+  // Two layers; a grad copy takes 1 s on the D2H link, an update 1 s on the CPU.
+  PlacementRequest r;
+  r.layers = {layer(1000, 6000, 1, 2), layer(1000, 6000, 1, 2)};
+  r.rates = {1e9, 1000, 0, 0, 1, 500};
+  r.dram_budget = 15000;  // weights and state (14000) and one layer's grads
+  Placement dram;
+  const Status refused = choose_placement(r, &dram);
+  CHECK(refused.code() == Code::kOutOfMemory);  // every grad in DRAM needs 16000
+  CHECK_THAT(refused.message(), Catch::Contains("16000") && Catch::Contains("every grad in DRAM"));
+
+  for (PlacementLayer& l : r.layers) l.grad_tier = kGradsInHbm;
+  Placement hbm;
+  REQUIRE(choose_placement(r, &hbm).is_ok());
+  CHECK(hbm.grad_fetch_bytes == 1000);
+  CHECK(hbm.dram_bytes == 15000);
+  CHECK(hbm.grads_in_hbm == std::vector<bool>{true, true});
+  CHECK_THAT(placement_to_text(hbm),
+             Catch::Contains("grads hbm") && Catch::Contains("grads in HBM read through"));
+  CHECK_THAT(placement_to_json(hbm), Catch::Contains("\"grad_fetch_bytes\": 1000") &&
+                                         Catch::Contains("\"grads\": \"hbm\""));
+
+  // The copies: with the update after the whole backward pass (clipping, an explicit step),
+  // each layer's grads are read twice a step (the norm or landing, then the update); as grads
+  // land, once. Grads in DRAM: once, by the backward pass.
+  const StepPrediction twice = predict_step(r, all_dram(2), 0);
+  CHECK(twice.d2h == Approx(4.0));
+  CHECK(twice.update == Approx(2.0));
+  r.updates_after_backward = false;
+  CHECK(predict_step(r, all_dram(2), 0).d2h == Approx(2.0));
+  r.updates_after_backward = true;
+  // An update lasts as long as its grads take to arrive, when that is the longer.
+  r.rates.d2h = 250;  // 4 s a copy
+  CHECK(predict_step(r, all_dram(2), 0).update == Approx(8.0));
+  PlacementRequest in_dram = r;
+  for (PlacementLayer& l : in_dram.layers) l.grad_tier = kGradsInDram;
+  const StepPrediction dram_grads = predict_step(in_dram, all_dram(2), 0);
+  CHECK(dram_grads.d2h == Approx(8.0));
+  CHECK(dram_grads.update == Approx(2.0));
+
+  r.layers[1].grad_tier = 2;  // NVMe is not a grad tier
+  Placement bad;
+  const Status s = choose_placement(r, &bad);
+  CHECK(s.code() == Code::kInvalidArgument);
+  CHECK_THAT(s.message(), Catch::Contains("grad tier 2"));
+}
+
 TEST_CASE("placement: refusals name the problem") {
   PlacementRequest r;
   Placement none;

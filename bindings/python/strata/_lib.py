@@ -134,7 +134,7 @@ class PlacementLayer(Struct):
                 ("grad_bytes", c_uint64), ("state_bytes", c_uint64),
                 ("update_elements", c_uint64), ("forward_seconds", c_double),
                 ("backward_seconds", c_double), ("weight_tier", c_int32),
-                ("state_tier", c_int32)]
+                ("state_tier", c_int32), ("grad_tier", c_int32)]
 
 
 class PlacementRequest(Struct):
@@ -160,7 +160,8 @@ class PlacementInfo(Struct):
                 ("predicted_d2h_seconds", c_double), ("predicted_nvme_read_seconds", c_double),
                 ("predicted_nvme_write_seconds", c_double),
                 ("predicted_update_seconds", c_double), ("predicted_gpu_wait_seconds", c_double),
-                ("predicted_update_wait_seconds", c_double), ("bottleneck", ctypes.c_char * 16)]
+                ("predicted_update_wait_seconds", c_double), ("bottleneck", ctypes.c_char * 16),
+                ("grad_fetch_bytes", c_uint64)]
 
 
 class LayerViews(Struct):

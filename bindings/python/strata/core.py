@@ -81,8 +81,9 @@ def placement_layers(blocks, element_size, frozen=None, state_tier="choose",
     of alignment skew, and the state (an fp32 master unless the weights are fp32, m, v) as the
     optimizer's PLANNED placement counts a param's state (its bytes, 1/64 more and 24 KiB), so
     a placement never plans more into DRAM than the optimizer then puts there. grads="hbm":
-    the grads live on the device, none in DRAM (grad_fetch_bytes says what DRAM keeps for
-    reading them instead)."""
+    the grads live on the device (grad_tier "hbm"), and grad_bytes is what one read of them
+    copies to DRAM, as the optimizer lays them out (the placement keeps one buffer of the
+    largest block's: grad_fetch_bytes)."""
     page = 4096
 
     def rounded(n):
@@ -97,9 +98,9 @@ def placement_layers(blocks, element_size, frozen=None, state_tier="choose",
 
     return [{"weight_bytes": sum(rounded(n * element_size) + page for n in b + f),
              "grad_bytes": (sum(rounded(n * element_size) + page for n in b)
-                            if grads == "dram" else 0),
+                            if grads == "dram" else grad_fetch_bytes([b], element_size)),
              "state_bytes": sum(state(n) for n in b),
-             "update_elements": sum(b), "state_tier": state_tier}
+             "update_elements": sum(b), "state_tier": state_tier, "grad_tier": grads}
             for b, f in zip(blocks, frozen)]
 
 
@@ -113,11 +114,15 @@ def grad_fetch_bytes(blocks, element_size):
 def full_dram(layers, slots=4):
     """DRAM for `layers` (placement_layers) with every tensor in DRAM, room to stage `slots`
     blocks' state, and the arena's margin: what host_budget defaults to, at most."""
-    return (sum(l["weight_bytes"] + l["grad_bytes"] + l["state_bytes"] for l in layers)
+    grads = [l["grad_bytes"] for l in layers if l.get("grad_tier", "dram") == "dram"]
+    fetch = max([l["grad_bytes"] for l in layers if l.get("grad_tier", "dram") == "hbm"],
+                default=0)
+    return (sum(l["weight_bytes"] + l["state_bytes"] for l in layers) + sum(grads) + fetch
             + slots * max(l["state_bytes"] for l in layers) + NVME_DRAM_MARGIN)
 
 
 _HOMES = {"choose": -1, "dram": 1, "nvme": 2}
+_GRAD_TIERS = {"hbm": 0, "dram": 1}
 _PLACEMENT_RATES = ("h2d", "d2h", "nvme_read", "nvme_write", "nvme_mixed", "update_elements")
 
 
@@ -159,7 +164,8 @@ def place(layers, runtime=None, dram_budget=0, nvme_budget=0, staging_slots=0,
 
     layers: per layer (forward order) a dict with weight_bytes, grad_bytes, state_bytes,
     update_elements, and optionally name, forward_seconds, backward_seconds, weight_tier and
-    state_tier ("choose", the default, "dram" or "nvme"). rates: h2d, d2h, nvme_read,
+    state_tier ("choose", the default, "dram" or "nvme") and grad_tier ("dram", the default,
+    or "hbm": grads on the device, read through one DRAM buffer). rates: h2d, d2h, nvme_read,
     nvme_write (bytes/s), nvme_mixed (0.5..1), update_elements (per second); one missing or 0
     is measured on `runtime` (or not counted without one). Budgets 0: what the runtime's tiers
     have free. Returns a Placement."""
@@ -184,6 +190,11 @@ def place(layers, runtime=None, dram_budget=0, nvme_budget=0, staging_slots=0,
                 raise ValueError("layer %d: %s %r is not one of %s" % (i, key, home,
                                                                       ", ".join(_HOMES)))
             setattr(d, key, _HOMES[home])
+        grad_tier = layer.get("grad_tier", "dram")
+        if grad_tier not in _GRAD_TIERS:
+            raise ValueError("layer %d: grad_tier %r is not one of %s"
+                             % (i, grad_tier, ", ".join(_GRAD_TIERS)))
+        d.grad_tier = _GRAD_TIERS[grad_tier]
         structs.append(d)
     pointers = (ctypes.POINTER(_lib.PlacementLayer) * max(1, len(structs)))(
         *[ctypes.pointer(d) for d in structs])

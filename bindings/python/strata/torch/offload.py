@@ -379,12 +379,10 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                                        master_layout=master_layout(dtype), grads=grads_home)
         for i, layer in enumerate(layers):
             layer["name"] = "blocks.%d" % i
-        # Grads on the device: DRAM keeps one block's for the optimizer to read them through,
-        # beside what the placement places (the optimizer takes it before its staging slots).
-        fetch = core.grad_fetch_bytes(counts, element) if grads_home == "hbm" else 0
+        # Grads on the device: the placement counts the DRAM buffer they are read through.
         if host_budget is None:
             available = _mem_available()
-            host_budget = core.full_dram(layers) + fetch
+            host_budget = core.full_dram(layers)
             if available is not None:
                 host_budget = min(host_budget, int(available * 0.85))
         # The NVMe tier holds what the placement puts there, 5% more for its per-tensor
@@ -402,10 +400,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                              "training state after the tier's margins (64 MiB a block and 5%%); "
                              "nothing was changed" % nvme_budget)
         try:
-            if host_budget <= fetch:
-                raise MemoryError("DRAM needs more than the %d bytes of one block's grads, which "
-                                  "grads='device' reads through" % fetch)
-            core.place(layers, dram_budget=host_budget - fetch, nvme_budget=place_nvme)
+            core.place(layers, dram_budget=host_budget, nvme_budget=place_nvme)
         except MemoryError as e:
             short = ("host_budget %d bytes is below what DRAM needs" % host_budget
                      if "DRAM needs" in str(e) else
@@ -439,8 +434,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     session.weights_source = source
     if layers is not None:
         try:
-            session.place(layers, host_budget - fetch, place_nvme, state_placement,
-                          grad_fetch=fetch)
+            session.place(layers, host_budget, place_nvme, state_placement)
         except MemoryError as e:  # the choice with measured rates fits wherever the check did
             session.close()
             raise ValueError("strata.torch.offload: %s; nothing was changed" % e) from None

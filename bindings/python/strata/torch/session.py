@@ -247,7 +247,7 @@ class StrataSession:
         self.optimizer = opt
         self.timed("plan", t)
 
-    def place(self, layers, dram_budget, nvme_budget, state_placement=None, grad_fetch=0):
+    def place(self, layers, dram_budget, nvme_budget, state_placement=None):
         """Choose where the streamed blocks' optimizer state and weights live, on NVMe or in
         DRAM (core.place: every split the budgets allow, simulated with the rates measured on
         this runtime, the fastest kept), and set the optimizer's options to realize it: its
@@ -256,8 +256,9 @@ class StrataSession:
         block, a little less: placement_layers counts as the optimizer does, never below what
         it allocates). `layers`:
         core.placement_layers of the blocks; nvme_budget: what the placement may put on NVMe
-        (the tier less its margins). grad_fetch: DRAM for reading grads homed on the device
-        (core.grad_fetch_bytes), kept free beside the staging slots."""
+        (the tier less its margins). With grads on the device the placement counts the DRAM
+        buffer they are read through (its grad_fetch_bytes), which the optimizer takes from
+        nvme_staging_bytes before its staging slots."""
         choice = core.place(layers, runtime=self.runtime, dram_budget=dram_budget,
                             nvme_budget=nvme_budget)
         self.placement_choice, self.placement_layers = choice, layers
@@ -266,7 +267,7 @@ class StrataSession:
         # page kept free (0 would mean 1/8 of DRAM).
         staging = choice.info["staging_slots"] * choice.info["slot_bytes"] or 4096
         self.state_options = {"state_placement": state_placement or "planned",
-                              "nvme_staging_bytes": staging + grad_fetch}
+                              "nvme_staging_bytes": staging + choice.info["grad_fetch_bytes"]}
         self.nvme_weight_blocks = choice.info["weight_nvme_layers"]
 
     def predict(self, forward_seconds=0.0, backward_seconds=0.0, other_seconds=0.0):
@@ -296,7 +297,8 @@ class StrataSession:
                       for entries in self.layers]
             layers = [dict(layer, weight_tier="dram", state_tier="dram")
                       for layer in core.placement_layers(
-                          counts, element, frozen, master_layout=master_layout(self.dtype))]
+                          counts, element, frozen, master_layout=master_layout(self.dtype),
+                          grads=self.grads_home)]
             plan = self.executor.plan_info()
             rates = {"h2d": plan.h2d_bytes_per_second, "d2h": plan.d2h_bytes_per_second}
             runtime = self.runtime  # measures the update's rate (its own scratch memory)
