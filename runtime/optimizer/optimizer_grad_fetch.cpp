@@ -113,6 +113,11 @@ Status Optimizer::fetch_grads(std::span<const Task> tasks, const Job& job, Arriv
     r.dst = grad_fetch_base_ + p.fetch_offset + tasks[k].begin * elem;
     r.src = p.grad_device + tasks[k].begin * elem;
     r.bytes = (tasks[last - 1].end - tasks[k].begin) * elem;
+    // In the D2H link's counters and the trace, as the executor's copies are. (The runtime
+    // outlives its backend's completion thread, as for Runtime::start_transfer's copies.)
+    r.on_complete = [rt = runtime_.get(), bytes = r.bytes](CopyResult result) {
+      if (result.status.is_ok()) rt->account(Link::kD2H, bytes, result.busy_ns);
+    };
     Status s = runtime_->backend()->submit_copy(std::move(r), &arrivals->fences[k]);
     if (!s.is_ok()) {
       (void)arrivals->drain();
