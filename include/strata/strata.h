@@ -1077,7 +1077,9 @@ STRATA_API strata_status_t strata_optimizer_step(strata_optimizer_t* optimizer);
  * finish in the background; reading weights or masters needs this first), NVMe-homed state
  * and weights included: their write-backs end and any copy read ahead is dropped. Errors:
  * INVALID_ARGUMENT, BACKEND (the grads of a layer failed to land: the message names it; the
- * optimizer then refuses further steps). Thread-safe. */
+ * optimizer then refuses further steps until a checkpoint load with it succeeds). A failed
+ * optimizer's synchronize returns once no update is running and no transfer is in flight,
+ * without waiting for queued updates whose grads may never land. Thread-safe. */
 STRATA_API strata_status_t strata_optimizer_synchronize(strata_optimizer_t* optimizer);
 
 /* What a param holds as its grad in STRATA_UPDATE_EXPLICIT mode (since 1.1). */
@@ -1234,7 +1236,10 @@ STRATA_API strata_status_t strata_checkpoint_save(strata_runtime_t* runtime,
  * NOT_FOUND (no checkpoint at path), INVALID_STATE (mid-step, as for save), IO,
  * DATA_CORRUPTION (a tensor failed its checksum while loading: the tensors are partly loaded,
  * and the optimizer refuses to step until a load succeeds). Waits first for the running
- * updates of every optimizer of the runtime (a late update would overwrite the load). With
+ * updates of every optimizer of the runtime (a late update would overwrite the load). A load
+ * with the optimizer is how a failed optimizer recovers (a failed load, step or synchronize):
+ * the failed step's queued updates and held grads are dropped, and its success clears the
+ * failure; a save of a failed optimizer is refused with its error. With
  * optimizer NULL only the registered tensors are written: an optimizer that holds loaded
  * weights keeps its masters and moments (a separate master would put its old value back at
  * the next update; a split one keeps its low half only where that still rounds to the new

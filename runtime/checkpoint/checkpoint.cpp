@@ -281,7 +281,7 @@ Status load_checkpoint(Runtime& runtime, Optimizer* optimizer, const std::string
       }
     }
     OptimizerCounters ignored;
-    STRATA_RETURN_IF_ERROR(optimizer->quiesce_for_checkpoint(&ignored));
+    STRATA_RETURN_IF_ERROR(optimizer->quiesce_for_checkpoint(&ignored, /*for_load=*/true));
   }
   // Everything checked: from here on a failure leaves the tensors partly loaded.
   Status s = load_items(runtime, *model, weights, weight_infos);

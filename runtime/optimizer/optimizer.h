@@ -169,7 +169,10 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   };
   std::vector<ParamView> params();
   // For checkpoints: between updates only (kInvalidState inside an accumulation or a step).
-  Status quiesce_for_checkpoint(OptimizerCounters* counters);
+  // Waits for the running job and the staging transfers. A failed optimizer refuses a save
+  // and, for a load (`for_load`), drops the failed step's queued work so nothing runs after
+  // the load writes its state (restore_counters then clears the failure).
+  Status quiesce_for_checkpoint(OptimizerCounters* counters, bool for_load = false);
   // A successful load: the counters, and a clean slate after an earlier failed load.
   // param_steps (explicit mode; empty: every param at counters.step) in params() order.
   Status restore_counters(const OptimizerCounters& counters,

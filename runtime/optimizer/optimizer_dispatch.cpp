@@ -178,8 +178,13 @@ Status Optimizer::synchronize() {
 
 Status Optimizer::drain(std::unique_lock<std::mutex>& lock) {
   cv_.wait(lock, [&] {
+    // A job in progress (its pool tasks, its grads' copies into the fetch buffer) or a staging
+    // transfer may still write state, failed or not: a checkpoint load or a re-attach after a
+    // failure must not start under it. Queued jobs are not waited for once failed: their
+    // grads may never land.
+    if (running_ > 0 || io_in_flight_ > 0) return false;
     if (!failure_.is_ok()) return true;
-    if (!queue_.empty() || running_ > 0 || io_in_flight_ > 0) return false;
+    if (!queue_.empty()) return false;
     return std::all_of(pending_.begin(), pending_.end(), [](int p) { return p == 0; });
   });
   if (failure_.is_ok()) {
@@ -369,6 +374,7 @@ void Optimizer::dispatcher_main() {
           // layer's jobs in queue order).
           queue_.push_front(std::move(job));
           preempted = true;
+          cv_.notify_all();  // drain waits for running_ to reach 0
           break;
         }
       }

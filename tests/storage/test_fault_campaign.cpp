@@ -808,27 +808,23 @@ TEST_CASE("fault campaign: training steps streaming NVMe-homed weights", "[nvme]
   }
 }
 
-// Saves carry the optimizer's state; loads restore the weights only: a failed load with the
-// optimizer cannot be retried today (the next test).
+// Saves carry the optimizer's state; loads restore the weights only, or the optimizer's state
+// too (a load that failed part-way fails the optimizer until a load succeeds).
 TEST_CASE("fault campaign: checkpoint save, replace and load", "[nvme][campaign]") {
-  const Factory weights_only = [](const Variant& v, std::shared_ptr<Injector> injector) {
-    return std::unique_ptr<Scenario>(new Checkpoints(v, std::move(injector), false));
-  };
-  for (const Variant& v : variants({IoEngineKind::kPosix, true})) {
-    run_campaign("checkpoints", weights_only, v);
+  for (const bool load_state : {false, true}) {
+    const Factory factory = [load_state](const Variant& v, std::shared_ptr<Injector> injector) {
+      return std::unique_ptr<Scenario>(new Checkpoints(v, std::move(injector), load_state));
+    };
+    for (const Variant& v : variants({IoEngineKind::kPosix, true})) {
+      run_campaign(load_state ? "checkpoints with state" : "checkpoints", factory, v);
+    }
   }
 }
 
-// KNOWN DEFECT, found by the campaign, left to the optimizer's owner (runtime/optimizer is
-// another engineer's): strata.h promises that after a load failed part-way "the optimizer
-// refuses to step until a load succeeds", but no load with the optimizer can succeed then:
-// load_checkpoint calls Optimizer::quiesce_for_checkpoint, whose synchronize() returns the
-// failure that invalidate() recorded, so every retry fails with "the optimizer's state was
-// partly loaded ...". The optimizer is unusable for good. [!shouldfail] keeps CI green while
-// the defect exists and turns red once it is fixed: then drop the tag, and load the
-// optimizer's state in the campaign above (Checkpoints(..., true)).
+// strata.h: after a load failed part-way "the optimizer refuses to step until a load succeeds".
+// It once could never succeed (the load's quiesce returned the failure it was meant to clear).
 TEST_CASE("a checkpoint load with the optimizer can be retried after an I/O error",
-          "[nvme][campaign][!shouldfail]") {
+          "[nvme][campaign]") {
   auto injector = std::make_shared<Injector>();
   Checkpoints scenario({IoEngineKind::kPosix, false}, injector, true);
   for (Step& step : scenario.steps()) {
