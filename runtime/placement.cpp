@@ -136,7 +136,8 @@ bool staged(const PlacementLayer& l, const LayerHome& h) {
   return l.state_bytes > 0 && (h.state_on_nvme || h.weights_on_nvme);
 }
 uint64_t staged_bytes(const PlacementLayer& l, const LayerHome& h) {
-  return (h.state_on_nvme ? l.state_bytes : 0) + (h.weights_on_nvme ? l.weight_bytes : 0);
+  return (h.state_on_nvme ? l.state_bytes - std::min(l.state_bytes, h.state_in_dram) : 0) +
+         (h.weights_on_nvme ? l.weight_bytes : 0);
 }
 
 // Steps simulated: the first fills the pipeline, the period is measured over the rest.
@@ -469,13 +470,22 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
       least_nvme = std::min(least_nvme, f.nvme);
       // More weights out may need less state out, and so less NVMe: keep looking.
       if (f.nvme > request.nvme_budget) continue;
+      // What the optimizer will do with the DRAM left over: keep the first spilled layers'
+      // state (forward order) there, as much as fits (the prediction stages the rest).
+      uint64_t spare = request.dram_budget - dram(), kept = 0;
+      for (std::size_t i = 0; i < n && spare > 0; ++i) {
+        if (!h[i].state_on_nvme || L[i].state_tier != -1) continue;
+        h[i].state_in_dram = std::min(spare, L[i].state_bytes);
+        spare -= h[i].state_in_dram;
+        kept += h[i].state_in_dram;
+      }
       Placement c;
       c.homes = std::move(h);
       c.staging_slots = any_staged ? slots : 0;
       c.slot_bytes = f.slot;
       c.grad_fetch_bytes = f.fetch;
-      c.dram_bytes = dram();
-      c.nvme_bytes = f.nvme;
+      c.dram_bytes = dram() + kept;
+      c.nvme_bytes = f.nvme - kept;
       c.prediction = predict_step(request, c.homes, c.staging_slots);
       const double a = c.prediction.step_seconds;
       slower = a >= best_here ? slower + 1 : 0;
@@ -545,7 +555,8 @@ std::string placement_to_json(const Placement& pl) {
     o << (i ? ", " : "") << "{\"name\": " << json_string(pl.names[i]) << ", \"weights\": \""
       << (pl.homes[i].weights_on_nvme ? "nvme" : "dram") << "\", \"state\": \""
       << (pl.homes[i].state_on_nvme ? "nvme" : "dram") << "\", \"grads\": \""
-      << (pl.grads_in_hbm[i] ? "hbm" : "dram") << "\"}";
+      << (pl.grads_in_hbm[i] ? "hbm" : "dram")
+      << "\", \"state_in_dram\": " << pl.homes[i].state_in_dram << "}";
   }
   o << "]}";
   return o.str();

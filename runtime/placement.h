@@ -86,6 +86,10 @@ struct StepPrediction {
 struct LayerHome {
   bool weights_on_nvme = false;
   bool state_on_nvme = false;
+  // Of a layer whose state the placement chose to spill: what stays in DRAM anyway. The
+  // optimizer's PLANNED placement fills the DRAM a placement leaves over param by param in
+  // forward order, so the first spilled layers stage less than their whole state.
+  uint64_t state_in_dram = 0;
 };
 
 struct Placement {

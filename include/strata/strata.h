@@ -1317,9 +1317,9 @@ STRATA_API strata_status_t strata_trace_get_counters(strata_runtime_t* runtime,
  * the fewest bytes on NVMe). The caller then registers its tensors where it says, and gives the
  * optimizer STRATA_STATE_PLACEMENT_PLANNED with nvme_staging_bytes = staging_slots * slot_bytes
  * (+ grad_fetch_bytes with grads in HBM) and a DRAM budget of dram_bytes: it then puts this
- * placement's state on NVMe, or less (it fills DRAM param by param, so the layer at the boundary
- * may keep part of its state in DRAM when the sizes declared are above what it allocates). Nothing
- * is allocated.
+ * placement's state on NVMe, or less (it fills the DRAM left over param by param in forward
+ * order, so the first spilled layers keep part of their state in DRAM: the prediction,
+ * nvme_bytes and dram_bytes count that). Nothing is allocated.
  * ------------------------------------------------------------------------------------------- */
 typedef struct strata_placement strata_placement_t;
 

@@ -607,7 +607,7 @@ TEST_CASE("placement: bad requests are refused by name, good ones measure and ch
 
   // On a runtime with an NVMe tier: budgets from its tiers, every rate measured, and a DRAM
   // budget of 20 MiB with one staging slot puts the last two layers' state on NVMe (grads and
-  // weights 6 MiB, a slot 6, one layer's state 6).
+  // weights 6 MiB, a slot 6, one layer's state 6; the 2 MiB left keep part of layer 1's).
   ScratchDir scratch;
   const std::string file = scratch.file("tier");
   const char* paths[1] = {file.c_str()};
@@ -628,7 +628,8 @@ TEST_CASE("placement: bad requests are refused by name, good ones measure and ch
   REQUIRE(info.nvme_mixed >= 0.5);
   REQUIRE(info.nvme_mixed <= 1.0);
   REQUIRE(info.update_elements_per_second > 0);
-  REQUIRE(info.dram_bytes == 18 * kMiB);
+  REQUIRE(info.dram_bytes == 20 * kMiB);
+  REQUIRE(info.nvme_bytes == 10 * kMiB);
   REQUIRE(info.state_nvme_layers == 2);
   REQUIRE(info.staging_slots == 1);
   STRATA_REQUIRE_OK(strata_placement_get_layer(p, 2, nullptr, &s));
