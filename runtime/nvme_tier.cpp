@@ -505,7 +505,8 @@ Status NvmeTier::read_range(const std::string& tensor, uint64_t extent, uint64_t
 }
 
 Status NvmeTier::write_range(const std::string& tensor, uint64_t extent, uint64_t len,
-                             Checksums* crcs, uint64_t offset, const void* src, uint64_t bytes) {
+                             Checksums* crcs, uint64_t offset, const void* src, uint64_t bytes,
+                             uint64_t data_end) {
   std::unique_lock lock(range_mutex_);
   const std::vector<Piece> todo = range_pieces(extent, len, offset, bytes);
   const auto* in = static_cast<const unsigned char*>(src);
@@ -516,9 +517,13 @@ Status NvmeTier::write_range(const std::string& tensor, uint64_t extent, uint64_
         const Piece& p = todo[i];
         const uint64_t from = std::max(offset, p.rel);
         const uint64_t to = std::min(offset + bytes, p.rel + p.len);
-        if (from != p.rel || to != p.rel + p.len) {  // partial piece: read, check, patch
+        // The piece's data bytes (the last piece's tail is alignment padding, nobody's data).
+        const uint64_t data_to = std::max(std::min(p.rel + p.len, data_end), p.rel);
+        if (from != p.rel || to < data_to) {  // partial piece: read, check, patch
           STRATA_RETURN_IF_ERROR(io_sync(IoOp::kRead, p, b));
           STRATA_RETURN_IF_ERROR(verify(tensor, p, b, crcs));
+        } else if (to < p.rel + p.len) {
+          std::memset(b + (to - p.rel), 0, p.rel + p.len - to);  // the padding, not read
         }
         std::memcpy(b + (from - p.rel), in + (from - offset), to - from);
         crc_of[i] = options_.checksums ? crc32c(b, p.len) : 0;

@@ -98,8 +98,11 @@ class NvmeTier {
   // resync_checksum), and writing the range again succeeds once the fault is gone.
   Status read_range(const std::string& tensor, uint64_t extent, uint64_t len, const Checksums* crcs,
                     uint64_t offset, void* dst, uint64_t bytes);
+  // `data_end`: where the tensor's bytes end (its last piece is padded to the alignment): a
+  // write that covers every data byte of a piece does not read it first, so a tensor whose
+  // stored bytes are damaged can be rewritten whole.
   Status write_range(const std::string& tensor, uint64_t extent, uint64_t len, Checksums* crcs,
-                     uint64_t offset, const void* src, uint64_t bytes);
+                     uint64_t offset, const void* src, uint64_t bytes, uint64_t data_end);
 
   // Pieces of a byte-range access in flight at once (at most queue_depth): one at a time, a
   // range access runs at the disk's queue-depth-1 rate (it writes NVMe-homed optimizer state's

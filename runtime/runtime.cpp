@@ -254,7 +254,7 @@ Status Runtime::write(TensorId id, uint64_t offset, const void* src, uint64_t by
     if (t.tier == Tier::kNvme) {
       return nvme_->write_range(t.spec.name, t.offset,
                                 Arena::round_up(t.nbytes, NvmeTier::kAlignment), t.nvme_crcs.get(),
-                                offset, src, bytes);
+                                offset, src, bytes, t.nbytes);
     }
     return backend_->copy_sync(address(t) + offset, src, bytes);
   });

@@ -530,10 +530,12 @@ STRATA_API strata_status_t strata_tensor_tier(strata_runtime_t* runtime, strata_
                                               strata_tier_t* out_tier);
 
 /* Copy `bytes` bytes from host memory `src` into the tensor at byte `offset`, whatever tier it
- * is in (on NVMe, the pieces touched are read, patched and written back with new checksums).
+ * is in (on NVMe, the pieces touched are read, patched and written back with new checksums;
+ * a piece the range covers to its end or to the tensor's end is not read).
  * Synchronous: when it returns the data is in place. src: borrowed, any host memory.
  * Errors: INVALID_ARGUMENT (NULL, offset + bytes beyond the tensor), NOT_FOUND, BUSY (a move
- * is in flight), BACKEND (the copy failed: CUDA error in the message), IO, DATA_CORRUPTION.
+ * is in flight), BACKEND (the copy failed: CUDA error in the message), IO, DATA_CORRUPTION (a
+ * piece it had to read failed its checksum; writing the whole tensor repairs it).
  * After an IO error on NVMe the bytes of [offset, offset + bytes) are unspecified (each holds
  * its old or its new value, as after a failed pwrite), the rest of the tensor is unchanged and
  * stays readable, and writing the range again succeeds once the fault is gone.

@@ -126,8 +126,11 @@ Optimizer::~Optimizer() {
 Status Optimizer::attach(Executor* executor) {
   std::vector<std::vector<std::size_t>> layer_params;
   {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
     if (executor_ != nullptr) return error(Code::kBusy, "the optimizer is already attached");
+    // A failed optimizer's queued jobs belong to the old layout (its pending counts, tasks and
+    // fetch buffer, all laid out again below): dropped, as a load drops them.
+    if (!failure_.is_ok()) drop_failed_step(lock);
     if (params_.empty()) return error(Code::kInvalidState, "attach: the optimizer has no params");
     const Plan& plan = executor->plan();
     layer_params.resize(plan.layer_count);

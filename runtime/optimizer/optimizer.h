@@ -311,6 +311,9 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
                     TensorId* id, void** data, DType dtype = DType::kF32);
   // synchronize() under `lock` (held on return): every queued update, transfer and pending
   // load done, copies read ahead dropped; the optimizer's failure, if any.
+  // A failed optimizer: waits for the running job and the staging transfers, then drops the
+  // queued jobs, the step's counts and explicit mode's held grads. Under mutex_.
+  void drop_failed_step(std::unique_lock<std::mutex>& lock);
   Status drain(std::unique_lock<std::mutex>& lock);
   // master_read/_write's frame: drained, between executor steps, `count` checked, all under
   // one hold of step_mutex_ and mutex_ (no step or update can start meanwhile).

@@ -6,34 +6,39 @@
 
 namespace strata {
 
+void Optimizer::drop_failed_step(std::unique_lock<std::mutex>& lock) {
+  cv_.wait(lock, [&] { return running_ == 0 && io_in_flight_ == 0; });
+  queue_.clear();
+  std::fill(pending_.begin(), pending_.end(), 0);
+  std::fill(landing_.begin(), landing_.end(), 0);
+  grads_in_ = 0;
+  micro_ = 0;
+  final_micro_ = false;
+  current_.reset();
+  // Explicit mode: the held grads may not all have landed; none is held any more.
+  for (Param& p : params_) {
+    p.hold = GradHold::kNone;
+    p.grad_mult = 1.f;
+    p.grad_sq = 0;
+  }
+  cv_.notify_all();
+}
+
 Status Optimizer::quiesce_for_checkpoint(OptimizerCounters* counters, bool for_load) {
   std::unique_lock lock(mutex_);
   Status drained = drain(lock);  // no job running, no transfer in flight, failed or not
   if (!drained.is_ok() && !for_load) return drained;  // a failed optimizer's state: not saved
-  if (!drained.is_ok()) {
-    // Failed (a load that broke off, a staging transfer, grads that did not land): a load is
-    // how it recovers (strata.h), so the failed step's work is dropped rather than run after
-    // the load writes the state, and the next step starts from the loaded one.
-    queue_.clear();
-    std::fill(pending_.begin(), pending_.end(), 0);
-    std::fill(landing_.begin(), landing_.end(), 0);
-    grads_in_ = 0;
-    micro_ = 0;
-    final_micro_ = false;
-    current_.reset();
-    // Explicit mode: the held grads may not all have landed; none is held after the load.
-    for (Param& p : params_) {
-      p.hold = GradHold::kNone;
-      p.grad_mult = 1.f;
-      p.grad_sq = 0;
-    }
-    cv_.notify_all();
-  }
   if (config_.explicit_updates && in_executor_step_) {
     return error(Code::kInvalidState,
                  "checkpoint inside an executor step: save or load between steps");
   }
-  if (micro_ != 0 || (executor_ != nullptr && grads_in_ != 0 && grads_in_ < layers_with_params_)) {
+  if (!drained.is_ok()) {
+    // Failed (a load that broke off, a staging transfer, grads that did not land): a load is
+    // how it recovers (strata.h), so the failed step's work is dropped rather than run after
+    // the load writes the state, and the next step starts from the loaded one.
+    drop_failed_step(lock);
+  } else if (micro_ != 0 ||
+             (executor_ != nullptr && grads_in_ != 0 && grads_in_ < layers_with_params_)) {
     return error(Code::kInvalidState, "checkpoint in the middle of an optimizer step (", micro_,
                  " of ", config_.accumulation_steps,
                  " accumulation steps done): save or load after the step's last micro-step");

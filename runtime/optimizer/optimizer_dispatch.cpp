@@ -269,6 +269,7 @@ void Optimizer::dispatcher_main() {
   for (;;) {
     Job job;
     bool picked = false;
+    Status failed_at_pick;
     std::vector<std::shared_ptr<DeviceFence>> oldest;
     std::vector<StageIo> reads;
     {
@@ -303,6 +304,9 @@ void Optimizer::dispatcher_main() {
         queue_.erase(queue_.begin() + static_cast<std::ptrdiff_t>(pick));
         ++running_;
         picked = true;
+        // Failed: nothing more is computed (a load is the only writer from here on, and a
+        // synchronize that returned must stay true); the job only does its bookkeeping.
+        failed_at_pick = failure_;
         // Its state, if read ahead, is now in use: no longer a slot take_slot may take back.
         if (needs_stage(job)) stages_[static_cast<std::size_t>(job.layer)].ahead = false;
       }
@@ -313,7 +317,7 @@ void Optimizer::dispatcher_main() {
       continue;
     }
     if (!picked) continue;
-    Status status;
+    Status status = failed_at_pick;
     for (const auto& f : job.landed) {
       Status s = f->host_wait();
       if (status.is_ok() && !s.is_ok()) status = s;
@@ -368,21 +372,25 @@ void Optimizer::dispatcher_main() {
         const std::size_t pick = pick_job();
         // A job that runs before this one (by pick_job's order) takes over.
         if (pick < queue_.size() && runs_before(queue_[pick], job, slot_starved())) {
-          update_seconds_ += seconds;
-          --running_;
-          // At the front: it stays ahead of any later job of its layer (pick_job keeps each
-          // layer's jobs in queue order).
-          queue_.push_front(std::move(job));
           preempted = true;
-          cv_.notify_all();  // drain waits for running_ to reach 0
           break;
         }
       }
     }
     if (preempted) {
       // Its grads still arriving land before the next job's take the buffer (it fetches its
-      // remaining slices again when it resumes).
+      // remaining slices again when it resumes), and before it stops counting as running (a
+      // failed optimizer's drain returns once nothing runs).
       (void)arrivals.drain();
+      {
+        std::lock_guard lock(mutex_);
+        update_seconds_ += seconds;
+        --running_;
+        // At the front: it stays ahead of any later job of its layer (pick_job keeps each
+        // layer's jobs in queue order).
+        queue_.push_front(std::move(job));
+      }
+      cv_.notify_all();  // drain waits for running_ to reach 0
       continue;
     }
     {

@@ -901,11 +901,13 @@ TEST_CASE("grads homed in HBM train as grads in DRAM, in 2 bytes per parameter l
       STRATA_REQUIRE_OK(strata_executor_get_stats(hs.ex, &hx));
       REQUIRE(dx.bytes_out > 0);
       REQUIRE(hx.bytes_out == 0);
-      // The optimizer's copies out of HBM count on the D2H link: every grad, every step.
+      // The optimizer's copies out of HBM count on the D2H link: every grad, every step (at
+      // least three steps' worth: on CUDA a copy is counted by the completion thread, which may
+      // come after the fence the update waited for).
       strata_link_stats_t link{};
       link.struct_size = STRATA_LINK_STATS_STRUCT_SIZE;
       STRATA_REQUIRE_OK(strata_runtime_link_stats(hbm.rt.get(), STRATA_LINK_D2H, &link));
-      REQUIRE(link.bytes >= 4 * 5 * 2 * static_cast<uint64_t>(var.sizes[0] + var.sizes[1]));
+      REQUIRE(link.bytes >= 3 * 5 * 2 * static_cast<uint64_t>(var.sizes[0] + var.sizes[1]));
       // DRAM holds no grads: what they took, less the fetch buffer of one layer's grads.
       strata_tier_usage_t du{}, hu{};
       du.struct_size = hu.struct_size = STRATA_TIER_USAGE_STRUCT_SIZE;
