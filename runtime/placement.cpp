@@ -132,12 +132,12 @@ double seconds(uint64_t bytes, double rate, double factor = 1) {
 
 // Whether a layer's update stages through DRAM (a trainable layer with state or weights on
 // NVMe), and what it stages and writes back: its NVMe-homed state and weights.
-bool staged(const PlacementLayer& l, const LayerHome& h) {
-  return l.state_bytes > 0 && (h.state_on_nvme || h.weights_on_nvme);
-}
 uint64_t staged_bytes(const PlacementLayer& l, const LayerHome& h) {
   return (h.state_on_nvme ? l.state_bytes - std::min(l.state_bytes, h.state_in_dram) : 0) +
          (h.weights_on_nvme ? l.weight_bytes : 0);
+}
+bool staged(const PlacementLayer& l, const LayerHome& h) {
+  return l.state_bytes > 0 && staged_bytes(l, h) > 0;
 }
 
 // Steps simulated: the first fills the pipeline, the period is measured over the rest.
@@ -235,8 +235,7 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
     // The updates, queued in forward order; when several wait, one holding a staging slot
     // goes first (it frees the slot for the next read). An update of HBM-homed grads copies
     // them into the one fetch buffer as it runs (each part is updated as it lands, so it lasts
-    // the longer of the two), once the previous reader of the buffer is done.
-    int previous_fetcher = -1;
+    // the longer of the two; the CPU runs one job at a time, so the buffer is its job's alone).
     for (std::size_t i = 0; i < n; ++i) {
       if (layers[i].state_bytes == 0) continue;
       const long base = static_cast<long>(s) * 4 * static_cast<long>(n);
@@ -248,12 +247,8 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
       const int gate = request.updates_after_backward ? backward_end : grads_out[i];
       const bool fetched = layers[i].grad_tier == kGradsInHbm;
       const double fetch = fetched ? seconds(layers[i].grad_bytes, rate.d2h) : 0;
-      const int update = sched.add(kCpu, std::max(cpu, fetch), priority,
-                                   {gate, reads[i], fetched ? previous_fetcher : -1});
-      if (fetched) {
-        sched.add(kD2h, fetch, seq++, {gate, reads[i], previous_fetcher});
-        previous_fetcher = update;
-      }
+      const int update = sched.add(kCpu, std::max(cpu, fetch), priority, {gate, reads[i]});
+      if (fetched) sched.add(kD2h, fetch, seq++, {gate, reads[i]});  // the link's busy time
       weights_current[i] = update;
       updates[static_cast<std::size_t>(s)].push_back(update);
       if (reads[i] < 0) continue;
@@ -504,7 +499,7 @@ Status choose_placement(const PlacementRequest& request, Placement* out) {
   }
   if (fits.empty()) {
     return error(Code::kOutOfMemory, "no placement fits: DRAM needs at least ", least_dram,
-                 " bytes (", gib(least_dram), ": every grad in DRAM, ",
+                 " bytes (", gib(least_dram), ": the grads in DRAM or their fetch buffer, ",
                  nvme ? "one staging slot and what cannot go to NVMe" : "weights and state",
                  ") and the budget is ", request.dram_budget, " (", gib(request.dram_budget), ")",
                  nvme ? "" : "; an NVMe budget lets state and weights spill");

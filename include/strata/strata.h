@@ -1415,7 +1415,8 @@ typedef struct strata_placement_info {
   uint32_t weight_nvme_layers; /* layers whose weights are on NVMe */
   uint32_t candidates;         /* placements simulated */
   uint64_t slot_bytes;         /* one staging slot */
-  uint64_t dram_bytes;         /* grads, DRAM weights and state, staging slots */
+  uint64_t dram_bytes; /* grads in DRAM (or their fetch buffer), DRAM weights and state (with
+                         the first spilled layers' state the DRAM left over keeps), slots */
   uint64_t nvme_bytes;
   /* The rates used (given or measured). */
   double h2d_bytes_per_second;

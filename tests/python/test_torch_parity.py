@@ -8,7 +8,6 @@ resumes bit-identical. Models: tiny Hugging Face Llama, Qwen2, Mistral and GPT-2
 (hidden 64, 2 layers), parametrized over the architectures where the idiom depends on them.
 STRATA_PARITY_DEVICE=cuda runs both sides on the GPU instead (fp32, TF32 off)."""
 import gc
-
 import json
 
 import pytest
@@ -1083,6 +1082,15 @@ def test_placement_spills_state_before_weights():
     assert (fast.info["predicted_step_seconds"]
             <= short.info["predicted_step_seconds"] * (1 + 1e-9))
     assert "predicted step" in short.text and '"bottleneck"' in short.json
+    # Half a block's state short more: the DRAM the spill leaves over (half a block's) keeps
+    # part of the first spilled block's state; NVMe holds, and the disk moves, only the rest.
+    budget = everything - 3 * state - state // 2
+    half = strata.core.place(layers, dram_budget=budget, nvme_budget=1 << 40, rates=rates)
+    kept = [l["state_in_dram"] for l in json.loads(half.json)["layers"]]
+    first = half.homes.index(("dram", "nvme"))
+    assert kept[first] > 0 and not any(kept[first + 1:]) and not any(kept[:first]), half.json
+    assert half.info["nvme_bytes"] == half.info["state_nvme_layers"] * state - kept[first]
+    assert half.info["dram_bytes"] == budget
 
 
 def test_placement_with_grads_on_the_device():
@@ -1196,6 +1204,12 @@ def test_optimizer_state_on_nvme(placement, offload, tmp_path):
         assert stats["nvme_state_params"] == stats["params"], line
     elif placement == "planned":
         assert 0 < stats["nvme_state_layers"] < len(model.strata.layers), line
+        # predict() with the homes chosen stages what the choice staged (of a spilled block's
+        # state, what the DRAM left over keeps is not staged).
+        choice = model.strata.placement_choice
+        again = model.strata.predict()
+        assert (again.info["predicted_nvme_read_seconds"]
+                == pytest.approx(choice.info["predicted_nvme_read_seconds"], rel=1e-9))
     else:
         n = len(model.strata.layers)
         assert "the weights of %d blocks on NVMe (streamed blocks 0-%d)" % (n, n - 1) in line, line

@@ -5,6 +5,7 @@ zero-stride view of one element with the parameter's real shape, dtype and devic
 numel() and grad assignment behave as in plain PyTorch and nothing is stored twice."""
 
 import ctypes
+import json
 import time
 
 import torch
@@ -280,8 +281,12 @@ class StrataSession:
         self.ensure_built()
         choice = getattr(self, "placement_choice", None)
         if choice is not None:
-            layers = [dict(layer, weight_tier=w, state_tier=st)
-                      for layer, (w, st) in zip(self.placement_layers, choice.homes)]
+            # The homes chosen, fixed; of a spilled block's state, what the optimizer keeps in
+            # the DRAM the placement left over is not staged (the choice counted it so).
+            kept = [l.get("state_in_dram", 0) for l in json.loads(choice.json)["layers"]]
+            layers = [dict(layer, weight_tier=w, state_tier=st,
+                           state_bytes=layer["state_bytes"] - k)
+                      for layer, (w, st), k in zip(self.placement_layers, choice.homes, kept)]
             info = choice.info
             rates = {"h2d": info["h2d_bytes_per_second"], "d2h": info["d2h_bytes_per_second"],
                      "nvme_read": info["nvme_read_bytes_per_second"],
