@@ -1361,8 +1361,9 @@ typedef struct strata_placement_request {
   uint64_t dram_budget_bytes;
   uint64_t nvme_budget_bytes;
   double other_device_seconds; /* device time per step outside the layers (head, loss) */
-  /* Rates; 0 = measured on the runtime (links: a few 64 MiB copies; the disk: 1 GiB written,
-   * read, then read and written at once, less where the tier or DRAM has less free; the
+  /* Rates; 0 = measured on the runtime (links: a few 64 MiB copies; the disk: 4 GiB written,
+   * read, then read and written at once, through two 256 MiB DRAM buffers, less where the tier
+   * or DRAM has less free, about 10 s at 2 GB/s; the
    * update: AdamW over 64M scratch elements on the optimizer's default threads, about a
    * second), or not counted without one. nvme_mixed: the time to read and write at
    * once over the time to do them one after the other, 0.5..1. All finite and >= 0. */
