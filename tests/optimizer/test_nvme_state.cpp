@@ -65,6 +65,46 @@ void train_alike(Model& in_dram, strata_optimizer_t* od, strata_executor_t* ed, 
   REQUIRE(snapshot(on_nvme, on) == snapshot(in_dram, od));
 }
 
+// Flips one bit of every byte in the first `bytes` of the file (what is there of them).
+void damage_file(const std::string& path, std::size_t bytes) {
+  const int fd = open(path.c_str(), O_RDWR);
+  REQUIRE(fd >= 0);
+  std::vector<unsigned char> data(bytes);
+  const ssize_t n = pread(fd, data.data(), data.size(), 0);
+  REQUIRE(n > 0);
+  for (ssize_t i = 0; i < n; ++i) data[static_cast<std::size_t>(i)] ^= 0x10;
+  REQUIRE(pwrite(fd, data.data(), static_cast<std::size_t>(n), 0) == n);
+  REQUIRE(fsync(fd) == 0);
+  close(fd);
+}
+
+// One executor step over `layers` layers with no compute, stopped at the first call that
+// fails (then abandoned with step_abort): that call's status and message, or STRATA_OK.
+strata_status_t step_until_failure(strata_executor_t* ex, uint32_t layers, std::string* message) {
+  strata_status_t first = STRATA_OK;
+  auto note = [&](strata_status_t s) {
+    if (first == STRATA_OK && s != STRATA_OK) {
+      first = s;
+      *message = strata_last_error_message();
+    }
+    return s == STRATA_OK;
+  };
+  bool ok = note(strata_step_begin(ex));
+  strata_layer_views_t v{};
+  v.struct_size = STRATA_LAYER_VIEWS_STRUCT_SIZE;
+  for (uint32_t l = 0; ok && l < layers; ++l) {
+    ok = note(strata_layer_acquire(ex, l, STRATA_PHASE_FORWARD, nullptr, 0, &v)) &&
+         note(strata_layer_release(ex, l, STRATA_PHASE_FORWARD, nullptr));
+  }
+  for (uint32_t l = layers; ok && l-- > 0;) {
+    ok = note(strata_layer_acquire(ex, l, STRATA_PHASE_BACKWARD, nullptr, 0, &v)) &&
+         note(strata_layer_release(ex, l, STRATA_PHASE_BACKWARD, nullptr));
+  }
+  if (ok) ok = note(strata_step_end(ex));
+  if (!ok) (void)strata_step_abort(ex, nullptr);
+  return first;
+}
+
 }  // namespace
 
 TEST_CASE("state on NVMe trains bit for bit as state in DRAM", "[optimizer][nvme]") {
@@ -337,42 +377,16 @@ TEST_CASE("damaged NVMe-homed state fails the optimizer by name, and nothing han
   attach_streamed(m, o.get(), &st);
   run_streamed(m, o.get(), st.ex, 0, 1, 1);
   // The tier holds nothing but the state: damage its first 256 KiB on disk.
-  {
-    const int fd = open(nv.file.c_str(), O_RDWR);
-    REQUIRE(fd >= 0);
-    std::vector<unsigned char> bytes(256 * 1024);
-    REQUIRE(pread(fd, bytes.data(), bytes.size(), 0) == static_cast<ssize_t>(bytes.size()));
-    for (auto& b : bytes) b ^= 0x10;
-    REQUIRE(pwrite(fd, bytes.data(), bytes.size(), 0) == static_cast<ssize_t>(bytes.size()));
-    REQUIRE(fsync(fd) == 0);
-    close(fd);
-  }
+  damage_file(nv.file, 256 * 1024);
   // The next step reads the damaged state (ahead of its updates, from its start): the failure
   // surfaces at the next call that reaches the optimizer (an acquire or release, the step's
   // end, or synchronize), whichever comes first.
-  strata_status_t first = STRATA_OK;
   std::string message;
-  auto note = [&](strata_status_t s) {
-    if (first == STRATA_OK && s != STRATA_OK) {
-      first = s;
-      message = strata_last_error_message();
-    }
-    return s == STRATA_OK;
-  };
-  bool ok = note(strata_step_begin(st.ex));
-  strata_layer_views_t v{};
-  v.struct_size = STRATA_LAYER_VIEWS_STRUCT_SIZE;
-  for (uint32_t l = 0; ok && l < 3; ++l) {
-    ok = note(strata_layer_acquire(st.ex, l, STRATA_PHASE_FORWARD, nullptr, 0, &v)) &&
-         note(strata_layer_release(st.ex, l, STRATA_PHASE_FORWARD, nullptr));
+  strata_status_t first = step_until_failure(st.ex, 3, &message);
+  if (first == STRATA_OK) {
+    first = strata_optimizer_synchronize(o.get());
+    message = strata_last_error_message();
   }
-  for (uint32_t l = 3; ok && l-- > 0;) {
-    ok = note(strata_layer_acquire(st.ex, l, STRATA_PHASE_BACKWARD, nullptr, 0, &v)) &&
-         note(strata_layer_release(st.ex, l, STRATA_PHASE_BACKWARD, nullptr));
-  }
-  if (ok) ok = note(strata_step_end(st.ex));
-  if (!ok && first != STRATA_OK) (void)strata_step_abort(st.ex, nullptr);
-  note(strata_optimizer_synchronize(o.get()));
   INFO(message);
   REQUIRE(first == STRATA_ERROR_DATA_CORRUPTION);
   REQUIRE(message.find("from NVMe") != std::string::npos);
@@ -407,30 +421,9 @@ TEST_CASE("a failed optimizer recovers by a checkpoint load and trains on bit fo
   attach_streamed(m, o.get(), &st);
   run_streamed(m, o.get(), st.ex, 0, 1, 1);
   STRATA_REQUIRE_OK(strata_checkpoint_save(m.rt.get(), o.get(), path.c_str()));
-  {
-    const int fd = open(nv.file.c_str(), O_RDWR);
-    REQUIRE(fd >= 0);
-    std::vector<unsigned char> bytes(64 * 1024 * 1024);
-    const ssize_t n = pread(fd, bytes.data(), bytes.size(), 0);
-    REQUIRE(n > 0);
-    for (ssize_t i = 0; i < n; ++i) bytes[static_cast<std::size_t>(i)] ^= 0x10;
-    REQUIRE(pwrite(fd, bytes.data(), static_cast<std::size_t>(n), 0) == n);
-    REQUIRE(fsync(fd) == 0);
-    close(fd);
-  }
-  bool ok = strata_step_begin(st.ex) == STRATA_OK;
-  strata_layer_views_t v{};
-  v.struct_size = STRATA_LAYER_VIEWS_STRUCT_SIZE;
-  for (uint32_t l = 0; ok && l < 3; ++l) {
-    ok = strata_layer_acquire(st.ex, l, STRATA_PHASE_FORWARD, nullptr, 0, &v) == STRATA_OK &&
-         strata_layer_release(st.ex, l, STRATA_PHASE_FORWARD, nullptr) == STRATA_OK;
-  }
-  for (uint32_t l = 3; ok && l-- > 0;) {
-    ok = strata_layer_acquire(st.ex, l, STRATA_PHASE_BACKWARD, nullptr, 0, &v) == STRATA_OK &&
-         strata_layer_release(st.ex, l, STRATA_PHASE_BACKWARD, nullptr) == STRATA_OK;
-  }
-  if (ok) ok = strata_step_end(st.ex) == STRATA_OK;
-  if (!ok) (void)strata_step_abort(st.ex, nullptr);
+  damage_file(nv.file, 64 * kMiB);
+  std::string message;
+  (void)step_until_failure(st.ex, 3, &message);
   STRATA_REQUIRE_ERROR(strata_optimizer_synchronize(o.get()), STRATA_ERROR_DATA_CORRUPTION,
                        "from NVMe");
   // A failed optimizer's state is not saved; a load with it recovers it (strata.h), and the
