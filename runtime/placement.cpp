@@ -212,15 +212,16 @@ StepPrediction predict_step(const PlacementRequest& request, const std::vector<L
                                     seq++, {load, previous_compute});
       previous_compute = compute;
       int out = -1;
-      if (backward && l.grad_tier == kGradsInHbm) {
-        // In their HBM homes once computed (the slot holds none); a step that waits for the
-        // whole backward pass reads each layer's once during it (the clipping norm, or the
-        // explicit step's landing), through the fetch buffer.
-        grads_out[i] = request.updates_after_backward
-                           ? sched.add(kD2h, seconds(l.grad_bytes, rate.d2h), seq++, {compute})
-                           : compute;
-      } else if (backward) {
-        out = grads_out[i] = sched.add(kD2h, seconds(l.grad_bytes, rate.d2h), seq++, {compute});
+      if (backward) {
+        // Grads in DRAM are sent there, and hold the HBM slot until they are. Grads in HBM are
+        // in their homes once computed (the slot holds none); a step that waits for the whole
+        // backward pass reads each layer's once during it (the clipping norm, or the explicit
+        // step's landing), through the fetch buffer.
+        const bool in_hbm = l.grad_tier == kGradsInHbm;
+        grads_out[i] = in_hbm && !request.updates_after_backward
+                           ? compute
+                           : sched.add(kD2h, seconds(l.grad_bytes, rate.d2h), seq++, {compute});
+        if (!in_hbm) out = grads_out[i];
       }
       position_compute.push_back(compute);
       position_out.push_back(out);

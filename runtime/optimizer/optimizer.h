@@ -300,20 +300,21 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     std::vector<UpdateSource> sources;
   };
   Optimizer(std::shared_ptr<Runtime> runtime, const OptimizerConfig& config);
-  // Registers a state tensor in `home` (DRAM: *data points at it; NVMe: *data is null).
   // A pinned DRAM byte buffer of the optimizer's own, "strata.optimizer.N.<suffix>" (staging,
   // the grads' fetch buffer): *id and *base, or *id 0 and the runtime's error. drop_buffer
   // gives it back (a no-op for 0) and zeroes *id.
   Status make_buffer(const char* suffix, uint64_t bytes, const char* pin_reason, TensorId* id,
                      unsigned char** base);
   void drop_buffer(TensorId* id);
+  // Registers a state tensor in `home` (DRAM: *data points at it; NVMe: *data is null).
   Status make_state(const TensorRecord& weight, const char* suffix, uint64_t skew, Tier home,
                     TensorId* id, void** data, DType dtype = DType::kF32);
-  // synchronize() under `lock` (held on return): every queued update, transfer and pending
-  // load done, copies read ahead dropped; the optimizer's failure, if any.
   // A failed optimizer: waits for the running job and the staging transfers, then drops the
   // queued jobs, the step's counts and explicit mode's held grads. Under mutex_.
   void drop_failed_step(std::unique_lock<std::mutex>& lock);
+  // synchronize() under `lock` (held on return): no job running and no transfer in flight,
+  // and, unless failed, every queued update and pending load done and copies read ahead
+  // dropped; the optimizer's failure, if any.
   Status drain(std::unique_lock<std::mutex>& lock);
   // master_read/_write's frame: drained, between executor steps, `count` checked, all under
   // one hold of step_mutex_ and mutex_ (no step or update can start meanwhile).
