@@ -386,7 +386,12 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
         out["placement"] = model.strata.placement()  # after the steps: kept activations known
         keeper = getattr(model.strata, "activations", None)
         out["kept_activations"] = keeper.count if keeper is not None else 0
-        out["plan"] += " (%d keep activations)" % out["kept_activations"]
+        out["kept_whole"] = keeper.whole if keeper is not None else 0
+        if keeper is not None:  # one block's saved bytes, kept wholly and selectively
+            out["kept_block_gb"] = [None if b is None else b / 1e9
+                                    for b in (keeper.block_bytes, keeper.selective_bytes)]
+        out["plan"] += " (%d keep activations, %d of them wholly)" % (out["kept_activations"],
+                                                                     out["kept_whole"])
         stats = model.strata.optimizer.stats()
         out["optimizer_seconds_per_step"] = stats["update_seconds"] / (warmup + steps)
         if nvme:

@@ -993,15 +993,18 @@ def test_what_is_refused_is_refused_clearly(offload):
 
 
 @pytest.mark.parametrize("arch,chunk,keep", [("llama", None, False), ("gpt2", None, False),
-                                             ("llama", 1, False), ("gpt2", None, True),
-                                             ("llama", None, True)])
+                                             ("llama", 1, False), ("gpt2", None, "whole"),
+                                             ("llama", None, "whole"),
+                                             ("gpt2", None, "selective"),
+                                             ("llama", None, "selective")])
 def test_resident_blocks(arch, chunk, keep, offload, monkeypatch):
     """st.offload(model, resident_blocks=1): the first block stays a plain module (checkpointed,
     RNG-exact) trained by torch's AdamW, the rest stream; with dropout, accumulation and
     clipping, training equals plain PyTorch's. chunk=1: the resident parameters' update runs
     one parameter at a time (AdamW.RESIDENT_CHUNK; 64M elements by default), with the same
-    result. keep: the resident block keeps its activations (no recompute; what measured spare
-    memory turns on, strata.torch.activations), with the same result."""
+    result. keep: the resident block keeps its activations (what measured spare memory turns
+    on, strata.torch.activations), all of them (no recompute) or only its matrix products' and
+    attention's outputs (the rest recomputed from them), with the same result."""
     if chunk is not None:
         monkeypatch.setattr(st.AdamW, "RESIDENT_CHUNK", chunk)
     dropout = 0.1 if arch == "gpt2" else 0.0
@@ -1017,6 +1020,7 @@ def test_resident_blocks(arch, chunk, keep, offload, monkeypatch):
         sessions.append(m.strata)
         if keep:
             m.strata.activations.forced = 1
+            m.strata.activations.forced_whole = 1 if keep == "whole" else 0
             recomputed = []
             # A submodule's hook: the recompute calls the block's own forward, not the block.
             next(iter(m.strata.resident_blocks[0].children())).register_forward_hook(
@@ -1029,8 +1033,10 @@ def test_resident_blocks(arch, chunk, keep, offload, monkeypatch):
                                            accumulate=2, clip=1.0)
     assert len(sessions[0].blocks) == 2
     assert sessions[0].placement().startswith("1 of 3 blocks resident on the device")
-    if keep:  # one forward per micro-batch: none recomputed in the backward
+    if keep == "whole":  # one forward per micro-batch: none recomputed in the backward
         assert len(sessions[1]) == len(data), sessions[1]
+    if keep == "selective":  # its elementwise part runs again in the backward
+        assert len(sessions[1]) == 2 * len(data), sessions[1]
     assert_losses_close(got, expected)
     assert got_norms == pytest.approx(expected_norms, rel=1e-6)
     assert_state_close(got_state, expected_state)

@@ -19,14 +19,109 @@ batch's activations and logits are unknown then), so it is measured:
 - what torch could hold at most: the device's free memory plus what torch holds now (the CUDA
   context and Strata's own HBM arena are outside it).
 
-From the third step on, the last `count` resident blocks run without checkpointing, count =
-(usable - peak - 10% of the device) // (1.25 x block bytes). A forward pass with more tokens,
-or longer sequences, than the measured steps had runs checkpointed (activations and logits
-grow with the tokens, attention's with the sequence). An out-of-memory error anywhere (the
-allocator counts them: a forward, a backward, a step) turns keeping off for good. Only on
-CUDA."""
+A block can keep what it saves in two ways (issue 13: more blocks skip recompute in the same
+memory). Selectively: only the outputs of its matrix products and attention (what costs the
+FLOPs), its norms, activations functions and rotary embeddings recomputed in the backward
+pass from them (torch's selective activation checkpointing); an 8B Llama block at 32k tokens
+saves ~2.9 GB that way instead of ~5.4 GB, and its recompute shrinks to elementwise kernels.
+Wholly: everything, no recompute at all. Spare memory buys selective blocks first (about
+twice as many blocks per byte for ~90% of the recompute each saves), then upgrades some of
+them to whole with what is left. A random op is never served from the cache (a recompute that
+skipped one would shift the RNG offsets of every random op after it), nor an attention with
+dropout; a block that writes in place into one of those outputs keeps wholly or not at all
+(torch refuses a mutated cache entry at the backward pass).
+
+From the third step on, the last `count` resident blocks skip recompute, the last `whole` of
+them keeping everything: count = (usable - peak - 10% of the device) // (1.25 x a block's
+selective bytes), and whole from what that leaves, at 1.25 x the difference. A forward pass
+with more tokens, or longer sequences, than the measured steps had runs checkpointed
+(activations and logits grow with the tokens, attention's with the sequence). An
+out-of-memory error anywhere (the allocator counts them: a forward, a backward, a step) turns
+keeping off for good. Only on CUDA."""
 
 import torch
+
+
+def _costly_ops():
+    """The ops whose outputs a selectively kept block saves: matrix products and attention."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+             "_efficient_attention_forward", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_fused_attention_overrideable")
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
+COSTLY_OPS = _costly_ops()
+
+
+def _dropout_p(func, args, kwargs):
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "dropout_p":
+            if arg.name in kwargs:
+                return kwargs[arg.name]
+            return args[i] if i < len(args) else arg.default_value
+    return 0.0
+
+
+def saves_output(func, args, kwargs):
+    """Whether a selectively kept block saves `func`'s output instead of recomputing it: a
+    matrix product or attention, unless it draws random numbers (attention with dropout; the
+    recompute must draw what the forward drew, in the same order)."""
+    if func.overloadpacket not in COSTLY_OPS:
+        return False
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return not _dropout_p(func, args, kwargs or {})
+    return True
+
+
+def _policy(ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+    if saves_output(func, args, kwargs):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context():
+    """checkpoint(context_fn=...) for a selectively kept block."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    return create_selective_checkpoint_contexts(_policy)
+
+
+def selective_bytes(run, args, kwargs, device):
+    """Bytes a selectively kept `run(*args, **kwargs)` holds for its backward (the outputs of
+    its matrix products and attention), from a forward on fake tensors; None when that cannot
+    be done, or when the block writes in place into one of those outputs (the cached value
+    would no longer be what the backward needs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    saved = {}  # storage -> (its bytes, the output tensor, its version when saved)
+
+    class Saving(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if saves_output(func, args, kwargs):
+                for t in tree_leaves(out):
+                    if torch.is_tensor(t):
+                        key = t.untyped_storage()._cdata
+                        saved.setdefault(key, (t.untyped_storage().nbytes(), t, t._version))
+            return out
+
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fake = tree_map(lambda x: mode.from_tensor(x) if torch.is_tensor(x) else x,
+                                (args, kwargs))
+                with torch.enable_grad(), Saving():
+                    run(*fake[0], **fake[1])
+    except Exception:  # an op without a fake kernel, a custom block: no selective keeping
+        return None
+    if any(t._version != version for _, t, version in saved.values()):
+        return None
+    return sum(size for size, _, _ in saved.values())
 
 
 def saved_bytes(run, args, kwargs, device, params):
@@ -92,26 +187,36 @@ class ActivationKeeper:
     def __init__(self, device, blocks):
         self.device = device
         self.blocks = blocks  # the resident blocks, in order
-        self.count = 0  # the last `count` resident blocks keep their activations
+        self.count = 0  # the last `count` resident blocks skip recompute,
+        self.whole = 0  # the last `whole` of them keeping everything (the rest: selectively)
         self.forced = None  # a fixed count (tests, tools); None: measured
+        self.forced_whole = 0  # of a forced count, how many keep everything
         self.steps = 0
         self.tokens = 0  # the most tokens a measured step had
         self.seq = 0  # and the longest sequence
-        self.block_bytes = None  # one block's saved bytes at self.tokens
+        self.block_bytes = None  # one block's saved bytes at self.tokens, kept wholly
+        self.selective_bytes = None  # and kept selectively (None: it cannot be)
         self.decided = False
         self.ooms = 0  # the allocator's out-of-memory count when the plan was made
 
-    def keeps(self, index, args):
-        """Whether resident block `index` runs without checkpointing now (args: its inputs)."""
+    def mode(self, index, args):
+        """How resident block `index` runs now (args: its inputs): None (checkpointed: its
+        forward recomputed in the backward pass), "selective" or "whole"."""
         if self.forced is not None:
-            return index >= len(self.blocks) - self.forced
+            return _mode_of(len(self.blocks) - 1 - index, self.forced, self.forced_whole)
         if self.count <= 0 or index < len(self.blocks) - self.count:
-            return False
+            return None
         if index == len(self.blocks) - self.count and self.oom_since_plan():
-            self.count = 0
-            return False
+            self.count = self.whole = 0
+            return None
         tokens, seq = shape_of(args)
-        return tokens <= self.tokens and seq <= self.seq
+        if tokens > self.tokens or seq > self.seq:
+            return None
+        return _mode_of(len(self.blocks) - 1 - index, self.count, self.whole)
+
+    def keeps(self, index, args):
+        """Whether resident block `index` skips recompute now."""
+        return self.mode(index, args) is not None
 
     def oom_since_plan(self):
         return self.device.type == "cuda" and \
@@ -128,6 +233,7 @@ class ActivationKeeper:
             self.tokens = tokens
             self.block_bytes = saved_bytes(run, args, kwargs, self.device,
                                            list(self.blocks[index].parameters()))
+            self.selective_bytes = selective_bytes(run, args, kwargs, self.device)
 
     def on_step(self):
         """After an optimizer step: the decision, once enough steps were measured."""
@@ -141,14 +247,45 @@ class ActivationKeeper:
         free, total = torch.cuda.mem_get_info(self.device)
         usable = free + torch.cuda.memory_reserved(self.device)
         peak = torch.cuda.max_memory_reserved(self.device)
-        self.count = plan_kept(usable, peak, int(self.block_bytes * self.BLOCK_FACTOR),
-                               len(self.blocks), int(total * self.MARGIN))
+        selective = self.selective_bytes
+        self.count, self.whole = plan_kept(
+            usable, peak, int(self.block_bytes * self.BLOCK_FACTOR), len(self.blocks),
+            int(total * self.MARGIN),
+            None if selective is None else int(selective * self.BLOCK_FACTOR))
+
+    def describe(self):
+        """'N keep their activations (S selectively)', or '' when none do."""
+        count = self.forced if self.forced is not None else self.count
+        whole = self.forced_whole if self.forced is not None else self.whole
+        if count <= 0:
+            return ""
+        whole = min(whole, count)
+        if whole == count:
+            return "%d keep their activations" % count
+        return "%d keep their activations (%d of them only their matrix products' and " \
+            "attention's outputs)" % (count, count - whole)
 
 
-def plan_kept(usable, peak, block_bytes, blocks, margin):
-    """How many resident blocks can keep their activations: the memory between the measured
-    peak and what torch could hold, less `margin` bytes, in blocks' worth of saved bytes."""
-    if block_bytes <= 0:
-        return 0
+def _mode_of(from_last, count, whole):
+    """The mode of the block `from_last` blocks before the last, the last `count` kept, the
+    last `whole` of them wholly."""
+    if from_last >= count:
+        return None
+    return "whole" if from_last < whole else "selective"
+
+
+def plan_kept(usable, peak, block_bytes, blocks, margin, selective_bytes=None):
+    """(count, whole): how many resident blocks can skip recompute, and how many of them keep
+    everything, in the memory between the measured peak and what torch could hold, less
+    `margin` bytes. A block kept wholly takes `block_bytes`, selectively `selective_bytes`
+    (None: a block cannot be kept selectively): as many blocks as fit are kept selectively,
+    then what is left upgrades some to whole."""
     spare = usable - peak - margin
-    return max(0, min(blocks, spare // block_bytes))
+    if block_bytes <= 0 or spare <= 0:
+        return 0, 0
+    if selective_bytes is None or not 0 < selective_bytes < block_bytes:
+        count = min(blocks, spare // block_bytes)
+        return count, count
+    count = min(blocks, spare // selective_bytes)
+    whole = min(count, (spare - count * selective_bytes) // (block_bytes - selective_bytes))
+    return count, whole

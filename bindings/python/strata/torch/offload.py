@@ -230,10 +230,13 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"
 def _keep_resident(keeper, index, block):
     """A block kept in HBM runs as plain PyTorch with activation checkpointing (RNG-exact, as
     the streamed blocks recompute), so its activation memory is what a streamed block's is;
-    unless the measured memory lets it keep its activations (strata.torch.activations), which
-    gives the same values without the recompute."""
+    unless the measured memory lets it keep its activations (strata.torch.activations), all
+    of them or only its matrix products' and attention's outputs, which gives the same values
+    without the recompute (or with only its elementwise part)."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
     from torch.utils.checkpoint import checkpoint
+
+    from .activations import selective_context
 
     from .block import without_caches
     run = block.forward
@@ -245,8 +248,12 @@ def _keep_resident(keeper, index, block):
         args, kwargs = tree_unflatten(without_caches(leaves), spec)
         if index == len(keeper.blocks) - 1:
             keeper.observe(index, run, args, kwargs)
-        if keeper.keeps(index, args):
+        mode = keeper.mode(index, args)
+        if mode == "whole":
             return run(*args, **kwargs)
+        if mode == "selective":
+            return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
+                              context_fn=selective_context, **kwargs)
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     block.forward = forward

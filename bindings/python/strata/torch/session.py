@@ -326,10 +326,9 @@ class StrataSession:
         head = ""
         if kept:
             keeper = getattr(self, "activations", None)
+            said = keeper.describe() if keeper is not None and keeper.decided else ""
             head = "%d of %d blocks resident on the device (torch's AdamW there%s); " % (
-                len(kept), len(kept) + len(self.blocks),
-                "; %d keep their activations" % keeper.count
-                if keeper is not None and keeper.decided else "")
+                len(kept), len(kept) + len(self.blocks), "; " + said if said else "")
         s = self.optimizer.stats()
         caps = self.runtime.capabilities()
         def size(n):
