@@ -1042,6 +1042,20 @@ def test_resident_blocks(arch, chunk, keep, offload, monkeypatch):
     assert_state_close(got_state, expected_state)
 
 
+@pytest.mark.parametrize("kwargs,fused,foreach", [({}, True, None),
+                                                   ({"foreach": True}, None, True),
+                                                   ({"foreach": False}, None, False),
+                                                   ({"fused": False}, False, None)])
+def test_resident_update_is_fused_unless_told(kwargs, fused, foreach, offload):
+    """The resident parameters' torch AdamW is the fused one (issue 13) unless the optimizer
+    was given foreach= or fused= (then what it was given, as plain PyTorch would run); and it
+    trains as plain PyTorch's default AdamW does (test_resident_blocks: fused by default)."""
+    model = offload(build("llama", layers=3), resident_blocks=1)
+    opt = strata_adamw(model.parameters(), **kwargs)
+    assert opt._inner.defaults["fused"] == fused
+    assert opt._inner.defaults["foreach"] == foreach
+
+
 def test_out_of_memory_names_the_resident_blocks(offload):
     """An out-of-memory error with blocks kept resident says so, and names the knob."""
     model = offload(build("llama", layers=3), resident_blocks=1)
