@@ -59,14 +59,19 @@ def model_config(name):
 
 
 def probe_compute(config, batch, seq, device):
-    """Device seconds of one streamed block's forward pass (no grad, as a checkpointed block's
-    first pass), of its backward pass (the forward recomputed, then the backward: what
-    strata.torch runs), and of the rest of a step (the head and the loss, forward and
-    backward), each measured alone on a fresh block of the model's shape: the compute the
-    placement's step model is given, measured apart from the step it predicts."""
+    """Device seconds, each measured alone on a fresh block of the model's shape: one block's
+    forward pass (no grad, as a checkpointed block's first pass); its backward pass as
+    strata.torch runs it, checkpointed (the forward recomputed, then the backward), kept
+    selectively (the elementwise part recomputed) and kept wholly (no recompute); the rest of
+    a step (the head and the loss, forward and backward); and the resident update per
+    parameter (fp32 grads from the bf16 ones, torch's fused AdamW on fp32 masters, the bf16
+    weights written back: strata.torch.AdamW's resident step). The compute the placement's
+    step model is given, measured apart from the step it predicts."""
     import torch
     import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
     from llama_zoo.torch_llama import DecoderLayer, rotary
+    from strata.torch.activations import selective_context
 
     dtype = torch.bfloat16
     block = DecoderLayer(config).to(device, dtype)
@@ -77,32 +82,63 @@ def probe_compute(config, batch, seq, device):
     head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False).to(device, dtype)
     labels = torch.randint(0, config.vocab_size, (batch * seq,), device=device)
 
-    def timed(fn, reps=3):
-        fn()
+    def timed(fn, reps=3, before=None):
+        """Median seconds of fn(before()) over reps, before() run outside the timing."""
+        fn(before() if before else None)
         torch.cuda.synchronize()
         times = []
         for _ in range(reps):
+            arg = before() if before else None
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            fn(arg)
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b) / 1e3)
         return statistics.median(times)
 
-    def forward():
+    def forward(_):
         with torch.no_grad():
             block(x, cos, sin)
 
-    def backward():
+    def backward(_):
         block(x, cos, sin).backward(g)
 
-    def rest():
+    def kept(selective):
+        def run():
+            if selective:
+                return checkpoint(block, x, cos, sin, use_reentrant=False,
+                                  context_fn=selective_context)
+            return block(x, cos, sin)
+        return run
+
+    def backward_only(out):
+        out.backward(g)
+
+    def rest(_):
         logits = head(x.detach().requires_grad_())
         F.cross_entropy(logits.float().view(-1, config.vocab_size), labels).backward()
 
-    out = timed(forward), timed(backward), timed(rest)
-    del block, head, x, g
+    weights = [p for p in block.parameters()]
+    masters = [p.detach().float().requires_grad_() for p in weights]
+    for p in weights:
+        p.grad = torch.randn_like(p)
+    adamw = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.1, fused=True)
+
+    def update(_):
+        for p, m in zip(weights, masters):
+            m.grad = p.grad.float()
+        adamw.step()
+        with torch.no_grad():
+            for p, m in zip(weights, masters):
+                m.grad = None
+                p.copy_(m)
+
+    out = dict(forward=timed(forward), backward=timed(backward),
+               backward_selective=timed(backward_only, before=kept(True)),
+               backward_whole=timed(backward_only, before=kept(False)), rest=timed(rest),
+               update_per_param=timed(update) / sum(p.numel() for p in weights))
+    del block, head, x, g, weights, masters, adamw
     torch.cuda.empty_cache()
     return out
 
@@ -371,13 +407,25 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
     if mode == "strata" and cuda:
         # The step Strata's model predicts, from rates measured apart from the steps above.
         try:
-            fwd, bwd, rest = probe_compute(config, batch, seq, device)
+            probe = probe_compute(config, batch, seq, device)
         except torch.cuda.OutOfMemoryError:
-            fwd = None
-        if fwd is not None:
-            kept = len(model.strata.resident_blocks)
-            predicted = model.strata.predict(fwd, bwd, rest + kept * (fwd + bwd))
-            out.update(probe_seconds=[fwd, bwd, rest],
+            probe = None
+        if probe is not None:
+            # The resident blocks run on the device beside the streamed ones: each checkpointed,
+            # kept selectively or kept wholly (the backward it runs), and the resident
+            # parameters' update (theirs and the embedding's and head's).
+            fwd, bwd, rest = probe["forward"], probe["backward"], probe["rest"]
+            resident = len(model.strata.resident_blocks)
+            keeper = getattr(model.strata, "activations", None)
+            count = keeper.count if keeper is not None else 0
+            whole = keeper.whole if keeper is not None else 0
+            streamed = {id(p) for b in model.strata.blocks for p in b.parameters()}
+            resident_params = sum(p.numel() for p in model.parameters() if id(p) not in streamed)
+            other = rest + resident * fwd + (resident - count) * bwd \
+                + (count - whole) * probe["backward_selective"] \
+                + whole * probe["backward_whole"] + resident_params * probe["update_per_param"]
+            predicted = model.strata.predict(fwd, bwd, other)
+            out.update(probe=probe, probe_seconds=[fwd, bwd, rest],
                        predicted_step_seconds=predicted.info["predicted_step_seconds"],
                        predicted_over_measured=predicted.info["predicted_step_seconds"] / t,
                        prediction=predicted.text)
