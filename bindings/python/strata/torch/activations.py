@@ -21,7 +21,7 @@ batch's activations and logits are unknown then), so it is measured:
 
 A block can keep what it saves in two ways (issue 13: more blocks skip recompute in the same
 memory). Selectively: only the outputs of its matrix products and attention (what costs the
-FLOPs), its norms, activations functions and rotary embeddings recomputed in the backward
+FLOPs), its norms, activation functions and rotary embeddings recomputed in the backward
 pass from them (torch's selective activation checkpointing); an 8B Llama block at 32k tokens
 saves ~2.9 GB that way instead of ~5.4 GB, and its recompute shrinks to elementwise kernels.
 Wholly: everything, no recompute at all. Spare memory buys selective blocks first (about
