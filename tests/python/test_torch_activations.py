@@ -224,9 +224,17 @@ def test_random_ops_and_mutated_outputs_are_not_cached():
         y.mul_(2)
         return y
 
+    def activated_in_place(x):  # a bias-free projection of 3-D input: mm, then _unsafe_view
+        return torch.nn.functional.silu(projection(x), inplace=True)
+
+    projection = torch.nn.Linear(4, 4, bias=False)
     x = torch.randn(3, 4, requires_grad=True)
-    assert selective_bytes(lambda x: linear(x) * 2, (x,), {}, torch.device("cpu")) > 0
-    assert selective_bytes(scaled_in_place, (x,), {}, torch.device("cpu")) is None
+    x3 = torch.randn(2, 3, 4, requires_grad=True)
+    cpu = torch.device("cpu")
+    assert selective_bytes(lambda x: linear(x) * 2, (x,), {}, cpu) > 0
+    assert selective_bytes(scaled_in_place, (x,), {}, cpu) is None
+    assert selective_bytes(lambda x: torch.nn.functional.silu(projection(x)), (x3,), {}, cpu) > 0
+    assert selective_bytes(activated_in_place, (x3,), {}, cpu) is None
 
 
 def test_an_out_of_memory_error_turns_keeping_off():

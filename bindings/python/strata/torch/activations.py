@@ -92,17 +92,29 @@ def selective_context():
 def selective_bytes(run, args, kwargs, device):
     """Bytes a selectively kept `run(*args, **kwargs)` holds for its backward (the outputs of
     its matrix products and attention), from a forward on fake tensors; None when that cannot
-    be done, or when the block writes in place into one of those outputs (the cached value
-    would no longer be what the backward needs)."""
+    be done, or when the block writes in place into one of those outputs, through any alias
+    (the cached value would no longer be what the backward needs, and torch's version check
+    misses a write through _unsafe_view's alias). A caller writing in place into the block's
+    output is not seen here.""" 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves, tree_map
 
     saved = {}  # storage -> (its bytes, the output tensor, its version when saved)
+    written = []  # an op wrote into a saved storage
 
     class Saving(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            # A write through any alias of a saved output (a view, or _unsafe_view's tensor,
+            # which has a version counter of its own): compared by storage, not by version.
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    value = args[i] if i < len(args) else kwargs.get(arg.name)
+                    if any(torch.is_tensor(t) and t.untyped_storage()._cdata in saved
+                           for t in tree_leaves(value)):
+                        written.append(func)
+            out = func(*args, **kwargs)
             if saves_output(func, args, kwargs):
                 for t in tree_leaves(out):
                     if torch.is_tensor(t):
@@ -119,7 +131,7 @@ def selective_bytes(run, args, kwargs, device):
                     run(*fake[0], **fake[1])
     except Exception:  # an op without a fake kernel, a custom block: no selective keeping
         return None
-    if any(t._version != version for _, t, version in saved.values()):
+    if written or any(t._version != version for _, t, version in saved.values()):
         return None
     return sum(size for size, _, _ in saved.values())
 

@@ -26,12 +26,21 @@ def _resident_adamw(groups, foreach, fused):
     has no fused kernel for the device, its default. Fused rounds a few elements differently
     from foreach or the for-loop (another order of the same fp32 operations), as Strata's CPU
     AdamW does for the streamed parameters: the same training within issue 12's tolerances."""
-    if fused is None and foreach is None:
-        try:
-            return torch.optim.AdamW(groups, fused=True)
-        except RuntimeError:  # no fused kernel for these tensors' device
-            pass
+    if fused is None and foreach is None and _fused_supported(groups):
+        return torch.optim.AdamW(groups, fused=True)
     return torch.optim.AdamW(groups, foreach=foreach, fused=fused)
+
+
+def _fused_supported(groups):
+    """Whether torch has a fused AdamW kernel for every tensor in `groups` (asked up front:
+    newer torch only checks at the first step)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+        devices = set(_get_fused_kernels_supported_devices())
+    except ImportError:
+        devices = {"cuda"}
+    return all(p.device.type in devices and p.is_floating_point()
+               for g in groups for p in g["params"])
 
 
 class AdamW(torch.optim.Optimizer):
@@ -343,7 +352,12 @@ class AdamW(torch.optim.Optimizer):
                 master.copy_(value)
                 self._mark_synced(p, master)
             elif key == "step":
-                inner[key] = value.detach().clone().cpu().float()
+                # Where torch's own load_state_dict puts it: on the device for the fused (and
+                # capturable) kernels, which read it there; on the CPU otherwise.
+                on_device = self._inner.defaults.get("fused") or \
+                    self._inner.defaults.get("capturable")
+                inner[key] = value.detach().to(master.device if on_device else "cpu",
+                                               torch.float32).clone()
             else:
                 inner[key] = value.detach().to(master.device, torch.float32).clone()
         self._inner.state[master] = inner
