@@ -27,6 +27,7 @@ between backward and step, as LLM recipes do (strata.torch included: its streame
 part in the global norm).
 """
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -116,8 +117,13 @@ def probe_compute(config, batch, seq, device):
         out.backward(g)
 
     def rest(_):
-        logits = head(x.detach().requires_grad_())
-        F.cross_entropy(logits.float().view(-1, config.vocab_size), labels).backward()
+        h = x.detach().requires_grad_().view(-1, config.hidden_size)
+        if getattr(config, "loss_impl", "torch") == "liger":
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+            liger_fused_linear_cross_entropy(h, head.weight, labels,
+                                             accum_dtype=torch.float32).backward()
+            return
+        F.cross_entropy(head(h).float(), labels).backward()
 
     weights = [p for p in block.parameters()]
     masters = [p.detach().float().requires_grad_() for p in weights]
@@ -206,6 +212,8 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
     from llama_zoo.torch_llama import LlamaForCausalLM
 
     config = model_config(preset)
+    config = dataclasses.replace(config)  # a preset is shared: the loss is this run's
+    config.loss_impl = os.environ.get("STRATA_BENCH_LOSS", "torch")
     opt = None  # the optimizer, where the mode has one of its own
     # STRATA_BENCH_DEVICE=cpu: a dry run of the script on a machine without a GPU.
     device = torch.device(os.environ.get("STRATA_BENCH_DEVICE", "cuda"))
@@ -224,6 +232,7 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
 
     out = {"mode": mode, "model": preset, "params": config.parameters(), "batch": batch, "seq": seq,
            "clip": clip}
+    out["loss"] = config.loss_impl
     t_setup = time.perf_counter()
     if mode == "strata-separate":
         # strata with whole fp32 masters (strata.h STRATA_MASTER_SEPARATE) instead of split
@@ -485,9 +494,15 @@ def main():
                         "(st.offload(weights=)) instead of initializing it")
     p.add_argument("--trace", default=None,
                    help="strata: a Chrome trace of the measured steps, written to TRACE-MODEL.json")
+    p.add_argument("--loss", choices=("torch", "liger"), default=None,
+                   help="every mode: the model's loss as Hugging Face computes it (torch: the "
+                        "logits whole, in fp32; the default) or Liger's fused linear "
+                        "cross-entropy (liger-kernel: a chunk of tokens at a time)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.loss:  # read by run_one, in this process or the one per configuration
+        os.environ["STRATA_BENCH_LOSS"] = args.loss
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.batch, args.seq, args.steps,
                                  args.warmup, args.clip, args.resident_blocks, args.nvme,

@@ -125,7 +125,16 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rotary(self.config, input_ids.shape[1], x.device, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        logits = self.lm_head(self.model.norm(x))
+        h = self.model.norm(x)
+        if labels is not None and getattr(self.config, "loss_impl", "torch") == "liger":
+            # Liger's fused linear cross-entropy: the same loss, the logits computed a chunk
+            # of tokens at a time and never held whole (their grads computed in the forward).
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+            loss = liger_fused_linear_cross_entropy(
+                h[:, :-1].reshape(-1, h.shape[-1]), self.lm_head.weight,
+                labels[:, 1:].reshape(-1), accum_dtype=torch.float32)
+            return CausalLMOutput(loss=loss)
+        logits = self.lm_head(h)
         loss = None
         if labels is not None:
             # Next-token prediction, as Hugging Face's causal LMs compute it.
