@@ -22,3 +22,9 @@ def mem_available():
 def peak_host_bytes():
     """This process's peak resident memory (VmHWM), bytes."""
     return _proc_field("/proc/self/status", "VmHWM")
+
+
+def huge_page_bytes():
+    """This process's anonymous memory on transparent huge pages (AnonHugePages of
+    /proc/self/smaps_rollup), bytes: how much of the pinned arena the kernel gave huge pages."""
+    return _proc_field("/proc/self/smaps_rollup", "AnonHugePages")

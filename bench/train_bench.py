@@ -39,7 +39,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bindings" / "python"))
 
-from host_memory import peak_host_bytes  # noqa: E402 (bench/ is on sys.path when run)
+from host_memory import huge_page_bytes, peak_host_bytes  # noqa: E402 (bench/ is on sys.path when run)
 
 
 def model_config(name):
@@ -268,6 +268,9 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         caps = model.strata.runtime.capabilities()
         # Within "runtime": faulting the DRAM arena in (threaded) and pinning it.
         out["dram_fault_pin_seconds"] = [caps.dram_fault_seconds, caps.dram_pin_seconds]
+        # How much of it the kernel put on huge pages (madvise asks; it may not grant them),
+        # against the arena's size: the update's rate depends on it (TLB misses).
+        out["arena_huge_pages_gb"] = [huge_page_bytes() / 1e9, caps.tier_budget_bytes[1] / 1e9]
         out["plan"] = "%d slots of %.0f MB, %d of %d blocks resident" % (
             info.slots, info.slot_bytes / 1e6, out["resident_blocks"], config.num_hidden_layers)
 
@@ -437,6 +440,7 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
             out.update(probe=probe, probe_seconds=[fwd, bwd, rest],
                        predicted_step_seconds=predicted.info["predicted_step_seconds"],
                        predicted_over_measured=predicted.info["predicted_step_seconds"] / t,
+                       update_rate_measured_at_start=predicted.info["update_elements_per_second"],
                        prediction=predicted.text)
     if mode == "strata":
         out["peak_device_gb"] += model.strata.runtime.capabilities().tier_budget_bytes[0] / 1e9
@@ -548,7 +552,12 @@ def main():
                     print("     setup (s): %s" % "  ".join(
                         "%s %.1f" % kv for kv in r["setup_phases"].items()) +
                         "  (runtime: fault-in %.1f, pin %.1f)" % tuple(
-                            r["dram_fault_pin_seconds"]), flush=True)
+                            r["dram_fault_pin_seconds"]) +
+                        ("; huge pages %.1f of %.1f GB" % tuple(r["arena_huge_pages_gb"])
+                         if "arena_huge_pages_gb" in r else "") +
+                        ("; update rate at start %.2f G/s" %
+                         (r["update_rate_measured_at_start"] / 1e9)
+                         if "update_rate_measured_at_start" in r else ""), flush=True)
                 if r.get("phases"):
                     print("     phases (host s / device s since the step's start): %s" % "  ".join(
                         "%s %.3f/%.3f" % (k, h, d) for k, (h, d) in r["phases"].items()),
