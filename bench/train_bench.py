@@ -259,7 +259,8 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
                            # blocks load ahead), for A/B runs; default: the planner's choice.
                            slot_budget=int(float(os.environ.get("STRATA_BENCH_SLOT_BUDGET", "0"))
                                            * (1 << 30)))
-        opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
+                       threads=int(os.environ.get("STRATA_BENCH_OPTIMIZER_THREADS", "0")))
         if nvme:
             out["placement"] = model.strata.placement()
         info = model.strata.executor.plan_info()
@@ -502,11 +503,16 @@ def main():
                    help="every mode: the model's loss as Hugging Face computes it (torch: the "
                         "logits whole, in fp32; the default) or Liger's fused linear "
                         "cross-entropy (liger-kernel: a chunk of tokens at a time)")
+    p.add_argument("--optimizer-threads", type=int, default=None,
+                   help="strata: the CPU optimizer's threads (default: the GPU's node's CPUs "
+                        "less one)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.loss:  # read by run_one, in this process or the one per configuration
         os.environ["STRATA_BENCH_LOSS"] = args.loss
+    if args.optimizer_threads is not None:  # likewise
+        os.environ["STRATA_BENCH_OPTIMIZER_THREADS"] = str(args.optimizer_threads)
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.batch, args.seq, args.steps,
                                  args.warmup, args.clip, args.resident_blocks, args.nvme,
