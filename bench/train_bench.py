@@ -72,7 +72,7 @@ def probe_compute(config, batch, seq, device):
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
     from llama_zoo.torch_llama import DecoderLayer, rotary
-    from strata.torch.activations import selective_context
+    from strata.torch.activations import selective_bytes, selective_context
 
     dtype = torch.bfloat16
     block = DecoderLayer(config).to(device, dtype)
@@ -105,11 +105,14 @@ def probe_compute(config, batch, seq, device):
     def backward(_):
         block(x, cos, sin).backward(g)
 
+    measured = selective_bytes(block.forward, (x, cos, sin), {}, device)
+    limit = measured[1] if measured else None
+
     def kept(selective):
         def run():
             if selective:
                 return checkpoint(block, x, cos, sin, use_reentrant=False,
-                                  context_fn=selective_context)
+                                  context_fn=lambda: selective_context(limit))
             return block(x, cos, sin)
         return run
 

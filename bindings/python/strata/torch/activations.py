@@ -21,9 +21,11 @@ batch's activations and logits are unknown then), so it is measured:
 
 A block can keep what it saves in two ways (issue 13: more blocks skip recompute in the same
 memory). Selectively: only the outputs of its matrix products and attention (what costs the
-FLOPs), its norms, activation functions and rotary embeddings recomputed in the backward
-pass from them (torch's selective activation checkpointing); an 8B Llama block at 32k tokens
-saves ~2.9 GB that way instead of ~5.4 GB, and its recompute shrinks to elementwise kernels.
+FLOPs) that its recompute reaches (torch stops recomputing past the last tensor autograd
+saves, so a Llama block's last product is not cached), its norms, activation functions and
+rotary embeddings recomputed in the backward pass from them (torch's selective activation
+checkpointing); an 8B Llama block at 32k tokens holds ~3 GB that way instead of ~7 GB, and its
+recompute shrinks to elementwise kernels.
 Wholly: everything, no recompute at all. Spare memory buys selective blocks first (about
 twice as many blocks per byte for ~90% of the recompute each saves), then upgrades some of
 them to whole with what is left. A random op is never served from the cache (a recompute that
@@ -76,64 +78,96 @@ def saves_output(func, args, kwargs):
     return True
 
 
-def _policy(ctx, func, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-    if saves_output(func, args, kwargs):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+def selective_context(limit=None):
+    """checkpoint(context_fn=...) for a selectively kept block (with functools.partial for a
+    limit): the outputs of its first `limit` costly ops are cached (None: all of them).
+
+    Past the last tensor autograd saves, torch's recompute stops (its early stop): the ops after
+    it never run again, so caching their outputs would only hold memory (a Llama block's last
+    product, down_proj, whose output only feeds the residual sum: ~10% of the bytes). The policy
+    counts costly ops in the order the forward runs them, the recompute's calls apart (older
+    torch asks it there too)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    seen = {False: 0, True: 0}  # costly ops so far, in the forward and in the recompute
+
+    def policy(ctx, func, *args, **kwargs):
+        if func.overloadpacket not in COSTLY_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        ordinal = seen[ctx.is_recompute]
+        seen[ctx.is_recompute] += 1
+        if (limit is None or ordinal < limit) and saves_output(func, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
-def selective_context():
-    """checkpoint(context_fn=...) for a selectively kept block."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-    return create_selective_checkpoint_contexts(_policy)
-
-
-def selective_bytes(run, args, kwargs, device):
-    """Bytes a selectively kept `run(*args, **kwargs)` holds for its backward (the outputs of
-    its matrix products and attention), from a forward on fake tensors; None when that cannot
-    be done, or when the block writes in place into one of those outputs, through any alias
-    (the cached value would no longer be what the backward needs, and torch's version check
-    misses a write through _unsafe_view's alias). A caller writing in place into the block's
-    output is not seen here.""" 
+def selective_bytes(run, args, kwargs, device, everything=False):
+    """(bytes, limit) for keeping `run(*args, **kwargs)` selectively: the outputs of its costly
+    ops (matrix products, attention) that its recompute reaches, and how many of its costly
+    ops come before the recompute stops (selective_context's limit), from a forward on fake
+    tensors (everything: all its costly ops' outputs, and how many there are). None when that cannot be done, or when the block writes in place into one of
+    those outputs, through any alias (the cached value would no longer be what the backward
+    needs, and torch's version check misses a write through _unsafe_view's alias). A caller
+    writing in place into the block's output is not seen here."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves, tree_map
 
-    saved = {}  # storage -> (its bytes, the output tensor, its version when saved)
-    written = []  # an op wrote into a saved storage
+    ops = [0]  # ops dispatched so far
+    costly = []  # per costly op: (its position, {storage: (bytes, tensor, version)} if saved)
+    last_pack = [0]  # ops dispatched when autograd last saved a tensor
+    written = []  # an op wrote into a cached storage
+
+    def cached():
+        return {k: v for _, outs in costly for k, v in outs.items()}
 
     class Saving(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            # A write through any alias of a saved output (a view, or _unsafe_view's tensor,
+            # A write through any alias of a cached output (a view, or _unsafe_view's tensor,
             # which has a version counter of its own): compared by storage, not by version.
+            keys = None
             for i, arg in enumerate(func._schema.arguments):
                 if arg.alias_info is not None and arg.alias_info.is_write:
                     value = args[i] if i < len(args) else kwargs.get(arg.name)
-                    if any(torch.is_tensor(t) and t.untyped_storage()._cdata in saved
+                    keys = cached() if keys is None else keys
+                    if any(torch.is_tensor(t) and t.untyped_storage()._cdata in keys
                            for t in tree_leaves(value)):
                         written.append(func)
             out = func(*args, **kwargs)
-            if saves_output(func, args, kwargs):
-                for t in tree_leaves(out):
-                    if torch.is_tensor(t):
-                        key = t.untyped_storage()._cdata
-                        saved.setdefault(key, (t.untyped_storage().nbytes(), t, t._version))
+            if func.overloadpacket in COSTLY_OPS:
+                outs = {}
+                if saves_output(func, args, kwargs):
+                    for t in tree_leaves(out):
+                        if torch.is_tensor(t):
+                            outs.setdefault(t.untyped_storage()._cdata,
+                                            (t.untyped_storage().nbytes(), t, t._version))
+                costly.append((ops[0], outs))
+            ops[0] += 1
             return out
+
+    def pack(t):
+        last_pack[0] = ops[0]
+        return t
 
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             with FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 fake = tree_map(lambda x: mode.from_tensor(x) if torch.is_tensor(x) else x,
                                 (args, kwargs))
-                with torch.enable_grad(), Saving():
+                hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+                with torch.enable_grad(), hooks, Saving():
                     run(*fake[0], **fake[1])
     except Exception:  # an op without a fake kernel, a custom block: no selective keeping
         return None
-    if written or any(t._version != version for _, t, version in saved.values()):
+    if written or any(t._version != version for _, t, version in cached().values()):
         return None
-    return sum(size for size, _, _ in saved.values())
+    # Autograd saves an op's inputs before the op runs and its outputs after: the recompute
+    # stops inside the op that was running at the last save, so the costly ops before it run.
+    reached = [outs for position, outs in costly if everything or position < last_pack[0]]
+    kept = {k: v for outs in reached for k, v in outs.items()}
+    return sum(size for size, _, _ in kept.values()), len(reached)
 
 
 def saved_bytes(run, args, kwargs, device, params):
@@ -208,6 +242,7 @@ class ActivationKeeper:
         self.seq = 0  # and the longest sequence
         self.block_bytes = None  # one block's saved bytes at self.tokens, kept wholly
         self.selective_bytes = None  # and kept selectively (None: it cannot be)
+        self.selective_limit = None  # its costly ops the recompute reaches (selective_context)
         self.decided = False
         self.ooms = 0  # the allocator's out-of-memory count when the plan was made
 
@@ -245,7 +280,12 @@ class ActivationKeeper:
             self.tokens = tokens
             self.block_bytes = saved_bytes(run, args, kwargs, self.device,
                                            list(self.blocks[index].parameters()))
-            self.selective_bytes = selective_bytes(run, args, kwargs, self.device)
+            selective = selective_bytes(run, args, kwargs, self.device)
+            self.selective_bytes, self.selective_limit = selective or (None, None)
+
+    def context(self):
+        """checkpoint(context_fn=...) for a selectively kept block."""
+        return selective_context(self.selective_limit)
 
     def on_step(self):
         """After an optimizer step: the decision, once enough steps were measured."""

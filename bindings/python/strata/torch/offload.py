@@ -236,7 +236,6 @@ def _keep_resident(keeper, index, block):
     from torch.utils._pytree import tree_flatten, tree_unflatten
     from torch.utils.checkpoint import checkpoint
 
-    from .activations import selective_context
 
     from .block import without_caches
     run = block.forward
@@ -253,7 +252,7 @@ def _keep_resident(keeper, index, block):
             return run(*args, **kwargs)
         if mode == "selective":
             return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
-                              context_fn=selective_context, **kwargs)
+                              context_fn=keeper.context, **kwargs)
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     block.forward = forward
