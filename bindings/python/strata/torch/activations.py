@@ -26,12 +26,13 @@ saves, so a Llama block's last product is not cached), its norms, activation fun
 rotary embeddings recomputed in the backward pass from them (torch's selective activation
 checkpointing); an 8B Llama block at 32k tokens holds ~3 GB that way instead of ~7 GB, and its
 recompute shrinks to elementwise kernels.
-Wholly: everything, no recompute at all. Spare memory buys selective blocks first (about
-twice as many blocks per byte for ~90% of the recompute each saves), then upgrades some of
-them to whole with what is left. A random op is never served from the cache (a recompute that
-skipped one would shift the RNG offsets of every random op after it), nor an attention with
-dropout; a block that writes in place into one of those outputs keeps wholly or not at all
-(torch refuses a mutated cache entry at the backward pass).
+Wholly: everything, no recompute at all. Spare memory buys selective blocks first (two to
+three times as many blocks per byte for ~90% of the recompute each saves), then upgrades some
+of them to whole with what is left. A random op is never served from the cache (a recompute
+that skipped one would shift the RNG offsets of every random op after it), nor an attention
+with dropout; a block that writes in place into one of those outputs keeps wholly or not at
+all (found when measuring, through any alias: torch's own check at the backward pass misses
+a write through _unsafe_view's tensor, and the grads would be silently wrong).
 
 From the third step on, the last `count` resident blocks skip recompute, the last `whole` of
 them keeping everything: count = (usable - peak - 10% of the device) // (1.25 x a block's
