@@ -103,18 +103,23 @@ def selective_context(limit=None):
     return create_selective_checkpoint_contexts(policy)
 
 
-def selective_bytes(run, args, kwargs, device, everything=False):
+def selective_bytes(run, args, kwargs, device, everything=None):
     """(bytes, limit) for keeping `run(*args, **kwargs)` selectively: the outputs of its costly
     ops (matrix products, attention) that its recompute reaches, and how many of its costly
     ops come before the recompute stops (selective_context's limit), from a forward on fake
-    tensors (everything: all its costly ops' outputs, and how many there are). None when that cannot be done, or when the block writes in place into one of
+    tensors (everything: all its costly ops' outputs, and how many there are; None: when
+    torch.utils.checkpoint.set_checkpoint_early_stop(False) is in force, since the recompute
+    then runs the whole block and would redo the products past the stop). None when that cannot be done, or when the block writes in place into one of
     those outputs, through any alias (the cached value would no longer be what the backward
     needs, and torch's version check misses a write through _unsafe_view's alias). A caller
     writing in place into the block's output is not seen here."""
+    import torch.utils.checkpoint as checkpointing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves, tree_map
 
+    if everything is None:
+        everything = getattr(checkpointing, "_enable_checkpoint_early_stop", None) is False
     ops = [0]  # ops dispatched so far
     costly = []  # per costly op: (its position, {storage: (bytes, tensor, version)} if saved)
     last_pack = [0]  # ops dispatched when autograd last saved a tensor
