@@ -236,7 +236,6 @@ def _keep_resident(keeper, index, block):
     from torch.utils._pytree import tree_flatten, tree_unflatten
     from torch.utils.checkpoint import checkpoint
 
-
     from .block import without_caches
     run = block.forward
 
