@@ -128,7 +128,7 @@ def probe_compute(config, batch, seq, device):
             return
         F.cross_entropy(head(h).float(), labels).backward()
 
-    weights = [p for p in block.parameters()]
+    weights = list(block.parameters())
     masters = [p.detach().float().requires_grad_() for p in weights]
     for p in weights:
         p.grad = torch.randn_like(p)
@@ -234,8 +234,7 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         marks.append((name, time.perf_counter(), event))
 
     out = {"mode": mode, "model": preset, "params": config.parameters(), "batch": batch, "seq": seq,
-           "clip": clip}
-    out["loss"] = config.loss_impl
+           "clip": clip, "loss": config.loss_impl}
     t_setup = time.perf_counter()
     if mode == "strata-separate":
         # strata with whole fp32 masters (strata.h STRATA_MASTER_SEPARATE) instead of split

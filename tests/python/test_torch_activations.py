@@ -36,21 +36,7 @@ def test_fake_forward_measures_what_autograd_saves(arch):
     """The bytes measured on fake tensors (no memory, no compute) are what a real forward of
     a Hugging Face decoder layer saves, for the inputs the model gives it; and measuring
     leaves the RNG where it was."""
-    model = build(arch, dropout=0.1 if arch == "gpt2" else 0.0)
-    block = model.transformer.h[0] if arch == "gpt2" else model.model.layers[0]
-    captured = {}
-
-    def grab(module, args, kwargs):
-        captured.setdefault("call", (args, kwargs))
-
-    handle = block.register_forward_pre_hook(grab, with_kwargs=True)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    with torch.no_grad():
-        model(ids, use_cache=False)
-    handle.remove()
-    args, kwargs = captured["call"]
-    args = tuple(a.detach().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point()
-                 else a for a in args)
+    block, args, kwargs = captured_block_call(arch, dropout=0.1 if arch == "gpt2" else 0.0)
     state = torch.get_rng_state()
     fake = saved_bytes(block.forward, args, kwargs, DEVICE, list(block.parameters()))
     assert torch.equal(torch.get_rng_state(), state)
@@ -73,9 +59,9 @@ def test_plan_and_the_tokens_guard():
     def inputs(batch, seq):
         return (torch.empty(batch, seq, 8),)
 
-    assert [keeper.keeps(i, inputs(2, 512)) for i in range(4)] == [False, False, True, True]
-    assert not keeper.keeps(3, inputs(4, 512))  # more tokens than measured: checkpointed
-    assert not keeper.keeps(3, inputs(1, 1024))  # as many tokens, a longer sequence: too
+    assert [keeper.mode(i, inputs(2, 512)) for i in range(4)] == [None, None, "whole", "whole"]
+    assert keeper.mode(3, inputs(4, 512)) is None  # more tokens than measured: checkpointed
+    assert keeper.mode(3, inputs(1, 1024)) is None  # as many tokens, a longer sequence: too
     keeper.on_step()
     keeper.on_step()
     assert keeper.count == 2  # on the CPU nothing is measured or decided
@@ -109,10 +95,10 @@ def test_plan_buys_selective_blocks_first_then_upgrades():
     assert "2 keep their activations (2 of them only" in keeper.describe()
 
 
-def captured_block_call(arch):
+def captured_block_call(arch, dropout=0.0):
     """(block, args, kwargs): the first decoder layer of a small Hugging Face model and the
     inputs the model gives it, the hidden states requiring grad."""
-    model = build(arch)
+    model = build(arch, dropout=dropout)
     block = model.transformer.h[0] if arch == "gpt2" else model.model.layers[0]
     captured = {}
 

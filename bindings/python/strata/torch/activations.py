@@ -114,9 +114,8 @@ def selective_bytes(run, args, kwargs, device, everything=None):
     needs, and torch's version check misses a write through _unsafe_view's alias). A caller
     writing in place into the block's output is not seen here."""
     import torch.utils.checkpoint as checkpointing
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves, tree_map
+    from torch.utils._pytree import tree_leaves
 
     if everything is None:
         everything = getattr(checkpointing, "_enable_checkpoint_early_stop", None) is False
@@ -157,15 +156,7 @@ def selective_bytes(run, args, kwargs, device, everything=None):
         last_pack[0] = ops[0]
         return t
 
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                fake = tree_map(lambda x: mode.from_tensor(x) if torch.is_tensor(x) else x,
-                                (args, kwargs))
-                hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-                with torch.enable_grad(), hooks, Saving():
-                    run(*fake[0], **fake[1])
-    except Exception:  # an op without a fake kernel, a custom block: no selective keeping
+    if not _forward_on_fake(run, args, kwargs, device, pack, Saving()):
         return None
     if written or any(t._version != version for _, t, version in cached().values()):
         return None
@@ -179,8 +170,7 @@ def selective_bytes(run, args, kwargs, device, everything=None):
 def saved_bytes(run, args, kwargs, device, params):
     """Bytes `run(*args, **kwargs)` would save for its backward beside `params` (its
     parameters), from a forward on fake tensors; None when that cannot be done."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    from torch.utils._pytree import tree_map
+    from torch._subclasses.fake_tensor import FakeTensor
 
     seen, total = set(), 0
 
@@ -194,6 +184,22 @@ def saved_bytes(run, args, kwargs, device, params):
             total += t.untyped_storage().nbytes()
         return t
 
+    if not _forward_on_fake(run, args, kwargs, device, pack, params=params, known=seen):
+        return None
+    return total
+
+
+def _forward_on_fake(run, args, kwargs, device, pack, dispatch=None, params=(), known=None):
+    """run(*args, **kwargs) once on fake tensors (shapes only: no memory, no compute), with
+    grad, each tensor autograd saves passed to `pack`, the ops through `dispatch` (a
+    TorchDispatchMode) when given, the RNG state restored after. `params` are made fake first
+    and their storages added to `known`. False when it cannot be done (an op without a fake
+    kernel, a custom block)."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
+
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -201,15 +207,16 @@ def saved_bytes(run, args, kwargs, device, params):
                 # held here, the parameters' fake storages (and the views of them autograd
                 # saves) are known, and no storage address is reused meanwhile.
                 fake_params = [mode.from_tensor(p) for p in params]
-                seen.update(f.untyped_storage()._cdata for f in fake_params)
+                if known is not None:
+                    known.update(f.untyped_storage()._cdata for f in fake_params)
                 fake = tree_map(lambda x: mode.from_tensor(x) if torch.is_tensor(x) else x,
                                 (args, kwargs))
                 hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-                with torch.enable_grad(), hooks:
+                with torch.enable_grad(), hooks, dispatch or contextlib.nullcontext():
                     run(*fake[0], **fake[1])
-    except Exception:  # an op without a fake kernel, a custom block: keep checkpointing
-        return None
-    return total
+    except Exception:
+        return False
+    return True
 
 
 def tokens_of(args):
@@ -266,10 +273,6 @@ class ActivationKeeper:
         if tokens > self.tokens or seq > self.seq:
             return None
         return _mode_of(len(self.blocks) - 1 - index, self.count, self.whole)
-
-    def keeps(self, index, args):
-        """Whether resident block `index` skips recompute now."""
-        return self.mode(index, args) is not None
 
     def oom_since_plan(self):
         return self.device.type == "cuda" and \
