@@ -221,6 +221,10 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
     # STRATA_BENCH_DEVICE=cpu: a dry run of the script on a machine without a GPU.
     device = torch.device(os.environ.get("STRATA_BENCH_DEVICE", "cuda"))
     cuda = device.type == "cuda"
+    # Every mode on the allocator strata.torch.offload sets up (expandable segments unless the
+    # environment says otherwise), so the resident and DeepSpeed modes are measured alike.
+    from strata.torch.allocator import prefer_expandable_segments
+    prefer_expandable_segments(device)
     torch.manual_seed(0)
     gen = torch.Generator(device="cpu").manual_seed(0)
     data = [torch.randint(0, config.vocab_size, (batch, seq), generator=gen) for _ in range(2)]
@@ -418,7 +422,11 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
     out.update(step_seconds=t, tokens_per_second=tokens / t, tflops_6pt=six_p * tokens / t / 1e12,
                tflops_done=full * tokens / t / 1e12, losses=losses,
                peak_host_gb=peak_host_bytes() / 1e9,
-               peak_device_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0)
+               peak_device_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
+               peak_reserved_device_gb=torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0,
+               # cudaMalloc failures the allocator retried after freeing its cache (each a
+               # device synchronization): memory planned too close to full shows here.
+               alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0)
     if mode == "strata" and cuda:
         # The step Strata's model predicts, from rates measured apart from the steps above.
         try:
@@ -446,7 +454,9 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
                        update_rate_measured_at_start=predicted.info["update_elements_per_second"],
                        prediction=predicted.text)
     if mode == "strata":
-        out["peak_device_gb"] += model.strata.runtime.capabilities().tier_budget_bytes[0] / 1e9
+        own = model.strata.runtime.capabilities().tier_budget_bytes[0] / 1e9
+        out["peak_device_gb"] += own
+        out["peak_reserved_device_gb"] += own
         out["placement"] = model.strata.placement()  # after the steps: kept activations known
         keeper = getattr(model.strata, "activations", None)
         out["kept_activations"] = keeper.count if keeper is not None else 0
@@ -549,9 +559,10 @@ def main():
                 print("%-4s %-15s failed: %s" % (preset, mode, r["error"]), flush=True)
             else:
                 print("%-4s %-15s %8.0f tokens/s  %6.1f TFLOPS (6PT/t)  %6.1f (done)  step %.2f s  "
-                      "host %.1f GB  device %.1f GB  setup %.0f s  %s"
+                      "host %.1f GB  device %.1f GB (reserved %.1f, %d retries)  setup %.0f s  %s"
                       % (preset, mode, r["tokens_per_second"], r["tflops_6pt"], r["tflops_done"],
                          r["step_seconds"], r["peak_host_gb"], r["peak_device_gb"],
+                         r.get("peak_reserved_device_gb", 0.0), r.get("alloc_retries", 0),
                          r["setup_seconds"], r.get("plan", "")), flush=True)
                 if "dram_bytes_per_streamed_param" in r:
                     print("     pinned DRAM %.1f GB: %.2f bytes per streamed parameter"

@@ -35,12 +35,12 @@ all (found when measuring, through any alias: torch's own check at the backward 
 a write through _unsafe_view's tensor, and the grads would be silently wrong).
 
 From the third step on, the last `count` resident blocks skip recompute, the last `whole` of
-them keeping everything: count = (usable - peak - 10% of the device) // (1.25 x a block's
-selective bytes), and whole from what that leaves, at 1.25 x the difference. A forward pass
-with more tokens, or longer sequences, than the measured steps had runs checkpointed
-(activations and logits grow with the tokens, attention's with the sequence). An
-out-of-memory error anywhere (the allocator counts them: a forward, a backward, a step) turns
-keeping off for good. Only on CUDA."""
+them keeping everything: count = (usable - peak - margin) // (1.25 x a block's selective
+bytes), and whole from what that leaves, at 1.25 x the difference; the margin is 4% of the
+device with expandable segments (strata.torch.allocator), 10% without. A forward pass with more tokens, or longer sequences, than the measured steps had
+runs checkpointed (activations and logits grow with the tokens, attention's with the
+sequence). An out-of-memory error anywhere (the allocator counts them: a forward, a backward,
+a step) turns keeping off for good. Only on CUDA."""
 
 import torch
 
@@ -241,6 +241,11 @@ class ActivationKeeper:
     # measured steps did not show.
     MARGIN = 0.10
     BLOCK_FACTOR = 1.25
+    # With expandable segments (strata.torch.allocator) a new allocation pattern strands
+    # little: the 8B at 32x1024 reserved 1.7 GB over its allocated peak instead of 17.7. (A
+    # block factor of 1.10 as well kept 2 more 3.6B blocks and 1 more 8B block at 32x1024 for
+    # no faster step: docs/benchmarks.md.)
+    MARGIN_EXPANDABLE = 0.04
     DECIDE_AFTER_STEPS = 2
 
     def __init__(self, device, blocks):
@@ -311,8 +316,14 @@ class ActivationKeeper:
         selective = self.selective_bytes
         self.count, self.whole = plan_kept(
             usable, peak, int(self.block_bytes * self.BLOCK_FACTOR), len(self.blocks),
-            int(total * self.MARGIN),
+            int(total * self.margin()),
             None if selective is None else int(selective * self.BLOCK_FACTOR))
+
+    def margin(self):
+        """The fraction of the device left unused: smaller when the allocator grows
+        expandable segments."""
+        from .allocator import expandable_segments
+        return self.MARGIN_EXPANDABLE if expandable_segments() else self.MARGIN
 
     def describe(self):
         """'N keep their activations (S selectively)', or '' when none do."""

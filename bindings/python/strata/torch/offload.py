@@ -293,6 +293,9 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     and for the update). The training is bit for bit the same. With nvme=, DRAM then holds no
     grads either: down to the staging and one block's grads to read them through. Not yet
     under data parallelism.
+    On CUDA, torch's caching allocator grows expandable segments from here on unless the
+    process configured it (PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF set, to anything:
+    `expandable_segments:False` keeps the default; strata.torch.allocator says why).
     A failed call leaves the model as it was and releases what it allocated."""
     if getattr(model, "strata", None) is not None:
         raise RuntimeError("strata.torch.offload: this model is already offloaded "
@@ -446,6 +449,10 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         except BaseException:
             session.close()
             raise
+    # Expandable segments, unless the process configured the allocator (strata.torch.allocator:
+    # the default allocator's fixed segments strand what the loss's transients leave behind).
+    from .allocator import prefer_expandable_segments
+    undo_allocator = prefer_expandable_segments(device)
     started = time.perf_counter()
     session.applying = False
     installed = []
@@ -514,6 +521,8 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
             for p in block.parameters():
                 p.__dict__.pop("_strata_session", None)
         session.close()
+        if undo_allocator is not None:
+            undo_allocator()
         raise
     session.timed("residents", started)  # the model outside the streamed blocks, on the device
     if mesh is not None:  # replicated on every rank, their grads averaged after backward
