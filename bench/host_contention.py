@@ -80,6 +80,7 @@ def together(seconds, update, copies):
 
     def loop(name, work):
         result[name] = run_for(seconds, work, stop)
+        stop.set()  # the other loop's rate counts only while both ran
 
     threads = [threading.Thread(target=loop, args=("update", update)),
                threading.Thread(target=loop, args=("copies", copies))]

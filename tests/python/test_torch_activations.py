@@ -45,16 +45,22 @@ def test_fake_forward_measures_what_autograd_saves(arch):
     assert tokens_of(args) == 32 and shape_of(args) == (32, 16)
 
 
+def modes(plan):
+    """plan_kept's plan as (count, whole)."""
+    return len(plan), plan.count("whole")
+
+
 def test_plan_and_the_tokens_guard():
-    """count = (usable - peak - margin) // block bytes, within [0, blocks]; the last blocks
-    keep theirs, and only for inputs no larger than the measured ones."""
+    """Blocks kept wholly: count = (usable - peak - margin) // block bytes, within [0,
+    blocks]; the last blocks keep theirs, and only for inputs no larger than the measured
+    ones."""
     gb = 1 << 30
-    assert plan_kept(140 * gb, 100 * gb, 4 * gb, 28, 14 * gb) == (6, 6)
-    assert plan_kept(80 * gb, 79 * gb, gb, 10, 8 * gb) == (0, 0)
-    assert plan_kept(140 * gb, gb, gb, 5, 0) == (5, 5)
-    assert plan_kept(140 * gb, gb, 0, 5, 0) == (0, 0)
+    assert modes(plan_kept(140 * gb, 100 * gb, [(4 * gb, None)] * 28, 14 * gb)) == (6, 6)
+    assert modes(plan_kept(80 * gb, 79 * gb, [(gb, None)] * 10, 8 * gb)) == (0, 0)
+    assert modes(plan_kept(140 * gb, gb, [(gb, None)] * 5, 0)) == (5, 5)
+    assert modes(plan_kept(140 * gb, gb, [(0, None)] * 5, 0)) == (0, 0)
     keeper = ActivationKeeper(torch.device("cpu"), [object()] * 4)
-    keeper.count, keeper.whole, keeper.tokens, keeper.seq = 2, 2, 1024, 512
+    keeper.plan, keeper.tokens, keeper.seq = ["whole", "whole"], 1024, 512
 
     def inputs(batch, seq):
         return (torch.empty(batch, seq, 8),)
@@ -74,16 +80,18 @@ def test_plan_buys_selective_blocks_first_then_upgrades():
     gb = 1 << 30
     # 26 GB spare: 5 blocks of 5 GB wholly, or 9 of 2.8 GB selectively (25.2), 0.8 left: none
     # upgraded (2.2 each).
-    assert plan_kept(140 * gb, 100 * gb, 5 * gb, 28, 14 * gb, int(2.8 * gb)) == (9, 0)
-    # 3 blocks only: all three selective (6 GB), 20 left upgrades all three (3 x 3 GB).
-    assert plan_kept(140 * gb, 100 * gb, 4 * gb, 3, 14 * gb, 1 * gb) == (3, 3)
-    # 3 blocks, 7 GB spare: three selective (3), 4 left upgrades one (3 each).
-    assert plan_kept(140 * gb, 119 * gb, 4 * gb, 3, 14 * gb, 1 * gb) == (3, 1)
-    assert plan_kept(140 * gb, 100 * gb, 4 * gb, 28, 14 * gb, None) == (6, 6)
-    assert plan_kept(140 * gb, 100 * gb, 4 * gb, 28, 14 * gb, 4 * gb) == (6, 6)
-    assert plan_kept(100 * gb, 100 * gb, 4 * gb, 28, 14 * gb, gb) == (0, 0)
+    assert modes(plan_kept(140 * gb, 100 * gb, [(5 * gb, int(2.8 * gb))] * 28, 14 * gb)) \
+        == (9, 0)
+    # 3 blocks only: all three selective (3 GB), 23 left upgrades all three (3 x 3 GB).
+    assert plan_kept(140 * gb, 100 * gb, [(4 * gb, gb)] * 3, 14 * gb) == ["whole"] * 3
+    # 3 blocks, 7 GB spare: three selective (3), 4 left upgrades the last one (3 each).
+    assert plan_kept(140 * gb, 119 * gb, [(4 * gb, gb)] * 3, 14 * gb) == \
+        ["whole", "selective", "selective"]
+    assert modes(plan_kept(140 * gb, 100 * gb, [(4 * gb, None)] * 28, 14 * gb)) == (6, 6)
+    assert modes(plan_kept(140 * gb, 100 * gb, [(4 * gb, 4 * gb)] * 28, 14 * gb)) == (6, 6)
+    assert plan_kept(100 * gb, 100 * gb, [(4 * gb, gb)] * 28, 14 * gb) == []
     keeper = ActivationKeeper(torch.device("cpu"), [object()] * 5)
-    keeper.count, keeper.whole, keeper.tokens, keeper.seq = 3, 1, 1024, 512
+    keeper.plan, keeper.tokens, keeper.seq = ["whole", "selective", "selective"], 1024, 512
     x = (torch.empty(2, 512, 8),)
     assert [keeper.mode(i, x) for i in range(5)] == [None, None, "selective", "selective",
                                                       "whole"]
@@ -93,6 +101,21 @@ def test_plan_buys_selective_blocks_first_then_upgrades():
     assert [keeper.mode(i, x) for i in range(5)] == [None, None, None, "selective",
                                                       "selective"]
     assert "2 keep their activations (2 of them only" in keeper.describe()
+
+
+def test_plan_of_blocks_that_differ():
+    """Blocks measured apart: each costs its own bytes; one that cannot be kept selectively is
+    kept wholly; the plan stops at the first block that does not fit or was not measured
+    (None), and the blocks before it recompute."""
+    gb = 1 << 30
+    # From the last back: 1 GB selective, a whole-only block of 3, 2 selective; 10 GB spare.
+    blocks = [(4 * gb, gb), (3 * gb, None), (5 * gb, 2 * gb), (gb, None)]
+    # 1 + 3 + 2 + 1 = 7 selective-first, 3 left upgrades the last (3 more).
+    assert plan_kept(30 * gb, 20 * gb, blocks, 0) == ["whole", "whole", "selective", "whole"]
+    # 6 GB: 1 + 3 + 2 = 6, the fourth (1 GB) does not fit.
+    assert plan_kept(26 * gb, 20 * gb, blocks, 0) == ["selective", "whole", "selective"]
+    # A block too large stops the plan even where a smaller one before it would fit.
+    assert plan_kept(25 * gb, 20 * gb, blocks, 0) == ["selective", "whole"]
 
 
 def captured_block_call(arch, dropout=0.0):
@@ -230,6 +253,76 @@ def test_random_ops_and_mutated_outputs_are_not_cached():
     assert selective_bytes(activated_in_place, (x3,), {}, cpu) is None
 
 
+class Projected(torch.nn.Module):
+    """A residual block around a bias-free projection of 3-D input (mm, then _unsafe_view),
+    its activation in place or not; `unmeasurable`: it also takes a data-dependent shape (no
+    fake kernel can say its size)."""
+
+    def __init__(self, in_place=False, unmeasurable=False):
+        super().__init__()
+        self.projection = torch.nn.Linear(4, 4, bias=False)
+        self.in_place, self.unmeasurable = in_place, unmeasurable
+
+    def forward(self, x):
+        y = torch.nn.functional.silu(self.projection(x), inplace=self.in_place)
+        if self.unmeasurable:
+            y = y * torch.nonzero(x > 0).shape[0]
+        return x + y
+
+
+def resident_run(blocks, plan_from):
+    """Installs the resident wrapper on `blocks` (a measured keeper, as on CUDA), runs a
+    forward pass with grad to measure them, plans with `plan_from(keeper)` spare bytes, then
+    returns the keeper and the grads of a step run that way."""
+    from strata.torch.offload import _keep_resident
+    keeper = ActivationKeeper(torch.device("cpu"), blocks)
+    keeper.enabled = True
+    for i, b in enumerate(blocks):
+        _keep_resident(keeper, i, b)
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1))
+    model = torch.nn.Sequential(*blocks)
+    model(x.requires_grad_(True)).sum().backward()  # measured, checkpointed
+    keeper.decide(plan_from(keeper), 0, 0)
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    model(x).sum().backward()
+    return keeper, [x.grad] + [p.grad for p in model.parameters()]
+
+
+def test_every_resident_block_is_measured():
+    """Resident blocks that differ are measured apart (issue 13's review): one writing in place
+    into its product's output is kept wholly while the others are kept selectively (measuring
+    the last block alone kept it selectively, and its grads were silently wrong), the grads
+    equal plain autograd's bit for bit; and a block that cannot be measured stops the plan:
+    the blocks before it recompute."""
+    torch.manual_seed(0)
+    blocks = [Projected(in_place=True), Projected(), Projected()]
+    plain = [Projected(in_place=True), Projected(), Projected()]
+    for b, p in zip(blocks, plain):
+        p.load_state_dict(b.state_dict())
+
+    def just_selective(keeper):  # room for each block its cheapest way, no upgrade
+        cost = 0
+        for whole, selective in keeper.measured.values():
+            cost += int((whole if selective is None else selective[0]) * keeper.BLOCK_FACTOR)
+        return cost
+
+    keeper, grads = resident_run(blocks, just_selective)
+    assert keeper.measured[0][1] is None and keeper.measured[2][1] is not None
+    x = (torch.empty(2, 3, 4),)
+    assert [keeper.mode(i, x) for i in range(3)] == ["whole", "selective", "selective"]
+    xr = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    torch.nn.Sequential(*plain)(xr).sum().backward()
+    expected = [xr.grad] + [p.grad for b in plain for p in b.parameters()]
+    for got, want in zip(grads, expected):
+        assert torch.equal(got, want)
+
+    keeper, _ = resident_run([Projected(), Projected(unmeasurable=True), Projected()],
+                             lambda keeper: 1 << 30)
+    assert keeper.measured[1] is None
+    assert [keeper.mode(i, x) for i in range(3)] == [None, None, "whole"]
+
+
 def test_an_out_of_memory_error_turns_keeping_off():
     """An out-of-memory error in a forward pass while blocks keep their activations says so,
     and the next steps recompute again (the measured plan did not hold for that step)."""
@@ -239,7 +332,7 @@ def test_an_out_of_memory_error_turns_keeping_off():
         resident_blocks = [object()] * 3
         activations = ActivationKeeper(torch.device("cpu"), [object()] * 3)
 
-    Session.activations.count = 2
+    Session.activations.plan = ["selective", "selective"]
     error = torch.OutOfMemoryError("CUDA out of memory (simulated)")
     note_memory(Session, error)
     assert Session.activations.count == 0

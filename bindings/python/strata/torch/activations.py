@@ -8,10 +8,13 @@ same values (checkpointing recomputes exactly what the forward computed, dropout
 included), one forward pass less per block. How many cannot be known at offload time (the
 batch's activations and logits are unknown then), so it is measured:
 
-- the bytes one resident block saves for its backward when not checkpointed, for the actual
+- the bytes each resident block saves for its backward when not checkpointed, for the actual
   inputs of the first forward pass with grad: its forward run once on fake tensors (shapes
   only, no memory, no compute; the RNG state restored), summing what autograd saves beside the
-  parameters;
+  parameters, and what it would keep selectively (below). Every block is measured, not one
+  for all: a model's blocks can differ (dense and mixture-of-experts layers), in their bytes
+  and in whether keeping one selectively is safe; a block that cannot be measured (an op
+  without a fake kernel, a data-dependent shape) is never kept, nor any before it;
 - the memory torch's caching allocator held at its peak through the second optimizer step
   (AdamW's moments exist from the first): reserved, not allocated, since what fragmentation
   strands is as unusable as what is allocated (an H200 run planned from the allocated peak ran
@@ -34,10 +37,11 @@ with dropout; a block that writes in place into one of those outputs keeps wholl
 all (found when measuring, through any alias: torch's own check at the backward pass misses
 a write through _unsafe_view's tensor, and the grads would be silently wrong).
 
-From the third step on, the last `count` resident blocks skip recompute, the last `whole` of
-them keeping everything: count = (usable - peak - margin) // (1.25 x a block's selective
-bytes), and whole from what that leaves, at 1.25 x the difference; the margin is 4% of the
-device with expandable segments (strata.torch.allocator), 10% without. A forward pass with more tokens, or longer sequences, than the measured steps had
+From the third step on, the last resident blocks skip recompute (plan_kept): from the last
+block back, each kept selectively (wholly when it cannot be) while its bytes x 1.25 fit in
+usable - peak - margin, then upgraded to whole, from the last back, with what that leaves;
+the margin is 4% of the device with expandable segments (strata.torch.allocator), 10%
+without. A forward pass with more tokens, or longer sequences, than the measured steps had
 runs checkpointed (activations and logits grow with the tokens, attention's with the
 sequence). An out-of-memory error anywhere (the allocator counts them: a forward, a backward,
 a step) turns keeping off for good. Only on CUDA."""
@@ -103,17 +107,23 @@ def selective_context(limit=None):
     return create_selective_checkpoint_contexts(policy)
 
 
-def selective_bytes(run, args, kwargs, device, everything=None):
-    """(bytes, limit) for keeping `run(*args, **kwargs)` selectively: the outputs of its costly
-    ops (matrix products, attention) that its recompute reaches, and how many of its costly
-    ops come before the recompute stops (selective_context's limit), from a forward on fake
-    tensors (everything: all its costly ops' outputs, and how many there are; None: when
+def measure(run, args, kwargs, device, params=(), everything=None):
+    """What keeping `run(*args, **kwargs)` would hold, from one forward on fake tensors:
+    (bytes kept wholly, (bytes, limit) kept selectively or None), or None when the forward
+    cannot be done on fake tensors (an op without a fake kernel, a data-dependent shape).
+
+    Wholly: what autograd saves beside `params` (the block's parameters). Selectively: the
+    outputs of its costly ops (matrix products, attention) that its recompute reaches, and how
+    many of its costly ops come before the recompute stops (selective_context's limit);
+    everything: all its costly ops' outputs, and how many there are (None: when
     torch.utils.checkpoint.set_checkpoint_early_stop(False) is in force, since the recompute
-    then runs the whole block and would redo the products past the stop). None when that cannot be done, or when the block writes in place into one of
-    those outputs, through any alias (the cached value would no longer be what the backward
-    needs, and torch's version check misses a write through _unsafe_view's alias). A caller
-    writing in place into the block's output is not seen here."""
+    then runs the whole block and would redo the products past the stop). Selectively is None
+    when the block writes in place into one of those outputs, through any alias (the cached
+    value would no longer be what the backward needs, and torch's version check misses a
+    write through _unsafe_view's alias). A caller writing in place into the block's output is
+    not seen here."""
     import torch.utils.checkpoint as checkpointing
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -123,6 +133,7 @@ def selective_bytes(run, args, kwargs, device, everything=None):
     costly = []  # per costly op: (its position, {storage: (bytes, tensor, version)} if saved)
     last_pack = [0]  # ops dispatched when autograd last saved a tensor
     written = []  # an op wrote into a cached storage
+    seen, total = set(), [0]  # the storages autograd saves (the parameters' known first)
 
     def cached():
         return {k: v for _, outs in costly for k, v in outs.items()}
@@ -154,39 +165,36 @@ def selective_bytes(run, args, kwargs, device, everything=None):
 
     def pack(t):
         last_pack[0] = ops[0]
+        if isinstance(t, FakeTensor):  # a real tensor here is a parameter or buffer
+            key = t.untyped_storage()._cdata  # the StorageImpl: the same for every view of it
+            if key not in seen:
+                seen.add(key)
+                total[0] += t.untyped_storage().nbytes()
         return t
 
-    if not _forward_on_fake(run, args, kwargs, device, pack, Saving()):
+    if not _forward_on_fake(run, args, kwargs, device, pack, Saving(), params=params,
+                            known=seen):
         return None
     if written or any(t._version != version for _, t, version in cached().values()):
-        return None
+        return total[0], None
     # Autograd saves an op's inputs before the op runs and its outputs after: the recompute
     # stops inside the op that was running at the last save, so the costly ops before it run.
     reached = [outs for position, outs in costly if everything or position < last_pack[0]]
     kept = {k: v for outs in reached for k, v in outs.items()}
-    return sum(size for size, _, _ in kept.values()), len(reached)
+    return total[0], (sum(size for size, _, _ in kept.values()), len(reached))
+
+
+def selective_bytes(run, args, kwargs, device, everything=None):
+    """measure()'s (bytes, limit) for keeping `run(*args, **kwargs)` selectively, or None."""
+    measured = measure(run, args, kwargs, device, everything=everything)
+    return None if measured is None else measured[1]
 
 
 def saved_bytes(run, args, kwargs, device, params):
     """Bytes `run(*args, **kwargs)` would save for its backward beside `params` (its
     parameters), from a forward on fake tensors; None when that cannot be done."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    seen, total = set(), 0
-
-    def pack(t):
-        nonlocal total
-        if not isinstance(t, FakeTensor):  # a real tensor here is a parameter or buffer
-            return t
-        key = t.untyped_storage()._cdata  # the StorageImpl: the same for every view of it
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-        return t
-
-    if not _forward_on_fake(run, args, kwargs, device, pack, params=params, known=seen):
-        return None
-    return total
+    measured = measure(run, args, kwargs, device, params)
+    return None if measured is None else measured[0]
 
 
 def _forward_on_fake(run, args, kwargs, device, pack, dispatch=None, params=(), known=None):
@@ -251,33 +259,65 @@ class ActivationKeeper:
     def __init__(self, device, blocks):
         self.device = device
         self.blocks = blocks  # the resident blocks, in order
-        self.count = 0  # the last `count` resident blocks skip recompute,
-        self.whole = 0  # the last `whole` of them keeping everything (the rest: selectively)
+        self.enabled = device.type == "cuda"  # measured and planned (only on CUDA)
+        self.plan = []  # the modes of the last resident blocks, the last block's first
         self.forced = None  # a fixed count (tests, tools); None: measured
         self.forced_whole = 0  # of a forced count, how many keep everything
         self.steps = 0
         self.tokens = 0  # the most tokens a measured step had
         self.seq = 0  # and the longest sequence
-        self.block_bytes = None  # one block's saved bytes at self.tokens, kept wholly
-        self.selective_bytes = None  # and kept selectively (None: it cannot be)
-        self.selective_limit = None  # its costly ops the recompute reaches (selective_context)
+        # Per resident block, at self.tokens: measure()'s (whole bytes, (selective bytes,
+        # limit) or None), or None when it cannot be measured. Each block is measured, not one
+        # for all: blocks can differ (dense and mixture-of-experts layers in one model), in
+        # their bytes and in whether keeping them selectively is safe at all.
+        self.measured = {}
         self.decided = False
         self.ooms = 0  # the allocator's out-of-memory count when the plan was made
+
+    @property
+    def count(self):
+        """How many of the last resident blocks skip recompute."""
+        return len(self.plan)
+
+    @property
+    def whole(self):
+        """How many of those keep everything (the rest: selectively)."""
+        return self.plan.count("whole")
+
+    def stop(self):
+        """Every block recomputes from now on (an out-of-memory error said the plan was
+        wrong)."""
+        self.plan = []
+
+    def _last(self, item):
+        """The last resident block's measure()d value: 0 whole bytes, 1 selective bytes, 2 its
+        limit (what the benchmarks report); None when not measured."""
+        measured = self.measured.get(len(self.blocks) - 1)
+        if not measured:
+            return None
+        if item == 0:
+            return measured[0]
+        return None if measured[1] is None else measured[1][item - 1]
+
+    block_bytes = property(lambda self: self._last(0), doc="The last block's whole bytes.")
+    selective_bytes = property(lambda self: self._last(1),
+                               doc="The last block's selective bytes (None: it cannot be).")
 
     def mode(self, index, args):
         """How resident block `index` runs now (args: its inputs): None (checkpointed: its
         forward recomputed in the backward pass), "selective" or "whole"."""
+        from_last = len(self.blocks) - 1 - index
         if self.forced is not None:
-            return _mode_of(len(self.blocks) - 1 - index, self.forced, self.forced_whole)
-        if self.count <= 0 or index < len(self.blocks) - self.count:
+            return _mode_of(from_last, self.forced, self.forced_whole)
+        if from_last >= len(self.plan):
             return None
-        if index == len(self.blocks) - self.count and self.oom_since_plan():
-            self.count = self.whole = 0
+        if from_last == len(self.plan) - 1 and self.oom_since_plan():
+            self.stop()
             return None
         tokens, seq = shape_of(args)
         if tokens > self.tokens or seq > self.seq:
             return None
-        return _mode_of(len(self.blocks) - 1 - index, self.count, self.whole)
+        return self.plan[from_last]
 
     def oom_since_plan(self):
         return self.device.type == "cuda" and \
@@ -285,39 +325,48 @@ class ActivationKeeper:
 
     def observe(self, index, run, args, kwargs):
         """A forward pass with grad of resident block `index`, before the decision: note its
-        tokens and, for the most tokens seen, what it would save."""
-        if self.decided or self.forced is not None or self.device.type != "cuda":
+        tokens and, for the most tokens seen, what it would keep (measured once per block at
+        that many tokens: one forward on fake tensors each)."""
+        if self.decided or self.forced is not None or not self.enabled:
             return
         tokens, seq = shape_of(args)
         self.seq = max(self.seq, seq)
         if tokens > self.tokens:
             self.tokens = tokens
-            self.block_bytes = saved_bytes(run, args, kwargs, self.device,
+            self.measured = {}
+        if tokens == self.tokens and index not in self.measured:
+            self.measured[index] = measure(run, args, kwargs, self.device,
                                            list(self.blocks[index].parameters()))
-            selective = selective_bytes(run, args, kwargs, self.device)
-            self.selective_bytes, self.selective_limit = selective or (None, None)
 
-    def context(self):
-        """checkpoint(context_fn=...) for a selectively kept block."""
-        return selective_context(self.selective_limit)
+    def context(self, index):
+        """checkpoint(context_fn=...) for resident block `index` kept selectively."""
+        measured = self.measured.get(index)
+        return selective_context(measured[1][1] if measured and measured[1] else None)
 
     def on_step(self):
         """After an optimizer step: the decision, once enough steps were measured."""
         self.steps += 1
-        if self.decided or self.steps < self.DECIDE_AFTER_STEPS or self.device.type != "cuda":
+        if self.decided or self.steps < self.DECIDE_AFTER_STEPS or not self.enabled:
             return
         self.decided = True
-        if not self.block_bytes:
-            return
         self.ooms = torch.cuda.memory_stats(self.device).get("num_ooms", 0)
         free, total = torch.cuda.mem_get_info(self.device)
         usable = free + torch.cuda.memory_reserved(self.device)
         peak = torch.cuda.max_memory_reserved(self.device)
-        selective = self.selective_bytes
-        self.count, self.whole = plan_kept(
-            usable, peak, int(self.block_bytes * self.BLOCK_FACTOR), len(self.blocks),
-            int(total * self.margin()),
-            None if selective is None else int(selective * self.BLOCK_FACTOR))
+        self.decide(usable, peak, int(total * self.margin()))
+
+    def decide(self, usable, peak, margin):
+        """The plan from the measured blocks, for `usable` bytes of which `peak` were in use
+        and `margin` stay free: from the last block back, as long as each was measured."""
+        blocks = []
+        for index in reversed(range(len(self.blocks))):
+            measured = self.measured.get(index)
+            if not measured or not measured[0]:
+                break
+            selective = measured[1]
+            blocks.append((int(measured[0] * self.BLOCK_FACTOR),
+                           None if selective is None else int(selective[0] * self.BLOCK_FACTOR)))
+        self.plan = plan_kept(usable, peak, blocks, margin)
 
     def margin(self):
         """The fraction of the device left unused: smaller when the allocator grows
@@ -346,18 +395,23 @@ def _mode_of(from_last, count, whole):
     return "whole" if from_last < whole else "selective"
 
 
-def plan_kept(usable, peak, block_bytes, blocks, margin, selective_bytes=None):
-    """(count, whole): how many resident blocks can skip recompute, and how many of them keep
-    everything, in the memory between the measured peak and what torch could hold, less
-    `margin` bytes. A block kept wholly takes `block_bytes`, selectively `selective_bytes`
-    (None: a block cannot be kept selectively): as many blocks as fit are kept selectively,
-    then what is left upgrades some to whole."""
+def plan_kept(usable, peak, blocks, margin):
+    """The modes of the last resident blocks, the last block's first ("selective" or "whole"):
+    which can skip recompute in the memory between the measured peak and what torch could
+    hold, less `margin` bytes. `blocks`: from the last block back, (bytes kept wholly, bytes
+    kept selectively or None when it cannot be). As many blocks as fit are kept selectively
+    (a block that cannot be: wholly), from the last back and stopping at the first that does
+    not fit; then what is left upgrades them to whole, from the last back."""
     spare = usable - peak - margin
-    if block_bytes <= 0 or spare <= 0:
-        return 0, 0
-    if selective_bytes is None or not 0 < selective_bytes < block_bytes:
-        count = min(blocks, spare // block_bytes)
-        return count, count
-    count = min(blocks, spare // selective_bytes)
-    whole = min(count, (spare - count * selective_bytes) // (block_bytes - selective_bytes))
-    return count, whole
+    plan = []
+    for whole, selective in blocks:
+        cost = whole if selective is None or not 0 < selective < whole else selective
+        if whole <= 0 or cost > spare:
+            break
+        plan.append("whole" if cost == whole else "selective")
+        spare -= cost
+    for i, (whole, selective) in enumerate(blocks[:len(plan)]):
+        if plan[i] == "selective" and whole - selective <= spare:
+            plan[i] = "whole"
+            spare -= whole - selective
+    return plan

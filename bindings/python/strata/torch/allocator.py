@@ -12,12 +12,19 @@ brings. With expandable segments (one segment per stream that grows and shrinks 
 pages) the same step reserved 133.3 GB for 131.6 allocated. The values computed are the
 same either way: only where tensors sit in device memory differs.
 
-A process that set PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF, or changed the allocator's
-settings or backend itself, is left as it is (`expandable_segments:False` there keeps the
-default allocator). torch's public switch is the environment variable, read once when CUDA
-starts; the setting is changed here through torch._C._accelerator_setAllocatorSettings, the
-function torch's own tests use for that (torch.cuda.memory._set_allocator_settings before
-it), and it applies to segments allocated from then on."""
+A process that set PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF (non-empty), or runs another
+allocator backend, is left as it is (`expandable_segments:False` there keeps the default
+allocator); so is one that changed the settings itself through torch before offload, where
+torch can say so (torch._C._accelerator_getAllocatorSettings: torch 2.11 cannot, so there an
+earlier in-process change is overridden). Under data parallelism nothing is changed: torch
+turns NCCL's buffer registration off with expandable segments, and the data-parallel steps
+were measured on the default allocator. Expandable segments have caveats of their own: CUDA
+tensors in them cannot be shared with another process (torch.multiprocessing, DataLoader
+workers returning CUDA tensors) on torch versions without their IPC support. torch's public
+switch is the environment variable, read once when CUDA starts; the setting is changed here
+through torch._C._accelerator_setAllocatorSettings, the function torch's own tests use for that
+(torch.cuda.memory._set_allocator_settings before it), and it applies to segments allocated
+from then on."""
 
 import os
 
@@ -25,17 +32,22 @@ import torch
 
 _ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
-# Set when strata.torch turned expandable segments on in this process.
+# Set while strata.torch has expandable segments turned on in this process.
 _turned_on = False
+# The settings strings strata.torch applied (torch's getter returns the last one set: those
+# are not the process's own choice).
+_applied = set()
 
 
 def _get_settings():
-    """The allocator settings string torch holds now ('' when it cannot say)."""
+    """The allocator settings string torch holds now; None when this torch cannot say."""
     get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if get is None:
+        return None
     try:
-        return get() if get is not None else ""
+        return get()
     except RuntimeError:
-        return ""
+        return None
 
 
 def _set_settings(text):
@@ -46,34 +58,50 @@ def _set_settings(text):
     if setter is None:
         return False
     setter(text)
+    _applied.add(text)
     return True
 
 
 def user_configured():
-    """The allocator settings the process chose itself (an environment variable, or settings
-    applied before strata.torch touched them), or None."""
+    """The allocator settings the process chose itself (a non-empty environment variable, or
+    settings applied through torch before strata.torch touched them, where torch can say),
+    or None."""
     for name in _ENV:
         if os.environ.get(name):
             return os.environ[name]
     settings = _get_settings()
-    return settings if settings and not _turned_on else None
+    return settings if settings and settings not in _applied else None
+
+
+def _native_backend():
+    try:
+        return torch.cuda.get_allocator_backend() == "native"
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _settings_say_expandable(text):
-    for item in text.replace(";", ",").split(","):
+    """Whether allocator settings as torch parses them (comma-separated key:value, the value
+    exactly True or False) turn expandable segments on."""
+    for item in text.split(","):
         key, _, value = item.partition(":")
         if key.strip() == "expandable_segments":
-            return value.strip().lower() == "true"
+            return value.strip() == "True"
     return False
 
 
 def expandable_segments():
-    """Whether the caching allocator now grows expandable segments (strata.torch turned them
-    on, or the process's settings ask for them)."""
-    if _turned_on:
-        return True
+    """Whether the caching allocator now grows expandable segments: what torch's settings say
+    where it can say, else what strata.torch or the environment set."""
+    if not _native_backend():
+        return False
+    settings = _get_settings()
+    if settings:
+        return _settings_say_expandable(settings)
     configured = user_configured()
-    return configured is not None and _settings_say_expandable(configured)
+    if configured is not None:
+        return _settings_say_expandable(configured)
+    return _turned_on
 
 
 def prefer_expandable_segments(device):
@@ -81,12 +109,8 @@ def prefer_expandable_segments(device):
     runs another backend; returns a function that undoes it (for a failed offload), or None
     when nothing changed."""
     global _turned_on
-    if device.type != "cuda" or _turned_on or user_configured() is not None:
-        return None
-    try:
-        if torch.cuda.get_allocator_backend() != "native":
-            return None
-    except (AttributeError, RuntimeError):
+    if device.type != "cuda" or _turned_on or user_configured() is not None \
+            or not _native_backend():
         return None
     if not _set_settings("expandable_segments:True"):
         return None

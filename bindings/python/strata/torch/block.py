@@ -57,7 +57,7 @@ def note_memory(session, error):
             error.add_note(
                 "strata.torch: %d resident block(s) were keeping their activations (measured "
                 "spare memory); from the next step they are recomputed again" % keeper.count)
-            keeper.count = keeper.whole = 0
+            keeper.stop()
 
 
 def _autocast_state(device_type):

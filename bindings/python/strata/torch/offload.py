@@ -3,6 +3,7 @@ same nn.Module with the same parameters and names; each block's forward is repla
 that streams it (strata.torch.block), and its state_dict / load_state_dict read and write the
 values in Strata."""
 
+import functools
 import os
 import time
 
@@ -244,14 +245,13 @@ def _keep_resident(keeper, index, block):
             return run(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         args, kwargs = tree_unflatten(without_caches(leaves), spec)
-        if index == len(keeper.blocks) - 1:
-            keeper.observe(index, run, args, kwargs)
+        keeper.observe(index, run, args, kwargs)
         mode = keeper.mode(index, args)
         if mode == "whole":
             return run(*args, **kwargs)
         if mode == "selective":
             return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
-                              context_fn=keeper.context, **kwargs)
+                              context_fn=functools.partial(keeper.context, index), **kwargs)
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     block.forward = forward
@@ -293,9 +293,10 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     and for the update). The training is bit for bit the same. With nvme=, DRAM then holds no
     grads either: down to the staging and one block's grads to read them through. Not yet
     under data parallelism.
-    On CUDA, torch's caching allocator grows expandable segments from here on unless the
-    process configured it (PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF set, to anything:
-    `expandable_segments:False` keeps the default; strata.torch.allocator says why).
+    On CUDA without data parallelism, torch's caching allocator grows expandable segments from
+    here on unless the process configured it (PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF
+    non-empty: `expandable_segments:False` keeps the default; strata.torch.allocator says why,
+    and what expandable segments do not support).
     A failed call leaves the model as it was and releases what it allocated."""
     if getattr(model, "strata", None) is not None:
         raise RuntimeError("strata.torch.offload: this model is already offloaded "
@@ -450,9 +451,10 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
             session.close()
             raise
     # Expandable segments, unless the process configured the allocator (strata.torch.allocator:
-    # the default allocator's fixed segments strand what the loss's transients leave behind).
+    # the default allocator's fixed segments strand what the loss's transients leave behind);
+    # not under data parallelism (NCCL's buffer registration needs the default).
     from .allocator import prefer_expandable_segments
-    undo_allocator = prefer_expandable_segments(device)
+    undo_allocator = prefer_expandable_segments(device) if mesh is None else None
     started = time.perf_counter()
     session.applying = False
     installed = []
