@@ -385,7 +385,7 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
     """run_one's measured steps and what it reports of them."""
     import torch
     from llama_zoo.torch_llama import flops_per_token
-    times, losses = [], []
+    times, losses, every = [], [], []  # every: each step's seconds, the warm-up ones too
     phases = {}  # name -> [(host seconds, device seconds) since the step's start], per step
     for i in range(warmup + steps):
         marks.clear()
@@ -399,9 +399,10 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
         losses.append(loss.item())
         if cuda:
             torch.cuda.synchronize()
+        every.append(time.perf_counter() - t0)
         # Progress on stderr (a slow configuration's steps take minutes; seen with --one).
-        print("%s%s %s step %d: %.2f s, loss %.4f" % (PROGRESS, mode, preset, i,
-                                                    time.perf_counter() - t0, losses[-1]),
+        print("%s%s %s step %d: %.2f s, loss %.4f" % (PROGRESS, mode, preset, i, every[-1],
+                                                    losses[-1]),
               file=sys.stderr, flush=True)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -419,7 +420,8 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
     t = statistics.median(times)
     tokens = batch * seq
     six_p, full = flops_per_token(config, seq)
-    out.update(step_seconds=t, tokens_per_second=tokens / t, tflops_6pt=six_p * tokens / t / 1e12,
+    out.update(step_seconds=t, every_step_seconds=every, tokens_per_second=tokens / t,
+               tflops_6pt=six_p * tokens / t / 1e12,
                tflops_done=full * tokens / t / 1e12, losses=losses,
                peak_host_gb=peak_host_bytes() / 1e9,
                peak_device_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
@@ -464,6 +466,7 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
         if keeper is not None:  # one block's saved bytes, kept wholly and selectively
             out["kept_block_gb"] = [None if b is None else b / 1e9
                                     for b in (keeper.block_bytes, keeper.selective_bytes)]
+            out["kept_measure_seconds"] = keeper.measure_seconds
         out["plan"] += " (%d keep activations, %d of them wholly)" % (out["kept_activations"],
                                                                      out["kept_whole"])
         stats = model.strata.optimizer.stats()

@@ -46,6 +46,8 @@ runs checkpointed (activations and logits grow with the tokens, attention's with
 sequence). An out-of-memory error anywhere (the allocator counts them: a forward, a backward,
 a step) turns keeping off for good. Only on CUDA."""
 
+import time
+
 import torch
 
 
@@ -271,6 +273,7 @@ class ActivationKeeper:
         # for all: blocks can differ (dense and mixture-of-experts layers in one model), in
         # their bytes and in whether keeping them selectively is safe at all.
         self.measured = {}
+        self.measure_seconds = 0.0  # host time spent measuring (what the first steps pay)
         self.decided = False
         self.ooms = 0  # the allocator's out-of-memory count when the plan was made
 
@@ -335,8 +338,10 @@ class ActivationKeeper:
             self.tokens = tokens
             self.measured = {}
         if tokens == self.tokens and index not in self.measured:
+            started = time.perf_counter()
             self.measured[index] = measure(run, args, kwargs, self.device,
                                            list(self.blocks[index].parameters()))
+            self.measure_seconds += time.perf_counter() - started
 
     def context(self, index):
         """checkpoint(context_fn=...) for resident block `index` kept selectively."""
