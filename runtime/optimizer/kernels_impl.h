@@ -231,7 +231,10 @@ double sum_squares_typed(const ParamArrays& a, std::size_t begin, std::size_t en
   const G* __restrict g = static_cast<const G*>(a.grad);
   const float* __restrict acc = a.grad_accum;
   // Per-lane fp32 partial sums over short blocks (vectorizes without reassociating), added up
-  // in double: accurate for billions of elements without a double-width inner loop.
+  // in double: accurate for billions of elements without a double-width inner loop. A block
+  // whose fp32 squares overflow (finite grads above ~1.8e19, as a large loss scale makes them:
+  // torch's GradScaler finds no inf there) is summed again in double, so the total is
+  // infinite only where a grad is.
   constexpr std::size_t kLanes = 16, kBlock = 1024;
   double total = 0;
   std::size_t b = begin;
@@ -242,6 +245,17 @@ double sum_squares_typed(const ParamArrays& a, std::size_t begin, std::size_t en
         const float x = raw_grad(g, acc, i + j);
         lanes[j] += x * x;
       }
+    }
+    float block = 0;
+    for (float l : lanes) block += l;
+    if (!std::isfinite(block)) {
+      double wide = 0;
+      for (std::size_t i = b; i < b + kBlock; ++i) {
+        const double x = raw_grad(g, acc, i);
+        wide += x * x;
+      }
+      total += wide;
+      continue;
     }
     for (float l : lanes) total += l;
   }

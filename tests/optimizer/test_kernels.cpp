@@ -205,6 +205,16 @@ TEST_CASE("sum of squares and accumulation, with and without an accumulator", "[
     REQUIRE(std::abs(k.sum_squares(a, 0, n) - 9 * ref) <= 1e-6 * 9 * ref);
     g[17] = INFINITY;
     REQUIRE(!std::isfinite(k.sum_squares(a, 0, n)));
+    // Finite grads whose fp32 squares overflow (a large loss scale): the sum is finite, as
+    // torch's GradScaler sees them, and right in double.
+    a.grad_accum = nullptr;
+    g[17] = 0x1p70f;
+    g[n - 3] = -0x1p66f;  // in the tail past the last whole block
+    const double big = k.sum_squares(a, 0, n);
+    REQUIRE(std::isfinite(big));
+    REQUIRE(std::abs(big - (0x1p140 + 0x1p132)) <= 1e-6 * big);
+    a.grad_accum = acc.data();
+    g[n - 3] = 0.f;
     g[17] = 0.f;
     ref -= 0;  // (g[17] changed: recompute below for the next ISA)
     ref = 0;

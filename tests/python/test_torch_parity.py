@@ -889,9 +889,9 @@ def test_model_zero_grad(offload):
     assert_state_close(snapshot(model), snapshot(plain))
 
 
-def grad_scaler_loop(model, opt, data):
+def grad_scaler_loop(model, opt, data, init_scale=2.0 ** 10):
     """torch.amp.GradScaler: scaled backward, unscale_, clip, scaler.step, update."""
-    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=init_scale)
     losses = []
     for ids in data:
         loss = model(ids, labels=ids).loss
@@ -905,16 +905,21 @@ def grad_scaler_loop(model, opt, data):
     return losses, scaler.get_scale()
 
 
-def test_grad_scaler_unscale_and_clip(offload):
+@pytest.mark.parametrize("init_scale", [2.0 ** 10, 2.0 ** 70])
+def test_grad_scaler_unscale_and_clip(init_scale, offload):
     """Idiom: torch.amp.GradScaler's unscale_ before clipping, scaler.step(opt) (powers of two:
-    scaling and unscaling are exact, so the oracle is exact too)."""
+    scaling and unscaling are exact, so the oracle is exact too). At 2^70 the scaled grads are
+    finite but their fp32 squares are not: torch finds no inf and steps (the grads' sums of
+    squares overflowed and every step was skipped, the scale halved; a long run's scale grows
+    there)."""
     base = build("llama")
     data = batches(STEPS)
     plain = deepcopy(base)
-    expected, expected_scale = grad_scaler_loop(plain, plain_adamw(plain.parameters()), data)
+    expected, expected_scale = grad_scaler_loop(plain, plain_adamw(plain.parameters()), data,
+                                                init_scale)
     model = offload(deepcopy(base))
     opt = strata_adamw(model.parameters())
-    got, got_scale = grad_scaler_loop(model, opt, data)
+    got, got_scale = grad_scaler_loop(model, opt, data, init_scale)
     synchronize(opt)
     assert got_scale == expected_scale
     assert_losses_close(got, expected)
