@@ -606,8 +606,93 @@ def test_exception_mid_step_leaves_a_usable_session(failure, offload):
     model = deepcopy(base)
     armed = arm_failure(model, failure)
     model = offload(model)
+    model.strata.allow_inner_hooks = failure == "hook_inside_block"  # it only raises
     opt = strata_adamw(model.parameters())
     got = run_with_failing_step(model, opt, data, failure, armed)
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
+def aux_loss_run(model, opt, data, hooked):
+    """An auxiliary loss from what forward hooks on each block's MLP capture (activation
+    regularization; a mixture-of-experts router's balancing loss is collected this way)."""
+    captured, losses = [], []
+    handles = [b.mlp.register_forward_hook(lambda module, args, out: captured.append(out))
+               for b in blocks_of(model)] if hooked else []
+    try:
+        for ids in data:
+            captured.clear()
+            loss = model(ids, labels=ids).loss
+            (loss + 10.0 * sum(o.pow(2).mean() for o in captured)).backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        for h in handles:
+            h.remove()
+    return losses
+
+
+def test_forward_hooks_inside_streamed_blocks_are_refused(offload):
+    """Idiom: forward hooks inside a block capture activations for an auxiliary loss. A
+    streamed block's forward runs without grad (and again in the backward pass), so what they
+    capture has no gradient: the auxiliary loss silently did not train (found by a new-user
+    trial; Mixtral's router loss is collected through such hooks). Refused with a message that
+    names the module; the session trains on as plain PyTorch once the hooks are gone; under
+    no_grad, or with allow_inner_hooks for hooks that only observe, they run."""
+    base = build("llama")
+    data = batches(3)
+    model = offload(deepcopy(base))
+    opt = strata_adamw(model.parameters())
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp.*no gradient"):
+        aux_loss_run(model, opt, data[:1], hooked=True)
+    with torch.no_grad():
+        handle = blocks_of(model)[1].mlp.register_forward_hook(lambda *a: None)
+        model(data[0])
+        handle.remove()
+    plain = deepcopy(base)
+    expected = aux_loss_run(plain, plain_adamw(plain.parameters()), data, hooked=False)
+    got = aux_loss_run(model, opt, data, hooked=False)
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+    seen = []
+    handle = blocks_of(model)[1].mlp.register_forward_hook(lambda *a: seen.append(1))
+    model.strata.allow_inner_hooks = True
+    model(data[0], labels=data[0]).loss.backward()
+    opt.zero_grad()
+    handle.remove()
+    assert seen  # allowed: it ran
+
+
+def test_elementwise_writes_into_streamed_grads_are_refused(offload):
+    """Mistake: an elementwise change of a streamed grad (a mask, a per-row scale, add_) is
+    refused with the documented message (a mask reached float() and said "only one element
+    tensors can be converted to Python scalars"); a _foreach_ call that holds one refuses
+    before it changes any grad; scaling by one number works, and training goes on as plain
+    PyTorch."""
+    base = build("llama")
+    data = batches(3)
+    model = offload(deepcopy(base))
+    opt = strata_adamw(model.parameters())
+    model(data[0], labels=data[0]).loss.backward()
+    weight = blocks_of(model)[0].mlp.down_proj.weight
+    embedding = model.get_input_embeddings().weight
+    with pytest.raises(RuntimeError, match=r"by a tensor of \d+ elements.*one number"):
+        weight.grad.mul_(torch.ones_like(weight))
+    with pytest.raises(RuntimeError, match="changes the grad of a streamed parameter in place"):
+        weight.grad.add_(1.0)
+    before = embedding.grad.clone()
+    with pytest.raises(RuntimeError, match="grad of a streamed parameter"):
+        torch._foreach_mul_([embedding.grad, weight.grad],
+                            [torch.full_like(embedding, 2.0), torch.full_like(weight, 2.0)])
+    assert torch.equal(embedding.grad, before)
+    weight.grad.mul_(torch.tensor(0.5))  # one number: supported
+    opt.zero_grad()
+    plain = deepcopy(base)
+    expected = train(plain, plain_adamw(plain.parameters()), data)[0]
+    got = train(model, opt, data)[0]
     synchronize(opt)
     assert_losses_close(got, expected)
     assert_state_close(snapshot(model), snapshot(plain))

@@ -179,6 +179,36 @@ def _recompute_grads(ctx, grad_outs, params):
     input_grads = iter(grads[:n_inputs])
     return [next(input_grads) if t.requires_grad else None for t in inputs], grads[n_inputs:]
 
+def inner_forward_hooks(block, prefix):
+    """The modules inside `block` (not the block itself) with forward or forward-pre hooks,
+    by name, and torch's global forward hooks, which run on every module."""
+    from torch.nn.modules import module as module_globals
+    found = ["%s%s" % (prefix, name) for name, m in block.named_modules()
+             if m is not block and (m._forward_hooks or m._forward_pre_hooks)]
+    if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
+        found.append("every module (torch.nn.modules.module.register_module_forward_hook)")
+    return found
+
+
+def refuse_inner_hooks(session, index):
+    """A streamed block's forward runs without grad and again in the backward pass: a hook
+    inside it fires twice a step and captures tensors with no gradient, so a loss built from
+    them (a mixture-of-experts router's auxiliary loss, collected through hooks) would silently
+    not train. Refused, unless the session allows hooks that only observe."""
+    if getattr(session, "allow_inner_hooks", False):
+        return
+    found = inner_forward_hooks(session.blocks[index], session.prefixes[index])
+    if found:
+        raise NotImplementedError(
+            "strata.torch: a forward hook is registered on %s, inside streamed block %s: a "
+            "streamed block's forward runs without grad and is recomputed in the backward "
+            "pass, so the hook would run twice a step and what it captures carries no "
+            "gradient (a loss built from it, such as a router's auxiliary loss collected "
+            "through hooks, would silently not train). Register the hook on the block itself "
+            "(its outputs carry gradients), or set model.strata.allow_inner_hooks = True for "
+            "hooks that only observe" % (", ".join(found), session.prefixes[index].rstrip(".")))
+
+
 def streamed_forward(session, index, run):
     """The forward installed on block `index`: `run` is its original forward."""
 
@@ -190,6 +220,7 @@ def streamed_forward(session, index, run):
                 return run(*args, **kwargs)
             finally:
                 session.unbind(index)
+        refuse_inner_hooks(session, index)
         leaves, spec = tree_flatten((args, kwargs))
         leaves = without_caches(leaves)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]

@@ -32,11 +32,20 @@ _PASSTHROUGH = {aten.detach.default, aten.alias.default}
 _UNSCALE = {aten._amp_foreach_non_finite_check_and_unscale_.default}
 
 
-def _factor(x, i=None):
-    if isinstance(x, torch.Tensor):
-        return float(x.reshape(-1)[0] if x.numel() == 1 else x[i])
+def _factor(x, i=None, name="mul_"):
+    """The one number a streamed grad is scaled by (`x`, or its i-th item for a _foreach_ op's
+    list); a tensor of several elements (a mask, a per-row scale) would change the grad
+    elementwise, which a streamed grad does not support: refused by name."""
     if isinstance(x, (list, tuple)):
-        return float(x[i])
+        x = x[i]
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise RuntimeError(
+                "strata.torch: %s by a tensor of %d elements would change the grad of a "
+                "streamed parameter elementwise; streamed grads support mul_ and div_ by one "
+                "number (a Python number or a one-element tensor), zero_ and reading; their "
+                "values live in Strata" % (name, x.numel()))
+        return float(x.reshape(-1)[0])
     return float(x)
 
 
@@ -133,7 +142,7 @@ class StreamedGrad(torch.Tensor):
             if dim is None and not kwargs.get("dtype"):
                 return args[0]._norm(ord_)
         if func in _SCALE_INPLACE and isinstance(args[0], StreamedGrad):
-            f = _factor(args[1])
+            f = _factor(args[1], name=func.__name__)
             args[0]._scale(1.0 / f if func in (aten.div_.Tensor, aten.div_.Scalar) else f)
             return args[0]
         if func in _ZERO_INPLACE and isinstance(args[0], StreamedGrad):
@@ -144,14 +153,18 @@ class StreamedGrad(torch.Tensor):
             return _foreach_norm(args[0], ord_)
         if func in _FOREACH_SCALE:
             divide = "div" in func.__name__
+            # Every streamed grad's factor first: a refused one changes no grad.
+            factors = [_factor(args[1], i, func.__name__) if isinstance(t, StreamedGrad)
+                       else None for i, t in enumerate(args[0])]
             for i, t in enumerate(args[0]):
-                f = _factor(args[1], i)
                 if isinstance(t, StreamedGrad):
-                    t._scale(1.0 / f if divide else f)
-                elif divide:
-                    t.div_(f)
+                    t._scale(1.0 / factors[i] if divide else factors[i])
+                    continue
+                other = args[1][i] if isinstance(args[1], (list, tuple)) else args[1]
+                if divide:
+                    t.div_(other)
                 else:
-                    t.mul_(f)
+                    t.mul_(other)
             return None
         if func in _UNSCALE:
             # torch.amp.GradScaler.unscale_: grads *= inv_scale, found_inf = 1 if any is not

@@ -144,6 +144,9 @@ class StrataSession:
                                     device=(device.index or 0) if self.cuda else 0)
         self.timed("runtime", started)
         self.prefixes = names  # per block: its name in the model ("model.layers.3.")
+        # Forward hooks inside streamed blocks are refused (strata.torch.block.refuse_inner_hooks)
+        # unless the user says they only observe.
+        self.allow_inner_hooks = False
         self.layers = []  # per block: [StreamedParam] in named_parameters order
         self.by_id = {}  # id(param) -> StreamedParam
         self.executor = None
