@@ -698,6 +698,76 @@ def test_elementwise_writes_into_streamed_grads_are_refused(offload):
     assert_state_close(snapshot(model), snapshot(plain))
 
 
+class StatefulBlock(torch.nn.Module):
+    """A block whose forward changes its buffers: BatchNorm's running statistics, and a call
+    counter it also computes with."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width, bias=False)
+        self.bn = torch.nn.BatchNorm1d(width)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return x + torch.tanh(self.bn(self.lin(x))) * (1 + 0.1 * self.calls)
+
+
+class StatefulNet(torch.nn.Module):
+    def __init__(self, width=16, blocks=3):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, width)
+        self.blocks = torch.nn.ModuleList(StatefulBlock(width) for _ in range(blocks))
+        self.out = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("resident", [0, 1])
+def test_buffers_a_block_changes_change_once_a_step(resident, offload):
+    """Idiom: a block's forward updates buffers in place (BatchNorm's running statistics, a
+    counter). The recompute in the backward pass repeats the forward: it ran on buffers the
+    forward had already changed (the counter computed other values, so other grads) and
+    changed them again (BatchNorm's statistics moved twice a step); found by a new-user trial.
+    Now each step changes them once, as in plain PyTorch, for streamed and resident blocks,
+    and the evaluation after training agrees."""
+    torch.manual_seed(0)
+    base = StatefulNet().to(DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(32, 8, generator=gen).to(DEVICE) for _ in range(4)]
+    ys = [torch.randn(32, 1, generator=gen).to(DEVICE) for _ in range(4)]
+
+    def run(model, opt):
+        losses = []
+        for x, y in zip(xs, ys):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        model.eval()
+        with torch.no_grad():
+            losses.append(torch.nn.functional.mse_loss(model(xs[0]), ys[0]).item())
+        model.train()
+        return losses
+
+    plain = deepcopy(base)
+    expected = run(plain, plain_adamw(plain.parameters()))
+    model = offload(deepcopy(base), resident_blocks=resident)
+    opt = strata_adamw(model.parameters())
+    got = run(model, opt)
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    state = snapshot(model)
+    assert all(state["blocks.%d.calls" % i].item() == len(xs) + 1 for i in range(3))
+    assert all(state["blocks.%d.bn.num_batches_tracked" % i].item() == len(xs) for i in range(3))
+    assert_state_close(state, snapshot(plain))
+
+
 def test_offload_twice_raises_a_clear_error(offload):
     """Idiom (mistake): st.offload on a model already offloaded: a clear error saying so, and
     the first session still trains as plain PyTorch."""

@@ -60,6 +60,47 @@ def note_memory(session, error):
             keeper.stop()
 
 
+class BufferSnapshot:
+    """A block's buffers before a forward pass that its recompute will repeat: the ones the
+    forward changed in place (BatchNorm's running statistics, a call counter) are put back
+    before the recompute, so it computes what the forward computed and leaves them as the
+    forward did: changed once a step, as in plain PyTorch (torch's own checkpointing changes
+    them twice)."""
+
+    def __init__(self, module):
+        self.before = [(b, b.clone(), b._version) for b in module.buffers()]
+
+    def forward_done(self):
+        """Keeps the values of the buffers the forward changed; drops the rest. Compared by
+        value too: some kernels write a buffer without bumping its version (BatchNorm's
+        running statistics on the CPU)."""
+        self.before = [(b, value) for b, value, version in self.before
+                       if b._version != version or not torch.equal(b, value)]
+
+    def restore(self):
+        """Before the recompute: the changed buffers as they were before the forward."""
+        with torch.no_grad():
+            for b, value in self.before:
+                b.copy_(value)
+
+
+def restoring_buffers(module, run):
+    """`run` for torch's checkpoint: its first call snapshots `module`'s buffers, its second
+    (the recompute) restores the ones the first changed before running."""
+    state = []
+
+    def call(*args, **kwargs):
+        if state:
+            state[0].restore()
+            return run(*args, **kwargs)
+        state.append(BufferSnapshot(module))
+        out = run(*args, **kwargs)
+        state[0].forward_done()
+        return out
+
+    return call
+
+
 def _autocast_state(device_type):
     if not torch.is_autocast_enabled(device_type):
         return None
@@ -88,7 +129,9 @@ class StreamedBlockFunction(torch.autograd.Function):
         session.begin(index, FORWARD)
         try:
             args, kwargs = tree_unflatten(leaves, spec)
+            buffers = BufferSnapshot(session.blocks[index])
             out = run(*args, **kwargs)
+            buffers.forward_done()
         except BaseException as e:
             session.abort()
             note_memory(session, e)
@@ -97,7 +140,7 @@ class StreamedBlockFunction(torch.autograd.Function):
         out_leaves, out_spec = tree_flatten(out)
         out_positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
         box.append((out_leaves, out_spec, out_positions))
-        ctx.session, ctx.index, ctx.run = session, index, run
+        ctx.session, ctx.index, ctx.run, ctx.buffers = session, index, run, buffers
         ctx.leaves, ctx.spec, ctx.positions = leaves, spec, positions
         ctx.step_id = session.step_id
         ctx.save_for_backward(*tensors)
@@ -162,6 +205,7 @@ def _recompute_grads(ctx, grad_outs, params):
         leaves[pos] = t
     args, kwargs = tree_unflatten(leaves, ctx.spec)
     devices = [session.device] if session.cuda else []
+    ctx.buffers.restore()
     with torch.random.fork_rng(devices=devices, device_type=session.device.type):
         torch.set_rng_state(ctx.cpu_rng)
         if session.cuda:

@@ -237,7 +237,7 @@ def _keep_resident(keeper, index, block):
     from torch.utils._pytree import tree_flatten, tree_unflatten
     from torch.utils.checkpoint import checkpoint
 
-    from .block import without_caches
+    from .block import restoring_buffers, without_caches
     run = block.forward
 
     def forward(*args, **kwargs):
@@ -249,10 +249,11 @@ def _keep_resident(keeper, index, block):
         mode = keeper.mode(index, args)
         if mode == "whole":
             return run(*args, **kwargs)
+        once = restoring_buffers(block, run)  # buffers changed once a step, as in plain torch
         if mode == "selective":
-            return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
+            return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True,
                               context_fn=functools.partial(keeper.context, index), **kwargs)
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     block.forward = forward
 
