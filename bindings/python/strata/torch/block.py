@@ -61,24 +61,20 @@ def note_memory(session, error):
 
 
 class BufferSnapshot:
-    """A block's buffers before a forward pass that its recompute will repeat: the ones the
-    forward changed in place (BatchNorm's running statistics, a call counter) are put back
-    before the recompute, so it computes what the forward computed and leaves them as the
-    forward did: changed once a step, as in plain PyTorch (torch's own checkpointing changes
-    them twice)."""
+    """A block's buffers before a forward pass that its recompute will repeat, put back before
+    the recompute, so it computes what the forward computed and leaves them as the forward did:
+    the ones it changes in place (BatchNorm's running statistics, a call counter) change once a
+    step, as in plain PyTorch (torch's own checkpointing changes them twice). Every buffer is
+    kept and put back, not only those whose version changed: some kernels write buffers without
+    bumping their version (BatchNorm's statistics on the CPU), and comparing values would wait
+    for the device in every forward. A decoder block usually has none; their copies are held
+    from the forward to the recompute."""
 
     def __init__(self, module):
-        self.before = [(b, b.clone(), b._version) for b in module.buffers()]
-
-    def forward_done(self):
-        """Keeps the values of the buffers the forward changed; drops the rest. Compared by
-        value too: some kernels write a buffer without bumping its version (BatchNorm's
-        running statistics on the CPU)."""
-        self.before = [(b, value) for b, value, version in self.before
-                       if b._version != version or not torch.equal(b, value)]
+        self.before = [(b, b.clone()) for b in module.buffers()]
 
     def restore(self):
-        """Before the recompute: the changed buffers as they were before the forward."""
+        """Before the recompute: the buffers as they were before the forward."""
         with torch.no_grad():
             for b, value in self.before:
                 b.copy_(value)
@@ -94,9 +90,7 @@ def restoring_buffers(module, run):
             state[0].restore()
             return run(*args, **kwargs)
         state.append(BufferSnapshot(module))
-        out = run(*args, **kwargs)
-        state[0].forward_done()
-        return out
+        return run(*args, **kwargs)
 
     return call
 
@@ -131,7 +125,6 @@ class StreamedBlockFunction(torch.autograd.Function):
             args, kwargs = tree_unflatten(leaves, spec)
             buffers = BufferSnapshot(session.blocks[index])
             out = run(*args, **kwargs)
-            buffers.forward_done()
         except BaseException as e:
             session.abort()
             note_memory(session, e)
