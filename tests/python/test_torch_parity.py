@@ -768,6 +768,75 @@ def test_buffers_a_block_changes_change_once_a_step(resident, offload):
     assert_state_close(state, snapshot(plain))
 
 
+class BranchingBlock(torch.nn.Module):
+    """A block with a branch a step may not take (a mixture-of-experts expert that got no
+    tokens): `extra` gets no grad then."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.extra = torch.nn.Linear(width, width)
+        self.use_extra = True
+
+    def forward(self, x):
+        y = x + torch.tanh(self.lin(x))
+        return y + 0.1 * self.extra(x) if self.use_extra else y
+
+
+class BranchingNet(torch.nn.Module):
+    def __init__(self, width=16, blocks=2):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, width)
+        self.blocks = torch.nn.ModuleList(BranchingBlock(width) for _ in range(blocks))
+        self.out = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_parameter_without_grad_is_not_updated(set_to_none, offload):
+    """Idiom: a block's branch not taken in a step leaves its parameters' grads None, and
+    torch's AdamW skips them (no moment decay, no weight decay); they were updated with a zero
+    grad (found by a new-user trial). Steps: the branch taken; not taken; taken in one of two
+    accumulated micro-batches; taken. With zero_grad(set_to_none=False) the grads are zeros
+    instead, and torch updates with them: so does Strata."""
+    torch.manual_seed(0)
+    base = BranchingNet().to(DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(16, 8, generator=gen).to(DEVICE) for _ in range(5)]
+    ys = [torch.randn(16, 1, generator=gen).to(DEVICE) for _ in range(5)]
+    plan = [[True], [False], [False, True], [True]]  # per step: each micro-batch's branch
+
+    def run(model, opt):
+        losses, seen, i = [], [], 0
+        for micro in plan:
+            for use in micro:
+                for b in model.blocks:
+                    b.use_extra = use
+                loss = torch.nn.functional.mse_loss(model(xs[i]), ys[i])
+                loss.backward()
+                losses.append(loss.item())
+                i += 1
+            seen.append(model.blocks[0].extra.weight.grad is None)
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        return losses, seen
+
+    plain = deepcopy(base)
+    expected, expected_seen = run(plain, plain_adamw(plain.parameters()))
+    model = offload(deepcopy(base))
+    opt = strata_adamw(model.parameters())
+    got, got_seen = run(model, opt)
+    synchronize(opt)
+    assert got_seen == expected_seen
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
 def test_offload_twice_raises_a_clear_error(offload):
     """Idiom (mistake): st.offload on a model already offloaded: a clear error saying so, and
     the first session still trains as plain PyTorch."""

@@ -157,6 +157,10 @@ class StrataSession:
         self.held = set()  # ids of trainable streamed params the optimizer holds a grad for
         self.landed_layers = set()  # blocks whose backward pass this step delivered grads
         self.delivered = []  # parameters of the block being released that got grads
+        # Trainable parameters a backward pass gave no grad (a branch their block did not take)
+        # and that held none before it: their grads go back to None when it has landed, so
+        # the update skips them, as torch's AdamW skips a parameter whose .grad is None.
+        self.ungraded = []
 
     # --- registration ----------------------------------------------------------------------
 
@@ -484,6 +488,8 @@ class StrataSession:
                 view.copy_(g)
                 del view
                 self.delivered.append(sp)
+            elif id(sp.param) not in self.held or sp.param.grad is None:
+                self.ungraded.append(sp)
 
     def end(self, index, phase):
         self.release_layer(index, phase)
@@ -540,6 +546,9 @@ class StrataSession:
         if self.optimizer is None:
             return
         from .grads import StreamedGrad
+        for sp in self.ungraded:  # landed as zeros: back to none (waits for its layer's landing)
+            self.optimizer.grad_zero(sp.weight, keep_zeros=False)
+        self.ungraded = []
         for entries in self.layers:
             for sp in entries:
                 if not sp.trainable or (id(sp.param) in self.held and sp.param.grad is not None):
