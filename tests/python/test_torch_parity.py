@@ -837,6 +837,63 @@ def test_a_parameter_without_grad_is_not_updated(set_to_none, offload):
     assert_state_close(snapshot(model), snapshot(plain))
 
 
+class OrderedNet(BranchingNet):
+    """BranchingNet running its blocks in `order` (LayerDrop skips some, a looped model
+    repeats one)."""
+
+    def __init__(self, blocks=3):
+        super().__init__(blocks=blocks)
+        self.order = list(range(blocks))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for i in self.order:
+            h = self.blocks[i](h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("order,match", [
+    ([0, 2], "block 2 ran its forward pass where block 1 was next"),
+    ([0, 1], r"ran streamed blocks 0\.\.1 of 3"),
+    ([0, 1, 1, 2], "block 1 ran its forward pass where block 2 was next"),
+    ([2, 1, 0], "block 2 ran its forward pass where block 0 was next"),
+])
+def test_blocks_skipped_repeated_or_reordered_are_refused(order, match, offload):
+    """Mistake: LayerDrop, an early exit, a repeated or reordered block, with grad. Refused
+    with a message that says what is supported (the executor's "acquire of layer 2 out of
+    order", "acquire outside a step" or the retain_graph message came before; found by a
+    new-user trial), and the session trains on as plain PyTorch."""
+    torch.manual_seed(0)
+    base = OrderedNet().to(DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(16, 8, generator=gen).to(DEVICE) for _ in range(3)]
+    ys = [torch.randn(16, 1, generator=gen).to(DEVICE) for _ in range(3)]
+
+    def run(model, opt):
+        losses = []
+        for x, y in zip(xs, ys):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    model = offload(deepcopy(base))
+    opt = strata_adamw(model.parameters())
+    model.order = order
+    with pytest.raises(RuntimeError, match=match):
+        torch.nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
+    opt.zero_grad()
+    model.order = [0, 1, 2]
+    plain = deepcopy(base)
+    expected = run(plain, plain_adamw(plain.parameters()))
+    got = run(model, opt)
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
 def test_offload_twice_raises_a_clear_error(offload):
     """Idiom (mistake): st.offload on a model already offloaded: a clear error saying so, and
     the first session still trains as plain PyTorch."""

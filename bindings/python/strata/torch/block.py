@@ -144,6 +144,14 @@ class StreamedBlockFunction(torch.autograd.Function):
         session, index = ctx.session, ctx.index
         if not torch._C._will_engine_execute_node(session.anchor_node):
             return StreamedBlockFunction._input_grads_only(ctx, grad_outs)
+        if ctx.step_id == session.step_id and session.in_step and \
+                session.backward_next != index and \
+                session.forward_next < len(session.layers):
+            raise RuntimeError(
+                "strata.torch: the forward pass ran streamed blocks 0..%d of %d: with grad, "
+                "every streamed block runs once per forward pass (skipping the last ones, as "
+                "LayerDrop or an early exit does, is not supported)"
+                % (session.forward_next - 1, len(session.layers)))
         if ctx.step_id != session.step_id or not session.in_step or \
                 session.backward_next != index:
             raise RuntimeError(

@@ -154,6 +154,7 @@ class StrataSession:
         self.in_step = False
         self.step_id = 0  # advances at every step_begin: a stale backward can tell
         self.backward_next = None  # the block whose backward the executor expects next
+        self.forward_next = 0  # and whose forward, within a step
         self.held = set()  # ids of trainable streamed params the optimizer holds a grad for
         self.landed_layers = set()  # blocks whose backward pass this step delivered grads
         self.delivered = []  # parameters of the block being released that got grads
@@ -467,7 +468,18 @@ class StrataSession:
             self.in_step = True
             self.step_id += 1
             self.backward_next = len(self.layers) - 1
+            self.forward_next = 0
+        if phase == FORWARD and (not self.in_step or index != self.forward_next):
+            raise RuntimeError(
+                "strata.torch: streamed block %d ran its forward pass where block %d was next: "
+                "with grad, the streamed blocks run in order, each once per forward pass, "
+                "from block 0 (their weights stream in that order): skipping blocks "
+                "(LayerDrop), repeating one or reordering them is not supported (under "
+                "torch.no_grad() any order works)"
+                % (index, self.forward_next if self.in_step else 0))
         self.acquire_layer(index, phase)
+        if phase == FORWARD:
+            self.forward_next = index + 1
 
     def acquire_layer(self, index, phase):
         """The executor's acquire of the block, its parameters bound to the weights."""
