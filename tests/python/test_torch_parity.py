@@ -894,6 +894,23 @@ def test_blocks_skipped_repeated_or_reordered_are_refused(order, match, offload)
     assert_state_close(snapshot(model), snapshot(plain))
 
 
+def test_shared_blocks_are_refused_before_anything_changes(offload):
+    """Mistake: one block applied N times (ALBERT), or blocks with tied parameters: refused at
+    offload, naming the blocks (the optimizer raised ALREADY_EXISTS at every retry before;
+    found by a new-user trial), and the model is left as it was."""
+    model = OrderedNet()
+    model.blocks = torch.nn.ModuleList([model.blocks[0]] * 3)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="blocks 0 and 1 share parameter 'lin.weight'"):
+        offload(model)
+    assert getattr(model, "strata", None) is None
+    assert_state_close(snapshot(model), before, exact=True)
+    tied = OrderedNet()
+    tied.blocks[2].extra.weight = tied.blocks[1].lin.weight
+    with pytest.raises(ValueError, match="blocks 1 and 2 share parameter"):
+        offload(tied)
+
+
 def test_offload_twice_raises_a_clear_error(offload):
     """Idiom (mistake): st.offload on a model already offloaded: a clear error saying so, and
     the first session still trains as plain PyTorch."""

@@ -37,6 +37,21 @@ def find_blocks(model):
     return best
 
 
+def _refuse_shared_blocks(blocks):
+    """Blocks that are one module, or share parameters (ALBERT's one block applied N times):
+    each streamed block's weights and grads have a place of their own in Strata, one update
+    per step; a shared one would be registered twice. Refused before anything changes."""
+    owner = {}
+    for i, block in enumerate(blocks):
+        for name, p in block.named_parameters():
+            if id(p) in owner and owner[id(p)][0] != i:
+                raise ValueError(
+                    "strata.torch.offload: blocks %d and %d share parameter %r (the same module "
+                    "or tied weights, as ALBERT repeats one block): streamed blocks each need "
+                    "their own parameters; nothing was changed" % (owner[id(p)][0], i, name))
+            owner.setdefault(id(p), (i, name))
+
+
 def rebuild_meta_buffers(module, device):
     """Buffers still on the meta device after materializing (non-persistent ones computed in
     __init__, such as rotary inverse frequencies, which neither to_empty nor _init_weights
@@ -339,6 +354,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     if backend == "auto":
         backend = "cuda" if device.type == "cuda" else "host"
     all_blocks = find_blocks(model)
+    _refuse_shared_blocks(all_blocks)
     if dtype is None:
         dtype = next(all_blocks.parameters()).dtype
     if dtype not in DTYPE_NAMES:
