@@ -323,6 +323,23 @@ def test_every_resident_block_is_measured():
     assert [keeper.mode(i, x) for i in range(3)] == [None, None, "whole"]
 
 
+def test_measuring_leaves_the_buffers_alone():
+    """The fake forward that measures a block runs ops on 0-dim CPU buffers for real (a call
+    counter, BatchNorm's num_batches_tracked): measuring put them one step ahead, and the
+    block trained differently on CUDA (found by the buffer parity test there). They are put
+    back after it."""
+    from test_torch_parity import StatefulBlock
+    block = StatefulBlock(16)
+    keeper = ActivationKeeper(torch.device("cpu"), [block])
+    keeper.enabled = True
+    x = torch.randn(8, 16, requires_grad=True)
+    before = {k: v.clone() for k, v in block.state_dict().items()}
+    keeper.observe(0, block.forward, (x,), {})
+    assert keeper.measured[0] is not None
+    for k, v in block.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_an_out_of_memory_error_turns_keeping_off():
     """An out-of-memory error in a forward pass while blocks keep their activations says so,
     and the next steps recompute again (the measured plan did not hold for that step)."""

@@ -338,9 +338,16 @@ class ActivationKeeper:
             self.tokens = tokens
             self.measured = {}
         if tokens == self.tokens and index not in self.measured:
+            from .block import BufferSnapshot
             started = time.perf_counter()
-            self.measured[index] = measure(run, args, kwargs, self.device,
-                                           list(self.blocks[index].parameters()))
+            # The fake forward runs ops on 0-dim CPU buffers for real (a call counter,
+            # BatchNorm's num_batches_tracked): they are put back after it.
+            buffers = BufferSnapshot(self.blocks[index])
+            try:
+                self.measured[index] = measure(run, args, kwargs, self.device,
+                                               list(self.blocks[index].parameters()))
+            finally:
+                buffers.restore()
             self.measure_seconds += time.perf_counter() - started
 
     def context(self, index):
