@@ -338,16 +338,16 @@ class ActivationKeeper:
             self.tokens = tokens
             self.measured = {}
         if tokens == self.tokens and index not in self.measured:
-            from .block import BufferSnapshot
+            from .block import ForwardState
             started = time.perf_counter()
             # The fake forward runs ops on 0-dim CPU buffers for real (a call counter,
             # BatchNorm's num_batches_tracked): they are put back after it.
-            buffers = BufferSnapshot(self.blocks[index])
+            state = ForwardState(self.blocks[index])
             try:
                 self.measured[index] = measure(run, args, kwargs, self.device,
                                                list(self.blocks[index].parameters()))
             finally:
-                buffers.restore()
+                state.restore_buffers()
             self.measure_seconds += time.perf_counter() - started
 
     def context(self, index):

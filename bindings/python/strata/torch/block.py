@@ -60,36 +60,53 @@ def note_memory(session, error):
             keeper.stop()
 
 
-class BufferSnapshot:
-    """A block's buffers before a forward pass that its recompute will repeat, put back before
-    the recompute, so it computes what the forward computed and leaves them as the forward did:
-    the ones it changes in place (BatchNorm's running statistics, a call counter) change once a
-    step, as in plain PyTorch (torch's own checkpointing changes them twice). Every buffer is
-    kept and put back, not only those whose version changed: some kernels write buffers without
-    bumping their version (BatchNorm's statistics on the CPU), and comparing values would wait
-    for the device in every forward. A decoder block usually has none; their copies are held
-    from the forward to the recompute."""
+class ForwardState:
+    """What a block's forward pass ran with that its recompute must run with again: its
+    buffers before the forward (put back before the recompute, so it computes what the forward
+    computed and leaves them as the forward did: the ones it changes in place, BatchNorm's
+    running statistics or a call counter, change once a step, as in plain PyTorch, where
+    torch's own checkpointing changes them twice), and its modules' train/eval flags (a
+    model.eval() between the forward and the backward pass, a callback's evaluation, must not
+    turn the recompute's dropout off). Every buffer is kept and put back, not only those whose
+    version changed: some kernels write buffers without bumping their version (BatchNorm's
+    statistics on the CPU), and comparing values would wait for the device in every forward. A
+    decoder block usually has none; their copies are held from the forward to the recompute."""
 
     def __init__(self, module):
         self.before = [(b, b.clone()) for b in module.buffers()]
+        self.modes = [(m, m.training) for m in module.modules()]
 
-    def restore(self):
-        """Before the recompute: the buffers as they were before the forward."""
+    def restore_buffers(self):
+        """The buffers as they were before the forward."""
         with torch.no_grad():
             for b, value in self.before:
                 b.copy_(value)
 
+    @contextlib.contextmanager
+    def replay(self):
+        """For the recompute: the buffers as before the forward, the train/eval flags as in it
+        (the flags the modules have now come back after)."""
+        self.restore_buffers()
+        now = [(m, m.training) for m, _ in self.modes]
+        for m, training in self.modes:
+            m.training = training
+        try:
+            yield
+        finally:
+            for m, training in now:
+                m.training = training
+
 
 def restoring_buffers(module, run):
-    """`run` for torch's checkpoint: its first call snapshots `module`'s buffers, its second
-    (the recompute) restores the ones the first changed before running."""
+    """`run` for torch's checkpoint: its first call notes `module`'s ForwardState, its second
+    (the recompute) runs under its replay."""
     state = []
 
     def call(*args, **kwargs):
         if state:
-            state[0].restore()
-            return run(*args, **kwargs)
-        state.append(BufferSnapshot(module))
+            with state[0].replay():
+                return run(*args, **kwargs)
+        state.append(ForwardState(module))
         return run(*args, **kwargs)
 
     return call
@@ -123,7 +140,7 @@ class StreamedBlockFunction(torch.autograd.Function):
         session.begin(index, FORWARD)
         try:
             args, kwargs = tree_unflatten(leaves, spec)
-            buffers = BufferSnapshot(session.blocks[index])
+            state = ForwardState(session.blocks[index])
             out = run(*args, **kwargs)
         except BaseException as e:
             session.abort()
@@ -133,7 +150,7 @@ class StreamedBlockFunction(torch.autograd.Function):
         out_leaves, out_spec = tree_flatten(out)
         out_positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
         box.append((out_leaves, out_spec, out_positions))
-        ctx.session, ctx.index, ctx.run, ctx.buffers = session, index, run, buffers
+        ctx.session, ctx.index, ctx.run, ctx.state = session, index, run, state
         ctx.leaves, ctx.spec, ctx.positions = leaves, spec, positions
         ctx.step_id = session.step_id
         ctx.save_for_backward(*tensors)
@@ -206,8 +223,8 @@ def _recompute_grads(ctx, grad_outs, params):
         leaves[pos] = t
     args, kwargs = tree_unflatten(leaves, ctx.spec)
     devices = [session.device] if session.cuda else []
-    ctx.buffers.restore()
-    with torch.random.fork_rng(devices=devices, device_type=session.device.type):
+    with torch.random.fork_rng(devices=devices, device_type=session.device.type), \
+            ctx.state.replay():
         torch.set_rng_state(ctx.cpu_rng)
         if session.cuda:
             torch.cuda.set_rng_state(ctx.device_rng, session.device)
@@ -224,12 +241,32 @@ def _recompute_grads(ctx, grad_outs, params):
     input_grads = iter(grads[:n_inputs])
     return [next(input_grads) if t.requires_grad else None for t in inputs], grads[n_inputs:]
 
+def _captures(hook):
+    """Whether a forward hook may capture something in the running forward pass: False only for
+    a Hugging Face output-capturing hook its forward did not ask for (transformers installs
+    them on every recordable module the first time any output is recorded, output_hidden_states
+    included, and each captures only the key the running forward collects)."""
+    if getattr(hook, "__name__", "") != "output_capturing_hook" or \
+            not getattr(hook, "__module__", "").startswith("transformers."):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+        cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ()))
+        key = cells["key"].cell_contents
+        collected = _active_collector.get()
+    except Exception:  # another transformers: count it as capturing
+        return True
+    return collected is not None and key in collected
+
+
 def inner_forward_hooks(block, prefix):
-    """The modules inside `block` (not the block itself) with forward or forward-pre hooks,
-    by name, and torch's global forward hooks, which run on every module."""
+    """The modules inside `block` (not the block itself) with forward-pre hooks or forward
+    hooks that may capture in this forward pass, by name, and torch's global forward hooks,
+    which run on every module."""
     from torch.nn.modules import module as module_globals
     found = ["%s%s" % (prefix, name) for name, m in block.named_modules()
-             if m is not block and (m._forward_hooks or m._forward_pre_hooks)]
+             if m is not block and (m._forward_pre_hooks or
+                                    any(_captures(h) for h in m._forward_hooks.values()))]
     if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
         found.append("every module (torch.nn.modules.module.register_module_forward_hook)")
     return found
@@ -254,6 +291,29 @@ def refuse_inner_hooks(session, index):
             "hooks that only observe" % (", ".join(found), session.prefixes[index].rstrip(".")))
 
 
+def refuse_swapped_parameters(session, index):
+    """With grad, a streamed block computes with and delivers grads for its own parameters (the
+    ones bound to Strata's weights): a parameter swapped for another tensor for this call
+    (torch.func.functional_call, stateless reparametrization) would get no grad and the model's
+    own would get its grad. Refused; under no_grad the swapped tensors compute as in torch."""
+    if index >= len(session.layers):  # not moved into Strata yet (its first step does that)
+        return
+    block = session.blocks[index]
+    for sp in session.layers[index]:
+        owner, _, leaf = sp.local.rpartition(".")
+        try:
+            current = getattr(block.get_submodule(owner) if owner else block, leaf)
+        except AttributeError:
+            current = None
+        if current is not sp.param:
+            raise NotImplementedError(
+                "strata.torch: parameter %r of streamed block %s is not the model's own in "
+                "this forward pass (torch.func.functional_call, or another swap of a block's "
+                "parameters): with grad, a streamed block computes and delivers the grads of "
+                "its own parameters, so the swapped-in tensors would get none; under "
+                "torch.no_grad() it works" % (sp.name, session.prefixes[index].rstrip(".")))
+
+
 def streamed_forward(session, index, run):
     """The forward installed on block `index`: `run` is its original forward."""
 
@@ -266,6 +326,7 @@ def streamed_forward(session, index, run):
             finally:
                 session.unbind(index)
         refuse_inner_hooks(session, index)
+        refuse_swapped_parameters(session, index)
         leaves, spec = tree_flatten((args, kwargs))
         leaves = without_caches(leaves)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
