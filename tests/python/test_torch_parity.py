@@ -484,6 +484,40 @@ def test_checkpoint_resume_is_bit_identical(arch, dropout, offload, tmp_path):
     assert_state_close(snapshot(fresh), a_state, exact=True)
 
 
+def test_refused_loads_change_nothing(offload, tmp_path):
+    """Mistakes that are refused must leave the model as it was (a second new-user trial found
+    both half done): st.load_checkpoint of a checkpoint whose resident tensors have other
+    shapes (its streamed tensors and optimizer state were loaded before the resident copy
+    failed in torch), and model.load_state_dict between a forward pass and its backward (the
+    embedding was written before the first block refused)."""
+    model = offload(build("llama"))
+    opt = strata_adamw(model.parameters())
+    train(model, opt, batches(1))
+    synchronize(opt)
+    path = str(tmp_path / "checkpoint")
+    st.save_checkpoint(path, model, opt)
+    cfg = config("llama")
+    cfg.vocab_size = 2 * cfg.vocab_size
+    torch.manual_seed(5)
+    wider = offload(model_class("llama")(cfg).train())
+    opt2 = strata_adamw(wider.parameters())
+    before = snapshot(wider)
+    with pytest.raises(ValueError, match="other shapes than the model's.*nothing was loaded"):
+        st.load_checkpoint(path, wider, opt2)
+    assert_state_close(snapshot(wider), before, exact=True)
+    assert opt2.state_dict()["state"] == {}  # no step count came in
+
+    other = snapshot(offload(build("llama", seed=7)))
+    ids = batches(1)[0]
+    before = snapshot(model)
+    loss = model(ids, labels=ids).loss
+    with pytest.raises(RuntimeError, match="between steps only.*nothing was loaded"):
+        model.load_state_dict(other)
+    loss.backward()
+    opt.zero_grad()
+    assert_state_close(snapshot(model), before, exact=True)
+
+
 def test_optimizer_state_dict_resume_is_bit_identical(offload):
     """Idiom: sd = opt.state_dict(); on a fresh model loaded with the same weights
     (model.load_state_dict), opt2.load_state_dict(sd): the next steps are the ones the first

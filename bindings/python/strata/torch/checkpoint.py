@@ -188,6 +188,16 @@ def load_checkpoint(path, model, optimizer=None):
         raise ValueError("strata.torch.load_checkpoint: the checkpoint's resident tensors differ "
                          "from the model's (missing: %s; unexpected: %s)"
                          % (sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers())
+    targets = {name: buffers[name[len("buffer:"):]] if name.startswith("buffer:") else params[name]
+               for name in saved}
+    wrong = ["%s %s (the model's %s)" % (name, tuple(value.shape), tuple(targets[name].shape))
+             for name, value in saved.items() if value.shape != targets[name].shape]
+    if wrong:
+        raise ValueError("strata.torch.load_checkpoint: the checkpoint's resident tensors have "
+                         "other shapes than the model's: %s; nothing was loaded"
+                         % "; ".join(wrong))
     # The runtime's load (as its save) first waits for the updates still running, whether or
     # not the optimizer's state is part of it (strata_checkpoint_load).
     session.runtime.load_checkpoint(_streamed_dir(path, session),
@@ -196,11 +206,8 @@ def load_checkpoint(path, model, optimizer=None):
         # The weights only: the masters follow them (the optimizer's moments stay), as after
         # model.load_state_dict.
         session.masters_from_weights()
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers())
     for name, value in saved.items():
-        target = buffers[name[len("buffer:"):]] if name.startswith("buffer:") else params[name]
-        target.copy_(value)
+        targets[name].copy_(value)
     if optimizer is not None:
         optimizer.load_resident_state(data["optimizer"])
     rng = data["rng"]

@@ -547,9 +547,27 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     if mesh is not None:  # replicated on every rank, their grads averaged after backward
         session.residents = [p for p in model.parameters() if id(p) not in streamed]
     model.strata = session
+    # A load between a forward pass and its backward is refused by the streamed blocks'
+    # hooks; checked here first, before the modules loaded ahead of them (the embedding) are
+    # written.
+    model.register_load_state_dict_pre_hook(_LoadsBetweenSteps(session))
     if kept:
         _note_memory_errors(model, session)
     return model
+
+
+class _LoadsBetweenSteps:
+    """The model's load_state_dict pre-hook (an object, not a closure: copying or pickling the
+    model reaches the session's own refusal, which says why)."""
+
+    def __init__(self, session):
+        self.session = session
+
+    def __call__(self, module, *args):
+        if self.session.in_step:
+            raise RuntimeError("strata.torch: weights can be loaded between steps only (a "
+                               "forward pass with grad waits for its backward); nothing was "
+                               "loaded")
 
 
 def _note_memory_errors(model, session):
