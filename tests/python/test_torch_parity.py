@@ -1016,6 +1016,29 @@ def test_eval_between_forward_and_backward_keeps_the_forwards_dropout(resident, 
     assert_state_close(snapshot(model), snapshot(plain), outliers=2, outlier_atol=1e-4)
 
 
+def test_double_backward_is_refused_clearly(offload):
+    """Idiom: a gradient penalty, torch.autograd.grad(loss, inputs_embeds, create_graph=True),
+    then (loss + penalty).backward(). Not supported through streamed blocks; it said "a forward
+    pass that is no longer the current one ... retain_graph" (second new-user trial). Now it
+    says create_graph, and the session trains on as plain PyTorch."""
+    base = build("llama")
+    data = batches(3)
+    model = offload(deepcopy(base))
+    opt = strata_adamw(model.parameters())
+    ids = data[0]
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    loss = model(inputs_embeds=embeds, labels=ids).loss
+    with pytest.raises(NotImplementedError, match="create_graph=True"):
+        torch.autograd.grad(loss, embeds, create_graph=True)
+    opt.zero_grad()
+    plain = deepcopy(base)
+    expected = train(plain, plain_adamw(plain.parameters()), data)[0]
+    got = train(model, opt, data)[0]
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
 def test_functional_call_with_grad_is_refused(offload):
     """Idiom: torch.func.functional_call with swapped-in parameters. Under no_grad it computes
     with them as in torch; with grad the streamed blocks delivered grads to the model's own

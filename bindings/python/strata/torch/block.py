@@ -159,6 +159,13 @@ class StreamedBlockFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         session, index = ctx.session, ctx.index
+        if torch.is_grad_enabled():  # autograd runs backward with grad only for create_graph
+            session.abort()
+            raise NotImplementedError(
+                "strata.torch: create_graph=True (a double backward: a gradient penalty, "
+                "higher-order grads) through streamed block %d is not supported: a streamed "
+                "block's backward recomputes it on weights streamed for that pass, and its "
+                "grads carry no graph of their own" % index)
         if not torch._C._will_engine_execute_node(session.anchor_node):
             return StreamedBlockFunction._input_grads_only(ctx, grad_outs)
         if ctx.step_id == session.step_id and session.in_step and \
