@@ -685,12 +685,8 @@ def test_forward_hooks_inside_streamed_blocks_are_refused(offload):
         handle = blocks_of(model)[1].mlp.register_forward_hook(lambda *a: None)
         model(data[0])
         handle.remove()
-    plain = deepcopy(base)
-    expected = aux_loss_run(plain, plain_adamw(plain.parameters()), data, hooked=False)
-    got = aux_loss_run(model, opt, data, hooked=False)
-    synchronize(opt)
-    assert_losses_close(got, expected)
-    assert_state_close(snapshot(model), snapshot(plain))
+    assert_trains_on_as_plain(base, model, opt,
+                              loop=lambda m, o: aux_loss_run(m, o, data, hooked=False))
     seen = []
     handle = blocks_of(model)[1].mlp.register_forward_hook(lambda *a: seen.append(1))
     model.strata.allow_inner_hooks = True
@@ -698,6 +694,39 @@ def test_forward_hooks_inside_streamed_blocks_are_refused(offload):
     opt.zero_grad()
     handle.remove()
     assert seen  # allowed: it ran
+
+
+def assert_trains_on_as_plain(base, model, opt, data=None, loop=None):
+    """After a refused call: `model` (offloaded from a copy of `base`, `opt` its optimizer)
+    trains on `data` as a plain-PyTorch copy of `base` does. `loop(model, opt)` -> losses
+    (default: train over `data`)."""
+    loop = loop or (lambda m, o: train(m, o, data)[0])
+    plain = deepcopy(base)
+    expected = loop(plain, plain_adamw(plain.parameters()))
+    got = loop(model, opt)
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
+def regression_data(steps, rows):
+    """`steps` (x, y) pairs for the small regression nets below: x [rows, 8], y [rows, 1]."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(rows, 8, generator=gen).to(DEVICE) for _ in range(steps)]
+    ys = [torch.randn(rows, 1, generator=gen).to(DEVICE) for _ in range(steps)]
+    return xs, ys
+
+
+def mse_steps(model, opt, xs, ys):
+    """One optimizer step per (x, y), MSE loss; the losses."""
+    losses = []
+    for x, y in zip(xs, ys):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def test_elementwise_writes_into_streamed_grads_are_refused(offload):
@@ -724,12 +753,7 @@ def test_elementwise_writes_into_streamed_grads_are_refused(offload):
     assert torch.equal(embedding.grad, before)
     weight.grad.mul_(torch.tensor(0.5))  # one number: supported
     opt.zero_grad()
-    plain = deepcopy(base)
-    expected = train(plain, plain_adamw(plain.parameters()), data)[0]
-    got = train(model, opt, data)[0]
-    synchronize(opt)
-    assert_losses_close(got, expected)
-    assert_state_close(snapshot(model), snapshot(plain))
+    assert_trains_on_as_plain(base, model, opt, data)
 
 
 class StatefulBlock(torch.nn.Module):
@@ -771,18 +795,10 @@ def test_buffers_a_block_changes_change_once_a_step(resident, offload):
     and the evaluation after training agrees."""
     torch.manual_seed(0)
     base = StatefulNet().to(DEVICE)
-    gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(32, 8, generator=gen).to(DEVICE) for _ in range(4)]
-    ys = [torch.randn(32, 1, generator=gen).to(DEVICE) for _ in range(4)]
+    xs, ys = regression_data(4, 32)
 
     def run(model, opt):
-        losses = []
-        for x, y in zip(xs, ys):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = mse_steps(model, opt, xs, ys)
         model.eval()
         with torch.no_grad():
             losses.append(torch.nn.functional.mse_loss(model(xs[0]), ys[0]).item())
@@ -840,9 +856,7 @@ def test_a_parameter_without_grad_is_not_updated(set_to_none, offload):
     instead, and torch updates with them: so does Strata."""
     torch.manual_seed(0)
     base = BranchingNet().to(DEVICE)
-    gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(16, 8, generator=gen).to(DEVICE) for _ in range(5)]
-    ys = [torch.randn(16, 1, generator=gen).to(DEVICE) for _ in range(5)]
+    xs, ys = regression_data(5, 16)
     plan = [[True], [False], [False, True], [True]]  # per step: each micro-batch's branch
 
     def run(model, opt):
@@ -899,20 +913,7 @@ def test_blocks_skipped_repeated_or_reordered_are_refused(order, match, offload)
     new-user trial), and the session trains on as plain PyTorch."""
     torch.manual_seed(0)
     base = OrderedNet().to(DEVICE)
-    gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(16, 8, generator=gen).to(DEVICE) for _ in range(3)]
-    ys = [torch.randn(16, 1, generator=gen).to(DEVICE) for _ in range(3)]
-
-    def run(model, opt):
-        losses = []
-        for x, y in zip(xs, ys):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
-
+    xs, ys = regression_data(3, 16)
     model = offload(deepcopy(base))
     opt = strata_adamw(model.parameters())
     model.order = order
@@ -920,12 +921,7 @@ def test_blocks_skipped_repeated_or_reordered_are_refused(order, match, offload)
         torch.nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
     opt.zero_grad()
     model.order = [0, 1, 2]
-    plain = deepcopy(base)
-    expected = run(plain, plain_adamw(plain.parameters()))
-    got = run(model, opt)
-    synchronize(opt)
-    assert_losses_close(got, expected)
-    assert_state_close(snapshot(model), snapshot(plain))
+    assert_trains_on_as_plain(base, model, opt, loop=lambda m, o: mse_steps(m, o, xs, ys))
 
 
 def test_shared_blocks_are_refused_before_anything_changes(offload):
@@ -1031,12 +1027,7 @@ def test_double_backward_is_refused_clearly(offload):
     with pytest.raises(NotImplementedError, match="create_graph=True"):
         torch.autograd.grad(loss, embeds, create_graph=True)
     opt.zero_grad()
-    plain = deepcopy(base)
-    expected = train(plain, plain_adamw(plain.parameters()), data)[0]
-    got = train(model, opt, data)[0]
-    synchronize(opt)
-    assert_losses_close(got, expected)
-    assert_state_close(snapshot(model), snapshot(plain))
+    assert_trains_on_as_plain(base, model, opt, data)
 
 
 def test_functional_call_with_grad_is_refused(offload):

@@ -97,7 +97,7 @@ class ForwardState:
                 m.training = training
 
 
-def restoring_buffers(module, run):
+def replaying_forward_state(module, run):
     """`run` for torch's checkpoint: its first call notes `module`'s ForwardState, its second
     (the recompute) runs under its replay."""
     state = []

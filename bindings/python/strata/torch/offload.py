@@ -252,7 +252,7 @@ def _keep_resident(keeper, index, block):
     from torch.utils._pytree import tree_flatten, tree_unflatten
     from torch.utils.checkpoint import checkpoint
 
-    from .block import restoring_buffers, without_caches
+    from .block import replaying_forward_state, without_caches
     run = block.forward
 
     def forward(*args, **kwargs):
@@ -264,7 +264,8 @@ def _keep_resident(keeper, index, block):
         mode = keeper.mode(index, args)
         if mode == "whole":
             return run(*args, **kwargs)
-        once = restoring_buffers(block, run)  # buffers changed once a step, as in plain torch
+        # The recompute runs on the buffers and train/eval flags the forward had.
+        once = replaying_forward_state(block, run)
         if mode == "selective":
             return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True,
                               context_fn=functools.partial(keeper.context, index), **kwargs)
