@@ -129,7 +129,9 @@ class StreamedBlockFunction(torch.autograd.Function):
     tensors are the tensor leaves of the block's (args, kwargs) at `positions`; the anchor, a
     session-wide empty tensor requiring grad, keeps every block in the graph so the backward
     pass reaches each one in order even where no input or parameter needs a grad. Returns the
-    tensor leaves of the block's output; `box` receives the output's structure."""
+    tensor leaves of the block's output; `box` holds the caller's own (args, kwargs) where
+    they can be used as they are (None where a KV cache was dropped from them) and receives
+    the output's structure."""
 
     @staticmethod
     def forward(ctx, session, index, run, leaves, spec, positions, box, anchor, *tensors):
@@ -137,9 +139,13 @@ class StreamedBlockFunction(torch.autograd.Function):
         ctx.cpu_rng = torch.get_rng_state()
         ctx.device_rng = torch.cuda.get_rng_state(session.device) if session.cuda else None
         ctx.autocast = _autocast_state(device_type)
+        call = box.pop()
         session.begin(index, FORWARD)
         try:
-            args, kwargs = tree_unflatten(leaves, spec)
+            # The caller's own lists and dicts where nothing was dropped from them: what the
+            # block writes into them (a statistic appended to a list) reaches the caller, as
+            # in plain PyTorch. (What it puts there carries no grad: checked in the recompute.)
+            args, kwargs = tree_unflatten(leaves, spec) if call is None else call
             state = ForwardState(session.blocks[index])
             out = run(*args, **kwargs)
         except BaseException as e:
@@ -220,8 +226,12 @@ class StreamedBlockFunction(torch.autograd.Function):
 def _recompute_grads(ctx, grad_outs, params):
     """The block's forward again, with grad, under the first run's RNG and autocast state, and
     its backward: (grads of the function's tensor inputs, None where not needed; grads of
-    `params`)."""
+    `params`). `params` empty: a backward pass that accumulates into no parameter. Otherwise a
+    tensor that requires grad and that the block uses without owning it (a LoRA factor held
+    by the model, a gate reached through a closure) gets its grad added to its .grad here, as
+    torch's backward would."""
     session = ctx.session
+    block = session.blocks[ctx.index]
     needs = ctx.needs_input_grad[8:]
     inputs = [t.detach().requires_grad_(bool(n) and t.is_floating_point())
               for t, n in zip(ctx.saved_tensors, needs)]
@@ -229,6 +239,7 @@ def _recompute_grads(ctx, grad_outs, params):
     for pos, t in zip(ctx.positions, inputs):
         leaves[pos] = t
     args, kwargs = tree_unflatten(leaves, ctx.spec)
+    attributes = _tensor_attributes(block)
     devices = [session.device] if session.cuda else []
     with torch.random.fork_rng(devices=devices, device_type=session.device.type), \
             ctx.state.replay():
@@ -237,16 +248,87 @@ def _recompute_grads(ctx, grad_outs, params):
             torch.cuda.set_rng_state(ctx.device_rng, session.device)
         with torch.enable_grad(), _autocast(session.device.type, ctx.autocast):
             out = ctx.run(*args, **kwargs)
+    _refuse_grads_left_behind(session, ctx.index, attributes, (args, kwargs), inputs)
     out_tensors = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
     pairs = [(o, g) for o, g in zip(out_tensors, grad_outs) if g is not None and o.requires_grad]
-    wanted = [t for t in inputs if t.requires_grad] + list(params)
+    foreign = _foreign_leaves(session, ctx.index, [o for o, _ in pairs], inputs, params) \
+        if params else []
+    wanted = [t for t in inputs if t.requires_grad] + list(params) + foreign
     grads = [None] * len(wanted)
     if pairs and wanted:
         grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
                                     allow_unused=True)
-    n_inputs = len(wanted) - len(params)
+    n_inputs = len(wanted) - len(params) - len(foreign)
+    for t, g in zip(foreign, grads[len(wanted) - len(foreign):]):
+        if g is not None:
+            t.grad = g if t.grad is None else t.grad + g
     input_grads = iter(grads[:n_inputs])
-    return [next(input_grads) if t.requires_grad else None for t in inputs], grads[n_inputs:]
+    return ([next(input_grads) if t.requires_grad else None for t in inputs],
+            grads[n_inputs:n_inputs + len(params)])
+
+
+def _tensor_attributes(block):
+    """{(module name, attribute): id of its tensor} for the plain tensor attributes of `block`
+    and its submodules (not parameters or buffers, which torch keeps apart)."""
+    return {(name, key): id(value) for name, m in block.named_modules()
+            for key, value in vars(m).items() if isinstance(value, torch.Tensor)}
+
+
+def _refuse_grads_left_behind(session, index, before, call, inputs):
+    """A streamed block's forward pass runs without grad (and again, with grad, in the
+    backward pass): a tensor it leaves behind instead of returning (stored on a module,
+    `self.aux = ...`, or put into a list or dict it was given) carried no grad when the
+    caller read it, so a loss built from it (a router's auxiliary loss) silently did not
+    train. Seen here, where the recompute leaves one that requires grad."""
+    if getattr(session, "allow_inner_hooks", False):
+        return
+    block, prefix = session.blocks[index], session.prefixes[index]
+    stored = ["%s%s%s" % (prefix, name + "." if name else "", key)
+              for name, m in block.named_modules() for key, value in vars(m).items()
+              if isinstance(value, torch.Tensor) and value.requires_grad
+              and before.get((name, key)) != id(value)]
+    given = {id(t) for t in inputs}
+    put = [x for x in tree_flatten(call)[0]
+           if isinstance(x, torch.Tensor) and x.requires_grad and id(x) not in given]
+    if stored or put:
+        where = "stored it in %s" % ", ".join(stored) if stored else \
+            "put it into a list or dict it was given"
+        raise NotImplementedError(
+            "strata.torch: streamed block %s's forward computed a tensor that needs grad and "
+            "%s instead of returning it: a streamed block's forward runs without grad (it is "
+            "recomputed with grad in the backward pass), so what the caller read there carried "
+            "no gradient and a loss built from it (an auxiliary loss) did not train. Return it "
+            "from the block's forward, or set model.strata.allow_inner_hooks = True if it is "
+            "only observed" % (prefix.rstrip("."), where))
+
+
+def _foreign_leaves(session, index, outputs, inputs, params):
+    """The tensors requiring grad that the recomputed graph of block `index` accumulates into
+    besides its inputs and its own parameters: a tensor the block uses without owning it. A
+    streamed parameter of another block among them is refused (its grad lives in Strata)."""
+    own = {id(t) for t in inputs} | {id(p) for p in params}
+    found, seen = {}, set()
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if id(variable) not in own:
+                found[id(variable)] = variable
+            continue
+        stack.extend(n for n, _ in node.next_functions)
+    for t in found.values():
+        sp = session.by_id.get(id(t))
+        if sp is not None:
+            raise NotImplementedError(
+                "strata.torch: streamed block %s uses parameter %r of another streamed block: "
+                "a streamed parameter belongs to one block (its weights stream with it); share "
+                "it through a resident module, or keep both blocks resident"
+                % (session.prefixes[index].rstrip("."), sp.name))
+    return list(found.values())
 
 def _captures(hook):
     """Whether a forward hook may capture something in the running forward pass: False only for
@@ -312,6 +394,12 @@ def refuse_swapped_parameters(session, index):
             current = getattr(block.get_submodule(owner) if owner else block, leaf)
         except AttributeError:
             current = None
+        if current is None:
+            raise NotImplementedError(
+                "strata.torch: parameter %r of streamed block %s is gone from where offload "
+                "found it: the block's modules changed after strata.torch.offload (an adapter "
+                "such as PEFT's get_peft_model wraps its layers): apply adapters before "
+                "offload" % (sp.name, session.prefixes[index].rstrip(".")))
         if current is not sp.param:
             raise NotImplementedError(
                 "strata.torch: parameter %r of streamed block %s is not the model's own in "
@@ -335,9 +423,11 @@ def streamed_forward(session, index, run):
         refuse_inner_hooks(session, index)
         refuse_swapped_parameters(session, index)
         leaves, spec = tree_flatten((args, kwargs))
-        leaves = without_caches(leaves)
+        kept = without_caches(leaves)
+        call = (args, kwargs) if all(a is b for a, b in zip(kept, leaves)) else None
+        leaves = kept
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        box = []
+        box = [call]
         outs = StreamedBlockFunction.apply(session, index, run, leaves, spec, positions, box,
                                            session.anchor, *[leaves[i] for i in positions])
         out_leaves, out_spec, out_positions = box[0]

@@ -52,6 +52,29 @@ def _refuse_shared_blocks(blocks):
             owner.setdefault(id(p), (i, name))
 
 
+def _refuse_shared_outside(model, blocks):
+    """A streamed block's parameter that a module outside the block holds too (weights tied
+    between a block and the head, a gate shared with the embedding): outside its block's
+    forward pass a streamed parameter is a placeholder, so the other module would compute
+    with it, and its grads from there would not reach Strata. Refused before anything
+    changes."""
+    inside = {}
+    for block in blocks:
+        for _, p in block.named_parameters(remove_duplicate=False):
+            inside[id(p)] = inside.get(id(p), 0) + 1
+    everywhere = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in inside:
+            everywhere.setdefault(id(p), []).append(name)
+    for names in everywhere.values():
+        if len(names) > inside[id(model.get_parameter(names[0]))]:
+            raise ValueError(
+                "strata.torch.offload: parameter %s is shared between a streamed block and a "
+                "module outside it (%s): a streamed block's parameters live in Strata and are "
+                "only real inside its forward pass. Untie them, or keep that block resident "
+                "(resident_blocks=); nothing was changed" % (names[0], ", ".join(names[1:])))
+
+
 def rebuild_meta_buffers(module, device):
     """Buffers still on the meta device after materializing (non-persistent ones computed in
     __init__, such as rotary inverse frequencies, which neither to_empty nor _init_weights
@@ -384,6 +407,12 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                          "and at least one must stream" % (resident_blocks, len(all_blocks)))
     kept = list(all_blocks)[:resident_blocks]
     blocks = list(all_blocks)[resident_blocks:]
+    try:
+        _refuse_shared_outside(model, blocks)
+    except ValueError:
+        if source is not None:
+            source[0].close()
+        raise
     if nvme and mesh is not None:
         # Each rank would need NVMe files of its own, and the state's placement is planned per
         # runtime from what one process holds: not built yet.
@@ -552,6 +581,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     # hooks; checked here first, before the modules loaded ahead of them (the embedding) are
     # written.
     model.register_load_state_dict_pre_hook(_LoadsBetweenSteps(session))
+    model.register_forward_pre_hook(_ModelForwardBegins(session))
     if kept:
         _note_memory_errors(model, session)
     return model
@@ -569,6 +599,31 @@ class _LoadsBetweenSteps:
             raise RuntimeError("strata.torch: weights can be loaded between steps only (a "
                                "forward pass with grad waits for its backward); nothing was "
                                "loaded")
+
+
+class _ModelForwardBegins:
+    """The model's forward pre-hook, with grad in training mode: Hugging Face gradient
+    checkpointing with use_reentrant=True around a streamed block fails in its backward pass
+    with torch's own message (reentrant checkpointing is incompatible with .grad(), which a
+    streamed block's backward uses): refused first, naming the fix."""
+
+    def __init__(self, session):
+        self.session = session
+
+    def __call__(self, module, *args):
+        if not torch.is_grad_enabled() or not module.training:
+            return
+        for index, block in enumerate(self.session.blocks):
+            run = getattr(block, "_gradient_checkpointing_func", None)
+            if getattr(block, "gradient_checkpointing", False) and \
+                    getattr(run, "keywords", {}).get("use_reentrant") is True:
+                raise NotImplementedError(
+                    "strata.torch: gradient checkpointing with use_reentrant=True is on for "
+                    "streamed block %s; streamed blocks recompute their forward in the backward "
+                    "pass already and need none, and the reentrant variant cannot run around "
+                    "them: call model.gradient_checkpointing_disable(), or enable it with "
+                    "gradient_checkpointing_kwargs={'use_reentrant': False}"
+                    % self.session.prefixes[index].rstrip("."))
 
 
 def _note_memory_errors(model, session):

@@ -33,9 +33,13 @@ class StreamedParam:
 
     def park(self, dtype, device):
         """Point the parameter at its placeholder: the real shape, one element of storage (its
-        own: a write cannot reach another parameter), and a mark to notice writes by."""
+        own: a write cannot reach another parameter), and a mark to notice writes by. The
+        element is NaN: code that reads the parameter outside its block's forward pass (an EMA
+        of the weights, a weight-norm log, an L2 penalty over model.parameters()) gets NaN,
+        which shows, not zeros, which train silently wrong (docs/python.md says how to read
+        the values)."""
         if self.zero is None:
-            self.zero = torch.zeros((), dtype=dtype, device=device)
+            self.zero = torch.full((), float("nan"), dtype=dtype, device=device)
         if self.param.is_meta:
             # Loaded from offload(weights=) without ever being materialized: .data cannot go
             # from meta to a device, swap_tensors keeps the Parameter object (and attributes).
@@ -446,6 +450,16 @@ class StrataSession:
     def begin(self, index, phase):
         if self.executor is None and any(p.requires_grad for b in self.blocks
                                          for p in b.parameters()):
+            added = [self.prefixes[i] + name for i, b in enumerate(self.blocks)
+                     for name, p in b.named_parameters()
+                     if p.requires_grad and getattr(p, "_strata_session", None) is not self]
+            if added:
+                raise RuntimeError(
+                    "strata.torch: streamed blocks have trainable parameters that were added "
+                    "after strata.torch.offload (%s%s): adapters (PEFT's get_peft_model, a LoRA "
+                    "wrapper) must be applied to the model before offload, which then streams "
+                    "them with their blocks" % (", ".join(added[:3]),
+                                                ", ..." if len(added) > 3 else ""))
             raise RuntimeError(
                 "strata.torch: create the optimizer (strata.torch.AdamW(model.parameters(), "
                 "...)) after strata.torch.offload(model) and before the first forward pass with "

@@ -1,0 +1,266 @@
+"""strata.torch against plain PyTorch where a block's forward does more than return its outputs
+(a third new-user trial): it appends to a list it was given, stores a tensor on a module, uses
+a trainable tensor it does not own, or shares a parameter with a module outside it; and
+parameters read outside their block's forward. Each trains as plain PyTorch does or is
+refused with a message that says what to do; the oracle is plain PyTorch on a copy of the same
+model and data (test_torch_parity's conventions)."""
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+import strata.torch as st  # noqa: E402
+
+from torch_parity_models import (  # noqa: E402
+    DEVICE, LR, WD, assert_losses_close, assert_state_close, batches, build, deepcopy,
+    plain_adamw, snapshot, synchronize)
+
+transformers.logging.set_verbosity_error()
+nn = torch.nn
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def offload():
+    models = []
+
+    def _offload(model, **kwargs):
+        kwargs.setdefault("device", DEVICE)
+        kwargs.setdefault("resident_blocks", 0)
+        out = st.offload(model, **kwargs)
+        models.append(out)
+        return out
+
+    yield _offload
+    for model in models:
+        model.strata.close()
+
+
+WIDTH = 16
+
+
+class Block(nn.Module):
+    """A residual MLP block with a router-like gate; `mode` says what else its forward does:
+    "list" appends a statistic (no grad needed) to a list it is given, "aux_list" appends a
+    loss term that needs grad, "aux_attr" stores that term on itself."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.gate = nn.Linear(WIDTH, 2)
+
+    def forward(self, h, sink=None):
+        p = self.gate(h).softmax(-1)
+        aux = (p.mean(0) ** 2).sum()
+        if self.mode == "list":
+            sink.append(p.detach().mean())
+        elif self.mode == "aux_list":
+            sink.append(aux)
+        elif self.mode == "aux_attr":
+            self.aux = aux
+        return h + torch.tanh(self.fc(h)) * p[:, :1]
+
+
+class Net(nn.Module):
+    def __init__(self, mode="list", blocks=3):
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(Block(mode) for _ in range(blocks))
+        self.out = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        sink = []
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h, sink=sink)
+        extra = sum(sink) if self.blocks[0].mode.startswith("aux_list") else 0.0
+        if self.blocks[0].mode == "aux_attr":
+            extra = sum(b.aux for b in self.blocks)
+        return self.out(h), sink, extra
+
+
+def data(steps=3, rows=4):
+    gen = torch.Generator().manual_seed(0)
+    return [(torch.randn(rows, 8, generator=gen).to(DEVICE),
+             torch.randn(rows, 1, generator=gen).to(DEVICE)) for _ in range(steps)]
+
+
+def steps(model, opt, batches_):
+    """MSE plus the model's extra term, one step per batch: (losses, sink lengths)."""
+    losses, sinks = [], []
+    for x, y in batches_:
+        out, sink, extra = model(x)
+        loss = nn.functional.mse_loss(out, y) + 0.1 * extra
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        sinks.append(len(sink))
+    return losses, sinks
+
+
+def test_a_list_a_block_appends_to_reaches_the_caller(offload):
+    """Idiom: a block appends a statistic (router load, no grad needed) to a list it was
+    given. The block saw a copy and the caller's list stayed empty (found by the trial); it
+    gets every entry now, as in plain PyTorch, and training is the same."""
+    torch.manual_seed(0)
+    base = Net("list")
+    plain = deepcopy(base)
+    expected, expected_sinks = steps(plain, plain_adamw(plain.parameters()), data())
+    model = offload(deepcopy(base))
+    got, sinks = steps(model, st.AdamW(model.parameters(), lr=LR, weight_decay=WD), data())
+    assert sinks == expected_sinks == [3, 3, 3]
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
+@pytest.mark.parametrize("mode,where", [("aux_list", "a list or dict it was given"),
+                                        ("aux_attr", r"blocks\.\d\.aux")])
+def test_a_loss_term_left_behind_by_a_block_is_refused(mode, where, offload):
+    """Idiom: a mixture-of-experts block leaves its auxiliary loss in a list it was given or
+    on itself (self.aux = ...) instead of returning it. A streamed block's forward runs
+    without grad, so the term carried no gradient and the router silently did not train from
+    it (the trial: weights 0.015 off in 4 steps): refused at the backward pass, naming where
+    it was left; with the blocks returning nothing extra the session trains on as plain
+    PyTorch."""
+    torch.manual_seed(0)
+    base = Net(mode)
+    model = offload(deepcopy(base))
+    opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    with pytest.raises(NotImplementedError, match=where + ".*instead of returning it"):
+        steps(model, opt, data(1))
+    opt.zero_grad()
+    plain = deepcopy(base)
+    for m in (model, plain):
+        for block in m.blocks:
+            block.mode = "list"
+    expected, _ = steps(plain, plain_adamw(plain.parameters()), data())
+    got, _ = steps(model, opt, data())
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
+class LoraLinear(nn.Module):
+    """A linear layer whose low-rank update's factors live elsewhere (on the top model)."""
+
+    def __init__(self, base, a, b):
+        super().__init__()
+        self.base = base
+        self.factors = lambda: (a, b)  # a closure, not submodules: the block does not own them
+
+    def forward(self, x):
+        a, b = self.factors()
+        return self.base(x) + x @ a @ b
+
+
+def test_a_trainable_tensor_a_block_uses_but_does_not_own_trains(offload):
+    """Idiom: hand-written LoRA whose factors are the top model's parameters, reached from
+    inside the blocks through a closure. Their grads came from no block (only their own
+    parameters' and inputs' were computed), so they never trained (found by the trial): the
+    recompute now adds the grads of every tensor requiring grad that the block's graph
+    reaches, as torch's backward does."""
+    torch.manual_seed(0)
+    base = Net("list")
+    base.lora_a = nn.Parameter(torch.randn(WIDTH, 2) * 0.1)
+    base.lora_b = nn.Parameter(torch.randn(2, WIDTH) * 0.1)
+    for block in base.blocks:
+        block.fc = LoraLinear(block.fc, base.lora_a, base.lora_b)
+    plain = deepcopy(base)
+    for block in plain.blocks:  # deepcopy copied the closures' tensors: rebind them
+        block.fc.factors = (lambda a, b: lambda: (a, b))(plain.lora_a, plain.lora_b)
+    expected, _ = steps(plain, plain_adamw(plain.parameters()), data())
+    model = deepcopy(base)
+    for block in model.blocks:
+        block.fc.factors = (lambda a, b: lambda: (a, b))(model.lora_a, model.lora_b)
+    model = offload(model)
+    got, _ = steps(model, st.AdamW(model.parameters(), lr=LR, weight_decay=WD), data())
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+    assert not torch.equal(model.lora_a.detach().cpu(), base.lora_a.detach().cpu())
+
+
+def test_another_blocks_parameter_inside_a_block_is_refused(offload):
+    """A block that computes with a parameter of another streamed block (reached through a
+    closure): its grad would bypass Strata, where that parameter's grads live. Refused at the
+    backward pass, naming it."""
+    torch.manual_seed(0)
+    base = Net("list")
+    model = offload(deepcopy(base))
+    opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    borrowed = model.blocks[0].gate.weight
+    run = model.blocks[1].gate.forward
+    model.blocks[1].gate.forward = lambda h: run(h) + (h @ borrowed.t()) * 0.0
+    with pytest.raises(NotImplementedError, match=r"uses parameter 'blocks\.0\.gate\.weight'"):
+        steps(model, opt, data(1))
+
+
+def test_a_parameter_shared_with_a_module_outside_its_block_is_refused(offload):
+    """A parameter held by a streamed block and by a resident module (weights tied across
+    them): outside its block's forward a streamed parameter is a placeholder, so the resident
+    module computed with it, and the trial got torch's in-place-grad message at the backward
+    pass. Refused by offload, naming both, with nothing changed."""
+    torch.manual_seed(0)
+    base = Net("list")
+    base.proj = nn.Linear(WIDTH, WIDTH)
+    base.proj.weight = base.blocks[0].fc.weight
+    with pytest.raises(ValueError, match=r"blocks\.0\.fc\.weight is shared .*\(proj\.weight\)"):
+        offload(base)
+    assert not hasattr(base, "strata")
+    assert all(p.data_ptr() != 0 and torch.isfinite(p).all() for p in base.parameters())
+
+
+def test_reading_a_streamed_parameter_outside_its_forward_shows(offload):
+    """Reading a streamed parameter outside its block's forward (an EMA of the weights, a
+    weight-norm log, an L2 penalty over model.parameters()) read zeros and trained silently
+    wrong (the trial: an L2 penalty made the loss 35% lower). The placeholder's element is
+    NaN now, which shows; model.state_dict() has the values."""
+    base = build("llama")
+    model = offload(deepcopy(base))
+    opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    weight = model.model.layers[0].mlp.down_proj.weight
+    assert torch.isnan(weight.detach().sum())
+    assert torch.isnan(torch.nn.utils.parameters_to_vector(model.parameters()).norm())
+    assert torch.equal(model.state_dict()["model.layers.0.mlp.down_proj.weight"].cpu(),
+                       base.state_dict()["model.layers.0.mlp.down_proj.weight"])
+    ids = batches(1)[0]
+    model(ids, labels=ids).loss.backward()  # training is unaffected
+    opt.step()
+    synchronize(opt)
+    assert torch.isfinite(model.state_dict()["model.layers.0.mlp.down_proj.weight"]).all()
+
+
+def test_reentrant_gradient_checkpointing_is_refused(offload):
+    """Hugging Face gradient checkpointing with use_reentrant=True around streamed blocks
+    failed in the backward pass with torch's own '.grad()' message: refused at the forward
+    pass, naming the fix; use_reentrant=False trains (test_torch_parity)."""
+    base = build("llama")
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model = offload(base)
+    st.AdamW(model.parameters(), lr=LR)
+    ids = batches(1)[0]
+    with pytest.raises(NotImplementedError, match="use_reentrant=True.*use_reentrant': False"):
+        model(ids, labels=ids)
+    with torch.no_grad():
+        model(ids, labels=ids)  # evaluation is not refused
+
+
+def test_adapters_added_after_offload_are_named(offload):
+    """PEFT's get_peft_model (or a hand-written LoRA wrapper) applied after offload: the
+    message said to create the optimizer, which the user had done; it says now that adapters
+    go on before offload."""
+    base = build("llama")
+    model = offload(base)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.lora = nn.Parameter(torch.zeros(4, device=DEVICE))
+    st.AdamW([p for p in model.parameters() if p.requires_grad and p.dim() == 1
+              and p.numel() == 4], lr=LR)
+    ids = batches(1)[0]
+    with pytest.raises(RuntimeError, match="added after strata.torch.offload.*before offload"):
+        model(ids, labels=ids)
