@@ -265,6 +265,9 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
                            # blocks load ahead), for A/B runs; default: the planner's choice.
                            slot_budget=int(float(os.environ.get("STRATA_BENCH_SLOT_BUDGET", "0"))
                                            * (1 << 30)))
+        paged = os.environ.get("STRATA_BENCH_PAGED_STATE")
+        if paged is not None:  # --paged-state: an A/B of strata.torch.paging
+            st.AdamW.PAGED_STATE = None if paged == "all" else int(paged)
         opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
                        threads=int(os.environ.get("STRATA_BENCH_OPTIMIZER_THREADS", "0")))
         if nvme:
@@ -392,13 +395,16 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
         if i == warmup and trace and mode == "strata":
             model.strata.runtime.trace_start()
         ids = data[i % 2].to(device, non_blocking=True)
+        # The training loop's stream, not the whole device: work a step leaves on other
+        # streams for the next one (strata.torch.paging's copies out, which the next forward
+        # pass overlaps) is paid where the next step waits for it, as in a real loop.
         if cuda:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
         t0 = time.perf_counter()
         loss = step(ids)
         losses.append(loss.item())
         if cuda:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
         every.append(time.perf_counter() - t0)
         # Progress on stderr (a slow configuration's steps take minutes; seen with --one).
         print("%s%s %s step %d: %.2f s, loss %.4f" % (PROGRESS, mode, preset, i, every[-1],
@@ -417,6 +423,7 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
     # say where the GPU waited; the host's where Python waited on Strata or the GPU).
     out["phases"] = {name: [statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)]
                      for name, v in phases.items()}
+    out["phases_every_step"] = phases  # (host s, device s) per measured step
     t = statistics.median(times)
     tokens = batch * seq
     six_p, full = flops_per_token(config, seq)
@@ -469,6 +476,14 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
             out["kept_measure_seconds"] = keeper.measure_seconds
         out["plan"] += " (%d keep activations, %d of them wholly)" % (out["kept_activations"],
                                                                      out["kept_whole"])
+        pager = getattr(opt, "_pager", None)
+        if pager is not None:  # bytes paged a step; steps whose copies ran late
+            out["paged_state"] = dict(gb=pager.paged_bytes / 1e9, late_out=pager.late_out,
+                                      late_in=pager.late_in, groups=pager.active,
+                                      of=len(pager.groups))
+            out["plan"] += ", %.1f GB of optimizer state paged (%d of %d groups; late out %d, " \
+                "in %d)" % (pager.paged_bytes / 1e9, pager.active, len(pager.groups),
+                            pager.late_out, pager.late_in)
         stats = model.strata.optimizer.stats()
         out["optimizer_seconds_per_step"] = stats["update_seconds"] / (warmup + steps)
         if nvme:
@@ -521,11 +536,17 @@ def main():
     p.add_argument("--optimizer-threads", type=int, default=None,
                    help="strata: the CPU optimizer's threads (default: the GPU's node's CPUs "
                         "less one)")
+    p.add_argument("--paged-state", default=None,
+                   help="strata: the resident parameters' optimizer state paged to host memory "
+                        "between steps (strata.torch.paging): 'all', N (the first N resident "
+                        "blocks'), 0 (none); default: strata.torch.AdamW's (experimental: off)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.loss:  # read by run_one, in this process or the one per configuration
         os.environ["STRATA_BENCH_LOSS"] = args.loss
+    if args.paged_state is not None:  # likewise
+        os.environ["STRATA_BENCH_PAGED_STATE"] = args.paged_state
     if args.optimizer_threads is not None:  # likewise
         os.environ["STRATA_BENCH_OPTIMIZER_THREADS"] = str(args.optimizer_threads)
     if args.one:

@@ -354,3 +354,39 @@ def test_an_out_of_memory_error_turns_keeping_off():
     note_memory(Session, error)
     assert Session.activations.count == 0
     assert any("were keeping their activations" in n for n in error.__notes__), error.__notes__
+
+
+def test_paged_state_plans_from_the_next_steps_reservation(monkeypatch):
+    """With optimizer state paged (strata.torch.paging), the decision waits until the pager
+    has settled, empties the allocator's cache once, and plans from what the next step
+    reserved (reserved memory only grows between emptyings), not from the peak since the
+    start, which the steps before the pager settled inflated; after an allocation retry (the
+    allocator freed some of its cache) the peak since the start again."""
+    gb = 1 << 30
+    calls = []
+    stats = {"num_alloc_retries": 0, "num_ooms": 0}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *_: dict(stats))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    # 140 GB usable (40 free beside 100 reserved now), 130 reserved at the peak since the start.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (40 * gb, 140 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *_: 100 * gb)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *_: 130 * gb)
+    monkeypatch.setattr(ActivationKeeper, "margin", lambda self: 0.0)
+
+    def keeper_after(retries):
+        keeper = ActivationKeeper(torch.device("cuda"), [object()] * 8)
+        keeper.measured = {i: (4 * gb, None) for i in range(8)}
+        stats["num_alloc_retries"] = 0
+        keeper.on_step(settled=False, paged=True)
+        keeper.on_step(settled=False, paged=True)
+        assert not keeper.decided and not calls  # not settled: nothing happens
+        keeper.on_step(settled=True, paged=True)
+        assert not keeper.decided and calls == ["empty"]
+        stats["num_alloc_retries"] = retries
+        keeper.on_step(settled=True, paged=True)
+        assert keeper.decided
+        calls.clear()
+        return keeper.count
+
+    assert keeper_after(0) == 8  # 40 GB spare, a block 4 GB x 1.25: 8 blocks
+    assert keeper_after(1) == 2  # a retry: from the peak since the start, 10 GB: 2 blocks

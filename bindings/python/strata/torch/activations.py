@@ -275,6 +275,7 @@ class ActivationKeeper:
         self.measured = {}
         self.measure_seconds = 0.0  # host time spent measuring (what the first steps pay)
         self.decided = False
+        self.emptied = None  # the allocator's retry count when on_step emptied its cache
         self.ooms = 0  # the allocator's out-of-memory count when the plan was made
 
     @property
@@ -355,16 +356,32 @@ class ActivationKeeper:
         measured = self.measured.get(index)
         return selective_context(measured[1][1] if measured and measured[1] else None)
 
-    def on_step(self):
-        """After an optimizer step: the decision, once enough steps were measured."""
+    def on_step(self, settled=True, paged=False):
+        """After an optimizer step: the decision, once enough steps were measured and the
+        memory a step uses has `settled` (strata.torch.paging sizes what it pages first).
+        `paged`: optimizer state leaves the device between steps; the steps before it settled
+        used memory in another pattern, and what the allocator reserved for them (it keeps
+        what it reserved) is not what a step needs now: the cache is emptied once it settles
+        and the next step's reservation is measured instead of the peak since the start."""
         self.steps += 1
-        if self.decided or self.steps < self.DECIDE_AFTER_STEPS or not self.enabled:
+        if self.decided or self.steps < self.DECIDE_AFTER_STEPS or not self.enabled or \
+                not settled:
+            return
+        stats = torch.cuda.memory_stats(self.device)
+        if paged and self.emptied is None:
+            torch.cuda.empty_cache()
+            self.emptied = stats.get("num_alloc_retries", 0)
             return
         self.decided = True
-        self.ooms = torch.cuda.memory_stats(self.device).get("num_ooms", 0)
+        self.ooms = stats.get("num_ooms", 0)
         free, total = torch.cuda.mem_get_info(self.device)
         usable = free + torch.cuda.memory_reserved(self.device)
-        peak = torch.cuda.max_memory_reserved(self.device)
+        if self.emptied is not None and stats.get("num_alloc_retries", 0) == self.emptied:
+            # Reserved memory only grows between emptyings (a retry frees some): what it is
+            # now is its peak through the step since.
+            peak = torch.cuda.memory_reserved(self.device)
+        else:
+            peak = torch.cuda.max_memory_reserved(self.device)
         self.decide(usable, peak, int(total * self.margin()))
 
     def decide(self, usable, peak, margin):

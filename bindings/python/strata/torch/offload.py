@@ -605,7 +605,8 @@ class _ModelForwardBegins:
     """The model's forward pre-hook, with grad in training mode: Hugging Face gradient
     checkpointing with use_reentrant=True around a streamed block fails in its backward pass
     with torch's own message (reentrant checkpointing is incompatible with .grad(), which a
-    streamed block's backward uses): refused first, naming the fix."""
+    streamed block's backward uses): refused first, naming the fix. Then the session's
+    on_forward_begin callbacks, with None (strata.torch.paging times the forward pass)."""
 
     def __init__(self, session):
         self.session = session
@@ -624,6 +625,8 @@ class _ModelForwardBegins:
                     "them: call model.gradient_checkpointing_disable(), or enable it with "
                     "gradient_checkpointing_kwargs={'use_reentrant': False}"
                     % self.session.prefixes[index].rstrip("."))
+        for call in self.session.on_forward_begin:
+            call(None)
 
 
 def _note_memory_errors(model, session):

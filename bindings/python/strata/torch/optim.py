@@ -8,6 +8,8 @@ at step(), from the grads as they are then (accumulated over any number of backw
 clipped or scaled in between), for parameters that have a grad; per-group lr and weight_decay;
 LR schedulers, state_dict()/load_state_dict() and zero_grad(set_to_none=...) work as usual."""
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -125,6 +127,7 @@ class AdamW(torch.optim.Optimizer):
                 inner_groups.append(dict(params=masters, lr=group["lr"], betas=group["betas"],
                                          eps=group["eps"], weight_decay=group["weight_decay"]))
         self._inner = _resident_adamw(inner_groups, foreach, fused) if inner_groups else None
+        self._pager = self._make_pager()
         # Each resident parameter's version (torch's in-place write counter) when its master
         # and it last agreed: a write since (model.load_state_dict, st.load_checkpoint, an
         # in-place edit under no_grad) makes the master follow the parameter before the next
@@ -133,6 +136,37 @@ class AdamW(torch.optim.Optimizer):
         for p, master, _ in self._resident:
             self._mark_synced(p, master)
         self._ready = True
+        if self._pager is not None:
+            self._pager.page_out(timed=False)  # the masters, from the first forward pass on
+
+    # Experimental, off by default (docs/python.md, Performance): the resident parameters'
+    # optimizer state paged to host memory between a step and the next backward pass
+    # (strata.torch.paging): None every resident parameter's, an int the first that many
+    # resident blocks', 0 none. Read when the optimizer is created.
+    PAGED_STATE = 0
+
+    def _make_pager(self):
+        session = self._session
+        if self._inner is None or session is None or \
+                getattr(session, "mesh", None) is not None or self.PAGED_STATE == 0:
+            return None
+        from .paging import StatePager, paged_groups
+        groups = paged_groups(self._resident, session, self.PAGED_STATE)
+        if not any(groups):
+            return None
+        live = [master for p, master, _ in self._resident if master is p]
+        pager = StatePager(self._inner, groups, session.device, live)
+        # The session calls the pager while it lives (weakly held: the optimizer owns it).
+        last, ref = len(session.layers) - 1, weakref.ref(pager)
+        session.on_forward_begin.append(
+            lambda index: ref() is not None and ref().forward_begins(index, last))
+        session.on_backward_begin.append(
+            lambda index: ref() is not None and ref().backward_begins(index, last))
+        return pager
+
+    def _bring_in(self):
+        if self._pager is not None:
+            self._pager.bring_in()
 
     def add_param_group(self, param_group):
         if getattr(self, "_ready", False):
@@ -192,7 +226,10 @@ class AdamW(torch.optim.Optimizer):
             self._step_resident()
         keeper = getattr(session, "activations", None)
         if keeper is not None:
-            keeper.on_step()  # which resident blocks may keep their activations from now on
+            # Which resident blocks may keep their activations from now on: decided once the
+            # steps run as every later one will (the pager has sized what pages).
+            keeper.on_step(settled=self._pager is None or self._pager.settled,
+                           paged=self._pager is not None and self._pager.active > 0)
         return loss
 
     # Elements per resident update: the fp32 grads and torch's foreach temporaries exist for
@@ -222,6 +259,7 @@ class AdamW(torch.optim.Optimizer):
         them; the memory it needs beside the state is a chunk's, where all at once an 8B
         model's 11 resident blocks and head took 14 GB of fp32 grads and as much again in
         foreach temporaries."""
+        self._bring_in()
         self._sync_resident_masters()
         groups = self._inner.param_groups
         saved = [g["params"] for g in groups]
@@ -252,6 +290,8 @@ class AdamW(torch.optim.Optimizer):
         finally:
             for g, params in zip(groups, saved):
                 g["params"] = params
+        if self._pager is not None:
+            self._pager.page_out()
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)
@@ -286,6 +326,7 @@ class AdamW(torch.optim.Optimizer):
                 entry["master"] = self._read_state(sp, "master")
             state[sp.param] = entry
         if self._inner is not None:
+            self._bring_in()
             self._sync_resident_masters()
             for p, master, _ in self._resident:
                 if master in self._inner.state and self._inner.state[master]:
@@ -336,6 +377,7 @@ class AdamW(torch.optim.Optimizer):
                     self._write_state(sp, "master", entry["master"])
                 self._session.optimizer.set_param_step(sp.weight, int(entry["step"]))
         if self._inner is not None:
+            self._bring_in()
             for p, master, _ in self._resident:
                 self._restore_resident(p, master, saved.get(p))
 
@@ -367,6 +409,7 @@ class AdamW(torch.optim.Optimizer):
         optimizer state (with masters) and every group's hyperparameters."""
         state = {}
         if self._inner is not None:
+            self._bring_in()
             self._sync_resident_masters()
             for k, (p, master, _) in enumerate(self._resident):
                 if master in self._inner.state and self._inner.state[master]:
@@ -388,6 +431,7 @@ class AdamW(torch.optim.Optimizer):
             mine.update(g)
         if self._inner is None:
             return
+        self._bring_in()
         for k, (p, master, _) in enumerate(self._resident):
             self._restore_resident(p, master, saved["resident"].get(k))
 

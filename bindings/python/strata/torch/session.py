@@ -166,6 +166,11 @@ class StrataSession:
         # and that held none before it: their grads go back to None when it has landed, so
         # the update skips them, as torch's AdamW skips a parameter whose .grad is None.
         self.ungraded = []
+        # Called with the block's index when a streamed block's forward or backward pass begins
+        # with grad, and with None when the model's forward pass with grad begins (in training
+        # mode): strata.torch.paging frees, times and brings back optimizer state.
+        self.on_forward_begin = []
+        self.on_backward_begin = []
 
     # --- registration ----------------------------------------------------------------------
 
@@ -491,6 +496,8 @@ class StrataSession:
                 "(LayerDrop), repeating one or reordering them is not supported (under "
                 "torch.no_grad() any order works)"
                 % (index, self.forward_next if self.in_step else 0))
+        for call in self.on_forward_begin if phase == FORWARD else self.on_backward_begin:
+            call(index)
         self.acquire_layer(index, phase)
         if phase == FORWARD:
             self.forward_next = index + 1

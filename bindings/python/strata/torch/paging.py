@@ -1,0 +1,358 @@
+"""The optimizer state of resident parameters paged to host memory between a step and the next
+backward pass (issue 13: the HBM that kept activations need at the loss's peak). Experimental
+and off by default (strata.torch.AdamW.PAGED_STATE; docs/python.md, Performance): measured in
+docs/benchmarks.md, it does not yet buy time reliably (the copies out hold up the loop's own
+small copies to the host, such as loss.item(), and slow the CPU's update of the streamed
+blocks; torch's caching allocator can strand what it frees).
+
+A resident block is updated on the device by torch's AdamW, from its fp32 master and moments:
+12 bytes a bf16 parameter that the update needs for a few milliseconds a step and that sit in
+HBM the rest of it, through the forward pass and the loss, where the device's memory peaks
+(the logits' fp32 work at the start of the backward pass, with every kept activation alive)
+and where what is free decides how many blocks keep their activations instead of
+recomputing them. So those tensors leave the device once the step has updated them:
+
+- out: after the update, copied to host memory on the pager's own stream while the next
+  forward pass computes; their device memory (one flat buffer, so that freeing it leaves one
+  hole) is freed when the forward pass reaches its last streamed block (the model's last
+  block: the head and the loss come next), where the host waits for the copies if they are
+  not done. Freed there and only there, so the memory a step uses does not depend on how fast
+  the copies ran, and what the activation keeper measures is what every later step uses;
+- in: while the backward pass computes, from its first streamed block on (the loss's
+  transients are gone by then), a share at each streamed block so that the copies leave the
+  link to the executor's weight transfers most of the time (all at once, an 8B's backward
+  pass got 0.4 s slower on an H200), the rest at the last one; the step waits for them.
+
+The values never change on the way: the update reads exactly the tensors it wrote (the same
+objects, only their memory moves), so training is bit for bit what it is without paging.
+The tensors keep their identity (torch's optimizer state and the masters stay the same Python
+objects): they become views of the flat buffer, whose storage is resized to nothing while out
+and back to its size when in, as FSDP frees its unsharded parameters. Anything that reads or
+writes them outside a step (state_dict, a checkpoint, a load) brings them in first.
+
+How much pages is measured, not guessed: the first step's page-out takes everything (masters
+and moments of every resident parameter); the next forward pass times how long the copies out
+took against how long the forward pass ran to its last block, and from then on only the
+groups (a resident block's parameters; then the embedding, head and norms) whose copies fit in
+85% of that window page, the rest stays in HBM. The activation keeper waits for that decision,
+empties the allocator's cache once and plans from the next step's reservation
+(ActivationKeeper.on_step(settled=, paged=)).
+
+The cost: 12 bytes a parameter over the PCIe link each way a step, at times the link carries
+little (the forward pass's weights go the other way, the backward pass moves the streamed
+blocks' grads and weights, 2 bytes a parameter each), and the host memory to hold them,
+registered with CUDA once at the first page-out (not torch's pinned allocator, which rounds a
+buffer up to a power of two). Not under data parallelism (strata.torch.distributed keeps the
+residents replicated and in sync as they are); on the CPU (the tests) the host copy is another
+CPU buffer and nothing is sized."""
+
+import weakref
+
+import torch
+
+
+class StatePager:
+    """Pages the fp32 masters in `groups` (lists of them, in forward order) and their state
+    tensors in `inner.state` (a torch optimizer's) out to host memory and back. `live`: the
+    masters that are the model's own parameters (fp32 models): their state pages, they do
+    not. `sizing`: measure the first steps and keep paging only what fits (CUDA)."""
+
+    # The share of the measured window (copies out during the forward pass) the paged bytes
+    # may take: the copies' rate varies with what the host does meanwhile.
+    WINDOW_SHARE = 0.85
+
+    def __init__(self, inner, groups, device, live=(), sizing=True):
+        self.inner = inner
+        self.groups = [list(g) for g in groups if g]
+        self.live = {id(m) for m in live}
+        self.device = device
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.host = {}  # (id(master), key) -> host tensor (a view of a registered buffer)
+        self.registered = []  # host buffers registered with CUDA (kept alive)
+        self.state = "in"  # "in", "leaving" (copies out queued), "out", "coming" (in part)
+        self.pairs = []  # (device tensor, host tensor) of the last page-out, in group order
+        # While paging, the paged tensors are views of one device buffer, so that freeing them
+        # leaves one hole the loss's large transients fit in (freed one by one, the holes
+        # between the blocks' activations stranded as much memory as was paged: an 8B's
+        # reserved peak stayed at 139 GB with 91 GB allocated).
+        self.flat = None
+        self.coming = []  # those not yet queued back
+        self.departed = None  # event after the copies out
+        self.arrived = None  # event after the copies back, for the step to wait on
+        self.active = len(self.groups)  # the groups that page (a prefix)
+        self.sized = not (sizing and cuda)
+        self.timing = None  # (copies-out start, end, forward reached its last block) events
+        self.full_bytes = 0  # what every group's tensors take (once the moments exist)
+        self.paged_bytes = 0  # of the last page-out
+        # Times the host waited at the forward pass's last block for the copies out, and
+        # steps that began before the copies back were done.
+        self.late_out = 0
+        self.late_in = 0
+
+    # --- which tensors ---------------------------------------------------------------------
+
+    def _tensors(self, groups):
+        """(key, tensor) for each tensor of those groups with device memory now, masters
+        first."""
+        for group in groups:
+            for m in group:
+                if id(m) not in self.live:
+                    yield (id(m), "master"), m
+                for key, value in sorted(self.inner.state.get(m, {}).items()):
+                    if torch.is_tensor(value) and value.device == self.device \
+                            and value.numel() > 1:
+                        yield (id(m), key), value
+
+    def _host_for(self, pending):
+        """Host tensors for `pending` [(key, tensor)], made once, in one registered buffer for
+        each page-out that meets new tensors (a tensor that changed shape gets a new one)."""
+        missing = [(k, t) for k, t in pending
+                   if k not in self.host or self.host[k].shape != t.shape
+                   or self.host[k].dtype != t.dtype]
+        if missing:
+            nbytes = sum(_aligned(_nbytes(t)) for _, t in missing)
+            # zeros: faulted in by torch's threads (registering untouched memory faults it in
+            # one page at a time: 52 GB took 20 s).
+            buffer = torch.zeros(nbytes, dtype=torch.uint8)
+            if self.stream is not None:
+                _register(buffer, self.stream)
+            self.registered.append(buffer)
+            offset = 0
+            for k, t in missing:
+                n = _nbytes(t)
+                self.host[k] = buffer[offset:offset + n].view(t.dtype).view(t.shape)
+                offset += _aligned(n)
+        return [(t, self.host[k]) for k, t in pending]
+
+    # --- out -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def page_out(self, timed=True):
+        """After the update (queued on the current stream): queue the copies out on the
+        pager's stream. The device memory stays until the forward pass's last block (release).
+        `timed`: a step's page-out, whose copies the next forward pass runs beside."""
+        if self.state != "in":
+            return
+        if not self.sized:
+            self._size()
+        pending = [(k, t) for k, t in self._tensors(self.groups[:self.active])
+                   if t.untyped_storage().nbytes() > 0]
+        if not pending:
+            return
+        self.pairs = self._host_for(pending)
+        self.paged_bytes = sum(_nbytes(t) for t, _ in self.pairs)
+        self.state = "leaving"
+        if self.stream is None:
+            for t, h in self.pairs:
+                h.copy_(t)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+            for t, h in self.pairs:
+                h.copy_(t, non_blocking=True)
+            self.departed = torch.cuda.Event(enable_timing=True)
+            self.departed.record(self.stream)
+        if timed and not self.sized and self.paged_bytes >= self.full_bytes > 0:
+            # Timed against the next forward pass: [copies start, end, forward begins, reaches
+            # its last block].
+            self.timing = [start, self.departed, None, None]
+
+    @torch.no_grad()
+    def release(self):
+        """The forward pass reached its last block: free what the copies out read (the host
+        waits for them first: the memory then is the same every step)."""
+        if self.state != "leaving":
+            return
+        if self.departed is not None:
+            if self.timing is not None and self.timing[2] is not None and \
+                    self.timing[3] is None:
+                self.timing[3] = self._event()
+            if not self.departed.query():
+                self.late_out += 1
+            self.departed.synchronize()
+        base = self.flat.untyped_storage().data_ptr() if self.flat is not None else None
+        for t, _ in self.pairs:
+            if t.untyped_storage().data_ptr() != base:  # not (yet) a view of the flat buffer
+                t.untyped_storage().resize_(0)
+        if self.flat is not None:
+            self.flat.untyped_storage().resize_(0)
+        self.state = "out"
+
+    def _size(self):
+        """From the timed page-out (the copies out against the forward pass that ran beside
+        them): keep paging the groups whose copies fit in WINDOW_SHARE of the window."""
+        self.full_bytes = sum(_nbytes(t) for _, t in self._tensors(self.groups))
+        if self.timing is None or self.timing[3] is None:
+            return
+        start, end, began, reached = self.timing
+        self.timing = None
+        # The copies' whole time against the forward pass's (a head start they may have had
+        # between the steps is not counted on: a loop without pauses gives them none).
+        copies = start.elapsed_time(end)  # ms
+        window = began.elapsed_time(reached)
+        if copies <= 0 or window <= 0:
+            return
+        budget = self.paged_bytes * min(1.0, self.WINDOW_SHARE * window / copies)
+        total, active = 0, 0
+        for group in self.groups:
+            total += sum(_nbytes(t) for _, t in self._tensors([group]))
+            if total > budget:
+                break
+            active += 1
+        self.active = active
+        self.sized = True
+        if self.flat is not None:  # what stays in HBM from now on leaves the flat buffer
+            base = self.flat.untyped_storage().data_ptr()
+            for _, t in self._tensors(self.groups[active:]):
+                if t.untyped_storage().data_ptr() == base:
+                    t.data = t.data.clone()
+
+    # --- in --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def page_in(self, share=1.0):
+        """Queue copies back until `share` of the paged bytes are queued (the device memory
+        allocated on the current stream, which the backward pass uses)."""
+        if self.state == "leaving":
+            self.release()
+        if self.state == "out":
+            self.coming = list(self.pairs)
+            self.state = "coming"
+            self._allocate()
+        if self.state != "coming":
+            return
+        target = self.paged_bytes * (1.0 - min(1.0, max(0.0, share)))
+        left = sum(_nbytes(h) for _, h in self.coming)
+        batch = []
+        while self.coming and (left > target or share >= 1.0):
+            t, h = self.coming.pop(0)
+            left -= _nbytes(h)
+            batch.append((t, h))
+        if not self.coming:
+            self.state = "in"
+        if not batch:
+            return
+        if self.stream is None:
+            for t, h in batch:
+                t.copy_(h)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for t, h in batch:
+                t.copy_(h, non_blocking=True)
+            self.arrived = torch.cuda.Event()
+            self.arrived.record(self.stream)
+
+    def _allocate(self):
+        """Device memory for everything paged out: the flat buffer at its size again when the
+        paged tensors are its views, else a new one they become views of (the first page-in,
+        and after the tensors changed: the moments that the first step made, a load)."""
+        offsets, total = [], 0
+        for t, h in self.pairs:
+            offsets.append(total)
+            total += _aligned(_nbytes(h))
+        storage = self.flat.untyped_storage() if self.flat is not None else None
+        if storage is not None and getattr(self, "_layout", None) == \
+                [(id(t), o) for (t, _), o in zip(self.pairs, offsets)]:
+            storage.resize_(total)
+            return
+        self.flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        for (t, h), offset in zip(self.pairs, offsets):
+            t.data = self.flat[offset:offset + _nbytes(h)].view(h.dtype).view(h.shape)
+        self._layout = [(id(t), o) for (t, _), o in zip(self.pairs, offsets)]
+
+    def bring_in(self):
+        """Everything in and usable on the current stream: before the update, and before any
+        read or write of the state outside a step."""
+        current = torch.cuda.current_stream(self.device) if self.stream is not None else None
+        if self.state == "leaving":
+            # Still in HBM: writes wait for the copies out to have read it; they are dropped.
+            if self.departed is not None:
+                current.wait_event(self.departed)
+            self.state = "in"
+            return
+        self.page_in(1.0)
+        if self.arrived is not None:
+            if not self.arrived.query():
+                self.late_in += 1
+            current.wait_event(self.arrived)
+            self.arrived = None
+
+    # --- the session's hooks ---------------------------------------------------------------
+
+    def _event(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def forward_begins(self, index, last):
+        """`index` None: the model's forward pass (with grad) begins."""
+        if index is None:
+            if self.state == "leaving" and self.timing is not None and self.timing[2] is None:
+                self.timing[2] = self._event()
+        elif index == last:
+            self.release()
+
+    def backward_begins(self, index, last):
+        self.page_in((last + 1 - index) / (last + 1))
+
+    @property
+    def settled(self):
+        """Whether the groups that page from now on are known (the last page-out took them;
+        the activation keeper measures the next step's memory)."""
+        return self.sized
+
+    @property
+    def is_out(self):
+        return self.state in ("out", "coming")
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+def _aligned(n):
+    return (n + 511) // 512 * 512
+
+
+def _register(buffer, stream):
+    """Page-lock `buffer` (host memory torch allocated) so that copies from and to it are DMA,
+    asynchronous to the host; unregistered when the buffer is freed (memory freed while still
+    registered stays registered at that address: a later tensor there gets another size's
+    registration, and copies from it fail with cudaErrorInvalidValue)."""
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    if int(error) == 0:
+        weakref.finalize(buffer, _unregister, cudart, buffer.data_ptr(), stream)
+    else:
+        raise RuntimeError("strata.torch: could not page-lock %d bytes of host memory for the "
+                           "resident parameters' optimizer state (cudaHostRegister error %d); "
+                           "set strata.torch.AdamW.PAGED_STATE = 0 to keep it in HBM"
+                           % (buffer.numel(), int(error)))
+
+
+def _unregister(cudart, pointer, stream):
+    """The buffer's copies done, its registration dropped (at exit CUDA may be gone first)."""
+    try:
+        stream.synchronize()
+        cudart.cudaHostUnregister(pointer)
+    except Exception:
+        pass
+
+
+def paged_groups(resident, session, blocks):
+    """The masters whose state may page, grouped: one group per resident block's parameters
+    (in forward order), then one of every other resident parameter (embedding, norms, head);
+    `blocks`: only the first that many resident blocks' (None: all of it)."""
+    masters = {id(p): master for p, master, _ in resident}
+    groups, seen = [], set()
+    for block in getattr(session, "resident_blocks", [])[:blocks]:
+        group = [masters[id(p)] for p in block.parameters() if id(p) in masters]
+        seen.update(id(p) for p in block.parameters())
+        groups.append(group)
+    if blocks is None:
+        groups.append([master for p, master, _ in resident if id(p) not in seen])
+    return groups
