@@ -106,7 +106,7 @@ def test_a_list_a_block_appends_to_reaches_the_caller(offload):
     given. The block saw a copy and the caller's list stayed empty (found by the trial); it
     gets every entry now, as in plain PyTorch, and training is the same."""
     torch.manual_seed(0)
-    base = Net("list")
+    base = Net("list").to(DEVICE)
     plain = deepcopy(base)
     expected, expected_sinks = steps(plain, plain_adamw(plain.parameters()), data())
     model = offload(deepcopy(base))
@@ -126,7 +126,7 @@ def test_a_loss_term_left_behind_by_a_block_is_refused(mode, where, offload):
     it was left; with the blocks returning nothing extra the session trains on as plain
     PyTorch."""
     torch.manual_seed(0)
-    base = Net(mode)
+    base = Net(mode).to(DEVICE)
     model = offload(deepcopy(base))
     opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     with pytest.raises(NotImplementedError, match=where + ".*instead of returning it"):
@@ -162,9 +162,9 @@ def test_a_trainable_tensor_a_block_uses_but_does_not_own_trains(offload):
     recompute now adds the grads of every tensor requiring grad that the block's graph
     reaches, as torch's backward does."""
     torch.manual_seed(0)
-    base = Net("list")
-    base.lora_a = nn.Parameter(torch.randn(WIDTH, 2) * 0.1)
-    base.lora_b = nn.Parameter(torch.randn(2, WIDTH) * 0.1)
+    base = Net("list").to(DEVICE)
+    base.lora_a = nn.Parameter((torch.randn(WIDTH, 2) * 0.1).to(DEVICE))
+    base.lora_b = nn.Parameter((torch.randn(2, WIDTH) * 0.1).to(DEVICE))
     for block in base.blocks:
         block.fc = LoraLinear(block.fc, base.lora_a, base.lora_b)
     plain = deepcopy(base)
@@ -178,7 +178,7 @@ def test_a_trainable_tensor_a_block_uses_but_does_not_own_trains(offload):
     got, _ = steps(model, st.AdamW(model.parameters(), lr=LR, weight_decay=WD), data())
     assert_losses_close(got, expected)
     assert_state_close(snapshot(model), snapshot(plain))
-    assert not torch.equal(model.lora_a.detach().cpu(), base.lora_a.detach().cpu())
+    assert not torch.equal(model.lora_a.detach(), base.lora_a.detach())
 
 
 def test_another_blocks_parameter_inside_a_block_is_refused(offload):
@@ -186,8 +186,7 @@ def test_another_blocks_parameter_inside_a_block_is_refused(offload):
     closure): its grad would bypass Strata, where that parameter's grads live. Refused at the
     backward pass, naming it."""
     torch.manual_seed(0)
-    base = Net("list")
-    model = offload(deepcopy(base))
+    model = offload(Net("list").to(DEVICE))
     opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     borrowed = model.blocks[0].gate.weight
     run = model.blocks[1].gate.forward
@@ -223,7 +222,7 @@ def test_reading_a_streamed_parameter_outside_its_forward_shows(offload):
     assert torch.isnan(weight.detach().sum())
     assert torch.isnan(torch.nn.utils.parameters_to_vector(model.parameters()).norm())
     assert torch.equal(model.state_dict()["model.layers.0.mlp.down_proj.weight"].cpu(),
-                       base.state_dict()["model.layers.0.mlp.down_proj.weight"])
+                       base.state_dict()["model.layers.0.mlp.down_proj.weight"].cpu())
     ids = batches(1)[0]
     model(ids, labels=ids).loss.backward()  # training is unaffected
     opt.step()
