@@ -1,6 +1,8 @@
 """strata.torch.activations: the measurement behind "resident blocks keep their activations
 when memory allows" (the parity of running them that way is test_torch_parity's
 test_resident_blocks with keep=True)."""
+import types
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -277,8 +279,9 @@ def resident_run(blocks, plan_from):
     from strata.torch.offload import _keep_resident
     keeper = ActivationKeeper(torch.device("cpu"), blocks)
     keeper.enabled = True
+    session = types.SimpleNamespace(activations=keeper, on_resident_forward_begin=[])
     for i, b in enumerate(blocks):
-        _keep_resident(keeper, i, b)
+        _keep_resident(session, i, b)
     x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1))
     model = torch.nn.Sequential(*blocks)
     model(x.requires_grad_(True)).sum().backward()  # measured, checkpointed

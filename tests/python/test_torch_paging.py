@@ -190,7 +190,8 @@ def test_sizing_keeps_what_the_forward_pass_can_hide(window, active, sessions, m
     # first group alone fits in 85% of 300 ms of 100 ms copies only when it is under 2.55x.
     pager.bring_in()
     pager.sized, pager.paged_bytes = False, sum(sizes)
-    pager.timing = [_Elapsed(0.0), _Elapsed(100.0), _Elapsed(0.0), _Elapsed(window)]
+    pager.timing = ([(_Elapsed(0.0), _Elapsed(60.0)), (_Elapsed(200.0), _Elapsed(240.0))],
+                    _Elapsed(0.0), _Elapsed(window))  # two batches of copies, 100 ms busy
     budget = sum(sizes) * min(1.0, 0.85 * window / 100.0)
     expected = 0
     while expected < len(sizes) and sum(sizes[:expected + 1]) <= budget:

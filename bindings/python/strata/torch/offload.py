@@ -266,7 +266,7 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"
     return k
 
 
-def _keep_resident(keeper, index, block):
+def _keep_resident(session, index, block):
     """A block kept in HBM runs as plain PyTorch with activation checkpointing (RNG-exact, as
     the streamed blocks recompute), so its activation memory is what a streamed block's is;
     unless the measured memory lets it keep its activations (strata.torch.activations), all
@@ -277,10 +277,13 @@ def _keep_resident(keeper, index, block):
 
     from .block import replaying_forward_state, without_caches
     run = block.forward
+    keeper = session.activations
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)
+        for call in session.on_resident_forward_begin:
+            call(index)
         leaves, spec = tree_flatten((args, kwargs))
         args, kwargs = tree_unflatten(without_caches(leaves), spec)
         keeper.observe(index, run, args, kwargs)
@@ -521,7 +524,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         from .activations import ActivationKeeper
         session.activations = ActivationKeeper(device, kept)
         for index, block in enumerate(kept):
-            _keep_resident(session.activations, index, block)
+            _keep_resident(session, index, block)
             installed.append(block)
         streamed = {id(p): p for b in blocks for p in b.parameters()}
         for m in model.modules():

@@ -157,11 +157,16 @@ class AdamW(torch.optim.Optimizer):
         live = [master for p, master, _ in self._resident if master is p]
         pager = StatePager(self._inner, groups, session.device, live)
         # The session calls the pager while it lives (weakly held: the optimizer owns it).
-        last, ref = len(session.layers) - 1, weakref.ref(pager)
+        # Forward points count the resident blocks first, then the streamed ones.
+        resident, streamed = len(session.resident_blocks), len(session.layers)
+        ref = weakref.ref(pager)
         session.on_forward_begin.append(
-            lambda index: ref() is not None and ref().forward_begins(index, last))
+            lambda index: ref() is not None and ref().forward_begins(
+                None if index is None else resident + index, resident, streamed))
+        session.on_resident_forward_begin.append(
+            lambda index: ref() is not None and ref().forward_begins(index, resident, streamed))
         session.on_backward_begin.append(
-            lambda index: ref() is not None and ref().backward_begins(index, last))
+            lambda index: ref() is not None and ref().backward_begins(index, streamed - 1))
         return pager
 
     def _bring_in(self):

@@ -1,9 +1,9 @@
 """The optimizer state of resident parameters paged to host memory between a step and the next
 backward pass (issue 13: the HBM that kept activations need at the loss's peak). Experimental
 and off by default (strata.torch.AdamW.PAGED_STATE; docs/python.md, Performance): measured in
-docs/benchmarks.md, it does not yet buy time reliably (the copies out hold up the loop's own
-small copies to the host, such as loss.item(), and slow the CPU's update of the streamed
-blocks; torch's caching allocator can strand what it frees).
+docs/benchmarks.md, it does not buy time yet (the copies out slow the CPU's update of the
+streamed blocks in the forward pass about as much as the kept activations it makes room for
+save in the backward pass; torch's caching allocator can strand what it frees).
 
 A resident block is updated on the device by torch's AdamW, from its fp32 master and moments:
 12 bytes a bf16 parameter that the update needs for a few milliseconds a step and that sit in
@@ -13,11 +13,13 @@ and where what is free decides how many blocks keep their activations instead of
 recomputing them. So those tensors leave the device once the step has updated them:
 
 - out: after the update, copied to host memory on the pager's own stream while the next
-  forward pass computes; their device memory (one flat buffer, so that freeing it leaves one
-  hole) is freed when the forward pass reaches its last streamed block (the model's last
-  block: the head and the loss come next), where the host waits for the copies if they are
-  not done. Freed there and only there, so the memory a step uses does not depend on how fast
-  the copies ran, and what the activation keeper measures is what every later step uses;
+  forward pass computes, a share issued at each block's forward start (issued at once, they
+  held a loss.item() after the step behind them on the copy engine); their device memory
+  (one flat buffer, so that freeing it leaves one hole) is freed when the forward pass
+  reaches its last streamed block (the model's last block: the head and the loss come
+  next), where the host waits for the copies if they are not done. Freed there and only
+  there, so the memory a step uses does not depend on how fast the copies ran, and what the
+  activation keeper measures is what every later step uses;
 - in: while the backward pass computes, from its first streamed block on (the loss's
   transients are gone by then), a share at each streamed block so that the copies leave the
   link to the executor's weight transfers most of the time (all at once, an 8B's backward
@@ -82,7 +84,9 @@ class StatePager:
         self.arrived = None  # event after the copies back, for the step to wait on
         self.active = len(self.groups)  # the groups that page (a prefix)
         self.sized = not (sizing and cuda)
-        self.timing = None  # (copies-out start, end, forward reached its last block) events
+        self.timing = None  # ([(copies start, end)], forward begins, reaches its last block)
+        self.timed, self.busy, self.began, self.reached = False, [], None, None
+        self.unsent, self.sent, self.ready = [], 0, None
         self.full_bytes = 0  # what every group's tensors take (once the moments exist)
         self.paged_bytes = 0  # of the last page-out
         # Times the host waited at the forward pass's last block for the copies out, and
@@ -129,9 +133,12 @@ class StatePager:
 
     @torch.no_grad()
     def page_out(self, timed=True):
-        """After the update (queued on the current stream): queue the copies out on the
-        pager's stream. The device memory stays until the forward pass's last block (release).
-        `timed`: a step's page-out, whose copies the next forward pass runs beside."""
+        """After the update (queued on the current stream): the paged tensors are to leave.
+        Their copies out are issued a share at a time as the next forward pass goes (send):
+        issued at once, they held the loop's own small copies to the host (a loss.item()
+        after the step) behind them on the copy engine. The device memory stays until the
+        forward pass's last block (release). `timed`: a step's page-out, whose copies the
+        next forward pass times."""
         if self.state != "in":
             return
         if not self.sized:
@@ -143,22 +150,43 @@ class StatePager:
         self.pairs = self._host_for(pending)
         self.paged_bytes = sum(_nbytes(t) for t, _ in self.pairs)
         self.state = "leaving"
+        self.unsent, self.sent = list(self.pairs), 0
+        self.departed = None
+        if self.stream is None:  # the CPU: each share copied when it is sent
+            return
+        self.ready = torch.cuda.Event()
+        self.ready.record(torch.cuda.current_stream(self.device))
+        self.timed = timed and not self.sized and self.paged_bytes >= self.full_bytes > 0
+        self.busy, self.began, self.reached = [], None, None
+
+    @torch.no_grad()
+    def _send(self, share):
+        """Issue the copies out until `share` of the paged bytes are issued (all: 1)."""
+        if self.state != "leaving" or not self.unsent:
+            return
+        target, batch = self.paged_bytes * share, []
+        while self.unsent and (share >= 1.0 or self.sent < target):
+            t, h = self.unsent.pop(0)
+            self.sent += _nbytes(h)
+            batch.append((t, h))
+        if not batch:
+            return
         if self.stream is None:
-            for t, h in self.pairs:
+            for t, h in batch:
                 h.copy_(t)
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(self.ready)
         with torch.cuda.stream(self.stream):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self.stream)
-            for t, h in self.pairs:
+            before = torch.cuda.Event(enable_timing=True)
+            before.record(self.stream)
+            for t, h in batch:
                 h.copy_(t, non_blocking=True)
             self.departed = torch.cuda.Event(enable_timing=True)
             self.departed.record(self.stream)
-        if timed and not self.sized and self.paged_bytes >= self.full_bytes > 0:
-            # Timed against the next forward pass: [copies start, end, forward begins, reaches
-            # its last block].
-            self.timing = [start, self.departed, None, None]
+        if self.timed:
+            # Each batch's copies from when the stream got to them: their own time, not the
+            # forward pass's pace of issuing them.
+            self.busy.append((before, self.departed))
 
     @torch.no_grad()
     def release(self):
@@ -166,10 +194,11 @@ class StatePager:
         waits for them first: the memory then is the same every step)."""
         if self.state != "leaving":
             return
+        self._send(1.0)
         if self.departed is not None:
-            if self.timing is not None and self.timing[2] is not None and \
-                    self.timing[3] is None:
-                self.timing[3] = self._event()
+            if self.timed and self.began is not None and self.reached is None:
+                self.reached = self._event()
+                self.timing = (self.busy, self.began, self.reached)
             if not self.departed.query():
                 self.late_out += 1
             self.departed.synchronize()
@@ -185,13 +214,11 @@ class StatePager:
         """From the timed page-out (the copies out against the forward pass that ran beside
         them): keep paging the groups whose copies fit in WINDOW_SHARE of the window."""
         self.full_bytes = sum(_nbytes(t) for _, t in self._tensors(self.groups))
-        if self.timing is None or self.timing[3] is None:
+        if self.timing is None:
             return
-        start, end, began, reached = self.timing
+        busy, began, reached = self.timing
         self.timing = None
-        # The copies' whole time against the forward pass's (a head start they may have had
-        # between the steps is not counted on: a loop without pauses gives them none).
-        copies = start.elapsed_time(end)  # ms
+        copies = sum(b.elapsed_time(a) for b, a in busy)  # ms
         window = began.elapsed_time(reached)
         if copies <= 0 or window <= 0:
             return
@@ -269,9 +296,11 @@ class StatePager:
         read or write of the state outside a step."""
         current = torch.cuda.current_stream(self.device) if self.stream is not None else None
         if self.state == "leaving":
-            # Still in HBM: writes wait for the copies out to have read it; they are dropped.
+            # Still in HBM: writes wait for the copies out issued so far to have read it;
+            # they are dropped, and so are those not issued.
             if self.departed is not None:
                 current.wait_event(self.departed)
+            self.unsent = []
             self.state = "in"
             return
         self.page_in(1.0)
@@ -288,13 +317,20 @@ class StatePager:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def forward_begins(self, index, last):
-        """`index` None: the model's forward pass (with grad) begins."""
+    def forward_begins(self, index, resident, streamed):
+        """A forward pass with grad reaches point `index` of its blocks: None the model's
+        start, then its `resident` blocks', then its `streamed` blocks' (the last: release).
+        The copies out are issued in even shares over those points."""
         if index is None:
-            if self.state == "leaving" and self.timing is not None and self.timing[2] is None:
-                self.timing[2] = self._event()
-        elif index == last:
+            if self.state == "leaving" and self.timed and self.began is None:
+                self.began = self._event()
+            point = 0
+        elif index == resident + streamed - 1:
             self.release()
+            return
+        else:
+            point = index + 1
+        self._send((point + 1) / (resident + streamed))
 
     def backward_begins(self, index, last):
         self.page_in((last + 1 - index) / (last + 1))

@@ -171,6 +171,7 @@ class StrataSession:
         # mode): strata.torch.paging frees, times and brings back optimizer state.
         self.on_forward_begin = []
         self.on_backward_begin = []
+        self.on_resident_forward_begin = []  # a resident block's, with its index, with grad
 
     # --- registration ----------------------------------------------------------------------
 
