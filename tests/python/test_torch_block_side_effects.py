@@ -155,14 +155,18 @@ class LoraLinear(nn.Module):
         return self.base(x) + x @ a @ b
 
 
-def test_a_trainable_tensor_a_block_uses_but_does_not_own_trains(offload):
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_trainable_tensor_a_block_uses_but_does_not_own_trains(frozen, offload):
     """Idiom: hand-written LoRA whose factors are the top model's parameters, reached from
     inside the blocks through a closure. Their grads came from no block (only their own
     parameters' and inputs' were computed), so they never trained (found by the trial): the
     recompute now adds the grads of every tensor requiring grad that the block's graph
-    reaches, as torch's backward does."""
+    reaches, as torch's backward does; `frozen`: the blocks' own weights frozen, as LoRA has
+    them (their grads were skipped along with the block's: a review found it)."""
     torch.manual_seed(0)
     base = Net("list").to(DEVICE)
+    if frozen:
+        base.blocks.requires_grad_(False)
     base.lora_a = nn.Parameter((torch.randn(WIDTH, 2) * 0.1).to(DEVICE))
     base.lora_b = nn.Parameter((torch.randn(2, WIDTH) * 0.1).to(DEVICE))
     for block in base.blocks:
@@ -258,3 +262,171 @@ def test_adapters_added_after_offload_are_named(offload):
     ids = batches(1)[0]
     with pytest.raises(RuntimeError, match="added after strata.torch.offload.*before offload"):
         model(ids, labels=ids)
+
+
+class Keeping(nn.Module):
+    """A block that keeps what it returns (`self.last = out`), appends it to a list it is
+    given and keeps its input: tensors the caller holds too, which carry grad in plain torch
+    and through the streamed block's autograd function."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h, hiddens):
+        self.seen = h
+        out = h + torch.tanh(self.fc(h))
+        self.last = out
+        hiddens.append(out)
+        return out
+
+
+class KeepingNet(nn.Module):
+    def __init__(self, blocks=3):
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(Keeping() for _ in range(blocks))
+        self.out = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        hiddens = []
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h, hiddens)
+        # The kept tensors feed the loss: their grads must flow as in plain torch.
+        extra = sum(t.pow(2).mean() for t in hiddens) + self.blocks[0].last.mean()
+        return self.out(h), hiddens, extra
+
+
+def test_a_block_keeping_its_own_outputs_and_inputs_trains(offload):
+    """Tensors a block keeps that are its own outputs (self.last = out, appended to a list it
+    is given) or inputs (self.seen = h) carry grad through the block's function, as in plain
+    torch: not refused (the first version of the check refused them), and training equals
+    plain PyTorch's."""
+    torch.manual_seed(0)
+    base = KeepingNet().to(DEVICE)
+    plain = deepcopy(base)
+    expected, sinks = steps(plain, plain_adamw(plain.parameters()), data())
+    model = offload(deepcopy(base))
+    got, got_sinks = steps(model, st.AdamW(model.parameters(), lr=LR, weight_decay=WD), data())
+    assert got_sinks == sinks == [3, 3, 3]
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
+class Resetting(Block):
+    """Block "aux_attr" that clears its attribute first: the freed tensor's id can come back
+    for the new one, which an id-based check missed (a review found it)."""
+
+    def forward(self, h, sink=None):
+        self.aux = None
+        return super().forward(h, sink)
+
+
+def test_an_attribute_reassigned_is_seen_even_when_its_id_comes_back(offload):
+    torch.manual_seed(0)
+    model = Net("aux_attr").to(DEVICE)
+    for i, block in enumerate(model.blocks):
+        fresh = Resetting("aux_attr").to(DEVICE)
+        fresh.load_state_dict(block.state_dict())
+        model.blocks[i] = fresh
+    model = offload(model)
+    opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for x, y in data(5):
+        with pytest.raises(NotImplementedError, match="instead of returning it"):
+            out, _, extra = model(x)
+            (nn.functional.mse_loss(out, y) + extra).backward()
+        opt.zero_grad()
+
+
+class Scaled(nn.Module):
+    """A block computing with a scale its model derives from a parameter in its own forward
+    (a tensor from outside the block that is not a leaf), reached through a closure."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.scale = scale
+
+    def forward(self, h):
+        return h + torch.tanh(self.fc(h)) * self.scale()
+
+
+class ScaledNet(nn.Module):
+    def __init__(self, blocks=3):
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.log_scale = nn.Parameter(torch.zeros(WIDTH))
+        self.current = None
+        self.blocks = nn.ModuleList(Scaled(lambda: self.current) for _ in range(blocks))
+        self.out = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        self.current = self.log_scale.exp()
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h), [], 0.0
+
+
+def test_a_tensor_derived_outside_the_block_trains_its_leaf(offload):
+    """The recompute's graph reaches the model's graph through the scale (not a leaf): the
+    grads of the parameter it comes from are added as torch's backward adds them (the first
+    version backpropagated through that graph twice: 'backward through the graph a second
+    time'); the model's own backward pass still runs that part of the graph afterwards."""
+    torch.manual_seed(0)
+    base = ScaledNet().to(DEVICE)
+    plain = deepcopy(base)
+    plain.blocks = nn.ModuleList(Scaled(lambda: plain.current) for _ in range(3)).to(DEVICE)
+    plain.blocks.load_state_dict(base.blocks.state_dict())
+    expected, _ = steps(plain, plain_adamw(plain.parameters()), data())
+    model = deepcopy(base)
+    model.blocks = nn.ModuleList(Scaled(lambda: model.current) for _ in range(3)).to(DEVICE)
+    model.blocks.load_state_dict(base.blocks.state_dict())
+    model = offload(model)
+    got, _ = steps(model, st.AdamW(model.parameters(), lr=LR, weight_decay=WD), data())
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
+def test_a_tensor_an_earlier_streamed_block_made_is_refused(offload):
+    """A block computing with an earlier streamed block's output reached through a closure
+    (not its inputs): the grad cannot flow back through the earlier block's function;
+    refused at the backward pass, naming the fix."""
+    torch.manual_seed(0)
+    model = offload(Net("list").to(DEVICE))
+    opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    kept = {}
+    model.blocks[0].register_forward_hook(lambda m, a, out: kept.__setitem__("h", out))
+    run = model.blocks[2].fc.forward
+    model.blocks[2].fc.forward = lambda h: run(h) + kept["h"] * 0.5
+    with pytest.raises(NotImplementedError, match="an earlier streamed block made"):
+        steps(model, opt, data(1))
+
+
+def test_foreign_grads_are_their_own_tensors(offload):
+    """Two foreign tensors added to one output get grads of their own (torch's AccumulateGrad
+    copies a grad it cannot keep): scaling one leaves the other alone."""
+    torch.manual_seed(0)
+    base = Net("list").to(DEVICE)
+    base.a = nn.Parameter(torch.zeros(4, WIDTH, device=DEVICE))  # the output's shape: the
+    base.b = nn.Parameter(torch.zeros(4, WIDTH, device=DEVICE))  # sum hands both one grad
+    model = deepcopy(base)
+    run = model.blocks[1].fc.forward
+    model.blocks[1].fc.forward = (lambda m: lambda h: run(h) + m.a + m.b)(model)
+    model = offload(model)
+    st.AdamW(model.parameters(), lr=LR)
+    out, _, _ = model(data(1)[0][0])
+    out.sum().backward()
+    assert model.a.grad is not None and torch.equal(model.a.grad, model.b.grad)
+    before = model.b.grad.clone()
+    model.a.grad.mul_(0.5)
+    assert torch.equal(model.b.grad, before)
+
+
+def test_a_block_registered_under_a_second_name_is_not_refused(offload):
+    """model.last = model.blocks[-1] (the same module reached twice): its parameters are
+    inside their block, not shared with a module outside it."""
+    model = Net("list").to(DEVICE)
+    model.last = model.blocks[-1]
+    offload(model)

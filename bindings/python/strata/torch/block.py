@@ -193,7 +193,8 @@ class StreamedBlockFunction(torch.autograd.Function):
         session.begin(index, BACKWARD)
         try:
             trainable = [sp for sp in session.layers[index] if sp.trainable]
-            result, param_grads = _recompute_grads(ctx, grad_outs, [sp.param for sp in trainable])
+            result, param_grads = _recompute_grads(ctx, grad_outs, [sp.param for sp in trainable],
+                                                   accumulate=True)
             session.store_grads(index, trainable, param_grads)
             del param_grads
         except BaseException as e:
@@ -217,19 +218,19 @@ class StreamedBlockFunction(torch.autograd.Function):
         session.abort()
         session.load_block(index)
         try:
-            result, _ = _recompute_grads(ctx, grad_outs, [])
+            result, _ = _recompute_grads(ctx, grad_outs, [], accumulate=False)
         finally:
             session.unbind(index)
         return (None,) * 8 + tuple(result)
 
 
-def _recompute_grads(ctx, grad_outs, params):
+def _recompute_grads(ctx, grad_outs, params, accumulate):
     """The block's forward again, with grad, under the first run's RNG and autocast state, and
     its backward: (grads of the function's tensor inputs, None where not needed; grads of
-    `params`). `params` empty: a backward pass that accumulates into no parameter. Otherwise a
-    tensor that requires grad and that the block uses without owning it (a LoRA factor held
-    by the model, a gate reached through a closure) gets its grad added to its .grad here, as
-    torch's backward would."""
+    `params`). `accumulate`: a backward pass that accumulates into .grad (not
+    autograd.grad(loss, inputs)), where a tensor that requires grad and that the block uses
+    without owning it (a LoRA factor held by the model, a gate reached through a closure) gets
+    its grad added to its .grad here, as torch's backward would."""
     session = ctx.session
     block = session.blocks[ctx.index]
     needs = ctx.needs_input_grad[8:]
@@ -248,33 +249,38 @@ def _recompute_grads(ctx, grad_outs, params):
             torch.cuda.set_rng_state(ctx.device_rng, session.device)
         with torch.enable_grad(), _autocast(session.device.type, ctx.autocast):
             out = ctx.run(*args, **kwargs)
-    _refuse_grads_left_behind(session, ctx.index, attributes, (args, kwargs), inputs)
     out_tensors = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+    _refuse_grads_left_behind(session, ctx.index, attributes, (args, kwargs),
+                              inputs + out_tensors)
     pairs = [(o, g) for o, g in zip(out_tensors, grad_outs) if g is not None and o.requires_grad]
     foreign = _foreign_leaves(session, ctx.index, [o for o, _ in pairs], inputs, params) \
-        if params else []
+        if accumulate else []
     wanted = [t for t in inputs if t.requires_grad] + list(params) + foreign
     grads = [None] * len(wanted)
     if pairs and wanted:
+        # A foreign tensor may be reached through a graph outside the block (a scale computed
+        # from a parameter in the model's forward, before the blocks): kept for the backward
+        # pass, which runs that part of the graph after this block's.
         grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                    allow_unused=True)
+                                    allow_unused=True, retain_graph=bool(foreign))
     n_inputs = len(wanted) - len(params) - len(foreign)
     for t, g in zip(foreign, grads[len(wanted) - len(foreign):]):
-        if g is not None:
-            t.grad = g if t.grad is None else t.grad + g
+        if g is not None:  # a grad of its own, as torch's AccumulateGrad makes it
+            t.grad = g.clone() if t.grad is None else t.grad + g
     input_grads = iter(grads[:n_inputs])
     return ([next(input_grads) if t.requires_grad else None for t in inputs],
             grads[n_inputs:n_inputs + len(params)])
 
 
 def _tensor_attributes(block):
-    """{(module name, attribute): id of its tensor} for the plain tensor attributes of `block`
-    and its submodules (not parameters or buffers, which torch keeps apart)."""
-    return {(name, key): id(value) for name, m in block.named_modules()
+    """{(module name, attribute): its tensor} for the plain tensor attributes of `block` and
+    its submodules (not parameters or buffers, which torch keeps apart). The tensors, not
+    their ids: a tensor freed during the recompute can leave its id to a new one."""
+    return {(name, key): value for name, m in block.named_modules()
             for key, value in vars(m).items() if isinstance(value, torch.Tensor)}
 
 
-def _refuse_grads_left_behind(session, index, before, call, inputs):
+def _refuse_grads_left_behind(session, index, before, call, known):
     """A streamed block's forward pass runs without grad (and again, with grad, in the
     backward pass): a tensor it leaves behind instead of returning (stored on a module,
     `self.aux = ...`, or put into a list or dict it was given) carried no grad when the
@@ -283,13 +289,15 @@ def _refuse_grads_left_behind(session, index, before, call, inputs):
     if getattr(session, "allow_inner_hooks", False):
         return
     block, prefix = session.blocks[index], session.prefixes[index]
+    # The block's inputs and outputs are exempt: kept by the caller too, they carry grad in
+    # the forward pass (the function's outputs; the caller's own inputs).
+    known = {id(t) for t in known}
     stored = ["%s%s%s" % (prefix, name + "." if name else "", key)
               for name, m in block.named_modules() for key, value in vars(m).items()
               if isinstance(value, torch.Tensor) and value.requires_grad
-              and before.get((name, key)) != id(value)]
-    given = {id(t) for t in inputs}
+              and before.get((name, key)) is not value and id(value) not in known]
     put = [x for x in tree_flatten(call)[0]
-           if isinstance(x, torch.Tensor) and x.requires_grad and id(x) not in given]
+           if isinstance(x, torch.Tensor) and x.requires_grad and id(x) not in known]
     if stored or put:
         where = "stored it in %s" % ", ".join(stored) if stored else \
             "put it into a list or dict it was given"
@@ -316,9 +324,19 @@ def _foreign_leaves(session, index, outputs, inputs, params):
         seen.add(node)
         variable = getattr(node, "variable", None)
         if variable is not None:
-            if id(variable) not in own:
+            if variable is session.anchor:
+                node = None  # reached the rest of the model's streamed graph: refused below
+            elif id(variable) not in own:
                 found[id(variable)] = variable
-            continue
+                continue
+            else:
+                continue
+        if node is None or type(node).__name__ == "StreamedBlockFunctionBackward":
+            raise NotImplementedError(
+                "strata.torch: streamed block %s computes with a tensor that an earlier "
+                "streamed block made, reached other than through its inputs (a closure, an "
+                "attribute): its grad cannot flow back through the earlier block. Pass it to "
+                "the block as an argument" % session.prefixes[index].rstrip("."))
         stack.extend(n for n, _ in node.next_functions)
     for t in found.values():
         sp = session.by_id.get(id(t))

@@ -58,21 +58,25 @@ def _refuse_shared_outside(model, blocks):
     forward pass a streamed parameter is a placeholder, so the other module would compute
     with it, and its grads from there would not reach Strata. Refused before anything
     changes."""
-    inside = {}
-    for block in blocks:
-        for _, p in block.named_parameters(remove_duplicate=False):
-            inside[id(p)] = inside.get(id(p), 0) + 1
-    everywhere = {}
+    streamed = {id(p) for block in blocks for p in block.parameters()}
+    # A module reached under a second name (model.last = model.layers[-1]) is still inside.
+    within = {id(m) for block in blocks for m in block.modules()}
+    names, outside = {}, {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in inside:
-            everywhere.setdefault(id(p), []).append(name)
-    for names in everywhere.values():
-        if len(names) > inside[id(model.get_parameter(names[0]))]:
+        if id(p) not in streamed:
+            continue
+        names.setdefault(id(p), []).append(name)
+        owner = name.rpartition(".")[0]
+        if id(model.get_submodule(owner) if owner else model) not in within:
+            outside.setdefault(id(p), []).append(name)
+    for key, elsewhere in outside.items():
+        inner = [n for n in names[key] if n not in elsewhere]
+        if inner:
             raise ValueError(
                 "strata.torch.offload: parameter %s is shared between a streamed block and a "
                 "module outside it (%s): a streamed block's parameters live in Strata and are "
                 "only real inside its forward pass. Untie them, or keep that block resident "
-                "(resident_blocks=); nothing was changed" % (names[0], ", ".join(names[1:])))
+                "(resident_blocks=); nothing was changed" % (inner[0], ", ".join(elsewhere)))
 
 
 def rebuild_meta_buffers(module, device):
@@ -617,17 +621,19 @@ class _ModelForwardBegins:
     def __call__(self, module, *args):
         if not torch.is_grad_enabled() or not module.training:
             return
-        for index, block in enumerate(self.session.blocks):
-            run = getattr(block, "_gradient_checkpointing_func", None)
-            if getattr(block, "gradient_checkpointing", False) and \
+        # On the blocks (transformers' checkpointing layers) or, in older transformers, on
+        # the module whose forward loops over them.
+        for name, m in module.named_modules():
+            run = getattr(m, "_gradient_checkpointing_func", None)
+            if getattr(m, "gradient_checkpointing", False) is True and \
                     getattr(run, "keywords", {}).get("use_reentrant") is True:
                 raise NotImplementedError(
                     "strata.torch: gradient checkpointing with use_reentrant=True is on for "
-                    "streamed block %s; streamed blocks recompute their forward in the backward "
-                    "pass already and need none, and the reentrant variant cannot run around "
-                    "them: call model.gradient_checkpointing_disable(), or enable it with "
-                    "gradient_checkpointing_kwargs={'use_reentrant': False}"
-                    % self.session.prefixes[index].rstrip("."))
+                    "%s, around streamed blocks; streamed blocks recompute their forward in the "
+                    "backward pass already and need none, and the reentrant variant cannot run "
+                    "around them: call model.gradient_checkpointing_disable(), or enable it "
+                    "with gradient_checkpointing_kwargs={'use_reentrant': False}"
+                    % (name or "the model"))
         for call in self.session.on_forward_begin:
             call(None)
 
