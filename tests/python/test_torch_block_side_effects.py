@@ -430,3 +430,41 @@ def test_a_block_registered_under_a_second_name_is_not_refused(offload):
     model = Net("list").to(DEVICE)
     model.last = model.blocks[-1]
     offload(model)
+
+
+def test_a_list_reaches_the_caller_beside_an_empty_kv_cache(offload):
+    """transformers passes an empty KV cache to every block in training (use_cache=True):
+    dropped for the forward with grad, it made the block get copies of all its arguments,
+    so what it appended to a list was lost again (a review found it); the cache is set to None
+    where it is an argument itself, the list stays the caller's."""
+    from transformers.cache_utils import DynamicCache
+
+    class Cached(Block):
+        def forward(self, h, sink=None, past_key_values=None):
+            assert past_key_values is None  # dropped for the forward with grad
+            return super().forward(h, sink)
+
+    class CachedNet(Net):
+        def forward(self, x):
+            sink, cache = [], DynamicCache()
+            h = self.inp(x)
+            for b in self.blocks:
+                h = b(h, sink=sink, past_key_values=cache)
+            return self.out(h), sink, 0.0
+
+    torch.manual_seed(0)
+    base = CachedNet("list").to(DEVICE)
+    for i in range(len(base.blocks)):
+        fresh = Cached("list").to(DEVICE)
+        fresh.load_state_dict(base.blocks[i].state_dict())
+        base.blocks[i] = fresh
+    plain = deepcopy(base)
+    for block in plain.blocks:  # plain PyTorch gets the (empty) cache itself
+        block.forward = (lambda b: lambda h, sink=None, past_key_values=None:
+                         Block.forward(b, h, sink))(block)
+    expected, expected_sinks = steps(plain, plain_adamw(plain.parameters()), data())
+    model = offload(deepcopy(base))
+    got, sinks = steps(model, st.AdamW(model.parameters(), lr=LR, weight_decay=WD), data())
+    assert sinks == expected_sinks == [3, 3, 3]
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))

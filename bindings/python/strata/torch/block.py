@@ -427,6 +427,22 @@ def refuse_swapped_parameters(session, index):
                 "torch.no_grad() it works" % (sp.name, session.prefixes[index].rstrip(".")))
 
 
+def _caller_arguments(args, kwargs, leaves, kept):
+    """The caller's own (args, kwargs) for the block's first forward, with the KV caches that
+    without_caches dropped (`kept` against `leaves`) set to None where they are arguments
+    themselves (transformers passes an empty cache as past_key_values in training), the lists
+    and dicts among them the caller's own; None where a dropped cache sits deeper."""
+    dropped = [a for a, b in zip(leaves, kept) if a is not b]
+    if not dropped:
+        return args, kwargs
+    ids = {id(a) for a in dropped}
+    top = [a for a in list(args) + list(kwargs.values()) if id(a) in ids]
+    if len(top) != len(dropped):
+        return None
+    return (tuple(None if id(a) in ids else a for a in args),
+            {k: None if id(v) in ids else v for k, v in kwargs.items()})
+
+
 def streamed_forward(session, index, run):
     """The forward installed on block `index`: `run` is its original forward."""
 
@@ -442,7 +458,7 @@ def streamed_forward(session, index, run):
         refuse_swapped_parameters(session, index)
         leaves, spec = tree_flatten((args, kwargs))
         kept = without_caches(leaves)
-        call = (args, kwargs) if all(a is b for a, b in zip(kept, leaves)) else None
+        call = _caller_arguments(args, kwargs, leaves, kept)
         leaves = kept
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         box = [call]
