@@ -21,3 +21,29 @@ if torch is not None:
         torch.set_num_threads(1)
         yield
         torch.set_num_threads(threads)
+
+
+    @pytest.fixture
+    def offload():
+        """st.offload(model) on the suites' device (torch_parity_models.DEVICE), every block
+        streaming unless a test keeps some resident (on a GPU the default would); each session
+        closed when the test ends."""
+        import strata.torch as st
+        from torch_parity_models import DEVICE
+        models = []
+
+        def _offload(model, **kwargs):
+            kwargs.setdefault("device", DEVICE)
+            kwargs.setdefault("resident_blocks", 0)
+            out = st.offload(model, **kwargs)
+            models.append(out)
+            return out
+
+        yield _offload
+        for model in models:
+            session = getattr(model, "strata", None)
+            if session is not None:
+                try:
+                    session.close()
+                except Exception:
+                    pass

@@ -18,23 +18,7 @@ transformers.logging.set_verbosity_error()
 nn = torch.nn
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
-
-
-@pytest.fixture
-def offload():
-    models = []
-
-    def _offload(model, **kwargs):
-        kwargs.setdefault("device", DEVICE)
-        kwargs.setdefault("resident_blocks", 0)
-        out = st.offload(model, **kwargs)
-        models.append(out)
-        return out
-
-    yield _offload
-    for model in models:
-        model.strata.close()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py, as `offload` is
 
 
 WIDTH = 16
@@ -101,19 +85,25 @@ def steps(model, opt, batches_):
     return losses, sinks
 
 
+def assert_trains_like_plain(plain, model, sinks=None):
+    """`plain` trained by torch's AdamW and `model` (offloaded) by st.AdamW on data(): the same
+    losses and state, and each step's sink holding `sinks` entries on both sides (None: not
+    compared)."""
+    expected, expected_sinks = steps(plain, plain_adamw(plain.parameters()), data())
+    got, got_sinks = steps(model, st.AdamW(model.parameters(), lr=LR, weight_decay=WD), data())
+    if sinks is not None:
+        assert got_sinks == expected_sinks == sinks
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
 def test_a_list_a_block_appends_to_reaches_the_caller(offload):
     """Idiom: a block appends a statistic (router load, no grad needed) to a list it was
     given. The block saw a copy and the caller's list stayed empty (found by the trial); it
     gets every entry now, as in plain PyTorch, and training is the same."""
     torch.manual_seed(0)
     base = Net("list").to(DEVICE)
-    plain = deepcopy(base)
-    expected, expected_sinks = steps(plain, plain_adamw(plain.parameters()), data())
-    model = offload(deepcopy(base))
-    got, sinks = steps(model, st.AdamW(model.parameters(), lr=LR, weight_decay=WD), data())
-    assert sinks == expected_sinks == [3, 3, 3]
-    assert_losses_close(got, expected)
-    assert_state_close(snapshot(model), snapshot(plain))
+    assert_trains_like_plain(deepcopy(base), offload(deepcopy(base)), sinks=[3, 3, 3])
 
 
 @pytest.mark.parametrize("mode,where", [("aux_list", "a list or dict it was given"),
@@ -174,14 +164,11 @@ def test_a_trainable_tensor_a_block_uses_but_does_not_own_trains(frozen, offload
     plain = deepcopy(base)
     for block in plain.blocks:  # deepcopy copied the closures' tensors: rebind them
         block.fc.factors = (lambda a, b: lambda: (a, b))(plain.lora_a, plain.lora_b)
-    expected, _ = steps(plain, plain_adamw(plain.parameters()), data())
     model = deepcopy(base)
     for block in model.blocks:
         block.fc.factors = (lambda a, b: lambda: (a, b))(model.lora_a, model.lora_b)
     model = offload(model)
-    got, _ = steps(model, st.AdamW(model.parameters(), lr=LR, weight_decay=WD), data())
-    assert_losses_close(got, expected)
-    assert_state_close(snapshot(model), snapshot(plain))
+    assert_trains_like_plain(plain, model)
     assert not torch.equal(model.lora_a.detach(), base.lora_a.detach())
 
 
@@ -249,6 +236,28 @@ def test_reentrant_gradient_checkpointing_is_refused(offload):
         model(ids, labels=ids)  # evaluation is not refused
 
 
+def test_reentrant_checkpointing_on_the_blocks_loop_is_refused(offload):
+    """Older transformers set gradient checkpointing on the module whose forward loops over
+    the blocks (LlamaModel), not on the blocks: refused too, naming it (the model's forward
+    hook looks at the blocks and the modules around them); on a module that wraps no streamed
+    block (the head) it is left alone."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+    base = build("llama")
+    reentrant = functools.partial(checkpoint, use_reentrant=True)
+    base.lm_head.gradient_checkpointing = True
+    base.lm_head._gradient_checkpointing_func = reentrant
+    model = offload(base)
+    st.AdamW(model.parameters(), lr=LR)
+    ids = batches(1)[0]
+    model(ids, labels=ids).loss.backward()
+    model.model.gradient_checkpointing = True
+    model.model._gradient_checkpointing_func = reentrant
+    with pytest.raises(NotImplementedError, match="use_reentrant=True is on for model,"):
+        model(ids, labels=ids)
+
+
 def test_adapters_added_after_offload_are_named(offload):
     """PEFT's get_peft_model (or a hand-written LoRA wrapper) applied after offload: the
     message said to create the optimizer, which the user had done; it says now that adapters
@@ -305,13 +314,7 @@ def test_a_block_keeping_its_own_outputs_and_inputs_trains(offload):
     plain PyTorch's."""
     torch.manual_seed(0)
     base = KeepingNet().to(DEVICE)
-    plain = deepcopy(base)
-    expected, sinks = steps(plain, plain_adamw(plain.parameters()), data())
-    model = offload(deepcopy(base))
-    got, got_sinks = steps(model, st.AdamW(model.parameters(), lr=LR, weight_decay=WD), data())
-    assert got_sinks == sinks == [3, 3, 3]
-    assert_losses_close(got, expected)
-    assert_state_close(snapshot(model), snapshot(plain))
+    assert_trains_like_plain(deepcopy(base), offload(deepcopy(base)), sinks=[3, 3, 3])
 
 
 class Resetting(Block):
@@ -379,14 +382,10 @@ def test_a_tensor_derived_outside_the_block_trains_its_leaf(offload):
     plain = deepcopy(base)
     plain.blocks = nn.ModuleList(Scaled(lambda: plain.current) for _ in range(3)).to(DEVICE)
     plain.blocks.load_state_dict(base.blocks.state_dict())
-    expected, _ = steps(plain, plain_adamw(plain.parameters()), data())
     model = deepcopy(base)
     model.blocks = nn.ModuleList(Scaled(lambda: model.current) for _ in range(3)).to(DEVICE)
     model.blocks.load_state_dict(base.blocks.state_dict())
-    model = offload(model)
-    got, _ = steps(model, st.AdamW(model.parameters(), lr=LR, weight_decay=WD), data())
-    assert_losses_close(got, expected)
-    assert_state_close(snapshot(model), snapshot(plain))
+    assert_trains_like_plain(plain, offload(model))
 
 
 def test_a_tensor_an_earlier_streamed_block_made_is_refused(offload):
@@ -462,9 +461,4 @@ def test_a_list_reaches_the_caller_beside_an_empty_kv_cache(offload):
     for block in plain.blocks:  # plain PyTorch gets the (empty) cache itself
         block.forward = (lambda b: lambda h, sink=None, past_key_values=None:
                          Block.forward(b, h, sink))(block)
-    expected, expected_sinks = steps(plain, plain_adamw(plain.parameters()), data())
-    model = offload(deepcopy(base))
-    got, sinks = steps(model, st.AdamW(model.parameters(), lr=LR, weight_decay=WD), data())
-    assert sinks == expected_sinks == [3, 3, 3]
-    assert_losses_close(got, expected)
-    assert_state_close(snapshot(model), snapshot(plain))
+    assert_trains_like_plain(plain, offload(deepcopy(base)), sinks=[3, 3, 3])

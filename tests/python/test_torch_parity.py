@@ -27,7 +27,8 @@ STEPS = 4
 
 
 # ---------------------------------------------------------------------------------------------
-# Helpers: offload (closing every session at teardown), the two sides of a run.
+# Helpers: the two sides of a run (the offload fixture, closing every session at teardown,
+# is conftest.py's).
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
@@ -38,29 +39,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def offload():
-    """st.offload(model, device="cpu"), the session closed when the test ends."""
-    models = []
-
-    def _offload(model, **kwargs):
-        kwargs.setdefault("device", DEVICE)
-        # Every block streams unless a test keeps some resident (on a GPU the default would).
-        kwargs.setdefault("resident_blocks", 0)
-        out = st.offload(model, **kwargs)
-        models.append(out)
-        return out
-
-    yield _offload
-    for model in models:
-        session = getattr(model, "strata", None)
-        if session is not None:
-            try:
-                session.close()
-            except Exception:
-                pass
 
 
 def strata_adamw(params, **kwargs):

@@ -588,7 +588,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     # hooks; checked here first, before the modules loaded ahead of them (the embedding) are
     # written.
     model.register_load_state_dict_pre_hook(_LoadsBetweenSteps(session))
-    model.register_forward_pre_hook(_ModelForwardBegins(session))
+    model.register_forward_pre_hook(_ModelForwardBegins(session, _around(model, blocks)))
     if kept:
         _note_memory_errors(model, session)
     return model
@@ -608,22 +608,36 @@ class _LoadsBetweenSteps:
                                "loaded")
 
 
+def _around(model, blocks):
+    """(name, module) for each streamed block and each module that contains one (the model
+    down to the blocks' list): where transformers turns gradient checkpointing on around them,
+    on the blocks (its checkpointing layers) or, in older versions, on the module whose forward
+    loops over them. Found once: the model's forward pre-hook reads these, not every module."""
+    inside = {id(b) for b in blocks}
+    found = []
+    for name, m in model.named_modules():
+        if id(m) in inside or any(id(sub) in inside for sub in m.modules()):
+            found.append((name, m))
+    return found
+
+
 class _ModelForwardBegins:
     """The model's forward pre-hook, with grad in training mode: Hugging Face gradient
     checkpointing with use_reentrant=True around a streamed block fails in its backward pass
     with torch's own message (reentrant checkpointing is incompatible with .grad(), which a
     streamed block's backward uses): refused first, naming the fix. Then the session's
-    on_forward_begin callbacks, with None (strata.torch.paging times the forward pass)."""
+    on_forward_begin callbacks, with None (strata.torch.paging times the forward pass).
+    `around`: _around's modules, the only ones looked at (the hook runs at every training
+    forward pass; checkpointing elsewhere does not wrap a streamed block)."""
 
-    def __init__(self, session):
+    def __init__(self, session, around):
         self.session = session
+        self.around = around
 
     def __call__(self, module, *args):
         if not torch.is_grad_enabled() or not module.training:
             return
-        # On the blocks (transformers' checkpointing layers) or, in older transformers, on
-        # the module whose forward loops over them.
-        for name, m in module.named_modules():
+        for name, m in self.around:
             run = getattr(m, "_gradient_checkpointing_func", None)
             if getattr(m, "gradient_checkpointing", False) is True and \
                     getattr(run, "keywords", {}).get("use_reentrant") is True:

@@ -164,11 +164,9 @@ class StatePager:
         """Issue the copies out until `share` of the paged bytes are issued (all: 1)."""
         if self.state != "leaving" or not self.unsent:
             return
-        target, batch = self.paged_bytes * share, []
-        while self.unsent and (share >= 1.0 or self.sent < target):
-            t, h = self.unsent.pop(0)
-            self.sent += _nbytes(h)
-            batch.append((t, h))
+        batch, taken = _take(self.unsent, None if share >= 1.0
+                             else self.paged_bytes * share - self.sent)
+        self.sent += taken
         if not batch:
             return
         if self.stream is None:
@@ -253,11 +251,7 @@ class StatePager:
             return
         target = self.paged_bytes * (1.0 - min(1.0, max(0.0, share)))
         left = sum(_nbytes(h) for _, h in self.coming)
-        batch = []
-        while self.coming and (left > target or share >= 1.0):
-            t, h = self.coming.pop(0)
-            left -= _nbytes(h)
-            batch.append((t, h))
+        batch, _ = _take(self.coming, None if share >= 1.0 else left - target)
         if not self.coming:
             self.state = "in"
         if not batch:
@@ -344,6 +338,17 @@ class StatePager:
     @property
     def is_out(self):
         return self.state in ("out", "coming")
+
+
+def _take(queue, quota):
+    """Pop (tensor, host copy) pairs off the front of `queue` until their bytes reach `quota`
+    (None: all of them), for one batch of copies either way: (the pairs, their bytes)."""
+    batch, taken = [], 0
+    while queue and (quota is None or taken < quota):
+        pair = queue.pop(0)
+        taken += _nbytes(pair[1])
+        batch.append(pair)
+    return batch, taken
 
 
 def _nbytes(t):
