@@ -267,7 +267,8 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
                                            * (1 << 30)))
         paged = os.environ.get("STRATA_BENCH_PAGED_STATE")
         if paged is not None:  # --paged-state: an A/B of strata.torch.paging
-            st.AdamW.PAGED_STATE = None if paged == "all" else int(paged)
+            st.AdamW.PAGED_STATE = {"all": None, "auto": "auto"}.get(paged) if \
+                paged in ("all", "auto") else int(paged)
         opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
                        threads=int(os.environ.get("STRATA_BENCH_OPTIMIZER_THREADS", "0")))
         if nvme:
@@ -474,13 +475,14 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
             out["kept_block_gb"] = [None if b is None else b / 1e9
                                     for b in (keeper.block_bytes, keeper.selective_bytes)]
             out["kept_measure_seconds"] = keeper.measure_seconds
+            out["kept_backed_off"] = keeper.backed_off  # blocks dropped for allocation retries
         out["plan"] += " (%d keep activations, %d of them wholly)" % (out["kept_activations"],
                                                                      out["kept_whole"])
         pager = getattr(opt, "_pager", None)
         if pager is not None:  # bytes paged a step; steps whose copies ran late
             out["paged_state"] = dict(gb=pager.paged_bytes / 1e9, late_out=pager.late_out,
                                       late_in=pager.late_in, groups=pager.active,
-                                      of=len(pager.groups))
+                                      of=len(pager.groups), auto=pager.decision)
             out["plan"] += ", %.1f GB of optimizer state paged (%d of %d groups; late out %d, " \
                 "in %d)" % (pager.paged_bytes / 1e9, pager.active, len(pager.groups),
                             pager.late_out, pager.late_in)
@@ -538,8 +540,8 @@ def main():
                         "less one)")
     p.add_argument("--paged-state", default=None,
                    help="strata: the resident parameters' optimizer state paged to host memory "
-                        "between steps (strata.torch.paging): 'all', N (the first N resident "
-                        "blocks'), 0 (none); default: strata.torch.AdamW's (experimental: off)")
+                        "between steps (strata.torch.paging): 'auto', 'all', N (the first N "
+                        "resident blocks'), 0 (none); default: strata.torch.AdamW's ('auto')")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args()

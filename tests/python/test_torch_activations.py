@@ -359,37 +359,93 @@ def test_an_out_of_memory_error_turns_keeping_off():
     assert any("were keeping their activations" in n for n in error.__notes__), error.__notes__
 
 
-def test_paged_state_plans_from_the_next_steps_reservation(monkeypatch):
-    """With optimizer state paged (strata.torch.paging), the decision waits until the pager
-    has settled, empties the allocator's cache once, and plans from what the next step
-    reserved (reserved memory only grows between emptyings), not from the peak since the
-    start, which the steps before the pager settled inflated; after an allocation retry (the
-    allocator freed some of its cache) the peak since the start again."""
-    gb = 1 << 30
+GB = 1 << 30
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's memory statistics, made up: 140 GB usable (40 free beside 100 reserved
+    now); `memory` holds the peaks the keeper reads and `calls` what it asked for."""
+    memory = {"num_alloc_retries": 0, "num_ooms": 0, "reserved_peak": 130 * GB,
+              "allocated_peak": 90 * GB, "expandable": False}
     calls = []
-    stats = {"num_alloc_retries": 0, "num_ooms": 0}
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *_: dict(stats))
+
+    def reset(*_):
+        calls.append("reset")
+        memory["reserved_peak"] = memory["allocated_peak"] = 100 * GB
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *_: {
+        k: memory[k] for k in ("num_alloc_retries", "num_ooms")})
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
-    # 140 GB usable (40 free beside 100 reserved now), 130 reserved at the peak since the start.
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (40 * gb, 140 * gb))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *_: 100 * gb)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *_: 130 * gb)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (40 * GB, 140 * GB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *_: 100 * GB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *_: memory["reserved_peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *_: memory["allocated_peak"])
     monkeypatch.setattr(ActivationKeeper, "margin", lambda self: 0.0)
+    import strata.torch.allocator as allocator
+    monkeypatch.setattr(allocator, "expandable_segments", lambda: memory["expandable"])
+    return memory, calls
 
-    def keeper_after(retries):
-        keeper = ActivationKeeper(torch.device("cuda"), [object()] * 8)
-        keeper.measured = {i: (4 * gb, None) for i in range(8)}
-        stats["num_alloc_retries"] = 0
-        keeper.on_step(settled=False, paged=True)
-        keeper.on_step(settled=False, paged=True)
-        assert not keeper.decided and not calls  # not settled: nothing happens
-        keeper.on_step(settled=True, paged=True)
-        assert not keeper.decided and calls == ["empty"]
-        stats["num_alloc_retries"] = retries
-        keeper.on_step(settled=True, paged=True)
-        assert keeper.decided
-        calls.clear()
-        return keeper.count
 
-    assert keeper_after(0) == 8  # 40 GB spare, a block 4 GB x 1.25: 8 blocks
-    assert keeper_after(1) == 2  # a retry: from the peak since the start, 10 GB: 2 blocks
+def keeper_of(blocks=8, block_gb=4):
+    keeper = ActivationKeeper(torch.device("cuda"), [object()] * blocks)
+    keeper.measured = {i: (block_gb * GB, None) for i in range(blocks)}
+    return keeper
+
+
+def test_paged_state_plans_from_the_next_step(fake_cuda):
+    """With optimizer state paged (strata.torch.paging), the decision waits until the pager
+    has settled, empties the allocator's cache and resets its peak statistics once, and plans
+    from the next step's peak, not from the peak since the start, which the steps before the
+    pager settled inflated."""
+    memory, calls = fake_cuda
+    keeper = keeper_of()
+    keeper.on_step(settled=False, paged=True)
+    keeper.on_step(settled=False, paged=True)
+    assert not keeper.decided and not calls  # not settled: nothing happens
+    keeper.on_step(settled=True, paged=True)
+    assert not keeper.decided and calls == ["empty", "reset"]
+    keeper.on_step(settled=True, paged=True)
+    assert keeper.decided
+    assert keeper.count == 8  # 40 GB spare from the reset peak, a block 4 GB x 1.25: 8 blocks
+
+
+@pytest.mark.parametrize("expandable,allocated,kept", [
+    (False, 90, 2),   # the default allocator: the reserved peak (130 GB), 10 GB spare
+    (True, 90, 9),    # expandable: 90 GB allocated + 2.8 (2% of 140): 47.2 GB spare, 9 fit
+    (True, 120, 3),   # 120 + 2.8: 17.2 GB spare
+    (True, 128, 2)])  # the reserved peak when it is less (130 < 128 + 2.8): 10 GB spare
+def test_the_peak_planned_from(expandable, allocated, kept, fake_cuda):
+    """Expandable segments give back what they cache where an allocation needs it: the plan
+    counts the allocated peak plus 2% of the device, or the reserved peak when that is less;
+    the default allocator's reserved peak, which stranded memory inflates."""
+    memory, _ = fake_cuda
+    memory.update(expandable=expandable, allocated_peak=allocated * GB)
+    keeper = keeper_of(blocks=10)
+    keeper.on_step()
+    keeper.on_step()
+    assert keeper.decided and keeper.count == kept
+
+
+def test_allocation_retries_drop_kept_blocks(fake_cuda):
+    """Each step after the plan in which the allocator retried an allocation (it freed its
+    cache: a device synchronization mid-step) drops the first kept block; no retries, no
+    change."""
+    memory, _ = fake_cuda
+    memory.update(expandable=True)
+    keeper = keeper_of()
+    memory["num_alloc_retries"] = 1  # before the plan: not counted
+    keeper.on_step()
+    keeper.on_step()
+    assert keeper.count == 8
+    keeper.on_step()
+    assert keeper.count == 8 and keeper.backed_off == 0
+    memory["num_alloc_retries"] = 3  # two in one step: one block a step
+    keeper.on_step()
+    assert keeper.count == 7 and keeper.backed_off == 1
+    keeper.on_step()
+    assert keeper.count == 7
+    memory["num_alloc_retries"] = 4
+    keeper.on_step()
+    assert keeper.count == 6 and keeper.backed_off == 2

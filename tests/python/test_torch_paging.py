@@ -202,9 +202,12 @@ def test_sizing_keeps_what_the_forward_pass_can_hide(window, active, sessions, m
         assert expected == 0
     if active == 3:
         assert expected == 3
-    base_ptr = pager.flat.untyped_storage().data_ptr()
-    for _, t in pager._tensors(pager.groups[pager.active:]):
-        assert t.untyped_storage().data_ptr() != base_ptr  # out of the flat buffer
+    if active:
+        base_ptr = pager.flat.untyped_storage().data_ptr()
+        for _, t in pager._tensors(pager.groups[pager.active:]):
+            assert t.untyped_storage().data_ptr() != base_ptr  # out of the flat buffer
+    else:  # nothing pages again: they stay where they are, the host memory goes
+        assert pager.flat is None and not pager.host and pager.paged_bytes == 0
     losses, _ = train(model, opt, data[2:], clip=1.0)
     synchronize(opt)
     twin = offloaded(base, sessions, dtype=torch.bfloat16)
@@ -212,3 +215,84 @@ def test_sizing_keeps_what_the_forward_pass_can_hide(window, active, sessions, m
     assert losses == twin_losses_all[2:]
     assert all(torch.equal(a, b) for a, b in zip(snapshot(model).values(),
                                                  snapshot(twin).values()))
+
+
+class _Timed(_Elapsed):
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("available,slower,pages,active", [
+    (1 << 50, False, True, 3),    # room on the host, the forward pass as fast: all pages
+    (0, False, False, 0),         # no host memory to page into
+    ("first", False, True, 1),    # room for the first group only
+    (1 << 50, True, False, 0)])   # the forward pass beside the copies 20% slower: stops
+def test_auto_pages_when_it_does_not_slow_the_forward_pass(available, slower, pages, active,
+                                                           sessions, monkeypatch):
+    """PAGED_STATE = "auto": the pager pages nothing until the second step's end, having timed
+    the forward pass between (to its last block); then the first groups that fit in half the
+    host's available memory page (none: nothing ever pages, and the activation keeper is told
+    it settled); if the next forward pass, beside the copies out, took more than 5% longer
+    (the copies slowed the CPU's update it waits for), paging stops for good, its host
+    memory let go. Training is bit for bit the unpaged run's throughout."""
+    import strata.torch.paging as paging
+    base = build("llama", layers=4)
+    data = batches(5)
+    expected = None
+    for auto in (False, True):
+        model = offloaded(base, sessions, dtype=torch.bfloat16)
+        monkeypatch.setattr(st.AdamW, "PAGED_STATE", 0)
+        opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        if not auto:
+            expected = train(model, opt, data, clip=1.0)
+            synchronize(opt)
+            expected_weights = snapshot(model)
+            continue
+        times = iter(float(t) for t in range(0, 10 ** 6, 1000))
+        live = [master for p, master, _ in opt._resident if master is p]
+        pager = paging.StatePager(opt._inner, paging.paged_groups(opt._resident, model.strata,
+                                                                  None),
+                                  DEVICE, live, update_clock=lambda: 0.25)
+        pager.probe, pager.sized = "first", False  # on the CPU as on CUDA (auto is CUDA's)
+        pager._event = lambda: _Timed(next(times))  # each forward pass: 1000 ms to its last
+
+        def host():  # the first group's bytes when it decides (its moments exist by then)
+            first = sum(t.numel() * t.element_size() for _, t in pager._tensors(pager.groups[:1]))
+            return (first + 1 if available == "first" else available) / pager.HOST_SHARE
+        monkeypatch.setattr(paging, "_available_host_bytes", host)
+        opt._pager = pager
+        resident, streamed = len(model.strata.resident_blocks), len(model.strata.layers)
+        model.strata.on_forward_begin.append(
+            lambda i: pager.forward_begins(None if i is None else resident + i, resident,
+                                           streamed))
+        model.strata.on_backward_begin.append(
+            lambda i: pager.backward_begins(i, streamed - 1))
+        seen = []
+        real_step = opt.step
+
+        def step(*args, **kwargs):
+            if len(seen) == 2 and available != 0:  # the copies out timed (CUDA events on the GPU)
+                pager.timing = ([(_Elapsed(0.0), _Elapsed(100.0))], _Elapsed(0.0),
+                                _Elapsed(1200.0 if slower else 1010.0))
+            out = real_step(*args, **kwargs)
+            seen.append((pager.probe, pager.settled, pager.state, pager.active))
+            return out
+        opt.step = step
+        got = train(model, opt, data, clip=1.0)
+        synchronize(opt)
+        assert seen[0] == ("timing", False, "in", 3)  # nothing paged while deciding
+        assert pager.decision["forward_seconds"] == pytest.approx(1.0)
+        assert pager.decision["update_seconds"] == 0.0
+        if available == 0:
+            assert seen[1][1:] == (True, "in", 0) and not pager.decision["pages"]
+        else:
+            assert seen[1][2] == "leaving"  # paging from the second step's end
+            assert seen[2][1] and pager.decision["pages"] is pages
+        assert pager.active == active
+        if not pages:  # never again: nothing out, no host memory held
+            assert all(s == "in" for _, _, s, _ in seen[2:])
+            assert pager.paged_bytes == 0 and not pager.registered and not pager.host
+        assert got == expected
+        weights = snapshot(model)
+        for key in weights:
+            assert torch.equal(weights[key], expected_weights[key]), key

@@ -16,9 +16,12 @@ batch's activations and logits are unknown then), so it is measured:
   and in whether keeping one selectively is safe; a block that cannot be measured (an op
   without a fake kernel, a data-dependent shape) is never kept, nor any before it;
 - the memory torch's caching allocator held at its peak through the second optimizer step
-  (AdamW's moments exist from the first): reserved, not allocated, since what fragmentation
-  strands is as unusable as what is allocated (an H200 run planned from the allocated peak ran
-  out of memory asking for 15.6 GiB of logits with 11 GiB reserved and unused);
+  (AdamW's moments exist from the first): reserved, not allocated, since with the default
+  allocator what fragmentation strands is as unusable as what is allocated (an H200 run
+  planned from the allocated peak ran out of memory asking for 15.6 GiB of logits with 11 GiB
+  reserved and unused); with expandable segments (strata.torch.allocator) the allocated peak
+  plus 2% of the device when that is less, since that allocator gives back what it caches
+  where an allocation needs it (ActivationKeeper.peak);
 - what torch could hold at most: the device's free memory plus what torch holds now (the CUDA
   context and Strata's own HBM arena are outside it).
 
@@ -44,7 +47,8 @@ the margin is 4% of the device with expandable segments (strata.torch.allocator)
 without. A forward pass with more tokens, or longer sequences, than the measured steps had
 runs checkpointed (activations and logits grow with the tokens, attention's with the
 sequence). An out-of-memory error anywhere (the allocator counts them: a forward, a backward,
-a step) turns keeping off for good. Only on CUDA."""
+a step) turns keeping off for good; a step that made the allocator retry an allocation (free
+its cache, a device synchronization) drops the first kept block. Only on CUDA."""
 
 import time
 
@@ -256,6 +260,14 @@ class ActivationKeeper:
     # block factor of 1.10 as well kept 2 more 3.6B blocks and 1 more 8B block at 32x1024 for
     # no faster step: docs/benchmarks.md.)
     MARGIN_EXPANDABLE = 0.04
+    # With expandable segments, what the allocator reserved beyond what it allocated is cache
+    # it gives back when an allocation needs it (an allocation retry: it unmaps free pages and
+    # maps them where they are needed), not memory lost to fragmentation: the plan counts the
+    # allocated peak plus this fraction of the device (pages partly used, the allocator's
+    # rounding), or the reserved peak when that is less. With paged optimizer state
+    # (strata.torch.paging) the reserved peak ran to the device's size with 91-95 GB allocated
+    # of 139 (an 8B at 32x1024), which left nothing to keep.
+    FRAGMENTATION_EXPANDABLE = 0.02
     DECIDE_AFTER_STEPS = 2
 
     def __init__(self, device, blocks):
@@ -275,8 +287,10 @@ class ActivationKeeper:
         self.measured = {}
         self.measure_seconds = 0.0  # host time spent measuring (what the first steps pay)
         self.decided = False
-        self.emptied = None  # the allocator's retry count when on_step emptied its cache
+        self.emptied = False  # on_step emptied the allocator's cache (paged state)
         self.ooms = 0  # the allocator's out-of-memory count when the plan was made
+        self.retries = 0  # the allocator's retry count after the last step
+        self.backed_off = 0  # blocks dropped from the plan for allocation retries
 
     @property
     def count(self):
@@ -361,28 +375,53 @@ class ActivationKeeper:
         memory a step uses has `settled` (strata.torch.paging sizes what it pages first).
         `paged`: optimizer state leaves the device between steps; the steps before it settled
         used memory in another pattern, and what the allocator reserved for them (it keeps
-        what it reserved) is not what a step needs now: the cache is emptied once it settles
-        and the next step's reservation is measured instead of the peak since the start."""
+        what it reserved) is not what a step needs now: the cache is emptied and the peak
+        statistics reset once it settles, and the next step is measured instead of the peaks
+        since the start (torch.cuda.max_memory_allocated and _reserved then count from
+        there).
+        Once decided, each step in which the allocator retried an allocation (it synchronized
+        the device to free its cache and map its pages again, in the middle of the step: an
+        8B at 32x1024 with 14 blocks kept retried in most steps, its forward pass 0.35 s
+        slower) drops the first kept block from the plan: the plan was too close to full for
+        this pattern."""
         self.steps += 1
-        if self.decided or self.steps < self.DECIDE_AFTER_STEPS or not self.enabled or \
-                not settled:
+        if not self.enabled:
+            return
+        if self.decided:
+            self._watch_retries()
+            return
+        if self.steps < self.DECIDE_AFTER_STEPS or not settled:
             return
         stats = torch.cuda.memory_stats(self.device)
-        if paged and self.emptied is None:
+        if paged and not self.emptied:
             torch.cuda.empty_cache()
-            self.emptied = stats.get("num_alloc_retries", 0)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.emptied = True
             return
         self.decided = True
         self.ooms = stats.get("num_ooms", 0)
+        self.retries = stats.get("num_alloc_retries", 0)
         free, total = torch.cuda.mem_get_info(self.device)
         usable = free + torch.cuda.memory_reserved(self.device)
-        if self.emptied is not None and stats.get("num_alloc_retries", 0) == self.emptied:
-            # Reserved memory only grows between emptyings (a retry frees some): what it is
-            # now is its peak through the step since.
-            peak = torch.cuda.memory_reserved(self.device)
-        else:
-            peak = torch.cuda.max_memory_reserved(self.device)
-        self.decide(usable, peak, int(total * self.margin()))
+        self.decide(usable, self.peak(total), int(total * self.margin()))
+
+    def peak(self, total):
+        """The memory a step needs at its peak: what the allocator reserved, or with
+        expandable segments what it allocated plus FRAGMENTATION_EXPANDABLE of the device
+        (`total`) when that is less."""
+        peak = torch.cuda.max_memory_reserved(self.device)
+        from .allocator import expandable_segments
+        if expandable_segments():
+            allocated = torch.cuda.max_memory_allocated(self.device)
+            peak = min(peak, allocated + int(total * self.FRAGMENTATION_EXPANDABLE))
+        return peak
+
+    def _watch_retries(self):
+        retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+        if retries > self.retries and self.plan:
+            self.plan.pop()  # the first kept block (the plan lists the last block's first)
+            self.backed_off += 1
+        self.retries = retries
 
     def decide(self, usable, peak, margin):
         """The plan from the measured blocks, for `usable` bytes of which `peak` were in use

@@ -139,23 +139,37 @@ class AdamW(torch.optim.Optimizer):
         if self._pager is not None:
             self._pager.page_out(timed=False)  # the masters, from the first forward pass on
 
-    # Experimental, off by default (docs/python.md, Performance): the resident parameters'
-    # optimizer state paged to host memory between a step and the next backward pass
-    # (strata.torch.paging): None every resident parameter's, an int the first that many
+    # The resident parameters' optimizer state paged to host memory between a step and the
+    # next backward pass (strata.torch.paging; docs/python.md, Performance): "auto" (on CUDA,
+    # every resident parameter's when the second step measured that the CPU's update of the
+    # streamed blocks leaves the forward pass room for the copies and the host has the
+    # memory; else none), None every resident parameter's, an int the first that many
     # resident blocks', 0 none. Read when the optimizer is created.
-    PAGED_STATE = 0
+    PAGED_STATE = "auto"
 
     def _make_pager(self):
         session = self._session
+        paged = self.PAGED_STATE
         if self._inner is None or session is None or \
-                getattr(session, "mesh", None) is not None or self.PAGED_STATE == 0:
+                getattr(session, "mesh", None) is not None or paged == 0:
             return None
+        auto = isinstance(paged, str)
+        if auto and paged != "auto":
+            raise ValueError("strata.torch.AdamW.PAGED_STATE is %r, not 'auto', None or a count "
+                             "of resident blocks" % (paged,))
+        if auto and session.device.type != "cuda":
+            return None  # nothing to make room for
         from .paging import StatePager, paged_groups
-        groups = paged_groups(self._resident, session, self.PAGED_STATE)
+        groups = paged_groups(self._resident, session, None if auto else paged)
         if not any(groups):
             return None
         live = [master for p, master, _ in self._resident if master is p]
-        pager = StatePager(self._inner, groups, session.device, live)
+        clock = None
+        if auto:
+            def clock():  # the CPU's update seconds so far (none: no streamed block trains)
+                optimizer = session.optimizer
+                return 0.0 if optimizer is None else optimizer.stats()["update_seconds"]
+        pager = StatePager(self._inner, groups, session.device, live, update_clock=clock)
         # The session calls the pager while it lives (weakly held: the optimizer owns it).
         # Forward points count the resident blocks first, then the streamed ones.
         resident, streamed = len(session.resident_blocks), len(session.layers)

@@ -1,9 +1,13 @@
 """The optimizer state of resident parameters paged to host memory between a step and the next
-backward pass (issue 13: the HBM that kept activations need at the loss's peak). Experimental
-and off by default (strata.torch.AdamW.PAGED_STATE; docs/python.md, Performance): measured in
-docs/benchmarks.md, it does not buy time yet (the copies out slow the CPU's update of the
-streamed blocks in the forward pass about as much as the kept activations it makes room for
-save in the backward pass; torch's caching allocator can strand what it frees).
+backward pass (issue 13: the HBM that kept activations need at the loss's peak). On by
+default where it pays (strata.torch.AdamW.PAGED_STATE = "auto"; docs/python.md, Performance):
+on CUDA, once the second step has timed a forward pass without it, the first groups that fit
+in half the host's available memory page, and paging stops for good if the next forward pass,
+beside its copies out, got more than 5% slower (the copies share the host's memory bandwidth
+with the CPU's update of the streamed blocks, which a forward pass bound by that update waits
+for). Measured in docs/benchmarks.md: with the activation keeper planning from the allocated
+peak, the 3.6B Llama at 32x1024 on an H200 keeps 22 blocks instead of 14 (414 TFLOPS against
+402 in one run) and the 8B 13 instead of 3.
 
 A resident block is updated on the device by torch's AdamW, from its fp32 master and moments:
 12 bytes a bf16 parameter that the update needs for a few milliseconds a step and that sit in
@@ -32,12 +36,13 @@ objects): they become views of the flat buffer, whose storage is resized to noth
 and back to its size when in, as FSDP frees its unsharded parameters. Anything that reads or
 writes them outside a step (state_dict, a checkpoint, a load) brings them in first.
 
-How much pages is measured, not guessed: the first step's page-out takes everything (masters
-and moments of every resident parameter); the next forward pass times how long the copies out
+How much pages is measured, not guessed: the first page-out takes everything (masters and
+moments of every resident parameter, or under "auto" what fits on the host); the next forward
+pass times how long the copies out
 took against how long the forward pass ran to its last block, and from then on only the
 groups (a resident block's parameters; then the embedding, head and norms) whose copies fit in
 85% of that window page, the rest stays in HBM. The activation keeper waits for that decision,
-empties the allocator's cache once and plans from the next step's reservation
+empties the allocator's cache once and plans from the next step's peak
 (ActivationKeeper.on_step(settled=, paged=)).
 
 The cost: 12 bytes a parameter over the PCIe link each way a step, at times the link carries
@@ -62,8 +67,19 @@ class StatePager:
     # The share of the measured window (copies out during the forward pass) the paged bytes
     # may take: the copies' rate varies with what the host does meanwhile.
     WINDOW_SHARE = 0.85
+    # auto: nothing pages when the forward pass with the copies out beside it (to its last
+    # block) took this much longer than the one before without them. The copies share the
+    # host's memory bandwidth with the CPU's update of the streamed blocks (the update ran at
+    # 0.71 of its rate beside them: bench/host_contention.py), which a forward pass bound by
+    # that update waits for: an 8B at 16x1024 on an H100 (the update twice the forward's
+    # compute) got 0.10 s slower there, more than its kept activations saved; at 32x1024 on
+    # an H200 the forward pass did not move (1.011 s, 1.013) and the step got 4% faster.
+    SLOWER = 0.05
+    # auto: at most this share of the host memory available when it decides (the first
+    # groups whose tensors fit; none: nothing pages).
+    HOST_SHARE = 0.5
 
-    def __init__(self, inner, groups, device, live=(), sizing=True):
+    def __init__(self, inner, groups, device, live=(), sizing=True, update_clock=None):
         self.inner = inner
         self.groups = [list(g) for g in groups if g]
         self.live = {id(m) for m in live}
@@ -93,6 +109,15 @@ class StatePager:
         # steps that began before the copies back were done.
         self.late_out = 0
         self.late_in = 0
+        # auto: update_clock() is the CPU's cumulative update seconds (the streamed blocks',
+        # a diagnostic); the pager first times a forward pass without paging ("first",
+        # "timing"), then pages what the host has room for, and stops if the next forward
+        # pass got slower beside its copies (None: decided, or not auto).
+        self.update_clock = update_clock
+        self.probe = "first" if update_clock is not None and cuda else None
+        self.clock0 = 0.0
+        self.window0 = None  # auto: the forward pass without paging (seconds)
+        self.decision = None  # auto's: why it pages or not, with its numbers (diagnostics)
 
     # --- which tensors ---------------------------------------------------------------------
 
@@ -140,6 +165,8 @@ class StatePager:
         forward pass's last block (release). `timed`: a step's page-out, whose copies the
         next forward pass times."""
         if self.state != "in":
+            return
+        if self.probe is not None and self._probing(timed):
             return
         if not self.sized:
             self._size()
@@ -208,6 +235,42 @@ class StatePager:
             self.flat.untyped_storage().resize_(0)
         self.state = "out"
 
+    def _probing(self, timed):
+        """auto, at a step's end (`timed`; the optimizer's creation is not one): whether the
+        pager is still deciding, paging nothing meanwhile. The first step's end has the next
+        forward pass timed (to its last block); the second's decides: the first groups whose
+        tensors fit in HOST_SHARE of the host memory available page (none fit: nothing ever
+        pages), from then on as without auto (the next forward pass times the copies; _size
+        also stops paging if that forward pass got SLOWER)."""
+        if not timed:
+            return True
+        if self.probe == "first" or self.began is None or self.reached is None:
+            self.clock0 = self.update_clock()
+            self.probe = "timing"
+            self.began = self.reached = None
+            return True
+        self.reached.synchronize()
+        self.window0 = self.began.elapsed_time(self.reached) / 1e3
+        update = self.update_clock() - self.clock0
+        self.began = self.reached = None
+        self.probe = None
+        available = _available_host_bytes()
+        fits, total = 0, 0
+        for group in self.groups:
+            total += sum(_nbytes(t) for _, t in self._tensors([group]))
+            if total > self.HOST_SHARE * available:
+                break
+            fits += 1
+        self.decision = dict(update_seconds=update, forward_seconds=self.window0,
+                             host_available_bytes=available, groups_fitting_host=fits,
+                             pages=fits > 0)
+        if fits == 0:
+            self.active, self.sized = 0, True
+            return True
+        self.groups = self.groups[:fits]
+        self.active = fits
+        return False
+
     def _size(self):
         """From the timed page-out (the copies out against the forward pass that ran beside
         them): keep paging the groups whose copies fit in WINDOW_SHARE of the window."""
@@ -227,9 +290,21 @@ class StatePager:
             if total > budget:
                 break
             active += 1
+        if self.window0 is not None:  # auto
+            slower = window / 1e3 > self.window0 * (1.0 + self.SLOWER)
+            self.decision.update(forward_seconds_paging=window / 1e3, pages=not slower)
+            if slower:
+                active = 0
         self.active = active
         self.sized = True
-        if self.flat is not None:  # what stays in HBM from now on leaves the flat buffer
+        if active == 0:
+            # Nothing pages any more: the tensors stay views of the flat buffer, which is never
+            # freed again (cloning them out would hold the state twice at once), and the host
+            # memory goes.
+            self.flat = None
+            self.pairs, self.host, self.registered = [], {}, []
+            self.paged_bytes = 0
+        elif self.flat is not None:  # what stays in HBM from now on leaves the flat buffer
             base = self.flat.untyped_storage().data_ptr()
             for _, t in self._tensors(self.groups[active:]):
                 if t.untyped_storage().data_ptr() == base:
@@ -316,10 +391,13 @@ class StatePager:
         start, then its `resident` blocks', then its `streamed` blocks' (the last: release).
         The copies out are issued in even shares over those points."""
         if index is None:
-            if self.state == "leaving" and self.timed and self.began is None:
+            if self.began is None and (self.probe == "timing" or
+                                       self.state == "leaving" and self.timed):
                 self.began = self._event()
             point = 0
         elif index == resident + streamed - 1:
+            if self.probe == "timing" and self.began is not None and self.reached is None:
+                self.reached = self._event()
             self.release()
             return
         else:
@@ -338,6 +416,20 @@ class StatePager:
     @property
     def is_out(self):
         return self.state in ("out", "coming")
+
+
+def _available_host_bytes():
+    """The host memory available now (Linux's MemAvailable: free plus what the kernel can
+    reclaim), or the free pages where /proc/meminfo cannot be read."""
+    import os
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _take(queue, quota):
