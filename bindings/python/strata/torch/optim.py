@@ -141,9 +141,8 @@ class AdamW(torch.optim.Optimizer):
 
     # The resident parameters' optimizer state paged to host memory between a step and the
     # next backward pass (strata.torch.paging; docs/python.md, Performance): "auto" (on CUDA,
-    # every resident parameter's when the second step measured that the CPU's update of the
-    # streamed blocks leaves the forward pass room for the copies and the host has the
-    # memory; else none), None every resident parameter's, an int the first that many
+    # as much of every resident parameter's as fits in half the host's available memory at
+    # the first step's end), None every resident parameter's, an int the first that many
     # resident blocks', 0 none. Read when the optimizer is created.
     PAGED_STATE = "auto"
 
@@ -164,12 +163,7 @@ class AdamW(torch.optim.Optimizer):
         if not any(groups):
             return None
         live = [master for p, master, _ in self._resident if master is p]
-        clock = None
-        if auto:
-            def clock():  # the CPU's update seconds so far (none: no streamed block trains)
-                optimizer = session.optimizer
-                return 0.0 if optimizer is None else optimizer.stats()["update_seconds"]
-        pager = StatePager(self._inner, groups, session.device, live, update_clock=clock)
+        pager = StatePager(self._inner, groups, session.device, live, auto=auto)
         # The session calls the pager while it lives (weakly held: the optimizer owns it).
         # Forward points count the resident blocks first, then the streamed ones.
         resident, streamed = len(session.resident_blocks), len(session.layers)

@@ -1,13 +1,11 @@
 """The optimizer state of resident parameters paged to host memory between a step and the next
 backward pass (issue 13: the HBM that kept activations need at the loss's peak). On by
-default where it pays (strata.torch.AdamW.PAGED_STATE = "auto"; docs/python.md, Performance):
-on CUDA, once the second step has timed a forward pass without it, the first groups that fit
-in half the host's available memory page, and paging stops for good if the next forward pass,
-beside its copies out, got more than 5% slower (the copies share the host's memory bandwidth
-with the CPU's update of the streamed blocks, which a forward pass bound by that update waits
-for). Measured in docs/benchmarks.md: with the activation keeper planning from the allocated
-peak, the 3.6B Llama at 32x1024 on an H200 keeps 22 blocks instead of 14 (414 TFLOPS against
-402 in one run) and the 8B 13 instead of 3.
+default on CUDA (strata.torch.AdamW.PAGED_STATE = "auto"; docs/python.md, Performance): from
+the first step's end, as much as fits in half the host's available memory. Measured in
+docs/benchmarks.md: with the activation keeper planning from the allocated peak, the 3.6B
+Llama at 32x1024 on an H200 keeps 22 blocks instead of 14 (414 TFLOPS against 402 in one run),
+the 8B 13 instead of 3 (2.6% faster in one run), and the 8B at 16x1024 on an H100 7 instead of
+3 (15% faster).
 
 A resident block is updated on the device by torch's AdamW, from its fp32 master and moments:
 12 bytes a bf16 parameter that the update needs for a few milliseconds a step and that sit in
@@ -67,19 +65,11 @@ class StatePager:
     # The share of the measured window (copies out during the forward pass) the paged bytes
     # may take: the copies' rate varies with what the host does meanwhile.
     WINDOW_SHARE = 0.85
-    # auto: nothing pages when the forward pass with the copies out beside it (to its last
-    # block) took this much longer than the one before without them. The copies share the
-    # host's memory bandwidth with the CPU's update of the streamed blocks (the update ran at
-    # 0.71 of its rate beside them: bench/host_contention.py), which a forward pass bound by
-    # that update waits for: an 8B at 16x1024 on an H100 (the update twice the forward's
-    # compute) got 0.10 s slower there, more than its kept activations saved; at 32x1024 on
-    # an H200 the forward pass did not move (1.011 s, 1.013) and the step got 4% faster.
-    SLOWER = 0.05
     # auto: at most this share of the host memory available when it decides (the first
     # groups whose tensors fit; none: nothing pages).
     HOST_SHARE = 0.5
 
-    def __init__(self, inner, groups, device, live=(), sizing=True, update_clock=None):
+    def __init__(self, inner, groups, device, live=(), sizing=True, auto=False):
         self.inner = inner
         self.groups = [list(g) for g in groups if g]
         self.live = {id(m) for m in live}
@@ -109,15 +99,10 @@ class StatePager:
         # steps that began before the copies back were done.
         self.late_out = 0
         self.late_in = 0
-        # auto: update_clock() is the CPU's cumulative update seconds (the streamed blocks',
-        # a diagnostic); the pager first times a forward pass without paging ("first",
-        # "timing"), then pages what the host has room for, and stops if the next forward
-        # pass got slower beside its copies (None: decided, or not auto).
-        self.update_clock = update_clock
-        self.probe = "first" if update_clock is not None and cuda else None
-        self.clock0 = 0.0
-        self.window0 = None  # auto: the forward pass without paging (seconds)
-        self.decision = None  # auto's: why it pages or not, with its numbers (diagnostics)
+        # auto: the first step's end decides how much pages from the host's available memory
+        # ("first"; None: decided, or not auto).
+        self.probe = "first" if auto and cuda else None
+        self.decision = None  # auto's: the host memory it saw, what fits (diagnostics)
 
     # --- which tensors ---------------------------------------------------------------------
 
@@ -236,23 +221,13 @@ class StatePager:
         self.state = "out"
 
     def _probing(self, timed):
-        """auto, at a step's end (`timed`; the optimizer's creation is not one): whether the
-        pager is still deciding, paging nothing meanwhile. The first step's end has the next
-        forward pass timed (to its last block); the second's decides: the first groups whose
-        tensors fit in HOST_SHARE of the host memory available page (none fit: nothing ever
-        pages), from then on as without auto (the next forward pass times the copies; _size
-        also stops paging if that forward pass got SLOWER)."""
+        """auto, at a page-out: whether nothing pages now. Not at the optimizer's creation
+        (`timed` False: the masters would leave before any step measured anything); at the
+        first step's end (the moments exist), the first groups whose tensors fit in
+        HOST_SHARE of the host memory available page from then on, as without auto (none
+        fit: nothing ever pages)."""
         if not timed:
             return True
-        if self.probe == "first" or self.began is None or self.reached is None:
-            self.clock0 = self.update_clock()
-            self.probe = "timing"
-            self.began = self.reached = None
-            return True
-        self.reached.synchronize()
-        self.window0 = self.began.elapsed_time(self.reached) / 1e3
-        update = self.update_clock() - self.clock0
-        self.began = self.reached = None
         self.probe = None
         available = _available_host_bytes()
         fits, total = 0, 0
@@ -261,9 +236,7 @@ class StatePager:
             if total > self.HOST_SHARE * available:
                 break
             fits += 1
-        self.decision = dict(update_seconds=update, forward_seconds=self.window0,
-                             host_available_bytes=available, groups_fitting_host=fits,
-                             pages=fits > 0)
+        self.decision = dict(host_available_bytes=available, groups_fitting_host=fits)
         if fits == 0:
             self.active, self.sized = 0, True
             return True
@@ -290,11 +263,6 @@ class StatePager:
             if total > budget:
                 break
             active += 1
-        if self.window0 is not None:  # auto
-            slower = window / 1e3 > self.window0 * (1.0 + self.SLOWER)
-            self.decision.update(forward_seconds_paging=window / 1e3, pages=not slower)
-            if slower:
-                active = 0
         self.active = active
         self.sized = True
         if active == 0:
@@ -391,13 +359,10 @@ class StatePager:
         start, then its `resident` blocks', then its `streamed` blocks' (the last: release).
         The copies out are issued in even shares over those points."""
         if index is None:
-            if self.began is None and (self.probe == "timing" or
-                                       self.state == "leaving" and self.timed):
+            if self.state == "leaving" and self.timed and self.began is None:
                 self.began = self._event()
             point = 0
         elif index == resident + streamed - 1:
-            if self.probe == "timing" and self.began is not None and self.reached is None:
-                self.reached = self._event()
             self.release()
             return
         else:
