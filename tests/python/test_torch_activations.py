@@ -449,3 +449,23 @@ def test_allocation_retries_drop_kept_blocks(fake_cuda):
     memory["num_alloc_retries"] = 4
     keeper.on_step()
     assert keeper.count == 6 and keeper.backed_off == 2
+
+
+def test_retries_between_steps_do_not_count(fake_cuda):
+    """Only the retries from a step's first forward pass to its end drop kept blocks: one
+    between steps (a checkpoint cloning the resident masters on the device) is not the plan's
+    doing."""
+    memory, _ = fake_cuda
+    memory.update(expandable=True)
+    keeper = keeper_of()
+    keeper.on_step()
+    keeper.on_step()
+    assert keeper.count == 8
+    memory["num_alloc_retries"] = 1  # between steps
+    keeper.forward_begins()
+    keeper.on_step()
+    assert keeper.count == 8 and keeper.backed_off == 0
+    keeper.forward_begins()
+    memory["num_alloc_retries"] = 2  # in the step
+    keeper.on_step()
+    assert keeper.count == 7 and keeper.backed_off == 1

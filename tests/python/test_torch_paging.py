@@ -89,10 +89,11 @@ def test_paged_state_is_bit_identical_and_comes_back(sessions, monkeypatch):
         for key, value in sa["state"][k].items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(sb["state"][k][key])), \
                 (k, key)
-    # state_dict brought it in; the next step pages it out again: freed when the forward pass
-    # reaches its last streamed block, back as the backward pass goes through them.
+    # state_dict read it while it was leaving (a read leaves the copies going); the next step
+    # pages it out again: freed when the forward pass reaches its last streamed block, back as
+    # the backward pass goes through them.
     masters = [t for t, _ in paged_tensors(opt) if t.dtype == torch.float32]
-    assert masters and opt._pager.state == "in"
+    assert masters and opt._pager.state == "leaving"
     model = sessions[-1]
     ids = data[0].to(DEVICE)
     opt.step()  # no grads: nothing changes, but the step pages the state out
@@ -242,7 +243,7 @@ def test_auto_pages_what_fits_on_the_host(available, active, sessions, monkeypat
         live = [master for p, master, _ in opt._resident if master is p]
         pager = paging.StatePager(opt._inner, paging.paged_groups(opt._resident, model.strata,
                                                                   None),
-                                  DEVICE, live, auto=True)
+                                  model.strata.device, live, auto=True)
         pager.probe, pager.sized = "first", False  # on the CPU as on CUDA (auto is CUDA's)
         pager.page_out(timed=False)  # as the optimizer's creation calls it: nothing leaves
         assert pager.state == "in" and not pager.host
@@ -279,3 +280,162 @@ def test_auto_pages_what_fits_on_the_host(available, active, sessions, monkeypat
         weights = snapshot(model)
         for key in weights:
             assert torch.equal(weights[key], expected_weights[key]), key
+
+
+def _device_bytes(pager):
+    """What the paged tensors hold in device memory now (views of one buffer counted once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for _, t in pager._tensors(pager.groups)}.values())
+
+
+@pytest.mark.parametrize("between", ["state_dict", "save_checkpoint", "load_state_dict",
+                                     "failed_backward", "accumulation"])
+def test_the_state_is_out_at_every_loss(between, sessions, monkeypatch, tmp_path):
+    """Whatever happened since the step, every forward pass with grad has the paged state out
+    of device memory at its loss (the memory the activation keeper planned with): a read
+    between steps (state_dict, a checkpoint) cancelled the step's page-out and the next
+    forward pass ran with all of it in HBM (a review found it); after a write (a load), a
+    backward pass that failed, or in a later micro-batch of gradient accumulation, it leaves
+    again. Training stays bit for bit the unpaged run's."""
+    base = build("llama", layers=4)
+    data = batches(5)
+    runs = []
+    for paged in (0, None):
+        model = offloaded(base, sessions, dtype=torch.bfloat16)
+        opt, losses, _ = strata_steps(model, data[:2], paged, monkeypatch)
+        at_loss = []
+
+        def forward(ids):
+            loss = model(ids, labels=ids).loss
+            if opt._pager is not None:
+                at_loss.append((opt._pager.state, _device_bytes(opt._pager)))
+            return loss
+        if between == "state_dict":
+            opt.state_dict()
+        elif between == "save_checkpoint":
+            st.save_checkpoint(str(tmp_path / ("ck%s" % paged)), model, opt)
+        elif between == "load_state_dict":
+            opt.load_state_dict(opt.state_dict())
+        elif between == "failed_backward":
+            loss = forward(data[2])
+            model.strata.on_backward_begin.append(_fail_once())
+            with pytest.raises(RuntimeError, match="injected"):
+                loss.backward()
+            opt.zero_grad()
+        if between == "accumulation":
+            for ids in data[2:4]:
+                (forward(ids) / 2).backward()
+        else:
+            forward(data[2]).backward()
+        opt.step()
+        opt.zero_grad()
+        more, _ = train(model, opt, data[4:], clip=1.0)
+        synchronize(opt)
+        runs.append((losses + more, snapshot(model)))
+    assert at_loss and all(state == "out" and size == 0 for state, size in at_loss), at_loss
+    (la, wa), (lb, wb) = runs
+    assert la == lb
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+def _fail_once():
+    failed = []
+
+    def fail(index):
+        if not failed:
+            failed.append(index)
+            raise RuntimeError("injected failure in the backward pass")
+    return fail
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "AUTO", "all"])
+def test_a_bad_paged_state_is_refused_before_anything_is_built(value, sessions, monkeypatch):
+    """A bad PAGED_STATE was refused after the session's optimizer was built, and the model
+    could then get no optimizer at all ('create the optimizer once'); -1 and True were taken
+    as counts. Refused first now; set right, the optimizer can be created."""
+    model = offloaded(build("llama", layers=3), sessions)
+    monkeypatch.setattr(st.AdamW, "PAGED_STATE", value)
+    with pytest.raises(ValueError, match="PAGED_STATE is"):
+        st.AdamW(model.parameters(), lr=LR)
+    monkeypatch.setattr(st.AdamW, "PAGED_STATE", 0)
+    st.AdamW(model.parameters(), lr=LR)
+
+
+def test_auto_counts_the_moments_to_come(sessions, monkeypatch):
+    """auto decided what fits on the host from the state existing at the first step: a first
+    step without grads (a warm-up) has no moments yet, and the host memory it then took once
+    they came was 3x its share (a review found it). The moments are counted from the masters:
+    with room for the masters alone, nothing pages."""
+    import strata.torch.paging as paging
+    model = offloaded(build("llama", layers=4), sessions, dtype=torch.bfloat16)
+    monkeypatch.setattr(st.AdamW, "PAGED_STATE", 0)
+    opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    live = [m for p, m, _ in opt._resident if m is p]
+    pager = paging.StatePager(opt._inner, paging.paged_groups(opt._resident, model.strata, None),
+                              model.strata.device, live, auto=True)
+    pager.probe, pager.sized = "first", False
+    masters = sum(t.numel() * t.element_size() for _, t in pager._tensors(pager.groups))
+    monkeypatch.setattr(paging, "_available_host_bytes",
+                        lambda: int(masters / pager.HOST_SHARE) + 1)
+    opt._pager = pager
+    opt.step()  # no grads: no moments
+    train(model, opt, batches(2), clip=1.0)
+    assert pager.decision["groups_fitting_host"] == 0
+    assert pager.paged_bytes == 0 and not pager.registered and not pager.host
+
+
+@pytest.mark.parametrize("how", ["eval", "forward"])
+def test_a_forward_pass_the_models_hook_misses_is_timed(how, sessions, monkeypatch):
+    """The copies' timing window began only in the model's forward hook, which an eval-mode
+    model (with grad) or a call of model.forward skips: the pager then never sized and the
+    activation keeper never planned on CUDA (a review found it). It begins at the first
+    resident block too."""
+    model = offloaded(build("llama", layers=4), sessions, dtype=torch.bfloat16)
+    opt, _, _ = strata_steps(model, batches(1), None, monkeypatch)
+    pager = opt._pager
+    pager._event = lambda: "event"
+    pager.timed, pager.began = True, None  # as a timed page-out on CUDA leaves it
+    ids = batches(1)[0]
+    model.train(how != "eval")
+    loss = (model.forward if how == "forward" else model)(ids, labels=ids).loss
+    assert pager.began == "event"
+    loss.backward()
+
+
+def test_the_keeper_measures_afresh_when_sizing_stops_paging(sessions, monkeypatch):
+    """When the pager's sizing stops paging (its copies cannot fit in the forward pass), the
+    steps before ran in another memory pattern (the state out at the loss): the activation
+    keeper still empties the allocator's cache and measures the next step instead of planning
+    from those peaks (it planned at once: a review found it)."""
+    import strata.torch.allocator as allocator
+    gb, calls = 1 << 30, []
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *_: {"num_alloc_retries": 0,
+                                                                "num_ooms": 0})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *_: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (40 * gb, 140 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *_: 100 * gb)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *_: 100 * gb)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *_: 90 * gb)
+    monkeypatch.setattr(allocator, "expandable_segments", lambda: True)
+    model = offloaded(build("llama", layers=4), sessions, dtype=torch.bfloat16)
+    keeper = model.strata.activations
+    keeper.enabled = True  # as on CUDA
+    monkeypatch.setattr(st.AdamW, "PAGED_STATE", None)
+    opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    pager = opt._pager
+    pager.sized = False  # as on CUDA
+    seen = []
+    real_step = opt.step
+
+    def step(*args, **kwargs):
+        if len(seen) == 1:  # the timed page-out: copies of 100 ms in a 10 ms forward pass
+            pager.timing = ([(_Elapsed(0.0), _Elapsed(100.0))], _Elapsed(0.0), _Elapsed(10.0))
+        return real_step(*args, **kwargs)
+    opt.step = step
+    for ids in batches(3):
+        train(model, opt, [ids], clip=1.0)
+        seen.append((pager.active, keeper.decided, list(calls)))
+    assert seen[1] == (0, False, ["empty", "reset"])  # paging stopped; measured afresh
+    assert seen[2][:2] == (0, True)

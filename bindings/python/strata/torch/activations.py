@@ -290,6 +290,7 @@ class ActivationKeeper:
         self.emptied = False  # on_step emptied the allocator's cache (paged state)
         self.ooms = 0  # the allocator's out-of-memory count when the plan was made
         self.retries = 0  # the allocator's retry count after the last step
+        self.retries_at_forward = None  # and when the next forward pass began (forward_begins)
         self.backed_off = 0  # blocks dropped from the plan for allocation retries
 
     @property
@@ -416,12 +417,22 @@ class ActivationKeeper:
             peak = min(peak, allocated + int(total * self.FRAGMENTATION_EXPANDABLE))
         return peak
 
+    def forward_begins(self):
+        """A forward pass with grad reaches the first resident block: the retries counted
+        against the plan are those from the first such point after a step to the next step
+        (a checkpoint's copies between steps, say, are not the plan's doing)."""
+        if self.decided and self.plan and self.retries_at_forward is None:
+            self.retries_at_forward = \
+                torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+
     def _watch_retries(self):
         retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
-        if retries > self.retries and self.plan:
+        since = self.retries if self.retries_at_forward is None else self.retries_at_forward
+        if retries > since and self.plan:
             self.plan.pop()  # the first kept block (the plan lists the last block's first)
             self.backed_off += 1
         self.retries = retries
+        self.retries_at_forward = None
 
     def decide(self, usable, peak, margin):
         """The plan from the measured blocks, for `usable` bytes of which `peak` were in use

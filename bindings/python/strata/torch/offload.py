@@ -286,6 +286,8 @@ def _keep_resident(session, index, block):
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)
+        if index == 0 and keeper.enabled:
+            keeper.forward_begins()
         for call in session.on_resident_forward_begin:
             call(index)
         leaves, spec = tree_flatten((args, kwargs))

@@ -82,6 +82,13 @@ class AdamW(torch.optim.Optimizer):
                              "models; use one optimizer per model")
         self._session = next(iter(sessions.values()), None)
         self._betas, self._eps = tuple(betas), eps
+        paged = self.PAGED_STATE
+        if not (paged in ("auto", None) or isinstance(paged, int) and
+                not isinstance(paged, bool) and paged >= 0):
+            # Before anything is built: the optimizer can be created again once it is set right.
+            raise ValueError("strata.torch.AdamW.PAGED_STATE is %r, not 'auto', None (every "
+                             "resident parameter's) or a count of resident blocks >= 0"
+                             % (paged,))
         mine = {id(p) for g in self.param_groups for p in g["params"]}
         if self._session is not None:
             session = self._session
@@ -153,9 +160,6 @@ class AdamW(torch.optim.Optimizer):
                 getattr(session, "mesh", None) is not None or paged == 0:
             return None
         auto = isinstance(paged, str)
-        if auto and paged != "auto":
-            raise ValueError("strata.torch.AdamW.PAGED_STATE is %r, not 'auto', None or a count "
-                             "of resident blocks" % (paged,))
         if auto and session.device.type != "cuda":
             return None  # nothing to make room for
         from .paging import StatePager, paged_groups
@@ -177,9 +181,9 @@ class AdamW(torch.optim.Optimizer):
             lambda index: ref() is not None and ref().backward_begins(index, streamed - 1))
         return pager
 
-    def _bring_in(self):
+    def _bring_in(self, writes=True):
         if self._pager is not None:
-            self._pager.bring_in()
+            self._pager.bring_in(writes)
 
     def add_param_group(self, param_group):
         if getattr(self, "_ready", False):
@@ -241,8 +245,10 @@ class AdamW(torch.optim.Optimizer):
         if keeper is not None:
             # Which resident blocks may keep their activations from now on: decided once the
             # steps run as every later one will (the pager has sized what pages).
+            # `paged`: the pager took tensors at some page-out, even if its sizing then
+            # stopped it (the steps before used memory in another pattern).
             keeper.on_step(settled=self._pager is None or self._pager.settled,
-                           paged=self._pager is not None and self._pager.active > 0)
+                           paged=self._pager is not None and self._pager.has_paged)
         return loss
 
     # Elements per resident update: the fp32 grads and torch's foreach temporaries exist for
@@ -262,6 +268,7 @@ class AdamW(torch.optim.Optimizer):
         seen (torch counts no version for them)."""
         for p, master, _ in self._resident:
             if master is not p and p._version != self._synced.get(id(p)):
+                self._bring_in(writes=True)  # the host copies of the masters go stale
                 master.copy_(p)
                 self._mark_synced(p, master)
 
@@ -339,7 +346,7 @@ class AdamW(torch.optim.Optimizer):
                 entry["master"] = self._read_state(sp, "master")
             state[sp.param] = entry
         if self._inner is not None:
-            self._bring_in()
+            self._bring_in(writes=False)
             self._sync_resident_masters()
             for p, master, _ in self._resident:
                 if master in self._inner.state and self._inner.state[master]:
@@ -422,7 +429,7 @@ class AdamW(torch.optim.Optimizer):
         optimizer state (with masters) and every group's hyperparameters."""
         state = {}
         if self._inner is not None:
-            self._bring_in()
+            self._bring_in(writes=False)
             self._sync_resident_masters()
             for k, (p, master, _) in enumerate(self._resident):
                 if master in self._inner.state and self._inner.state[master]:

@@ -27,6 +27,11 @@ recomputing them. So those tensors leave the device once the step has updated th
   link to the executor's weight transfers most of the time (all at once, an 8B's backward
   pass got 0.4 s slower on an H200), the rest at the last one; the step waits for them.
 
+Every forward pass with grad has the state out at its loss (forward_begins): a read between
+steps leaves the copies out going, and after a write (a load), a failed backward pass, or in
+a later micro-batch of gradient accumulation, the state in HBM at a forward pass's start
+leaves again, copied only where the host copies are not current.
+
 The values never change on the way: the update reads exactly the tensors it wrote (the same
 objects, only their memory moves), so training is bit for bit what it is without paging.
 The tensors keep their identity (torch's optimizer state and the masters stay the same Python
@@ -34,10 +39,11 @@ objects): they become views of the flat buffer, whose storage is resized to noth
 and back to its size when in, as FSDP frees its unsharded parameters. Anything that reads or
 writes them outside a step (state_dict, a checkpoint, a load) brings them in first.
 
-How much pages is measured, not guessed: the first page-out takes everything (masters and
-moments of every resident parameter, or under "auto" what fits on the host); the next forward
-pass times how long the copies out
-took against how long the forward pass ran to its last block, and from then on only the
+How much pages is measured, not guessed: the first steps' page-outs take everything (masters
+and moments of every resident parameter, or under "auto" what fits on the host); the forward
+pass after the second of them times how long the copies out took against how long the
+forward pass ran to its last block (after the first, the allocator still growing into the new
+pattern made that window long), and from then on only the
 groups (a resident block's parameters; then the embedding, head and norms) whose copies fit in
 85% of that window page, the rest stays in HBM. The activation keeper waits for that decision,
 empties the allocator's cache once and plans from the next step's peak
@@ -103,6 +109,13 @@ class StatePager:
         # ("first"; None: decided, or not auto).
         self.probe = "first" if auto and cuda else None
         self.decision = None  # auto's: the host memory it saw, what fits (diagnostics)
+        # Whether the host copies hold what the device tensors hold (a page-out completed and
+        # nothing wrote since): a forward pass that pages out again (gradient accumulation,
+        # after a read or a failed step) then frees without copying.
+        self.current = False
+        self.has_paged = False  # some page-out took tensors (the keeper measures afresh)
+        self.full_steps = 0  # steps' page-outs that took everything, before the sizing
+        self.last_point = "end"  # the forward pass's last point seen (forward_begins)
 
     # --- which tensors ---------------------------------------------------------------------
 
@@ -142,18 +155,21 @@ class StatePager:
     # --- out -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def page_out(self, timed=True):
+    def page_out(self, timed=True, again=False):
         """After the update (queued on the current stream): the paged tensors are to leave.
         Their copies out are issued a share at a time as the next forward pass goes (send):
         issued at once, they held the loop's own small copies to the host (a loss.item()
         after the step) behind them on the copy engine. The device memory stays until the
         forward pass's last block (release). `timed`: a step's page-out, whose copies the
-        next forward pass times."""
+        next forward pass times. `again`: a forward pass begins with the state in HBM (the
+        step's page-out was cancelled by a write, a failed step brought it back, or this is
+        a later micro-batch of gradient accumulation): it leaves in this forward pass too,
+        copied only if the host copies are not current."""
         if self.state != "in":
             return
-        if self.probe is not None and self._probing(timed):
+        if self.probe is not None and (again or self._probing(timed)):
             return
-        if not self.sized:
+        if not self.sized and not again:
             self._size()
         pending = [(k, t) for k, t in self._tensors(self.groups[:self.active])
                    if t.untyped_storage().nbytes() > 0]
@@ -161,14 +177,25 @@ class StatePager:
             return
         self.pairs = self._host_for(pending)
         self.paged_bytes = sum(_nbytes(t) for t, _ in self.pairs)
+        self.has_paged = True
         self.state = "leaving"
-        self.unsent, self.sent = list(self.pairs), 0
+        if not again:
+            self.current = False  # the update wrote them
+        self.unsent, self.sent = ([], self.paged_bytes) if self.current else \
+            (list(self.pairs), 0)
         self.departed = None
         if self.stream is None:  # the CPU: each share copied when it is sent
             return
         self.ready = torch.cuda.Event()
         self.ready.record(torch.cuda.current_stream(self.device))
-        self.timed = timed and not self.sized and self.paged_bytes >= self.full_bytes > 0
+        # The copies are timed in the second step's forward pass that pages everything, not
+        # the first: its window ran long with the allocator growing into the new pattern and
+        # sized too much in (a 3.6B at 32x1024: 22-23 of 28 groups, its forward pass 0.07-0.1 s
+        # longer, the host waiting for the copies at the last block; 15-16 timed later).
+        if timed and not again and not self.sized and self.paged_bytes >= self.full_bytes > 0:
+            self.full_steps += 1
+        self.timed = self.full_steps >= 2 and timed and not again and not self.sized and \
+            self.paged_bytes >= self.full_bytes > 0
         self.busy, self.began, self.reached = [], None, None
 
     @torch.no_grad()
@@ -219,6 +246,7 @@ class StatePager:
         if self.flat is not None:
             self.flat.untyped_storage().resize_(0)
         self.state = "out"
+        self.current = True  # every pair was sent and has departed
 
     def _probing(self, timed):
         """auto, at a page-out: whether nothing pages now. Not at the optimizer's creation
@@ -232,7 +260,7 @@ class StatePager:
         available = _available_host_bytes()
         fits, total = 0, 0
         for group in self.groups:
-            total += sum(_nbytes(t) for _, t in self._tensors([group]))
+            total += sum(self._paged_size(m) for m in group)
             if total > self.HOST_SHARE * available:
                 break
             fits += 1
@@ -243,6 +271,14 @@ class StatePager:
         self.groups = self.groups[:fits]
         self.active = fits
         return False
+
+    def _paged_size(self, master):
+        """The bytes a master pages once AdamW's state exists: the master itself (unless it
+        is the model's own fp32 parameter) and its two fp32 moments (counted from the master:
+        a first step without grads makes none, and a fit counted from what exists then was 3x
+        too small)."""
+        moments = 2 * master.numel() * 4
+        return moments + (0 if id(master) in self.live else _nbytes(master))
 
     def _size(self):
         """From the timed page-out (the copies out against the forward pass that ran beside
@@ -328,19 +364,27 @@ class StatePager:
             t.data = self.flat[offset:offset + _nbytes(h)].view(h.dtype).view(h.shape)
         self._layout = [(id(t), o) for (t, _), o in zip(self.pairs, offsets)]
 
-    def bring_in(self):
+    def bring_in(self, writes=True):
         """Everything in and usable on the current stream: before the update, and before any
-        read or write of the state outside a step."""
+        read (`writes` False: state_dict, a checkpoint) or write of the state outside a step.
+        A read while the copies out are under way leaves them going (the tensors stay valid
+        until the forward pass's last block); a write cancels them, and the next forward pass
+        pages the state out again (page_out(again=True))."""
         current = torch.cuda.current_stream(self.device) if self.stream is not None else None
         if self.state == "leaving":
+            if not writes:
+                return
             # Still in HBM: writes wait for the copies out issued so far to have read it;
             # they are dropped, and so are those not issued.
             if self.departed is not None:
                 current.wait_event(self.departed)
             self.unsent = []
             self.state = "in"
+            self.current = False
             return
         self.page_in(1.0)
+        if writes:
+            self.current = False
         if self.arrived is not None:
             if not self.arrived.query():
                 self.late_in += 1
@@ -357,13 +401,27 @@ class StatePager:
     def forward_begins(self, index, resident, streamed):
         """A forward pass with grad reaches point `index` of its blocks: None the model's
         start, then its `resident` blocks', then its `streamed` blocks' (the last: release).
-        The copies out are issued in even shares over those points."""
-        if index is None:
+        The copies out are issued in even shares over those points. At its first point (the
+        model's start, or its first block when the model's own hook did not run: an eval-mode
+        model, model.forward called directly) the state leaves in every forward pass, not
+        only in the one after a step: in HBM still, it is paged out again (a write cancelled
+        the step's page-out, a failed backward pass left it in, a later micro-batch of
+        gradient accumulation), so that the loss's peak is the same in every forward pass."""
+        first = index is None or (index == 0 and self.last_point is not None)
+        self.last_point = index
+        if first:
+            if self.state in ("coming", "in") and self.active and self.has_paged:
+                # In, and the copies back done on the current stream: the memory they write
+                # may be freed at this forward pass's last block.
+                self.bring_in(writes=False)
+                self.page_out(timed=False, again=True)
             if self.state == "leaving" and self.timed and self.began is None:
                 self.began = self._event()
+        if index is None:
             point = 0
         elif index == resident + streamed - 1:
             self.release()
+            self.last_point = "end"
             return
         else:
             point = index + 1
