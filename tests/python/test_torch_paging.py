@@ -289,7 +289,7 @@ def _device_bytes(pager):
 
 
 @pytest.mark.parametrize("between", ["state_dict", "save_checkpoint", "load_state_dict",
-                                     "failed_backward", "accumulation"])
+                                     "failed_backward", "accumulation", "failed_early_eval"])
 def test_the_state_is_out_at_every_loss(between, sessions, monkeypatch, tmp_path):
     """Whatever happened since the step, every forward pass with grad has the paged state out
     of device memory at its loss (the memory the activation keeper planned with): a read
@@ -316,6 +316,16 @@ def test_the_state_is_out_at_every_loss(between, sessions, monkeypatch, tmp_path
             st.save_checkpoint(str(tmp_path / ("ck%s" % paged)), model, opt)
         elif between == "load_state_dict":
             opt.load_state_dict(opt.state_dict())
+        elif between == "failed_early_eval":
+            # A forward pass failing after the model's hook, before its first block (a token
+            # out of range), then a load, then an eval-mode forward with grad (no hook): the
+            # state was left in HBM at its loss (a second review found it).
+            bad = data[2].clone()
+            bad[0, 0] = 10 ** 6
+            with pytest.raises(IndexError):
+                model(bad, labels=bad)
+            opt.load_state_dict(opt.state_dict())
+            model.eval()
         elif between == "failed_backward":
             loss = forward(data[2])
             model.strata.on_backward_begin.append(_fail_once())
@@ -327,6 +337,7 @@ def test_the_state_is_out_at_every_loss(between, sessions, monkeypatch, tmp_path
                 (forward(ids) / 2).backward()
         else:
             forward(data[2]).backward()
+        model.train()
         opt.step()
         opt.zero_grad()
         more, _ = train(model, opt, data[4:], clip=1.0)
@@ -439,3 +450,50 @@ def test_the_keeper_measures_afresh_when_sizing_stops_paging(sessions, monkeypat
         seen.append((pager.active, keeper.decided, list(calls)))
     assert seen[1] == (0, False, ["empty", "reset"])  # paging stopped; measured afresh
     assert seen[2][:2] == (0, True)
+
+
+def test_a_state_dict_outlives_the_next_forward_pass(sessions, monkeypatch, tmp_path):
+    """opt.state_dict() between steps returned the paged tensors themselves, whose storage the
+    next forward pass frees: reading them crashed, and torch.save wrote a file torch.load
+    refused (a second review found it). With paging the resident entries are host copies:
+    they read, save and load as the unpaged run's."""
+    base = build("llama", layers=4)
+    data = batches(3)
+    dicts = []
+    for paged in (0, None):
+        model = offloaded(base, sessions, dtype=torch.bfloat16)
+        opt, _, _ = strata_steps(model, data[:2], paged, monkeypatch)
+        held = opt.state_dict()
+        loss = model(data[2], labels=data[2]).loss  # the state is out now
+        path = tmp_path / ("sd%s.pt" % paged)
+        torch.save(held, path)
+        dicts.append(({"state": {k: {key: torch.as_tensor(v).clone() for key, v in e.items()}
+                                 for k, e in held["state"].items()}}, torch.load(path)))
+        loss.backward()
+    (a, a_loaded), (b, b_loaded) = dicts
+    for k in a["state"]:
+        for key, value in a["state"][k].items():
+            for other in (b["state"][k][key], b_loaded["state"][k][key]):
+                assert torch.equal(torch.as_tensor(value).cpu(), torch.as_tensor(other).cpu()), \
+                    (k, key)
+
+
+def test_a_retried_forward_pass_is_timed_from_its_own_start(sessions, monkeypatch):
+    """A forward pass that failed midway left its window's start behind, and the retry's
+    window (timing the copies out, which decides how much pages) began there (a second
+    review found it): each forward pass starts its own."""
+    model = offloaded(build("llama", layers=4), sessions, dtype=torch.bfloat16)
+    opt, _, _ = strata_steps(model, batches(2), None, monkeypatch)
+    pager = opt._pager
+    clock = iter(range(1000))
+    pager._event = lambda: next(clock)
+    pager.timed, pager.began = True, None  # as a timed page-out on CUDA leaves it
+    ids = batches(1)[0]
+    fail = _fail_once()
+    model.strata.on_forward_begin.insert(0, lambda i: i == 1 and fail(i))  # streamed block 1
+    with pytest.raises(RuntimeError, match="injected"):
+        model(ids, labels=ids)
+    failed = pager.began
+    assert failed is not None
+    model(ids, labels=ids).loss.backward()
+    assert pager.began is not None and pager.began > failed

@@ -348,11 +348,21 @@ class AdamW(torch.optim.Optimizer):
         if self._inner is not None:
             self._bring_in(writes=False)
             self._sync_resident_masters()
+            # Paged state leaves the device at the next forward pass, its tensors' storage
+            # freed: what is returned must outlive that (a state dict held while training
+            # goes on, saved from a thread), so it is copied to host memory; unpaged, the
+            # tensors themselves, as torch's AdamW returns them.
+            paged = self._pager is not None and self._pager.has_paged
+
+            def kept(v):
+                if not torch.is_tensor(v) or not paged:
+                    return v
+                return v.detach().to("cpu", copy=True)
             for p, master, _ in self._resident:
                 if master in self._inner.state and self._inner.state[master]:
-                    entry = dict(self._inner.state[master])
+                    entry = {key: kept(v) for key, v in self._inner.state[master].items()}
                     if master is not p:
-                        entry["master"] = master.detach().clone()
+                        entry["master"] = kept(master) if paged else master.detach().clone()
                     state[p] = entry
         return state
 

@@ -407,16 +407,20 @@ class StatePager:
         only in the one after a step: in HBM still, it is paged out again (a write cancelled
         the step's page-out, a failed backward pass left it in, a later micro-batch of
         gradient accumulation), so that the loss's peak is the same in every forward pass."""
-        first = index is None or (index == 0 and self.last_point is not None)
-        self.last_point = index
-        if first:
+        if index is None or index == 0:
+            # Both points (the model's hook may not run, or may have run for a forward pass
+            # that failed before its first block): paging out again is idempotent.
             if self.state in ("coming", "in") and self.active and self.has_paged:
                 # In, and the copies back done on the current stream: the memory they write
                 # may be freed at this forward pass's last block.
                 self.bring_in(writes=False)
                 self.page_out(timed=False, again=True)
-            if self.state == "leaving" and self.timed and self.began is None:
+            # A fresh forward pass's window starts here (not a failed one's): at the model's
+            # start, or at the first block when the model's hook did not run just before.
+            fresh = index is None or self.last_point is not None
+            if fresh and self.state == "leaving" and self.timed:
                 self.began = self._event()
+        self.last_point = index
         if index is None:
             point = 0
         elif index == resident + streamed - 1:
