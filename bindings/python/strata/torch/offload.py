@@ -618,7 +618,7 @@ def _around(model, blocks):
     inside = {id(b) for b in blocks}
     found = []
     for name, m in model.named_modules():
-        if id(m) in inside or any(id(sub) in inside for sub in m.modules()):
+        if any(id(sub) in inside for sub in m.modules()):  # m.modules() includes m
             found.append((name, m))
     return found
 

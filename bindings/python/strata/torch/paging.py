@@ -447,15 +447,14 @@ class StatePager:
 
 def _available_host_bytes():
     """The host memory available now (Linux's MemAvailable: free plus what the kernel can
-    reclaim), or the free pages where /proc/meminfo cannot be read."""
+    reclaim, read as offload reads it for its budgets), or the free pages where
+    /proc/meminfo cannot be read."""
     import os
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+
+    from .offload import _mem_available
+    available = _mem_available()
+    if available is not None:
+        return available
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
