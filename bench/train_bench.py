@@ -25,6 +25,10 @@ libaio are not installed).
 --clip N clips every configuration with torch.nn.utils.clip_grad_norm_(model.parameters(), N)
 between backward and step, as LLM recipes do (strata.torch included: its streamed grads take
 part in the global norm).
+
+--accum N splits each step's batch into N micro-batches whose grads accumulate before the step
+(gradient accumulation; every mode but DeepSpeed's, whose config sets its own): the same
+tokens per step, with each forward pass's memory that of a micro-batch.
 """
 import argparse
 import dataclasses
@@ -238,6 +242,7 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         marks.append((name, time.perf_counter(), event))
 
     out = {"mode": mode, "model": preset, "params": config.parameters(), "batch": batch, "seq": seq,
+           "accum": _accumulation(),
            "clip": clip, "loss": config.loss_impl}
     t_setup = time.perf_counter()
     if mode == "strata-separate":
@@ -287,9 +292,13 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
 
         def step(ids):
             mark("start")
-            loss = model(ids, labels=ids).loss
-            mark("forward")
-            loss.backward()
+            # --accum: the batch in that many micro-batches, each backward pass accumulating
+            # (the mark "forward" after the first one's forward pass).
+            for i, part in enumerate(ids.chunk(_accumulation())):
+                loss = model(part, labels=part).loss
+                if i == 0:
+                    mark("forward")
+                (loss / _accumulation()).backward()
             mark("backward")
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -358,14 +367,20 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             shutil.rmtree(nvme + ".deepspeed", ignore_errors=True)
 
 
+def _accumulation():
+    """--accum: micro-batches a step (every mode but deepspeed's)."""
+    return int(os.environ.get("STRATA_BENCH_ACCUM", "1"))
+
+
 def _plain_step(model, opt, clip, autocast):
     """One step of plain PyTorch: autocast to bf16 (resident modes), backward, clip, step."""
     import torch
 
     def step(ids):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(ids, labels=ids).loss
-        loss.backward()
+        for part in ids.chunk(_accumulation()):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(part, labels=part).loss
+            (loss / _accumulation()).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -542,6 +557,9 @@ def main():
                    help="strata: the resident parameters' optimizer state paged to host memory "
                         "between steps (strata.torch.paging): 'auto', 'all', N (the first N "
                         "resident blocks'), 0 (none); default: strata.torch.AdamW's ('auto')")
+    p.add_argument("--accum", type=int, default=1,
+                   help="every mode but deepspeed's: each step's batch in this many "
+                        "micro-batches, their grads accumulated (gradient accumulation)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -551,6 +569,11 @@ def main():
         os.environ["STRATA_BENCH_PAGED_STATE"] = args.paged_state
     if args.optimizer_threads is not None:  # likewise
         os.environ["STRATA_BENCH_OPTIMIZER_THREADS"] = str(args.optimizer_threads)
+    if args.accum < 1 or args.batch % args.accum:
+        p.error("--accum %d must be at least 1 and divide --batch %d" % (args.accum, args.batch))
+    if args.accum > 1 and any(m.startswith("deepspeed") for m in args.modes.split(",")):
+        p.error("--accum: not for the deepspeed modes (their config sets the accumulation)")
+    os.environ["STRATA_BENCH_ACCUM"] = str(args.accum)  # likewise
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.batch, args.seq, args.steps,
                                  args.warmup, args.clip, args.resident_blocks, args.nvme,
