@@ -470,4 +470,7 @@ def streamed_forward(session, index, run):
             out_leaves[pos] = t
         return tree_unflatten(out_leaves, out_spec)
 
-    return forward
+    # torch.compile: the block runs as it is, a graph break around it (traced, its parameters'
+    # zero-stride placeholders became graph inputs that the slot's memory then did not match,
+    # and the streaming calls into Strata would have run at trace time only).
+    return torch.compiler.disable(forward)

@@ -103,6 +103,14 @@ def save_checkpoint(path, model, optimizer=None):
     (masters, moments, per-parameter step counts, hyperparameters), and torch's RNG states.
     Atomic: `path` holds either the previous checkpoint or this one. Under data parallelism,
     every rank calls it with the same path."""
+    if getattr(model, "strata", None) is not None and model.strata.executor is None and any(
+            p.requires_grad for b in model.strata.blocks for p in b.parameters()):
+        # The save would move the blocks into Strata without the optimizer's state, which the
+        # optimizer could then never lay out (their values narrowed to the compute dtype).
+        raise RuntimeError("strata.torch.save_checkpoint: the model's trainable blocks move "
+                           "into Strata when their optimizer is created: create the optimizer "
+                           "(strata.torch.AdamW) first, or save the weights with "
+                           "model.state_dict(); nothing was saved")
     session = _session(model)
     _check_optimizer(optimizer, session)
     mesh = getattr(session, "mesh", None)
@@ -206,6 +214,9 @@ def load_checkpoint(path, model, optimizer=None):
         # The weights only: the masters follow them (the optimizer's moments stay), as after
         # model.load_state_dict.
         session.masters_from_weights()
+        # Before the optimizer exists: every block's weights are the checkpoint's now, so the
+        # optimizer may lay the blocks out again from them (StrataSession.unbuild).
+        session.relayable = session.optimizer is None
     for name, value in saved.items():
         targets[name].copy_(value)
     if optimizer is not None:

@@ -151,6 +151,14 @@ class _StateHooks:
     def load_pre(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
                  error_msgs):
         self.session.check_open()
+        if not self.session.layers:
+            # Before the blocks move into Strata their parameters hold the values, and torch
+            # copies the loaded ones in; those of a model built on the meta device get storage
+            # first (torch's copy into a meta parameter does nothing, and the build would
+            # then initialize them).
+            for local, p in module.named_parameters():
+                if p.is_meta and prefix + local in state_dict:
+                    _give_storage(p)
         for sp in self.entries():
             key = prefix + sp.local
             if key in state_dict:
@@ -166,6 +174,15 @@ class _StateHooks:
             if key in incompatible.missing_keys:
                 incompatible.missing_keys.remove(key)
         self.handled.clear()
+
+
+def _give_storage(p):
+    """A meta parameter gets (uninitialized) host memory, the same Parameter object:
+    swap_tensors, as .data cannot go from meta to a real device; its attributes stay."""
+    attrs = dict(p.__dict__)
+    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                             p.requires_grad))
+    p.__dict__.update(attrs)
 
 
 class _Hook:
@@ -303,7 +320,9 @@ def _keep_resident(session, index, block):
                               context_fn=functools.partial(keeper.context, index), **kwargs)
         return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
-    block.forward = forward
+    # torch.compile: run as it is (a graph break), so that the calls above (the activation
+    # keeper's, the pager's) run at every forward pass, not once when traced.
+    block.forward = torch.compiler.disable(forward)
 
 
 def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, dtype=None,
@@ -603,11 +622,19 @@ class _LoadsBetweenSteps:
     def __init__(self, session):
         self.session = session
 
-    def __call__(self, module, *args):
+    def __call__(self, module, state_dict, prefix, local_metadata, *args):
         if self.session.in_step:
             raise RuntimeError("strata.torch: weights can be loaded between steps only (a "
                                "forward pass with grad waits for its backward); nothing was "
                                "loaded")
+        if local_metadata.get("assign_to_params_buffers"):
+            # assign=True replaces the model's Parameter objects (the optimizer keeps the old
+            # ones); the streamed ones cannot be replaced, so half the model would go on
+            # training and half would not.
+            raise RuntimeError("strata.torch: load_state_dict(..., assign=True) would replace "
+                               "the parameters of an offloaded model, whose streamed ones live "
+                               "in Strata; load without assign (the values are copied in); "
+                               "nothing was loaded")
 
 
 def _around(model, blocks):
@@ -636,6 +663,7 @@ class _ModelForwardBegins:
         self.session = session
         self.around = around
 
+    @torch.compiler.disable  # torch.compile: the callbacks run at every forward pass
     def __call__(self, module, *args):
         if not torch.is_grad_enabled() or not module.training:
             return
@@ -680,6 +708,7 @@ def materialize(module, device, init, recurse=True):
         if init is None:
             raise ValueError("strata.torch.offload: the model is on the meta device and has no "
                              "_init_weights(module) to initialize it")
+        was_meta = {id(p) for m in modules for p in m.parameters(recurse=False) if p.is_meta}
         for m in modules:
             for p in m.parameters(recurse=False):
                 if p.is_meta:
@@ -693,6 +722,13 @@ def materialize(module, device, init, recurse=True):
                 if b.is_meta and name not in m._non_persistent_buffers_set:
                     m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
         for m in modules:
+            # Parameters that were not on meta (loaded into a meta model before its build,
+            # model.load_state_dict(..., strict=False)) keep their values: the init of their
+            # module is for its meta ones.
+            loaded = [(p, p.detach().clone()) for p in m.parameters(recurse=False)
+                      if id(p) not in was_meta]
             init(m)
+            for p, values in loaded:
+                p.data.copy_(values)
     for m in modules:
         rebuild_meta_buffers(m, device)

@@ -93,7 +93,10 @@ class AdamW(torch.optim.Optimizer):
         if self._session is not None:
             session = self._session
             session.check_open()
-            if session.optimizer is not None or session.executor is not None:
+            trainable = any(p.requires_grad for b in session.blocks for p in b.parameters())
+            if session.optimizer is not None or session.executor is not None and trainable \
+                    and not (session.relayable and not session.in_step
+                             and getattr(session, "mesh", None) is None):
                 raise RuntimeError(
                     "strata.torch.AdamW: create the optimizer once, before the first forward "
                     "pass with grad (the streamed blocks' optimizer state is laid out with them)")
@@ -107,8 +110,14 @@ class AdamW(torch.optim.Optimizer):
                             % (session.prefixes[session.blocks.index(block)] + name))
             self._check_betas()
             group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
-            session.build(dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
-                               weight_decay=weight_decay, threads=threads), group_of)
+            if session.executor is not None and trainable:
+                # Built without an optimizer by a checkpoint's load (st.load_checkpoint before
+                # the optimizer): laid out again from the loaded weights, as the plain model
+                # that loaded them and then made its optimizer.
+                session.unbuild()
+            if session.executor is None:  # (frozen blocks built before: nothing to lay out)
+                session.build(dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                                   weight_decay=weight_decay, threads=threads), group_of)
         # Resident parameters: torch's AdamW on fp32 masters (the parameter itself when fp32).
         self._resident = []  # (param, master, our group index)
         inner_groups, self._inner_of = [], {}

@@ -172,6 +172,10 @@ class StrataSession:
         self.on_forward_begin = []
         self.on_backward_begin = []
         self.on_resident_forward_begin = []  # a resident block's, with its index, with grad
+        # Built without an optimizer, with every block's weights written since from a
+        # checkpoint (st.load_checkpoint before the optimizer): the optimizer may lay the
+        # blocks out again (unbuild), nothing of the build's own values being lost.
+        self.relayable = False
 
     # --- registration ----------------------------------------------------------------------
 
@@ -425,6 +429,26 @@ class StrataSession:
         self.check_open()
         if self.executor is None:
             self.build()
+
+    def unbuild(self):
+        """Undo a build made without an optimizer, so that build() can lay the blocks out again
+        with the optimizer's state: every block's weights back in its parameters (host memory,
+        the compute dtype), the runtime's tensors and the executor gone. Only where the weights
+        say all the build knew (`relayable`: a checkpoint loaded them): values narrowed to the
+        compute dtype at the build would otherwise start the masters rounded."""
+        if self.optimizer is not None or self.in_step or not self.relayable:
+            raise RuntimeError("strata.torch: internal: unbuild of a session that trained")
+        values = [[self.read_weight(sp) for sp in entries] for entries in self.layers]
+        self.executor.close()
+        self.executor = None
+        for entries, block_values in zip(self.layers, values):
+            for sp, v in zip(entries, block_values):
+                sp.weight.unregister()
+                if sp.grad is not None:
+                    sp.grad.unregister()
+                sp.param.data = v
+        self.layers, self.by_id = [], {}
+        self.relayable = False
 
     def check_open(self):
         if self.closed:
