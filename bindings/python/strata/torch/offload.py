@@ -151,14 +151,25 @@ class _StateHooks:
     def load_pre(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
                  error_msgs):
         self.session.check_open()
+        _refuse_assign(local_metadata)  # a load of the block itself, or of a module inside it
         if not self.session.layers:
             # Before the blocks move into Strata their parameters hold the values, and torch
             # copies the loaded ones in; those of a model built on the meta device get storage
-            # first (torch's copy into a meta parameter does nothing, and the build would
-            # then initialize them).
+            # first (torch's copy into a meta tensor does nothing, and the build would then
+            # initialize them), where the loaded value fits (a mismatch fails the load and
+            # leaves the tensor to the init).
             for local, p in module.named_parameters():
-                if p.is_meta and prefix + local in state_dict:
+                value = state_dict.get(prefix + local)
+                if p.is_meta and torch.is_tensor(value) and value.shape == p.shape:
                     _give_storage(p)
+            for m_name, m in module.named_modules():
+                for name, b in list(m.named_buffers(recurse=False)):
+                    key = prefix + (m_name + "." if m_name else "") + name
+                    value = state_dict.get(key)
+                    if b.is_meta and name not in m._non_persistent_buffers_set and \
+                            torch.is_tensor(value) and value.shape == b.shape:
+                        m._buffers[name] = torch.empty(b.shape, dtype=b.dtype,
+                                                       device=self.session.device)
         for sp in self.entries():
             key = prefix + sp.local
             if key in state_dict:
@@ -174,6 +185,18 @@ class _StateHooks:
             if key in incompatible.missing_keys:
                 incompatible.missing_keys.remove(key)
         self.handled.clear()
+
+
+def _refuse_assign(local_metadata):
+    """load_state_dict(..., assign=True) replaces the model's Parameter objects (the optimizer
+    keeps the old ones); the streamed ones cannot be replaced, so half the model would go on
+    training and half would not. Checked on every module holding streamed blocks (a load of
+    the model or of a submodule) and on the blocks, before anything is loaded."""
+    if local_metadata.get("assign_to_params_buffers"):
+        raise RuntimeError("strata.torch: load_state_dict(..., assign=True) would replace the "
+                           "parameters of an offloaded model, whose streamed ones live in "
+                           "Strata; load without assign (the values are copied in); nothing "
+                           "was loaded")
 
 
 def _give_storage(p):
@@ -575,9 +598,13 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                 load_module(m, device, *source, values=reads.next())
             for p in m.parameters(recurse=False):
                 if p.dtype == torch.float32 and dtype != torch.float32:
-                    # Its fp32 master (strata.torch.AdamW) starts from these values.
+                    # Its fp32 master (strata.torch.AdamW) starts from these values, unless
+                    # the parameter is written before the optimizer exists (a load: its
+                    # version moves) and the master starts from what was written.
                     p._strata_fp32 = p.data
                 p.data = p.data.to(device, dtype)
+                if "_strata_fp32" in p.__dict__:
+                    p._strata_fp32_version = p._version
             rebuild_meta_buffers(m, device)
             for name, b in list(m.named_buffers(recurse=False)):
                 m._buffers[name] = b.to(device)
@@ -591,7 +618,9 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                 target[0]._buffers[target[1]] = data
             elif not data.is_meta or target.is_meta:
                 target.data = data
-            target.__dict__.pop("_strata_fp32", None) if not isinstance(target, tuple) else None
+            if not isinstance(target, tuple):
+                target.__dict__.pop("_strata_fp32", None)
+                target.__dict__.pop("_strata_fp32_version", None)
         for block in installed:
             for attr in ("forward", "_apply"):
                 block.__dict__.pop(attr, None)
@@ -608,8 +637,11 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     # A load between a forward pass and its backward is refused by the streamed blocks'
     # hooks; checked here first, before the modules loaded ahead of them (the embedding) are
     # written.
-    model.register_load_state_dict_pre_hook(_LoadsBetweenSteps(session))
-    model.register_forward_pre_hook(_ModelForwardBegins(session, _around(model, blocks)))
+    around = _around(model, blocks)
+    loads = _LoadsBetweenSteps(session)
+    for _, m in around:  # the model, the modules down to the blocks, the blocks
+        m.register_load_state_dict_pre_hook(loads)
+    model.register_forward_pre_hook(_ModelForwardBegins(session, around))
     if kept:
         _note_memory_errors(model, session)
     return model
@@ -627,14 +659,7 @@ class _LoadsBetweenSteps:
             raise RuntimeError("strata.torch: weights can be loaded between steps only (a "
                                "forward pass with grad waits for its backward); nothing was "
                                "loaded")
-        if local_metadata.get("assign_to_params_buffers"):
-            # assign=True replaces the model's Parameter objects (the optimizer keeps the old
-            # ones); the streamed ones cannot be replaced, so half the model would go on
-            # training and half would not.
-            raise RuntimeError("strata.torch: load_state_dict(..., assign=True) would replace "
-                               "the parameters of an offloaded model, whose streamed ones live "
-                               "in Strata; load without assign (the values are copied in); "
-                               "nothing was loaded")
+        _refuse_assign(local_metadata)
 
 
 def _around(model, blocks):
@@ -708,7 +733,14 @@ def materialize(module, device, init, recurse=True):
         if init is None:
             raise ValueError("strata.torch.offload: the model is on the meta device and has no "
                              "_init_weights(module) to initialize it")
-        was_meta = {id(p) for m in modules for p in m.parameters(recurse=False) if p.is_meta}
+        # What is not on meta (loaded into a meta model before its build: load_state_dict(...,
+        # strict=False)) keeps its values: the init is for the meta tensors, and a module's
+        # init may write its children's too (GPT-2's attention re-initializes its c_proj).
+        loaded = [(p, p.detach().clone()) for m in modules for p in m.parameters(recurse=False)
+                  if not p.is_meta]
+        loaded_buffers = [(m, name, b.detach().clone()) for m in modules
+                          for name, b in m.named_buffers(recurse=False)
+                          if not b.is_meta and name not in m._non_persistent_buffers_set]
         for m in modules:
             for p in m.parameters(recurse=False):
                 if p.is_meta:
@@ -722,13 +754,11 @@ def materialize(module, device, init, recurse=True):
                 if b.is_meta and name not in m._non_persistent_buffers_set:
                     m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
         for m in modules:
-            # Parameters that were not on meta (loaded into a meta model before its build,
-            # model.load_state_dict(..., strict=False)) keep their values: the init of their
-            # module is for its meta ones.
-            loaded = [(p, p.detach().clone()) for p in m.parameters(recurse=False)
-                      if id(p) not in was_meta]
             init(m)
+        with torch.no_grad():
             for p, values in loaded:
                 p.data.copy_(values)
+            for m, name, values in loaded_buffers:
+                m._buffers[name] = values.to(m._buffers[name].device)
     for m in modules:
         rebuild_meta_buffers(m, device)

@@ -99,7 +99,12 @@ class AdamW(torch.optim.Optimizer):
                              and getattr(session, "mesh", None) is None):
                 raise RuntimeError(
                     "strata.torch.AdamW: create the optimizer once, before the first forward "
-                    "pass with grad (the streamed blocks' optimizer state is laid out with them)")
+                    "pass with grad (the streamed blocks' optimizer state is laid out with "
+                    "them)%s" % ("" if session.optimizer is not None else
+                                 "; the blocks were laid out without it, and since then "
+                                 "written with values wider than the compute dtype or "
+                                 "unfrozen: offload the model afresh and create the "
+                                 "optimizer before those"))
             for block in session.blocks:
                 for name, p in block.named_parameters():
                     if p.requires_grad and id(p) not in mine:
@@ -129,6 +134,8 @@ class AdamW(torch.optim.Optimizer):
                 # A resident cast to the compute dtype by offload starts its master from the
                 # fp32 values it had (as the streamed blocks' masters do).
                 initial = p.__dict__.pop("_strata_fp32", None)
+                if p.__dict__.pop("_strata_fp32_version", None) != p._version:
+                    initial = None  # written since offload (a load): the master starts there
                 if p.dtype == torch.float32:
                     master = p
                 elif initial is not None and initial.device == p.device:

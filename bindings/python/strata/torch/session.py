@@ -478,8 +478,11 @@ class StrataSession:
             sp.park(self.dtype, self.device)
 
     def begin(self, index, phase):
-        if self.executor is None and any(p.requires_grad for b in self.blocks
-                                         for p in b.parameters()):
+        # Without the optimizer, trainable blocks have nowhere for their grads: before the
+        # build, or after one made without it by st.load_checkpoint (relayable: the optimizer
+        # lays the blocks out again, which grads in Strata would not survive).
+        if (self.executor is None or self.optimizer is None and self.relayable) and any(
+                p.requires_grad for b in self.blocks for p in b.parameters()):
             added = [self.prefixes[i] + name for i, b in enumerate(self.blocks)
                      for name, p in b.named_parameters()
                      if p.requires_grad and getattr(p, "_strata_session", None) is not self]
@@ -719,6 +722,11 @@ class StrataSession:
         if tuple(values.shape) != sp.shape:
             raise ValueError("strata.torch: %r has shape %s, the value given has %s"
                              % (sp.name, list(sp.shape), list(values.shape)))
+        if values.dtype != self.dtype and values.is_floating_point() and \
+                torch.finfo(values.dtype).bits > torch.finfo(self.dtype).bits:
+            # Narrowed here, with no master to keep them: the optimizer could not lay the
+            # blocks out again from these values (unbuild).
+            self.relayable = False
         self.store_weight(sp, values)
 
     def masters_from_weights(self):
