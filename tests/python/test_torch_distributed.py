@@ -128,6 +128,16 @@ def test_weights_loaded_without_the_optimizer_set_every_shards_masters(tmp_path)
     assert got["masters_follow"] is True
 
 
+def test_weights_rank_0_loads_before_the_optimizer_reach_every_rank(tmp_path):
+    # Rank 0 alone loads weights between offload and the optimizer (bf16 offload of an fp32
+    # model): the values go to every rank at the build, and so must the choice of where the
+    # resident masters start (rank 0 saw its parameters written, the others did not, and
+    # their masters started from offload's stale fp32 copies: the ranks diverged; a review
+    # found it).
+    got = run_ranks(tmp_path, "rank0.pt", 2, shard_size=2, dtype="bfloat16", load_on_rank0=True)
+    assert got["residents_agree"] is True
+
+
 def test_bf16_with_fp32_reduction_trains_like_one_rank(tmp_path):
     # bf16 weights and grads, grads averaged in fp32 and rounded once into the bf16 chunk.
     # bf16's tolerance: the two sides' grads round to bf16 from differently formed sums, and

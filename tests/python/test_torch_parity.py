@@ -1807,7 +1807,7 @@ def test_copying_an_offloaded_model_says_why_not(offload, tmp_path):
 def test_torch_compile_trains_as_plain_pytorch(resident, backend, offload):
     """Idiom: torch.compile(model), then the ordinary loop and an evaluation. Traced, a
     streamed block lifted its parameters' zero-stride placeholders into the graph and the
-    slot's memory then failed the compiled code's stride check (a third new-user trial found
+    slot's memory then failed the compiled code's stride check (a fourth new-user trial found
     it; the docs said "runs, not tested"); the streaming calls into Strata and the pager's and
     activation keeper's callbacks would have run at trace time only. The blocks run as they
     are now, a graph break around each. Inductor (the default backend: the stride check is

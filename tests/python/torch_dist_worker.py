@@ -101,6 +101,11 @@ def main(argv=None):
                    help="save the weights alone after this many steps; after the run, load them "
                         "back without the optimizer: 'masters_follow' in the output says whether "
                         "every streamed master became its loaded weight")
+    p.add_argument("--load-on-rank0", action="store_true",
+                   help="rank 0 alone loads other weights into the model between offload and "
+                        "the optimizer (DDP's usual pattern: rank 0 reads the checkpoint); "
+                        "'residents_agree' in the output says whether the ranks' resident "
+                        "masters are the same after the steps")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -121,6 +126,8 @@ def main(argv=None):
                            data_parallel=st.DataParallel(
                                shard_size=args.shard_size, timeout=args.timeout,
                                reduce_dtype=reduce_dtype) if args.world > 1 else False)
+        if args.load_on_rank0 and args.rank == 0:
+            fresh.load_state_dict(build(args.preset, seed=50)[1].state_dict())
         return fresh, st.AdamW(fresh.parameters(), lr=args.lr, weight_decay=0.1)
 
     after = None
@@ -148,6 +155,12 @@ def main(argv=None):
     out = {"losses": losses, "state": state}
     if args.mode == "strata":  # the elements this rank keeps optimizer state for
         out["elements"] = model.strata.optimizer.stats()["elements"]
+    if args.load_on_rank0:
+        mine = [master.detach().cpu().clone() for _, master, _ in opt._resident]
+        every = [None] * args.world
+        dist.all_gather_object(every, mine)
+        out["residents_agree"] = all(
+            all(torch.equal(a, b) for a, b in zip(every[0], other)) for other in every[1:])
     if args.weights_at is not None:
         st.load_checkpoint(checkpoint + "-weights", model)
         session = model.strata

@@ -151,25 +151,7 @@ class _StateHooks:
     def load_pre(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
                  error_msgs):
         self.session.check_open()
-        _refuse_assign(local_metadata)  # a load of the block itself, or of a module inside it
-        if not self.session.layers:
-            # Before the blocks move into Strata their parameters hold the values, and torch
-            # copies the loaded ones in; those of a model built on the meta device get storage
-            # first (torch's copy into a meta tensor does nothing, and the build would then
-            # initialize them), where the loaded value fits (a mismatch fails the load and
-            # leaves the tensor to the init).
-            for local, p in module.named_parameters():
-                value = state_dict.get(prefix + local)
-                if p.is_meta and torch.is_tensor(value) and value.shape == p.shape:
-                    _give_storage(p)
-            for m_name, m in module.named_modules():
-                for name, b in list(m.named_buffers(recurse=False)):
-                    key = prefix + (m_name + "." if m_name else "") + name
-                    value = state_dict.get(key)
-                    if b.is_meta and name not in m._non_persistent_buffers_set and \
-                            torch.is_tensor(value) and value.shape == b.shape:
-                        m._buffers[name] = torch.empty(b.shape, dtype=b.dtype,
-                                                       device=self.session.device)
+        _refuse_assign(local_metadata)  # before anything is written into Strata
         for sp in self.entries():
             key = prefix + sp.local
             if key in state_dict:
@@ -185,6 +167,63 @@ class _StateHooks:
             if key in incompatible.missing_keys:
                 incompatible.missing_keys.remove(key)
         self.handled.clear()
+
+
+class _LoadsBeforeBuild:
+    """The load_state_dict pre-hook of every module inside a streamed block (the block too:
+    a load of the model, of the block or of a module within it reaches the first of them).
+    assign=True is refused. Before the blocks move into Strata their parameters hold the
+    values and torch copies the loaded ones in; those of a model built on the meta device get
+    storage first (torch's copy into a meta tensor does nothing, and the build would then
+    initialize them), where the loaded value fits (a mismatch fails the load and leaves the
+    tensor to the init), and every loaded parameter is marked so that the build takes it
+    rather than offload(weights=)'s file."""
+
+    def __init__(self, session):
+        self.session = session
+
+    def __call__(self, module, state_dict, prefix, local_metadata, *args):
+        _refuse_assign(local_metadata)
+        if self.session.layers:
+            return  # built: the blocks' own hooks write into Strata
+        for local, p in module.named_parameters(recurse=False):
+            value = state_dict.get(prefix + local)
+            if torch.is_tensor(value) and value.shape == p.shape:
+                if p.is_meta:
+                    _give_storage(p)
+                p._strata_loaded = True
+        for name, b in list(module.named_buffers(recurse=False)):
+            value = state_dict.get(prefix + name)
+            if b.is_meta and name not in module._non_persistent_buffers_set and \
+                    torch.is_tensor(value) and value.shape == b.shape:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype,
+                                                    device=self.session.device)
+
+
+class _ResidentFp32Loads:
+    """Pre- and post-hook of load_state_dict on the modules holding streamed blocks (the
+    model among them): a resident parameter cast to a narrower compute dtype keeps the fp32
+    values its master will start from (`_strata_fp32`, until the optimizer exists); a load
+    into it brings values the cast rounds, so they become the kept ones too (dropped, the
+    master would start from the rounded parameter: 2e-4 off a plain fp32 model loaded with
+    the same values)."""
+
+    def __init__(self):
+        self.pending = {}  # id(module) -> [(parameter, loaded value)] of its load under way
+
+    def pre(self, module, state_dict, prefix, *args):
+        self.pending[id(module)] = [
+            (p, state_dict[prefix + name]) for name, p in module.named_parameters()
+            if "_strata_fp32" in p.__dict__ and torch.is_tensor(state_dict.get(prefix + name))
+            and state_dict[prefix + name].shape == p.shape]
+
+    @torch.no_grad()
+    def post(self, module, incompatible):
+        for p, value in self.pending.pop(id(module), []):
+            kept = p.__dict__.get("_strata_fp32")
+            if kept is not None and torch.equal(value.to(p.device, p.dtype), p.detach()):
+                kept.copy_(value)  # what the load wrote, before its rounding
+                p._strata_fp32_version = p._version
 
 
 def _refuse_assign(local_metadata):
@@ -539,6 +578,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         session = ShardedSession(mesh, *args)
     session.resident_blocks = kept
     session.weights_source = source
+    session.kept_fp32 = []  # resident parameters with offload's fp32 values (_strata_fp32)
     if layers is not None:
         try:
             session.place(layers, host_budget, place_nvme, state_placement)
@@ -605,6 +645,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                 p.data = p.data.to(device, dtype)
                 if "_strata_fp32" in p.__dict__:
                     p._strata_fp32_version = p._version
+                    session.kept_fp32.append(p)
             rebuild_meta_buffers(m, device)
             for name, b in list(m.named_buffers(recurse=False)):
                 m._buffers[name] = b.to(device)
@@ -638,9 +679,16 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     # hooks; checked here first, before the modules loaded ahead of them (the embedding) are
     # written.
     around = _around(model, blocks)
-    loads = _LoadsBetweenSteps(session)
+    loads, fp32_loads = _LoadsBetweenSteps(session), _ResidentFp32Loads()
     for _, m in around:  # the model, the modules down to the blocks, the blocks
         m.register_load_state_dict_pre_hook(loads)
+        if session.kept_fp32:
+            m.register_load_state_dict_pre_hook(fp32_loads.pre)
+            m.register_load_state_dict_post_hook(fp32_loads.post)
+    before_build = _LoadsBeforeBuild(session)
+    for block in blocks:
+        for m in block.modules():
+            m.register_load_state_dict_pre_hook(before_build)
     model.register_forward_pre_hook(_ModelForwardBegins(session, around))
     if kept:
         _note_memory_errors(model, session)

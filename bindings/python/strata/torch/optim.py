@@ -16,6 +16,26 @@ from torch import nn
 from .grads import StreamedGrad
 
 
+@torch.no_grad()
+def _kept_fp32_values(params, mesh):
+    """id(p) -> the fp32 values offload kept for resident parameter p (cast to a narrower
+    compute dtype), where they still are its values: not written since (a load: torch counts
+    its version) and still rounding to it (a write through .data, which torch does not
+    count). Under data parallelism the ranks agree (rank 0's values went to every rank: one
+    that finds them stale makes every rank start from the parameter)."""
+    usable = []
+    for p in params:
+        initial = p.__dict__.get("_strata_fp32")
+        usable.append(initial is not None and
+                      p.__dict__.get("_strata_fp32_version") == p._version and
+                      initial.shape == p.shape and
+                      torch.equal(initial.to(p.device, p.dtype), p.detach()))
+    if mesh is not None:
+        usable = [all(column) for column in zip(*mesh.gather_objects(usable))] \
+            if usable else usable
+    return {id(p): p.__dict__["_strata_fp32"] for p, ok in zip(params, usable) if ok}
+
+
 def _session_of(p):
     return getattr(p, "_strata_session", None)
 
@@ -101,10 +121,13 @@ class AdamW(torch.optim.Optimizer):
                     "strata.torch.AdamW: create the optimizer once, before the first forward "
                     "pass with grad (the streamed blocks' optimizer state is laid out with "
                     "them)%s" % ("" if session.optimizer is not None else
-                                 "; the blocks were laid out without it, and since then "
-                                 "written with values wider than the compute dtype or "
-                                 "unfrozen: offload the model afresh and create the "
-                                 "optimizer before those"))
+                                 "; the blocks were laid out without it (a checkpoint "
+                                 "loaded, a forward pass of frozen blocks) and cannot be "
+                                 "laid out again under data parallelism"
+                                 if getattr(session, "mesh", None) is not None else
+                                 "; the blocks were laid out without it, with values wider "
+                                 "than the compute dtype rounded then or written since: "
+                                 "offload the model afresh and create the optimizer first"))
             for block in session.blocks:
                 for name, p in block.named_parameters():
                     if p.requires_grad and id(p) not in mine:
@@ -126,16 +149,17 @@ class AdamW(torch.optim.Optimizer):
         # Resident parameters: torch's AdamW on fp32 masters (the parameter itself when fp32).
         self._resident = []  # (param, master, our group index)
         inner_groups, self._inner_of = [], {}
+        kept = _kept_fp32_values(
+            [p for g in self.param_groups for p in g["params"] if _session_of(p) is None],
+            getattr(self._session, "mesh", None))
         for gi, group in enumerate(self.param_groups):
             masters = []
             for p in group["params"]:
                 if _session_of(p) is not None:
                     continue
                 # A resident cast to the compute dtype by offload starts its master from the
-                # fp32 values it had (as the streamed blocks' masters do).
-                initial = p.__dict__.pop("_strata_fp32", None)
-                if p.__dict__.pop("_strata_fp32_version", None) != p._version:
-                    initial = None  # written since offload (a load): the master starts there
+                # fp32 values it had (as the streamed blocks' masters do), unless written since.
+                initial = kept.get(id(p))
                 if p.dtype == torch.float32:
                     master = p
                 elif initial is not None and initial.device == p.device:
@@ -150,6 +174,13 @@ class AdamW(torch.optim.Optimizer):
                 inner_groups.append(dict(params=masters, lr=group["lr"], betas=group["betas"],
                                          eps=group["eps"], weight_decay=group["weight_decay"]))
         self._inner = _resident_adamw(inner_groups, foreach, fused) if inner_groups else None
+        # Offload's fp32 copies of the parameters not given to this optimizer (frozen ones:
+        # an 8B's embedding and head under LoRA, 4 GB) go too.
+        for p in getattr(self._session, "kept_fp32", ()):
+            p.__dict__.pop("_strata_fp32", None)
+            p.__dict__.pop("_strata_fp32_version", None)
+        if self._session is not None:
+            self._session.kept_fp32 = []
         self._pager = self._make_pager()
         # Each resident parameter's version (torch's in-place write counter) when its master
         # and it last agreed: a write since (model.load_state_dict, st.load_checkpoint, an

@@ -75,6 +75,14 @@ class StreamedParam:
 
 
 
+def narrows(values, dtype):
+    """Whether `values` lose anything converted to `dtype` (wider values, or fp16 ones into
+    bf16): what a build or a write without an optimizer cannot keep (no master)."""
+    if values.dtype == dtype or not values.is_floating_point():
+        return False
+    return not torch.equal(values.to(dtype).to(values.dtype), values)
+
+
 def fill(tensor, values):
     """`values` (the tensor's dtype and element count, on any device) into a Strata tensor. One
     in DRAM is filled in place by torch's copy_ into a CPU tensor over its memory: from a GPU a
@@ -172,9 +180,10 @@ class StrataSession:
         self.on_forward_begin = []
         self.on_backward_begin = []
         self.on_resident_forward_begin = []  # a resident block's, with its index, with grad
-        # Built without an optimizer, with every block's weights written since from a
-        # checkpoint (st.load_checkpoint before the optimizer): the optimizer may lay the
-        # blocks out again (unbuild), nothing of the build's own values being lost.
+        # Built without an optimizer (a checkpoint loaded first, a forward pass of frozen
+        # blocks, predict) with nothing narrowed to the compute dtype since, or every block's
+        # weights then loaded from a checkpoint: the optimizer may lay the blocks out again
+        # (unbuild), nothing of the values being lost.
         self.relayable = False
 
     # --- registration ----------------------------------------------------------------------
@@ -208,6 +217,7 @@ class StrataSession:
         # Every block's weights and grads are registered (shapes only) before any optimizer
         # state: state placed in DRAM first then sees exactly what DRAM has left for it.
         registered = []
+        narrowed = False  # values rounded to the compute dtype with no master to keep them
         t = time.perf_counter()
         for i, block in enumerate(self.blocks):
             entries = []
@@ -244,7 +254,11 @@ class StrataSession:
                 for k, (sp, p) in enumerate(zip(entries, block.parameters())):
                     assert sp.param is p
                     group = 0 if group_of is None else group_of.get(id(p), 0)
-                    values = p.detach() if source is None else read[k]
+                    # A parameter loaded since offload (model.load_state_dict before the
+                    # optimizer) holds its values; the others of offload(weights=) the file's.
+                    loaded = p.__dict__.pop("_strata_loaded", False)
+                    values = p.detach() if source is None or loaded else read[k]
+                    narrowed = narrowed or opt is None and narrows(values, self.dtype)
                     self.write_param(sp, values, opt, group)
                     self.by_id[id(p)] = sp
                 grads = [sp for sp in entries if sp.trainable]
@@ -268,6 +282,8 @@ class StrataSession:
         if opt is not None:
             opt.attach(self.executor)
         self.optimizer = opt
+        # Built without an optimizer and nothing lost: the optimizer may lay it out again.
+        self.relayable = opt is None and not narrowed
         self.timed("plan", t)
 
     def place(self, layers, dram_budget, nvme_budget, state_placement=None):
@@ -434,8 +450,8 @@ class StrataSession:
         """Undo a build made without an optimizer, so that build() can lay the blocks out again
         with the optimizer's state: every block's weights back in its parameters (host memory,
         the compute dtype), the runtime's tensors and the executor gone. Only where the weights
-        say all the build knew (`relayable`: a checkpoint loaded them): values narrowed to the
-        compute dtype at the build would otherwise start the masters rounded."""
+        hold all the values did (`relayable`): values narrowed to the compute dtype at the
+        build or since would otherwise start the masters rounded."""
         if self.optimizer is not None or self.in_step or not self.relayable:
             raise RuntimeError("strata.torch: internal: unbuild of a session that trained")
         values = [[self.read_weight(sp) for sp in entries] for entries in self.layers]
@@ -660,9 +676,19 @@ class StrataSession:
         Before the blocks move into Strata (no optimizer yet), their own values, on the device."""
         self.check_open()
         if self.executor is None:
-            self._unmoved = {id(p): p.data for p in self.blocks[index].parameters()}
-            for p in self.blocks[index].parameters():
-                p.data = p.data.to(self.device)
+            params = list(self.blocks[index].parameters())
+            if any(p.is_meta for p in params):
+                raise RuntimeError(
+                    "strata.torch: streamed block %d has no values yet (a model built on the "
+                    "meta device gets them when the optimizer is created, from its init or "
+                    "offload(weights=)): create the optimizer (strata.torch.AdamW) before "
+                    "evaluating, or load the weights with model.load_state_dict first" % index)
+            self._unmoved = {id(p): p.data for p in params}
+            for p in params:
+                # In the compute dtype, as every forward pass after the build computes it (the
+                # resident modules are in it already).
+                p.data = p.data.to(self.device, self.dtype) if p.is_floating_point() else \
+                    p.data.to(self.device)
             return
         if self.optimizer is not None:
             self.optimizer.synchronize()  # updates still running would be read half-done
@@ -722,8 +748,7 @@ class StrataSession:
         if tuple(values.shape) != sp.shape:
             raise ValueError("strata.torch: %r has shape %s, the value given has %s"
                              % (sp.name, list(sp.shape), list(values.shape)))
-        if values.dtype != self.dtype and values.is_floating_point() and \
-                torch.finfo(values.dtype).bits > torch.finfo(self.dtype).bits:
+        if self.optimizer is None and narrows(values, self.dtype):
             # Narrowed here, with no master to keep them: the optimizer could not lay the
             # blocks out again from these values (unbuild).
             self.relayable = False
