@@ -334,19 +334,26 @@ def test_assign_through_a_submodule_is_refused(offload):
     assert_state_close(snapshot(model), before, exact=True)
 
 
-@pytest.mark.parametrize("meta", [False, True])
-def test_a_load_after_offload_weights_wins_over_the_file(meta, offload, tmp_path):
-    """offload(weights=file), then model.load_state_dict(other) before the optimizer: the
-    embedding took the loaded values and the blocks the file's (a second review found it).
-    What was loaded last is what trains, as in plain PyTorch."""
+def test_a_load_after_offload_weights_wins_over_the_file(offload, tmp_path):
+    """offload(weights=file) of a meta model, then model.load_state_dict(other) before the
+    optimizer: the embedding took the loaded values and the blocks the file's (a second
+    review found it). What was loaded last is what trains, as in plain PyTorch. A model whose
+    blocks hold values already is refused weights= (they showed until the build, and the
+    file's then replaced them and any edit made meanwhile: a third review found it)."""
     from safetensors.torch import save_file
     path = str(tmp_path / "model.safetensors")
     save_file({k: v.contiguous() for k, v in snapshot(build("llama", seed=5)).items()}, path)
     other = snapshot(build("llama", seed=9))
-    model = offload(meta_model() if meta else build("llama", seed=1), weights=path)
+    model = offload(meta_model(), weights=path)
     model.load_state_dict(other)
     st.AdamW(model.parameters(), lr=LR)
     assert_state_close(snapshot(model), other, exact=True)
+    real = build("llama", seed=1)
+    before = snapshot(real)
+    with pytest.raises(ValueError, match="built on the meta device.*nothing was changed"):
+        st.offload(real, device=DEVICE, weights=path)
+    assert getattr(real, "strata", None) is None
+    assert_state_close(snapshot(real), before, exact=True)
 
 
 def test_resident_masters_keep_the_precision_of_a_load(offload):
@@ -367,6 +374,12 @@ def test_resident_masters_keep_the_precision_of_a_load(offload):
         master = masters[id(model.get_parameter(name))]
         assert torch.equal(master.cpu(), weights[name]), name
     norm = masters[id(model.model.norm.weight)]
+    # A load through the module itself (not the model) keeps the precision too.
+    sub = offload(build("llama", seed=5), dtype=torch.bfloat16)
+    sub.lm_head.load_state_dict({"weight": weights["lm_head.weight"]})
+    opt2 = st.AdamW(sub.parameters(), lr=LR)
+    head = {id(p): m for p, m, _ in opt2._resident}[id(sub.lm_head.weight)]
+    assert torch.equal(head.cpu(), weights["lm_head.weight"])
     assert torch.equal(norm.cpu(), torch.full_like(norm.cpu(), 0.5))
     assert not any("_strata_fp32" in p.__dict__ for p in model.parameters())
 
@@ -449,3 +462,49 @@ def test_a_meta_block_loads_through_its_submodules(offload):
         model.model.layers[0].mlp.load_state_dict(mlp)
     st.AdamW(model.parameters(), lr=LR)
     assert_state_close(snapshot(model), weights, exact=True)
+
+
+def test_a_refused_checkpoint_load_changes_nothing(offload, tmp_path):
+    """st.load_checkpoint refusing (no checkpoint there, other resident shapes) had built the
+    session first: a bf16 offload of an fp32 model then had its blocks rounded with no master,
+    and the optimizer was refused for good (a third review found it). The checks come first;
+    the optimizer is made and trains as plain PyTorch's would from the same weights."""
+    base = build("llama", seed=3)
+    model = offload(deepcopy(base), dtype=torch.bfloat16)
+    with pytest.raises(FileNotFoundError):
+        st.load_checkpoint(str(tmp_path / "nowhere"), model)
+    assert model.strata.executor is None
+    st.AdamW(model.parameters(), lr=LR)
+
+
+def test_a_forward_pass_with_grad_before_any_optimizer_is_refused_after_a_build(offload):
+    """A build without an optimizer that could not be laid out again (predict on a bf16
+    offload of an fp32 model) let a forward and backward pass with grad run, whose grads had
+    no optimizer behind them (clip_grad_norm_ then failed on None: a third review found it).
+    Refused, as before any build."""
+    model = offload(build("llama"), dtype=torch.bfloat16)
+    model.strata.predict(0.01, 0.02)
+    ids = batches(1)[0]
+    with pytest.raises(RuntimeError, match="create the optimizer"):
+        model(ids, labels=ids)
+
+
+def test_a_logged_loss_without_backward_does_not_keep_the_optimizer_out(offload):
+    """Blocks frozen, a loss computed with grad only to log it (no backward), blocks
+    unfrozen: the optimizer was refused, the session still waiting for that backward pass (a
+    third review found it). As in plain PyTorch, the forward pass changes nothing."""
+    base = build("llama", seed=3)
+    data = batches(2)
+    plain = deepcopy(base)
+    model = offload(deepcopy(base))
+    ids = data[0]
+    for m in (plain, model):
+        for block in m.model.layers:
+            block.requires_grad_(False)
+        m(ids, labels=ids).loss.item()
+        for block in m.model.layers:
+            block.requires_grad_(True)
+    expected, _ = train(plain, plain_adamw(plain.parameters()), data, clip=1.0)
+    got, state = strata_trained(model, data)
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert_state_close(state, snapshot(plain))

@@ -53,20 +53,30 @@ def _fsync_tree(path):
 def _resident_tensors(model, session):
     """The model's parameters and persistent buffers that are not streamed, by name."""
     out = {}
+    streamed = {id(p) for b in session.blocks for p in b.parameters()}
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) not in session.by_id:
+        if id(p) not in streamed:
             out[name] = p.detach().cpu().clone()
     for name, b in model.named_buffers():
         out["buffer:" + name] = b.detach().cpu().clone()
     return out
 
 
-def _session(model):
+def _resident_names(model, session):
+    """_resident_tensors' names, without reading the tensors (some may be on meta before
+    the blocks move into Strata)."""
+    streamed = {id(p) for b in session.blocks for p in b.parameters()}
+    return {name for name, p in model.named_parameters(remove_duplicate=False)
+            if id(p) not in streamed} | {"buffer:" + name for name, _ in model.named_buffers()}
+
+
+def _session(model, build=True):
     session = getattr(model, "strata", None)
     if session is None:
         raise ValueError("strata.torch: the model is not offloaded (strata.torch.offload)")
     session.check_open()
-    session.ensure_built()
+    if build:
+        session.ensure_built()
     if session.in_step:
         raise RuntimeError("strata.torch: checkpoints are taken between steps (a forward pass "
                            "is waiting for its backward)")
@@ -172,7 +182,10 @@ def _commit(staging, path):
 def load_checkpoint(path, model, optimizer=None):
     """Restore a checkpoint written by save_checkpoint into an offloaded model (and optimizer):
     the next steps are bit for bit those the saved run would have taken."""
-    session = _session(model)
+    # Built (the blocks moved into Strata) only once the checkpoint passed every check: a
+    # refused load changes nothing (built, a bf16 offload of an fp32 model would have its
+    # blocks rounded with no master to keep them, and its optimizer refused).
+    session = _session(model, build=False)
     _check_optimizer(optimizer, session)
     path = os.fspath(path).rstrip("/")
     if not os.path.isdir(path) and os.path.isdir(path + ".old"):
@@ -190,22 +203,27 @@ def load_checkpoint(path, model, optimizer=None):
         raise ValueError("strata.torch.load_checkpoint: %s was saved %s; this model trains %s "
                          "(load it under the same layout)" % (
                              path, _describe(layout), _describe(_layout(session))))
-    expected = _resident_tensors(model, session)
     saved = data["model"]
-    if set(saved) != set(expected):
+
+    def targets():  # by the checkpoint's names (a build gives meta buffers new tensors)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers())
+        return {name: buffers.get(name[len("buffer:"):]) if name.startswith("buffer:")
+                else params.get(name) for name in saved}
+    expected = _resident_names(model, session)
+    if set(saved) != expected:
         raise ValueError("strata.torch.load_checkpoint: the checkpoint's resident tensors differ "
                          "from the model's (missing: %s; unexpected: %s)"
-                         % (sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))))
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers())
-    targets = {name: buffers[name[len("buffer:"):]] if name.startswith("buffer:") else params[name]
-               for name in saved}
-    wrong = ["%s %s (the model's %s)" % (name, tuple(value.shape), tuple(targets[name].shape))
-             for name, value in saved.items() if value.shape != targets[name].shape]
+                         % (sorted(expected - set(saved)), sorted(set(saved) - expected)))
+    wrong = ["%s %s (the model's %s)" % (name, tuple(value.shape), tuple(target.shape))
+             for (name, value), target in zip(saved.items(), targets().values())
+             if value.shape != target.shape]
     if wrong:
         raise ValueError("strata.torch.load_checkpoint: the checkpoint's resident tensors have "
                          "other shapes than the model's: %s; nothing was loaded"
                          % "; ".join(wrong))
+    session.ensure_built()
+    targets = targets()
     # The runtime's load (as its save) first waits for the updates still running, whether or
     # not the optimizer's state is part of it (strata_checkpoint_load).
     session.runtime.load_checkpoint(_streamed_dir(path, session),

@@ -201,8 +201,9 @@ class _LoadsBeforeBuild:
 
 
 class _ResidentFp32Loads:
-    """Pre- and post-hook of load_state_dict on the modules holding streamed blocks (the
-    model among them): a resident parameter cast to a narrower compute dtype keeps the fp32
+    """Pre- and post-hook of load_state_dict on every module holding a resident parameter
+    with offload's fp32 values (the model, its head, the embedding's module...): a resident
+    parameter cast to a narrower compute dtype keeps the fp32
     values its master will start from (`_strata_fp32`, until the optimizer exists); a load
     into it brings values the cast rounds, so they become the kept ones too (dropped, the
     master would start from the rounded parameter: 2e-4 off a plain fp32 model loaded with
@@ -468,6 +469,14 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     if backend == "auto":
         backend = "cuda" if device.type == "cuda" else "host"
     all_blocks = find_blocks(model)
+    if source is not None and any(not p.is_meta for b in all_blocks for p in b.parameters()):
+        # Their values would show (evaluation, state_dict) until the optimizer's build, and
+        # then the file's would replace them and any edit made meanwhile.
+        source[0].close()
+        raise ValueError("strata.torch.offload: weights= gives the values of a model built on "
+                         "the meta device (with torch.device('meta'): ...), and this model's "
+                         "blocks hold values already; build it on meta, or load the file "
+                         "with model.load_state_dict; nothing was changed")
     _refuse_shared_blocks(all_blocks)
     if dtype is None:
         dtype = next(all_blocks.parameters()).dtype
@@ -682,7 +691,9 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     loads, fp32_loads = _LoadsBetweenSteps(session), _ResidentFp32Loads()
     for _, m in around:  # the model, the modules down to the blocks, the blocks
         m.register_load_state_dict_pre_hook(loads)
-        if session.kept_fp32:
+    kept_fp32 = {id(p) for p in session.kept_fp32}
+    for m in model.modules():  # every module a load of a kept parameter can start from
+        if any(id(p) in kept_fp32 for p in m.parameters()):
             m.register_load_state_dict_pre_hook(fp32_loads.pre)
             m.register_load_state_dict_post_hook(fp32_loads.post)
     before_build = _LoadsBeforeBuild(session)

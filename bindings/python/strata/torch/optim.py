@@ -113,6 +113,10 @@ class AdamW(torch.optim.Optimizer):
         if self._session is not None:
             session = self._session
             session.check_open()
+            if session.optimizer is None:
+                # A forward pass whose backward never came (a loss computed for logging)
+                # changes nothing, as in plain PyTorch.
+                session.abort()
             trainable = any(p.requires_grad for b in session.blocks for p in b.parameters())
             if session.optimizer is not None or session.executor is not None and trainable \
                     and not (session.relayable and not session.in_step
@@ -146,6 +150,7 @@ class AdamW(torch.optim.Optimizer):
             if session.executor is None:  # (frozen blocks built before: nothing to lay out)
                 session.build(dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
                                    weight_decay=weight_decay, threads=threads), group_of)
+            session.optimizer_made = True
         # Resident parameters: torch's AdamW on fp32 masters (the parameter itself when fp32).
         self._resident = []  # (param, master, our group index)
         inner_groups, self._inner_of = [], {}

@@ -185,6 +185,7 @@ class StrataSession:
         # weights then loaded from a checkpoint: the optimizer may lay the blocks out again
         # (unbuild), nothing of the values being lost.
         self.relayable = False
+        self.optimizer_made = False  # strata.torch.AdamW was created for this session
 
     # --- registration ----------------------------------------------------------------------
 
@@ -495,9 +496,10 @@ class StrataSession:
 
     def begin(self, index, phase):
         # Without the optimizer, trainable blocks have nowhere for their grads: before the
-        # build, or after one made without it by st.load_checkpoint (relayable: the optimizer
-        # lays the blocks out again, which grads in Strata would not survive).
-        if (self.executor is None or self.optimizer is None and self.relayable) and any(
+        # build, or after one made without it (a checkpoint loaded, predict: the optimizer may
+        # lay the blocks out again, which grads in Strata would not survive). Once an
+        # optimizer was made, frozen blocks unfrozen are check_trainable's to refuse.
+        if self.optimizer is None and not self.optimizer_made and any(
                 p.requires_grad for b in self.blocks for p in b.parameters()):
             added = [self.prefixes[i] + name for i, b in enumerate(self.blocks)
                      for name, p in b.named_parameters()
