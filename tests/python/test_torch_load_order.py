@@ -34,6 +34,15 @@ def plain_with(weights, data, arch="llama"):
     return losses, snapshot(plain)
 
 
+def assert_trains_like(plain, model, data):
+    """`plain` (plain PyTorch) and `model` (offloaded) trained on `data` from here: the same
+    losses and weights."""
+    expected, _ = train(plain, plain_adamw(plain.parameters()), data, clip=1.0)
+    got, state = strata_trained(model, data)
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert_state_close(state, snapshot(plain))
+
+
 def strata_trained(model, data):
     opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses, _ = train(model, opt, data, clip=1.0)
@@ -129,10 +138,7 @@ def test_frozen_blocks_take_an_optimizer_made_after_a_forward_pass(unfreeze, off
         m.zero_grad()
         for block in m.model.layers:
             block.requires_grad_(unfreeze)
-    expected, _ = train(plain, plain_adamw(plain.parameters()), data, clip=1.0)
-    got, state = strata_trained(model, data)
-    assert got == pytest.approx(expected, rel=1e-5)
-    assert_state_close(state, snapshot(plain))
+    assert_trains_like(plain, model, data)
 
 
 def test_blocks_narrowed_without_an_optimizer_keep_it_out(offload):
@@ -504,7 +510,4 @@ def test_a_logged_loss_without_backward_does_not_keep_the_optimizer_out(offload)
         m(ids, labels=ids).loss.item()
         for block in m.model.layers:
             block.requires_grad_(True)
-    expected, _ = train(plain, plain_adamw(plain.parameters()), data, clip=1.0)
-    got, state = strata_trained(model, data)
-    assert got == pytest.approx(expected, rel=1e-5)
-    assert_state_close(state, snapshot(plain))
+    assert_trains_like(plain, model, data)
