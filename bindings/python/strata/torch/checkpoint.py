@@ -50,24 +50,20 @@ def _fsync_tree(path):
         os.close(fd)
 
 
-def _resident_tensors(model, session):
-    """The model's parameters and persistent buffers that are not streamed, by name."""
-    out = {}
+def _resident(model, session):
+    """(name, tensor) of the model's parameters and buffers that are not streamed, buffers
+    named "buffer:<name>" (before the blocks move into Strata some may be on meta)."""
     streamed = {id(p) for b in session.blocks for p in b.parameters()}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in streamed:
-            out[name] = p.detach().cpu().clone()
+            yield name, p
     for name, b in model.named_buffers():
-        out["buffer:" + name] = b.detach().cpu().clone()
-    return out
+        yield "buffer:" + name, b
 
 
-def _resident_names(model, session):
-    """_resident_tensors' names, without reading the tensors (some may be on meta before
-    the blocks move into Strata)."""
-    streamed = {id(p) for b in session.blocks for p in b.parameters()}
-    return {name for name, p in model.named_parameters(remove_duplicate=False)
-            if id(p) not in streamed} | {"buffer:" + name for name, _ in model.named_buffers()}
+def _resident_tensors(model, session):
+    """The resident parameters and buffers, copied to the CPU, by name."""
+    return {name: t.detach().cpu().clone() for name, t in _resident(model, session)}
 
 
 def _session(model, build=True):
@@ -113,8 +109,8 @@ def save_checkpoint(path, model, optimizer=None):
     (masters, moments, per-parameter step counts, hyperparameters), and torch's RNG states.
     Atomic: `path` holds either the previous checkpoint or this one. Under data parallelism,
     every rank calls it with the same path."""
-    if getattr(model, "strata", None) is not None and model.strata.executor is None and any(
-            p.requires_grad for b in model.strata.blocks for p in b.parameters()):
+    if getattr(model, "strata", None) is not None and model.strata.executor is None and \
+            model.strata.blocks_train():
         # The save would move the blocks into Strata without the optimizer's state, which the
         # optimizer could then never lay out (their values narrowed to the compute dtype).
         raise RuntimeError("strata.torch.save_checkpoint: the model's trainable blocks move "
@@ -210,7 +206,7 @@ def load_checkpoint(path, model, optimizer=None):
         buffers = dict(model.named_buffers())
         return {name: buffers.get(name[len("buffer:"):]) if name.startswith("buffer:")
                 else params.get(name) for name in saved}
-    expected = _resident_names(model, session)
+    expected = {name for name, _ in _resident(model, session)}
     if set(saved) != expected:
         raise ValueError("strata.torch.load_checkpoint: the checkpoint's resident tensors differ "
                          "from the model's (missing: %s; unexpected: %s)"

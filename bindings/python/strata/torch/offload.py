@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .block import streamed_forward
-from .session import DTYPE_NAMES, StrataSession, master_layout
+from .session import DTYPE_NAMES, StrataSession, master_layout, swap_data
 
 
 def find_blocks(model):
@@ -189,8 +189,8 @@ class _LoadsBeforeBuild:
         for local, p in module.named_parameters(recurse=False):
             value = state_dict.get(prefix + local)
             if torch.is_tensor(value) and value.shape == p.shape:
-                if p.is_meta:
-                    _give_storage(p)
+                if p.is_meta:  # uninitialized host memory, the loaded values copied in next
+                    swap_data(p, torch.empty(p.shape, dtype=p.dtype))
                 p._strata_loaded = True
         for name, b in list(module.named_buffers(recurse=False)):
             value = state_dict.get(prefix + name)
@@ -237,15 +237,6 @@ def _refuse_assign(local_metadata):
                            "parameters of an offloaded model, whose streamed ones live in "
                            "Strata; load without assign (the values are copied in); nothing "
                            "was loaded")
-
-
-def _give_storage(p):
-    """A meta parameter gets (uninitialized) host memory, the same Parameter object:
-    swap_tensors, as .data cannot go from meta to a real device; its attributes stay."""
-    attrs = dict(p.__dict__)
-    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
-                                             p.requires_grad))
-    p.__dict__.update(attrs)
 
 
 class _Hook:
@@ -692,7 +683,7 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     for _, m in around:  # the model, the modules down to the blocks, the blocks
         m.register_load_state_dict_pre_hook(loads)
     kept_fp32 = {id(p) for p in session.kept_fp32}
-    for m in model.modules():  # every module a load of a kept parameter can start from
+    for m in model.modules() if kept_fp32 else ():  # where a load of a kept one can start
         if any(id(p) in kept_fp32 for p in m.parameters()):
             m.register_load_state_dict_pre_hook(fp32_loads.pre)
             m.register_load_state_dict_post_hook(fp32_loads.post)
@@ -803,12 +794,7 @@ def materialize(module, device, init, recurse=True):
         for m in modules:
             for p in m.parameters(recurse=False):
                 if p.is_meta:
-                    # swap_tensors keeps the Parameter object (.data cannot go from meta to a
-                    # real device); its attributes stay with it.
-                    attrs = dict(p.__dict__)
-                    torch.utils.swap_tensors(p, nn.Parameter(
-                        torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad))
-                    p.__dict__.update(attrs)
+                    swap_data(p, torch.empty(p.shape, dtype=p.dtype, device=device))
             for name, b in list(m.named_buffers(recurse=False)):
                 if b.is_meta and name not in m._non_persistent_buffers_set:
                     m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)

@@ -117,10 +117,10 @@ class AdamW(torch.optim.Optimizer):
                 # A forward pass whose backward never came (a loss computed for logging)
                 # changes nothing, as in plain PyTorch.
                 session.abort()
-            trainable = any(p.requires_grad for b in session.blocks for p in b.parameters())
+            trainable = session.blocks_train()
+            # (abort above: no forward pass is waiting for its backward)
             if session.optimizer is not None or session.executor is not None and trainable \
-                    and not (session.relayable and not session.in_step
-                             and getattr(session, "mesh", None) is None):
+                    and not (session.relayable and getattr(session, "mesh", None) is None):
                 raise RuntimeError(
                     "strata.torch.AdamW: create the optimizer once, before the first forward "
                     "pass with grad (the streamed blocks' optimizer state is laid out with "

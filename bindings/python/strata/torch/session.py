@@ -16,6 +16,15 @@ from ..core import BACKWARD, FORWARD, VIEW_GRAD, VIEW_WEIGHT
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def swap_data(p, data):
+    """Parameter `p` takes `data`, staying the same Python object with its attributes (its
+    optimizer groups, names and tied modules keep pointing at it): torch.utils.swap_tensors,
+    as .data cannot go from the meta device to a real one."""
+    attrs = dict(p.__dict__)
+    torch.utils.swap_tensors(p, torch.nn.Parameter(data, p.requires_grad))
+    p.__dict__.update(attrs)
+
+
 class StreamedParam:
     """Where a streamed parameter lives: its block, its index there, its runtime tensors."""
 
@@ -40,13 +49,8 @@ class StreamedParam:
         the values)."""
         if self.zero is None:
             self.zero = torch.full((), float("nan"), dtype=dtype, device=device)
-        if self.param.is_meta:
-            # Loaded from offload(weights=) without ever being materialized: .data cannot go
-            # from meta to a device, swap_tensors keeps the Parameter object (and attributes).
-            attrs = dict(self.param.__dict__)
-            torch.utils.swap_tensors(self.param, torch.nn.Parameter(
-                self.zero.expand(self.shape), self.param.requires_grad))
-            self.param.__dict__.update(attrs)
+        if self.param.is_meta:  # loaded from offload(weights=) without being materialized
+            swap_data(self.param, self.zero.expand(self.shape))
         self.param.data = self.zero.expand(self.shape)
         self.mark = (self.param._version, self.zero._version)
 
@@ -210,7 +214,7 @@ class StrataSession:
         from .offload import materialize, rebuild_meta_buffers  # where meta blocks get storage
         from .weights import load_buffers
         source = getattr(self, "weights_source", None)  # offload(weights=): (file, names)
-        trainable_any = any(p.requires_grad for b in self.blocks for p in b.parameters())
+        trainable_any = self.blocks_train()
         opt = None
         if optimizer is not None and trainable_any:
             opt = core.Optimizer(self.runtime, "adamw", update_mode="explicit", **optimizer,
@@ -442,6 +446,10 @@ class StrataSession:
                 fill(opt.state(sp.weight, "master"), values)
             self.timed("optimizer_state", t)
 
+    def blocks_train(self):
+        """Whether some streamed block parameter requires grad now."""
+        return any(p.requires_grad for b in self.blocks for p in b.parameters())
+
     def ensure_built(self):
         self.check_open()
         if self.executor is None:
@@ -499,8 +507,7 @@ class StrataSession:
         # build, or after one made without it (a checkpoint loaded, predict: the optimizer may
         # lay the blocks out again, which grads in Strata would not survive). Once an
         # optimizer was made, frozen blocks unfrozen are check_trainable's to refuse.
-        if self.optimizer is None and not self.optimizer_made and any(
-                p.requires_grad for b in self.blocks for p in b.parameters()):
+        if self.optimizer is None and not self.optimizer_made and self.blocks_train():
             added = [self.prefixes[i] + name for i, b in enumerate(self.blocks)
                      for name, p in b.named_parameters()
                      if p.requires_grad and getattr(p, "_strata_session", None) is not self]

@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from .session import swap_data
+
 
 class SafetensorsWeights:
     """Read-only access to the tensors of one or more safetensors files, by name."""
@@ -164,9 +166,7 @@ def load_module(module, device, weights, names, values=None):
         # would otherwise be widened on the CPU and copied at twice the bytes.
         read = read.to(device=device, copy=True).to(dtype=p.dtype)
         if p.is_meta:
-            attrs = dict(p.__dict__)
-            torch.utils.swap_tensors(p, torch.nn.Parameter(read, p.requires_grad))
-            p.__dict__.update(attrs)
+            swap_data(p, read)
         else:
             p.data = read
     load_buffers(module, device, weights, names)
