@@ -85,7 +85,8 @@ def test_relative_links_resolve(path):
 
 
 def test_the_checker_finds_what_is_broken(tmp_path):
-    (tmp_path / "other.md").write_text("# A heading: with `code`, punctuation\n\n## Twice\n## Twice\n")
+    (tmp_path / "other.md").write_text(
+        "# A heading: with `code`, punctuation\n\n## Twice\n## Twice\n")
     (tmp_path / "page.md").write_text(
         "# Page\n"
         "[fine](other.md#a-heading-with-code-punctuation) [second](other.md#twice-1) "
