@@ -517,6 +517,30 @@ def test_opt_out():
         cl.install(model)
 
 
+def test_copied_model_and_resized_head():
+    """copy.deepcopy of a model with the chunked loss: the copy computes it with its own
+    head and parameters. resize_token_embeddings (a new head module): the loss follows it."""
+    model = hf_model("llama")
+    cl.install(model, chunk_tokens=CHUNK)
+    twin = copy.deepcopy(model)
+    assert cl.installed(twin) is not cl.installed(model) and cl.installed(twin).model is twin
+    seen, twin_seen = head_shapes(model), head_shapes(twin)
+    ids = tokens("cpu")
+    run(twin, input_ids=ids, labels=ids)
+    assert twin_seen == [(BATCH, 0, VOCAB)] and seen == []
+    assert twin.lm_head.weight.grad is not None and model.lm_head.weight.grad is None
+    plain = copy.deepcopy(model)
+    cl.uninstall(plain)
+    for m in (plain, model):
+        m.resize_token_embeddings(VOCAB + 16)
+    assert model.lm_head is not cl.installed(model).head  # a new module
+    seen = head_shapes(model)
+    expected = run(plain, input_ids=ids, labels=ids)
+    got = run(model, input_ids=ids, labels=ids)
+    assert seen == [(BATCH, 0, VOCAB + 16)]
+    assert_close(got.loss, expected.loss, grads(model), grads(plain))
+
+
 def test_without_labels_nothing_changes():
     """Generation and plain forward passes: the head runs as always."""
     plain, chunked = pair(hf_model("qwen2"))

@@ -298,6 +298,13 @@ def _hf_causal_loss():
     return ForCausalLMLoss
 
 
+@functools.lru_cache(maxsize=None)
+def _hf_loss_arguments():
+    """The keyword arguments this transformers' ForCausalLMLoss reads (shift_labels is newer
+    than the others: where it is not one, a shift_labels= passed along is not the loss's)."""
+    return frozenset(inspect.signature(_hf_causal_loss()).parameters)
+
+
 def unsupported_reason(model):
     """Why install(model) would refuse it (a sentence), or None where it is supported."""
     name = type(model).__name__
@@ -358,8 +365,25 @@ class ChunkedLoss:
             # on this thread's stack, popped whatever happens in between.
             model.register_forward_pre_hook(self._model_pre, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._model_post, with_kwargs=True, always_call=True),
-            self.head.register_forward_pre_hook(self._head_pre, with_kwargs=True),
         ]
+        self._head_handle = self.head.register_forward_pre_hook(self._head_pre,
+                                                                with_kwargs=True)
+
+    def _follow_head(self):
+        """The model's head replaced since install (resize_token_embeddings builds a new one):
+        checked again as install checks, and the hook moved onto it."""
+        head = _head(self.model)
+        if head is self.head:
+            return
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            raise ValueError("strata.torch: the model's head changed since the chunked loss was "
+                             "installed, and the new one cannot be matched: %s; "
+                             "strata.torch._chunked_loss.uninstall(model) computes the model's "
+                             "own loss" % reason)
+        self._head_handle.remove()
+        self.head = head
+        self._head_handle = head.register_forward_pre_hook(self._head_pre, with_kwargs=True)
 
     def __getstate__(self):  # copy.deepcopy(model), pickle: without the thread's state
         state = dict(self.__dict__)
@@ -371,7 +395,7 @@ class ChunkedLoss:
         self._local = threading.local()
 
     def remove(self):
-        for handle in self._handles:
+        for handle in self._handles + [self._head_handle]:
             handle.remove()
         self._handles = []
         if self.model.__dict__.get("_strata_chunked_loss") is self:
@@ -406,9 +430,13 @@ class ChunkedLoss:
                 return None
             if model.loss_function is not _hf_causal_loss():
                 return None
-            call = _Call(labels, kwargs.get("shift_labels"), kwargs.get("num_items_in_batch"),
+            takes = _hf_loss_arguments()
+            call = _Call(labels,
+                         kwargs.get("shift_labels") if "shift_labels" in takes else None,
+                         kwargs.get("num_items_in_batch"),
                          kwargs.get("ignore_index", IGNORE_INDEX))
         _check_integer(labels)
+        self._follow_head()
         if positional:
             args = args[:self._labels_at] + (None,) + args[self._labels_at + 1:]
         else:
