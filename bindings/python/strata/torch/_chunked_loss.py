@@ -86,7 +86,7 @@ def default_chunk_tokens(vocab_size, budget=LOGITS_CHUNK_BYTES):
     return tokens - tokens % 8 if tokens >= 8 else tokens
 
 
-def _check_chunk_tokens(chunk_tokens):
+def check_chunk_tokens(chunk_tokens):
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError("strata.torch: chunk_tokens is %r, not a positive number of tokens"
                          % (chunk_tokens,))
@@ -229,7 +229,7 @@ def linear_cross_entropy(hidden, weight, bias, targets, ignore_index=IGNORE_INDE
                          "head's tokens and the labels must match (with logits_to_keep, pass "
                          "labels for the kept positions only)" % (flat.shape[0],
                                                                   targets.shape[0]))
-    chunk_tokens = _check_chunk_tokens(chunk_tokens if chunk_tokens is not None else
+    chunk_tokens = check_chunk_tokens(chunk_tokens if chunk_tokens is not None else
                                        default_chunk_tokens(weight.shape[0]))
     if num_items_in_batch is None:
         denominator = (targets != ignore_index).sum().to(torch.float32)
@@ -638,7 +638,7 @@ def install(model, chunk_tokens=None):
                          "Its own loss (the whole logits) runs without install" % reason)
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(_head(model).out_features)
-    handle = ChunkedLoss(model, _check_chunk_tokens(chunk_tokens))
+    handle = ChunkedLoss(model, check_chunk_tokens(chunk_tokens))
     model.__dict__["_strata_chunked_loss"] = handle  # not a submodule: not in state_dict
     return handle
 
