@@ -236,12 +236,10 @@ def linear_cross_entropy(hidden, weight, bias, targets, ignore_index=IGNORE_INDE
     else:
         denominator = torch.as_tensor(num_items_in_batch, device=hidden.device)
         denominator = denominator.to(torch.float32)
-    dtype = _autocast_state(hidden.device.type)
-    if dtype is None:
-        if flat.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-            # F.linear's own refusal, as the model's path would raise it.
-            F.linear(flat[:0], weight, bias)
-        dtype = weight.dtype
+    # The logits' dtype as F.linear gives it here (autocast's, or the inputs' where they
+    # agree; its own error where they do not, as the model's path would raise it), asked of
+    # empty slices so that no weight is cast for the question.
+    dtype = F.linear(flat[:0], weight[:0], None if bias is None else bias[:0]).dtype
     grad = torch.is_grad_enabled()
     needs = (grad and flat.requires_grad, grad and weight.requires_grad,
              grad and bias is not None and bias.requires_grad)
@@ -259,8 +257,7 @@ def linear_cross_entropy(hidden, weight, bias, targets, ignore_index=IGNORE_INDE
 _VERIFIED_HF = frozenset(("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                           "Qwen3ForCausalLM", "GPT2LMHeadModel"))
 # Config fields of architectures that change the logits after the head.
-_LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling",
-                  "output_multiplier_scale")
+_LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def _forward_owner(model):
