@@ -634,20 +634,29 @@ def test_labels_refused_per_call():
     assert_close(got.loss, expected.loss, grads(chunked), grads(plain))
 
 
-def test_zoo_liger_mode_is_left_alone():
-    """The package's own model with loss_impl="liger" computes its own chunked loss (Liger's):
-    left to it (no liger here: the call fails inside the model's path, not in ours)."""
+def test_zoo_liger_mode_is_left_alone(monkeypatch):
+    """The package's own model with loss_impl="liger" computes its own chunked loss (Liger's
+    function, here a stand-in recording its call): left to it, labels and all."""
+    import sys
+    import types
+    calls = []
+
+    def fused(hidden, weight, labels, **kwargs):
+        calls.append(labels)
+        return hidden.sum() * 0
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = fused
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", functional)
     model = zoo_model()
     cl.install(model, chunk_tokens=CHUNK)
     model.config.loss_impl = "liger"
     ids = tokens("cpu")
-    try:
-        import liger_kernel  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError):
-            model(ids, labels=ids)
-    else:
-        assert model(ids, labels=ids).loss is not None
+    out = model(ids, labels=ids)
+    assert len(calls) == 1 and torch.equal(calls[0], ids[:, 1:].reshape(-1))
+    assert out.loss.item() == 0.0
 
 
 # ---------------------------------------------------------------------------------------------
