@@ -1,0 +1,654 @@
+"""The causal-LM loss without the whole logits (issue 36 item 1).
+
+A causal LM's forward with labels computes the head over every token, then the cross-entropy
+on those logits upcast to fp32: at 148 x 1024 tokens and a 128256-token vocabulary that is a
+39 GB bf16 tensor and a 78 GB fp32 one. Here the head and the cross-entropy run over chunks of
+tokens instead, forward and backward per chunk, in the forward pass (the fused
+linear-cross-entropy idea, as Liger-Kernel does it): each chunk's grads of the hidden states
+and of the head are computed as soon as its logits are, and only those grads are kept (the
+hidden states' grad in their dtype, the head's summed in fp32 and rounded once), so at most one
+chunk's logits exist at a time. The backward pass only scales the kept grads by the loss's
+incoming grad.
+
+The arithmetic is Hugging Face's ForCausalLMLoss's: the logits of a chunk are F.linear(hidden,
+weight, bias) in the compute dtype (autocast's where autocast is on), upcast to fp32, the
+cross-entropy (log-sum-exp minus the target's logit) summed in fp32 over the tokens whose label
+is not ignore_index, divided by their count (reduction "mean") or by num_items_in_batch (the
+Trainer's: reduction "sum", then the division). The grad of the fp32 logits, (softmax - one-hot)
+/ denominator, is cast to the compute dtype as autograd's upcast does, and multiplied out as
+F.linear's backward does. What differs is only the order of the sums: the loss summed per chunk
+then over the chunks, the head's weight grad summed per chunk in fp32 over the chunks and rounded
+to the weight's dtype once (the whole-batch product rounds its own way). The tolerance
+(tests/python/test_torch_chunked_loss.py, against the model's own loss, same seed and data):
+fp32, the loss within 1e-6 relative and every grad within 1e-5 of its tensor's largest
+element; bf16, the loss within 1e-3 relative and every grad within 2e-2 of its scale (a few
+bf16 roundings: 2^-8 = 3.9e-3 is one). Measured on the CPU with tiny Llama, Qwen2, Qwen3,
+Mistral, GPT-2 and the package's Llama (39 tokens in chunks of 8): fp32 losses within 1e-7
+and grads within 1.4e-6 of their scale; bf16 losses within 2e-7, grads within 1.5e-4 (the
+CPU's bf16 products sum in fp32 and round once, as the chunked weight grad does; a GPU's
+round their own way).
+
+Two ways in:
+
+- linear_cross_entropy(hidden, weight, bias, targets, ...): the loss of already shifted,
+  flattened targets (a ChunkedLinearCrossEntropy autograd function).
+- install(model, chunk_tokens=None): a Hugging Face causal LM (LlamaForCausalLM,
+  MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel) or the package's own
+  Llama (bench/llama_zoo/torch_llama.py) computes its loss this way whenever labels are passed,
+  through forward hooks only (the model's forward and its head's stay what they are, so other
+  hooks and wrapped forwards, strata.torch.offload's, compose): a forward pre-hook on the model
+  takes the labels out of the call, the head's forward pre-hook computes the loss from the
+  hidden states it is given and hands the head an empty slice of them (0 tokens: the head
+  computes nothing), and the model's forward hook puts the loss into the model's own output.
+  out.logits is computed on first access (the head over the kept hidden states, attached to
+  the autograd graph, under the grad and autocast modes of the forward pass), in the dtype the
+  model would have returned; the loss alone never computes it. The output keeps the final
+  hidden states (B x T x H, which the model's own path keeps for its backward too) for that.
+  uninstall(model), or handle.enabled = False, returns to the model's own path.
+
+What the model's own path computes instead (documented fallbacks, the same result as without
+install): calls without labels (generation), return_dict=False (a tuple holding the whole
+logits is what was asked for), a loss function the user set on the model (model.loss_function
+= ...: theirs to compute), the package's own model with config.loss_impl other than "torch" (its
+own chunked loss). Refused: install() on a model whose forward is not one of those verified
+above (another architecture may change the logits after the head: Gemma 2's
+final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling), a head that is not a
+plain nn.Linear (LoRA-wrapped, quantized), a head whose width is not config.vocab_size; per call,
+labels that are not integers, or whose count (after the shift) differs from the head's tokens
+(where the model's own loss fails too, as with logits_to_keep and labels for every position).
+
+Memory between the forward and the backward pass: the hidden states' grad (B x T x H in their
+dtype) and the head's weight grad in its dtype (V x H, in fp32 while the chunks run); during the
+forward pass one chunk's logits in the compute dtype and in fp32 and their grad in the compute
+dtype: (2 + 4 + 2) x chunk_tokens x V bytes. Several forward passes before one backward each
+keep their own. The chunk's size defaults to the tokens whose fp32 logits fit in
+LOGITS_CHUNK_BYTES (1 GiB: 2088 tokens at V = 128256).
+
+Standalone: imports torch only (transformers when a model has it)."""
+
+import collections
+import functools
+import inspect
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+LOGITS_CHUNK_BYTES = 1 << 30  # the fp32 logits of one chunk
+
+
+def default_chunk_tokens(vocab_size, budget=LOGITS_CHUNK_BYTES):
+    """The most tokens whose fp32 logits (4 x vocab_size bytes each) fit in `budget`, a
+    multiple of 8 when there are at least 8 (the matrix products' row tiles), at least 1."""
+    tokens = max(1, budget // (4 * int(vocab_size)))
+    return tokens - tokens % 8 if tokens >= 8 else tokens
+
+
+def check_chunk_tokens(chunk_tokens):
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError("strata.torch: chunk_tokens is %r, not a positive number of tokens"
+                         % (chunk_tokens,))
+    return chunk_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# The function.
+
+_FP32_ADDMM = {}  # device type -> whether addmm(out_dtype=float32) accumulates low-precision
+
+
+def _fp32_addmm_works(device):
+    """Whether torch.addmm(acc_fp32, a_bf16, b_bf16, out_dtype=float32, out=acc) runs here
+    (CUDA builds of torch >= 2.8 have the overload): the chunk's product then lands in the
+    fp32 sum without a rounding to bf16 and without an fp32 copy of its inputs. Probed once
+    per device type on a tiny product, checked against the fp32 product."""
+    known = _FP32_ADDMM.get(device.type)
+    if known is None:
+        known = False
+        try:
+            a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device)
+            acc = torch.full((2, 2), 0.5, device=device)
+            torch.addmm(acc, a.to(torch.bfloat16), a.to(torch.bfloat16),
+                        out_dtype=torch.float32, out=acc)
+            known = bool(torch.equal(acc.cpu(), (a @ a).cpu() + 0.5))
+        except (RuntimeError, TypeError, NotImplementedError):
+            known = False
+        _FP32_ADDMM[device.type] = known
+    return known
+
+
+def _accumulate_product(acc, a, b):
+    """acc (fp32) += a @ b, a and b in the compute dtype, the product summed in fp32."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif _fp32_addmm_works(acc.device):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    elif acc.device.type == "cpu":  # the bf16/fp16 values exactly in fp32, multiplied there
+        acc.addmm_(a.float(), b.float())
+    else:  # an accelerator without the overload: the chunk's product rounded, then summed
+        acc.add_(a @ b)
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """loss = cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="sum") /
+    denominator, a chunk of rows at a time; the grads computed in the forward pass (see the
+    module's docstring). hidden: (N, H); targets: (N,) int64, ignore_index where ignored;
+    denominator: a 0-d fp32 tensor; compute_dtype: the dtype of the logits (autocast's or
+    the inputs'); needs: (hidden, weight, bias) grads wanted."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, denominator, chunk_tokens, ignore_index,
+                compute_dtype, needs):
+        need_h, need_w, need_b = needs
+        n = hidden.shape[0]
+        with torch.autocast(hidden.device.type, enabled=False):
+            # What autocast would hand F.linear (the same casts, once for all chunks).
+            w = weight.to(compute_dtype)
+            b = None if bias is None else bias.to(compute_dtype)
+            scale = 1.0 / denominator  # fp32, on the device: no synchronization
+            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_h = torch.empty_like(hidden) if need_h else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+                if need_w else None
+            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
+                if need_b else None
+            for start in range(0, n, chunk_tokens):
+                end = min(n, start + chunk_tokens)
+                h = hidden[start:end].to(compute_dtype)
+                y = targets[start:end]
+                logits = F.linear(h, w, b)
+                x = logits.float()  # a copy unless the compute dtype is fp32
+                del logits
+                valid = y != ignore_index
+                safe = torch.where(valid, y, 0)
+                lse = torch.logsumexp(x, dim=-1)
+                picked = x.gather(1, safe[:, None]).squeeze(1)
+                loss += torch.where(valid, lse - picked, 0.0).sum()
+                if not (need_h or need_w or need_b):
+                    continue
+                # The grad of the fp32 logits: (softmax - one-hot) / denominator on the counted
+                # rows, 0 on the ignored ones; in place over x.
+                x.sub_(lse[:, None]).exp_()
+                x.scatter_add_(1, safe[:, None], -valid.to(x.dtype)[:, None])
+                g = torch.empty(x.shape, dtype=compute_dtype, device=x.device)
+                torch.mul(x, (valid.to(x.dtype) * scale)[:, None], out=g)
+                del x
+                if need_h and grad_h.dtype == compute_dtype:
+                    torch.mm(g, w, out=grad_h[start:end])
+                elif need_h:  # autocast's cast of the hidden states, backwards
+                    grad_h[start:end] = g @ w
+                if need_w:
+                    _accumulate_product(grad_w, g.t(), h)
+                if need_b:
+                    grad_b += g.sum(0, dtype=torch.float32)
+                del g
+            ctx.grad_h = grad_h
+            ctx.grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+            ctx.grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+            return loss / denominator  # the model's division (the grads use its inverse)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        # Out of place: a retained graph's second backward scales the same kept grads.
+        out = []
+        for kept in (ctx.grad_h, ctx.grad_w, ctx.grad_b):
+            out.append(None if kept is None else kept * grad.to(kept.device))
+        return tuple(out) + (None,) * 6
+
+
+def _check_integer(labels):
+    if not torch.is_tensor(labels) or labels.dtype.is_floating_point or \
+            labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError("strata.torch: labels are %s; a causal LM's loss takes integer token "
+                        "ids (ignore_index where none)"
+                        % (labels.dtype if torch.is_tensor(labels) else type(labels).__name__))
+
+
+def _autocast_state(device_type):
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def linear_cross_entropy(hidden, weight, bias, targets, ignore_index=IGNORE_INDEX,
+                         num_items_in_batch=None, chunk_tokens=None):
+    """cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index) over rows
+    of hidden (..., H) and targets (the same rows, flattened), reduction "mean", or "sum"
+    divided by num_items_in_batch when given (Hugging Face's fixed_cross_entropy), without
+    the whole logits: chunk_tokens rows at a time (default: default_chunk_tokens). Grads flow
+    to hidden, weight and bias where they require grad and grad mode is on."""
+    _check_integer(targets)
+    targets = targets.reshape(-1).to(device=hidden.device, dtype=torch.long)
+    size = hidden.shape[-1]
+    flat = hidden.reshape(-1, size)
+    if flat.shape[0] != targets.shape[0]:
+        raise ValueError("strata.torch: %d hidden states for %d labels (after the shift): the "
+                         "head's tokens and the labels must match (with logits_to_keep, pass "
+                         "labels for the kept positions only)" % (flat.shape[0],
+                                                                  targets.shape[0]))
+    chunk_tokens = check_chunk_tokens(chunk_tokens if chunk_tokens is not None else
+                                       default_chunk_tokens(weight.shape[0]))
+    if num_items_in_batch is None:
+        denominator = (targets != ignore_index).sum().to(torch.float32)
+    else:
+        denominator = torch.as_tensor(num_items_in_batch, device=hidden.device)
+        denominator = denominator.to(torch.float32)
+    # The logits' dtype as F.linear gives it here (autocast's, or the inputs' where they
+    # agree; its own error where they do not, as the model's path would raise it), asked of
+    # empty slices so that no weight is cast for the question.
+    dtype = F.linear(flat[:0], weight[:0], None if bias is None else bias[:0]).dtype
+    grad = torch.is_grad_enabled()
+    needs = (grad and flat.requires_grad, grad and weight.requires_grad,
+             grad and bias is not None and bias.requires_grad)
+    return ChunkedLinearCrossEntropy.apply(flat, weight, bias, targets, denominator,
+                                           chunk_tokens, int(ignore_index), dtype, needs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model integration.
+
+# The causal LMs whose forward is verified to be: logits = lm_head(slice of the last hidden
+# states); loss = self.loss_function(logits, labels, vocab_size, **kwargs) (Hugging Face's) or
+# F.cross_entropy(logits[:, :-1].float(), labels[:, 1:]) (the package's own), nothing done to
+# the logits in between.
+_VERIFIED_HF = frozenset(("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                          "Qwen3ForCausalLM", "GPT2LMHeadModel"))
+# Config fields of architectures that change the logits after the head.
+_LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _forward_owner(model):
+    for klass in type(model).__mro__:
+        if "forward" in vars(klass):
+            return klass
+    return None
+
+
+def _flavour(model):
+    """'hf', 'zoo' (the package's own Llama) or None, from the class defining forward."""
+    owner = _forward_owner(model)
+    if owner is None:
+        return None
+    module = owner.__module__ or ""
+    if owner.__name__ in _VERIFIED_HF and module.startswith("transformers.models."):
+        return "hf"
+    if owner.__name__ == "LlamaForCausalLM" and module.rpartition(".")[2] == "torch_llama" \
+            and "llama_zoo" in module:
+        return "zoo"
+    return None
+
+
+def _head(model):
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if head is not None else getattr(model, "lm_head", None)
+
+
+def _hf_causal_loss():
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:
+        return None
+    return ForCausalLMLoss
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_loss_arguments():
+    """The keyword arguments this transformers' ForCausalLMLoss reads (shift_labels is newer
+    than the others: where it is not one, a shift_labels= passed along is not the loss's)."""
+    return frozenset(inspect.signature(_hf_causal_loss()).parameters)
+
+
+def unsupported_reason(model):
+    """Why install(model) would refuse it (a sentence), or None where it is supported."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    flavour = _flavour(model)
+    if flavour is None:
+        changes = [f for f in _LOGIT_CHANGES if getattr(config, f, None) is not None]
+        why = (" (its config has %s: the logits are changed after the head)"
+               % ", ".join(changes)) if changes else ""
+        owner = _forward_owner(model)
+        return ("%s%s: its forward (%s.%s) is not one the chunked loss is verified against "
+                "(%s, and the package's own Llama)"
+                % (name, why, getattr(owner, "__module__", "?"),
+                   getattr(owner, "__qualname__", "?"), ", ".join(sorted(_VERIFIED_HF))))
+    head = _head(model)
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        return ("%s: its head is a %s, not a plain nn.Linear (a wrapped or quantized head "
+                "computes something else)" % (name, type(head).__name__))
+    vocab = getattr(config, "vocab_size", None)
+    if vocab != head.out_features:
+        return ("%s: its head has %d outputs and its config.vocab_size is %s (the model's "
+                "loss reads the logits as rows of vocab_size)" % (name, head.out_features,
+                                                                  vocab))
+    if flavour == "hf" and getattr(model, "loss_function", None) is not _hf_causal_loss():
+        return ("%s: its loss function is %r, not transformers' ForCausalLMLoss"
+                % (name, getattr(model, "loss_function", None)))
+    return None
+
+
+class _Call:
+    """One forward pass with labels, intercepted."""
+    __slots__ = ("labels", "shift_labels", "num_items", "ignore_index", "hidden", "loss")
+
+    def __init__(self, labels, shift_labels, num_items, ignore_index):
+        self.labels, self.shift_labels = labels, shift_labels
+        self.num_items, self.ignore_index = num_items, ignore_index
+        self.hidden = self.loss = None
+
+
+class ChunkedLoss:
+    """What install() returns (also model._strata_chunked_loss): enabled (set False to use
+    the model's own loss until set True again), chunk_tokens, remove()."""
+
+    def __init__(self, model, chunk_tokens):
+        self.model = model
+        self.head = _head(model)
+        self.flavour = _flavour(model)
+        self.chunk_tokens = chunk_tokens
+        self.enabled = True
+        self._local = threading.local()
+        signature = inspect.signature(_forward_owner(model).forward)
+        positional = [p.name for p in signature.parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        # Where labels sit among the positional arguments (self not counted).
+        self._labels_at = positional.index("labels") - 1 if "labels" in positional else None
+        self._handles = [
+            # First among the model's pre-hooks and always called after: one entry per call
+            # on this thread's stack, popped whatever happens in between.
+            model.register_forward_pre_hook(self._model_pre, with_kwargs=True, prepend=True),
+            model.register_forward_hook(self._model_post, with_kwargs=True, always_call=True),
+        ]
+        self._head_handle = self.head.register_forward_pre_hook(self._head_pre,
+                                                                with_kwargs=True)
+
+    def _follow_head(self):
+        """The model's head replaced since install (resize_token_embeddings builds a new one):
+        checked again as install checks, and the hook moved onto it."""
+        head = _head(self.model)
+        if head is self.head:
+            return
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            raise ValueError("strata.torch: the model's head changed since the chunked loss was "
+                             "installed, and the new one cannot be matched: %s; "
+                             "strata.torch._chunked_loss.uninstall(model) computes the model's "
+                             "own loss" % reason)
+        self._head_handle.remove()
+        self.head = head
+        self._head_handle = head.register_forward_pre_hook(self._head_pre, with_kwargs=True)
+
+    def __getstate__(self):  # copy.deepcopy(model), pickle: without the thread's state
+        state = dict(self.__dict__)
+        del state["_local"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    def remove(self):
+        for handle in self._handles + [self._head_handle]:
+            handle.remove()
+        self._handles = []
+        if self.model.__dict__.get("_strata_chunked_loss") is self:
+            del self.model.__dict__["_strata_chunked_loss"]
+
+    def _stack(self):
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    # -- the model's pre-hook: take the labels.
+
+    def _intercept(self, args, kwargs):
+        """(_Call, args, kwargs without the labels), or None for the model's own path."""
+        if not self.enabled:
+            return None
+        positional = self._labels_at is not None and len(args) > self._labels_at
+        labels = args[self._labels_at] if positional else kwargs.get("labels")
+        if labels is None:
+            return None
+        model = self.model
+        if self.flavour == "zoo":
+            if getattr(model.config, "loss_impl", "torch") != "torch":
+                return None
+            call = _Call(labels, None, None, IGNORE_INDEX)
+        else:
+            return_dict = kwargs.get("return_dict")
+            if return_dict is None:
+                return_dict = getattr(model.config, "return_dict", True)
+            if not return_dict:
+                return None
+            if model.loss_function is not _hf_causal_loss():
+                return None
+            takes = _hf_loss_arguments()
+            call = _Call(labels,
+                         kwargs.get("shift_labels") if "shift_labels" in takes else None,
+                         kwargs.get("num_items_in_batch"),
+                         kwargs.get("ignore_index", IGNORE_INDEX))
+        _check_integer(labels)
+        self._follow_head()
+        if positional:
+            args = args[:self._labels_at] + (None,) + args[self._labels_at + 1:]
+        else:
+            kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
+        return call, args, kwargs
+
+    @torch.compiler.disable
+    def _model_pre(self, module, args, kwargs):
+        found = self._intercept(args, kwargs)
+        self._stack().append(None if found is None else found[0])
+        return None if found is None else found[1:]
+
+    # -- the head's pre-hook: the loss, and an empty input for the head.
+
+    @torch.compiler.disable
+    def _head_pre(self, module, args, kwargs):
+        stack = self._stack()
+        call = stack[-1] if stack else None
+        if call is None or getattr(self._local, "materializing", False):
+            return None
+        if call.hidden is not None:
+            raise RuntimeError("strata.torch: %s called its head twice in one forward pass "
+                               "with labels; the chunked loss cannot tell which call is the "
+                               "loss's: strata.torch._chunked_loss.uninstall(model) (or "
+                               "handle.enabled = False) computes the model's own loss"
+                               % type(self.model).__name__)
+        hidden = args[0] if args else kwargs.get("input")
+        if not torch.is_tensor(hidden) or hidden.dim() < 2:
+            raise ValueError("strata.torch: the head of %s was called with %r, not hidden "
+                             "states of shape (..., tokens, hidden)"
+                             % (type(self.model).__name__, type(hidden).__name__))
+        call.hidden = hidden
+        call.loss = self._loss(call, hidden)
+        empty = hidden[..., :0, :]
+        if args:
+            return (empty,) + tuple(args[1:]), kwargs
+        return args, dict(kwargs, input=empty)
+
+    def _loss(self, call, hidden):
+        labels, ignore = call.labels, call.ignore_index
+        if call.shift_labels is not None:
+            targets = call.shift_labels
+        elif self.flavour == "zoo":
+            # The package's model: logits[:, :-1] against labels[:, 1:]; the same as Hugging
+            # Face's shift, the last position ignored, for (batch, tokens) labels.
+            if labels.dim() != 2 or labels.shape != hidden.shape[:2]:
+                raise ValueError("strata.torch: labels of shape %s for hidden states of shape "
+                                 "%s; the model takes (batch, tokens) labels like its input"
+                                 % (tuple(labels.shape), tuple(hidden.shape)))
+            targets = F.pad(labels[:, 1:], (0, 1), value=ignore)
+        else:
+            # ForCausalLMLoss: pad with ignore_index, then shift.
+            targets = F.pad(labels, (0, 1), value=ignore)[..., 1:]
+        return linear_cross_entropy(hidden, self.head.weight, self.head.bias, targets, ignore,
+                                    call.num_items, self.chunk_tokens)
+
+    # -- the model's forward hook: the loss into the output, the logits on demand.
+
+    @torch.compiler.disable
+    def _model_post(self, module, args, kwargs, output):
+        stack = self._stack()
+        if not stack:  # a pre-hook before ours failed: ours never ran
+            return None
+        call = stack.pop()
+        if call is None or output is None:  # the model's own path, or its forward failed
+            return None
+        if call.hidden is None:
+            raise RuntimeError("strata.torch: the forward pass of %s did not call its head "
+                               "(%s) with labels given, so the chunked loss has nothing to "
+                               "compute from; strata.torch._chunked_loss.uninstall(model) "
+                               "computes the model's own loss"
+                               % (type(module).__name__, type(self.head).__name__))
+        return self._attach(output, call)
+
+    def _attach(self, output, call):
+        placeholder = getattr(output, "logits", None)
+        if not torch.is_tensor(placeholder) or not hasattr(output, "loss"):
+            raise RuntimeError("strata.torch: %s returned %s, not an output with loss and "
+                               "logits" % (type(self.model).__name__, type(output).__name__))
+        hidden = call.hidden
+        make = functools.partial(self._logits, hidden, torch.is_grad_enabled(),
+                                 _autocast_state(hidden.device.type), placeholder.dtype)
+        if isinstance(output, collections.OrderedDict):  # transformers' ModelOutput
+            output["loss"] = call.loss
+            output.move_to_end("loss", last=False)  # where the model puts it: first
+        else:
+            output.loss = call.loss
+        output.__class__ = _lazy_class(type(output))
+        output.__dict__["_strata_logits"] = make
+        return output
+
+    def _logits(self, hidden, grad_enabled, autocast, dtype):
+        """The logits of a forward pass with labels: its head over its hidden states, in the
+        grad and autocast modes that forward pass had, in the dtype it returned."""
+        self._local.materializing = True
+        try:
+            with torch.set_grad_enabled(grad_enabled), \
+                    torch.autocast(hidden.device.type, dtype=autocast,
+                                   enabled=autocast is not None):
+                logits = self.head(hidden)
+        finally:
+            self._local.materializing = False
+        return logits if logits.dtype == dtype else logits.to(dtype)
+
+
+# The output classes with .logits computed on first access: one subclass per output class, so
+# that isinstance and the fields stay the model's; pickling and copying give the model's own
+# class back, the logits computed.
+_LAZY_CLASSES = {}
+_LAZY_LOCK = threading.Lock()
+
+
+def _materialize(output):
+    make = output.__dict__.pop("_strata_logits", None)
+    if make is not None:
+        logits = make()
+        if isinstance(output, collections.OrderedDict):
+            collections.OrderedDict.__setitem__(output, "logits", logits)  # keeps its place
+        output.__dict__["logits"] = logits
+
+
+def _get_logits(self):
+    _materialize(self)
+    return self.__dict__.get("logits")
+
+
+def _set_logits(self, value):
+    # An explicit value replaces the pending one (transformers' __setattr__ has set the
+    # mapping's entry already).
+    self.__dict__.pop("_strata_logits", None)
+    self.__dict__["logits"] = value
+
+
+def _reading(name):
+    def method(self, *args, **kwargs):
+        _materialize(self)
+        return getattr(super(type(self), self), name)(*args, **kwargs)
+    method.__name__ = name
+    return method
+
+
+def _getitem(self, key):
+    # Indexing by position, or the logits by name, reads them; another name does not
+    # (transformers' own __getitem__ reads every item to find one).
+    if not isinstance(key, str) or key == "logits":
+        _materialize(self)
+        return super(type(self), self).__getitem__(key)
+    rename = getattr(self, "_replace_old_cache_name", None)  # its past_key_values -> cache
+    return collections.OrderedDict.__getitem__(self, rename(key) if rename else key)
+
+
+def _get(self, key, default=None):
+    if key == "logits":
+        _materialize(self)
+    return super(type(self), self).get(key, default)
+
+
+def _reduce_ex(self, protocol):
+    _materialize(self)
+    reduced = super(type(self), self).__reduce_ex__(protocol)
+    if isinstance(reduced, str):
+        return reduced
+    base = type(self).__strata_base__
+
+    def swap(x):
+        return base if x is type(self) else x
+    return (swap(reduced[0]), tuple(swap(a) for a in reduced[1])) + tuple(reduced[2:])
+
+
+def _lazy_class(cls):
+    with _LAZY_LOCK:
+        lazy = _LAZY_CLASSES.get(cls)
+        if lazy is None:
+            namespace = {"logits": property(_get_logits, _set_logits),
+                         "__strata_base__": cls, "__reduce_ex__": _reduce_ex,
+                         "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                         "__doc__": cls.__doc__}
+            if issubclass(cls, collections.OrderedDict):
+                namespace.update(__getitem__=_getitem, get=_get, values=_reading("values"),
+                                 items=_reading("items"), to_tuple=_reading("to_tuple"))
+            lazy = _LAZY_CLASSES[cls] = type(cls.__name__, (cls,), namespace)
+        return lazy
+
+
+# ---------------------------------------------------------------------------------------------
+# install / uninstall.
+
+def install(model, chunk_tokens=None):
+    """Make `model` (a causal LM: see the module's docstring) compute its loss over chunks of
+    chunk_tokens tokens (None: default_chunk_tokens of its vocabulary) whenever it is called
+    with labels. Returns the ChunkedLoss (model._strata_chunked_loss). Raises ValueError,
+    changing nothing, for a model it cannot match (unsupported_reason says why), and
+    RuntimeError where it is installed already."""
+    if model.__dict__.get("_strata_chunked_loss") is not None:
+        raise RuntimeError("strata.torch: the chunked loss is already installed on this model")
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError("strata.torch: the chunked loss cannot compute this model's loss: %s. "
+                         "Its own loss (the whole logits) runs without install" % reason)
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(_head(model).out_features)
+    handle = ChunkedLoss(model, check_chunk_tokens(chunk_tokens))
+    model.__dict__["_strata_chunked_loss"] = handle  # not a submodule: not in state_dict
+    return handle
+
+
+def installed(model):
+    """The model's ChunkedLoss, or None."""
+    return model.__dict__.get("_strata_chunked_loss")
+
+
+def uninstall(model):
+    """Back to the model's own loss. True if the chunked loss was installed."""
+    handle = installed(model)
+    if handle is None:
+        return False
+    handle.remove()
+    return True
