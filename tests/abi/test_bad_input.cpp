@@ -772,16 +772,19 @@ TEST_CASE("layout query: bad requests are refused by name and nothing is written
                        STRATA_ERROR_INVALID_ARGUMENT, "2^24");
   untouched();
 
-  // A good one: either output may be NULL, and an older caller's short totals are filled only
-  // as far as its struct_size.
+  // A good one: either output may be NULL, and a newer caller's larger totals are filled only
+  // as far as this library's struct (its own fields stay as it set them).
   STRATA_REQUIRE_OK(strata_layout_query(&q, nullptr, nullptr));
-  strata_layout_totals_t older;
-  std::memset(&older, 0xAB, sizeof older);
-  older.struct_size = STRATA_LAYOUT_TOTALS_STRUCT_SIZE - 8;
-  STRATA_REQUIRE_OK(strata_layout_query(&q, layers, &older));
-  REQUIRE(older.struct_size == STRATA_LAYOUT_TOTALS_STRUCT_SIZE - 8);
-  REQUIRE(older.nvme_placeable_bytes == 0xABABABABABABABABull);
-  REQUIRE(older.weight_bytes == layers[0].weight_bytes + layers[1].weight_bytes);
+  struct {
+    strata_layout_totals_t totals;
+    uint64_t appended;
+  } newer;
+  std::memset(&newer, 0xAB, sizeof newer);
+  newer.totals.struct_size = sizeof newer;
+  STRATA_REQUIRE_OK(strata_layout_query(&q, layers, &newer.totals));
+  REQUIRE(newer.totals.struct_size == sizeof newer);
+  REQUIRE(newer.appended == 0xABABABABABABABABull);
+  REQUIRE(newer.totals.weight_bytes == layers[0].weight_bytes + layers[1].weight_bytes);
   REQUIRE(layers[0].update_elements == 3000);
   REQUIRE(layers[1].update_elements == 3000);
   REQUIRE(layers[1].struct_size == STRATA_LAYOUT_LAYER_STRUCT_SIZE);
