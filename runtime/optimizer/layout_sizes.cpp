@@ -3,16 +3,20 @@
 #include <algorithm>
 
 #include "runtime/arena.h"
+#include "runtime/nvme_tier.h"
 
 namespace strata {
+
+// The DRAM arena (runtime.cpp) and the NVMe extents are allocated in these blocks.
+static_assert(kLayoutPage == NvmeTier::kAlignment);
 
 namespace {
 // The default DRAM budget with state on NVMe keeps this beyond the tensors' own blocks: the
 // optimizer's buffers round to pages, and the arena must keep room to lay them out.
 constexpr uint64_t kDramMargin = 16ull << 20;
-// The NVMe tier holds what a placement puts there plus this headroom, per layer and in all:
-// 64 MiB a layer and 5% (strata.torch's figures since 1.2: the placement's NVMe bytes use its
-// DRAM counts, and the extent arena fills best fit, so the tier keeps slack beyond them).
+// The NVMe tier holds what a placement puts there plus this headroom: 64 MiB a layer and 5%
+// (strata.torch's policy since 1.2, moved here unchanged so every caller reserves the same; the
+// extents themselves need only 4 KiB rounding, which the layout's counts already exceed).
 constexpr uint64_t kNvmeMarginPerLayer = 64ull << 20;
 constexpr uint64_t kNvmeSlackPercent = 5;
 // The default budgets without NVMe (strata.torch's and strata.jax's when none is given): DRAM
