@@ -71,6 +71,47 @@ static strata_tensor_t* make(strata_runtime_t* rt, const char* name, const int64
   return t;
 }
 
+/* DRAM and NVMe budgets for the model from what its tensors take of each tier, by the runtime's
+ * own rules (strata_layout_query: each tensor's 4 KiB arena block and a page): every layer's
+ * bf16 grads in DRAM, its weights too, or on NVMe for the odd layers with --nvme; and 256 MiB
+ * of DRAM beyond them for headroom. */
+static void layout_budgets(int layers, int64_t shapes[kTensorsPerLayer][2], int with_nvme,
+                           uint64_t* dram, uint64_t* nvme) {
+  strata_layout_request_t q;
+  strata_layout_totals_t totals;
+  strata_layout_layer_t* per_layer = calloc((size_t)layers, sizeof *per_layer);
+  uint32_t* counts = calloc((size_t)layers, sizeof *counts);
+  uint64_t* elements = calloc((size_t)layers * kTensorsPerLayer, sizeof *elements);
+  int i, j;
+  if (per_layer == NULL || counts == NULL || elements == NULL) exit(1);
+  for (i = 0; i < layers; ++i) {
+    counts[i] = kTensorsPerLayer;
+    per_layer[i].struct_size = STRATA_LAYOUT_LAYER_STRUCT_SIZE;
+    for (j = 0; j < kTensorsPerLayer; ++j)
+      elements[i * kTensorsPerLayer + j] = (uint64_t)(shapes[j][0] * shapes[j][1]);
+  }
+  CHECK(strata_layout_request_init(&q));
+  q.dtype = STRATA_DTYPE_BF16;
+  q.layer_count = (uint32_t)layers;
+  q.trainable_counts = counts; /* every weight has a grad */
+  q.trainable_elements = elements;
+  memset(&totals, 0, sizeof totals);
+  totals.struct_size = STRATA_LAYOUT_TOTALS_STRUCT_SIZE;
+  CHECK(strata_layout_query(&q, per_layer, &totals));
+  *dram = totals.grad_dram_bytes + (256u << 20);
+  *nvme = 0;
+  for (i = 0; i < layers; ++i) {
+    if (with_nvme && i % 2 == 1) {
+      *nvme += per_layer[i].weight_bytes;
+    } else {
+      *dram += per_layer[i].weight_bytes;
+    }
+  }
+  free(elements);
+  free(counts);
+  free(per_layer);
+}
+
 int main(int argc, char** argv) {
   const char* backend = arg(argc, argv, "--backend", "auto");
   const int layers = atoi(arg(argc, argv, "--layers", "12"));
@@ -120,13 +161,14 @@ int main(int argc, char** argv) {
     fprintf(stderr, "strata-demo: --backend must be auto, cuda or host, not '%s'\n", backend);
     return 2;
   }
-  /* DRAM holds weights and grads; HBM holds `slots` layers (weights + grad buffers). */
-  config.dram_budget_bytes = 2 * model_bytes + (256u << 20);
+  /* DRAM holds grads and weights (the odd layers' weights on NVMe with --nvme); HBM holds
+   * `slots` layers (weights + grad buffers). */
+  layout_budgets(layers, shapes, nvme != NULL, &config.dram_budget_bytes,
+                 &config.nvme_budget_bytes);
   config.hbm_budget_bytes = 2 * layer_bytes * (uint64_t)slots + (128u << 20);
   if (nvme != NULL) {
     config.nvme_paths = &nvme;
     config.nvme_path_count = 1;
-    config.nvme_budget_bytes = model_bytes + (64u << 20);
     config.nvme_checksums = 1;
   }
   CHECK(strata_runtime_create(&config, &rt));

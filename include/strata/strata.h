@@ -62,7 +62,7 @@
 #define STRATA_API_SINCE(major, minor) STRATA_API
 
 #define STRATA_VERSION_MAJOR 1
-#define STRATA_VERSION_MINOR 2
+#define STRATA_VERSION_MINOR 3
 #define STRATA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, as zstd does: comparable with < and >. */
 #define STRATA_VERSION_NUMBER \
@@ -1464,6 +1464,129 @@ strata_status_t strata_placement_get_layer(strata_placement_t* placement, uint32
 STRATA_API_SINCE(1, 2)
 strata_status_t strata_placement_dump(strata_placement_t* placement, strata_plan_format_t format,
                                       char* buffer, size_t capacity, size_t* out_length);
+
+/* ---------------------------------------------------------------------------------------------
+ * Layout sizes (since 1.3): what a streamed model's tensors take of each tier
+ *
+ * Before creating a runtime, a framework or a C trainer asks what its layout needs: per layer,
+ * the bytes of its weights, its grads (in DRAM, or the DRAM buffer HBM-homed grads are read
+ * through), its optimizer state as the optimizer's STRATA_STATE_PLACEMENT_PLANNED counts it;
+ * and in all, the default DRAM, HBM and NVMe budgets, the staging slot and the tiers' margins.
+ * The numbers come from the rules the runtime allocates by (the DRAM arena's 4 KiB blocks, the
+ * optimizer's state per element, its planned threshold, its grad fetch buffer's layout): the
+ * per-layer figures are what strata_placement_layer_t wants, so a placement never counts less
+ * DRAM than the registrations and the optimizer then take. Nothing is allocated; no runtime is
+ * needed.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct strata_layout_request {
+  size_t struct_size; /* STRATA_LAYOUT_REQUEST_STRUCT_SIZE */
+  /* The streamed weights' and their grads' dtype: STRATA_DTYPE_F32, _BF16 (the default) or
+   * _F16. */
+  strata_dtype_t dtype;
+  /* The optimizer (STRATA_OPTIMIZER_ADAMW, the default, or _SGD) and, for SGD, whether it
+   * keeps a momentum buffer (1: its config's momentum is above 0; default 0). */
+  strata_optimizer_kind_t optimizer;
+  int32_t sgd_momentum;
+  /* How bf16 weights keep their fp32 masters (STRATA_MASTER_*; default SEPARATE). SPLIT with
+   * f16 weights is INVALID_ARGUMENT; with f32 weights (their own masters) it changes nothing. */
+  uint32_t master_layout;
+  /* Where the grads live: STRATA_TIER_DRAM (the default) or STRATA_TIER_HBM. */
+  strata_tier_t grad_tier;
+  /* Staging slots the default DRAM budget (dram_bytes) keeps room for; default 4, the most
+   * the optimizer stages at once. */
+  uint32_t staging_slots;
+  uint32_t layer_count; /* 1..16384 */
+  /* Borrowed (read during the call): per layer, its trainable tensors' count (layer_count
+   * entries), and their element counts, layer after layer (the counts' sum of entries). A
+   * trainable tensor has a grad and optimizer state; a frozen one is a weight only.
+   * frozen_counts NULL: no frozen tensors (frozen_elements is then not read). At most 2^24
+   * tensors and 2^44 elements in all. */
+  const uint32_t* trainable_counts;
+  const uint64_t* trainable_elements;
+  const uint32_t* frozen_counts;
+  const uint64_t* frozen_elements;
+  /* An NVMe tier's budget to size nvme_placeable_bytes for; 0 (the default): nvme_bytes. */
+  uint64_t nvme_budget_bytes;
+} strata_layout_request_t;
+#define STRATA_LAYOUT_REQUEST_STRUCT_SIZE \
+  STRATA_STRUCT_SIZE(strata_layout_request_t, nvme_budget_bytes)
+
+/* One layer's needs. Every field is 8 bytes wide, and fields appended later will be too, so
+ * sizeof equals STRATA_LAYOUT_LAYER_STRUCT_SIZE and an array of them is struct_size apart. */
+typedef struct strata_layout_layer {
+  size_t struct_size; /* caller sets STRATA_LAYOUT_LAYER_STRUCT_SIZE, in every element */
+  /* Trainable and frozen weights in DRAM (or on NVMe): each tensor's 4 KiB arena block and a
+   * page more (the margin a placement counts so it never plans less than is allocated). */
+  uint64_t weight_bytes;
+  /* Grads in DRAM: counted as the weights are. Grads in HBM: what one read of them copies to
+   * DRAM, the optimizer's fetch buffer for this layer (each param's grads 64-byte aligned, the
+   * block and a page); 0 for a layer without trainable tensors. */
+  uint64_t grad_bytes;
+  /* Grads in HBM: the HBM they take (their bytes, 1% and 64 KiB for the HBM arena's
+   * per-tensor alignment); 0 with grads in DRAM. */
+  uint64_t grad_hbm_bytes;
+  /* Optimizer state (fp32 master unless the weights are f32, or a split master's low halves;
+   * AdamW's m and v; SGD's momentum buffer) as STRATA_STATE_PLACEMENT_PLANNED counts it when
+   * it decides whether DRAM holds a param's state: each param's bytes, 1/64 and 24 KiB more
+   * (never below what the state tensors take of the arena). 0 for a layer without trainable
+   * tensors. */
+  uint64_t state_bytes;
+  uint64_t update_elements; /* trainable elements: what one update of the layer touches */
+} strata_layout_layer_t;
+#define STRATA_LAYOUT_LAYER_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_layout_layer_t, update_elements)
+
+typedef struct strata_layout_totals {
+  size_t struct_size;       /* caller sets STRATA_LAYOUT_TOTALS_STRUCT_SIZE */
+  uint64_t weight_bytes;    /* the layers' sums */
+  uint64_t grad_dram_bytes; /* DRAM-homed grads */
+  uint64_t grad_hbm_bytes;  /* HBM-homed grads' HBM */
+  /* HBM-homed grads: the one DRAM buffer every read goes through, the largest layer's
+   * grad_bytes (what strata_placement_info_t.grad_fetch_bytes reports); 0 with grads in DRAM. */
+  uint64_t grad_fetch_bytes;
+  uint64_t state_bytes;
+  uint64_t slot_bytes; /* the largest layer's state_bytes: a staging slot for it */
+  uint64_t update_elements;
+  uint64_t state_bytes_per_element; /* the optimizer's state per trainable element (AdamW, bf16
+                                       weights, separate masters: 12) */
+  /* The DRAM every tensor in DRAM takes, with room for staging_slots slots and dram_margin_bytes
+   * for the optimizer's buffers' page rounding: a DRAM budget that never spills state. */
+  uint64_t dram_bytes;
+  uint64_t dram_margin_bytes;
+  /* The budgets the Python packages default to without an NVMe tier: DRAM for every tensor,
+   * 2% for page rounding and 256 MiB of headroom (with HBM-homed grads, the fetch buffer and 1
+   * MiB more); HBM for 4 slots of the largest layer's weights and grad buffers and 64 MiB (with
+   * HBM-homed grads, grad_hbm_bytes more). */
+  uint64_t streaming_dram_bytes;
+  uint64_t streaming_hbm_bytes;
+  /* The NVMe tier's headroom beyond what a placement puts there: nvme_margin_bytes (64 MiB a
+   * layer) and 5%. nvme_bytes: a budget holding every layer's weights and state;
+   * nvme_placeable_bytes: what a placement may put on a tier of the request's
+   * nvme_budget_bytes (or nvme_bytes), (budget - margin) / 1.05; 0 when the margin takes it
+   * all. */
+  uint64_t nvme_margin_bytes;
+  uint64_t nvme_bytes;
+  uint64_t nvme_placeable_bytes;
+} strata_layout_totals_t;
+#define STRATA_LAYOUT_TOTALS_STRUCT_SIZE \
+  STRATA_STRUCT_SIZE(strata_layout_totals_t, nvme_placeable_bytes)
+
+/* Defaults (BF16, AdamW, separate masters, grads in DRAM, 4 staging slots, no layers), and
+ * struct_size set. Errors: INVALID_ARGUMENT (NULL). Thread-safe. */
+STRATA_API_SINCE(1, 3)
+strata_status_t strata_layout_request_init(strata_layout_request_t* request);
+
+/* What the request's layout needs. request: borrowed. layers: borrowed, an array of
+ * request->layer_count structs the caller owns, each with struct_size set (one value for all:
+ * the library steps through the array by it), or NULL when only totals are wanted. totals:
+ * borrowed, the caller sets its struct_size; may be NULL. The library writes at most each
+ * struct_size's bytes. Errors: INVALID_ARGUMENT (NULL request, bad struct_size, layers whose
+ * struct_sizes differ, no layers or more than 16384, a NULL count or element array with
+ * tensors to read, a dtype other than F32, BF16 or F16, an unknown optimizer, master layout or
+ * grad tier, a split master with F16, more than 2^24 tensors or 2^44 elements); nothing is
+ * written then. Thread-safe; touches no runtime. */
+STRATA_API_SINCE(1, 3)
+strata_status_t strata_layout_query(const strata_layout_request_t* request,
+                                    strata_layout_layer_t* layers, strata_layout_totals_t* totals);
 
 /* ---------------------------------------------------------------------------------------------
  * Experimental: no stability promise (the rules are at the top of this header). Empty in this

@@ -9,10 +9,11 @@
 
 #include <algorithm>
 
+#include "runtime/optimizer/layout_sizes.h"
+
 namespace strata {
 
 namespace {
-constexpr uint64_t kFetchAlignment = 64;  // each param's grads start on a cache line
 // Consecutive tasks of one param share a copy of up to this many bytes: one copy per task
 // (~2 MB each, 220 for an 8B block) cost the dispatcher ~7 ms of submissions per job before
 // its first task could start (H200 trace, 2.0B all streamed), one per param would make the
@@ -30,7 +31,7 @@ Status Optimizer::layout_grad_fetch() {
       Param& p = params_[i];
       if (!p.hbm_grad) continue;
       p.fetch_offset = offset;
-      offset += Arena::round_up(p.arrays.count * dtype_size(p.arrays.grad_dtype), kFetchAlignment);
+      offset += grad_fetch_span(p.arrays.count, dtype_size(p.arrays.grad_dtype));
     }
     largest = std::max(largest, offset);
   }

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "runtime/optimizer/layout_sizes.h"
 #include "runtime/optimizer/optimizer_internal.h"
 #include "runtime/tensor_registry.h"
 
@@ -134,8 +135,8 @@ Tier Optimizer::state_home(uint64_t bytes) {
   const TierUsage dram = runtime_->tier_usage(Tier::kDram);
   const uint64_t keep =
       config_.nvme_staging_bytes != 0 ? config_.nvme_staging_bytes : dram.budget / 8;
-  // Page rounding and skews: a little more than `bytes` is allocated.
-  const uint64_t need = bytes + bytes / 64 + 3 * 8192;
+  // What a layout counts the state as (strata_layout_query): a little more than `bytes`.
+  const uint64_t need = planned_state_bytes(bytes);
   const uint64_t free = dram.budget - dram.used;
   return dram.largest_free >= need && free >= need && free - need >= keep ? Tier::kDram
                                                                           : Tier::kNvme;
@@ -254,7 +255,7 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, Mast
   p.split = has_master && layout == MasterLayout::kSplit;
   const bool has_avg = adamw || config_.momentum > 0.f;
   const uint64_t state_bytes =
-      n * ((has_master ? (p.split ? 2 : 4) : 0) + (has_avg ? 4 : 0) + (adamw ? 4 : 0));
+      n * state_bytes_per_element(adamw, config_.momentum > 0.f, w.spec.dtype, p.split);
   const Tier home = state_bytes == 0 ? Tier::kDram : state_home(state_bytes);
   p.nvme_state = home == Tier::kNvme;
   const uint64_t nvme_before = nvme_state_bytes_;

@@ -662,3 +662,130 @@ TEST_CASE("placement: bad requests are refused by name, good ones measure and ch
   STRATA_REQUIRE_OK(strata_runtime_tier_usage(r.get(), STRATA_TIER_NVME, &u));
   REQUIRE(u.used_bytes == 0);
 }
+
+TEST_CASE("layout query: bad requests are refused by name and nothing is written", "[abi]") {
+  STRATA_REQUIRE_ERROR(strata_layout_request_init(nullptr), STRATA_ERROR_INVALID_ARGUMENT,
+                       "request");
+  const uint32_t counts[2] = {2, 1};
+  const uint64_t elements[3] = {1000, 2000, 3000};
+  strata_layout_request_t q;
+  STRATA_REQUIRE_OK(strata_layout_request_init(&q));
+  REQUIRE(q.struct_size == STRATA_LAYOUT_REQUEST_STRUCT_SIZE);
+  REQUIRE(q.dtype == STRATA_DTYPE_BF16);
+  REQUIRE(q.optimizer == STRATA_OPTIMIZER_ADAMW);
+  REQUIRE(q.grad_tier == STRATA_TIER_DRAM);
+  REQUIRE(q.staging_slots == 4);
+  q.layer_count = 2;
+  q.trainable_counts = counts;
+  q.trainable_elements = elements;
+  strata_layout_layer_t layers[2];
+  for (auto& l : layers) {
+    std::memset(&l, 0xAB, sizeof l);
+    l.struct_size = STRATA_LAYOUT_LAYER_STRUCT_SIZE;
+  }
+  strata_layout_totals_t totals;
+  std::memset(&totals, 0xAB, sizeof totals);
+  totals.struct_size = STRATA_LAYOUT_TOTALS_STRUCT_SIZE;
+  const auto untouched = [&] {
+    for (const auto& l : layers) REQUIRE(l.weight_bytes == 0xABABABABABABABABull);
+    REQUIRE(totals.weight_bytes == 0xABABABABABABABABull);
+  };
+
+  STRATA_REQUIRE_ERROR(strata_layout_query(nullptr, layers, &totals), STRATA_ERROR_INVALID_ARGUMENT,
+                       "strata_layout_request_t pointer is NULL");
+  strata_layout_request_t short_request = q;
+  short_request.struct_size = STRATA_LAYOUT_REQUEST_STRUCT_SIZE - 8;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&short_request, layers, &totals),
+                       STRATA_ERROR_INVALID_ARGUMENT, "struct_size");
+  strata_layout_totals_t short_totals = totals;
+  short_totals.struct_size = sizeof(size_t);
+  STRATA_REQUIRE_ERROR(strata_layout_query(&q, layers, &short_totals),
+                       STRATA_ERROR_INVALID_ARGUMENT, "strata_layout_totals_t.struct_size");
+  layers[1].struct_size = STRATA_LAYOUT_LAYER_STRUCT_SIZE + 8;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&q, layers, &totals), STRATA_ERROR_INVALID_ARGUMENT,
+                       "layers[1].struct_size");
+  layers[1].struct_size = STRATA_LAYOUT_LAYER_STRUCT_SIZE;
+  layers[0].struct_size = 8;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&q, layers, &totals), STRATA_ERROR_INVALID_ARGUMENT,
+                       "strata_layout_layer_t.struct_size");
+  layers[0].struct_size = STRATA_LAYOUT_LAYER_STRUCT_SIZE;
+
+  strata_layout_request_t none = q;
+  none.layer_count = 0;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&none, nullptr, &totals), STRATA_ERROR_INVALID_ARGUMENT,
+                       "no layers");
+  strata_layout_request_t many = q;
+  many.layer_count = 16385;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&many, layers, &totals), STRATA_ERROR_INVALID_ARGUMENT,
+                       "at most 16384");
+  strata_layout_request_t no_counts = q;
+  no_counts.trainable_counts = nullptr;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&no_counts, layers, &totals),
+                       STRATA_ERROR_INVALID_ARGUMENT, "trainable_counts is NULL");
+  strata_layout_request_t no_elements = q;
+  no_elements.trainable_elements = nullptr;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&no_elements, layers, &totals),
+                       STRATA_ERROR_INVALID_ARGUMENT, "trainable_elements is NULL");
+  strata_layout_request_t no_frozen = q;
+  no_frozen.frozen_counts = counts;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&no_frozen, layers, &totals),
+                       STRATA_ERROR_INVALID_ARGUMENT, "frozen_elements is NULL");
+  strata_layout_request_t int8 = q;
+  int8.dtype = STRATA_DTYPE_I8;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&int8, layers, &totals), STRATA_ERROR_INVALID_ARGUMENT,
+                       "f32, bf16 or f16");
+  strata_layout_request_t unknown = q;
+  unknown.dtype = 99;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&unknown, layers, &totals),
+                       STRATA_ERROR_INVALID_ARGUMENT, "unknown dtype 99");
+  strata_layout_request_t kind = q;
+  kind.optimizer = 5;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&kind, layers, &totals), STRATA_ERROR_INVALID_ARGUMENT,
+                       "optimizer kind 5");
+  strata_layout_request_t layout = q;
+  layout.master_layout = 2;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&layout, layers, &totals), STRATA_ERROR_INVALID_ARGUMENT,
+                       "master_layout 2");
+  strata_layout_request_t split_f16 = q;
+  split_f16.master_layout = STRATA_MASTER_SPLIT;
+  split_f16.dtype = STRATA_DTYPE_F16;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&split_f16, layers, &totals),
+                       STRATA_ERROR_INVALID_ARGUMENT, "not f16");
+  strata_layout_request_t grad_tier = q;
+  grad_tier.grad_tier = STRATA_TIER_NVME;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&grad_tier, layers, &totals),
+                       STRATA_ERROR_INVALID_ARGUMENT, "grad_tier 2");
+  // Element counts whose byte sums would wrap 64 bits are refused, one tensor or many.
+  const uint64_t huge[3] = {UINT64_MAX, 1, 1};
+  strata_layout_request_t overflow = q;
+  overflow.trainable_elements = huge;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&overflow, layers, &totals),
+                       STRATA_ERROR_INVALID_ARGUMENT, "2^44");
+  const uint64_t large[3] = {1ull << 43, 1ull << 43, 1};
+  overflow.trainable_elements = large;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&overflow, layers, &totals),
+                       STRATA_ERROR_INVALID_ARGUMENT, "2^44");
+  const uint32_t too_many[2] = {(1u << 24) + 1, 1};  // refused before any is read
+  overflow.trainable_elements = elements;
+  overflow.trainable_counts = too_many;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&overflow, layers, &totals),
+                       STRATA_ERROR_INVALID_ARGUMENT, "2^24");
+  untouched();
+
+  // A good one: either output may be NULL, and a newer caller's larger totals are filled only
+  // as far as this library's struct (its own fields stay as it set them).
+  STRATA_REQUIRE_OK(strata_layout_query(&q, nullptr, nullptr));
+  struct {
+    strata_layout_totals_t totals;
+    uint64_t appended;
+  } newer;
+  std::memset(&newer, 0xAB, sizeof newer);
+  newer.totals.struct_size = sizeof newer;
+  STRATA_REQUIRE_OK(strata_layout_query(&q, layers, &newer.totals));
+  REQUIRE(newer.totals.struct_size == sizeof newer);
+  REQUIRE(newer.appended == 0xABABABABABABABABull);
+  REQUIRE(newer.totals.weight_bytes == layers[0].weight_bytes + layers[1].weight_bytes);
+  REQUIRE(layers[0].update_elements == 3000);
+  REQUIRE(layers[1].update_elements == 3000);
+  REQUIRE(layers[1].struct_size == STRATA_LAYOUT_LAYER_STRUCT_SIZE);
+}

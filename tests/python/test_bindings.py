@@ -121,3 +121,80 @@ def test_optimizer_defaults_are_torchs():
         assert (c.max_grad_norm, c.loss_scale, c.dynamic_loss_scale) == (0, 1, 0)
         assert (c.accumulation_steps, c.threads, c.update_mode) == (1, 0, 0)
         assert 0 < c.struct_size <= ctypes.sizeof(c)  # the header's macro, set by the library
+
+
+def test_core_sizing_is_the_layout_query():
+    """strata.core's sizing functions are strata_layout_query's numbers: each agrees with the
+    query's fields, and with the figures the Python copies computed before the query existed
+    (frozen here, the regression guard that the move changed nothing but what the changelog
+    of 1.3 names)."""
+    core = strata.core
+    page = 4096
+
+    def block(n):  # an arena block and the page a layout adds
+        return -(-n // page) * page + page
+
+    blocks, frozen = [[1000, 70001], [12345]], [[3000], []]
+    for element, layout, grads in ((2, "separate", "dram"), (2, "split", "hbm"),
+                                   (4, "separate", "dram"), (4, "separate", "hbm")):
+        sizes = core.layout_sizes(blocks, element, frozen, layout, grads)
+        layers = core.placement_layers(blocks, element, frozen, master_layout=layout,
+                                       grads=grads)
+        per = {(2, "separate"): 12, (2, "split"): 10, (4, "separate"): 8}[element, layout]
+        assert core.state_bytes_per_param(element, layout) == per == \
+            sizes["state_bytes_per_element"]
+        for layer, q, b, f in zip(layers, sizes["layers"], blocks, frozen):
+            for key in ("weight_bytes", "grad_bytes", "state_bytes", "update_elements"):
+                assert layer[key] == q[key], key
+            assert layer["grad_tier"] == grads and layer["state_tier"] == "choose"
+            # The figures the Python copies computed (core.py before 1.3).
+            assert layer["weight_bytes"] == sum(block(n * element) for n in b + f)
+            assert layer["state_bytes"] == sum(per * n + per * n // 64 + 3 * 8192 for n in b)
+            fetch = block(sum(-(-n * element // 64) * 64 for n in b))
+            assert layer["grad_bytes"] == (sum(block(n * element) for n in b)
+                                           if grads == "dram" else fetch)
+        fetch = core.grad_fetch_bytes(blocks, element)
+        assert fetch == max(block(sum(-(-n * element // 64) * 64 for n in b)) for b in blocks)
+        assert (sizes["grad_fetch_bytes"] == fetch) == (grads == "hbm")
+        for slots in (0, 4):
+            full = core.full_dram(layers, slots)
+            grad_sum = sum(l["grad_bytes"] for l in layers) if grads == "dram" else fetch
+            assert full == (sum(l["weight_bytes"] + l["state_bytes"] for l in layers) + grad_sum
+                            + slots * max(l["state_bytes"] for l in layers)
+                            + core.NVME_DRAM_MARGIN)
+            assert full == core.layout_totals(layers, slots)["dram_bytes"]
+        assert core.NVME_DRAM_MARGIN == 16 << 20
+        # The NVMe tier's margins: 64 MiB a block and 5%, as strata.torch reserves them.
+        totals = core.layout_totals(layers)
+        spillable = sum(l["weight_bytes"] + l["state_bytes"] for l in layers)
+        margin = (64 << 20) * len(layers)
+        assert totals["nvme_margin_bytes"] == margin
+        assert totals["nvme_bytes"] == -(-spillable * 105 // 100) + margin
+        assert totals["nvme_placeable_bytes"] == (totals["nvme_bytes"] - margin) * 100 // 105
+        budget = 3 * margin + 12345
+        assert core.layout_totals(layers, nvme_budget=budget)["nvme_placeable_bytes"] == \
+            (budget - margin) * 100 // 105
+        assert core.layout_totals(layers, nvme_budget=margin)["nvme_placeable_bytes"] == 0
+    # The default budgets without NVMe, and the grads' HBM.
+    counts = [5 << 20, 7 << 20]
+    for layout, grads in (("separate", "dram"), ("split", "hbm")):
+        hbm, dram = core.streaming_budgets(counts, 2, layout, grads)
+        per = 2 + (2 if grads == "dram" else 0) + (12 if layout == "separate" else 10)
+        expected = sum(counts) * per
+        expected += expected // 50 + (256 << 20)
+        want_hbm = 8 * 2 * max(counts) + (64 << 20)
+        if grads == "hbm":
+            expected += core.grad_fetch_bytes([[n] for n in counts], 2) + (1 << 20)
+            want_hbm += core.grads_hbm_bytes(counts, 2)
+        assert (hbm, dram) == (want_hbm, expected)
+    assert core.grads_hbm_bytes(counts, 2) == sum(n * 2 + n * 2 // 100 + (64 << 10)
+                                                  for n in counts)
+    with pytest.raises(ValueError, match="element_size"):
+        core.layout_sizes([[1]], 8)
+    with pytest.raises(strata.InvalidArgument, match="no layers"):
+        core.layout_sizes([], 2)
+    with pytest.raises(strata.InvalidArgument, match="2\\^44"):
+        core.layout_sizes([[1 << 45]], 2)
+    with pytest.raises(ValueError, match="placement_layers made"):
+        core.full_dram([{"weight_bytes": 1, "grad_bytes": 1, "state_bytes": 1}])
+    assert core.placement_layers([], 2) == []

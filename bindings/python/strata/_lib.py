@@ -22,7 +22,7 @@ c_void_p = ctypes.c_void_p
 
 # The ABI these declarations are written against: the library must have this major version and
 # at least this minor one (the test abi_layout checks it is strata.h's version).
-ABI_VERSION = (1, 2)
+ABI_VERSION = (1, 3)
 
 MAX_NAME_LENGTH = 255
 MAX_NDIM = 8
@@ -164,6 +164,33 @@ class PlacementInfo(Struct):
                 ("grad_fetch_bytes", c_uint64)]
 
 
+class LayoutRequest(Struct):
+    _fields_ = [("struct_size", c_size_t), ("dtype", c_int32), ("optimizer", c_int32),
+                ("sgd_momentum", c_int32), ("master_layout", c_uint32), ("grad_tier", c_int32),
+                ("staging_slots", c_uint32), ("layer_count", c_uint32),
+                ("trainable_counts", ctypes.POINTER(c_uint32)),
+                ("trainable_elements", ctypes.POINTER(c_uint64)),
+                ("frozen_counts", ctypes.POINTER(c_uint32)),
+                ("frozen_elements", ctypes.POINTER(c_uint64)), ("nvme_budget_bytes", c_uint64)]
+
+
+class LayoutLayer(Struct):
+    _fields_ = [("struct_size", c_size_t), ("weight_bytes", c_uint64), ("grad_bytes", c_uint64),
+                ("grad_hbm_bytes", c_uint64), ("state_bytes", c_uint64),
+                ("update_elements", c_uint64)]
+
+
+class LayoutTotals(Struct):
+    _fields_ = [("struct_size", c_size_t), ("weight_bytes", c_uint64),
+                ("grad_dram_bytes", c_uint64), ("grad_hbm_bytes", c_uint64),
+                ("grad_fetch_bytes", c_uint64), ("state_bytes", c_uint64), ("slot_bytes", c_uint64),
+                ("update_elements", c_uint64), ("state_bytes_per_element", c_uint64),
+                ("dram_bytes", c_uint64), ("dram_margin_bytes", c_uint64),
+                ("streaming_dram_bytes", c_uint64), ("streaming_hbm_bytes", c_uint64),
+                ("nvme_margin_bytes", c_uint64), ("nvme_bytes", c_uint64),
+                ("nvme_placeable_bytes", c_uint64)]
+
+
 class LayerViews(Struct):
     _fields_ = [("struct_size", c_size_t), ("weight_count", c_uint32),
                 ("weights", ctypes.POINTER(c_void_p)), ("grad_count", c_uint32),
@@ -286,6 +313,8 @@ _SIGNATURES = {
     "strata_placement_get_info": (c_int32, [c_void_p, P(PlacementInfo)]),
     "strata_placement_get_layer": (c_int32, [c_void_p, c_uint32, P(c_int32), P(c_int32)]),
     "strata_placement_dump": (c_int32, [c_void_p, c_int32, c_char_p, c_size_t, P(c_size_t)]),
+    "strata_layout_request_init": (c_int32, [P(LayoutRequest)]),
+    "strata_layout_query": (c_int32, [P(LayoutRequest), c_void_p, P(LayoutTotals)]),
     "strata_executor_create": (c_int32, [c_void_p, P(c_void_p)]),
     "strata_executor_destroy": (c_int32, [c_void_p]),
     "strata_executor_get_stats": (c_int32, [c_void_p, P(ExecutorStats)]),

@@ -25,6 +25,8 @@ STATES = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2, "grad_accum": 3, "master_l
 # halves, the weight being the rest (2 bytes per parameter instead of 4).
 MASTER_LAYOUTS = {"separate": 0, "split": 1}
 LINKS = ["h2d", "d2h", "nvme_read", "nvme_write"]
+# Where grads live (strata.h STRATA_TIER_HBM, STRATA_TIER_DRAM).
+_GRAD_TIERS = {"hbm": 0, "dram": 1}
 
 
 def version():
@@ -37,92 +39,154 @@ def dtype_size(dtype):
     return L.strata_dtype_size(DTYPES[dtype])
 
 
+# The dtype a layout is asked for, by element size: 2 bytes is bf16 (bf16 and f16 take the same
+# bytes; only a split master, which needs bf16, tells them apart).
+_LAYOUT_DTYPES = {4: "float32", 2: "bfloat16"}
+_LAYOUT_LAYER_FIELDS = ("weight_bytes", "grad_bytes", "grad_hbm_bytes", "state_bytes",
+                        "update_elements")
+
+
+def layout_sizes(blocks, element_size, frozen=None, master_layout="separate", grads="dram",
+                 staging_slots=4, nvme_budget=0, optimizer="adamw", momentum=False):
+    """What streaming `blocks` (per block, the element counts of its trainable tensors;
+    `frozen`: of its frozen ones, weights only) in elements of `element_size` bytes takes of
+    each tier, by the runtime's own rules (strata_layout_query): a dict of
+    strata_layout_totals_t's fields (the default budgets dram_bytes, streaming_dram_bytes,
+    streaming_hbm_bytes and nvme_bytes, the grad fetch buffer, the staging slot, the tiers'
+    margins, nvme_placeable_bytes of an NVMe tier of `nvme_budget` bytes or of nvme_bytes) and
+    "layers": per block a dict of strata_layout_layer_t's fields. grads: "dram" or "hbm";
+    optimizer: "adamw" or "sgd" (with a momentum buffer if `momentum`); staging_slots: the
+    slots dram_bytes keeps room for."""
+    if element_size not in _LAYOUT_DTYPES:
+        raise ValueError("element_size %r: streamed weights are 2 (bf16, f16) or 4 (f32) bytes"
+                         % (element_size,))
+    for name, value, table in (("master_layout", master_layout, MASTER_LAYOUTS),
+                               ("grads", grads, _GRAD_TIERS), ("optimizer", optimizer, OPTIMIZERS)):
+        if value not in table:
+            raise ValueError("%s %r is not one of %s" % (name, value, ", ".join(table)))
+    frozen = frozen or [[] for _ in blocks]
+    q = _lib.LayoutRequest()
+    check(L.strata_layout_request_init(ctypes.byref(q)))
+    q.dtype = DTYPES[_LAYOUT_DTYPES[element_size]]
+    q.optimizer = OPTIMIZERS[optimizer]
+    q.sgd_momentum = 1 if momentum else 0
+    q.master_layout = MASTER_LAYOUTS[master_layout]
+    q.grad_tier = _GRAD_TIERS[grads]
+    q.staging_slots = int(staging_slots)
+    q.nvme_budget_bytes = int(nvme_budget)
+    q.layer_count = len(blocks)
+    arrays = []  # kept alive through the call
+    for counts_field, elements_field, lists in (
+            ("trainable_counts", "trainable_elements", blocks),
+            ("frozen_counts", "frozen_elements", frozen)):
+        counts = (ctypes.c_uint32 * max(1, len(lists)))(*[len(b) for b in lists])
+        flat = [int(n) for b in lists for n in b]
+        elements = (ctypes.c_uint64 * max(1, len(flat)))(*flat)
+        arrays += [counts, elements]
+        setattr(q, counts_field, counts)
+        setattr(q, elements_field, elements)
+    layers = (_lib.LayoutLayer * max(1, len(blocks)))()
+    for layer in layers:
+        layer.struct_size = ctypes.sizeof(_lib.LayoutLayer)
+    totals = _lib.LayoutTotals()
+    check(L.strata_layout_query(ctypes.byref(q), layers, ctypes.byref(totals)))
+    out = {name: getattr(totals, name) for name, _ in _lib.LayoutTotals._fields_
+           if name != "struct_size"}
+    out["layers"] = [{name: getattr(layer, name) for name in _LAYOUT_LAYER_FIELDS}
+                     for layer in layers[:len(blocks)]]
+    return out
+
+
 def streaming_budgets(block_params, element_size, master_layout="separate", grads="dram"):
     """Default (HBM, DRAM) budgets in bytes for streaming blocks of `block_params` parameters
-    each, stored in elements of `element_size` bytes and trained with AdamW: DRAM holds each
+    each, stored in elements of `element_size` bytes and trained with AdamW
+    (strata_layout_totals_t's streaming_hbm_bytes and streaming_dram_bytes): DRAM holds each
     parameter's weight and grad plus fp32 m and v and, unless the weights are fp32 (their own
     masters), an fp32 master (a split one: its low halves), with 2% for the state's page
-    alignment; HBM holds slots for a few blocks (weights and grad buffers) and the planner's
-    margin. grads="hbm": the grads live in HBM instead (docs/optimizer.md, "Grads on the
-    device"), and DRAM holds only the buffer the optimizer reads one block's grads through."""
-    grad_bytes = element_size if grads == "dram" else 0
-    per_param = element_size + grad_bytes + state_bytes_per_param(element_size, master_layout)
-    dram = int(sum(block_params) * per_param * 1.02) + (256 << 20)
-    hbm = 2 * 4 * element_size * max(block_params) + (64 << 20)
-    if grads == "hbm":
-        dram += element_size * max(block_params) + (1 << 20)
-        hbm += grads_hbm_bytes(block_params, element_size)
-    return hbm, dram
+    alignment and 256 MiB; HBM holds slots for a few blocks (weights and grad buffers) and the
+    planner's margin. grads="hbm": the grads live in HBM instead (docs/optimizer.md, "Grads on
+    the device"), and DRAM holds only the buffer the optimizer reads one block's grads
+    through."""
+    t = layout_sizes([[n] for n in block_params], element_size, master_layout=master_layout,
+                     grads=grads)
+    return t["streaming_hbm_bytes"], t["streaming_dram_bytes"]
 
 
 def grads_hbm_bytes(block_params, element_size):
     """HBM the streamed blocks' grads take when they live there: their bytes, 1% and 64 KiB a
-    block for the HBM arena's per-tensor alignment."""
-    return sum(int(n * element_size * 1.01) + (64 << 10) for n in block_params)
+    block for the HBM arena's per-tensor alignment (strata_layout_totals_t.grad_hbm_bytes)."""
+    return layout_sizes([[n] for n in block_params], element_size, grads="hbm")["grad_hbm_bytes"]
 
 
 def state_bytes_per_param(element_size, master_layout="separate"):
     """AdamW's state per parameter: m and v, and an fp32 master unless the weight is fp32 (a
-    split master: its low halves, 2 bytes; the bf16 weight is the rest)."""
-    if element_size == 4:
-        return 8
-    return 10 if master_layout == "split" else 12
+    split master: its low halves, 2 bytes; the bf16 weight is the rest): what the optimizer
+    allocates (strata_layout_totals_t.state_bytes_per_element)."""
+    return layout_sizes([[1]], element_size, master_layout=master_layout)[
+        "state_bytes_per_element"]
 
 
-# DRAM beyond the tensors' rounded sizes, with state on NVMe (the arena's own alignment).
-NVME_DRAM_MARGIN = 16 << 20
+# DRAM beyond the tensors' rounded sizes, with state on NVMe (the arena's own alignment): the
+# library's figure (strata_layout_totals_t.dram_margin_bytes).
+NVME_DRAM_MARGIN = layout_sizes([[1]], 2)["dram_margin_bytes"]
 
 
 def placement_layers(blocks, element_size, frozen=None, state_tier="choose",
                      master_layout="separate", grads="dram"):
     """Per block, the sizes a placement (place()) weighs for streaming `blocks` (per block, the
     element counts of its trainable tensors; `frozen`: of its frozen ones, weights only) with
-    AdamW: bf16/f16/f32 weights and grads, each at the DRAM arena's 4 KiB rounding and a page
-    of alignment skew, and the state (an fp32 master unless the weights are fp32, m, v) as the
-    optimizer's PLANNED placement counts a param's state (its bytes, 1/64 more and 24 KiB), so
-    a placement never plans more into DRAM than the optimizer then puts there. grads="hbm":
-    the grads live on the device (grad_tier "hbm"), and grad_bytes is what one read of them
-    copies to DRAM, as the optimizer lays them out (the placement keeps one buffer of the
-    largest block's: grad_fetch_bytes)."""
-    page = 4096
-
-    def rounded(n):
-        return -(-n // page) * page
-
-    per_param = state_bytes_per_param(element_size, master_layout)
+    AdamW, as strata_layout_query counts them: bf16/f16/f32 weights and grads, each at the DRAM
+    arena's 4 KiB rounding and a page more, and the state (an fp32 master unless the weights
+    are fp32, m, v) as the optimizer's PLANNED placement counts a param's state (its bytes, 1/64
+    more and 24 KiB), so a placement never plans more into DRAM than the optimizer then puts
+    there. grads="hbm": the grads live on the device (grad_tier "hbm"), and grad_bytes is what
+    one read of them copies to DRAM, as the optimizer lays them out (the placement keeps one
+    buffer of the largest block's: grad_fetch_bytes). Each dict also carries what it was
+    computed from (key "_layout"), for full_dram and layout_totals."""
+    if not blocks:
+        return []
     frozen = frozen or [[] for _ in blocks]
+    sizes = layout_sizes(blocks, element_size, frozen, master_layout, grads)
+    return [{"weight_bytes": s["weight_bytes"], "grad_bytes": s["grad_bytes"],
+             "state_bytes": s["state_bytes"], "update_elements": s["update_elements"],
+             "state_tier": state_tier, "grad_tier": grads,
+             "_layout": (list(b), list(f), element_size, master_layout, grads)}
+            for s, b, f in zip(sizes["layers"], blocks, frozen)]
 
-    def state(n):  # optimizer_params.cpp: need = bytes + bytes / 64 + 3 * 8192
-        b = per_param * n
-        return b + b // 64 + 3 * 8192
 
-    return [{"weight_bytes": sum(rounded(n * element_size) + page for n in b + f),
-             "grad_bytes": (sum(rounded(n * element_size) + page for n in b)
-                            if grads == "dram" else grad_fetch_bytes([b], element_size)),
-             "state_bytes": sum(state(n) for n in b),
-             "update_elements": sum(b), "state_tier": state_tier, "grad_tier": grads}
-            for b, f in zip(blocks, frozen)]
+def layout_totals(layers, staging_slots=4, nvme_budget=0):
+    """strata_layout_query's totals (layout_sizes) for `layers` made by placement_layers (in
+    any order or combination of such lists, made with one element size, master layout and
+    grads): the default DRAM budget for `staging_slots` slots (dram_bytes), the NVMe tier's
+    margins, its default budget (nvme_bytes) and what a placement may put on a tier of
+    `nvme_budget` bytes (nvme_placeable_bytes; of nvme_bytes when 0)."""
+    made = [layer.get("_layout") for layer in layers]
+    if not made or None in made:
+        raise ValueError("layout_totals and full_dram take the layers placement_layers made")
+    kinds = {m[2:] for m in made}
+    if len(kinds) != 1:
+        raise ValueError("the layers were made with different element sizes, master layouts or "
+                         "grads: %s" % sorted(kinds))
+    element_size, master_layout, grads = kinds.pop()
+    return layout_sizes([m[0] for m in made], element_size, [m[1] for m in made], master_layout,
+                        grads, staging_slots=staging_slots, nvme_budget=nvme_budget)
 
 
 def grad_fetch_bytes(blocks, element_size):
-    """DRAM the optimizer reads HBM-homed grads through (optimizer_grad_fetch.cpp): the
-    largest block's grads, each 64-byte aligned, rounded to the arena's pages, and a page."""
-    return max(-(-sum(-(-n * element_size // 64) * 64 for n in b) // 4096) * 4096
-               for b in blocks) + 4096
+    """DRAM the optimizer reads HBM-homed grads through (strata_layout_totals_t's
+    grad_fetch_bytes): the largest block's grads, each 64-byte aligned, rounded to the arena's
+    pages, and a page."""
+    return layout_sizes(blocks, element_size, grads="hbm")["grad_fetch_bytes"]
 
 
 def full_dram(layers, slots=4):
     """DRAM for `layers` (placement_layers) with every tensor in DRAM, room to stage `slots`
-    blocks' state, and the arena's margin: what host_budget defaults to, at most."""
-    grads = [l["grad_bytes"] for l in layers if l.get("grad_tier", "dram") == "dram"]
-    fetch = max([l["grad_bytes"] for l in layers if l.get("grad_tier", "dram") == "hbm"],
-                default=0)
-    return (sum(l["weight_bytes"] + l["state_bytes"] for l in layers) + sum(grads) + fetch
-            + slots * max(l["state_bytes"] for l in layers) + NVME_DRAM_MARGIN)
+    blocks' state, and the arena's margin: what host_budget defaults to, at most
+    (strata_layout_totals_t.dram_bytes)."""
+    return layout_totals(layers, staging_slots=slots)["dram_bytes"]
 
 
 _HOMES = {"choose": -1, "dram": 1, "nvme": 2}
-_GRAD_TIERS = {"hbm": 0, "dram": 1}
 _PLACEMENT_RATES = ("h2d", "d2h", "nvme_read", "nvme_write", "nvme_mixed", "update_elements")
 
 
