@@ -7,8 +7,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "runtime/memory/tensor_registry.h"
 #include "runtime/optimizer/optimizer_internal.h"
-#include "runtime/tensor_registry.h"
 
 namespace strata {
 

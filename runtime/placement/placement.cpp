@@ -1,4 +1,4 @@
-#include "runtime/placement.h"
+#include "runtime/placement/placement.h"
 
 #include <algorithm>
 #include <cmath>
