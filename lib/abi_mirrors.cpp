@@ -3,7 +3,7 @@
 // checked, not just the last and the count: a renumbered value in the middle of an enum would
 // otherwise mistranslate silently. This file only holds static_asserts; it emits no code.
 #include "lib/abi_support.h"
-#include "runtime/trace.h"
+#include "runtime/trace/trace.h"
 
 namespace strata {
 namespace {

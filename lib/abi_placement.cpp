@@ -3,7 +3,7 @@
 
 #include "lib/abi_support.h"
 #include "runtime/optimizer/update_probe.h"
-#include "runtime/placement.h"
+#include "runtime/placement/placement.h"
 
 using namespace strata;
 using namespace strata::abi;

@@ -10,10 +10,10 @@
 #include <new>
 #include <string>
 
-#include "runtime/executor.h"
 #include "runtime/optimizer/optimizer.h"
-#include "runtime/planner.h"
 #include "runtime/runtime.h"
+#include "runtime/stream/executor.h"
+#include "runtime/stream/planner.h"
 #include "strata/strata.h"
 
 struct strata_runtime {

@@ -18,12 +18,12 @@
 
 #include "backends/device/device_backend.h"
 #include "common/types.h"
-#include "runtime/arena.h"
-#include "runtime/completion.h"
-#include "runtime/memory_region.h"
-#include "runtime/nvme_tier.h"
-#include "runtime/tensor_registry.h"
-#include "runtime/trace.h"
+#include "runtime/memory/arena.h"
+#include "runtime/memory/completion.h"
+#include "runtime/memory/memory_region.h"
+#include "runtime/memory/tensor_registry.h"
+#include "runtime/nvme/nvme_tier.h"
+#include "runtime/trace/trace.h"
 
 namespace strata {
 

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "runtime/arena.h"
-#include "runtime/nvme_tier.h"
+#include "runtime/memory/arena.h"
+#include "runtime/nvme/nvme_tier.h"
 
 namespace strata {
 

@@ -6,8 +6,8 @@
 #include <cmath>
 
 #include "common/spawn.h"
-#include "runtime/executor.h"
 #include "runtime/optimizer/optimizer_internal.h"
+#include "runtime/stream/executor.h"
 
 namespace strata {
 

@@ -30,11 +30,11 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/checksums.h"
-#include "runtime/executor_hooks.h"
+#include "runtime/memory/checksums.h"
 #include "runtime/optimizer/kernels.h"
 #include "runtime/optimizer/worker_pool.h"
 #include "runtime/runtime.h"
+#include "runtime/stream/executor_hooks.h"
 
 namespace strata {
 

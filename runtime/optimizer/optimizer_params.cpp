@@ -7,9 +7,9 @@
 #include <cstdio>
 #include <cstring>
 
+#include "runtime/memory/tensor_registry.h"
 #include "runtime/optimizer/layout_sizes.h"
 #include "runtime/optimizer/optimizer_internal.h"
-#include "runtime/tensor_registry.h"
 
 namespace strata {
 

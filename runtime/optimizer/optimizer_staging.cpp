@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "runtime/nvme_tier.h"
+#include "runtime/nvme/nvme_tier.h"
 
 namespace strata {
 

@@ -1,5 +1,5 @@
 // How fast this host runs the optimizer's update: AdamW over a scratch parameter, on the
-// threads an optimizer would use, for a placement's prediction (runtime/placement.h).
+// threads an optimizer would use, for a placement's prediction (runtime/placement/placement.h).
 #pragma once
 
 #include "common/status.h"

@@ -33,9 +33,9 @@
 #include "runtime/checkpoint/atomic_directory.h"
 #include "runtime/checkpoint/checkpoint.h"
 #include "runtime/checkpoint/safetensors.h"
-#include "runtime/executor.h"
 #include "runtime/optimizer/optimizer.h"
 #include "runtime/runtime.h"
+#include "runtime/stream/executor.h"
 #include "support/scratch_dir.h"
 
 using namespace strata;

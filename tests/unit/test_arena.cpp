@@ -3,7 +3,7 @@
 #include <map>
 #include <random>
 
-#include "runtime/arena.h"
+#include "runtime/memory/arena.h"
 
 using strata::Arena;
 using strata::Code;

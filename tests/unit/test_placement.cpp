@@ -1,10 +1,10 @@
-// The placement's step model and its choice of homes (runtime/placement.h), on declared sizes
-// and given rates: no runtime, no measurement.
+// The placement's step model and its choice of homes (runtime/placement/placement.h), on
+// declared sizes and given rates: no runtime, no measurement.
 #include <catch2/catch.hpp>
 
 #include <limits>
 
-#include "runtime/placement.h"
+#include "runtime/placement/placement.h"
 
 using Catch::Detail::Approx;
 using namespace strata;

@@ -1,6 +1,6 @@
 #include <catch2/catch.hpp>
 
-#include "runtime/tensor_registry.h"
+#include "runtime/memory/tensor_registry.h"
 
 using namespace strata;
 

@@ -1,4 +1,4 @@
-#include "runtime/trace.h"
+#include "runtime/trace/trace.h"
 
 #include <cstdio>
 #include <fstream>

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/tensor_registry.h"
+#include "runtime/memory/tensor_registry.h"
 
 namespace strata {
 

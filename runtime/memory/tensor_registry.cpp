@@ -1,4 +1,4 @@
-#include "runtime/tensor_registry.h"
+#include "runtime/memory/tensor_registry.h"
 
 #include <atomic>
 #include <limits>

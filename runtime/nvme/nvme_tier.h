@@ -24,9 +24,9 @@
 #include "backends/storage/storage_engine.h"
 #include "backends/storage/storage_files.h"
 #include "common/types.h"
-#include "runtime/arena.h"
-#include "runtime/checksums.h"
-#include "runtime/completion.h"
+#include "runtime/memory/arena.h"
+#include "runtime/memory/checksums.h"
+#include "runtime/memory/completion.h"
 
 namespace strata {
 

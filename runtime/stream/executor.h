@@ -13,9 +13,9 @@
 #include <mutex>
 #include <vector>
 
-#include "runtime/executor_hooks.h"
-#include "runtime/planner.h"
 #include "runtime/runtime.h"
+#include "runtime/stream/executor_hooks.h"
+#include "runtime/stream/planner.h"
 
 namespace strata {
 

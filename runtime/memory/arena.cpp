@@ -1,4 +1,4 @@
-#include "runtime/arena.h"
+#include "runtime/memory/arena.h"
 
 #include <algorithm>
 

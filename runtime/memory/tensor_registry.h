@@ -12,7 +12,7 @@
 
 #include "common/status.h"
 #include "common/types.h"
-#include "runtime/checksums.h"
+#include "runtime/memory/checksums.h"
 
 namespace strata {
 

@@ -1,4 +1,4 @@
-#include "runtime/executor.h"
+#include "runtime/stream/executor.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "runtime/layer_graph.h"
+#include "runtime/stream/layer_graph.h"
 
 namespace strata {
 

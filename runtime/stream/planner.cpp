@@ -1,4 +1,4 @@
-#include "runtime/planner.h"
+#include "runtime/stream/planner.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -9,7 +9,7 @@
 
 #include "common/align.h"
 #include "common/json.h"
-#include "runtime/arena.h"
+#include "runtime/memory/arena.h"
 #include "runtime/runtime.h"
 
 namespace strata {

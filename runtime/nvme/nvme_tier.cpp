@@ -1,4 +1,4 @@
-#include "runtime/nvme_tier.h"
+#include "runtime/nvme/nvme_tier.h"
 
 #include <algorithm>
 #include <cstdlib>

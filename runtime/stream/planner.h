@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "runtime/layer_graph.h"
+#include "runtime/stream/layer_graph.h"
 
 namespace strata {
 

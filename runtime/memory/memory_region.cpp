@@ -1,4 +1,4 @@
-#include "runtime/memory_region.h"
+#include "runtime/memory/memory_region.h"
 
 #include <chrono>
 

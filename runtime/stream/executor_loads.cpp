@@ -3,7 +3,7 @@
 // three strategies chosen by where they live, then its checkpoints and zeroed grad buffers.
 #include <algorithm>
 
-#include "runtime/executor.h"
+#include "runtime/stream/executor.h"
 
 namespace strata {
 
