@@ -22,7 +22,7 @@ c_void_p = ctypes.c_void_p
 
 # The ABI these declarations are written against: the library must have this major version and
 # at least this minor one (the test abi_layout checks it is strata.h's version).
-ABI_VERSION = (1, 2)
+ABI_VERSION = (1, 3)
 
 MAX_NAME_LENGTH = 255
 MAX_NDIM = 8
@@ -197,6 +197,11 @@ class OptimizerConfig(Struct):
                 ("nvme_staging_bytes", c_uint64)]
 
 
+class GroupHyperparams(Struct):
+    _fields_ = [("struct_size", c_size_t), ("lr", c_float), ("weight_decay", c_float),
+                ("beta1", c_float), ("beta2", c_float), ("eps", c_float)]
+
+
 class GradInfo(Struct):
     _fields_ = [("struct_size", c_size_t), ("has_grad", c_int32), ("sum_squares", c_double),
                 ("step", c_uint64)]
@@ -304,6 +309,9 @@ _SIGNATURES = {
     "strata_optimizer_destroy": (c_int32, [c_void_p]),
     "strata_optimizer_add_param": (c_int32, [c_void_p, P(ParamDesc)]),
     "strata_optimizer_set_group": (c_int32, [c_void_p, c_uint32, c_float, c_float]),
+    "strata_optimizer_get_group": (c_int32, [c_void_p, c_uint32, P(GroupHyperparams)]),
+    "strata_optimizer_set_group_hyperparams": (c_int32, [c_void_p, c_uint32,
+                                                         P(GroupHyperparams)]),
     "strata_optimizer_attach": (c_int32, [c_void_p, c_void_p]),
     "strata_optimizer_step": (c_int32, [c_void_p]),
     "strata_optimizer_synchronize": (c_int32, [c_void_p]),
