@@ -170,7 +170,48 @@ STRATA_API strata_status_t strata_optimizer_set_group(strata_optimizer_t* optimi
                                                       float lr, float weight_decay) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
-    return optimizer->impl->set_group(group, GroupHyperparams{lr, weight_decay});
+    return optimizer->impl->set_group(group, lr, weight_decay);
+  });
+}
+
+namespace {
+strata_group_hyperparams_t to_c(const GroupHyperparams& g) {
+  strata_group_hyperparams_t h{};
+  h.struct_size = sizeof h;
+  h.lr = g.lr;
+  h.weight_decay = g.weight_decay;
+  h.beta1 = g.beta1;
+  h.beta2 = g.beta2;
+  h.eps = g.eps;
+  return h;
+}
+}  // namespace
+
+STRATA_API strata_status_t strata_optimizer_get_group(strata_optimizer_t* optimizer, uint32_t group,
+                                                      strata_group_hyperparams_t* out) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    STRATA_RETURN_IF_ERROR(
+        check_out_struct(out, STRATA_GROUP_HYPERPARAMS_STRUCT_SIZE, "strata_group_hyperparams_t"));
+    GroupHyperparams g;
+    STRATA_RETURN_IF_ERROR(optimizer->impl->group_hyperparams(group, &g));
+    write_struct(out, to_c(g));
+    return Status::ok();
+  });
+}
+
+STRATA_API strata_status_t strata_optimizer_set_group_hyperparams(
+    strata_optimizer_t* optimizer, uint32_t group, const strata_group_hyperparams_t* hyperparams) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    // Fields the caller's struct does not cover keep the group's current values.
+    GroupHyperparams current;
+    STRATA_RETURN_IF_ERROR(optimizer->impl->group_hyperparams(group, &current));
+    strata_group_hyperparams_t h = to_c(current);
+    STRATA_RETURN_IF_ERROR(read_struct(hyperparams, STRATA_GROUP_HYPERPARAMS_STRUCT_SIZE,
+                                       "strata_group_hyperparams_t", &h));
+    return optimizer->impl->set_group_hyperparams(
+        group, GroupHyperparams{h.lr, h.weight_decay, h.beta1, h.beta2, h.eps});
   });
 }
 

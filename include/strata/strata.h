@@ -1058,6 +1058,41 @@ STRATA_API strata_status_t strata_optimizer_add_param(strata_optimizer_t* optimi
 STRATA_API strata_status_t strata_optimizer_set_group(strata_optimizer_t* optimizer, uint32_t group,
                                                       float lr, float weight_decay);
 
+/* Every hyperparameter of a group (since 1.3). torch's optimizers read their param groups at
+ * every step, and schedulers change more than the learning rate (OneCycleLR cycles AdamW's
+ * beta1): a framework sets each group's values before each step. */
+typedef struct strata_group_hyperparams {
+  size_t struct_size; /* STRATA_GROUP_HYPERPARAMS_STRUCT_SIZE */
+  float lr;           /* >= 0 */
+  float weight_decay; /* >= 0; AdamW: decoupled; SGD: L2 */
+  /* AdamW (SGD ignores them, but they are checked): beta1 and beta2 in [0, 1), eps > 0. An
+   * update at step t uses the betas set for it: its bias corrections are 1 - beta1^t and
+   * 1 - beta2^t with those betas, as torch's AdamW computes them. */
+  float beta1, beta2;
+  float eps;
+} strata_group_hyperparams_t;
+#define STRATA_GROUP_HYPERPARAMS_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_group_hyperparams_t, eps)
+
+/* A group's current hyperparameters into *out (the caller sets out->struct_size; the library
+ * writes at most that many bytes). A group not created yet reads as group 0, which is what it
+ * would be created as. out: borrowed. Errors: INVALID_ARGUMENT (NULL, struct_size below
+ * STRATA_GROUP_HYPERPARAMS_STRUCT_SIZE of 1.3, group above 65535); *out is then untouched.
+ * Thread-safe. */
+STRATA_API_SINCE(1, 3)
+strata_status_t strata_optimizer_get_group(strata_optimizer_t* optimizer, uint32_t group,
+                                           strata_group_hyperparams_t* out);
+
+/* Set a group's hyperparameters (creating the group as a copy of group 0 first). Fields beyond
+ * hyperparams->struct_size keep the group's current values. Takes effect as
+ * strata_optimizer_set_group's values do: at the next update that has not started (an update
+ * already running keeps the values it started with). hyperparams: borrowed, read during the
+ * call. Errors: INVALID_ARGUMENT (NULL, struct_size below the 1.3 size, group above 65535,
+ * lr or weight_decay negative or non-finite, a beta outside [0, 1), eps not above 0 or
+ * non-finite), the group then unchanged. Thread-safe. */
+STRATA_API_SINCE(1, 3)
+strata_status_t strata_optimizer_set_group_hyperparams(
+    strata_optimizer_t* optimizer, uint32_t group, const strata_group_hyperparams_t* hyperparams);
+
 /* Run the updates from `executor`'s steps: every param must be a weight of one of its layers,
  * with its grad among that layer's grads. Call between steps. The executor keeps the optimizer
  * alive until it is destroyed or the optimizer is. Errors: INVALID_ARGUMENT (a param outside

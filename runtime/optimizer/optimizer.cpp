@@ -19,6 +19,16 @@ Status check_finite(const char* what, float v, float lo, bool lo_inclusive) {
   return Status::ok();
 }
 
+Status check_betas(float beta1, float beta2, float eps) {
+  for (auto [name, b] : {std::pair{"beta1", beta1}, std::pair{"beta2", beta2}}) {
+    if (!(b >= 0.f && b < 1.f)) {
+      return error(Code::kInvalidArgument, "optimizer config: ", name, " is ", b,
+                   ", must be in [0, 1)");
+    }
+  }
+  return check_finite("eps", eps, 0.f, false);
+}
+
 namespace {
 Status validate(const OptimizerConfig& c) {
   if (c.kind != OptimizerKind::kAdamW && c.kind != OptimizerKind::kSgd) {
@@ -30,13 +40,7 @@ Status validate(const OptimizerConfig& c) {
   STRATA_RETURN_IF_ERROR(check_finite("max_grad_norm", c.max_grad_norm, 0.f, true));
   STRATA_RETURN_IF_ERROR(check_finite("loss_scale", c.loss_scale, 0.f, false));
   if (c.kind == OptimizerKind::kAdamW) {
-    for (auto [name, b] : {std::pair{"beta1", c.beta1}, std::pair{"beta2", c.beta2}}) {
-      if (!(b >= 0.f && b < 1.f)) {
-        return error(Code::kInvalidArgument, "optimizer config: ", name, " is ", b,
-                     ", must be in [0, 1)");
-      }
-    }
-    STRATA_RETURN_IF_ERROR(check_finite("eps", c.eps, 0.f, false));
+    STRATA_RETURN_IF_ERROR(check_betas(c.beta1, c.beta2, c.eps));
   } else {
     STRATA_RETURN_IF_ERROR(check_finite("momentum", c.momentum, 0.f, true));
     STRATA_RETURN_IF_ERROR(check_finite("dampening", c.dampening, 0.f, true));
@@ -93,7 +97,8 @@ Status Optimizer::create(std::shared_ptr<Runtime> runtime, const OptimizerConfig
   }
   STRATA_RETURN_IF_ERROR(optim::WorkerPool::create(threads, node, &o->pool_));
   o->kernels_ = &optim::kernels(optim::best_isa());
-  o->groups_.push_back(GroupHyperparams{o->config_.lr, o->config_.weight_decay});
+  o->groups_.push_back(GroupHyperparams{o->config_.lr, o->config_.weight_decay, o->config_.beta1,
+                                        o->config_.beta2, o->config_.eps});
   o->counters_.loss_scale = o->config_.loss_scale;
   STRATA_RETURN_IF_ERROR(spawn_thread(
       "the optimizer's dispatcher", [p = o.get()] { p->dispatcher_main(); }, &o->dispatcher_));

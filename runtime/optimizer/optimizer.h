@@ -73,9 +73,13 @@ struct GradInfo {
   uint64_t step = 0;       // updates this parameter received (AdamW's t for it)
 };
 
+// A group's hyperparameters, read at each update that starts after they are set (torch's
+// optimizers read their param_groups at every step: a scheduler such as OneCycleLR changes
+// betas as well as lr). beta1, beta2 and eps are AdamW's; SGD reads lr and weight_decay.
 struct GroupHyperparams {
   float lr = 0.f;
   float weight_decay = 0.f;
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
 };
 
 enum class StateKind : int32_t {
@@ -137,7 +141,12 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // reads it (attached only).
   Status add_param(TensorId weight, TensorId grad, uint32_t group,
                    MasterLayout layout = MasterLayout::kSeparate);
-  Status set_group(uint32_t group, const GroupHyperparams& h);
+  // lr and weight_decay of `group` (creating it as a copy of group 0); its betas and eps stay.
+  Status set_group(uint32_t group, float lr, float weight_decay);
+  // Every hyperparameter of `group` (creating it); checked as the config's are.
+  Status set_group_hyperparams(uint32_t group, const GroupHyperparams& h);
+  // `group`'s hyperparameters (group 0's for a group not created yet).
+  Status group_hyperparams(uint32_t group, GroupHyperparams* out);
   Status state_tensor(TensorId weight, StateKind kind, TensorId* out);
   // A param's fp32 master (the weight when it is fp32), whatever its layout and tier; writing
   // sets the master and the working copy the executor streams (rounded as an update rounds).

@@ -16,5 +16,7 @@ inline constexpr uint64_t kSkew[4] = {1088, 2176, 3264, 576};
 // A config value `what` = v must be finite and >= lo (> lo unless lo_inclusive): the checks of
 // OptimizerConfig and of a param group's hyperparameters.
 Status check_finite(const char* what, float v, float lo, bool lo_inclusive);
+// AdamW's beta1 and beta2 in [0, 1), eps finite and above 0.
+Status check_betas(float beta1, float beta2, float eps);
 
 }  // namespace strata

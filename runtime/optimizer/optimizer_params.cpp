@@ -334,13 +334,32 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, Mast
   return Status::ok();
 }
 
-Status Optimizer::set_group(uint32_t group, const GroupHyperparams& h) {
+Status Optimizer::set_group(uint32_t group, float lr, float weight_decay) {
+  STRATA_RETURN_IF_ERROR(check_group(group));
+  STRATA_RETURN_IF_ERROR(check_finite("lr", lr, 0.f, true));
+  STRATA_RETURN_IF_ERROR(check_finite("weight_decay", weight_decay, 0.f, true));
+  std::lock_guard lock(mutex_);
+  if (group >= groups_.size()) groups_.resize(group + 1, groups_.front());
+  groups_[group].lr = lr;
+  groups_[group].weight_decay = weight_decay;
+  return Status::ok();
+}
+
+Status Optimizer::set_group_hyperparams(uint32_t group, const GroupHyperparams& h) {
   STRATA_RETURN_IF_ERROR(check_group(group));
   STRATA_RETURN_IF_ERROR(check_finite("lr", h.lr, 0.f, true));
   STRATA_RETURN_IF_ERROR(check_finite("weight_decay", h.weight_decay, 0.f, true));
+  STRATA_RETURN_IF_ERROR(check_betas(h.beta1, h.beta2, h.eps));
   std::lock_guard lock(mutex_);
   if (group >= groups_.size()) groups_.resize(group + 1, groups_.front());
   groups_[group] = h;
+  return Status::ok();
+}
+
+Status Optimizer::group_hyperparams(uint32_t group, GroupHyperparams* out) {
+  STRATA_RETURN_IF_ERROR(check_group(group));
+  std::lock_guard lock(mutex_);
+  *out = groups_[group < groups_.size() ? group : 0];
   return Status::ok();
 }
 

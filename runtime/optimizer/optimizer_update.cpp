@@ -12,18 +12,19 @@
 namespace strata {
 
 namespace {
-// One update's scalars for a group at update count t (the grad multiplied by grad_scale).
-optim::AdamWScalars adamw_scalars(const OptimizerConfig& c, const GroupHyperparams& g, double t,
-                                  float grad_scale) {
+// One update's scalars for a group at update count t (the grad multiplied by grad_scale). The
+// betas are the group's at this update, bias corrections included, as torch's AdamW computes
+// 1 - beta1 ** step from the param group's current betas at every step.
+optim::AdamWScalars adamw_scalars(const GroupHyperparams& g, double t, float grad_scale) {
   // Bias corrections in double, as PyTorch computes them in Python floats.
   optim::AdamWScalars a;
   a.grad_scale = grad_scale;
-  a.beta1 = c.beta1;
-  a.beta2 = c.beta2;
-  a.eps = c.eps;
+  a.beta1 = g.beta1;
+  a.beta2 = g.beta2;
+  a.eps = g.eps;
   a.lr_decay = static_cast<float>(static_cast<double>(g.lr) * g.weight_decay);
-  a.step_size = static_cast<float>(g.lr / (1.0 - std::pow(double{c.beta1}, t)));
-  a.inv_bias2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double{c.beta2}, t)));
+  a.step_size = static_cast<float>(g.lr / (1.0 - std::pow(double{g.beta1}, t)));
+  a.inv_bias2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double{g.beta2}, t)));
   return a;
 }
 
@@ -71,7 +72,7 @@ double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const Ste
     const double t = static_cast<double>(s->t);
     for (const GroupHyperparams& g : s->groups) {
       if (config_.kind == OptimizerKind::kAdamW) {
-        adam_groups.push_back(adamw_scalars(config_, g, t, s->grad_scale));
+        adam_groups.push_back(adamw_scalars(g, t, s->grad_scale));
       } else {
         sgd_groups.push_back(sgd_scalars(config_, g, s->t, s->grad_scale));
       }
@@ -213,7 +214,7 @@ Status Optimizer::step_explicit() {
         }
         const float grad_scale = p.grad_mult / counters_.loss_scale;
         const GroupHyperparams& g = groups_[p.group];
-        src.adamw = adamw_scalars(config_, g, static_cast<double>(p.t), grad_scale);
+        src.adamw = adamw_scalars(g, static_cast<double>(p.t), grad_scale);
         src.sgd = sgd_scalars(config_, g, p.t, grad_scale);
         any = true;
       }

@@ -1012,6 +1012,153 @@ TEST_CASE("master_read and master_write, in every layout", "[optimizer]") {
   REQUIRE(strata_optimizer_master_read(o, nullptr, &x, 1) == STRATA_ERROR_INVALID_ARGUMENT);
 }
 
+// torch's AdamW reads each param group's betas and eps at every step (OneCycleLR cycles beta1),
+// bias corrections from the current betas: two fp32 params in two groups whose betas, eps, lr
+// and weight decay change at every step follow the formula step by step.
+TEST_CASE("each group's betas and eps are read at every update, as torch's AdamW does",
+          "[optimizer]") {
+  Model m = make_model(1, 3, STRATA_DEVICE_BACKEND_HOST, {});
+  constexpr int64_t n = 257;
+  strata_tensor_t* w[2];
+  strata_tensor_t* g[2];
+  strata_optimizer_config_t c = adamw_config();
+  strata_optimizer_t* o = nullptr;
+  STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
+  OptimizerPtr opt(o);
+  std::vector<double> ref_p[2], ref_m[2], ref_v[2];
+  for (int k = 0; k < 2; ++k) {
+    w[k] = register_tensor(m.rt.get(), "w" + std::to_string(k), n, STRATA_DTYPE_F32,
+                           STRATA_ROLE_WEIGHT);
+    g[k] =
+        register_tensor(m.rt.get(), "g" + std::to_string(k), n, STRATA_DTYPE_F32, STRATA_ROLE_GRAD);
+    std::vector<float> init(n);
+    for (int64_t i = 0; i < n; ++i) init[i] = 0.5f - 0.003f * static_cast<float>(i) * (k + 1);
+    STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), w[k], 0, init.data(), n * 4));
+    ref_p[k].assign(init.begin(), init.end());
+    ref_m[k].assign(n, 0.0);
+    ref_v[k].assign(n, 0.0);
+    strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w[k], g[k], static_cast<uint32_t>(k),
+                          STRATA_MASTER_SEPARATE};
+    STRATA_REQUIRE_OK(strata_optimizer_add_param(o, &p));
+  }
+  // A group not created yet reads as group 0, the config's values.
+  strata_group_hyperparams_t h{};
+  h.struct_size = STRATA_GROUP_HYPERPARAMS_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_optimizer_get_group(o, 9, &h));
+  REQUIRE(h.lr == c.lr);
+  REQUIRE(h.beta1 == c.beta1);
+  REQUIRE(h.beta2 == c.beta2);
+  REQUIRE(h.eps == c.eps);
+  for (int t = 1; t <= 5; ++t) {
+    for (int k = 0; k < 2; ++k) {
+      h.lr = 1e-2f / static_cast<float>(t + k);
+      h.weight_decay = k == 0 ? 0.1f : 0.f;
+      h.beta1 = 0.95f - 0.02f * static_cast<float>(t) - 0.1f * static_cast<float>(k);
+      h.beta2 = 0.999f - 0.01f * static_cast<float>(t % 3);
+      h.eps = k == 0 ? 1e-8f : 1e-3f * static_cast<float>(t);
+      STRATA_REQUIRE_OK(strata_optimizer_set_group_hyperparams(o, static_cast<uint32_t>(k), &h));
+      strata_group_hyperparams_t back{};
+      back.struct_size = STRATA_GROUP_HYPERPARAMS_STRUCT_SIZE;
+      STRATA_REQUIRE_OK(strata_optimizer_get_group(o, static_cast<uint32_t>(k), &back));
+      REQUIRE(back.beta1 == h.beta1);
+      REQUIRE(back.eps == h.eps);
+      std::vector<float> grad(n);
+      for (int64_t i = 0; i < n; ++i) {
+        grad[i] = std::sin(0.37f * static_cast<float>(i + 11 * t + 5 * k));
+      }
+      STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), g[k], 0, grad.data(), n * 4));
+      const double b1 = h.beta1, b2 = h.beta2;
+      const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
+      for (int64_t i = 0; i < n; ++i) {
+        double& p = ref_p[k][i];
+        p *= 1 - double{h.lr} * h.weight_decay;
+        ref_m[k][i] = b1 * ref_m[k][i] + (1 - b1) * grad[i];
+        ref_v[k][i] = b2 * ref_v[k][i] + (1 - b2) * double{grad[i]} * grad[i];
+        p -= h.lr / bc1 * ref_m[k][i] / (std::sqrt(ref_v[k][i]) / std::sqrt(bc2) + h.eps);
+      }
+    }
+    STRATA_REQUIRE_OK(strata_optimizer_step(o));
+    for (int k = 0; k < 2; ++k) {
+      std::vector<float> got(n);
+      STRATA_REQUIRE_OK(strata_tensor_read(m.rt.get(), w[k], 0, got.data(), n * 4));
+      for (int64_t i = 0; i < n; ++i) {
+        INFO("step " << t << " group " << k << " element " << i);
+        REQUIRE(std::abs(got[i] - ref_p[k][i]) <= 2e-6 * std::max(1.0, std::abs(ref_p[k][i])));
+      }
+    }
+  }
+  // The 1.0 setter changes lr and weight decay only: the betas set above stay.
+  STRATA_REQUIRE_OK(strata_optimizer_set_group(o, 1, 1e-3f, 0.f));
+  strata_group_hyperparams_t kept{};
+  kept.struct_size = STRATA_GROUP_HYPERPARAMS_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_optimizer_get_group(o, 1, &kept));
+  REQUIRE(kept.lr == 1e-3f);
+  REQUIRE(kept.beta1 == h.beta1);
+  REQUIRE(kept.eps == h.eps);
+}
+
+TEST_CASE("group hyperparameters are checked as the config's are", "[optimizer]") {
+  Model m = make_model(1, 3, STRATA_DEVICE_BACKEND_HOST);
+  strata_optimizer_config_t c = adamw_config();
+  strata_optimizer_t* o = nullptr;
+  STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
+  OptimizerPtr opt(o);
+  strata_group_hyperparams_t h{};
+  h.struct_size = STRATA_GROUP_HYPERPARAMS_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_optimizer_get_group(o, 0, &h));
+  const strata_group_hyperparams_t good = h;
+  auto refused = [&](strata_group_hyperparams_t bad, const char* what) {
+    STRATA_REQUIRE_ERROR(strata_optimizer_set_group_hyperparams(o, 2, &bad),
+                         STRATA_ERROR_INVALID_ARGUMENT, what);
+    // Nothing changed: group 2 still reads as group 0.
+    strata_group_hyperparams_t now{};
+    now.struct_size = STRATA_GROUP_HYPERPARAMS_STRUCT_SIZE;
+    STRATA_REQUIRE_OK(strata_optimizer_get_group(o, 2, &now));
+    REQUIRE(now.beta1 == good.beta1);
+    REQUIRE(now.lr == good.lr);
+  };
+  h.beta1 = 1.f;
+  refused(h, "beta1");
+  h = good;
+  h.beta2 = -0.1f;
+  refused(h, "beta2");
+  h = good;
+  h.eps = 0.f;
+  refused(h, "eps");
+  h = good;
+  h.lr = NAN;
+  refused(h, "lr");
+  h = good;
+  h.weight_decay = INFINITY;
+  refused(h, "weight_decay");
+  h = good;
+  h.struct_size = offsetof(strata_group_hyperparams_t, eps);
+  refused(h, "struct_size");
+  STRATA_REQUIRE_ERROR(strata_optimizer_set_group_hyperparams(o, 65536, &good),
+                       STRATA_ERROR_INVALID_ARGUMENT, "65536");
+  h = good;
+  STRATA_REQUIRE_ERROR(strata_optimizer_get_group(o, 65536, &h), STRATA_ERROR_INVALID_ARGUMENT,
+                       "65536");
+  REQUIRE(strata_optimizer_set_group_hyperparams(o, 0, nullptr) == STRATA_ERROR_INVALID_ARGUMENT);
+  REQUIRE(strata_optimizer_set_group_hyperparams(nullptr, 0, &good) ==
+          STRATA_ERROR_INVALID_ARGUMENT);
+  REQUIRE(strata_optimizer_get_group(o, 0, nullptr) == STRATA_ERROR_INVALID_ARGUMENT);
+  REQUIRE(strata_optimizer_get_group(nullptr, 0, &h) == STRATA_ERROR_INVALID_ARGUMENT);
+  h.struct_size = 8;
+  REQUIRE(strata_optimizer_get_group(o, 0, &h) == STRATA_ERROR_INVALID_ARGUMENT);
+  // A larger struct from a newer header: the library writes only the fields it knows.
+  struct Newer {
+    strata_group_hyperparams_t h;
+    float later;
+  } newer{};
+  newer.h.struct_size = sizeof newer;
+  newer.later = 42.f;
+  STRATA_REQUIRE_OK(strata_optimizer_get_group(o, 0, &newer.h));
+  REQUIRE(newer.later == 42.f);
+  REQUIRE(newer.h.struct_size == sizeof newer);
+  STRATA_REQUIRE_OK(strata_optimizer_set_group_hyperparams(o, 3, &newer.h));
+}
+
 TEST_CASE("master_read and master_write refuse inside an executor step", "[optimizer]") {
   Model m = make_model(2, 5, backend_under_test());
   strata_optimizer_config_t c = adamw_config();

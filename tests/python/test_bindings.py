@@ -97,6 +97,26 @@ def test_optimizer_settings_are_checked(rt):
         strata.Optimizer(rt, "adamw", beta1=2.0)
 
 
+def test_group_hyperparameters_round_trip(rt):
+    """Optimizer.set_group with betas and eps sets every hyperparameter of the group
+    (strata_optimizer_set_group_hyperparams); without them only lr and weight decay change."""
+    opt = strata.Optimizer(rt, "adamw", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    fresh = opt.group(5)  # not created yet: reads as group 0
+    assert (fresh.beta1, fresh.eps) == (pytest.approx(0.9), pytest.approx(1e-8))
+    opt.set_group(1, 2e-3, 0.1, betas=(0.85, 0.99), eps=1e-6)
+    g = opt.group(1)
+    assert (g.lr, g.weight_decay, g.beta1, g.beta2, g.eps) == (
+        pytest.approx(2e-3), pytest.approx(0.1), pytest.approx(0.85), pytest.approx(0.99),
+        pytest.approx(1e-6))
+    opt.set_group(1, 3e-3, 0.0)
+    g = opt.group(1)
+    assert (g.lr, g.beta1, g.eps) == (pytest.approx(3e-3), pytest.approx(0.85),
+                                      pytest.approx(1e-6))
+    with pytest.raises(strata.InvalidArgument, match="beta2"):
+        opt.set_group(1, 1e-3, 0.0, betas=(0.9, 1.0))
+    assert opt.group(1).beta2 == pytest.approx(0.99)
+
+
 def test_optimizer_defaults_are_torchs():
     """strata_optimizer_config_init's defaults (the core's OptimizerConfig, their only copy) are
     torch.optim.AdamW's and torch.optim.SGD's, read from torch itself."""

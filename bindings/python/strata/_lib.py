@@ -224,6 +224,11 @@ class OptimizerConfig(Struct):
                 ("nvme_staging_bytes", c_uint64)]
 
 
+class GroupHyperparams(Struct):
+    _fields_ = [("struct_size", c_size_t), ("lr", c_float), ("weight_decay", c_float),
+                ("beta1", c_float), ("beta2", c_float), ("eps", c_float)]
+
+
 class GradInfo(Struct):
     _fields_ = [("struct_size", c_size_t), ("has_grad", c_int32), ("sum_squares", c_double),
                 ("step", c_uint64)]
@@ -333,6 +338,9 @@ _SIGNATURES = {
     "strata_optimizer_destroy": (c_int32, [c_void_p]),
     "strata_optimizer_add_param": (c_int32, [c_void_p, P(ParamDesc)]),
     "strata_optimizer_set_group": (c_int32, [c_void_p, c_uint32, c_float, c_float]),
+    "strata_optimizer_get_group": (c_int32, [c_void_p, c_uint32, P(GroupHyperparams)]),
+    "strata_optimizer_set_group_hyperparams": (c_int32, [c_void_p, c_uint32,
+                                                         P(GroupHyperparams)]),
     "strata_optimizer_attach": (c_int32, [c_void_p, c_void_p]),
     "strata_optimizer_step": (c_int32, [c_void_p]),
     "strata_optimizer_synchronize": (c_int32, [c_void_p]),

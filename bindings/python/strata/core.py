@@ -592,8 +592,26 @@ class Optimizer:
         rounded (as an update writes them)."""
         check(L.strata_optimizer_master_write(self._handle, weight.handle, pointer, count))
 
-    def set_group(self, group, lr, weight_decay):
-        check(L.strata_optimizer_set_group(self._handle, group, lr, weight_decay))
+    def set_group(self, group, lr, weight_decay, betas=None, eps=None):
+        """A group's lr and weight decay and, when given, AdamW's betas and eps: read by the
+        next update that has not started (torch reads its param groups at every step)."""
+        if betas is None and eps is None:
+            check(L.strata_optimizer_set_group(self._handle, group, lr, weight_decay))
+            return
+        h = self.group(group)
+        h.lr, h.weight_decay = lr, weight_decay
+        if betas is not None:
+            h.beta1, h.beta2 = betas
+        if eps is not None:
+            h.eps = eps
+        check(L.strata_optimizer_set_group_hyperparams(self._handle, group, ctypes.byref(h)))
+
+    def group(self, group):
+        """The group's current hyperparameters (a GroupHyperparams: lr, weight_decay, beta1,
+        beta2, eps); a group not created yet reads as group 0."""
+        h = _lib.GroupHyperparams()
+        check(L.strata_optimizer_get_group(self._handle, group, ctypes.byref(h)))
+        return h
 
     def attach(self, executor):
         check(L.strata_optimizer_attach(self._handle, executor.handle))
