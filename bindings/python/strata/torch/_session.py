@@ -4,7 +4,6 @@ and PEFT wrappers keep working); while a block is not being computed, each param
 zero-stride view of one element with the parameter's real shape, dtype and device, so shapes,
 numel() and grad assignment behave as in plain PyTorch and nothing is stored twice."""
 
-import ctypes
 import json
 import time
 
@@ -12,119 +11,11 @@ import torch
 
 from .. import core
 from ..core import BACKWARD, FORWARD, VIEW_GRAD, VIEW_WEIGHT
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def swap_data(p, data):
-    """Parameter `p` takes `data`, staying the same Python object with its attributes (its
-    optimizer groups, names and tied modules keep pointing at it): torch.utils.swap_tensors,
-    as .data cannot go from the meta device to a real one."""
-    attrs = dict(p.__dict__)
-    torch.utils.swap_tensors(p, torch.nn.Parameter(data, p.requires_grad))
-    p.__dict__.update(attrs)
-
-
-class StreamedParam:
-    """Where a streamed parameter lives: its block, its index there, its runtime tensors."""
-
-    __slots__ = ("param", "name", "local", "layer", "index", "weight", "grad", "grad_index",
-                 "shape", "zero", "mark")
-
-    def __init__(self, param, name, local, layer, index):
-        self.param, self.name, self.local, self.layer = param, name, local, layer
-        self.index = index
-        self.shape = tuple(param.shape)
-        self.weight = self.grad = None
-        self.grad_index = None  # among the layer's grads (trainable params only)
-        self.zero = None  # the placeholder's one element, this parameter's own
-        self.mark = None  # (param version, element version) when the placeholder was set
-
-    def park(self, dtype, device):
-        """Point the parameter at its placeholder: the real shape, one element of storage (its
-        own: a write cannot reach another parameter), and a mark to notice writes by. The
-        element is NaN: code that reads the parameter outside its block's forward pass (an EMA
-        of the weights, a weight-norm log, an L2 penalty over model.parameters()) gets NaN,
-        which shows, not zeros, which train silently wrong (docs/python.md says how to read
-        the values)."""
-        if self.zero is None:
-            self.zero = torch.full((), float("nan"), dtype=dtype, device=device)
-        if self.param.is_meta:  # loaded from offload(weights=) without being materialized
-            swap_data(self.param, self.zero.expand(self.shape))
-        self.param.data = self.zero.expand(self.shape)
-        self.mark = (self.param._version, self.zero._version)
-
-    def check_untouched(self):
-        """Values of a streamed parameter live in Strata: a write into its placeholder, or
-        other data assigned to it, would be silently lost. Refused when next seen."""
-        if self.mark is None:
-            return
-        p = self.param
-        if p.data.data_ptr() != self.zero.data_ptr() or p.shape != self.shape:
-            raise RuntimeError(
-                "strata.torch: other data was assigned to streamed parameter %r (p.data = ...); "
-                "its values live in Strata: set them with model.load_state_dict(...)" % self.name)
-        if (p._version, self.zero._version) != self.mark:
-            self.park(p.dtype, p.device)
-            raise RuntimeError(
-                "strata.torch: streamed parameter %r was written in place outside its block's "
-                "forward pass (fill_, zero_, copy_, nn.init...); its values live in Strata and "
-                "the write was lost: set them with model.load_state_dict(...), or before "
-                "strata.torch.offload" % self.name)
-
-    @property
-    def trainable(self):
-        return self.grad is not None
-
-
-
-
-def narrows(values, dtype):
-    """Whether `values` lose anything converted to `dtype` (wider values, or fp16 ones into
-    bf16): what a build or a write without an optimizer cannot keep (no master)."""
-    if values.dtype == dtype or not values.is_floating_point():
-        return False
-    return not torch.equal(values.to(dtype).to(values.dtype), values)
-
-
-def fill(tensor, values):
-    """`values` (the tensor's dtype and element count, on any device) into a Strata tensor. One
-    in DRAM is filled in place by torch's copy_ into a CPU tensor over its memory: from a GPU a
-    DMA straight into the pinned arena, on the CPU a threaded copy. (Its DLPack export cannot
-    serve: torch refuses kDLCUDAHost.) Elsewhere (NVMe) through host memory."""
-    values = values.reshape(-1)
-    nbytes = values.numel() * values.element_size()
-    if nbytes == 0:
-        return
-    if tensor.info().tier == core.TIERS["dram"]:
-        memory = (ctypes.c_char * nbytes).from_address(tensor.data_pointer())
-        view = torch.frombuffer(memory, dtype=torch.uint8).view(values.dtype)
-        view.copy_(values)
-    else:
-        host = values.to("cpu").contiguous()
-        tensor.write_pointer(host.data_ptr(), nbytes)
-
-
-def master_layout(dtype):
-    """How strata.torch keeps a streamed parameter's fp32 master: split for bf16 weights (the
-    weight is its upper half, the optimizer keeps the low 16 bits: strata.h STRATA_MASTER_SPLIT),
-    a separate fp32 tensor for fp16 ones (fp32 weights are their own)."""
-    return "split" if dtype == torch.bfloat16 else "separate"
-
-
-def split_master(values):
-    """fp32 values as a split master's halves: the bf16 weight (torch's rounding, nearest even)
-    and the signed 16-bit rest, computed where the values are (on a GPU: there, during setup).
-    The optimizer's kernels (runtime/optimizer/kernels_impl.h, store_split) do the same on the
-    CPU; tests/python/test_torch_offload.py checks the optimizer reads these back as the values.
-    A value halfway between two bf16 values that rounded down keeps a rest of 2^15 - 1 (one ulp
-    nearer the weight: 2^15 does not fit); a NaN keeps 0."""
-    weight = values.to(torch.bfloat16)
-    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    rest = bits - ((weight.view(torch.int16).to(torch.int64) & 0xFFFF) << 16)
-    rest.masked_fill_(rest == 0x8000, 0x7FFF)
-    rest.masked_fill_(torch.isnan(values), 0)
-    return weight, rest.to(torch.int16)
+from . import _planning, _surgery
+from ._grads import StreamedGrad
+from ._planning import DTYPE_NAMES
+from ._streamed import StreamedParam, fill, narrows, split_master
+from ._weights import Prefetcher, load_buffers
 
 
 class StrataSession:
@@ -148,12 +39,8 @@ class StrataSession:
         # state, planning): where offloading a large model spends its time.
         self.setup_seconds = {}
         started = time.perf_counter()
-        counts, element = self.block_counts(blocks), torch.finfo(dtype).bits // 8
-        hbm, dram = core.streaming_budgets(counts, element, master_layout(dtype), grads)
-        if gpu_budget is not None and grads == "hbm":
-            gpu_budget += core.grads_hbm_bytes(counts, element)  # beside the slots' budget
-        gpu_budget = hbm if gpu_budget is None else gpu_budget
-        host_budget = dram if host_budget is None else host_budget
+        gpu_budget, host_budget = _planning.session_budgets(
+            self.block_counts(blocks), dtype, grads, gpu_budget, host_budget)
         # The runtime computes on the model's GPU (cuda:1 is ordinal 1), not always the first.
         self.runtime = core.Runtime(backend=backend, hbm_budget=gpu_budget, dram_budget=host_budget,
                                     nvme=nvme, nvme_budget=nvme_budget,
@@ -201,7 +88,7 @@ class StrataSession:
 
     def block_counts(self, blocks):
         """Elements per block this process keeps in DRAM (a sharded session keeps its shards)."""
-        return [sum(p.numel() for p in b.parameters()) for b in blocks]
+        return _planning.block_elements(blocks)
 
     def build(self, optimizer=None, group_of=None):
         """Register every block (materializing meta blocks on the compute device first), with optimizer
@@ -211,8 +98,6 @@ class StrataSession:
         if self.executor is not None:
             raise RuntimeError("strata.torch: create the optimizer (strata.torch.AdamW) before "
                                "the first forward pass")
-        from .offload import materialize, rebuild_meta_buffers  # where meta blocks get storage
-        from .weights import load_buffers
         source = getattr(self, "weights_source", None)  # offload(weights=): (file, names)
         trainable_any = self.blocks_train()
         opt = None
@@ -235,7 +120,6 @@ class StrataSession:
         t = self.timed("register", t)
         reads = None
         if source is not None:  # the next block's tensors are read while this one is written
-            from .weights import Prefetcher
             reads = Prefetcher(*source, [list(b.parameters()) for b in self.blocks])
         try:
             for i, block in enumerate(self.blocks):
@@ -245,11 +129,11 @@ class StrataSession:
                 # sequential stream: 1.6-2.2 s per 202M-element normal_, 52 s for a 7B model's
                 # blocks), and its values reach the pinned arena by DMA.
                 if source is None:
-                    materialize(block, self.device, self.init)
+                    _surgery.materialize(block, self.device, self.init)
                 else:  # only the buffers: the parameters' values go from the file to the arena
                     for m in block.modules():
                         load_buffers(m, self.device, *source)
-                        rebuild_meta_buffers(m, self.device)
+                        _surgery.rebuild_meta_buffers(m, self.device)
                 t = self.timed("init", t)
                 entries = registered[i]
                 read = None
@@ -345,7 +229,7 @@ class StrataSession:
                       for entries in self.layers]
             layers = [dict(layer, weight_tier="dram", state_tier="dram")
                       for layer in core.placement_layers(
-                          counts, element, frozen, master_layout=master_layout(self.dtype),
+                          counts, element, frozen, master_layout=_planning.master_layout(self.dtype),
                           grads=self.grads_home)]
             plan = self.executor.plan_info()
             rates = {"h2d": plan.h2d_bytes_per_second, "d2h": plan.d2h_bytes_per_second}
@@ -431,7 +315,7 @@ class StrataSession:
         the fp32 values, when given in fp32)."""
         t = time.perf_counter()
         trains = sp.trainable and opt is not None
-        layout = master_layout(self.dtype)
+        layout = _planning.master_layout(self.dtype)
         # The master starts from fp32 values, not their rounded copy: a split one's low
         # halves are computed with the weight, where `values` are (on a GPU: there).
         split = trains and layout == "split" and values.dtype == torch.float32
@@ -619,7 +503,6 @@ class StrataSession:
         backward pass ends: the parameters the block just released got grads for show them
         now (a lazy StreamedGrad: nothing waits for the copy). A backward pass that raises
         later leaves them visible, so zero_grad drops them as in plain PyTorch."""
-        from .grads import StreamedGrad
         for sp in self.delivered:
             if id(sp.param) not in self.held or sp.param.grad is None:
                 self.held.add(id(sp.param))
@@ -631,7 +514,6 @@ class StrataSession:
         them as its .grad (a StreamedGrad reading them from Strata)."""
         if self.optimizer is None:
             return
-        from .grads import StreamedGrad
         for sp in self.ungraded:  # landed as zeros: back to none (waits for its layer's landing)
             self.optimizer.grad_zero(sp.weight, keep_zeros=False)
         self.ungraded = []
@@ -656,7 +538,6 @@ class StrataSession:
     def sync_grads(self):
         """Before a step or an update: a held grad the user set to None (model.zero_grad(),
         p.grad = None) is dropped in Strata too; a tensor assigned to it is refused."""
-        from .grads import StreamedGrad
         for pid in list(self.held):
             sp = self.by_id[pid]
             g = sp.param.grad

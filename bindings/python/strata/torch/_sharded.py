@@ -27,16 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from ..core import BACKWARD, FORWARD, VIEW_GRAD, VIEW_WEIGHT
-from .distributed import optimizer_threads
-from .session import StrataSession, StreamedParam
-
-ALIGN = 64  # elements: every chunk, so every parameter in a gathered block, starts aligned
-
-
-def chunk_elements(numel, shards):
-    """Elements of each rank's chunk of a parameter of `numel` elements."""
-    per = -(-numel // shards)
-    return max(ALIGN, -(-per // ALIGN) * ALIGN)
+from . import _planning
+from ._distributed import chunk_elements, optimizer_threads
+from ._session import StrataSession
+from ._streamed import StreamedParam
 
 
 class ShardedParam(StreamedParam):
@@ -84,8 +78,7 @@ class ShardedSession(StrataSession):
     # --- registration ----------------------------------------------------------------------
 
     def block_counts(self, blocks):
-        shards = self.mesh.shard_size
-        return [sum(chunk_elements(p.numel(), shards) for p in b.parameters()) for b in blocks]
+        return _planning.block_elements(blocks, self.mesh)
 
     def streamed_param(self, p, name, local, layer, index):
         sp = ShardedParam(p, name, local, layer, index)

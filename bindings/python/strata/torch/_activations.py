@@ -50,9 +50,13 @@ sequence). An out-of-memory error anywhere (the allocator counts them: a forward
 a step) turns keeping off for good; a step that made the allocator retry an allocation (free
 its cache, a device synchronization) drops the first kept block. Only on CUDA."""
 
+import contextlib
 import time
 
 import torch
+
+from . import _allocator
+from ._replay import ForwardState
 
 
 def _costly_ops():
@@ -209,8 +213,6 @@ def _forward_on_fake(run, args, kwargs, device, pack, dispatch=None, params=(), 
     TorchDispatchMode) when given, the RNG state restored after. `params` are made fake first
     and their storages added to `known`. False when it cannot be done (an op without a fake
     kernel, a custom block)."""
-    import contextlib
-
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_map
 
@@ -354,7 +356,6 @@ class ActivationKeeper:
             self.tokens = tokens
             self.measured = {}
         if tokens == self.tokens and index not in self.measured:
-            from .block import ForwardState
             started = time.perf_counter()
             # The fake forward runs ops on 0-dim CPU buffers for real (a call counter,
             # BatchNorm's num_batches_tracked): they are put back after it.
@@ -411,8 +412,7 @@ class ActivationKeeper:
         expandable segments what it allocated plus FRAGMENTATION_EXPANDABLE of the device
         (`total`) when that is less."""
         peak = torch.cuda.max_memory_reserved(self.device)
-        from .allocator import expandable_segments
-        if expandable_segments():
+        if _allocator.expandable_segments():
             allocated = torch.cuda.max_memory_allocated(self.device)
             peak = min(peak, allocated + int(total * self.FRAGMENTATION_EXPANDABLE))
         return peak
@@ -450,8 +450,7 @@ class ActivationKeeper:
     def margin(self):
         """The fraction of the device left unused: smaller when the allocator grows
         expandable segments."""
-        from .allocator import expandable_segments
-        return self.MARGIN_EXPANDABLE if expandable_segments() else self.MARGIN
+        return self.MARGIN_EXPANDABLE if _allocator.expandable_segments() else self.MARGIN
 
     def describe(self):
         """'N keep their activations (S selectively)', or '' when none do."""

@@ -13,7 +13,8 @@ import weakref
 import torch
 from torch import nn
 
-from .grads import StreamedGrad
+from ._grads import StreamedGrad
+from ._paging import StatePager, paged_groups
 
 
 @torch.no_grad()
@@ -214,7 +215,6 @@ class AdamW(torch.optim.Optimizer):
         auto = isinstance(paged, str)
         if auto and session.device.type != "cuda":
             return None  # nothing to make room for
-        from .paging import StatePager, paged_groups
         groups = paged_groups(self._resident, session, None if auto else paged)
         if not any(groups):
             return None

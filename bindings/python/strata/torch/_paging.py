@@ -57,9 +57,12 @@ buffer up to a power of two). Not under data parallelism (strata.torch.distribut
 residents replicated and in sync as they are); on the CPU (the tests) the host copy is another
 CPU buffer and nothing is sized."""
 
+import os
 import weakref
 
 import torch
+
+from . import _host
 
 
 class StatePager:
@@ -449,10 +452,7 @@ def _available_host_bytes():
     """The host memory available now (Linux's MemAvailable: free plus what the kernel can
     reclaim, read as offload reads it for its budgets), or the free pages where
     /proc/meminfo cannot be read."""
-    import os
-
-    from .offload import _mem_available
-    available = _mem_available()
+    available = _host.mem_available()
     if available is not None:
         return available
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
