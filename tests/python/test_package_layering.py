@@ -17,6 +17,7 @@ MODULE_ORDER = [
     "strata.core",
     "strata.torch._host",  # host probes: MemAvailable, free disk, a NUMA node's CPUs
     "strata.torch._allocator",  # torch's CUDA caching allocator settings
+    "strata.torch._params",  # per-parameter bookkeeping, a table keyed by the parameter
     "strata.torch._surgery",  # model surgery: blocks, shared parameters, meta modules, swap
     "strata.torch._weights",  # offload(weights=): a safetensors checkpoint as the source
     "strata.torch._replay",  # a block's forward state replayed for its recompute
@@ -25,8 +26,8 @@ MODULE_ORDER = [
     "strata.torch._activations",  # which resident blocks keep their activations
     "strata.torch._planning",  # sizing: budgets, resident blocks, the NVMe placement check
     "strata.torch._streamed",  # a streamed parameter's place in Strata; filling tensors
+    "strata.torch._layout",  # where parameters live: whole on one process, or sharded
     "strata.torch._session",  # StrataSession: runtime, registration, the step, values
-    "strata.torch._sharded",  # ShardedSession: data parallelism
     "strata.torch._block",  # a streamed block's forward (checkpointed autograd function)
     "strata.torch._hooks",  # the model's state_dict / load / _apply / forward hooks
     "strata.torch._paging",  # resident optimizer state paged to host memory

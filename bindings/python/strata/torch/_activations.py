@@ -19,7 +19,7 @@ batch's activations and logits are unknown then), so it is measured:
   (AdamW's moments exist from the first): reserved, not allocated, since with the default
   allocator what fragmentation strands is as unusable as what is allocated (an H200 run
   planned from the allocated peak ran out of memory asking for 15.6 GiB of logits with 11 GiB
-  reserved and unused); with expandable segments (strata.torch.allocator) the allocated peak
+  reserved and unused); with expandable segments (strata.torch._allocator) the allocated peak
   plus 2% of the device when that is less, since that allocator gives back what it caches
   where an allocation needs it (ActivationKeeper.peak);
 - what torch could hold at most: the device's free memory plus what torch holds now (the CUDA
@@ -43,7 +43,7 @@ a write through _unsafe_view's tensor, and the grads would be silently wrong).
 From the third step on, the last resident blocks skip recompute (plan_kept): from the last
 block back, each kept selectively (wholly when it cannot be) while its bytes x 1.25 fit in
 usable - peak - margin, then upgraded to whole, from the last back, with what that leaves;
-the margin is 4% of the device with expandable segments (strata.torch.allocator), 10%
+the margin is 4% of the device with expandable segments (strata.torch._allocator), 10%
 without. A forward pass with more tokens, or longer sequences, than the measured steps had
 runs checkpointed (activations and logits grow with the tokens, attention's with the
 sequence). An out-of-memory error anywhere (the allocator counts them: a forward, a backward,
@@ -257,7 +257,7 @@ class ActivationKeeper:
     # measured steps did not show.
     MARGIN = 0.10
     BLOCK_FACTOR = 1.25
-    # With expandable segments (strata.torch.allocator) a new allocation pattern strands
+    # With expandable segments (strata.torch._allocator) a new allocation pattern strands
     # little: the 8B at 32x1024 reserved 1.7 GB over its allocated peak instead of 17.7. (A
     # block factor of 1.10 as well kept 2 more 3.6B blocks and 1 more 8B block at 32x1024 for
     # no faster step: docs/benchmarks.md.)
@@ -267,7 +267,7 @@ class ActivationKeeper:
     # maps them where they are needed), not memory lost to fragmentation: the plan counts the
     # allocated peak plus this fraction of the device (pages partly used, the allocator's
     # rounding), or the reserved peak when that is less. With paged optimizer state
-    # (strata.torch.paging) the reserved peak ran to the device's size with 91-95 GB allocated
+    # (strata.torch._paging) the reserved peak ran to the device's size with 91-95 GB allocated
     # of 139 (an 8B at 32x1024), which left nothing to keep.
     FRAGMENTATION_EXPANDABLE = 0.02
     DECIDE_AFTER_STEPS = 2
@@ -374,7 +374,7 @@ class ActivationKeeper:
 
     def on_step(self, settled=True, paged=False):
         """After an optimizer step: the decision, once enough steps were measured and the
-        memory a step uses has `settled` (strata.torch.paging sizes what it pages first).
+        memory a step uses has `settled` (strata.torch._paging sizes what it pages first).
         `paged`: optimizer state leaves the device between steps; the steps before it settled
         used memory in another pattern, and what the allocator reserved for them (it keeps
         what it reserved) is not what a step needs now: the cache is emptied and the peak

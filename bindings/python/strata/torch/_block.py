@@ -17,15 +17,15 @@ from ._replay import ForwardState, without_caches
 def note_memory(session, error):
     """An out-of-memory error on the device names what Strata kept there, and the knob."""
     notes = getattr(error, "__notes__", [])
-    if isinstance(error, torch.OutOfMemoryError) and getattr(session, "resident_blocks", None) \
+    if isinstance(error, torch.OutOfMemoryError) and session.resident_blocks \
             and not any(n.startswith("strata.torch:") for n in notes):
         error.add_note(
             "strata.torch: %d block(s) are kept resident in device memory "
             "(st.offload(resident_blocks=...), by default what 40%% of the free memory held at "
             "offload); pass a smaller resident_blocks, or 0, to leave more to activations"
             % len(session.resident_blocks))
-        keeper = getattr(session, "activations", None)
-        if keeper is not None and keeper.count > 0 and keeper.forced is None:
+        keeper = session.activations
+        if keeper.count > 0 and keeper.forced is None:
             # The measured plan was wrong for this step: recompute again from the next one.
             error.add_note(
                 "strata.torch: %d resident block(s) were keeping their activations (measured "
@@ -207,7 +207,7 @@ def _refuse_grads_left_behind(session, index, before, call, known):
     `self.aux = ...`, or put into a list or dict it was given) carried no grad when the
     caller read it, so a loss built from it (a router's auxiliary loss) silently did not
     train. Seen here, where the recompute leaves one that requires grad."""
-    if getattr(session, "allow_inner_hooks", False):
+    if session.allow_inner_hooks:
         return
     block, prefix = session.blocks[index], session.prefixes[index]
     # The block's inputs and outputs are exempt: kept by the caller too, they carry grad in
@@ -305,7 +305,7 @@ def refuse_inner_hooks(session, index):
     inside it fires twice a step and captures tensors with no gradient, so a loss built from
     them (a mixture-of-experts router's auxiliary loss, collected through hooks) would silently
     not train. Refused, unless the session allows hooks that only observe."""
-    if getattr(session, "allow_inner_hooks", False):
+    if session.allow_inner_hooks:
         return
     found = inner_forward_hooks(session.blocks[index], session.prefixes[index])
     if found:

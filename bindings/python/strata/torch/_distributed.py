@@ -24,7 +24,7 @@ except ImportError:  # a torch built without distributed support
 
 
 # Elements: every rank's chunk of a streamed parameter, so every parameter in a gathered block,
-# starts aligned (strata.torch._sharded lays the chunks out; offload's sizing counts them).
+# starts aligned (strata.torch._layout lays the chunks out; offload's sizing counts them).
 ALIGN = 64
 
 

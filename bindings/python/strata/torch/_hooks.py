@@ -7,6 +7,7 @@ which says why it cannot be."""
 
 import torch
 
+from . import _params
 from ._block import note_memory
 from ._surgery import swap_data
 
@@ -74,7 +75,7 @@ class LoadsBeforeBuild:
             if torch.is_tensor(value) and value.shape == p.shape:
                 if p.is_meta:  # uninitialized host memory, the loaded values copied in next
                     swap_data(p, torch.empty(p.shape, dtype=p.dtype))
-                p._strata_loaded = True
+                _params.mark_loaded(p)
         for name, b in list(module.named_buffers(recurse=False)):
             value = state_dict.get(prefix + name)
             if b.is_meta and name not in module._non_persistent_buffers_set and \
@@ -87,7 +88,7 @@ class ResidentFp32Loads:
     """Pre- and post-hook of load_state_dict on every module holding a resident parameter
     with offload's fp32 values (the model, its head, the embedding's module...): a resident
     parameter cast to a narrower compute dtype keeps the fp32
-    values its master will start from (`_strata_fp32`, until the optimizer exists); a load
+    values its master will start from (strata.torch._params, until the optimizer exists); a load
     into it brings values the cast rounds, so they become the kept ones too (dropped, the
     master would start from the rounded parameter: 2e-4 off a plain fp32 model loaded with
     the same values)."""
@@ -98,16 +99,16 @@ class ResidentFp32Loads:
     def pre(self, module, state_dict, prefix, *args):
         self.pending[id(module)] = [
             (p, state_dict[prefix + name]) for name, p in module.named_parameters()
-            if "_strata_fp32" in p.__dict__ and torch.is_tensor(state_dict.get(prefix + name))
+            if _params.fp32(p) is not None and torch.is_tensor(state_dict.get(prefix + name))
             and state_dict[prefix + name].shape == p.shape]
 
     @torch.no_grad()
     def post(self, module, incompatible):
         for p, value in self.pending.pop(id(module), []):
-            kept = p.__dict__.get("_strata_fp32")
+            kept = _params.fp32(p)
             if kept is not None and torch.equal(value.to(p.device, p.dtype), p.detach()):
                 kept.copy_(value)  # what the load wrote, before its rounding
-                p._strata_fp32_version = p._version
+                _params.note_fp32_version(p)
 
 
 def refuse_assign(local_metadata):
@@ -184,9 +185,9 @@ class ModelForwardBegins:
     checkpointing with use_reentrant=True around a streamed block fails in its backward pass
     with torch's own message (reentrant checkpointing is incompatible with .grad(), which a
     streamed block's backward uses): refused first, naming the fix. Then the session's
-    on_forward_begin callbacks, with None (strata.torch.paging times the forward pass).
-    `around`: _surgery.blocks_around's modules, the only ones looked at (the hook runs at every training
-    forward pass; checkpointing elsewhere does not wrap a streamed block)."""
+    on_forward_begin callbacks, with None (strata.torch._paging times the forward pass).
+    `around`: _surgery.blocks_around's modules, the only ones looked at (the hook runs at every
+    training forward pass; checkpointing elsewhere does not wrap a streamed block)."""
 
     def __init__(self, session, around):
         self.session = session
@@ -213,14 +214,13 @@ class ModelForwardBegins:
 
 def guard_apply(session, module, streamed):
     """`module`'s _apply, guarded: changing dtype or device of streamed blocks (model.to(...),
-    .half(), .cuda()) cannot work: their values live in Strata. Refused loudly before anything is converted, on every
-    module holding streamed blocks (`streamed`: their parameters); a conversion that changes
-    nothing (model.to(the same device), as accelerate's prepare() does) passes."""
+    .half(), .cuda()) cannot work: their values live in Strata. Refused loudly before anything
+    is converted, on every module holding streamed blocks (`streamed`: their parameters); a
+    conversion that changes nothing (model.to(the same device), as accelerate's prepare() does)
+    passes."""
     original = module._apply
 
     def _apply(fn, *args, **kwargs):
-        if session.applying:
-            return original(fn, *args, **kwargs)
         for p in streamed:
             t = fn(p.data)
             if t.dtype != p.dtype or t.device != p.device:
@@ -237,7 +237,7 @@ def guard_apply(session, module, streamed):
 
 def note_memory_errors(model, session):
     """Out-of-memory errors raised by the model's forward pass (logits, resident blocks) get
-    the same note as the streamed blocks' (strata.torch.block.note_memory)."""
+    the same note as the streamed blocks' (strata.torch._block.note_memory)."""
     run = model.forward
 
     def forward(*args, **kwargs):

@@ -21,12 +21,11 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from . import _allocator, _distributed, _hooks, _planning, _surgery, _weights
-from ._activations import ActivationKeeper
+from . import _allocator, _distributed, _hooks, _params, _planning, _surgery, _weights
 from ._block import streamed_forward
+from ._layout import ShardedLayout
 from ._replay import replaying_forward_state, without_caches
-from ._session import StrataSession
-from ._sharded import ShardedSession
+from ._session import SessionChoices, StrataSession
 
 
 class _Rollback:
@@ -256,19 +255,22 @@ def _build(model, request, plan, rollback):
     """The session: its runtime with the planned budgets and, with NVMe, the placement of the
     training state chosen with the rates measured on it (closed again on a later failure)."""
     prefixes = {id(m): n + "." for n, m in model.named_modules(remove_duplicate=False)}
-    names = [prefixes[id(b)] for b in plan.blocks]  # each block's prefix in the model's names
-    init = getattr(model, "_init_weights", None)
-    args = (plan.blocks, names, request.device, request.dtype, request.gpu_budget,
-            plan.host_budget, request.nvme, plan.nvme_budget, request.backend,
-            request.slot_budget, init)
-    if request.mesh is None:
-        session = StrataSession(*args, grads=request.grads_home)
-    else:
-        session = ShardedSession(request.mesh, *args)
+    choices = SessionChoices(
+        blocks=plan.blocks, prefixes=[prefixes[id(b)] for b in plan.blocks],
+        device=request.device, dtype=request.dtype, backend=request.backend,
+        gpu_budget=request.gpu_budget, host_budget=plan.host_budget, nvme=request.nvme,
+        nvme_budget=plan.nvme_budget, slot_budget=request.slot_budget,
+        grads_home=request.grads_home, init=getattr(model, "_init_weights", None),
+        resident_blocks=plan.kept, weights_source=request.source)
+    layout = None
+    if request.mesh is not None:
+        # Everything outside the streamed blocks is replicated on every rank, its grads averaged
+        # after backward (the same parameter objects once _move_residents gave them storage).
+        streamed = {id(p) for b in plan.blocks for p in b.parameters()}
+        layout = ShardedLayout(request.mesh,
+                               [p for p in model.parameters() if id(p) not in streamed])
+    session = StrataSession(choices, layout)
     rollback.push(session.close)
-    session.resident_blocks = plan.kept
-    session.weights_source = request.source
-    session.kept_fp32 = []  # resident parameters with offload's fp32 values (_strata_fp32)
     if plan.layers is not None:
         try:
             session.place(plan.layers, plan.host_budget, plan.place_nvme,
@@ -289,19 +291,13 @@ def _install(model, session, request, plan, rollback):
         undo = _allocator.prefer_expandable_segments(request.device)
         if undo is not None:
             rollback.push(undo)
-    session.applying = False
-    session.anchor = torch.zeros(0, device=request.device, requires_grad=True)
-    # Its grad accumulator: whether a backward pass will run it says whether that pass
-    # accumulates into parameters (loss.backward()) or not (torch.autograd.grad).
-    session.anchor_node = session.anchor.view_as(session.anchor).grad_fn.next_functions[0][0]
     for i, block in enumerate(plan.blocks):
         for p in block.parameters():
-            p._strata_session = session
+            _params.set_owner(p, session)
         rollback.push(functools.partial(_unmark_owner, block))
         _set_attribute(block, "forward", streamed_forward(session, i, block.forward), rollback)
         for handle in _hooks.install_state_hooks(session, i, block):
             rollback.push(handle.remove)
-    session.activations = ActivationKeeper(request.device, plan.kept)
     for index, block in enumerate(plan.kept):
         _remember_attribute(block, "forward", rollback)
         _keep_resident(session, index, block)
@@ -336,7 +332,7 @@ def _reset_attribute(obj, name, before):
 
 def _unmark_owner(block):
     for p in block.parameters():
-        p.__dict__.pop("_strata_session", None)
+        _params.set_owner(p, None)
 
 
 def _move_residents(model, session, request, plan, rollback):
@@ -365,10 +361,10 @@ def _move_residents(model, session, request, plan, rollback):
                     # Its fp32 master (strata.torch.AdamW) starts from these values, unless
                     # the parameter is written before the optimizer exists (a load: its
                     # version moves) and the master starts from what was written.
-                    p._strata_fp32 = p.data
+                    _params.keep_fp32(p, p.data)
                 p.data = p.data.to(device, dtype)
-                if "_strata_fp32" in p.__dict__:
-                    p._strata_fp32_version = p._version
+                if _params.fp32(p) is not None:
+                    _params.note_fp32_version(p)
                     session.kept_fp32.append(p)
             _surgery.rebuild_meta_buffers(m, device)
             for name, b in list(m.named_buffers(recurse=False)):
@@ -376,9 +372,6 @@ def _move_residents(model, session, request, plan, rollback):
     finally:
         if reads is not None:
             reads.close()
-    if request.mesh is not None:  # replicated on every rank, their grads averaged after backward
-        streamed = {id(p) for b in plan.blocks for p in b.parameters()}
-        session.residents = [p for p in model.parameters() if id(p) not in streamed]
 
 
 def _restore_param(p, data):
@@ -386,8 +379,7 @@ def _restore_param(p, data):
     go back from a real tensor to the meta device, and nothing of it was used)."""
     if not data.is_meta or p.is_meta:
         p.data = data
-    p.__dict__.pop("_strata_fp32", None)
-    p.__dict__.pop("_strata_fp32_version", None)
+    _params.drop_fp32(p)
 
 
 def _restore_buffer(module, name, value):

@@ -6,6 +6,8 @@ data while staying the same object). Knows torch's modules, not Strata."""
 import torch
 from torch import nn
 
+from . import _params
+
 
 def find_blocks(model):
     """The model's repeated blocks: Hugging Face decoders keep them in model.model.layers (or
@@ -77,7 +79,8 @@ def swap_data(p, data):
     optimizer groups, names and tied modules keep pointing at it): torch.utils.swap_tensors,
     as .data cannot go from the meta device to a real one."""
     attrs = dict(p.__dict__)
-    torch.utils.swap_tensors(p, torch.nn.Parameter(data, p.requires_grad))
+    with _params.unreferenced(p):  # swap_tensors refuses a tensor with weak references
+        torch.utils.swap_tensors(p, torch.nn.Parameter(data, p.requires_grad))
     p.__dict__.update(attrs)
 
 
