@@ -37,9 +37,16 @@ class _Rollback:
     def push(self, undo):
         self._undo.append(undo)
 
-    def run(self):
+    def run(self, error):
+        """Undo everything, last first, for `error` (the failure that stops offload, which is
+        the one raised): an undo that fails too does not stop the others; it is noted on
+        `error`."""
         while self._undo:
-            self._undo.pop()()
+            undo = self._undo.pop()
+            try:
+                undo()
+            except Exception as e:  # noqa: BLE001 (every undo runs; the first error is raised)
+                error.add_note("strata.torch.offload: undoing %r failed too: %r" % (undo, e))
 
 
 @dataclasses.dataclass
@@ -129,8 +136,8 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         started = time.perf_counter()
         _install(model, session, request, plan, rollback)
         _move_residents(model, session, request, plan, rollback)
-    except BaseException:
-        rollback.run()
+    except BaseException as e:
+        rollback.run(e)
         raise
     session.timed("residents", started)  # the model outside the streamed blocks, on the device
     _attach(model, session, plan)
