@@ -210,13 +210,8 @@ def load_checkpoint(path, model, optimizer=None):
     # not the optimizer's state is part of it (strata_checkpoint_load).
     session.runtime.load_checkpoint(session.layout.streamed_dir(path),
                                     session.optimizer if optimizer is not None else None)
-    if optimizer is None:
-        # The weights only: the masters follow them (the optimizer's moments stay), as after
-        # model.load_state_dict.
-        session.masters_from_weights()
-        # Before the optimizer exists: every block's weights are the checkpoint's now, so the
-        # optimizer may lay the blocks out again from them (StrataSession.unbuild).
-        session.relayable = session.optimizer is None
+    if optimizer is None:  # the weights only
+        session.weights_loaded()
     for name, value in saved.items():
         targets[name].copy_(value)
     if optimizer is not None:

@@ -151,7 +151,6 @@ class AdamW(torch.optim.Optimizer):
             if session.executor is None:  # (frozen blocks built before: nothing to lay out)
                 session.build(dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
                                    weight_decay=weight_decay, threads=threads), group_of)
-            session.optimizer_made = True
         # Resident parameters: torch's AdamW on fp32 masters (the parameter itself when fp32).
         self._resident = []  # (param, master, our group index)
         inner_groups, self._inner_of = [], {}
@@ -180,12 +179,8 @@ class AdamW(torch.optim.Optimizer):
                 inner_groups.append(dict(params=masters, lr=group["lr"], betas=group["betas"],
                                          eps=group["eps"], weight_decay=group["weight_decay"]))
         self._inner = _resident_adamw(inner_groups, foreach, fused) if inner_groups else None
-        # Offload's fp32 copies of the parameters not given to this optimizer (frozen ones:
-        # an 8B's embedding and head under LoRA, 4 GB) go too.
-        if self._session is not None:
-            for p in self._session.kept_fp32:
-                _params.drop_fp32(p)
-            self._session.kept_fp32 = []
+        if self._session is not None:  # its masters took offload's fp32 copies: they go
+            self._session.optimizer_created()
         self._pager = self._make_pager()
         # Each resident parameter's version (torch's in-place write counter) when its master
         # and it last agreed: a write since (model.load_state_dict, st.load_checkpoint, an

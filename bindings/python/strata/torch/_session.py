@@ -660,6 +660,24 @@ class StrataSession:
             return  # an fp32 weight is its own master
         self.layout.masters_from_weights()
 
+    def weights_loaded(self):
+        """Every block's weights were just written from a checkpoint without optimizer state:
+        the masters follow them, as after model.load_state_dict (the optimizer's moments
+        stay); before the optimizer exists, it may lay the blocks out again from them
+        (unbuild)."""
+        self.masters_from_weights()
+        self.relayable = self.optimizer is None
+
+    def optimizer_created(self):
+        """strata.torch.AdamW was made for this session (its blocks laid out with it, or frozen
+        ones kept as built): offload's fp32 copies of resident parameters are its masters'
+        now or not needed (frozen ones: an 8B's embedding and head under LoRA, 4 GB), and
+        go."""
+        self.optimizer_made = True
+        for p in self.kept_fp32:
+            _params.drop_fp32(p)
+        self.kept_fp32 = []
+
     def store_weight(self, sp, values):
         """write_weight's writes, its checks done: the weight and, when trained, the master."""
         self.layout.store_weight(sp, values)
