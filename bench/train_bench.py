@@ -76,7 +76,7 @@ def probe_compute(config, batch, seq, device):
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
     from llama_zoo.torch_llama import DecoderLayer, rotary
-    from strata.torch.activations import selective_bytes, selective_context
+    from strata.torch._activations import selective_bytes, selective_context
 
     dtype = torch.bfloat16
     block = DecoderLayer(config).to(device, dtype)
@@ -227,7 +227,7 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
     cuda = device.type == "cuda"
     # Every mode on the allocator strata.torch.offload sets up (expandable segments unless the
     # environment says otherwise), so the resident and DeepSpeed modes are measured alike.
-    from strata.torch.allocator import prefer_expandable_segments
+    from strata.torch._allocator import prefer_expandable_segments
     prefer_expandable_segments(device)
     torch.manual_seed(0)
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -248,10 +248,8 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
     if mode == "strata-separate":
         # strata with whole fp32 masters (strata.h STRATA_MASTER_SEPARATE) instead of split
         # ones: the layout before, for comparison in the same run.
-        import strata.torch.session
-        separate = lambda dtype: "separate"  # noqa: E731
-        strata.torch.session.master_layout = separate
-        sys.modules["strata.torch.offload"].master_layout = separate
+        import strata.torch._planning
+        strata.torch._planning.master_layout = lambda dtype: "separate"
         mode = "strata"
     grads = "host"
     if mode == "strata-device-grads":

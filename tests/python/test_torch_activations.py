@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from strata.torch.activations import (ActivationKeeper, plan_kept, saved_bytes, saves_output,
+from strata.torch._activations import (ActivationKeeper, plan_kept, saved_bytes, saves_output,
                                       selective_bytes, selective_context, shape_of, tokens_of,
                                       COSTLY_OPS)
 from torch_parity_models import ARCHS, DEVICE, build
@@ -276,7 +276,7 @@ def resident_run(blocks, plan_from):
     """Installs the resident wrapper on `blocks` (a measured keeper, as on CUDA), runs a
     forward pass with grad to measure them, plans with `plan_from(keeper)` spare bytes, then
     returns the keeper and the grads of a step run that way."""
-    from strata.torch.offload import _keep_resident
+    from strata.torch._offload import _keep_resident
     keeper = ActivationKeeper(torch.device("cpu"), blocks)
     keeper.enabled = True
     session = types.SimpleNamespace(activations=keeper, on_resident_forward_begin=[])
@@ -346,7 +346,7 @@ def test_measuring_leaves_the_buffers_alone():
 def test_an_out_of_memory_error_turns_keeping_off():
     """An out-of-memory error in a forward pass while blocks keep their activations says so,
     and the next steps recompute again (the measured plan did not hold for that step)."""
-    from strata.torch.block import note_memory
+    from strata.torch._block import note_memory
 
     class Session:
         resident_blocks = [object()] * 3
@@ -383,7 +383,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *_: memory["reserved_peak"])
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *_: memory["allocated_peak"])
     monkeypatch.setattr(ActivationKeeper, "margin", lambda self: 0.0)
-    import strata.torch.allocator as allocator
+    import strata.torch._allocator as allocator
     monkeypatch.setattr(allocator, "expandable_segments", lambda: memory["expandable"])
     return memory, calls
 

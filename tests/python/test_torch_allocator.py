@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import strata.torch as st
-from strata.torch import allocator
-from strata.torch.activations import ActivationKeeper
+from strata.torch import _allocator as allocator
+from strata.torch._activations import ActivationKeeper
 from torch_parity_models import ARCHS, DEVICE, build
 
 CUDA = torch.device("cuda", 0)
@@ -142,7 +142,7 @@ def check_offload_and_its_undo(monkeypatch):
     assert not new_segment_is_expandable()
 
     import sys
-    offload_module = sys.modules["strata.torch.offload"]  # the package's name is the function
+    offload_module = sys.modules["strata.torch._surgery"]  # the package's name is the function
 
     def fail(*args, **kwargs):
         raise RuntimeError("injected")

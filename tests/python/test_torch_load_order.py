@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 import strata.torch as st  # noqa: E402
+from strata.torch import _params  # noqa: E402 (where offload keeps the fp32 copies)
 
 from torch_parity_models import (  # noqa: E402
     DEVICE, LR, WD, assert_state_close, batches, build, config, deepcopy, model_class,
@@ -397,9 +398,9 @@ def test_frozen_residents_drop_offloads_fp32_copies(offload):
     model = offload(build("llama"), dtype=torch.bfloat16)
     model.lm_head.requires_grad_(False)
     model.model.embed_tokens.requires_grad_(False)
-    assert any("_strata_fp32" in p.__dict__ for p in model.parameters())
+    assert any(_params.fp32(p) is not None for p in model.parameters())
     st.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    assert not any("_strata_fp32" in p.__dict__ for p in model.parameters())
+    assert not any(_params.fp32(p) is not None for p in model.parameters())
 
 
 def test_fp16_values_after_a_checkpoint_load_keep_the_optimizer_out(offload, tmp_path):

@@ -183,7 +183,8 @@ def test_automatic_resident_blocks_leave_room_for_the_rest_of_a_meta_model(monke
     128k-vocabulary 8B kept 7 blocks on an 80 GB GPU and ran out of memory."""
     import dataclasses
 
-    from strata.torch.offload import _auto_resident_blocks, find_blocks
+    from strata.torch._planning import _auto_resident_blocks
+    from strata.torch._surgery import find_blocks
     # A large vocabulary: the embedding and head outweigh several blocks, as at 8B with 128k.
     config = dataclasses.replace(PRESETS["tiny"], vocab_size=8192)
     with torch.device("meta"):
@@ -247,7 +248,7 @@ def test_bf16_split_masters_train_as_separate_ones_in_less_dram(device, monkeypa
     start as the model's fp32 values (split where the values are: on a GPU, there), training
     gives the losses, weights and masters of separate fp32 masters (the layout before), and
     DRAM holds 2 bytes per streamed parameter less."""
-    import strata.torch.session as session
+    import strata.torch._planning as session
     torch.manual_seed(5)
     config = PRESETS["tiny"]
     base = LlamaForCausalLM(config)
@@ -318,7 +319,7 @@ def test_weights_loaded_without_the_optimizer_are_what_the_next_steps_train(dtyp
     the loaded weight: a master left as it was would put the old weights back at the next
     update. Checked sharply: a step at lr 0 then changes nothing; and both loads then train
     alike."""
-    import strata.torch.session as session
+    import strata.torch._planning as session
     monkeypatch.setattr(session, "master_layout", lambda d: layout)
     config = PRESETS["tiny"]
     torch.manual_seed(6)

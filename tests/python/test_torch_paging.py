@@ -150,7 +150,7 @@ def test_host_memory_is_unregistered_when_the_optimizer_goes(sessions, monkeypat
     freed while registered stays registered at its address, and a later tensor allocated
     there failed its copies with cudaErrorInvalidValue (found by the next test file on CUDA)."""
     import gc
-    import strata.torch.paging as paging
+    import strata.torch._paging as paging
     done = []
     unregister = paging._unregister
     monkeypatch.setattr(paging, "_unregister",
@@ -228,7 +228,7 @@ def test_auto_pages_what_fits_on_the_host(available, active, sessions, monkeypat
     end the first groups that fit in half the host's available memory page, from then on
     (none fit: nothing ever pages, no host memory is taken, and the activation keeper is
     told it settled). Training is bit for bit the unpaged run's."""
-    import strata.torch.paging as paging
+    import strata.torch._paging as paging
     base = build("llama", layers=4)
     data = batches(4)
     expected = None
@@ -380,7 +380,7 @@ def test_auto_counts_the_moments_to_come(sessions, monkeypatch):
     step without grads (a warm-up) has no moments yet, and the host memory it then took once
     they came was 3x its share (a review found it). The moments are counted from the masters:
     with room for the masters alone, nothing pages."""
-    import strata.torch.paging as paging
+    import strata.torch._paging as paging
     model = offloaded(build("llama", layers=4), sessions, dtype=torch.bfloat16)
     monkeypatch.setattr(st.AdamW, "PAGED_STATE", 0)
     opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
@@ -421,7 +421,7 @@ def test_the_keeper_measures_afresh_when_sizing_stops_paging(sessions, monkeypat
     steps before ran in another memory pattern (the state out at the loss): the activation
     keeper still empties the allocator's cache and measures the next step instead of planning
     from those peaks (it planned at once: a review found it)."""
-    import strata.torch.allocator as allocator
+    import strata.torch._allocator as allocator
     gb, calls = 1 << 30, []
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda *_: {"num_alloc_retries": 0,
                                                                 "num_ooms": 0})

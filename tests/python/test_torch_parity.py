@@ -1198,7 +1198,7 @@ def test_weights_from_safetensors(arch, sharded, resident, nvme, offload, tmp_pa
         raise AssertionError("materialized (and initialized) although weights= gives values")
 
     import sys
-    monkeypatch.setattr(sys.modules["strata.torch.offload"], "materialize", no_materialize)
+    monkeypatch.setattr(sys.modules["strata.torch._surgery"], "materialize", no_materialize)
     extra = {}
     if nvme:
         counts = [[p.numel() for p in b.parameters()] for b in blocks_of(base)]

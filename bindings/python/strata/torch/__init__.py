@@ -18,10 +18,15 @@ Their grads go to DRAM and show as each parameter's .grad (strata.torch.Streamed
 clipping, scaling and zeroing work on them as on any grad. strata.torch.AdamW is a
 torch.optim.Optimizer: at step() Strata's CPU AdamW updates the blocks' fp32 masters while the
 next forward pass runs, and torch's AdamW the resident parameters (embedding, final norm, head).
-Whole-state checkpoints: strata.torch.save_checkpoint / load_checkpoint. See docs/python.md."""
-from .offload import offload, find_blocks  # noqa: F401
-from .optim import AdamW  # noqa: F401
-from .grads import StreamedGrad  # noqa: F401
-from .session import StrataSession  # noqa: F401
-from .checkpoint import save_checkpoint, load_checkpoint  # noqa: F401
-from .distributed import DataParallel, DataParallelError  # noqa: F401
+Whole-state checkpoints: strata.torch.save_checkpoint / load_checkpoint. See docs/python.md.
+
+The names above are the package's surface; its modules are private (a leading underscore),
+layered bottom to top as tests/python/test_package_layering.py declares."""
+from ._checkpoint import load_checkpoint, save_checkpoint
+from ._distributed import DataParallel, DataParallelError
+from ._grads import StreamedGrad
+from ._offload import offload
+from ._optim import AdamW
+
+__all__ = ["offload", "AdamW", "StreamedGrad", "save_checkpoint", "load_checkpoint",
+           "DataParallel", "DataParallelError"]

@@ -53,13 +53,16 @@ The cost: 12 bytes a parameter over the PCIe link each way a step, at times the 
 little (the forward pass's weights go the other way, the backward pass moves the streamed
 blocks' grads and weights, 2 bytes a parameter each), and the host memory to hold them,
 registered with CUDA once at the first page-out (not torch's pinned allocator, which rounds a
-buffer up to a power of two). Not under data parallelism (strata.torch.distributed keeps the
+buffer up to a power of two). Not under data parallelism (strata.torch._distributed keeps the
 residents replicated and in sync as they are); on the CPU (the tests) the host copy is another
 CPU buffer and nothing is sized."""
 
+import os
 import weakref
 
 import torch
+
+from . import _host
 
 
 class StatePager:
@@ -91,6 +94,7 @@ class StatePager:
         # between the blocks' activations stranded as much memory as was paged: an 8B's
         # reserved peak stayed at 139 GB with 91 GB allocated).
         self.flat = None
+        self._layout = None  # [(id(tensor), offset)] of the paged tensors in the flat buffer
         self.coming = []  # those not yet queued back
         self.departed = None  # event after the copies out
         self.arrived = None  # event after the copies back, for the step to wait on
@@ -355,7 +359,7 @@ class StatePager:
             offsets.append(total)
             total += _aligned(_nbytes(h))
         storage = self.flat.untyped_storage() if self.flat is not None else None
-        if storage is not None and getattr(self, "_layout", None) == \
+        if storage is not None and self._layout == \
                 [(id(t), o) for (t, _), o in zip(self.pairs, offsets)]:
             storage.resize_(total)
             return
@@ -449,10 +453,7 @@ def _available_host_bytes():
     """The host memory available now (Linux's MemAvailable: free plus what the kernel can
     reclaim, read as offload reads it for its budgets), or the free pages where
     /proc/meminfo cannot be read."""
-    import os
-
-    from .offload import _mem_available
-    available = _mem_available()
+    available = _host.mem_available()
     if available is not None:
         return available
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -508,7 +509,7 @@ def paged_groups(resident, session, blocks):
     `blocks`: only the first that many resident blocks' (None: all of it)."""
     masters = {id(p): master for p, master, _ in resident}
     groups, seen = [], set()
-    for block in getattr(session, "resident_blocks", [])[:blocks]:
+    for block in session.resident_blocks[:blocks]:
         group = [masters[id(p)] for p in block.parameters() if id(p) in masters]
         seen.update(id(p) for p in block.parameters())
         groups.append(group)

@@ -1,9 +1,9 @@
-"""strata.torch.distributed: data-parallel training of an offloaded model over the ranks of a
-torch.distributed process group (NCCL on GPUs, gloo on the CPU). docs/architecture.md, "Data
-parallel", has the design; this module holds its options (DataParallel) and its collectives
-(Mesh): the process groups Strata creates for itself, each with Strata's timeout, and every
-collective wrapped so that a failed or silent peer becomes one clear error on every rank
-instead of a hang.
+"""Data-parallel training of an offloaded model over the ranks of a torch.distributed process
+group (NCCL on GPUs, gloo on the CPU). docs/architecture.md, "Data parallel", has the design;
+this module holds its options (DataParallel), its collectives (Mesh: the process groups Strata
+creates for itself, each with Strata's timeout, and every collective wrapped so that a failed
+or silent peer becomes one clear error on every rank instead of a hang) and the size of each
+rank's chunk of a streamed parameter.
 
 The ranks are arranged as replicas x shards: `shard_size` consecutive ranks (by default the
 ranks of one host) share one copy of the streamed blocks' training state, each rank holding
@@ -11,15 +11,27 @@ ranks of one host) share one copy of the streamed blocks' training state, each r
 its own pinned DRAM; the shard groups are replicas of each other (one per host)."""
 
 import datetime
-import os
 import socket
 
 import torch
+
+from . import _host
 
 try:
     import torch.distributed as dist
 except ImportError:  # a torch built without distributed support
     dist = None
+
+
+# Elements: every rank's chunk of a streamed parameter, so every parameter in a gathered block,
+# starts aligned (strata.torch._layout lays the chunks out; offload's sizing counts them).
+ALIGN = 64
+
+
+def chunk_elements(numel, shards):
+    """Elements of each rank's chunk of a parameter of `numel` elements."""
+    per = -(-numel // shards)
+    return max(ALIGN, -(-per // ALIGN) * ALIGN)
 
 
 class DataParallelError(RuntimeError):
@@ -269,28 +281,5 @@ def optimizer_threads(mesh, numa_node):
     (one rank alone gets Strata's own default: the node's CPUs less one)."""
     here = (socket.gethostname(), numa_node)
     sharing = mesh.gather_objects(here).count(here)
-    cpus = _node_cpus(numa_node)
+    cpus = _host.node_cpus(numa_node)
     return max(1, cpus // sharing - 1)
-
-
-def _node_cpus(node):
-    allowed = os.sched_getaffinity(0)
-    if node is not None and node >= 0:
-        try:
-            with open("/sys/devices/system/node/node%d/cpulist" % node) as f:
-                listed = _parse_cpulist(f.read())
-            if listed & allowed:
-                return len(listed & allowed)
-        except OSError:
-            pass
-    return len(allowed)
-
-
-def _parse_cpulist(text):
-    cpus = set()
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus

@@ -11,105 +11,26 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import BACKWARD, FORWARD
-
-
-def _cache_types():
-    try:
-        from transformers.cache_utils import Cache
-        return (Cache,)
-    except Exception:  # transformers absent or without Cache
-        return ()
-
-
-_CACHES = _cache_types()
-
-
-def without_caches(leaves):
-    """A KV cache in a training forward: the recomputed forward would append to it again, so
-    neither run gets it. That is exact when it holds nothing yet (training starts from no
-    past); a cache already holding keys is refused."""
-    out = []
-    for x in leaves:
-        if _CACHES and isinstance(x, _CACHES):
-            if x.get_seq_length() != 0:
-                raise RuntimeError(
-                    "strata.torch: a forward pass with grad enabled was given a KV cache that "
-                    "already holds keys; training through a cache is not supported (pass "
-                    "use_cache=False, or run generation under torch.no_grad())")
-            x = None
-        out.append(x)
-    return out
+from ._replay import ForwardState, without_caches
 
 
 def note_memory(session, error):
     """An out-of-memory error on the device names what Strata kept there, and the knob."""
     notes = getattr(error, "__notes__", [])
-    if isinstance(error, torch.OutOfMemoryError) and getattr(session, "resident_blocks", None) \
+    if isinstance(error, torch.OutOfMemoryError) and session.resident_blocks \
             and not any(n.startswith("strata.torch:") for n in notes):
         error.add_note(
             "strata.torch: %d block(s) are kept resident in device memory "
             "(st.offload(resident_blocks=...), by default what 40%% of the free memory held at "
             "offload); pass a smaller resident_blocks, or 0, to leave more to activations"
             % len(session.resident_blocks))
-        keeper = getattr(session, "activations", None)
-        if keeper is not None and keeper.count > 0 and keeper.forced is None:
+        keeper = session.activations
+        if keeper.count > 0 and keeper.forced is None:
             # The measured plan was wrong for this step: recompute again from the next one.
             error.add_note(
                 "strata.torch: %d resident block(s) were keeping their activations (measured "
                 "spare memory); from the next step they are recomputed again" % keeper.count)
             keeper.stop()
-
-
-class ForwardState:
-    """What a block's forward pass ran with that its recompute must run with again: its
-    buffers before the forward (put back before the recompute, so it computes what the forward
-    computed and leaves them as the forward did: the ones it changes in place, BatchNorm's
-    running statistics or a call counter, change once a step, as in plain PyTorch, where
-    torch's own checkpointing changes them twice), and its modules' train/eval flags (a
-    model.eval() between the forward and the backward pass, a callback's evaluation, must not
-    turn the recompute's dropout off). Every buffer is kept and put back, not only those whose
-    version changed: some kernels write buffers without bumping their version (BatchNorm's
-    statistics on the CPU), and comparing values would wait for the device in every forward. A
-    decoder block usually has none; their copies are held from the forward to the recompute."""
-
-    def __init__(self, module):
-        self.before = [(b, b.clone()) for b in module.buffers()]
-        self.modes = [(m, m.training) for m in module.modules()]
-
-    def restore_buffers(self):
-        """The buffers as they were before the forward."""
-        with torch.no_grad():
-            for b, value in self.before:
-                b.copy_(value)
-
-    @contextlib.contextmanager
-    def replay(self):
-        """For the recompute: the buffers as before the forward, the train/eval flags as in it
-        (the flags the modules have now come back after)."""
-        self.restore_buffers()
-        now = [(m, m.training) for m, _ in self.modes]
-        for m, training in self.modes:
-            m.training = training
-        try:
-            yield
-        finally:
-            for m, training in now:
-                m.training = training
-
-
-def replaying_forward_state(module, run):
-    """`run` for torch's checkpoint: its first call notes `module`'s ForwardState, its second
-    (the recompute) runs under its replay."""
-    state = []
-
-    def call(*args, **kwargs):
-        if state:
-            with state[0].replay():
-                return run(*args, **kwargs)
-        state.append(ForwardState(module))
-        return run(*args, **kwargs)
-
-    return call
 
 
 def _autocast_state(device_type):
@@ -286,7 +207,7 @@ def _refuse_grads_left_behind(session, index, before, call, known):
     `self.aux = ...`, or put into a list or dict it was given) carried no grad when the
     caller read it, so a loss built from it (a router's auxiliary loss) silently did not
     train. Seen here, where the recompute leaves one that requires grad."""
-    if getattr(session, "allow_inner_hooks", False):
+    if session.allow_inner_hooks:
         return
     block, prefix = session.blocks[index], session.prefixes[index]
     # The block's inputs and outputs are exempt: kept by the caller too, they carry grad in
@@ -384,7 +305,7 @@ def refuse_inner_hooks(session, index):
     inside it fires twice a step and captures tensors with no gradient, so a loss built from
     them (a mixture-of-experts router's auxiliary loss, collected through hooks) would silently
     not train. Refused, unless the session allows hooks that only observe."""
-    if getattr(session, "allow_inner_hooks", False):
+    if session.allow_inner_hooks:
         return
     found = inner_forward_hooks(session.blocks[index], session.prefixes[index])
     if found:

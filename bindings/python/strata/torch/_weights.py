@@ -12,10 +12,11 @@ model.safetensors.index.json lists. Names are the model's state_dict names; a ti
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .session import swap_data
+from ._surgery import swap_data
 
 
 class SafetensorsWeights:
@@ -128,7 +129,6 @@ class Prefetcher:
     and onto the device (which release the GIL). Two groups' values in memory at most."""
 
     def __init__(self, weights, names, groups):
-        from concurrent.futures import ThreadPoolExecutor
         self._weights, self._names, self._groups = weights, names, groups
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="strata-weights")
         self._next, self._future = 0, None

@@ -4,163 +4,87 @@ and PEFT wrappers keep working); while a block is not being computed, each param
 zero-stride view of one element with the parameter's real shape, dtype and device, so shapes,
 numel() and grad assignment behave as in plain PyTorch and nothing is stored twice."""
 
-import ctypes
+import dataclasses
 import json
 import time
 
 import torch
 
 from .. import core
-from ..core import BACKWARD, FORWARD, VIEW_GRAD, VIEW_WEIGHT
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def swap_data(p, data):
-    """Parameter `p` takes `data`, staying the same Python object with its attributes (its
-    optimizer groups, names and tied modules keep pointing at it): torch.utils.swap_tensors,
-    as .data cannot go from the meta device to a real one."""
-    attrs = dict(p.__dict__)
-    torch.utils.swap_tensors(p, torch.nn.Parameter(data, p.requires_grad))
-    p.__dict__.update(attrs)
+from ..core import BACKWARD, FORWARD, VIEW_WEIGHT
+from . import _params, _planning, _surgery
+from ._activations import ActivationKeeper
+from ._grads import StreamedGrad
+from ._layout import LocalLayout
+from ._planning import DTYPE_NAMES
+from ._streamed import fill, narrows, split_master
+from ._weights import Prefetcher, load_buffers
 
 
-class StreamedParam:
-    """Where a streamed parameter lives: its block, its index there, its runtime tensors."""
-
-    __slots__ = ("param", "name", "local", "layer", "index", "weight", "grad", "grad_index",
-                 "shape", "zero", "mark")
-
-    def __init__(self, param, name, local, layer, index):
-        self.param, self.name, self.local, self.layer = param, name, local, layer
-        self.index = index
-        self.shape = tuple(param.shape)
-        self.weight = self.grad = None
-        self.grad_index = None  # among the layer's grads (trainable params only)
-        self.zero = None  # the placeholder's one element, this parameter's own
-        self.mark = None  # (param version, element version) when the placeholder was set
-
-    def park(self, dtype, device):
-        """Point the parameter at its placeholder: the real shape, one element of storage (its
-        own: a write cannot reach another parameter), and a mark to notice writes by. The
-        element is NaN: code that reads the parameter outside its block's forward pass (an EMA
-        of the weights, a weight-norm log, an L2 penalty over model.parameters()) gets NaN,
-        which shows, not zeros, which train silently wrong (docs/python.md says how to read
-        the values)."""
-        if self.zero is None:
-            self.zero = torch.full((), float("nan"), dtype=dtype, device=device)
-        if self.param.is_meta:  # loaded from offload(weights=) without being materialized
-            swap_data(self.param, self.zero.expand(self.shape))
-        self.param.data = self.zero.expand(self.shape)
-        self.mark = (self.param._version, self.zero._version)
-
-    def check_untouched(self):
-        """Values of a streamed parameter live in Strata: a write into its placeholder, or
-        other data assigned to it, would be silently lost. Refused when next seen."""
-        if self.mark is None:
-            return
-        p = self.param
-        if p.data.data_ptr() != self.zero.data_ptr() or p.shape != self.shape:
-            raise RuntimeError(
-                "strata.torch: other data was assigned to streamed parameter %r (p.data = ...); "
-                "its values live in Strata: set them with model.load_state_dict(...)" % self.name)
-        if (p._version, self.zero._version) != self.mark:
-            self.park(p.dtype, p.device)
-            raise RuntimeError(
-                "strata.torch: streamed parameter %r was written in place outside its block's "
-                "forward pass (fill_, zero_, copy_, nn.init...); its values live in Strata and "
-                "the write was lost: set them with model.load_state_dict(...), or before "
-                "strata.torch.offload" % self.name)
-
-    @property
-    def trainable(self):
-        return self.grad is not None
-
-
-
-
-def narrows(values, dtype):
-    """Whether `values` lose anything converted to `dtype` (wider values, or fp16 ones into
-    bf16): what a build or a write without an optimizer cannot keep (no master)."""
-    if values.dtype == dtype or not values.is_floating_point():
-        return False
-    return not torch.equal(values.to(dtype).to(values.dtype), values)
-
-
-def fill(tensor, values):
-    """`values` (the tensor's dtype and element count, on any device) into a Strata tensor. One
-    in DRAM is filled in place by torch's copy_ into a CPU tensor over its memory: from a GPU a
-    DMA straight into the pinned arena, on the CPU a threaded copy. (Its DLPack export cannot
-    serve: torch refuses kDLCUDAHost.) Elsewhere (NVMe) through host memory."""
-    values = values.reshape(-1)
-    nbytes = values.numel() * values.element_size()
-    if nbytes == 0:
-        return
-    if tensor.info().tier == core.TIERS["dram"]:
-        memory = (ctypes.c_char * nbytes).from_address(tensor.data_pointer())
-        view = torch.frombuffer(memory, dtype=torch.uint8).view(values.dtype)
-        view.copy_(values)
-    else:
-        host = values.to("cpu").contiguous()
-        tensor.write_pointer(host.data_ptr(), nbytes)
-
-
-def master_layout(dtype):
-    """How strata.torch keeps a streamed parameter's fp32 master: split for bf16 weights (the
-    weight is its upper half, the optimizer keeps the low 16 bits: strata.h STRATA_MASTER_SPLIT),
-    a separate fp32 tensor for fp16 ones (fp32 weights are their own)."""
-    return "split" if dtype == torch.bfloat16 else "separate"
-
-
-def split_master(values):
-    """fp32 values as a split master's halves: the bf16 weight (torch's rounding, nearest even)
-    and the signed 16-bit rest, computed where the values are (on a GPU: there, during setup).
-    The optimizer's kernels (runtime/optimizer/kernels_impl.h, store_split) do the same on the
-    CPU; tests/python/test_torch_offload.py checks the optimizer reads these back as the values.
-    A value halfway between two bf16 values that rounded down keeps a rest of 2^15 - 1 (one ulp
-    nearer the weight: 2^15 does not fit); a NaN keeps 0."""
-    weight = values.to(torch.bfloat16)
-    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    rest = bits - ((weight.view(torch.int16).to(torch.int64) & 0xFFFF) << 16)
-    rest.masked_fill_(rest == 0x8000, 0x7FFF)
-    rest.masked_fill_(torch.isnan(values), 0)
-    return weight, rest.to(torch.int16)
+@dataclasses.dataclass
+class SessionChoices:
+    """What offload() chose for the session it builds (strata.torch._offload's _build)."""
+    blocks: list  # the streamed blocks, in order
+    prefixes: list  # per block: its name in the model ("model.layers.3.")
+    device: torch.device
+    dtype: torch.dtype  # the compute dtype of the streamed weights
+    backend: str  # the runtime's device backend: "cuda" or "host"
+    gpu_budget: int  # HBM for the executor's slots (None: what the blocks need)
+    host_budget: int  # pinned DRAM (None: what the blocks, grads and state need)
+    nvme: list  # the NVMe tier's files (none: no tier)
+    nvme_budget: int
+    slot_budget: int = 0
+    # Where the streamed blocks' grads live: "dram", or "hbm" (the optimizer reads them
+    # through one block's DRAM buffer: 2 bytes per bf16 parameter of DRAM less).
+    grads_home: str = "dram"
+    init: object = None  # the model's _init_weights(module), for blocks built on meta
+    resident_blocks: list = dataclasses.field(default_factory=list)  # kept in HBM, in order
+    weights_source: tuple = None  # offload(weights=): (SafetensorsWeights, names by tensor)
 
 
 class StrataSession:
     """One offloaded model. Blocks are registered with the runtime when the optimizer is created
     (or at the first forward pass without one), one at a time: host memory never holds the
-    model twice."""
+    model twice. Every field is declared here; `layout` (strata.torch._layout) says where the
+    streamed parameters live across processes, and the session calls it for everything that
+    differs under data parallelism."""
 
-    def __init__(self, blocks, names, device, dtype, gpu_budget, host_budget, nvme, nvme_budget,
-                 backend, slot_budget=0, init=None, grads="dram"):
-        self.blocks = blocks
-        # Where the streamed blocks' grads live: "dram", or "hbm" (the optimizer reads them
-        # through one block's DRAM buffer: 2 bytes per bf16 parameter of DRAM less).
-        self.grads_home = grads
-        self.device = device
-        self.dtype = dtype
-        self.cuda = device.type == "cuda"
-        self.init = init
-        self.slot_budget = slot_budget
+    def __init__(self, choices, layout=None):
+        self.blocks = choices.blocks
+        self.prefixes = choices.prefixes
+        self.grads_home = choices.grads_home
+        self.device = choices.device
+        self.dtype = choices.dtype
+        self.cuda = choices.device.type == "cuda"
+        self.init = choices.init
+        self.slot_budget = choices.slot_budget
+        self.resident_blocks = choices.resident_blocks
+        self.weights_source = choices.weights_source  # closed once the blocks hold its values
+        self.layout = layout if layout is not None else LocalLayout()
+        self.mesh = self.layout.mesh  # strata.torch._distributed.Mesh, or None
         self.closed = False
         # Seconds per setup phase (runtime creation, init, copies into the arena, optimizer
         # state, planning): where offloading a large model spends its time.
         self.setup_seconds = {}
-        started = time.perf_counter()
-        counts, element = self.block_counts(blocks), torch.finfo(dtype).bits // 8
-        hbm, dram = core.streaming_budgets(counts, element, master_layout(dtype), grads)
-        if gpu_budget is not None and grads == "hbm":
-            gpu_budget += core.grads_hbm_bytes(counts, element)  # beside the slots' budget
-        gpu_budget = hbm if gpu_budget is None else gpu_budget
-        host_budget = dram if host_budget is None else host_budget
-        # The runtime computes on the model's GPU (cuda:1 is ordinal 1), not always the first.
-        self.runtime = core.Runtime(backend=backend, hbm_budget=gpu_budget, dram_budget=host_budget,
-                                    nvme=nvme, nvme_budget=nvme_budget,
-                                    device=(device.index or 0) if self.cuda else 0)
-        self.timed("runtime", started)
-        self.prefixes = names  # per block: its name in the model ("model.layers.3.")
-        # Forward hooks inside streamed blocks are refused (strata.torch.block.refuse_inner_hooks)
+        # With NVMe, what place() chose: the core.Placement and the layers it weighed, the
+        # optimizer's options that realize it, and how many of the last blocks keep their
+        # weights on NVMe.
+        self.placement_choice = None
+        self.placement_layers = None
+        self.state_options = {}
+        self.nvme_weight_blocks = 0
+        # Resident parameters narrowed to the compute dtype that keep offload's fp32 values
+        # for their masters (strata.torch._params), until the optimizer exists.
+        self.kept_fp32 = []
+        # Which resident blocks keep their activations instead of recomputing them.
+        self.activations = ActivationKeeper(self.device, self.resident_blocks)
+        # A session-wide empty tensor requiring grad: every streamed block's autograd function
+        # takes it, so the backward pass reaches each one in order; its grad accumulator says
+        # whether a backward pass accumulates into parameters (loss.backward()) or not
+        # (torch.autograd.grad).
+        self.anchor = torch.zeros(0, device=self.device, requires_grad=True)
+        self.anchor_node = self.anchor.view_as(self.anchor).grad_fn.next_functions[0][0]
+        # Forward hooks inside streamed blocks are refused (strata.torch._block.refuse_inner_hooks)
         # unless the user says they only observe.
         self.allow_inner_hooks = False
         self.layers = []  # per block: [StreamedParam] in named_parameters order
@@ -180,7 +104,7 @@ class StrataSession:
         self.ungraded = []
         # Called with the block's index when a streamed block's forward or backward pass begins
         # with grad, and with None when the model's forward pass with grad begins (in training
-        # mode): strata.torch.paging frees, times and brings back optimizer state.
+        # mode): strata.torch._paging frees, times and brings back optimizer state.
         self.on_forward_begin = []
         self.on_backward_begin = []
         self.on_resident_forward_begin = []  # a resident block's, with its index, with grad
@@ -190,6 +114,23 @@ class StrataSession:
         # (unbuild), nothing of the values being lost.
         self.relayable = False
         self.optimizer_made = False  # strata.torch.AdamW was created for this session
+        # Evaluated before the build: id(param) -> its own data, put back after the block ran.
+        self._unmoved = {}
+        started = time.perf_counter()
+        gpu_budget, host_budget = _planning.session_budgets(
+            self.layout.block_counts(self.blocks), self.dtype, self.grads_home,
+            choices.gpu_budget, choices.host_budget)
+        # The runtime computes on the model's GPU (cuda:1 is ordinal 1), not always the first.
+        self.runtime = core.Runtime(backend=choices.backend, hbm_budget=gpu_budget,
+                                    dram_budget=host_budget, nvme=choices.nvme,
+                                    nvme_budget=choices.nvme_budget,
+                                    device=(self.device.index or 0) if self.cuda else 0)
+        self.timed("runtime", started)
+        try:
+            self.layout.attach(self)
+        except BaseException:
+            self.runtime.close()
+            raise
 
     # --- registration ----------------------------------------------------------------------
 
@@ -199,26 +140,21 @@ class StrataSession:
         self.setup_seconds[phase] = self.setup_seconds.get(phase, 0.0) + now - started
         return now
 
-    def block_counts(self, blocks):
-        """Elements per block this process keeps in DRAM (a sharded session keeps its shards)."""
-        return [sum(p.numel() for p in b.parameters()) for b in blocks]
-
     def build(self, optimizer=None, group_of=None):
-        """Register every block (materializing meta blocks on the compute device first), with optimizer
-        state for trainable parameters when `optimizer` (core.Optimizer settings) is given;
-        plan; create the executor. group_of: id(param) -> optimizer group index."""
+        """Register every block (materializing meta blocks on the compute device first), with
+        optimizer state for trainable parameters when `optimizer` (core.Optimizer settings) is
+        given; plan; create the executor. group_of: id(param) -> optimizer group index."""
         self.check_open()
         if self.executor is not None:
             raise RuntimeError("strata.torch: create the optimizer (strata.torch.AdamW) before "
                                "the first forward pass")
-        from .offload import materialize, rebuild_meta_buffers  # where meta blocks get storage
-        from .weights import load_buffers
-        source = getattr(self, "weights_source", None)  # offload(weights=): (file, names)
+        optimizer = self.layout.before_build(optimizer)
+        source = self.weights_source  # offload(weights=): (file, names)
         trainable_any = self.blocks_train()
         opt = None
         if optimizer is not None and trainable_any:
             opt = core.Optimizer(self.runtime, "adamw", update_mode="explicit", **optimizer,
-                                 **getattr(self, "state_options", {}))
+                                 **self.state_options)
         # Every block's weights and grads are registered (shapes only) before any optimizer
         # state: state placed in DRAM first then sees exactly what DRAM has left for it.
         registered = []
@@ -228,14 +164,13 @@ class StrataSession:
             entries = []
             for k, (local, p) in enumerate(block.named_parameters()):
                 name = self.prefixes[i] + local
-                sp = self.streamed_param(p, name, local, i, k)
-                self.register_param(sp, p)
+                sp = self.layout.streamed_param(p, name, local, i, k)
+                self.layout.register_param(sp, p)
                 entries.append(sp)
             registered.append(entries)
         t = self.timed("register", t)
         reads = None
         if source is not None:  # the next block's tensors are read while this one is written
-            from .weights import Prefetcher
             reads = Prefetcher(*source, [list(b.parameters()) for b in self.blocks])
         try:
             for i, block in enumerate(self.blocks):
@@ -245,11 +180,11 @@ class StrataSession:
                 # sequential stream: 1.6-2.2 s per 202M-element normal_, 52 s for a 7B model's
                 # blocks), and its values reach the pinned arena by DMA.
                 if source is None:
-                    materialize(block, self.device, self.init)
+                    _surgery.materialize(block, self.device, self.init)
                 else:  # only the buffers: the parameters' values go from the file to the arena
                     for m in block.modules():
                         load_buffers(m, self.device, *source)
-                        rebuild_meta_buffers(m, self.device)
+                        _surgery.rebuild_meta_buffers(m, self.device)
                 t = self.timed("init", t)
                 entries = registered[i]
                 read = None
@@ -261,10 +196,10 @@ class StrataSession:
                     group = 0 if group_of is None else group_of.get(id(p), 0)
                     # A parameter loaded since offload (model.load_state_dict before the
                     # optimizer) holds its values; the others of offload(weights=) the file's.
-                    loaded = p.__dict__.pop("_strata_loaded", False)
+                    loaded = _params.take_loaded(p)
                     values = p.detach() if source is None or loaded else read[k]
                     narrowed = narrowed or opt is None and narrows(values, self.dtype)
-                    self.write_param(sp, values, opt, group)
+                    self.layout.write_param(sp, values, opt, group)
                     self.by_id[id(p)] = sp
                 grads = [sp for sp in entries if sp.trainable]
                 for j, sp in enumerate(grads):
@@ -290,6 +225,7 @@ class StrataSession:
         # Built without an optimizer and nothing lost: the optimizer may lay it out again.
         self.relayable = opt is None and not narrowed
         self.timed("plan", t)
+        self.layout.after_build()
 
     def place(self, layers, dram_budget, nvme_budget, state_placement=None):
         """Choose where the streamed blocks' optimizer state and weights live, on NVMe or in
@@ -322,7 +258,7 @@ class StrataSession:
         NVMe, every tensor in DRAM, the executor's measured links and the CPU update's rate
         measured now)."""
         self.ensure_built()
-        choice = getattr(self, "placement_choice", None)
+        choice = self.placement_choice
         if choice is not None:
             # The homes chosen, fixed; of a spilled block's state, what the optimizer keeps in
             # the DRAM the placement left over is not staged (the choice counted it so).
@@ -345,7 +281,8 @@ class StrataSession:
                       for entries in self.layers]
             layers = [dict(layer, weight_tier="dram", state_tier="dram")
                       for layer in core.placement_layers(
-                          counts, element, frozen, master_layout=master_layout(self.dtype),
+                          counts, element, frozen,
+                          master_layout=_planning.master_layout(self.dtype),
                           grads=self.grads_home)]
             plan = self.executor.plan_info()
             rates = {"h2d": plan.h2d_bytes_per_second, "d2h": plan.d2h_bytes_per_second}
@@ -365,11 +302,11 @@ class StrataSession:
         slots, and the DRAM and NVMe budgets."""
         if self.optimizer is None:
             return "no optimizer yet: state is placed when strata.torch.AdamW is created"
-        kept = getattr(self, "resident_blocks", [])
+        kept = self.resident_blocks
         head = ""
         if kept:
-            keeper = getattr(self, "activations", None)
-            said = keeper.describe() if keeper is not None and keeper.decided else ""
+            keeper = self.activations
+            said = keeper.describe() if keeper.decided else ""
             head = "%d of %d blocks resident on the device (torch's AdamW there%s); " % (
                 len(kept), len(kept) + len(self.blocks), "; " + said if said else "")
         s = self.optimizer.stats()
@@ -388,7 +325,7 @@ class StrataSession:
         if s["staging_slots"]:
             line += ", staged through %d DRAM slots of %s" % (
                 s["staging_slots"], size(s["staging_bytes"] // s["staging_slots"]))
-        choice = getattr(self, "placement_choice", None)
+        choice = self.placement_choice
         if choice is not None:
             i = choice.info
             line += ("; chosen from %d placements by predicted step: %.2f s before compute "
@@ -401,18 +338,10 @@ class StrataSession:
             line += ", NVMe %s" % size(caps.tier_budget_bytes[2])
         return line
 
-    def streamed_param(self, p, name, local, layer, index):
-        return StreamedParam(p, name, local, layer, index)
-
-    def register_param(self, sp, p):
-        """Register a block parameter's weight and, when it trains, its grad (shapes only)."""
-        self.register_shape(sp, sp.name, p.shape, p.requires_grad)
-
     def weight_home(self, layer):
         """Where block `layer`'s weights live: the last nvme_weight_blocks blocks' on NVMe
         (offload chose that when DRAM cannot hold every weight), the others' in DRAM."""
-        spilled = getattr(self, "nvme_weight_blocks", 0)
-        return "nvme" if layer >= len(self.blocks) - spilled else "dram"
+        return "nvme" if layer >= len(self.blocks) - self.nvme_weight_blocks else "dram"
 
     def register_shape(self, sp, name, shape, trainable):
         sp.weight = self.runtime.register(name, shape, DTYPE_NAMES[self.dtype], "weight",
@@ -421,17 +350,12 @@ class StrataSession:
             sp.grad = self.runtime.register(name + ".grad", shape, DTYPE_NAMES[self.dtype], "grad",
                                             self.grads_home)
 
-    def write_param(self, sp, values, opt, group):
-        """Write a block parameter's values (on the CPU or the compute device) into its weight and, when
-        it trains, make it a param of `opt` in group `group`."""
-        self.write_values(sp, values, opt, group)
-
     def write_values(self, sp, values, opt, group):
         """`values` (sp.weight's shape) into sp.weight; its optimizer state (the master from
         the fp32 values, when given in fp32)."""
         t = time.perf_counter()
         trains = sp.trainable and opt is not None
-        layout = master_layout(self.dtype)
+        layout = _planning.master_layout(self.dtype)
         # The master starts from fp32 values, not their rounded copy: a split one's low
         # halves are computed with the weight, where `values` are (on a GPU: there).
         split = trains and layout == "split" and values.dtype == torch.float32
@@ -494,9 +418,8 @@ class StrataSession:
 
     def unbind(self, index):
         if self.executor is None:  # evaluated before the blocks moved: their own values back
-            saved = getattr(self, "_unmoved", {})
             for p in self.blocks[index].parameters():
-                p.data = saved.get(id(p), p.data)
+                p.data = self._unmoved.get(id(p), p.data)
             self._unmoved = {}
             return
         for sp in self.layers[index]:
@@ -510,7 +433,7 @@ class StrataSession:
         if self.optimizer is None and not self.optimizer_made and self.blocks_train():
             added = [self.prefixes[i] + name for i, b in enumerate(self.blocks)
                      for name, p in b.named_parameters()
-                     if p.requires_grad and getattr(p, "_strata_session", None) is not self]
+                     if p.requires_grad and _params.owner(p) is not self]
             if added:
                 raise RuntimeError(
                     "strata.torch: streamed blocks have trainable parameters that were added "
@@ -551,34 +474,17 @@ class StrataSession:
                 % (index, self.forward_next if self.in_step else 0))
         for call in self.on_forward_begin if phase == FORWARD else self.on_backward_begin:
             call(index)
-        self.acquire_layer(index, phase)
+        self.layout.acquire(index, phase)
         if phase == FORWARD:
             self.forward_next = index + 1
-
-    def acquire_layer(self, index, phase):
-        """The executor's acquire of the block, its parameters bound to the weights."""
-        self.executor.acquire(index, phase, self.stream())
-        self.bind(index, phase)
-
-    def release_layer(self, index, phase):
-        self.unbind(index)
-        self.executor.release(index, phase, self.stream())
 
     def store_grads(self, index, params, grads):
         """After block `index`'s backward: the grads of its trainable StreamedParams `params`
         (None where a parameter got none) into the acquired layer's grad views."""
-        for sp, g in zip(params, grads):
-            if g is not None:  # the view was zeroed when the backward pass began
-                view = torch.from_dlpack(self.executor.view(index, BACKWARD, VIEW_GRAD,
-                                                            sp.grad_index))
-                view.copy_(g)
-                del view
-                self.delivered.append(sp)
-            elif id(sp.param) not in self.held or sp.param.grad is None:
-                self.ungraded.append(sp)
+        self.layout.store_grads(index, params, grads)
 
     def end(self, index, phase):
-        self.release_layer(index, phase)
+        self.layout.release(index, phase)
         if phase == BACKWARD:
             self.backward_next = index - 1
             self.landed_layers.add(index)
@@ -587,12 +493,14 @@ class StrataSession:
                 self.in_step = False
                 self.executor.step_end()
                 self.grads_landed()
+        self.layout.after_end(index, phase)
 
     def abort(self):
         """Abandon the running step after an exception: the next forward starts a fresh one.
         Grads of blocks whose backward finished stay, as autograd would have left them."""
         if self.executor is None or not self.in_step:
             return
+        self.layout.before_abort()
         self.in_step = False
         self.backward_next = None
         self.delivered = []  # what landed is the optimizer's to say (grads_landed, below)
@@ -619,7 +527,6 @@ class StrataSession:
         backward pass ends: the parameters the block just released got grads for show them
         now (a lazy StreamedGrad: nothing waits for the copy). A backward pass that raises
         later leaves them visible, so zero_grad drops them as in plain PyTorch."""
-        from .grads import StreamedGrad
         for sp in self.delivered:
             if id(sp.param) not in self.held or sp.param.grad is None:
                 self.held.add(id(sp.param))
@@ -631,7 +538,6 @@ class StrataSession:
         them as its .grad (a StreamedGrad reading them from Strata)."""
         if self.optimizer is None:
             return
-        from .grads import StreamedGrad
         for sp in self.ungraded:  # landed as zeros: back to none (waits for its layer's landing)
             self.optimizer.grad_zero(sp.weight, keep_zeros=False)
         self.ungraded = []
@@ -656,7 +562,6 @@ class StrataSession:
     def sync_grads(self):
         """Before a step or an update: a held grad the user set to None (model.zero_grad(),
         p.grad = None) is dropped in Strata too; a tensor assigned to it is refused."""
-        from .grads import StreamedGrad
         for pid in list(self.held):
             sp = self.by_id[pid]
             g = sp.param.grad
@@ -701,51 +606,34 @@ class StrataSession:
             return
         if self.optimizer is not None:
             self.optimizer.synchronize()  # updates still running would be read half-done
-        for sp in self.layers[index]:
-            sp.check_untouched()
-            host = torch.empty(sp.shape, dtype=self.dtype)
-            sp.weight.read_pointer(host.data_ptr(), host.numel() * host.element_size())
-            sp.param.data = host.to(self.device)
+        self.layout.load_block(index)
 
     def read_weight(self, sp):
         """A streamed parameter's current values (after any running update), on the CPU."""
         self.ensure_built()
         if self.optimizer is not None:
             self.optimizer.synchronize()
-        host = torch.empty(sp.shape, dtype=self.dtype)
-        sp.weight.read_pointer(host.data_ptr(), host.numel() * host.element_size())
-        return host
+        return self.layout.read_weight(sp)
 
     def read_state(self, sp, kind):
         """A trainable streamed parameter's optimizer state of `kind` (fp32, on the CPU; the
         master put together whatever its layout)."""
-        t = torch.empty(sp.shape, dtype=torch.float32)
-        if kind == "master":
-            self.optimizer.master_read(sp.weight, t.data_ptr(), t.numel())
-        else:
-            self.optimizer.state(sp.weight, kind).read_pointer(t.data_ptr(), t.numel() * 4)
-        return t
+        return self.layout.read_state(sp, kind)
 
     def write_state(self, sp, kind, value):
         """Set a state of `kind`; the master sets the weight too (rounded from it)."""
-        t = value.detach().to("cpu", torch.float32).contiguous()
-        if tuple(t.shape) != sp.shape:
+        if tuple(value.shape) != sp.shape:
             raise ValueError("strata.torch.AdamW.load_state_dict: state %r of %r has shape %s, "
-                             "expected %s" % (kind, sp.name, list(t.shape), list(sp.shape)))
-        if kind == "master":
-            self.optimizer.master_write(sp.weight, t.data_ptr(), t.numel())
-        else:
-            self.optimizer.state(sp.weight, kind).write_pointer(t.data_ptr(), t.numel() * 4)
+                             "expected %s" % (kind, sp.name, list(value.shape), list(sp.shape)))
+        self.layout.write_state(sp, kind, value)
 
     def read_grad(self, sp):
         """A streamed parameter's held grad as an fp32 CPU tensor (a copy)."""
-        host = torch.empty(sp.shape, dtype=torch.float32)
-        self.optimizer.grad_read(sp.weight, host.data_ptr(), host.numel())
-        return host
+        return self.layout.read_grad(sp)
 
     def grad_sums(self, params):
         """The sums of squares of the held grads of `params` (StreamedParams), in order."""
-        return [self.optimizer.grad_info(sp.weight)[1] for sp in params]
+        return self.layout.grad_sums(params)
 
     def write_weight(self, sp, values):
         """Set a streamed parameter (weight and, when trained, its fp32 master)."""
@@ -770,18 +658,29 @@ class StrataSession:
         weights and not from the masters of before (which would put the old weights back)."""
         if self.optimizer is None or self.dtype == torch.float32:
             return  # an fp32 weight is its own master
-        for sp in (sp for entries in self.layers for sp in entries if sp.trainable):
-            self.store_weight(sp, self.read_weight(sp))
+        self.layout.masters_from_weights()
+
+    def weights_loaded(self):
+        """Every block's weights were just written from a checkpoint without optimizer state:
+        the masters follow them, as after model.load_state_dict (the optimizer's moments
+        stay); before the optimizer exists, it may lay the blocks out again from them
+        (unbuild)."""
+        self.masters_from_weights()
+        self.relayable = self.optimizer is None
+
+    def optimizer_created(self):
+        """strata.torch.AdamW was made for this session (its blocks laid out with it, or frozen
+        ones kept as built): offload's fp32 copies of resident parameters are its masters'
+        now or not needed (frozen ones: an 8B's embedding and head under LoRA, 4 GB), and
+        go."""
+        self.optimizer_made = True
+        for p in self.kept_fp32:
+            _params.drop_fp32(p)
+        self.kept_fp32 = []
 
     def store_weight(self, sp, values):
         """write_weight's writes, its checks done: the weight and, when trained, the master."""
-        if sp.trainable and self.optimizer is not None and self.dtype != torch.float32:
-            # The master and the weight rounded from it, in any layout.
-            master = values.detach().to("cpu", torch.float32).contiguous()
-            self.optimizer.master_write(sp.weight, master.data_ptr(), master.numel())
-            return
-        host = values.detach().to("cpu", self.dtype).contiguous()
-        sp.weight.write_pointer(host.data_ptr(), host.numel() * host.element_size())
+        self.layout.store_weight(sp, values)
 
     def _not_copyable(self, *args):
         raise TypeError(
@@ -801,7 +700,7 @@ class StrataSession:
 
     def close_weights(self):
         """Let go of offload(weights=)'s checkpoint once the blocks hold its values."""
-        source = getattr(self, "weights_source", None)
+        source = self.weights_source
         if source is not None:
             source[0].close()
             self.weights_source = None

@@ -13,11 +13,13 @@ import weakref
 import torch
 from torch import nn
 
-from .grads import StreamedGrad
+from . import _params
+from ._grads import StreamedGrad
+from ._paging import StatePager, paged_groups
 
 
 @torch.no_grad()
-def _kept_fp32_values(params, mesh):
+def _kept_fp32_values(params, layout):
     """id(p) -> the fp32 values offload kept for resident parameter p (cast to a narrower
     compute dtype), where they still are its values: not written since (a load: torch counts
     its version) and still rounding to it (a write through .data, which torch does not
@@ -25,19 +27,18 @@ def _kept_fp32_values(params, mesh):
     that finds them stale makes every rank start from the parameter)."""
     usable = []
     for p in params:
-        initial = p.__dict__.get("_strata_fp32")
+        initial = _params.fp32(p)
         usable.append(initial is not None and
-                      p.__dict__.get("_strata_fp32_version") == p._version and
+                      _params.fp32_version(p) == p._version and
                       initial.shape == p.shape and
                       torch.equal(initial.to(p.device, p.dtype), p.detach()))
-    if mesh is not None:
-        usable = [all(column) for column in zip(*mesh.gather_objects(usable))] \
-            if usable else usable
-    return {id(p): p.__dict__["_strata_fp32"] for p, ok in zip(params, usable) if ok}
+    if layout is not None:
+        usable = layout.agree(usable)
+    return {id(p): _params.fp32(p) for p, ok in zip(params, usable) if ok}
 
 
 def _session_of(p):
-    return getattr(p, "_strata_session", None)
+    return _params.owner(p)
 
 
 def _resident_adamw(groups, foreach, fused):
@@ -120,7 +121,7 @@ class AdamW(torch.optim.Optimizer):
             trainable = session.blocks_train()
             # (abort above: no forward pass is waiting for its backward)
             if session.optimizer is not None or session.executor is not None and trainable \
-                    and not (session.relayable and getattr(session, "mesh", None) is None):
+                    and not (session.relayable and session.layout.can_relay):
                 raise RuntimeError(
                     "strata.torch.AdamW: create the optimizer once, before the first forward "
                     "pass with grad (the streamed blocks' optimizer state is laid out with "
@@ -128,7 +129,7 @@ class AdamW(torch.optim.Optimizer):
                                  "; the blocks were laid out without it (a checkpoint "
                                  "loaded, a forward pass of frozen blocks) and cannot be "
                                  "laid out again under data parallelism"
-                                 if getattr(session, "mesh", None) is not None else
+                                 if not session.layout.can_relay else
                                  "; the blocks were laid out without it, with values wider "
                                  "than the compute dtype rounded then or written since: "
                                  "offload the model afresh and create the optimizer first"))
@@ -150,13 +151,12 @@ class AdamW(torch.optim.Optimizer):
             if session.executor is None:  # (frozen blocks built before: nothing to lay out)
                 session.build(dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
                                    weight_decay=weight_decay, threads=threads), group_of)
-            session.optimizer_made = True
         # Resident parameters: torch's AdamW on fp32 masters (the parameter itself when fp32).
         self._resident = []  # (param, master, our group index)
         inner_groups, self._inner_of = [], {}
         kept = _kept_fp32_values(
             [p for g in self.param_groups for p in g["params"] if _session_of(p) is None],
-            getattr(self._session, "mesh", None))
+            None if self._session is None else self._session.layout)
         for gi, group in enumerate(self.param_groups):
             masters = []
             for p in group["params"]:
@@ -179,13 +179,8 @@ class AdamW(torch.optim.Optimizer):
                 inner_groups.append(dict(params=masters, lr=group["lr"], betas=group["betas"],
                                          eps=group["eps"], weight_decay=group["weight_decay"]))
         self._inner = _resident_adamw(inner_groups, foreach, fused) if inner_groups else None
-        # Offload's fp32 copies of the parameters not given to this optimizer (frozen ones:
-        # an 8B's embedding and head under LoRA, 4 GB) go too.
-        for p in getattr(self._session, "kept_fp32", ()):
-            p.__dict__.pop("_strata_fp32", None)
-            p.__dict__.pop("_strata_fp32_version", None)
-        if self._session is not None:
-            self._session.kept_fp32 = []
+        if self._session is not None:  # its masters took offload's fp32 copies: they go
+            self._session.optimizer_created()
         self._pager = self._make_pager()
         # Each resident parameter's version (torch's in-place write counter) when its master
         # and it last agreed: a write since (model.load_state_dict, st.load_checkpoint, an
@@ -199,7 +194,7 @@ class AdamW(torch.optim.Optimizer):
             self._pager.page_out(timed=False)  # the masters, from the first forward pass on
 
     # The resident parameters' optimizer state paged to host memory between a step and the
-    # next backward pass (strata.torch.paging; docs/python.md, Performance): "auto" (on CUDA,
+    # next backward pass (strata.torch._paging; docs/python.md, Performance): "auto" (on CUDA,
     # as much of every resident parameter's as fits in half the host's available memory at
     # the first step's end), None every resident parameter's, an int the first that many
     # resident blocks', 0 none. Read when the optimizer is created.
@@ -209,12 +204,11 @@ class AdamW(torch.optim.Optimizer):
         session = self._session
         paged = self.PAGED_STATE
         if self._inner is None or session is None or \
-                getattr(session, "mesh", None) is not None or paged == 0:
+                not session.layout.pages_resident_state or paged == 0:
             return None
         auto = isinstance(paged, str)
         if auto and session.device.type != "cuda":
             return None  # nothing to make room for
-        from .paging import StatePager, paged_groups
         groups = paged_groups(self._resident, session, None if auto else paged)
         if not any(groups):
             return None
@@ -238,7 +232,7 @@ class AdamW(torch.optim.Optimizer):
             self._pager.bring_in(writes)
 
     def add_param_group(self, param_group):
-        if getattr(self, "_ready", False):
+        if self._ready:
             raise NotImplementedError(
                 "strata.torch.AdamW: param groups are fixed at construction (the streamed "
                 "blocks' optimizer state is laid out then); pass every group to the constructor")
@@ -293,7 +287,7 @@ class AdamW(torch.optim.Optimizer):
                 for key in ("lr", "betas", "eps", "weight_decay"):
                     inner[key] = group[key]
             self._step_resident()
-        keeper = getattr(session, "activations", None)
+        keeper = None if session is None else session.activations
         if keeper is not None:
             # Which resident blocks may keep their activations from now on: decided once the
             # steps run as every later one will (the pager has sized what pages).

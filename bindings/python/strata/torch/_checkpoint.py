@@ -10,7 +10,7 @@ directory is written as "<path>.partial" and swapped in with one renameat2(RENAM
 (or a rename when there was none), so a crash leaves either the previous checkpoint or the new
 one, whole. Schedulers keep their own state_dict(), as in plain PyTorch.
 
-Under data parallelism (strata.torch.distributed) every rank calls both functions with the same
+Under data parallelism (strata.torch._distributed) every rank calls both functions with the same
 path, on a file system all ranks see: the ranks of the first replica write their shards,
 streamed/shard<k>of<n>/ (each its own Strata checkpoint), every rank its RNG states,
 rng/rank<r>.pt, and rank 0 the rest and the final swap; a checkpoint loads under the same
@@ -84,19 +84,6 @@ def _check_optimizer(optimizer, session):
         raise ValueError("strata.torch: the optimizer is not this model's strata.torch.AdamW")
 
 
-def _layout(session):
-    """Under data parallelism: the ranks and shards the checkpoint was written by."""
-    mesh = getattr(session, "mesh", None)
-    return None if mesh is None else {"ranks": mesh.world, "shard_size": mesh.shard_size}
-
-
-def _streamed_dir(root, session):
-    mesh = getattr(session, "mesh", None)
-    if mesh is None:
-        return os.path.join(root, "streamed")
-    return os.path.join(root, "streamed", "shard%dof%d" % (mesh.shard_rank, mesh.shard_size))
-
-
 def _rng_state():
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -119,33 +106,32 @@ def save_checkpoint(path, model, optimizer=None):
                            "model.state_dict(); nothing was saved")
     session = _session(model)
     _check_optimizer(optimizer, session)
-    mesh = getattr(session, "mesh", None)
-    lead = mesh is None or mesh.rank == 0
+    layout = session.layout  # under data parallelism, which rank writes what
     path = os.fspath(path).rstrip("/")
     staging = path + ".partial"
-    if lead:
+    streamed, rng = layout.streamed_dir(staging), layout.rng_file(staging)
+    if layout.lead:
         shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(os.path.join(staging, "streamed") if mesh else staging)
-        if mesh:
-            os.makedirs(os.path.join(staging, "rng"))
-    if mesh:
-        mesh.barrier("starting checkpoint %s" % path)
-    if mesh is None or mesh.replica == 0:  # replicas hold the same shards
-        session.runtime.save_checkpoint(_streamed_dir(staging, session),
+        # The staging folder, or its streamed/ of every shard's folder (the runtime's save
+        # makes the folder it writes).
+        os.makedirs(os.path.dirname(streamed))
+        if rng is not None:
+            os.makedirs(os.path.dirname(rng))
+    layout.barrier("starting checkpoint %s" % path)
+    if layout.writes_streamed:  # replicas hold the same shards
+        session.runtime.save_checkpoint(streamed,
                                         session.optimizer if optimizer is not None else None)
-    if mesh:
-        torch.save(_rng_state(), os.path.join(staging, "rng", "rank%d.pt" % mesh.rank))
-    if lead:
+    if rng is not None:
+        torch.save(_rng_state(), rng)
+    if layout.lead:
         torch.save({"format": FORMAT, "model": _resident_tensors(model, session),
                     "optimizer": optimizer.resident_state() if optimizer is not None else None,
-                    "rng": _rng_state(), "data_parallel": _layout(session)},
+                    "rng": _rng_state(), "data_parallel": layout.checkpoint_layout()},
                    os.path.join(staging, "resident.pt"))
-    if mesh:
-        mesh.barrier("writing checkpoint %s" % path)
-    if lead:
+    layout.barrier("writing checkpoint %s" % path)
+    if layout.lead:
         _commit(staging, path)
-    if mesh:
-        mesh.barrier("committing checkpoint %s" % path)
+    layout.barrier("committing checkpoint %s" % path)
 
 
 def _commit(staging, path):
@@ -194,11 +180,11 @@ def load_checkpoint(path, model, optimizer=None):
                          % (path, FORMAT))
     if optimizer is not None and data["optimizer"] is None:
         raise ValueError("strata.torch.load_checkpoint: %s holds no optimizer state" % path)
-    layout = data.get("data_parallel")
-    if layout != _layout(session):
+    saved_layout, layout = data.get("data_parallel"), session.layout.checkpoint_layout()
+    if saved_layout != layout:
         raise ValueError("strata.torch.load_checkpoint: %s was saved %s; this model trains %s "
                          "(load it under the same layout)" % (
-                             path, _describe(layout), _describe(_layout(session))))
+                             path, _describe(saved_layout), _describe(layout)))
     saved = data["model"]
 
     def targets():  # by the checkpoint's names (a build gives meta buffers new tensors)
@@ -222,24 +208,18 @@ def load_checkpoint(path, model, optimizer=None):
     targets = targets()
     # The runtime's load (as its save) first waits for the updates still running, whether or
     # not the optimizer's state is part of it (strata_checkpoint_load).
-    session.runtime.load_checkpoint(_streamed_dir(path, session),
+    session.runtime.load_checkpoint(session.layout.streamed_dir(path),
                                     session.optimizer if optimizer is not None else None)
-    if optimizer is None:
-        # The weights only: the masters follow them (the optimizer's moments stay), as after
-        # model.load_state_dict.
-        session.masters_from_weights()
-        # Before the optimizer exists: every block's weights are the checkpoint's now, so the
-        # optimizer may lay the blocks out again from them (StrataSession.unbuild).
-        session.relayable = session.optimizer is None
+    if optimizer is None:  # the weights only
+        session.weights_loaded()
     for name, value in saved.items():
         targets[name].copy_(value)
     if optimizer is not None:
         optimizer.load_resident_state(data["optimizer"])
     rng = data["rng"]
-    mesh = getattr(session, "mesh", None)
-    if mesh is not None:
-        rng = torch.load(os.path.join(path, "rng", "rank%d.pt" % mesh.rank), map_location="cpu",
-                         weights_only=True)
+    own = session.layout.rng_file(path)  # under data parallelism, each rank's own
+    if own is not None:
+        rng = torch.load(own, map_location="cpu", weights_only=True)
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])

@@ -19,7 +19,7 @@ batch's activations and logits are unknown then), so it is measured:
   (AdamW's moments exist from the first): reserved, not allocated, since with the default
   allocator what fragmentation strands is as unusable as what is allocated (an H200 run
   planned from the allocated peak ran out of memory asking for 15.6 GiB of logits with 11 GiB
-  reserved and unused); with expandable segments (strata.torch.allocator) the allocated peak
+  reserved and unused); with expandable segments (strata.torch._allocator) the allocated peak
   plus 2% of the device when that is less, since that allocator gives back what it caches
   where an allocation needs it (ActivationKeeper.peak);
 - what torch could hold at most: the device's free memory plus what torch holds now (the CUDA
@@ -43,16 +43,20 @@ a write through _unsafe_view's tensor, and the grads would be silently wrong).
 From the third step on, the last resident blocks skip recompute (plan_kept): from the last
 block back, each kept selectively (wholly when it cannot be) while its bytes x 1.25 fit in
 usable - peak - margin, then upgraded to whole, from the last back, with what that leaves;
-the margin is 4% of the device with expandable segments (strata.torch.allocator), 10%
+the margin is 4% of the device with expandable segments (strata.torch._allocator), 10%
 without. A forward pass with more tokens, or longer sequences, than the measured steps had
 runs checkpointed (activations and logits grow with the tokens, attention's with the
 sequence). An out-of-memory error anywhere (the allocator counts them: a forward, a backward,
 a step) turns keeping off for good; a step that made the allocator retry an allocation (free
 its cache, a device synchronization) drops the first kept block. Only on CUDA."""
 
+import contextlib
 import time
 
 import torch
+
+from . import _allocator
+from ._replay import ForwardState
 
 
 def _costly_ops():
@@ -209,8 +213,6 @@ def _forward_on_fake(run, args, kwargs, device, pack, dispatch=None, params=(), 
     TorchDispatchMode) when given, the RNG state restored after. `params` are made fake first
     and their storages added to `known`. False when it cannot be done (an op without a fake
     kernel, a custom block)."""
-    import contextlib
-
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_map
 
@@ -255,7 +257,7 @@ class ActivationKeeper:
     # measured steps did not show.
     MARGIN = 0.10
     BLOCK_FACTOR = 1.25
-    # With expandable segments (strata.torch.allocator) a new allocation pattern strands
+    # With expandable segments (strata.torch._allocator) a new allocation pattern strands
     # little: the 8B at 32x1024 reserved 1.7 GB over its allocated peak instead of 17.7. (A
     # block factor of 1.10 as well kept 2 more 3.6B blocks and 1 more 8B block at 32x1024 for
     # no faster step: docs/benchmarks.md.)
@@ -265,7 +267,7 @@ class ActivationKeeper:
     # maps them where they are needed), not memory lost to fragmentation: the plan counts the
     # allocated peak plus this fraction of the device (pages partly used, the allocator's
     # rounding), or the reserved peak when that is less. With paged optimizer state
-    # (strata.torch.paging) the reserved peak ran to the device's size with 91-95 GB allocated
+    # (strata.torch._paging) the reserved peak ran to the device's size with 91-95 GB allocated
     # of 139 (an 8B at 32x1024), which left nothing to keep.
     FRAGMENTATION_EXPANDABLE = 0.02
     DECIDE_AFTER_STEPS = 2
@@ -354,7 +356,6 @@ class ActivationKeeper:
             self.tokens = tokens
             self.measured = {}
         if tokens == self.tokens and index not in self.measured:
-            from .block import ForwardState
             started = time.perf_counter()
             # The fake forward runs ops on 0-dim CPU buffers for real (a call counter,
             # BatchNorm's num_batches_tracked): they are put back after it.
@@ -373,7 +374,7 @@ class ActivationKeeper:
 
     def on_step(self, settled=True, paged=False):
         """After an optimizer step: the decision, once enough steps were measured and the
-        memory a step uses has `settled` (strata.torch.paging sizes what it pages first).
+        memory a step uses has `settled` (strata.torch._paging sizes what it pages first).
         `paged`: optimizer state leaves the device between steps; the steps before it settled
         used memory in another pattern, and what the allocator reserved for them (it keeps
         what it reserved) is not what a step needs now: the cache is emptied and the peak
@@ -411,8 +412,7 @@ class ActivationKeeper:
         expandable segments what it allocated plus FRAGMENTATION_EXPANDABLE of the device
         (`total`) when that is less."""
         peak = torch.cuda.max_memory_reserved(self.device)
-        from .allocator import expandable_segments
-        if expandable_segments():
+        if _allocator.expandable_segments():
             allocated = torch.cuda.max_memory_allocated(self.device)
             peak = min(peak, allocated + int(total * self.FRAGMENTATION_EXPANDABLE))
         return peak
@@ -450,8 +450,7 @@ class ActivationKeeper:
     def margin(self):
         """The fraction of the device left unused: smaller when the allocator grows
         expandable segments."""
-        from .allocator import expandable_segments
-        return self.MARGIN_EXPANDABLE if expandable_segments() else self.MARGIN
+        return self.MARGIN_EXPANDABLE if _allocator.expandable_segments() else self.MARGIN
 
     def describe(self):
         """'N keep their activations (S selectively)', or '' when none do."""

@@ -1,0 +1,56 @@
+"""Host probes: what this machine has now (available memory, free disk, a NUMA node's CPUs),
+read where strata.torch sizes host memory, the NVMe tier's files and the CPU optimizer's
+threads. Nothing here knows about models or sessions."""
+
+import os
+
+
+def mem_available():
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def disk_free(paths):
+    """Bytes the NVMe tier's files can take: the striped files grow equally, so each file
+    system holds its share (its files over all of them) of the budget; 5% and 1 GiB of each
+    are left to it."""
+    free, files = {}, {}
+    for path in paths:
+        folder = os.path.dirname(os.path.abspath(path))
+        st = os.statvfs(folder)
+        dev = os.stat(folder).st_dev
+        free[dev] = max(0, int(st.f_bavail * st.f_frsize * 0.95) - (1 << 30))
+        files[dev] = files.get(dev, 0) + 1
+    return min(free[dev] * len(paths) // files[dev] for dev in free)
+
+
+def node_cpus(node):
+    """The CPUs this process may run on in NUMA node `node` (all it may run on where the node
+    is unknown or shares none with them)."""
+    allowed = os.sched_getaffinity(0)
+    if node is not None and node >= 0:
+        try:
+            with open("/sys/devices/system/node/node%d/cpulist" % node) as f:
+                listed = parse_cpulist(f.read())
+            if listed & allowed:
+                return len(listed & allowed)
+        except OSError:
+            pass
+    return len(allowed)
+
+
+def parse_cpulist(text):
+    cpus = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus

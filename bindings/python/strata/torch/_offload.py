@@ -1,0 +1,438 @@
+"""strata.torch.offload: stream a model's repeated blocks through Strata. The model stays the
+same nn.Module with the same parameters and names; each block's forward is replaced by one
+that streams it (strata.torch._block), and its state_dict / load_state_dict read and write the
+values in Strata (strata.torch._hooks).
+
+offload() is a pipeline of stages, each a function below: _validate (the arguments, the
+device, the blocks, the weights file, data parallelism), _plan (resident blocks, the host and
+NVMe budgets: nothing is created), _build (the session and its runtime), _install (the
+allocator setting, the blocks' forwards and hooks, resident blocks), _move_residents (the model
+outside the streamed blocks onto the device) and _attach (model.strata and the model's own
+hooks). Each stage that changes something records how to undo it on a _Rollback; when a later
+stage fails, everything done is undone in reverse order, so a failed call leaves the model as
+it was and releases what it allocated."""
+
+import dataclasses
+import functools
+import os
+import time
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from . import _allocator, _distributed, _hooks, _params, _planning, _surgery, _weights
+from ._block import streamed_forward
+from ._layout import ShardedLayout
+from ._replay import replaying_forward_state, without_caches
+from ._session import SessionChoices, StrataSession
+
+
+class _Rollback:
+    """What the stages did, as functions that undo it, run in reverse order on failure."""
+
+    def __init__(self):
+        self._undo = []
+
+    def push(self, undo):
+        self._undo.append(undo)
+
+    def run(self, error):
+        """Undo everything, last first, for `error` (the failure that stops offload, which is
+        the one raised): an undo that fails too does not stop the others; it is noted on
+        `error`."""
+        while self._undo:
+            undo = self._undo.pop()
+            try:
+                undo()
+            except Exception as e:  # noqa: BLE001 (every undo runs; the first error is raised)
+                error.add_note("strata.torch.offload: undoing %r failed too: %r" % (undo, e))
+
+
+@dataclasses.dataclass
+class _Request:
+    """offload()'s arguments, checked and resolved (_validate)."""
+    all_blocks: list  # every repeated block, resident ones first
+    device: torch.device
+    dtype: torch.dtype
+    backend: str
+    grads_home: str  # "dram" or "hbm"
+    nvme: list
+    nvme_budget: int
+    state_placement: str
+    gpu_budget: int
+    host_budget: int
+    slot_budget: int
+    mesh: object  # strata.torch._distributed.Mesh, or None
+    source: tuple  # offload(weights=): (SafetensorsWeights, names by tensor), or None
+
+    def close(self):
+        if self.source is not None:
+            self.source[0].close()
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What _plan decided: which blocks stay resident and which stream, and the budgets."""
+    kept: list  # the resident blocks
+    blocks: list  # the streamed blocks
+    host_budget: int
+    nvme_budget: int
+    layers: list = None  # with nvme: per block, the sizes the placement weighs
+    place_nvme: int = 0  # with nvme: what the placement may put there
+
+
+def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, dtype=None,
+            device=None, backend="auto", slot_budget=0, resident_blocks=None,
+            state_placement=None, data_parallel=None, weights=None, grads="host"):
+    """Stream `model`'s blocks through Strata; returns the model, changed in place.
+
+    gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: pinned
+    DRAM bytes (None: what the blocks, grads and optimizer state need; with nvme, that or 85% of
+    the available memory, whichever is less). nvme: an NVMe tier, a path or a list of paths
+    (files, striped): the optimizer state that host_budget cannot hold goes there, the last
+    blocks' first, staged through DRAM for each update; when host_budget cannot even hold every
+    streamed weight beside the grads and staging, the last blocks' weights go there too
+    (streamed from NVMe, written back by their updates). nvme_budget: its bytes (None or 0:
+    what the spilled tensors need). state_placement (with nvme): "planned" (default: DRAM
+    first, the rest on NVMe) or "nvme" (all of the streamed blocks' optimizer state on NVMe,
+    leaving DRAM to the weights and grads). slot_budget: HBM for streaming slots
+    within gpu_budget (0: all of it). dtype: the compute dtype of the streamed weights (None:
+    the model's). device: where to compute (None: cuda if available, else cpu with Strata's
+    host backend). resident_blocks: how many of the first blocks stay in HBM as plain PyTorch
+    modules with checkpointing, trained by torch's AdamW on the device (None: as many as 40% of
+    the device memory holds that is free once the rest of the model and its state are there,
+    0 on the CPU; the batch's activations and logits are not known here: pass a smaller
+    number, or 0, when the first step runs out of memory).
+    data_parallel: None (data parallel over torch.distributed's default group when it is
+    initialized with several ranks), False (never), or a strata.torch.DataParallel
+    (strata.torch._distributed). weights: a safetensors checkpoint (a file, or a Hugging Face
+    directory with model.safetensors or its sharded index) every parameter's values come from,
+    for a model best built on the meta device: the streamed blocks' go from the file into
+    Strata's pinned arena, the rest onto the device (strata.torch._weights); a checkpoint that
+    lacks a parameter or has another shape is refused before anything changes.
+    grads: where the streamed blocks' grads live between the backward pass and the step,
+    "host" (pinned DRAM) or "device" (the GPU's memory, beside gpu_budget: 2 bytes per bf16
+    parameter of DRAM less, 12 instead of 14, and as many more of HBM; the optimizer copies
+    each block's grads to the CPU when it reads them: for their sums of squares as they land,
+    and for the update). The training is bit for bit the same. With nvme=, DRAM then holds no
+    grads either: down to the staging and one block's grads to read them through. Not yet
+    under data parallelism.
+    On CUDA without data parallelism, torch's caching allocator grows expandable segments from
+    here on unless the process configured it (PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF
+    non-empty: `expandable_segments:False` keeps the default; strata.torch._allocator says why,
+    and what expandable segments do not support).
+    A failed call leaves the model as it was and releases what it allocated."""
+    if getattr(model, "strata", None) is not None:
+        raise RuntimeError("strata.torch.offload: this model is already offloaded "
+                           "(model.strata exists); offload a model once")
+    request = _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device,
+                        backend, slot_budget, state_placement, data_parallel, weights, grads)
+    rollback = _Rollback()
+    rollback.push(request.close)
+    try:
+        plan = _plan(model, request, resident_blocks)
+        session = _build(model, request, plan, rollback)
+        started = time.perf_counter()
+        _install(model, session, request, plan, rollback)
+        _move_residents(model, session, request, plan, rollback)
+    except BaseException as e:
+        rollback.run(e)
+        raise
+    session.timed("residents", started)  # the model outside the streamed blocks, on the device
+    _attach(model, session, plan)
+    return model
+
+
+def _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, backend,
+              slot_budget, state_placement, data_parallel, weights, grads):
+    """The arguments checked and resolved; the weights file opened (closed again if a check
+    after it fails). Nothing of the model changes."""
+    if grads not in ("host", "device"):
+        raise ValueError("strata.torch.offload: grads is %r, not 'host' or 'device'" % (grads,))
+    grads_home = "dram" if grads == "host" else "hbm"
+    if isinstance(nvme, (str, bytes, os.PathLike)):
+        nvme = [nvme]  # one path, not its characters
+    nvme = list(nvme) if nvme else []
+    nvme_budget = nvme_budget or 0  # None, as documented, is 0 (examples/train.py passes it)
+    if nvme_budget and not nvme:
+        raise ValueError("strata.torch.offload: nvme_budget=%d without nvme= (the NVMe tier's "
+                         "file paths)" % nvme_budget)
+    if state_placement not in (None, "planned", "nvme"):
+        raise ValueError("strata.torch.offload: state_placement is %r, not 'planned' or 'nvme'"
+                         % (state_placement,))
+    if state_placement is not None and not nvme:
+        raise ValueError("strata.torch.offload: state_placement=%r needs nvme= (the NVMe "
+                         "tier's file paths)" % state_placement)
+    source = None
+    if weights is not None:
+        source = _weights.SafetensorsWeights(weights)
+        try:
+            _weights.check_covers(source, model)
+        except BaseException:
+            source.close()
+            raise
+        source = (source, _weights.names_by_tensor(model))
+    try:
+        return _validate_model(model, gpu_budget, host_budget, nvme, nvme_budget, dtype,
+                               device, backend, slot_budget, state_placement, data_parallel,
+                               grads_home, source)
+    except BaseException:
+        if source is not None:
+            source[0].close()
+        raise
+
+
+def _validate_model(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, backend,
+                    slot_budget, state_placement, data_parallel, grads_home, source):
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if backend not in ("auto", "cuda", "host"):
+        raise ValueError("strata.torch.offload: backend %r is not 'auto', 'cuda' or 'host'"
+                         % (backend,))
+    if backend == "auto":
+        backend = "cuda" if device.type == "cuda" else "host"
+    all_blocks = _surgery.find_blocks(model)
+    if source is not None and any(not p.is_meta for b in all_blocks for p in b.parameters()):
+        # Their values would show (evaluation, state_dict) until the optimizer's build, and
+        # then the file's would replace them and any edit made meanwhile.
+        raise ValueError("strata.torch.offload: weights= gives the values of a model built on "
+                         "the meta device (with torch.device('meta'): ...), and this model's "
+                         "blocks hold values already; build it on meta, or load the file "
+                         "with model.load_state_dict; nothing was changed")
+    _surgery.refuse_shared_blocks(all_blocks)
+    if dtype is None:
+        dtype = next(all_blocks.parameters()).dtype
+    if dtype not in _planning.DTYPE_NAMES:
+        raise ValueError("strata.torch.offload: dtype %s is not float32, bfloat16 or float16"
+                         % dtype)
+    mesh = _distributed.resolve(data_parallel, device)  # collective under data parallelism
+    if source is not None and mesh is not None:
+        raise NotImplementedError(
+            "strata.torch.offload: weights= under data parallelism is not supported yet (each "
+            "rank would read its own shards from the file); load the model on each rank, or "
+            "train without data_parallel")
+    if grads_home == "hbm" and mesh is not None:
+        # A sharded session reduces the grads into DRAM shards: not from the device yet.
+        raise NotImplementedError(
+            "strata.torch.offload: grads='device' under data parallelism is not supported "
+            "yet; use grads='host'")
+    return _Request(list(all_blocks), device, dtype, backend, grads_home, nvme, nvme_budget,
+                    state_placement, gpu_budget, host_budget, slot_budget, mesh, source)
+
+
+def _plan(model, request, resident_blocks):
+    """Which blocks stay resident (the given count, or _planning's choice; under data
+    parallelism the fewest any rank keeps) and, with NVMe, whether a placement of the training
+    state fits (else whether the host budget holds the streamed blocks). Creates nothing."""
+    all_blocks, mesh = request.all_blocks, request.mesh
+    if resident_blocks is None:
+        resident_blocks = _planning._auto_resident_blocks(
+            model, all_blocks, request.dtype, request.device, request.gpu_budget,
+            request.grads_home)
+    if mesh is not None:  # every rank must stream the same blocks: the fewest any rank keeps
+        resident_blocks = min(mesh.gather_objects(resident_blocks))
+    if not 0 <= resident_blocks < len(all_blocks):
+        raise ValueError("strata.torch.offload: resident_blocks is %d; the model has %d blocks "
+                         "and at least one must stream" % (resident_blocks, len(all_blocks)))
+    plan = _Plan(all_blocks[:resident_blocks], all_blocks[resident_blocks:],
+                 request.host_budget, request.nvme_budget)
+    _surgery.refuse_shared_outside(model, plan.blocks)
+    if request.nvme and mesh is not None:
+        # Each rank would need NVMe files of its own, and the state's placement is planned per
+        # runtime from what one process holds: not built yet.
+        raise NotImplementedError(
+            "strata.torch.offload: nvme= under data parallelism is not supported yet; each "
+            "rank keeps 1/(ranks per host) of the training state in DRAM: size host_budget "
+            "for that, or train without data_parallel")
+    if request.nvme:
+        plan.layers, plan.host_budget, plan.nvme_budget, plan.place_nvme = _planning.plan_nvme(
+            plan.blocks, request.dtype, request.grads_home, request.state_placement,
+            plan.host_budget, request.nvme, plan.nvme_budget)
+    else:
+        _planning.check_host_budget(plan.blocks, request.dtype, mesh, request.grads_home,
+                                    plan.host_budget)
+    return plan
+
+
+def _build(model, request, plan, rollback):
+    """The session: its runtime with the planned budgets and, with NVMe, the placement of the
+    training state chosen with the rates measured on it (closed again on a later failure)."""
+    prefixes = {id(m): n + "." for n, m in model.named_modules(remove_duplicate=False)}
+    choices = SessionChoices(
+        blocks=plan.blocks, prefixes=[prefixes[id(b)] for b in plan.blocks],
+        device=request.device, dtype=request.dtype, backend=request.backend,
+        gpu_budget=request.gpu_budget, host_budget=plan.host_budget, nvme=request.nvme,
+        nvme_budget=plan.nvme_budget, slot_budget=request.slot_budget,
+        grads_home=request.grads_home, init=getattr(model, "_init_weights", None),
+        resident_blocks=plan.kept, weights_source=request.source)
+    layout = None
+    if request.mesh is not None:
+        # Everything outside the streamed blocks is replicated on every rank, its grads averaged
+        # after backward (the same parameter objects once _move_residents gave them storage).
+        streamed = {id(p) for b in plan.blocks for p in b.parameters()}
+        layout = ShardedLayout(request.mesh,
+                               [p for p in model.parameters() if id(p) not in streamed])
+    session = StrataSession(choices, layout)
+    rollback.push(session.close)
+    if plan.layers is not None:
+        try:
+            session.place(plan.layers, plan.host_budget, plan.place_nvme,
+                          request.state_placement)
+        except MemoryError as e:  # the choice with measured rates fits wherever the check did
+            raise ValueError("strata.torch.offload: %s; nothing was changed" % e) from None
+    return session
+
+
+def _install(model, session, request, plan, rollback):
+    """The allocator setting, each streamed block's forward and state hooks, each resident
+    block's checkpointed forward, and the guard on .to()/.half() of every module holding
+    streamed blocks."""
+    # Expandable segments, unless the process configured the allocator (strata.torch._allocator:
+    # the default allocator's fixed segments strand what the loss's transients leave behind);
+    # not under data parallelism (NCCL's buffer registration needs the default).
+    if request.mesh is None:
+        undo = _allocator.prefer_expandable_segments(request.device)
+        if undo is not None:
+            rollback.push(undo)
+    for i, block in enumerate(plan.blocks):
+        for p in block.parameters():
+            _params.set_owner(p, session)
+        rollback.push(functools.partial(_unmark_owner, block))
+        _set_attribute(block, "forward", streamed_forward(session, i, block.forward), rollback)
+        for handle in _hooks.install_state_hooks(session, i, block):
+            rollback.push(handle.remove)
+    for index, block in enumerate(plan.kept):
+        _remember_attribute(block, "forward", rollback)
+        _keep_resident(session, index, block)
+    streamed = {id(p) for b in plan.blocks for p in b.parameters()}
+    for m in model.modules():
+        inside = [p for p in m.parameters() if id(p) in streamed]
+        if inside:
+            _set_attribute(m, "_apply", _hooks.guard_apply(session, m, inside), rollback)
+
+
+def _set_attribute(obj, name, value, rollback):
+    """obj.name = value, undone on rollback."""
+    _remember_attribute(obj, name, rollback)
+    setattr(obj, name, value)
+
+
+def _remember_attribute(obj, name, rollback):
+    """On rollback, obj's instance attribute `name` becomes what it is now, or none again."""
+    rollback.push(functools.partial(_reset_attribute, obj, name,
+                                    obj.__dict__.get(name, _ABSENT)))
+
+
+_ABSENT = object()
+
+
+def _reset_attribute(obj, name, before):
+    if before is _ABSENT:
+        obj.__dict__.pop(name, None)
+    else:
+        obj.__dict__[name] = before
+
+
+def _unmark_owner(block):
+    for p in block.parameters():
+        _params.set_owner(p, None)
+
+
+def _move_residents(model, session, request, plan, rollback):
+    """Everything outside the streamed blocks onto the device, in the compute dtype (buffers
+    keep theirs): materialized with its init, or read from offload(weights=). A resident
+    parameter narrowed from fp32 keeps its fp32 values for its master (session.kept_fp32). The
+    streamed blocks are registered with the runtime later (StrataSession.build)."""
+    device, dtype, source = request.device, request.dtype, request.source
+    in_blocks = {id(m) for b in plan.blocks for m in b.modules()}
+    rest = [m for m in model.modules() if id(m) not in in_blocks]
+    reads = None  # offload(weights=): the residents' tensors, read ahead
+    if source is not None:  # the next module's tensors are read while this one is copied
+        reads = _weights.Prefetcher(*source, [list(m.parameters(recurse=False)) for m in rest])
+    try:
+        for m in rest:
+            for p in m.parameters(recurse=False):
+                rollback.push(functools.partial(_restore_param, p, p.data))
+            for name, b in m.named_buffers(recurse=False):
+                rollback.push(functools.partial(_restore_buffer, m, name, b))
+            if source is None:
+                _surgery.materialize(m, device, session.init, recurse=False)
+            else:
+                _weights.load_module(m, device, *source, values=reads.next())
+            for p in m.parameters(recurse=False):
+                if p.dtype == torch.float32 and dtype != torch.float32:
+                    # Its fp32 master (strata.torch.AdamW) starts from these values, unless
+                    # the parameter is written before the optimizer exists (a load: its
+                    # version moves) and the master starts from what was written.
+                    _params.keep_fp32(p, p.data)
+                p.data = p.data.to(device, dtype)
+                if _params.fp32(p) is not None:
+                    _params.note_fp32_version(p)
+                    session.kept_fp32.append(p)
+            _surgery.rebuild_meta_buffers(m, device)
+            for name, b in list(m.named_buffers(recurse=False)):
+                m._buffers[name] = b.to(device)
+    finally:
+        if reads is not None:
+            reads.close()
+
+
+def _restore_param(p, data):
+    """A resident parameter's data before _move_residents (a meta one stays meta: .data cannot
+    go back from a real tensor to the meta device, and nothing of it was used)."""
+    if not data.is_meta or p.is_meta:
+        p.data = data
+    _params.drop_fp32(p)
+
+
+def _restore_buffer(module, name, value):
+    module._buffers[name] = value
+
+
+def _attach(model, session, plan):
+    """model.strata, the load hooks around the build and between steps, the model's forward
+    pre-hook, and the out-of-memory notes of a model with resident blocks."""
+    model.strata = session
+    around = _surgery.blocks_around(model, plan.blocks)
+    _hooks.install_load_hooks(model, session, plan.blocks, around)
+    model.register_forward_pre_hook(_hooks.ModelForwardBegins(session, around))
+    if plan.kept:
+        _hooks.note_memory_errors(model, session)
+
+
+def _keep_resident(session, index, block):
+    """A block kept in HBM runs as plain PyTorch with activation checkpointing (RNG-exact, as
+    the streamed blocks recompute), so its activation memory is what a streamed block's is;
+    unless the measured memory lets it keep its activations (strata.torch._activations), all
+    of them or only its matrix products' and attention's outputs, which gives the same values
+    without the recompute (or with only its elementwise part)."""
+    run = block.forward
+    keeper = session.activations
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return run(*args, **kwargs)
+        if index == 0 and keeper.enabled:
+            keeper.forward_begins()
+        for call in session.on_resident_forward_begin:
+            call(index)
+        leaves, spec = tree_flatten((args, kwargs))
+        args, kwargs = tree_unflatten(without_caches(leaves), spec)
+        keeper.observe(index, run, args, kwargs)
+        mode = keeper.mode(index, args)
+        if mode == "whole":
+            return run(*args, **kwargs)
+        # The recompute runs on the buffers and train/eval flags the forward had.
+        once = replaying_forward_state(block, run)
+        if mode == "selective":
+            return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True,
+                              context_fn=functools.partial(keeper.context, index), **kwargs)
+        return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    # torch.compile: run as it is (a graph break), so that the calls above (the activation
+    # keeper's, the pager's) run at every forward pass, not once when traced.
+    block.forward = torch.compiler.disable(forward)

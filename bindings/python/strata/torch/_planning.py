@@ -1,0 +1,170 @@
+"""Sizing, before anything is built: how strata.torch lays out a streamed parameter's fp32
+master, the budgets a session's runtime gets by default, how many of the first blocks stay
+resident in HBM, whether the streamed blocks fit the host budget, and with NVMe which placement
+of their training state the budgets allow. The byte counts are the runtime's (strata.core asks
+the C library); what is decided here is strata.torch's policy on top of them."""
+
+import torch
+
+from .. import core
+from . import _host
+from ._distributed import chunk_elements
+
+# The dtypes streamed weights may have, by the runtime's names for them.
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def master_layout(dtype):
+    """How strata.torch keeps a streamed parameter's fp32 master: split for bf16 weights (the
+    weight is its upper half, the optimizer keeps the low 16 bits: strata.h STRATA_MASTER_SPLIT),
+    a separate fp32 tensor for fp16 ones (fp32 weights are their own). Every caller reads it
+    through this module (`_planning.master_layout`), so one setting reaches the budgets, the
+    placement and the optimizer's layout alike."""
+    return "split" if dtype == torch.bfloat16 else "separate"
+
+
+def element_bytes(dtype):
+    return torch.finfo(dtype).bits // 8
+
+
+def block_elements(blocks, mesh=None):
+    """Elements per block that this process keeps in DRAM: the whole parameters, or under data
+    parallelism (`mesh`) this rank's chunks of them."""
+    if mesh is None:
+        return [sum(p.numel() for p in b.parameters()) for b in blocks]
+    return [sum(chunk_elements(p.numel(), mesh.shard_size) for p in b.parameters())
+            for b in blocks]
+
+
+def session_budgets(counts, dtype, grads, gpu_budget, host_budget):
+    """The HBM and DRAM budgets of a session's runtime: the given ones, or what the streamed
+    blocks of `counts` elements need (core.streaming_budgets). With grads in HBM a given
+    gpu_budget is the slots' and the grads come beside it."""
+    element = element_bytes(dtype)
+    hbm, dram = core.streaming_budgets(counts, element, master_layout(dtype), grads)
+    if gpu_budget is not None and grads == "hbm":
+        gpu_budget += core.grads_hbm_bytes(counts, element)  # beside the slots' budget
+    return (hbm if gpu_budget is None else gpu_budget,
+            dram if host_budget is None else host_budget)
+
+
+def estimate_dram(blocks, dtype, mesh=None, grads="dram"):
+    """The pinned DRAM the streamed blocks need without NVMe (weights, grads, masters and
+    moments, alignment and headroom)."""
+    _, dram = core.streaming_budgets(block_elements(blocks, mesh), element_bytes(dtype),
+                                     master_layout(dtype), grads)
+    return dram
+
+
+def check_host_budget(blocks, dtype, mesh, grads_home, host_budget):
+    """Without NVMe, a given host_budget must hold the streamed blocks: else a ValueError that
+    says what they need (and what grads='device' would), before anything is created."""
+    if host_budget is None:
+        return
+    need = estimate_dram(blocks, dtype, mesh, grads_home)
+    if host_budget >= need:
+        return
+    hint = ""
+    if grads_home == "dram" and mesh is None:
+        hint = ("; grads='device' needs %d (the grads on the GPU)"
+                % estimate_dram(blocks, dtype, mesh, "hbm"))
+    raise ValueError("strata.torch.offload: host_budget %d bytes is below the %d bytes the "
+                     "streamed blocks need in pinned DRAM (their weights, %sfp32 masters "
+                     "and AdamW moments, 2%% for page alignment, and a fixed 256 MiB of "
+                     "headroom beyond them; or pass nvme= to put state on NVMe%s); nothing "
+                     "was changed" % (host_budget, need,
+                                      "grads, " if grads_home == "dram" else
+                                      "one block's grads, ", hint))
+
+
+def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"):
+    """How many of the first blocks to keep resident in HBM: as many as fit in 40% of the device
+    memory left beside Strata's own (the rest for activations, logits and the allocator), at 16
+    bytes per parameter in bf16 (the compute-dtype weight and grad, an fp32 master unless the
+    weights are fp32, AdamW's m and v; the fp32 grads the update reads exist a chunk at a time,
+    st.AdamW.RESIDENT_CHUNK). Resident blocks need no transfers and are updated by torch's
+    AdamW on the device at once, so the CPU's updates of the streamed ones start with the
+    resident blocks' forward pass as a head start (the next forward pass needs the first blocks
+    first). The free memory counted is what is left once the rest of the model (embeddings,
+    head: not yet on the device for a meta model) and its optimizer state are there, at the
+    same bytes per parameter (a 128k-vocabulary 8B Llama's embedding and head take 17 GB: left
+    out, 7 blocks were kept on an 80 GB GPU and the first step ran out of memory). 0 on the
+    CPU."""
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    element = element_bytes(dtype)
+    # Resident blocks are trained by torch's AdamW with whole fp32 masters (never split).
+    per_param = 2 * element + core.state_bytes_per_param(element)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    coming = sum(p.numel() for p in model.parameters()
+                 if id(p) not in in_blocks and p.device != device)
+    free = max(0, free - coming * per_param)
+    spare = max(0, free - (gpu_budget or 0)) * 2 // 5
+    counts = block_elements(blocks)
+    grad_bytes = 0
+    if grads == "hbm":
+        # The streamed blocks' grads in HBM come out of the residents' share, not out of what
+        # the activations and logits are left: a block kept resident gives its grads' share
+        # back (its own grad is in per_param).
+        grad_bytes = element
+        spare -= core.grads_hbm_bytes(counts, element)
+    k = 0
+    for n in counts[:-1]:  # at least one block streams
+        need = n * (per_param - grad_bytes)
+        if need > spare:
+            break
+        spare -= need
+        k += 1
+    return k
+
+
+# The NVMe tier holds what the placement puts there, 5% more for its per-tensor alignment and
+# 64 MiB a block: the placement may use (budget - margin) / 1.05, the same figure in the check
+# here and in the session's choice (StrataSession.place).
+NVME_BLOCK_MARGIN = 64 << 20
+NVME_ALIGNMENT_PERCENT = 5
+
+
+def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvme_budget):
+    """With nvme=: training state may spill to NVMe. The placement (strata_placement_*)
+    chooses, from the budgets and the rates measured on the runtime, which blocks' state and
+    weights go there, fastest predicted step first (docs/optimizer.md, "State on NVMe"). Here
+    it only checks, with no rates, that some placement fits: nothing is created otherwise.
+    Returns (layers: per block the sizes the placement weighs, host_budget, nvme_budget, what
+    the placement may put on NVMe), the budgets filled in where not given: DRAM what every
+    tensor needs or 85% of the available memory, whichever is less; NVMe room for everything
+    that could spill, at most what the disks have free (the runtime preallocates its files)."""
+    element = element_bytes(dtype)
+    counts = [[p.numel() for p in b.parameters() if p.requires_grad] for b in blocks]
+    frozen = [[p.numel() for p in b.parameters() if not p.requires_grad] for b in blocks]
+    layers = core.placement_layers(counts, element, frozen,
+                                   "nvme" if state_placement == "nvme" else "choose",
+                                   master_layout=master_layout(dtype), grads=grads_home)
+    for i, layer in enumerate(layers):
+        layer["name"] = "blocks.%d" % i
+    # Grads on the device: the placement counts the DRAM buffer they are read through.
+    if host_budget is None:
+        available = _host.mem_available()
+        host_budget = core.full_dram(layers)
+        if available is not None:
+            host_budget = min(host_budget, int(available * 0.85))
+    margin = NVME_BLOCK_MARGIN * len(layers)
+    if not nvme_budget:
+        spillable = sum(l["weight_bytes"] + l["state_bytes"] for l in layers)
+        nvme_budget = min(-(-spillable * (100 + NVME_ALIGNMENT_PERCENT) // 100) + margin,
+                          _host.disk_free(nvme))
+    place_nvme = (nvme_budget - margin) * 100 // (100 + NVME_ALIGNMENT_PERCENT)
+    if place_nvme <= 0:
+        raise ValueError("strata.torch.offload: nvme_budget %d bytes leaves no room for "
+                         "training state after the tier's margins (64 MiB a block and 5%%); "
+                         "nothing was changed" % nvme_budget)
+    try:
+        core.place(layers, dram_budget=host_budget, nvme_budget=place_nvme)
+    except MemoryError as e:
+        short = ("host_budget %d bytes is below what DRAM needs" % host_budget
+                 if "DRAM needs" in str(e) else
+                 "nvme_budget %d bytes is below what NVMe needs" % nvme_budget)
+        raise ValueError("strata.torch.offload: %s with training state and weights on NVMe "
+                         "(%s); nothing was changed" % (short, e)) from None
+    return layers, host_budget, nvme_budget, place_nvme

@@ -1,0 +1,158 @@
+"""Model surgery: what strata.torch finds in, refuses of and does to a model's modules and
+parameters before and while it streams them (its repeated blocks, parameters shared where they
+cannot be, modules built on the meta device given storage and values, a parameter given other
+data while staying the same object). Knows torch's modules, not Strata."""
+
+import torch
+from torch import nn
+
+from . import _params
+
+
+def find_blocks(model):
+    """The model's repeated blocks: Hugging Face decoders keep them in model.model.layers (or
+    transformer.h for GPT-2 style models); otherwise the largest nn.ModuleList of one type."""
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "layers", "blocks", "h"):
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
+            return obj
+    best = None
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1:
+            if best is None or sum(p.numel() for p in m.parameters()) > \
+                    sum(p.numel() for p in best.parameters()):
+                best = m
+    if best is None:
+        raise ValueError("strata.torch.offload: the model has no list of repeated blocks "
+                         "(nn.ModuleList) to stream")
+    return best
+
+
+def refuse_shared_blocks(blocks):
+    """Blocks that are one module, or share parameters (ALBERT's one block applied N times):
+    each streamed block's weights and grads have a place of their own in Strata, one update
+    per step; a shared one would be registered twice. Refused before anything changes."""
+    owner = {}
+    for i, block in enumerate(blocks):
+        for name, p in block.named_parameters():
+            if id(p) in owner and owner[id(p)][0] != i:
+                raise ValueError(
+                    "strata.torch.offload: blocks %d and %d share parameter %r (the same module "
+                    "or tied weights, as ALBERT repeats one block): streamed blocks each need "
+                    "their own parameters; nothing was changed" % (owner[id(p)][0], i, name))
+            owner.setdefault(id(p), (i, name))
+
+
+def refuse_shared_outside(model, blocks):
+    """A streamed block's parameter that a module outside the block holds too (weights tied
+    between a block and the head, a gate shared with the embedding): outside its block's
+    forward pass a streamed parameter is a placeholder, so the other module would compute
+    with it, and its grads from there would not reach Strata. Refused before anything
+    changes."""
+    streamed = {id(p) for block in blocks for p in block.parameters()}
+    # A module reached under a second name (model.last = model.layers[-1]) is still inside.
+    within = {id(m) for block in blocks for m in block.modules()}
+    names, outside = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in streamed:
+            continue
+        names.setdefault(id(p), []).append(name)
+        owner = name.rpartition(".")[0]
+        if id(model.get_submodule(owner) if owner else model) not in within:
+            outside.setdefault(id(p), []).append(name)
+    for key, elsewhere in outside.items():
+        inner = [n for n in names[key] if n not in elsewhere]
+        if inner:
+            raise ValueError(
+                "strata.torch.offload: parameter %s is shared between a streamed block and a "
+                "module outside it (%s): a streamed block's parameters live in Strata and are "
+                "only real inside its forward pass. Untie them, or keep that block resident "
+                "(resident_blocks=); nothing was changed" % (inner[0], ", ".join(elsewhere)))
+
+
+def swap_data(p, data):
+    """Parameter `p` takes `data`, staying the same Python object with its attributes (its
+    optimizer groups, names and tied modules keep pointing at it): torch.utils.swap_tensors,
+    as .data cannot go from the meta device to a real one."""
+    attrs = dict(p.__dict__)
+    with _params.unreferenced(p):  # swap_tensors refuses a tensor with weak references
+        torch.utils.swap_tensors(p, torch.nn.Parameter(data, p.requires_grad))
+    p.__dict__.update(attrs)
+
+
+def rebuild_meta_buffers(module, device):
+    """Buffers still on the meta device after materializing (non-persistent ones computed in
+    __init__, such as rotary inverse frequencies, which neither to_empty nor _init_weights
+    fill): computed again by building the module anew from its config on the CPU."""
+    meta = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
+    if not meta:
+        return
+    config = getattr(module, "config", None)
+    fresh = None
+    if config is not None:
+        with torch.device("cpu"):
+            for make in (lambda: type(module)(config=config), lambda: type(module)(config)):
+                try:
+                    fresh = make()
+                    break
+                except TypeError:
+                    continue
+    if fresh is None:
+        raise ValueError("strata.torch.offload: buffer(s) %s of %s are on the meta device and "
+                         "cannot be recomputed (the module has no config to rebuild it from); "
+                         "build the model with real buffers" % (meta, type(module).__name__))
+    for name in meta:
+        module._buffers[name] = getattr(fresh, name).to(device)
+
+
+def blocks_around(model, blocks):
+    """(name, module) for each streamed block and each module that contains one (the model
+    down to the blocks' list): where transformers turns gradient checkpointing on around them,
+    on the blocks (its checkpointing layers) or, in older versions, on the module whose forward
+    loops over them. Found once: the model's forward pre-hook reads these, not every module."""
+    inside = {id(b) for b in blocks}
+    found = []
+    for name, m in model.named_modules():
+        if any(id(sub) in inside for sub in m.modules()):  # m.modules() includes m
+            found.append((name, m))
+    return found
+
+
+def materialize(module, device, init, recurse=True):
+    """A module built on the meta device (to build a model larger than host memory allows
+    twice) gets real storage on `device` and its init function's values; buffers computed at
+    construction (rotary frequencies) are computed again. The parameters stay the same
+    objects (optimizer groups, names and tied weights keep pointing at them)."""
+    modules = list(module.modules()) if recurse else [module]
+    if any(p.is_meta for m in modules for p in m.parameters(recurse=False)):
+        if init is None:
+            raise ValueError("strata.torch.offload: the model is on the meta device and has no "
+                             "_init_weights(module) to initialize it")
+        # What is not on meta (loaded into a meta model before its build: load_state_dict(...,
+        # strict=False)) keeps its values: the init is for the meta tensors, and a module's
+        # init may write its children's too (GPT-2's attention re-initializes its c_proj).
+        loaded = [(p, p.detach().clone()) for m in modules for p in m.parameters(recurse=False)
+                  if not p.is_meta]
+        loaded_buffers = [(m, name, b.detach().clone()) for m in modules
+                          for name, b in m.named_buffers(recurse=False)
+                          if not b.is_meta and name not in m._non_persistent_buffers_set]
+        for m in modules:
+            for p in m.parameters(recurse=False):
+                if p.is_meta:
+                    swap_data(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+            for name, b in list(m.named_buffers(recurse=False)):
+                if b.is_meta and name not in m._non_persistent_buffers_set:
+                    m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+        for m in modules:
+            init(m)
+        with torch.no_grad():
+            for p, values in loaded:
+                p.data.copy_(values)
+            for m, name, values in loaded_buffers:
+                m._buffers[name] = values.to(m._buffers[name].device)
+    for m in modules:
+        rebuild_meta_buffers(m, device)

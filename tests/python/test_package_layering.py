@@ -1,0 +1,125 @@
+"""strata.torch's modules in layers: MODULE_ORDER lists them bottom to top, and a module may
+import (at the top or inside a function, relatively or by its full name) only the strata
+modules listed below it. A module of the package missing from the list, an import of a strata
+module not in it, or one of a module at its own level or above fails, naming file:line. Read
+from the source (ast), nothing imported: it runs without torch and without libstrata."""
+
+import ast
+import pathlib
+import shutil
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "bindings" / "python" / "strata"
+
+# Bottom to top. strata._lib and strata.core (the ctypes layer over the C ABI) are below the
+# whole package; strata.torch itself (its __init__, the public surface) is its top.
+MODULE_ORDER = [
+    "strata._lib",
+    "strata.core",
+    "strata.torch._host",  # host probes: MemAvailable, free disk, a NUMA node's CPUs
+    "strata.torch._allocator",  # torch's CUDA caching allocator settings
+    "strata.torch._params",  # per-parameter bookkeeping, a table keyed by the parameter
+    "strata.torch._surgery",  # model surgery: blocks, shared parameters, meta modules, swap
+    "strata.torch._weights",  # offload(weights=): a safetensors checkpoint as the source
+    "strata.torch._replay",  # a block's forward state replayed for its recompute
+    "strata.torch._distributed",  # DataParallel, Mesh (collectives), chunk sizes
+    "strata.torch._grads",  # StreamedGrad
+    "strata.torch._activations",  # which resident blocks keep their activations
+    "strata.torch._planning",  # sizing: budgets, resident blocks, the NVMe placement check
+    "strata.torch._streamed",  # a streamed parameter's place in Strata; filling tensors
+    "strata.torch._layout",  # where parameters live: whole on one process, or sharded
+    "strata.torch._session",  # StrataSession: runtime, registration, the step, values
+    "strata.torch._block",  # a streamed block's forward (checkpointed autograd function)
+    "strata.torch._hooks",  # the model's state_dict / load / _apply / forward hooks
+    "strata.torch._paging",  # resident optimizer state paged to host memory
+    "strata.torch._optim",  # AdamW
+    "strata.torch._checkpoint",  # save_checkpoint / load_checkpoint
+    "strata.torch._offload",  # offload(): validate, plan, build, install, move residents
+    "strata.torch",
+]
+
+
+def module_name(path, root):
+    """The dotted name of the module at `path` under `root` (the folder holding strata/)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path, name, root):
+    """(line, module) for every import in the file: top-level or nested, relative or
+    absolute; `from X import y` counts as X.y where X.y is a module file, else as X."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                up = parts[:len(parts) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            for alias in node.names:
+                sub = base + "." + alias.name
+                is_module = any((root / (sub.replace(".", "/") + ext)).exists()
+                                for ext in (".py", "/__init__.py"))
+                found.append((node.lineno, sub if is_module else base))
+    return found
+
+
+def violations(root, order, package="strata.torch"):
+    """What breaks the layering of `package` under `root`, one line each, file:line first."""
+    rank = {name: i for i, name in enumerate(order)}
+    out = []
+    folder = root / package.replace(".", "/")
+    for path in sorted(folder.rglob("*.py")):
+        name = module_name(path, root)
+        where = path.relative_to(root)
+        if name not in rank:
+            out.append("%s:1: module %s is not in MODULE_ORDER" % (where, name))
+            continue
+        for line, target in imported_modules(path, name, root):
+            if target != "strata" and not target.startswith("strata."):
+                continue  # not ours (torch, the standard library, optional packages)
+            if target not in rank:
+                out.append("%s:%d: %s imports %s, which is not in MODULE_ORDER"
+                           % (where, line, name, target))
+            elif rank[target] >= rank[name]:
+                out.append("%s:%d: %s imports %s, which is not below it in MODULE_ORDER"
+                           % (where, line, name, target))
+    return out
+
+
+def test_strata_torch_imports_only_downwards():
+    problems = violations(PACKAGE.parent, MODULE_ORDER)
+    assert not problems, "\n".join(problems)
+
+
+def test_every_listed_module_exists():
+    for name in MODULE_ORDER:
+        path = PACKAGE.parent / name.replace(".", "/")
+        assert path.with_suffix(".py").exists() or (path / "__init__.py").exists(), name
+
+
+def test_a_planted_violation_is_caught(tmp_path):
+    """The real package copied, then broken three ways: the bottom module importing the top
+    one inside a function, a module importing an unlisted strata module, and a module that is
+    not in the list. Each is named by file and line."""
+    root = tmp_path / "python"
+    shutil.copytree(PACKAGE, root / "strata", ignore=shutil.ignore_patterns("__pycache__"))
+    assert violations(root, MODULE_ORDER) == []
+    host = root / "strata" / "torch" / "_host.py"
+    lines = len(host.read_text().splitlines())
+    host.write_text(host.read_text() + "\n\ndef planted():\n    from ._offload import offload\n"
+                    "    return offload\n")
+    grads = root / "strata" / "torch" / "_grads.py"
+    grads.write_text("from strata.jax import _ffi\n" + grads.read_text())
+    (root / "strata" / "torch" / "_new.py").write_text("X = 1\n")
+    problems = violations(root, MODULE_ORDER)
+    assert problems == [
+        "strata/torch/_grads.py:1: strata.torch._grads imports strata.jax._ffi, which is not "
+        "in MODULE_ORDER",
+        "strata/torch/_host.py:%d: strata.torch._host imports strata.torch._offload, which is "
+        "not below it in MODULE_ORDER" % (lines + 4),
+        "strata/torch/_new.py:1: module strata.torch._new is not in MODULE_ORDER"], problems
