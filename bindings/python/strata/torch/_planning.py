@@ -119,13 +119,6 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"
     return k
 
 
-# The NVMe tier holds what the placement puts there, 5% more for its per-tensor alignment and
-# 64 MiB a block: the placement may use (budget - margin) / 1.05, the same figure in the check
-# here and in the session's choice (StrataSession.place).
-NVME_BLOCK_MARGIN = 64 << 20
-NVME_ALIGNMENT_PERCENT = 5
-
-
 def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvme_budget):
     """With nvme=: training state may spill to NVMe. The placement (strata_placement_*)
     chooses, from the budgets and the rates measured on the runtime, which blocks' state and
@@ -144,17 +137,18 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
     for i, layer in enumerate(layers):
         layer["name"] = "blocks.%d" % i
     # Grads on the device: the placement counts the DRAM buffer they are read through.
+    sizes = core.layout_totals(layers)
     if host_budget is None:
         available = _host.mem_available()
-        host_budget = core.full_dram(layers)
+        host_budget = sizes["dram_bytes"]  # every tensor in DRAM and the staging slots
         if available is not None:
             host_budget = min(host_budget, int(available * 0.85))
-    margin = NVME_BLOCK_MARGIN * len(layers)
+    # The NVMe tier holds what the placement puts there and the tier's margins (the library's
+    # rule, strata_layout_totals_t: 64 MiB a block and 5%): the placement may use
+    # nvme_placeable_bytes of it, the same figure in the check here and in the session's choice.
     if not nvme_budget:
-        spillable = sum(l["weight_bytes"] + l["state_bytes"] for l in layers)
-        nvme_budget = min(-(-spillable * (100 + NVME_ALIGNMENT_PERCENT) // 100) + margin,
-                          _host.disk_free(nvme))
-    place_nvme = (nvme_budget - margin) * 100 // (100 + NVME_ALIGNMENT_PERCENT)
+        nvme_budget = min(sizes["nvme_bytes"], _host.disk_free(nvme))
+    place_nvme = core.layout_totals(layers, nvme_budget=nvme_budget)["nvme_placeable_bytes"]
     if place_nvme <= 0:
         raise ValueError("strata.torch.offload: nvme_budget %d bytes leaves no room for "
                          "training state after the tier's margins (64 MiB a block and 5%%); "
