@@ -318,12 +318,17 @@ SCHEDULERS = {
     "LambdaLR-warmup": lambda opt: torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 3)),
     "CosineAnnealingLR": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4),
+    # cycle_momentum=True (its default): beta1 changes at every step, the bias corrections
+    # with it (issue 40: this was refused at the second step).
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=3 * LR, total_steps=STEPS + 1, pct_start=0.4),
 }
 
 
 @pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
 def test_lr_scheduler(scheduler, offload):
-    """Idiom: scheduler = LambdaLR(opt, ...) / CosineAnnealingLR(opt, ...); scheduler.step()
+    """Idiom: scheduler = LambdaLR(opt, ...) / CosineAnnealingLR(opt, ...) / OneCycleLR(opt, ...);
+    scheduler.step()
     after every opt.step()."""
     base = build("llama")
     data = batches(STEPS)
@@ -1392,9 +1397,9 @@ def test_what_is_refused_is_refused_clearly(offload):
     assert "Missing key" not in str(refused.value), refused.value
     with pytest.raises(ValueError, match="backend 'gpu' is not"):
         st.offload(deepcopy(base), device=DEVICE, backend="gpu")
-    # A scheduler cycling momentum: refused at the step, saying how to keep it.
-    opt.param_groups[0]["betas"] = (0.85, 0.999)
-    with pytest.raises(ValueError, match="cycle_momentum=False"):
+    # Betas outside [0, 1) set on a group between steps: refused at the step, naming them.
+    opt.param_groups[0]["betas"] = (0.9, 1.0)
+    with pytest.raises(strata.InvalidArgument, match="beta2"):
         opt.step()
     opt.param_groups[0]["betas"] = (0.9, 0.999)
     block_param = next(blocks_of(model)[0].parameters())

@@ -102,7 +102,6 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError("strata.torch.AdamW: the parameters belong to several offloaded "
                              "models; use one optimizer per model")
         self._session = next(iter(sessions.values()), None)
-        self._betas, self._eps = tuple(betas), eps
         paged = self.PAGED_STATE
         if not (paged in ("auto", None) or isinstance(paged, int) and
                 not isinstance(paged, bool) and paged >= 0):
@@ -141,7 +140,6 @@ class AdamW(torch.optim.Optimizer):
                             "not among the optimizer's parameters; pass all of them (or "
                             "requires_grad_(False) the ones to freeze)"
                             % (session.prefixes[session.blocks.index(block)] + name))
-            self._check_betas()
             group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
             if session.executor is not None and trainable:
                 # Built without an optimizer by a checkpoint's load (st.load_checkpoint before
@@ -238,21 +236,6 @@ class AdamW(torch.optim.Optimizer):
                 "blocks' optimizer state is laid out then); pass every group to the constructor")
         super().add_param_group(param_group)
 
-    def _check_betas(self):
-        """Strata's CPU AdamW has one beta1, beta2 and eps: groups holding streamed parameters
-        must use the ones it was created with."""
-        for gi, group in enumerate(self.param_groups):
-            if not any(_session_of(p) is not None for p in group["params"]):
-                continue
-            if tuple(group["betas"]) != self._betas or group["eps"] != self._eps:
-                raise ValueError(
-                    "strata.torch.AdamW: betas and eps are fixed when the optimizer is created "
-                    "(Strata's CPU AdamW has one of each for every group of streamed "
-                    "parameters), but group %d now has betas %s, eps %s against %s, %s; a "
-                    "scheduler that cycles momentum (OneCycleLR, CyclicLR) needs "
-                    "cycle_momentum=False" % (gi, tuple(group["betas"]), group["eps"],
-                                              self._betas, self._eps))
-
     # --- the step ------------------------------------------------------------------------
 
     def _streamed(self):
@@ -277,9 +260,14 @@ class AdamW(torch.optim.Optimizer):
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         if session is not None and session.optimizer is not None:
-            self._check_betas()
+            # Every group's hyperparameters as they are now: torch's AdamW reads lr, betas,
+            # eps and weight decay from its param groups at every step (OneCycleLR cycles the
+            # betas too), and so does Strata's, bias corrections included.
             for gi, group in enumerate(self.param_groups):
-                session.optimizer.set_group(gi, float(group["lr"]), float(group["weight_decay"]))
+                beta1, beta2 = group["betas"]
+                session.optimizer.set_group(gi, float(group["lr"]), float(group["weight_decay"]),
+                                            betas=(float(beta1), float(beta2)),
+                                            eps=float(group["eps"]))
             session.optimizer.step()
         if self._inner is not None:
             for gi, ii in self._inner_of.items():
