@@ -738,21 +738,74 @@ def test_forward_wrapped_and_hooked():
 
 @pytest.mark.parametrize("resident", [0, 1])
 def test_composes_with_offload(resident, offload):
-    """strata.torch.offload then install: the loss of each training step as plain PyTorch's
+    """strata.torch.offload(chunked_loss=CHUNK): the loss of each training step as plain PyTorch's
     (streamed blocks, the resident head and embedding trained by st.AdamW)."""
     import strata.torch as st
     base = hf_model("llama")
     data = [tokens(tpm.DEVICE, seed=s) for s in (1, 2, 1)]
     plain = copy.deepcopy(base).to(tpm.DEVICE)
     expected, _ = tpm.train(plain, tpm.plain_adamw(plain.parameters()), data)
-    model = offload(copy.deepcopy(base), resident_blocks=resident)
-    cl.install(model, chunk_tokens=CHUNK)
+    model = offload(copy.deepcopy(base), resident_blocks=resident, chunked_loss=CHUNK)
+    assert model.strata.chunked_loss is cl.installed(model) and not model.strata.chunked_loss.auto
     seen = head_shapes(model)
     opt = st.AdamW(model.parameters(), lr=tpm.LR, weight_decay=tpm.WD)
     got, _ = tpm.train(model, opt, data)
     tpm.synchronize(opt)
     assert seen == [(BATCH, 0, VOCAB)] * len(data)
     tpm.assert_losses_close(got, expected, rtol=1e-5)
+
+
+def test_auto_chunks_only_calls_larger_than_a_chunk():
+    """install(auto=True) (offload's default): a call whose labels fit one chunk computes the
+    model's own loss (the head sees every token, and the result is bit for bit the model's),
+    a larger one is chunked (the head sees none)."""
+    plain = hf_model("llama")
+    model = copy.deepcopy(plain)
+    cl.install(model, chunk_tokens=CHUNK, auto=True)
+    seen = head_shapes(model)
+    small = tokens("cpu", batch=1, seq=CHUNK)
+    got, expected = run(model, input_ids=small, labels=small), run(plain, input_ids=small,
+                                                                   labels=small)
+    assert seen == [(1, CHUNK, VOCAB)]
+    assert torch.equal(got.loss, expected.loss)
+    assert all(torch.equal(g, grads(plain)[n]) for n, g in grads(model).items())
+    model.zero_grad()
+    plain.zero_grad()
+    ids = tokens("cpu")
+    got, expected = run(model, input_ids=ids, labels=ids), run(plain, input_ids=ids, labels=ids)
+    assert seen[1:] == [(BATCH, 0, VOCAB)]
+    assert_close(got.loss, expected.loss, grads(model), grads(plain))
+
+
+def test_offload_option(offload):
+    """offload(chunked_loss=): the default installs it (auto) on a supported model; False
+    leaves the model's own loss; True or a count on an unsupported model, or a bad value, is
+    refused before anything changes; the default on an unsupported model with an output head
+    warns; a user's own install is kept."""
+    model = offload(hf_model("llama"))
+    handle = model.strata.chunked_loss
+    assert handle is cl.installed(model) and handle.auto
+    assert handle.chunk_tokens == cl.default_chunk_tokens(VOCAB)
+    model = offload(hf_model("llama"), chunked_loss=False)
+    assert model.strata.chunked_loss is None and cl.installed(model) is None
+    mine = hf_model("llama")
+    handle = cl.install(mine, chunk_tokens=5)
+    assert offload(mine).strata.chunked_loss is handle
+    for bad in ("yes", 0, -3, 2.5):
+        fresh = hf_model("llama")
+        with pytest.raises(ValueError, match="chunk"):
+            offload(fresh, chunked_loss=bad)
+        assert getattr(fresh, "strata", None) is None and cl.installed(fresh) is None
+    import transformers
+    softcapped = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    for required in (True, 16):
+        with pytest.raises(ValueError, match="nothing was changed"):
+            offload(copy.deepcopy(softcapped), chunked_loss=required)
+    with pytest.warns(UserWarning, match="chunked_loss=False"):
+        model = offload(copy.deepcopy(softcapped))
+    assert model.strata.chunked_loss is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -351,6 +351,8 @@ class ChunkedLoss:
         self.flavour = _flavour(model)
         self.chunk_tokens = chunk_tokens
         self.enabled = True
+        # True: a call whose labels fit one chunk computes the model's own loss (install's auto).
+        self.auto = False
         self._local = threading.local()
         signature = inspect.signature(_forward_owner(model).forward)
         positional = [p.name for p in signature.parameters.values()
@@ -414,6 +416,8 @@ class ChunkedLoss:
         labels = args[self._labels_at] if positional else kwargs.get("labels")
         if labels is None:
             return None
+        if self.auto and torch.is_tensor(labels) and labels.numel() <= self.chunk_tokens:
+            return None  # one chunk: the whole logits take no more than a chunk's would
         model = self.model
         if self.flavour == "zoo":
             if getattr(model.config, "loss_impl", "torch") != "torch":
@@ -621,12 +625,14 @@ def _lazy_class(cls):
 # ---------------------------------------------------------------------------------------------
 # install / uninstall.
 
-def install(model, chunk_tokens=None):
+def install(model, chunk_tokens=None, auto=False):
     """Make `model` (a causal LM: see the module's docstring) compute its loss over chunks of
     chunk_tokens tokens (None: default_chunk_tokens of its vocabulary) whenever it is called
-    with labels. Returns the ChunkedLoss (model._strata_chunked_loss). Raises ValueError,
-    changing nothing, for a model it cannot match (unsupported_reason says why), and
-    RuntimeError where it is installed already."""
+    with labels. auto: only a call with more labels than one chunk holds (where the whole
+    logits would take more memory than a chunk's); a smaller one computes the model's own loss,
+    its arithmetic exactly (strata.torch.offload's default). Returns the ChunkedLoss
+    (model._strata_chunked_loss). Raises ValueError, changing nothing, for a model it cannot
+    match (unsupported_reason says why), and RuntimeError where it is installed already."""
     if model.__dict__.get("_strata_chunked_loss") is not None:
         raise RuntimeError("strata.torch: the chunked loss is already installed on this model")
     reason = unsupported_reason(model)
@@ -636,6 +642,7 @@ def install(model, chunk_tokens=None):
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(_head(model).out_features)
     handle = ChunkedLoss(model, check_chunk_tokens(chunk_tokens))
+    handle.auto = bool(auto)
     model.__dict__["_strata_chunked_loss"] = handle  # not a submodule: not in state_dict
     return handle
 

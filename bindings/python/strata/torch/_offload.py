@@ -16,12 +16,14 @@ import dataclasses
 import functools
 import os
 import time
+import warnings
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from . import _allocator, _distributed, _hooks, _params, _planning, _surgery, _weights
+from . import (_allocator, _chunked_loss, _distributed, _hooks, _params, _planning, _surgery,
+               _weights)
 from ._block import streamed_forward
 from ._layout import ShardedLayout
 from ._replay import replaying_forward_state, without_caches
@@ -65,6 +67,9 @@ class _Request:
     slot_budget: int
     mesh: object  # strata.torch._distributed.Mesh, or None
     source: tuple  # offload(weights=): (SafetensorsWeights, names by tensor), or None
+    # The chunked loss (strata.torch._chunked_loss): None (off), or the tokens per chunk
+    # (0: its default for the vocabulary).
+    loss_chunk_tokens: int = None
 
     def close(self):
         if self.source is not None:
@@ -84,7 +89,8 @@ class _Plan:
 
 def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, dtype=None,
             device=None, backend="auto", slot_budget=0, resident_blocks=None,
-            state_placement=None, data_parallel=None, weights=None, grads="host"):
+            state_placement=None, data_parallel=None, weights=None, grads="host",
+            chunked_loss=None):
     """Stream `model`'s blocks through Strata; returns the model, changed in place.
 
     gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: pinned
@@ -126,8 +132,10 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     if getattr(model, "strata", None) is not None:
         raise RuntimeError("strata.torch.offload: this model is already offloaded "
                            "(model.strata exists); offload a model once")
+    loss_chunk_tokens = _check_chunked_loss(model, chunked_loss)
     request = _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device,
                         backend, slot_budget, state_placement, data_parallel, weights, grads)
+    request.loss_chunk_tokens = loss_chunk_tokens
     rollback = _Rollback()
     rollback.push(request.close)
     try:
@@ -140,8 +148,36 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         rollback.run(e)
         raise
     session.timed("residents", started)  # the model outside the streamed blocks, on the device
-    _attach(model, session, plan)
+    _attach(model, session, plan, request)
     return model
+
+
+def _check_chunked_loss(model, chunked_loss):
+    """offload(chunked_loss=) resolved before anything changes: None (off) or the tokens per
+    chunk (0: the default for the model's vocabulary). Refuses True or a count for a model the
+    chunked loss does not support; warns when the default falls back to the model's own loss on
+    a model with an output head (whose loss would then hold the whole logits)."""
+    if chunked_loss is False:
+        return None
+    if chunked_loss is not None and chunked_loss is not True:
+        if isinstance(chunked_loss, bool) or not isinstance(chunked_loss, int):
+            raise ValueError("strata.torch.offload: chunked_loss is %r, not None, True, False "
+                             "or a number of tokens per chunk" % (chunked_loss,))
+        _chunked_loss.check_chunk_tokens(chunked_loss)
+    if _chunked_loss.installed(model) is not None:  # the user's own install stays
+        return None
+    reason = _chunked_loss.unsupported_reason(model)
+    if reason is None:
+        return 0 if chunked_loss in (None, True) else chunked_loss
+    if chunked_loss is not None:
+        raise ValueError("strata.torch.offload: chunked_loss=%r: %s; nothing was changed"
+                         % (chunked_loss, reason))
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if isinstance(head, torch.nn.Module):
+        warnings.warn("strata.torch.offload: the loss is the model's own (the chunked loss "
+                      "does not support it: %s): with labels it computes the whole logits; "
+                      "pass chunked_loss=False to say so" % reason, stacklevel=3)
+    return None
 
 
 def _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, backend,
@@ -393,15 +429,23 @@ def _restore_buffer(module, name, value):
     module._buffers[name] = value
 
 
-def _attach(model, session, plan):
+def _attach(model, session, plan, request):
     """model.strata, the load hooks around the build and between steps, the model's forward
-    pre-hook, and the out-of-memory notes of a model with resident blocks."""
+    pre-hook, the out-of-memory notes of a model with resident blocks, and the chunked loss
+    (last: nothing can fail after its hooks are in)."""
     model.strata = session
     around = _surgery.blocks_around(model, plan.blocks)
     _hooks.install_load_hooks(model, session, plan.blocks, around)
     model.register_forward_pre_hook(_hooks.ModelForwardBegins(session, around))
     if plan.kept:
         _hooks.note_memory_errors(model, session)
+    if request.loss_chunk_tokens is not None:
+        # The default (0) chunks only a call with more tokens than one chunk: below that the
+        # whole logits are no larger, and the model's own loss is plain PyTorch's arithmetic.
+        session.chunked_loss = _chunked_loss.install(
+            model, request.loss_chunk_tokens or None, auto=request.loss_chunk_tokens == 0)
+    else:
+        session.chunked_loss = _chunked_loss.installed(model)
 
 
 def _keep_resident(session, index, block):

@@ -108,6 +108,9 @@ class StrataSession:
         self.on_forward_begin = []
         self.on_backward_begin = []
         self.on_resident_forward_begin = []  # a resident block's, with its index, with grad
+        # The model's chunked loss (strata.torch._chunked_loss.ChunkedLoss; offload's
+        # chunked_loss=), or None: its own.
+        self.chunked_loss = None
         # Built without an optimizer (a checkpoint loaded first, a forward pass of frozen
         # blocks, predict) with nothing narrowed to the compute dtype since, or every block's
         # weights then loaded from a checkpoint: the optimizer may lay the blocks out again
