@@ -1,6 +1,7 @@
-// The one output format of every strata-bench subcommand (DESIGN.md): a table for people, and
-// with --json one JSON object for tools. `ratio` is always higher-is-better: the fraction of a
-// ceiling reached or the speed-up over a peer, both measured in the same run.
+// The one output format of every strata-bench subcommand (docs/benchmarks.md, "How to read them"):
+// a table for people, and with --json one JSON object for tools. `ratio` is always
+// higher-is-better: the fraction of a ceiling reached or the speed-up over a peer, both measured in
+// the same run.
 #pragma once
 
 #include <optional>

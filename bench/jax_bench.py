@@ -14,7 +14,7 @@ step with jax.checkpoint per block and AdamW in JAX). Both sides start from the 
 (llama_zoo.jax_llama.LazyBlocks, built one block at a time, so the 8B model's init does not
 need its fp32 copy in host memory). A mode that fails (the resident 8B model does not fit in
 HBM) is reported with its error; --json writes the results in the strata-bench format
-(DESIGN.md: ratio = tokens/s over resident JAX's in the same run) plus every run's details.
+(docs/benchmarks.md: ratio = tokens/s over resident JAX's in the same run) plus every run's details.
 """
 import argparse
 import json

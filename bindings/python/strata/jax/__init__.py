@@ -11,5 +11,5 @@ which acquiring a block (XLA's stream waits on Strata's loads; the weights are c
 slot into the program) and releasing it with its grads are XLA FFI custom calls; where that
 library cannot be had, a host-synchronised loop of per-layer programs over DLPack views. The
 runtime's CPU AdamW updates fp32 masters as soon as a block's grads land. The residents
-(embedding, head, ...) stay on the device, trained by any optax optimizer. See docs/python.md."""
+(embedding, head, ...) stay on the device, trained by any optax optimizer. See docs/python-guide.md and docs/python-reference.md."""
 from .streamed import AdamW, Trainer  # noqa: F401

@@ -11,7 +11,7 @@ as for jax.lax.scan) or listed (a list of pytrees of one structure); residents: 
 arrays kept on the device and trained by any optax GradientTransformation. The blocks' leaves
 live in Strata's DRAM (or NVMe) and are trained by Strata's CPU AdamW (strata.jax.AdamW: fp32
 masters, param groups, learning rates as floats, callables or optax schedules), each block
-updated as soon as its grads land. See docs/python.md."""
+updated as soon as its grads land. See docs/python-guide.md and docs/python-reference.md."""
 import json
 import os
 import shutil
@@ -154,7 +154,7 @@ class Trainer:
     model's size); nvme: paths for the NVMe tier.
 
     ffi: run each step as one XLA program whose acquire and release of the blocks are XLA FFI
-    custom calls (no host synchronization per layer; docs/python.md). None (the default): when
+    custom calls (no host synchronization per layer; docs/python-reference.md). None (the default): when
     the FFI library can be built and loaded here and JAX's device matches the backend (a GPU
     with cuda, the CPU with host), else the host-synchronised loop (with a warning saying why);
     $STRATA_JAX_FFI=0 or 1 overrides None. True: required (raises if unavailable); False: the

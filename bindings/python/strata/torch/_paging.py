@@ -1,6 +1,6 @@
 """The optimizer state of resident parameters paged to host memory between a step and the next
 backward pass (issue 13: the HBM that kept activations need at the loss's peak). On by
-default on CUDA (strata.torch.AdamW.PAGED_STATE = "auto"; docs/python.md, Performance): from
+default on CUDA (strata.torch.AdamW.PAGED_STATE = "auto"; docs/python-reference.md, Performance): from
 the first step's end, as much as fits in half the host's available memory. Measured in
 docs/benchmarks.md: with the activation keeper planning from the allocated peak, the 3.6B
 Llama at 32x1024 on an H200 keeps 22 blocks instead of 14 (414 TFLOPS against 402 in one run),

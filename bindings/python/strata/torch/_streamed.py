@@ -30,7 +30,7 @@ class StreamedParam:
         own: a write cannot reach another parameter), and a mark to notice writes by. The
         element is NaN: code that reads the parameter outside its block's forward pass (an EMA
         of the weights, a weight-norm log, an L2 penalty over model.parameters()) gets NaN,
-        which shows, not zeros, which train silently wrong (docs/python.md says how to read
+        which shows, not zeros, which train silently wrong (docs/python-reference.md says how to read
         the values)."""
         if self.zero is None:
             self.zero = torch.full((), float("nan"), dtype=dtype, device=device)

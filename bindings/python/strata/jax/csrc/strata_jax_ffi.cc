@@ -8,7 +8,7 @@
 // toolkit: the CUDA handlers reach the driver (libcuda.so.1, already loaded by XLA) through a
 // five-function shim opened at first use, as kvikio does.
 //
-// Ops (docs/python.md, "strata.jax: acquire and release inside the XLA program"):
+// Ops (docs/python-reference.md, "The XLA FFI path"):
 //   strata_acquire(token, dep) -> (token, weights...)    attributes: session, layer, phase
 //     strata_layer_acquire on XLA's stream (CUDA: the stream waits device-side on Strata's
 //     load events; host backend: NULL stream, the calling thread waits), then each weight is
