@@ -191,6 +191,13 @@ def test_refusals(offload):
         with pytest.raises(RuntimeError, match="inside strata.torch.gathered"):
             model.load_state_dict(snapshot(plain))
     assert_placeholders(model)
+    context = st.gathered(blocks_of(model)[0])
+    with context:
+        with pytest.raises(RuntimeError, match="nested"):
+            with context:
+                pass
+    with context:  # a context may be used again once left
+        assert not torch.isnan(blocks_of(model)[0].mlp.up_proj.weight.detach()).any()
     # Between a forward pass with grad and its backward: the step's weights are in flight.
     loss = model(ids, labels=ids).loss
     with pytest.raises(RuntimeError, match="training step"):
@@ -227,3 +234,28 @@ def test_plain_parameters_pass_through(offload):
     before = linear.weight.detach().clone()
     with st.gathered(linear, writable=True):
         assert torch.equal(linear.weight.detach(), before)
+
+
+def test_bf16_writes_set_the_master_as_load_state_dict_and_keep_the_others(offload):
+    """In bf16 the gathered value is the bf16 weight (what state_dict returns); a written
+    parameter's fp32 master becomes its written value widened (as load_state_dict sets it),
+    and an unwritten one keeps its master (gathering and leaving does not round it)."""
+    model = offload(build("llama"), dtype=torch.bfloat16)
+    opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    ids = batches(1)[0]
+    step(model, opt, ids)
+    synchronize(opt)
+    session = model.strata
+    written = blocks_of(model)[0].mlp.up_proj.weight
+    kept = blocks_of(model)[0].mlp.down_proj.weight
+    master_before = session.read_state(session.by_id[id(kept)], "master")
+    assert not torch.equal(master_before, master_before.bfloat16().float())  # a real master
+    with torch.no_grad(), st.gathered(model, writable=True):
+        assert written.dtype == torch.bfloat16
+        assert torch.equal(written.detach().cpu(),
+                           model.state_dict()["model.layers.0.mlp.up_proj.weight"])
+        written.mul_(0.5)
+        value = written.detach().clone()
+    assert torch.equal(session.read_state(session.by_id[id(written)], "master"), value.float())
+    assert torch.equal(session.read_state(session.by_id[id(kept)], "master"), master_before)
+    step(model, opt, ids)  # trains on

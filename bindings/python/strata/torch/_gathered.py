@@ -60,8 +60,9 @@ class gathered:  # noqa: N801 (used as a function: `with st.gathered(model): ...
 
     def __enter__(self):
         if self.entered:
-            raise RuntimeError("strata.torch.gathered: this context was entered already (nested "
-                               "use is not supported); make a new one for each with-block")
+            raise RuntimeError("strata.torch.gathered: this context is entered already (nested "
+                               "use is not supported); gather every parameter needed in one "
+                               "context")
         groups = {}
         for p in self.params:
             session = _params.owner(p)
@@ -99,6 +100,7 @@ class gathered:  # noqa: N801 (used as a function: `with st.gathered(model): ...
                     written += self._store(session, entries)
         finally:
             self._restore()
+            self.entered = False
         if written:
             raise RuntimeError(
                 "strata.torch.gathered: streamed parameter%s %s %s written inside "
