@@ -198,6 +198,16 @@ def test_refusals(offload):
                 pass
     with context:  # a context may be used again once left
         assert not torch.isnan(blocks_of(model)[0].mlp.up_proj.weight.detach()).any()
+    # A write into a placeholder before is refused (the existing message), not overwritten,
+    # and the context stays usable.
+    placeholder = blocks_of(model)[0].mlp.up_proj.weight
+    with torch.no_grad():
+        placeholder.fill_(1.0)
+    with pytest.raises(RuntimeError, match="written in place outside its block"):
+        with context:
+            pass
+    with context:
+        assert not torch.isnan(blocks_of(model)[0].mlp.up_proj.weight.detach()).any()
     # Between a forward pass with grad and its backward: the step's weights are in flight.
     loss = model(ids, labels=ids).loss
     with pytest.raises(RuntimeError, match="training step"):

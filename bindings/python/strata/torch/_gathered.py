@@ -88,6 +88,7 @@ class gathered:  # noqa: N801 (used as a function: `with st.gathered(model): ...
         except BaseException:
             self.sessions = done
             self._restore()
+            self.entered = False
             raise
         self.sessions = done
         return self
@@ -165,14 +166,16 @@ def _check_enter(session, params):
         raise RuntimeError("strata.torch.gathered: inside a training step (a forward pass with "
                            "grad waits for its backward; the step's weights are in flight): "
                            "enter it between steps, after loss.backward() (or opt.step())")
-    if session.executor is None:
-        meta = [p for p in params if p.is_meta]
-        if meta:
-            raise RuntimeError("strata.torch.gathered: streamed parameters of a model built on "
-                               "the meta device have no values yet (they get them when the "
-                               "optimizer is created, from its init or offload(weights=)): "
-                               "create strata.torch.AdamW first, or load the weights with "
-                               "model.load_state_dict")
+    if session.executor is not None:
+        for p in params:  # a write into a placeholder since is refused, not overwritten
+            session.by_id[id(p)].check_untouched()
+        return
+    if any(p.is_meta for p in params):
+        raise RuntimeError("strata.torch.gathered: streamed parameters of a model built on the "
+                           "meta device have no values yet (they get them when the optimizer "
+                           "is created, from its init or offload(weights=)): create "
+                           "strata.torch.AdamW first, or load the weights with "
+                           "model.load_state_dict")
 
 
 def _bits_equal(a, b):
