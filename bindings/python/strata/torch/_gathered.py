@@ -35,8 +35,9 @@ class gathered:  # noqa: N801 (used as a function: `with st.gathered(model): ...
     model.state_dict() returns Strata's values, without the block's unstored writes. Before the
     blocks move into Strata (no optimizer yet) their parameters hold their own values and the
     context changes nothing. Values gathered carry no grad into Strata: compute with them under
-    torch.no_grad() (a backward through them into a streamed parameter is refused at the next
-    step, as any tensor assigned to a streamed .grad is).
+    torch.no_grad() (a backward through them reaches the parameter's .grad as a tensor assigned
+    to it, refused at the next step, or as an add into its held StreamedGrad, refused at once;
+    streamed grads come from the blocks' backward passes only).
 
     Memory: the gathered parameters' bytes on their device (the compute dtype: 2 bytes a
     parameter in bf16, 4 in fp32), for the whole block: gather a subset (a block, a list of
@@ -45,7 +46,7 @@ class gathered:  # noqa: N801 (used as a function: `with st.gathered(model): ...
     parameter's bytes there at a time). Reading costs a copy of the gathered weights from DRAM
     (or NVMe) to the device on entry and one more read of them on exit.
 
-    Data parallelism (strata.torch.DataParallel, offload(mesh=...)): collective. Every rank must
+    Data parallelism (offload(data_parallel=...), or under torchrun): collective. Every rank must
     enter and leave it together with the same targets, as with GatheredParameters and
     summon_full_params: each parameter is gathered from its shards on entry and compared on
     exit over the shard group, in the same order on every rank. A write found on any rank
