@@ -34,6 +34,7 @@ MODULE_ORDER = [
     "strata.torch._paging",  # resident optimizer state paged to host memory
     "strata.torch._optim",  # AdamW
     "strata.torch._checkpoint",  # save_checkpoint / load_checkpoint
+    "strata.torch._gathered",  # gathered(): the streamed parameters' values in a with-block
     "strata.torch._offload",  # offload(): validate, plan, build, install, move residents
     "strata.torch",
 ]

@@ -165,6 +165,22 @@ def test_two_replicas_of_two_shards_train_like_one_rank_and_resume_exactly(tmp_p
         assert torch.equal(got["resumed_state"][name], value), name
 
 
+def test_gathered_is_collective_and_writes_every_shard(tmp_path):
+    # st.gathered under sharding: every rank reads each parameter whole (all-gathered from
+    # the shards), equal to model.state_dict()'s; a write on one rank inside
+    # gathered(writable=False) is refused on every rank (no rank left waiting in a
+    # collective); block 0 halved inside gathered(writable=True) on every rank reaches every
+    # shard: the final state equals one rank doing the same.
+    got = run_ranks(tmp_path, "gathered.pt", 2, gathered=True)
+    expected = run_ranks(tmp_path, "gathered-one.pt", 1, gathered=True)
+    assert got["gathered_is_state"] is True and expected["gathered_is_state"] is True
+    assert got["refused"] == [True, True] and expected["refused"] == [True]
+    assert_close(got, expected, atol=1e-5)
+    untouched = run_ranks(tmp_path, "plain-one.pt", 1)
+    name = next(k for k in expected["state"] if k.startswith("model.layers.0."))
+    assert torch.equal(expected["state"][name], untouched["state"][name] * 0.5)
+
+
 @pytest.mark.parametrize("how", ["raise", "kill", "stall"])
 def test_a_failing_rank_takes_the_job_down(tmp_path, how):
     out = str(tmp_path / how)

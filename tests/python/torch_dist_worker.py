@@ -106,6 +106,12 @@ def main(argv=None):
                         "the optimizer (DDP's usual pattern: rank 0 reads the checkpoint); "
                         "'residents_agree' in the output says whether the ranks' resident "
                         "masters are the same after the steps")
+    p.add_argument("--gathered", action="store_true",
+                   help="after the steps, read every parameter inside st.gathered (collective): "
+                        "'gathered_is_state' says whether the values equal model.state_dict()'s; "
+                        "the last rank alone writes inside gathered(writable=False): "
+                        "'refused' says whether this rank refused it too; then block 0's "
+                        "parameters are halved inside gathered(writable=True) on every rank")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -149,12 +155,37 @@ def main(argv=None):
     if args.fail is not None and args.rank == args.world - 1:
         fail = (args.fail_step, lambda: failure(args.fail)(model))
     losses = loop(model, opt, data, args.rank, args.world, args.clip, fail, after)
+    refused = None
+    if args.gathered:
+        import strata.torch as st
+        reference = model.state_dict()  # collective
+        with st.gathered(model):
+            values = {n: p.detach().clone() for n, p in model.named_parameters()}
+        gathered_is_state = all(torch.equal(values[k], v) for k, v in reference.items()
+                                if k in values)
+        weight = next(model.model.layers[0].parameters())
+        try:
+            with st.gathered(model):
+                if args.rank == args.world - 1:
+                    weight.data.mul_(2.0)
+            refused = False
+        except RuntimeError as e:
+            refused = "writable=True" in str(e)
+        with st.gathered(model, writable=True):
+            with torch.no_grad():
+                for p in model.model.layers[0].parameters():
+                    p.mul_(0.5)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # collective
     if args.mode == "ddp":
         state = {k[len("module."):]: v for k, v in state.items()}
     out = {"losses": losses, "state": state}
     if args.mode == "strata":  # the elements this rank keeps optimizer state for
         out["elements"] = model.strata.optimizer.stats()["elements"]
+    if args.gathered:
+        every = [None] * args.world
+        dist.all_gather_object(every, refused)
+        out["refused"] = every
+        out["gathered_is_state"] = gathered_is_state
     if args.load_on_rank0:
         mine = [master.detach().cpu().clone() for _, master, _ in opt._resident]
         every = [None] * args.world

@@ -18,15 +18,18 @@ Their grads go to DRAM and show as each parameter's .grad (strata.torch.Streamed
 clipping, scaling and zeroing work on them as on any grad. strata.torch.AdamW is a
 torch.optim.Optimizer: at step() Strata's CPU AdamW updates the blocks' fp32 masters while the
 next forward pass runs, and torch's AdamW the resident parameters (embedding, final norm, head).
-Whole-state checkpoints: strata.torch.save_checkpoint / load_checkpoint. See docs/python-guide.md and docs/python-reference.md.
+Whole-state checkpoints: strata.torch.save_checkpoint / load_checkpoint. The streamed
+parameters' values in a with-block (EMA, logging, writes): strata.torch.gathered. See
+docs/python-guide.md and docs/python-reference.md.
 
 The names above are the package's surface; its modules are private (a leading underscore),
 layered bottom to top as tests/python/test_package_layering.py declares."""
 from ._checkpoint import load_checkpoint, save_checkpoint
 from ._distributed import DataParallel, DataParallelError
+from ._gathered import gathered
 from ._grads import StreamedGrad
 from ._offload import offload
 from ._optim import AdamW
 
 __all__ = ["offload", "AdamW", "StreamedGrad", "save_checkpoint", "load_checkpoint",
-           "DataParallel", "DataParallelError"]
+           "DataParallel", "DataParallelError", "gathered"]

@@ -252,6 +252,7 @@ class AdamW(torch.optim.Optimizer):
         session = self._session
         if session is not None:
             session.check_open()
+            session.check_not_gathered("opt.step()")
             # A forward pass whose backward never came changes nothing, as in plain PyTorch.
             session.abort()
             if session.optimizer is not None:

@@ -92,6 +92,9 @@ class StrataSession:
         self.executor = None
         self.optimizer = None
         self.in_step = False
+        # The strata.torch.gathered context whose copies the streamed parameters hold, or None:
+        # what reads or writes Strata behind those copies is refused meanwhile.
+        self.gathered = None
         self.step_id = 0  # advances at every step_begin: a stale backward can tell
         self.backward_next = None  # the block whose backward the executor expects next
         self.forward_next = 0  # and whose forward, within a step
@@ -402,6 +405,14 @@ class StrataSession:
         self.layers, self.by_id = [], {}
         self.relayable = False
 
+    def check_not_gathered(self, what):
+        """Refuse `what` inside strata.torch.gathered: the streamed parameters hold gathered
+        copies there, which a forward pass, an update or a load would bypass."""
+        if self.gathered is not None:
+            raise RuntimeError("strata.torch: %s inside strata.torch.gathered(...): the streamed "
+                               "parameters hold gathered copies of their values there; leave "
+                               "the with-block first" % what)
+
     def check_open(self):
         if self.closed:
             raise RuntimeError("strata.torch: this model's Strata session is closed "
@@ -450,6 +461,7 @@ class StrataSession:
                 "grad: the streamed blocks' grads live in its state. An optimizer created "
                 "before offload, or one of torch.optim's, cannot update streamed parameters "
                 "(evaluate under torch.no_grad(), or freeze the blocks, to run without one)")
+        self.check_not_gathered("a forward or backward pass of a streamed block")
         self.ensure_built()
         if phase == FORWARD and index == 0:
             if self.in_step:
@@ -592,6 +604,7 @@ class StrataSession:
         """For evaluation without grads: the block's weights copied from DRAM (no executor).
         Before the blocks move into Strata (no optimizer yet), their own values, on the device."""
         self.check_open()
+        self.check_not_gathered("a forward pass of a streamed block")
         if self.executor is None:
             params = list(self.blocks[index].parameters())
             if any(p.is_meta for p in params):
@@ -640,6 +653,7 @@ class StrataSession:
 
     def write_weight(self, sp, values):
         """Set a streamed parameter (weight and, when trained, its fp32 master)."""
+        self.check_not_gathered("loading weights (model.load_state_dict)")
         self.ensure_built()
         if self.in_step:
             raise RuntimeError("strata.torch: weights can be loaded between steps only")

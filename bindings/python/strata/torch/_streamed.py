@@ -50,6 +50,8 @@ class StreamedParam:
                 "strata.torch: other data was assigned to streamed parameter %r (p.data = ...); "
                 "its values live in Strata: set them with model.load_state_dict(...)" % self.name)
         if (p._version, self.zero._version) != self.mark:
+            with torch.no_grad():
+                self.zero.fill_(float("nan"))  # the write reached the placeholder's element
             self.park(p.dtype, p.device)
             raise RuntimeError(
                 "strata.torch: streamed parameter %r was written in place outside its block's "
