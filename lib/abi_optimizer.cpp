@@ -268,6 +268,17 @@ STRATA_API strata_status_t strata_optimizer_grad_read(strata_optimizer_t* optimi
   });
 }
 
+STRATA_API strata_status_t strata_optimizer_grad_write(strata_optimizer_t* optimizer,
+                                                       strata_tensor_t* weight, const float* src,
+                                                       uint64_t count) {
+  return guarded(__func__, [&] {
+    STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
+    STRATA_RETURN_IF_ERROR(require(weight, "weight"));
+    STRATA_RETURN_IF_ERROR(require(src, "src"));
+    return optimizer->impl->grad_write(tensor_id(weight), src, count);
+  });
+}
+
 STRATA_API strata_status_t strata_optimizer_grad_scale(strata_optimizer_t* optimizer,
                                                        strata_tensor_t* weight, float factor) {
   return guarded(__func__, [&] {

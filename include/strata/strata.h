@@ -1159,6 +1159,26 @@ STRATA_API_SINCE(1, 1)
 strata_status_t strata_optimizer_grad_zero(strata_optimizer_t* optimizer, strata_tensor_t* weight,
                                            int32_t keep_zeros);
 
+/* Set the param's grad to `count` fp32 values from `src` (borrowed, read during the call; count
+ * must be the param's element count), as torch's in-place ops on p.grad (clamp_, nan_to_num_,
+ * clip_grad_value_) change it (since 1.3; explicit mode, attached, as the four calls above). A
+ * framework applies an elementwise op to what strata_optimizer_grad_read returned and writes the
+ * result back. Where the grad is held decides how it is stored: in the param's grad tensor
+ * (DRAM or HBM; the grad of one backward pass, or zeros) in that tensor's dtype, rounded to
+ * nearest even as an update rounds the working copy; in the fp32 accumulator (after
+ * accumulation, or a zeroed grad written inside an executor step, whose backward will add to
+ * it) exactly. A factor from strata_optimizer_grad_scale is replaced: the values are the
+ * grad's. strata_optimizer_grad_read then returns the stored values and
+ * strata_optimizer_grad_info their sum of squares. First waits for the param's layer's queued
+ * updates and landing grads (an update queued by strata_optimizer_step reads the grad in the
+ * background). Errors also: INVALID_ARGUMENT (count), INVALID_STATE (no grad: zeroed to none;
+ * the grad is then unchanged), OUT_OF_MEMORY (the accumulator could not be allocated; the
+ * grad is unchanged), BACKEND (the copy into HBM failed: the grad is still held, its values
+ * unspecified). Thread-safe. */
+STRATA_API_SINCE(1, 3)
+strata_status_t strata_optimizer_grad_write(strata_optimizer_t* optimizer, strata_tensor_t* weight,
+                                            const float* src, uint64_t count);
+
 /* Set a param's update count (its AdamW t), e.g. restoring a framework's optimizer state dict
  * (since 1.1; STRATA_UPDATE_EXPLICIT mode, where counts are per param). Waits for the param's
  * queued updates. Errors: INVALID_ARGUMENT (NULL), NOT_FOUND (not a param), INVALID_STATE (AUTO

@@ -163,6 +163,9 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   Status grad_info(TensorId weight, GradInfo* out);
   Status grad_read(TensorId weight, float* dst, uint64_t count);
   Status grad_scale(TensorId weight, float factor);
+  // Sets the held grad's values (fp32): stored in the grad tensor's dtype (DRAM or HBM) or in
+  // the fp32 accumulator, wherever it is held; replaces any pending factor.
+  Status grad_write(TensorId weight, const float* src, uint64_t count);
   Status grad_zero(TensorId weight, bool keep_zeros);
   // Explicit mode: a param's update count (restoring a framework's optimizer state).
   Status set_param_step(TensorId weight, uint64_t step);

@@ -1,8 +1,10 @@
 // Grads held per parameter, as p.grad in PyTorch (GradHold, docs/architecture.md): reading,
-// scaling and zeroing them, the fp32 accumulator, per-parameter update counts.
+// scaling, writing and zeroing them, the fp32 accumulator, per-parameter update counts.
 #include "runtime/optimizer/optimizer.h"
 
 #include <algorithm>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #include "runtime/optimizer/optimizer_internal.h"
@@ -102,6 +104,75 @@ Status Optimizer::grad_scale(TensorId weight, float factor) {
     return error(Code::kInvalidState, "grad_scale: the parameter holds no grad");
   }
   p->grad_mult *= factor;
+  return Status::ok();
+}
+
+Status Optimizer::grad_write(TensorId weight, const float* src, uint64_t count) {
+  std::unique_lock lock(mutex_);
+  Param* p = nullptr;
+  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p));
+  if (count != p->arrays.count) {
+    return error(Code::kInvalidArgument, "grad_write: ", count,
+                 " elements given, the parameter has ", p->arrays.count);
+  }
+  if (p->hold == GradHold::kNone) {
+    return error(Code::kInvalidState, "grad_write: the parameter holds no grad (zeroed to none)");
+  }
+  // An update queued by step() reads the grad in the background: it must see the old values
+  // whole, as torch's step() had finished reading p.grad before the user's next change.
+  const auto layer = static_cast<std::size_t>(p->layer);
+  cv_.wait(lock, [&] { return !failure_.is_ok() || pending_[layer] == 0; });
+  STRATA_RETURN_IF_ERROR(failure_);
+  optim::ParamArrays stored;  // what now holds the grad, for its sum of squares
+  stored.count = count;
+  std::vector<unsigned char> narrowed;  // an HBM-homed grad's values, on their way there
+  // Inside an executor step a zeroed grad's tensor is about to receive this step's backward
+  // (which would replace what is written there): the accumulator takes it, and the landing adds.
+  if (p->hold == GradHold::kAccum || (p->hold == GradHold::kZero && in_executor_step_)) {
+    STRATA_RETURN_IF_ERROR(ensure_accum(*p));
+    std::memcpy(p->accum_data, src, count * sizeof(float));
+    p->hold = GradHold::kAccum;
+    stored.grad = p->accum_data;
+    stored.grad_dtype = DType::kF32;
+  } else {
+    // The grad tensor, in its dtype: rounded by the kernel that rounds an update's working copy
+    // (master_set; its master here is a scratch copy), so one rounding rule holds everywhere.
+    const DType dtype = p->arrays.grad_dtype;
+    const uint64_t bytes = count * dtype_size(dtype);
+    void* dst = nullptr;
+    if (p->hbm_grad) {
+      narrowed.resize(bytes);
+      dst = narrowed.data();
+    } else {
+      dst = const_cast<void*>(p->arrays.grad);  // the DRAM grad tensor, idle between landings
+    }
+    if (dtype == DType::kF32) {
+      std::memcpy(dst, src, bytes);
+    } else {
+      std::vector<float> scratch(count);
+      optim::ParamArrays a;
+      a.master = scratch.data();
+      a.weight = dst;
+      a.weight_dtype = dtype;
+      a.count = count;
+      kernels_->master_set(a, src, 0, count);
+    }
+    p->hold = GradHold::kGrad;
+    if (p->hbm_grad) {
+      Status s = runtime_->backend()->copy_sync(const_cast<unsigned char*>(p->grad_device),
+                                                narrowed.data(), bytes);
+      if (!s.is_ok()) {
+        // Its values are unspecified now: a NaN norm tells clipping and a loss scaler so.
+        p->grad_mult = 1.f;
+        p->grad_sq = std::numeric_limits<double>::quiet_NaN();
+        return error(s.code(), "grad_write: copying the grad into HBM: ", s.message());
+      }
+    }
+    stored.grad = dst;
+    stored.grad_dtype = dtype;
+  }
+  p->grad_mult = 1.f;
+  p->grad_sq = kernels_->sum_squares(stored, 0, count);
   return Status::ok();
 }
 

@@ -372,6 +372,28 @@ TEST_CASE("tensor functions reject NULL arguments", "[abi]") {
   STRATA_REQUIRE_OK(strata_tensor_read(rt.get(), t, 1024, nullptr, 0));
 }
 
+TEST_CASE("held-grad functions reject NULL and an optimizer holding no grads", "[abi]") {
+  RuntimePtr rt = host_runtime();
+  strata_tensor_t* t = register_bytes(rt.get(), "w", 64, STRATA_TIER_DRAM);
+  strata_optimizer_config_t c;
+  STRATA_REQUIRE_OK(strata_optimizer_config_init(STRATA_OPTIMIZER_ADAMW, &c));
+  float buf[16] = {};
+  const auto invalid = STRATA_ERROR_INVALID_ARGUMENT;
+  for (uint32_t mode : {STRATA_UPDATE_AUTO, STRATA_UPDATE_EXPLICIT}) {
+    c.update_mode = mode;
+    strata_optimizer_t* o = nullptr;
+    STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &c, &o));
+    STRATA_REQUIRE_ERROR(strata_optimizer_grad_write(nullptr, t, buf, 16), invalid, "optimizer");
+    STRATA_REQUIRE_ERROR(strata_optimizer_grad_write(o, nullptr, buf, 16), invalid, "weight");
+    STRATA_REQUIRE_ERROR(strata_optimizer_grad_write(o, t, nullptr, 16), invalid, "src");
+    STRATA_REQUIRE_ERROR(strata_optimizer_grad_read(o, t, nullptr, 16), invalid, "dst");
+    // AUTO mode holds no per-parameter grads; an explicit optimizer not attached has none yet.
+    STRATA_REQUIRE_ERROR(strata_optimizer_grad_write(o, t, buf, 16), STRATA_ERROR_INVALID_STATE,
+                         mode == STRATA_UPDATE_AUTO ? "explicit update mode" : "not attached");
+    STRATA_REQUIRE_OK(strata_optimizer_destroy(o));
+  }
+}
+
 TEST_CASE("reads and writes out of bounds are refused", "[abi]") {
   RuntimePtr rt = host_runtime();
   strata_tensor_t* t = register_bytes(rt.get(), "bounds", 100, STRATA_TIER_HBM);

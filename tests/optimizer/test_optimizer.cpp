@@ -349,6 +349,102 @@ TEST_CASE("explicit updates: held grads read, measured, scaled and zeroed as tor
   REQUIRE(info.step == 9);
 }
 
+TEST_CASE("explicit updates: a held grad written back (torch's clamp_ on p.grad), in either home",
+          "[optimizer]") {
+  for (strata_tier_t home : {STRATA_TIER_DRAM, STRATA_TIER_HBM}) {
+    DYNAMIC_SECTION("grads in " << (home == STRATA_TIER_HBM ? "HBM" : "DRAM")) {
+      strata_optimizer_config_t c = adamw_config();
+      c.update_mode = STRATA_UPDATE_EXPLICIT;
+      Model m =
+          make_model(3, 7, backend_under_test(), {3000, 1100}, nullptr, STRATA_TIER_DRAM, home);
+      OptimizerPtr opt = make_optimizer(m, c);
+      Streamed st;
+      attach_streamed(m, opt.get(), &st);
+      strata_tensor_t* w = m.weights[1][0];
+      const auto n = static_cast<std::size_t>(m.sizes[0]);
+      const auto weights = read_bf16(m.rt.get(), w, m.sizes[0]);
+      std::vector<float> got(n), values(n);
+      REQUIRE(strata_optimizer_grad_write(opt.get(), w, values.data(), n) ==
+              STRATA_ERROR_INVALID_STATE);  // None: nothing to write into
+      strata_grad_info_t info{};
+      info.struct_size = STRATA_GRAD_INFO_STRUCT_SIZE;
+      const auto squares_of = [](const std::vector<float>& v) {
+        double s = 0;
+        for (float x : v) s += double{x} * x;
+        return s;
+      };
+
+      // The grad of one backward pass, scaled lazily, then clamped by the framework: stored
+      // in the grad tensor's bf16 (rounded to nearest even), the factor replaced.
+      streamed_pass(m, st.ex, 0, 0);
+      const auto g1 = grads_for(weights, 0, 1, 0);
+      STRATA_REQUIRE_OK(strata_optimizer_grad_scale(opt.get(), w, 3.f));
+      STRATA_REQUIRE_OK(strata_optimizer_grad_read(opt.get(), w, got.data(), n));
+      for (std::size_t i = 0; i < n; ++i) {
+        REQUIRE(got[i] == from_bf16(g1[i]) * 3.f);
+        values[i] = std::clamp(got[i], -0.1f, 0.1f) + 1e-4f;  // most not a bf16
+      }
+      STRATA_REQUIRE_OK(strata_optimizer_grad_write(opt.get(), w, values.data(), n));
+      STRATA_REQUIRE_OK(strata_optimizer_grad_read(opt.get(), w, got.data(), n));
+      std::vector<float> stored(n);
+      for (std::size_t i = 0; i < n; ++i) stored[i] = from_bf16(to_bf16(values[i]));
+      REQUIRE(got == stored);
+      REQUIRE(got != values);
+      STRATA_REQUIRE_OK(strata_optimizer_grad_info(opt.get(), w, &info));
+      REQUIRE(info.has_grad == 1);
+      REQUIRE(info.sum_squares == Approx(squares_of(stored)).epsilon(1e-6));
+
+      // The next backward pass adds to the written grad in the fp32 accumulator; a write
+      // there is stored exactly, and the pass after it adds to it again.
+      streamed_pass(m, st.ex, 0, 1);
+      const auto g2 = grads_for(weights, 0, 1, 1);
+      STRATA_REQUIRE_OK(strata_optimizer_grad_read(opt.get(), w, got.data(), n));
+      for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == stored[i] + from_bf16(g2[i]));
+      for (std::size_t i = 0; i < n; ++i) values[i] = std::clamp(got[i], -0.05f, 0.07f) / 3.f;
+      STRATA_REQUIRE_OK(strata_optimizer_grad_scale(opt.get(), w, 0.25f));
+      STRATA_REQUIRE_OK(strata_optimizer_grad_write(opt.get(), w, values.data(), n));
+      STRATA_REQUIRE_OK(strata_optimizer_grad_read(opt.get(), w, got.data(), n));
+      REQUIRE(got == values);
+      STRATA_REQUIRE_OK(strata_optimizer_grad_info(opt.get(), w, &info));
+      REQUIRE(info.sum_squares == Approx(squares_of(values)).epsilon(1e-6));
+      streamed_pass(m, st.ex, 0, 2);
+      const auto g3 = grads_for(weights, 0, 1, 2);
+      STRATA_REQUIRE_OK(strata_optimizer_grad_read(opt.get(), w, got.data(), n));
+      for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == values[i] + from_bf16(g3[i]));
+
+      // Zeroed to zeros, then written: the grad tensor holds it again, and the update uses it
+      // (AdamW's first step: m = (1 - beta1) g).
+      STRATA_REQUIRE_OK(strata_optimizer_grad_zero(opt.get(), w, 1));
+      for (std::size_t i = 0; i < n; ++i) values[i] = from_bf16(to_bf16(0.01f * (i % 7) - 0.03f));
+      STRATA_REQUIRE_OK(strata_optimizer_grad_write(opt.get(), w, values.data(), n));
+      STRATA_REQUIRE_OK(strata_optimizer_grad_read(opt.get(), w, got.data(), n));
+      REQUIRE(got == values);
+      STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
+      // Written while the update is queued: the update still sees the values it was queued with.
+      std::vector<float> zeros(n, 0.f);
+      STRATA_REQUIRE_OK(strata_optimizer_grad_write(opt.get(), w, zeros.data(), n));
+      STRATA_REQUIRE_OK(strata_optimizer_synchronize(opt.get()));
+      strata_tensor_t* exp_avg = nullptr;
+      STRATA_REQUIRE_OK(strata_optimizer_get_state(opt.get(), w, STRATA_STATE_EXP_AVG, &exp_avg));
+      std::vector<float> m1(n);
+      STRATA_REQUIRE_OK(strata_tensor_read(m.rt.get(), exp_avg, 0, m1.data(), n * 4));
+      for (std::size_t i = 0; i < n; ++i) {
+        REQUIRE(m1[i] == Approx((1.f - c.beta1) * values[i]).epsilon(1e-6).margin(1e-12));
+      }
+      STRATA_REQUIRE_OK(strata_optimizer_grad_read(opt.get(), w, got.data(), n));
+      REQUIRE(got == zeros);
+
+      REQUIRE(strata_optimizer_grad_write(opt.get(), w, values.data(), n - 1) ==
+              STRATA_ERROR_INVALID_ARGUMENT);
+      REQUIRE(strata_optimizer_grad_write(opt.get(), m.grads[0][0], values.data(), n) ==
+              STRATA_ERROR_NOT_FOUND);
+      STRATA_REQUIRE_OK(strata_optimizer_grad_zero(opt.get(), w, 0));
+      REQUIRE(strata_optimizer_grad_write(opt.get(), w, values.data(), n) ==
+              STRATA_ERROR_INVALID_STATE);
+    }
+  }
+}
+
 TEST_CASE("an abandoned step changes nothing but the grads whose backward was done",
           "[optimizer]") {
   strata_optimizer_config_t c = adamw_config();

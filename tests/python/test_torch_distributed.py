@@ -120,6 +120,17 @@ def test_two_ranks_train_like_ddp_and_like_one_rank_with_twice_the_batch(tmp_pat
     assert one["elements"] <= 2 * strata2["elements"] <= one["elements"] + 2 * 64 * params
 
 
+def test_elementwise_grad_changes_on_two_ranks_equal_one_rank(tmp_path):
+    # clip_grad_value_ and mul_ by a mask of each parameter's shape between backward and step
+    # (clip_grad_norm_ after them): each rank changes its own chunk of every streamed grad,
+    # with its slice of the mask, and trains as one process with both ranks' rows does.
+    strata2 = run_ranks(tmp_path, "strata.pt", 2, grad_ops=True)
+    one = run_ranks(tmp_path, "one.pt", 1, grad_ops=True)
+    assert_close(strata2, one, atol=1e-5)
+    plain = one_rank(tmp_path)  # the changes changed the run
+    assert max(abs(a - b) for a, b in zip(one["losses"][1:], plain["losses"][1:])) > 1e-4
+
+
 def test_weights_loaded_without_the_optimizer_set_every_shards_masters(tmp_path):
     # st.load_checkpoint(path, model) with no optimizer under sharding: each rank sets the
     # masters of its own chunks from the loaded weights (test_torch_offload.py has the idiom

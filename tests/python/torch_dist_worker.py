@@ -33,9 +33,20 @@ def build(preset, seed=0, layers=None):
     return config, LlamaForCausalLM(config)
 
 
-def loop(model, opt, data, rank, world, clip, fail=None, after=None):
+def change_grads(model):
+    """Elementwise changes of every grad between backward and step, the same on every rank:
+    value clipping, then a mask of each parameter's shape (halves, ones and zeros)."""
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.02)
+    gen = torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        mask = torch.randint(0, 3, p.shape, generator=gen).float() / 2
+        if p.grad is not None:
+            p.grad.mul_(mask.to(p.grad.device))
+
+
+def loop(model, opt, data, rank, world, clip, fail=None, after=None, grad_ops=False):
     """The ordinary training loop on this rank's rows; the losses averaged over the ranks.
-    after(step): called after each step."""
+    after(step): called after each step. grad_ops: change_grads after each backward."""
     losses = []
     for step, ids in enumerate(data):
         rows = ids.shape[0] // world
@@ -44,6 +55,8 @@ def loop(model, opt, data, rank, world, clip, fail=None, after=None):
             fail[1]()
         loss = model(mine, labels=mine).loss
         loss.backward()
+        if grad_ops:
+            change_grads(model)
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -88,6 +101,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--grad-ops", action="store_true",
+                   help="change the grads elementwise after each backward (change_grads)")
     p.add_argument("--shard-size", type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--reduce-dtype", choices=["float32", "bfloat16"], default=None)
@@ -154,7 +169,8 @@ def main(argv=None):
     fail = None
     if args.fail is not None and args.rank == args.world - 1:
         fail = (args.fail_step, lambda: failure(args.fail)(model))
-    losses = loop(model, opt, data, args.rank, args.world, args.clip, fail, after)
+    losses = loop(model, opt, data, args.rank, args.world, args.clip, fail, after,
+                  args.grad_ops)
     refused = None
     if args.gathered:
         import strata.torch as st

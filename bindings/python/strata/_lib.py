@@ -347,6 +347,7 @@ _SIGNATURES = {
     "strata_optimizer_grad_info": (c_int32, [c_void_p, c_void_p, P(GradInfo)]),
     "strata_optimizer_grad_read": (c_int32, [c_void_p, c_void_p, c_void_p, c_uint64]),
     "strata_optimizer_grad_scale": (c_int32, [c_void_p, c_void_p, c_float]),
+    "strata_optimizer_grad_write": (c_int32, [c_void_p, c_void_p, c_void_p, c_uint64]),
     "strata_optimizer_grad_zero": (c_int32, [c_void_p, c_void_p, c_int32]),
     "strata_optimizer_set_param_step": (c_int32, [c_void_p, c_void_p, c_uint64]),
     "strata_optimizer_get_state": (c_int32, [c_void_p, c_void_p, c_int32, P(c_void_p)]),

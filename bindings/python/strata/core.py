@@ -634,6 +634,11 @@ class Optimizer:
     def grad_scale(self, weight, factor):
         check(L.strata_optimizer_grad_scale(self._handle, weight.handle, float(factor)))
 
+    def grad_write(self, weight, pointer, count):
+        """Set the param's held grad to `count` floats at `pointer` (stored in its grad tensor's
+        dtype, or exactly in the fp32 accumulator after accumulation)."""
+        check(L.strata_optimizer_grad_write(self._handle, weight.handle, pointer, count))
+
     def grad_zero(self, weight, keep_zeros=False):
         check(L.strata_optimizer_grad_zero(self._handle, weight.handle, 1 if keep_zeros else 0))
 

@@ -8,10 +8,18 @@ parameter's shape, dtype and device but no storage. What PyTorch code does with 
 - scaling and zeroing in place (mul_, div_, zero_ and their _foreach_ forms), applied lazily in
   Strata (clip_grad_norm_, zero_grad(set_to_none=False)), and torch.amp.GradScaler's unscale_
   (the inf/NaN check comes from the sums of squares);
+- elementwise changes in place (clamp_, clamp_min_, clamp_max_, nan_to_num_, add_, mul_ and
+  div_ by a tensor, copy_, fill_, masked_fill_, any other pointwise in-place op, and their
+  _foreach_ forms: torch.nn.utils.clip_grad_value_) on the values where the grads live: the
+  grad is read, the op runs on the host in the parameter's dtype, and the result is written
+  back (strata_optimizer_grad_write). Under data parallelism each rank changes its own chunk:
+  an elementwise op commutes with sharding, and a tensor argument of the grad's shape gives
+  each rank its slice;
 - any other read (clone, allclose, indexing, arithmetic, printing) on a materialized fp32 copy
   converted to the parameter's dtype and device.
 
-Other in-place changes raise: a streamed grad cannot be written element by element."""
+In-place changes that are not elementwise (cumsum_, t_, index_add_, ...) and writes through
+out= raise, naming what is supported."""
 
 import math
 
@@ -30,23 +38,104 @@ _FOREACH_SCALE = {aten._foreach_mul_.Scalar, aten._foreach_mul_.Tensor,
 _FOREACH_ZERO = {aten._foreach_zero_.default}
 _PASSTHROUGH = {aten.detach.default, aten.alias.default}
 _UNSCALE = {aten._amp_foreach_non_finite_check_and_unscale_.default}
+# Elementwise in-place ops aten does not tag pointwise.
+_ELEMENTWISE_INPLACE = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor,
+                        aten.masked_fill_.Scalar, aten.masked_fill_.Tensor}
+_SUPPORTED = ("streamed grads support elementwise in-place ops (clamp_, nan_to_num_, add_, mul_, "
+              "div_, copy_, fill_ and their _foreach_ forms, as clip_grad_value_ uses them), "
+              "zero_ and reading; their values live in Strata")
 
 
-def _factor(x, i=None, name="mul_"):
-    """The one number a streamed grad is scaled by (`x`, or its i-th item for a _foreach_ op's
-    list); a tensor of several elements (a mask, a per-row scale) would change the grad
-    elementwise, which a streamed grad does not support: refused by name."""
+def _elementwise_inplace(func):
+    """Whether `func` changes its first argument (a tensor, or a _foreach_ op's list) in place,
+    element by element, so it can run on any part of the values (a rank's chunk)."""
+    if func._schema.name.startswith("aten::_foreach_"):
+        return func._schema.name.endswith("_") and _writes_first(func)
+    return torch.Tag.inplace in func.tags and (torch.Tag.pointwise in func.tags
+                                                or func in _ELEMENTWISE_INPLACE)
+
+
+def _writes_first(func):
+    arg = func._schema.arguments[0] if func._schema.arguments else None
+    return arg is not None and arg.alias_info is not None and arg.alias_info.is_write
+
+
+def _is_multi_element(x):
+    return isinstance(x, torch.Tensor) and x.numel() != 1
+
+
+def _factor(x, i=None):
+    """The one number a streamed grad is scaled by lazily (`x`, or its i-th item for a _foreach_
+    op's list): a Python number or a one-element tensor."""
     if isinstance(x, (list, tuple)):
         x = x[i]
     if isinstance(x, torch.Tensor):
-        if x.numel() != 1:
-            raise RuntimeError(
-                "strata.torch: %s by a tensor of %d elements would change the grad of a "
-                "streamed parameter elementwise; streamed grads support mul_ and div_ by one "
-                "number (a Python number or a one-element tensor), zero_ and reading; their "
-                "values live in Strata" % (name, x.numel()))
         return float(x.reshape(-1)[0])
     return float(x)
+
+
+def _elementwise(func, grad, args, kwargs, listed=False):
+    """`func` (in place on `grad`, or on [grad] for a _foreach_ op: `listed`) as a function
+    that, once called, reads the part of the grad's values this process holds, applies func to
+    them on the host in the grad's dtype and writes them back. Checked here, before any grad
+    changes: every tensor argument broadcasts to the grad's shape."""
+    grad._optimizer()
+    sp, layout = grad._sp, grad._session.layout
+
+    def check(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            try:
+                ok = torch.broadcast_shapes(tuple(x.shape), sp.shape) == tuple(sp.shape)
+            except RuntimeError:
+                ok = False
+            if not ok:
+                raise RuntimeError(
+                    "strata.torch: %s: a tensor of shape %s does not broadcast to the shape %s "
+                    "of the streamed grad it changes" % (func.__name__, list(x.shape),
+                                                         list(sp.shape)))
+        return x
+
+    tree_map(check, (args, kwargs))
+
+    def part(x):
+        if isinstance(x, StreamedGrad):
+            x = x.materialize()
+        if not isinstance(x, torch.Tensor):
+            return x
+        x = x.detach().cpu()
+        return layout.own_part(sp, x) if x.dim() > 0 else x
+
+    def run():
+        values = layout.own_grad(sp).to(grad.dtype)
+        func([values] if listed else values, *tree_map(part, args), **tree_map(part, kwargs))
+        layout.write_own_grad(sp, values)
+
+    return run
+
+
+def _foreach_elementwise(func, args, kwargs):
+    """A _foreach_ op changing a list that holds streamed grads: the plain tensors in one call,
+    each streamed grad as its own elementwise change; every streamed one checked first, so a
+    refused call changes no grad."""
+    tensors = list(args[0])
+    n = len(tensors)
+
+    def pick(x, indices):
+        # A list argument of the call's length has one entry per tensor (TensorList, ScalarList).
+        if isinstance(x, (list, tuple)) and len(x) == n:
+            return [x[i] for i in indices]
+        return x
+
+    streamed = [i for i, t in enumerate(tensors) if isinstance(t, StreamedGrad)]
+    plain = [i for i, t in enumerate(tensors) if not isinstance(t, StreamedGrad)]
+    runs = [_elementwise(func, tensors[i], [pick(a, [i]) for a in args[1:]],
+                         {k: pick(v, [i]) for k, v in kwargs.items()}, listed=True)
+            for i in streamed]
+    if plain:
+        func([tensors[i] for i in plain], *[pick(a, plain) for a in args[1:]],
+             **{k: pick(v, plain) for k, v in kwargs.items()})
+    for run in runs:
+        run()
 
 
 def _writes_streamed_grad(func, args, kwargs):
@@ -141,8 +230,9 @@ class StreamedGrad(torch.Tensor):
             dim = args[2] if len(args) > 2 else kwargs.get("dim", None)
             if dim is None and not kwargs.get("dtype"):
                 return args[0]._norm(ord_)
-        if func in _SCALE_INPLACE and isinstance(args[0], StreamedGrad):
-            f = _factor(args[1], name=func.__name__)
+        if (func in _SCALE_INPLACE and isinstance(args[0], StreamedGrad)
+                and not _is_multi_element(args[1])):
+            f = _factor(args[1])
             args[0]._scale(1.0 / f if func in (aten.div_.Tensor, aten.div_.Scalar) else f)
             return args[0]
         if func in _ZERO_INPLACE and isinstance(args[0], StreamedGrad):
@@ -151,11 +241,12 @@ class StreamedGrad(torch.Tensor):
         if func in _FOREACH_NORM:
             ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2.0)
             return _foreach_norm(args[0], ord_)
-        if func in _FOREACH_SCALE:
+        if func in _FOREACH_SCALE and not any(
+                _is_multi_element(args[1][i] if isinstance(args[1], (list, tuple)) else args[1])
+                for i, t in enumerate(args[0]) if isinstance(t, StreamedGrad)):
             divide = "div" in func.__name__
-            # Every streamed grad's factor first: a refused one changes no grad.
-            factors = [_factor(args[1], i, func.__name__) if isinstance(t, StreamedGrad)
-                       else None for i, t in enumerate(args[0])]
+            factors = [_factor(args[1], i) if isinstance(t, StreamedGrad) else None
+                       for i, t in enumerate(args[0])]
             for i, t in enumerate(args[0]):
                 if isinstance(t, StreamedGrad):
                     t._scale(1.0 / factors[i] if divide else factors[i])
@@ -187,11 +278,22 @@ class StreamedGrad(torch.Tensor):
                 else:
                     t.zero_()
             return None
+        if _elementwise_inplace(func):
+            if func._schema.name.startswith("aten::_foreach_"):
+                if any(isinstance(t, StreamedGrad) for t in args[0]):
+                    _foreach_elementwise(func, args, kwargs)
+                    return None
+            elif isinstance(args[0], StreamedGrad):
+                _elementwise(func, args[0], args[1:], kwargs)()
+                return args[0]
         if _writes_streamed_grad(func, args, kwargs):
+            if _writes_first(func):
+                raise RuntimeError(
+                    "strata.torch: %s changes the grad of a streamed parameter in place and is "
+                    "not elementwise; %s" % (func.__name__, _SUPPORTED))
             raise RuntimeError(
-                "strata.torch: %s changes the grad of a streamed parameter in place; streamed "
-                "grads support mul_, div_ and zero_ (as clip_grad_norm_ and zero_grad use "
-                "them) and reading; their values live in Strata" % func.__name__)
+                "strata.torch: %s writes the grad of a streamed parameter through out=; change "
+                "it in place instead (grad.copy_(result)): %s" % (func.__name__, _SUPPORTED))
 
         def unwrap(x):
             return x.materialize() if isinstance(x, StreamedGrad) else x

@@ -176,6 +176,20 @@ class LocalLayout:
     def grad_sums(self, params):
         return [self.session.optimizer.grad_info(sp.weight)[1] for sp in params]
 
+    def own_grad(self, sp):
+        """The part of a held grad this process holds, as an fp32 CPU tensor (a copy), and the
+        `own_part` of any tensor of the parameter's shape (broadcast to it) that lines up with
+        it: here the whole grad, in the parameter's shape."""
+        return self.read_grad(sp)
+
+    def own_part(self, sp, values):
+        return values
+
+    def write_own_grad(self, sp, values):
+        """Set the part of a held grad this process holds from what own_grad returned, changed."""
+        host = values.detach().to("cpu", torch.float32).contiguous()
+        self.session.optimizer.grad_write(sp.weight, host.data_ptr(), host.numel())
+
     # --- what other modules ask ------------------------------------------------------------
 
     def agree(self, flags):
@@ -528,6 +542,30 @@ class ShardedLayout(LocalLayout):
             self.sums = (self.grad_version, {id(sp): s for sp, s in zip(trainable, total)})
         return [self.sums[1][id(sp)] for sp in params]
 
+    def own_grad(self, sp):
+        """This rank's elements of the grad (its chunk without the padding past the end), flat:
+        an elementwise op on them is the op on the whole grad, sharded."""
+        lo, hi = self._own_range(sp)
+        host = torch.empty(sp.chunk, dtype=torch.float32)
+        self.session.optimizer.grad_read(sp.weight, host.data_ptr(), host.numel())
+        return host[:hi - lo]
+
+    def own_part(self, sp, values):
+        lo, hi = self._own_range(sp)
+        return values.broadcast_to(sp.shape).reshape(-1)[lo:hi]
+
+    def write_own_grad(self, sp, values):
+        # The padding keeps its zeros: it counts in the chunk's sum of squares (the norm).
+        lo, hi = self._own_range(sp)
+        host = torch.zeros(sp.chunk, dtype=torch.float32)
+        host[:hi - lo] = values.detach().to("cpu", torch.float32).reshape(-1)
+        self.session.optimizer.grad_write(sp.weight, host.data_ptr(), host.numel())
+
+    def _own_range(self, sp):
+        """[lo, hi): this rank's elements of the flattened parameter."""
+        lo = min(self.mesh.shard_rank * sp.chunk, sp.numel)
+        return lo, min(lo + sp.chunk, sp.numel)
+
     # --- what other modules ask ------------------------------------------------------------
 
     def agree(self, flags):
@@ -551,9 +589,9 @@ class ShardedLayout(LocalLayout):
 
 
 class _CountingOptimizer:
-    """The session's core.Optimizer, noting every change of a held grad (scaling, zeroing), so
-    the cached global sums of squares are recomputed after one: the cache makes the per-grad
-    norm requests of clip_grad_norm_ one collective instead of one each."""
+    """The session's core.Optimizer, noting every change of a held grad (scaling, writing,
+    zeroing), so the cached global sums of squares are recomputed after one: the cache makes the
+    per-grad norm requests of clip_grad_norm_ one collective instead of one each."""
 
     def __init__(self, optimizer, layout):
         self._optimizer, self._layout = optimizer, layout
@@ -564,6 +602,10 @@ class _CountingOptimizer:
     def grad_scale(self, weight, factor):
         self._layout.grad_version += 1
         return self._optimizer.grad_scale(weight, factor)
+
+    def grad_write(self, weight, pointer, count):
+        self._layout.grad_version += 1
+        return self._optimizer.grad_write(weight, pointer, count)
 
     def grad_zero(self, weight, keep_zeros=False):
         self._layout.grad_version += 1

@@ -586,8 +586,9 @@ class StrataSession:
             elif not isinstance(g, StreamedGrad) or g._sp is not sp:
                 raise RuntimeError(
                     "strata.torch: the .grad of streamed parameter %r was replaced by another "
-                    "tensor; streamed grads live in Strata: scale them in place (mul_, div_), "
-                    "zero them (zero_grad) or set them to None" % sp.name)
+                    "tensor; streamed grads live in Strata: change them in place "
+                    "(p.grad.copy_(new), mul_, clamp_), zero them (zero_grad) or set them to None"
+                    % sp.name)
         for entries in self.layers:
             for sp in entries:
                 if sp.trainable and id(sp.param) not in self.held and sp.param.grad is not None:
