@@ -598,7 +598,9 @@ class Optimizer:
         if betas is None and eps is None:
             check(L.strata_optimizer_set_group(self._handle, group, lr, weight_decay))
             return
-        h = self.group(group)
+        # Every field given (what strata.torch passes at each step): nothing to read first.
+        whole = betas is not None and eps is not None
+        h = _lib.GroupHyperparams() if whole else self.group(group)
         h.lr, h.weight_decay = lr, weight_decay
         if betas is not None:
             h.beta1, h.beta2 = betas

@@ -345,14 +345,14 @@ class ChunkedLoss:
     """What install() returns (also model._strata_chunked_loss): enabled (set False to use
     the model's own loss until set True again), chunk_tokens, remove()."""
 
-    def __init__(self, model, chunk_tokens):
+    def __init__(self, model, chunk_tokens, auto=False):
         self.model = model
         self.head = _head(model)
         self.flavour = _flavour(model)
         self.chunk_tokens = chunk_tokens
         self.enabled = True
         # True: a call whose labels fit one chunk computes the model's own loss (install's auto).
-        self.auto = False
+        self.auto = bool(auto)
         self._local = threading.local()
         signature = inspect.signature(_forward_owner(model).forward)
         positional = [p.name for p in signature.parameters.values()
@@ -641,8 +641,7 @@ def install(model, chunk_tokens=None, auto=False):
                          "Its own loss (the whole logits) runs without install" % reason)
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(_head(model).out_features)
-    handle = ChunkedLoss(model, check_chunk_tokens(chunk_tokens))
-    handle.auto = bool(auto)
+    handle = ChunkedLoss(model, check_chunk_tokens(chunk_tokens), auto)
     model.__dict__["_strata_chunked_loss"] = handle  # not a submodule: not in state_dict
     return handle
 

@@ -160,7 +160,7 @@ def _check_chunked_loss(model, chunked_loss):
     if chunked_loss is False:
         return None
     if chunked_loss is not None and chunked_loss is not True:
-        if isinstance(chunked_loss, bool) or not isinstance(chunked_loss, int):
+        if not isinstance(chunked_loss, int):  # (True and False are handled above)
             raise ValueError("strata.torch.offload: chunked_loss is %r, not None, True, False "
                              "or a number of tokens per chunk" % (chunked_loss,))
         _chunked_loss.check_chunk_tokens(chunked_loss)
