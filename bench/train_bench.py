@@ -1,13 +1,40 @@
 #!/usr/bin/env python3
-"""Training throughput of Llama-style models streamed through Strata, next to the same model
-fully resident in HBM and next to PyTorch FSDP2 with CPU offload, with the same tokens per step,
-in the same run (each configuration in its own process, so peak memory is its own).
+"""Training throughput of Llama models streamed through Strata, next to the same model fully
+resident in HBM, PyTorch FSDP2 with CPU offload, DeepSpeed ZeRO-3 and MegaTrain, with the same
+tokens per step, in the same run (each configuration in its own process, so peak memory is its
+own).
 
-Reports tokens/s, TFLOPS by two counts (6 P T / t, as MegaTrain reports; and the work actually
-done: recomputation and causal attention included, see llama_zoo.flops_per_token),
-the median step time after warm-up, and peak host memory (VmHWM) and device memory.
+The model is Hugging Face's LlamaForCausalLM (--impl hf, the default: sdpa attention, the model
+users train), trained as the README shows: built on the meta device from its config,
+st.offload(model, dtype=torch.bfloat16), st.AdamW(model.parameters()), the loss from
+model(ids, labels=ids), clip_grad_norm_(model.parameters(), --clip). --impl zoo trains the
+package's own Llama of bench/llama_zoo instead (the same shapes). Weights come from
+dist_bench.fast_init (seeded, the same in every mode, MegaTrain's included), AdamW lr 1e-4,
+weight decay 0.1, random tokens (two seeded batches in turn).
 
-    python bench/train_bench.py --models 1b,3b,7b --batch 16 --seq 2048 --steps 5 [--clip 1.0]
+Reports per configuration: the median step time after warm-up, every step's seconds and loss,
+tokens/s, TFLOPS by two counts (6 P T / t with P every parameter, the embedding and the head
+included, as bench/dist_bench.py and MegaTrain's train.py count; and the work actually done:
+recomputation and causal attention included, see llama_zoo.flops_per_token), the placement
+strata.torch chose (model.strata.placement()), peak host memory (VmHWM) and device memory.
+A line of human summary per configuration on stdout; --jsonl FILE appends each configuration's
+result as one JSON line as soon as it is measured (--json FILE: all of them at the end).
+
+    python bench/train_bench.py --models 8b --modes strata --batch 148 --seq 1024 --clip 1.0
+    python bench/train_bench.py --models 8b --modes strata --batch 148 --seq 1024 --accum 4 \
+        --clip 1.0                                  # 4 micro-batches of 37
+    python bench/train_bench.py --models 8b --modes strata --peer megatrain \
+        --megatrain-dir .stage/megatrain/src --batch 148 --seq 1024 --clip 1.0
+    python bench/train_bench.py --models tiny --modes strata --device cpu --batch 4 --seq 64
+
+--peer megatrain (with --megatrain-dir DIR, MegaTrain's source tree: it is not part of this
+repository) runs MegaTrain (github.com/DLYuanGod/MegaTrain) on the same model, batch, steps and
+clip after the --modes, in its own process, driven through its Python API as its
+examples/sft/train.py does (CPUMasterModel.forward_and_backward, clip_grad_norm_ over
+get_parameters(), DeepSpeedCPUAdam where DeepSpeed is installed, else torch's AdamW, then
+_sync_params_to_gpu and zero_grad), timed by the same loop as every other mode (bench/
+megatrain_peer.py). It needs CUDA; --dry-run checks its import, configuration and the
+attention-mask patch it needs for sdpa on the CPU instead of training.
 
 --nvme PATH (strata only) gives the runtime an NVMe tier there: optimizer state that does not
 fit in --host-budget GiB (default: 85% of MemAvailable) goes to NVMe, staged through DRAM
@@ -63,7 +90,84 @@ def model_config(name):
                          % (name, ", ".join(PRESETS)))
 
 
-def probe_compute(config, batch, seq, device):
+def hf_config(config):
+    """Hugging Face's LlamaConfig of a llama_zoo shape (sdpa attention, no KV cache)."""
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                       intermediate_size=config.intermediate_size,
+                       num_hidden_layers=config.num_hidden_layers,
+                       num_attention_heads=config.num_attention_heads,
+                       num_key_value_heads=config.num_key_value_heads,
+                       max_position_embeddings=config.max_position_embeddings,
+                       rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+                       tie_word_embeddings=config.tie_word_embeddings, use_cache=False)
+
+
+def build_model(config, impl, device, dtype=None):
+    """The model of `config` built on `device`: Hugging Face's LlamaForCausalLM (impl "hf",
+    sdpa) or llama_zoo's (impl "zoo"). On the meta device (for st.offload, which initializes
+    each block as it places it, with model._init_weights) nothing is allocated; elsewhere the
+    weights are initialized. The Hugging Face model's init is dist_bench.fast_init (seeded,
+    the same in every mode and in MegaTrain's; Hugging Face's own takes minutes for 8B on
+    the CPU)."""
+    import torch
+    if impl == "zoo":
+        from llama_zoo.torch_llama import LlamaForCausalLM
+        with torch.device(device):
+            return LlamaForCausalLM(config)
+    from transformers import LlamaForCausalLM
+    from dist_bench import fast_init
+    with torch.device("meta"):
+        model = LlamaForCausalLM._from_config(hf_config(config), attn_implementation="sdpa",
+                                              **({"dtype": dtype} if dtype else {}))
+    model._init_weights = fast_init
+    if torch.device(device).type != "meta":
+        materialize(model, device)
+    return model
+
+
+def materialize(model, device):
+    """A Hugging Face model built on meta (or whose storage was dropped by to_empty) given
+    storage on `device` and fast_init's values; the rotary inverse frequencies (a buffer that
+    is not in the state dict, left uninitialized by to_empty) computed again."""
+    model.to_empty(device=device)
+    model.apply(model._init_weights)
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=model.config).to(device)
+
+
+def checkpoint_blocks(model, impl):
+    """Each decoder block recomputed in the backward pass (non-reentrant torch checkpointing),
+    as strata.torch's streamed blocks are."""
+    if impl == "hf":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    from torch.utils.checkpoint import checkpoint
+    for block in model.model.layers:
+        forward = block.forward
+        block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(forward)
+
+
+def probe_block(config, impl, batch, seq, device, dtype):
+    """One decoder block of the model's kind on the device, its input x and the other
+    arguments it is called with: (block, x, args, kwargs), block(x, *args, **kwargs)."""
+    import torch
+    x = torch.randn(batch, seq, config.hidden_size, device=device, dtype=dtype,
+                    requires_grad=True)
+    if impl == "zoo":
+        from llama_zoo.torch_llama import DecoderLayer, rotary
+        return DecoderLayer(config).to(device, dtype), x, rotary(config, seq, device, dtype), {}
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    cfg = hf_config(config)
+    cfg._attn_implementation = "sdpa"
+    block = LlamaDecoderLayer(cfg, layer_idx=0).to(device, dtype)
+    positions = torch.arange(seq, device=device).unsqueeze(0)
+    cos, sin = LlamaRotaryEmbedding(cfg, device=device)(x, positions)
+    return block, x, (), dict(position_embeddings=(cos.to(dtype), sin.to(dtype)),
+                              attention_mask=None, position_ids=positions)
+
+
+def probe_compute(config, batch, seq, device, impl="zoo", chunked_loss=False):
     """Device seconds, each measured alone on a fresh block of the model's shape: one block's
     forward pass (no grad, as a checkpointed block's first pass); its backward pass as
     strata.torch runs it, checkpointed (the forward recomputed, then the backward), kept
@@ -75,14 +179,14 @@ def probe_compute(config, batch, seq, device):
     import torch
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
-    from llama_zoo.torch_llama import DecoderLayer, rotary
     from strata.torch._activations import selective_bytes, selective_context
 
     dtype = torch.bfloat16
-    block = DecoderLayer(config).to(device, dtype)
-    x = torch.randn(batch, seq, config.hidden_size, device=device, dtype=dtype,
-                    requires_grad=True)
-    cos, sin = rotary(config, seq, device, dtype)
+    block, x, args, kwargs = probe_block(config, impl, batch, seq, device, dtype)
+
+    def run_block(h):
+        out = block(h, *args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
     g = torch.randn_like(x)
     head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False).to(device, dtype)
     labels = torch.randint(0, config.vocab_size, (batch * seq,), device=device)
@@ -104,20 +208,20 @@ def probe_compute(config, batch, seq, device):
 
     def forward(_):
         with torch.no_grad():
-            block(x, cos, sin)
+            run_block(x)
 
     def backward(_):
-        block(x, cos, sin).backward(g)
+        run_block(x).backward(g)
 
-    measured = selective_bytes(block.forward, (x, cos, sin), {}, device)
+    measured = selective_bytes(block.forward, (x,) + tuple(args), kwargs, device)
     limit = measured[1] if measured else None
 
     def kept(selective):
         def run():
             if selective:
-                return checkpoint(block, x, cos, sin, use_reentrant=False,
+                return checkpoint(run_block, x, use_reentrant=False,
                                   context_fn=lambda: selective_context(limit))
-            return block(x, cos, sin)
+            return run_block(x)
         return run
 
     def backward_only(out):
@@ -125,6 +229,10 @@ def probe_compute(config, batch, seq, device):
 
     def rest(_):
         h = x.detach().requires_grad_().view(-1, config.hidden_size)
+        if chunked_loss:  # strata.torch's loss over chunks of tokens (offload's default)
+            from strata.torch._chunked_loss import linear_cross_entropy
+            linear_cross_entropy(h, head.weight, None, labels).backward()
+            return
         if getattr(config, "loss_impl", "torch") == "liger":
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
             liger_fused_linear_cross_entropy(h, head.weight, labels,
@@ -159,7 +267,7 @@ def probe_compute(config, batch, seq, device):
 PROGRESS = "progress: "  # stderr lines that are not a failed run's error
 
 
-def setup_deepspeed(config, mode, batch, clip, nvme, param_buffers=16):
+def setup_deepspeed(config, mode, batch, clip, nvme, param_buffers=16, impl="zoo"):
     """DeepSpeed ZeRO-3 on this one GPU (a process group of one), the model built partitioned
     under zero.Init, blocks checkpointed as strata.torch's are, bf16, its CPU AdamW. Offloaded to
     NVMe (ZeRO-Infinity: bf16 parameters and the fp32 optimizer state in a directory beside
@@ -168,8 +276,6 @@ def setup_deepspeed(config, mode, batch, clip, nvme, param_buffers=16):
     model's own init could run), so its losses start elsewhere than the other modes'."""
     import deepspeed
     import torch
-    from torch.utils.checkpoint import checkpoint
-    from llama_zoo.torch_llama import LlamaForCausalLM
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29518"), ("RANK", "0"),
                        ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
@@ -204,19 +310,23 @@ def setup_deepspeed(config, mode, batch, clip, nvme, param_buffers=16):
                 "overlap_events": True},
     }
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = LlamaForCausalLM(config)
-    for block in model.model.layers:
-        forward = block.forward
-        block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(forward)
+        if impl == "hf":  # built partitioned, with Hugging Face's own init (quick on the GPU)
+            from transformers import LlamaForCausalLM
+            model = LlamaForCausalLM._from_config(hf_config(config), attn_implementation="sdpa",
+                                                  dtype=torch.bfloat16)
+        else:
+            from llama_zoo.torch_llama import LlamaForCausalLM
+            model = LlamaForCausalLM(config)
+    checkpoint_blocks(model, impl)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config)
     return engine
 
 
 def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=None, nvme=None,
-            host_budget=None, trace=None, weights=None):
+            host_budget=None, trace=None, weights=None, impl="hf", megatrain_dir=None,
+            dry_run=False):
     import torch
-    from llama_zoo.torch_llama import LlamaForCausalLM
 
     config = model_config(preset)
     config = dataclasses.replace(config)  # a preset is shared: the loss is this run's
@@ -241,10 +351,36 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             event.record()
         marks.append((name, time.perf_counter(), event))
 
-    out = {"mode": mode, "model": preset, "params": config.parameters(), "batch": batch, "seq": seq,
-           "accum": _accumulation(),
-           "clip": clip, "loss": config.loss_impl}
+    out = {"mode": mode, "model": preset, "impl": "megatrain" if mode == "megatrain" else impl,
+           "params": config.parameters(), "batch": batch, "seq": seq,
+           "accum": _accumulation(), "tokens_per_step": batch * seq,
+           "clip": clip, "loss": config.loss_impl, "device": str(device),
+           # What tflops_6pt counts (bench/dist_bench.py's and MegaTrain's convention).
+           "flops_count": "6*P*T/t, P = every parameter (embedding and head included)"}
+    if cuda:
+        out["device_name"] = torch.cuda.get_device_name()
     t_setup = time.perf_counter()
+    if mode == "megatrain":
+        # MegaTrain's own training, driven through its Python API (bench/megatrain_peer.py).
+        # The model on the CPU in bf16, as its train.py loads it, with every other mode's
+        # weights (fast_init).
+        import megatrain_peer
+        hf = build_model(config, "hf", "meta", dtype=torch.bfloat16)
+        materialize(hf, "cpu")
+        if dry_run:
+            out.update(megatrain_peer.dry_run(megatrain_dir, hf, batch, seq, clip))
+            return out
+        peer = megatrain_peer.setup(megatrain_dir, hf, batch, seq, clip)
+        del hf  # as its train.py does: CPUMasterModel holds the parts it trains
+        out.update(peer.info)
+        out["setup_seconds"] = time.perf_counter() - t_setup
+        try:
+            result = _measure(out, mode, preset, config, None, peer.step, data, device, cuda,
+                              marks, steps, warmup, batch, seq, trace, nvme, None)
+            result.update(peer.report(warmup))
+            return result
+        finally:
+            peer.close()
     if mode == "strata-separate":
         # strata with whole fp32 masters (strata.h STRATA_MASTER_SEPARATE) instead of split
         # ones: the layout before, for comparison in the same run.
@@ -258,8 +394,7 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         grads, mode = "device", "strata"
     if mode == "strata":
         import strata.torch as st
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
+        model = build_model(config, impl, "meta")  # the README's road: built on meta
         model = st.offload(model, device=device, dtype=torch.bfloat16,
                            resident_blocks=resident_blocks, nvme=nvme,
                            host_budget=int(host_budget * (1 << 30)) if host_budget else None,
@@ -306,21 +441,13 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             mark("step")
             return loss
     else:
-        from torch.utils.checkpoint import checkpoint
-
-        def checkpointed(block):
-            forward = block.forward
-            block.forward = lambda *a: checkpoint(forward, *a, use_reentrant=False)
-
         if mode in ("resident", "resident-nockpt"):
             # All in HBM, torch's fused AdamW; "resident" recomputes each block in the backward
             # (checkpointing, as strata.torch's blocks do), "resident-nockpt" keeps every
             # activation: the fastest a model that fits can train.
-            with torch.device(device):
-                model = LlamaForCausalLM(config)
+            model = build_model(config, impl, device)
             if mode == "resident":
-                for block in model.model.layers:
-                    checkpointed(block)
+                checkpoint_blocks(model, impl)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         elif mode == "fsdp2":
             import torch.distributed as dist
@@ -329,24 +456,26 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             os.environ.setdefault("MASTER_PORT", "29517")
             dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
             torch.cuda.set_device(0)
-            with torch.device("meta"):
-                model = LlamaForCausalLM(config)
+            model = build_model(config, impl, "meta")
             policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=True),
                           mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                          reduce_dtype=torch.float32))
+            checkpoint_blocks(model, impl)
             for block in model.model.layers:
-                checkpointed(block)
                 fully_shard(block, **policy)
             fully_shard(model, **policy)
-            model.to_empty(device="cpu")
-            model.apply(model._init_weights)
+            if impl == "hf":
+                materialize(model, "cpu")
+            else:
+                model.to_empty(device="cpu")
+                model.apply(model._init_weights)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         elif mode in ("deepspeed-nvme", "deepspeed-cpu"):
             # The peer of issue 14: DeepSpeed ZeRO-3 on one GPU, its parameters and optimizer
             # state offloaded to NVMe (ZeRO-Infinity: deepspeed-nvme, in a directory beside
             # --nvme) or to pinned DRAM (deepspeed-cpu).
             engine = setup_deepspeed(config, mode, batch, clip, nvme,
-                                     int(os.environ.get("DS_PARAM_BUFFERS", "16")))
+                                     int(os.environ.get("DS_PARAM_BUFFERS", "16")), impl)
             model = engine.module
             step = _engine_step(engine)
         else:
@@ -416,7 +545,7 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
             torch.cuda.current_stream().synchronize()
         t0 = time.perf_counter()
         loss = step(ids)
-        losses.append(loss.item())
+        losses.append(float(loss.detach()) if hasattr(loss, "detach") else float(loss))
         if cuda:
             torch.cuda.current_stream().synchronize()
         every.append(time.perf_counter() - t0)
@@ -453,7 +582,9 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
     if mode == "strata" and cuda:
         # The step Strata's model predicts, from rates measured apart from the steps above.
         try:
-            probe = probe_compute(config, batch, seq, device)
+            from strata.torch._chunked_loss import installed
+            probe = probe_compute(config, batch, seq, device, out["impl"],
+                                  chunked_loss=installed(model) is not None)
         except torch.cuda.OutOfMemoryError:
             probe = None
         if probe is not None:
@@ -518,14 +649,33 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="1b,3b,7b")
+    p.add_argument("--models", default="1b,3b,7b",
+                   help="comma-separated presets (%s) or specs like h4096-l40-i14336-kv8-v32000; "
+                        "8b is Llama 3.1 8B's shape (vocabulary 128256), tiny a CPU check"
+                        % ", ".join(__import__("llama_zoo").PRESETS))
+    p.add_argument("--impl", choices=("hf", "zoo"), default="hf",
+                   help="the model: Hugging Face's LlamaForCausalLM (hf, sdpa; the default) or "
+                        "the package's own Llama of bench/llama_zoo (zoo)")
     p.add_argument("--modes", default="strata,resident,fsdp2",
                    help="comma-separated: strata, strata-separate (strata with whole fp32 "
                         "masters, not split ones), strata-device-grads (the streamed blocks' "
                         "grads in HBM, not DRAM), resident (all in HBM, checkpointed blocks), "
                         "resident-nockpt (all in HBM, no recompute), fsdp2, deepspeed-nvme "
                         "(ZeRO-3 offloading parameters and optimizer state to NVMe beside --nvme: "
-                        "ZeRO-Infinity), deepspeed-cpu (ZeRO-3 offloading to DRAM)")
+                        "ZeRO-Infinity), deepspeed-cpu (ZeRO-3 offloading to DRAM), megatrain "
+                        "(as --peer megatrain); empty: only the --peer runs")
+    p.add_argument("--peer", default="", choices=("", "megatrain"),
+                   help="megatrain: MegaTrain's training of the same model, batch, steps and "
+                        "clip, after the --modes (needs --megatrain-dir)")
+    p.add_argument("--megatrain-dir", default=None,
+                   help="MegaTrain's source tree (its infinity package; patched for sdpa: "
+                        "docs/benchmarks.md)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="megatrain: check its import, configuration and sdpa mask on the CPU "
+                        "(no training; MegaTrain needs CUDA to train)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="cpu: a check of the script on a machine without a GPU (strata on its "
+                        "host backend; default: cuda, or $STRATA_BENCH_DEVICE)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=3)
@@ -545,7 +695,8 @@ def main():
     p.add_argument("--trace", default=None,
                    help="strata: a Chrome trace of the measured steps, written to TRACE-MODEL.json")
     p.add_argument("--loss", choices=("torch", "liger"), default=None,
-                   help="every mode: the model's loss as Hugging Face computes it (torch: the "
+                   help="--impl zoo, every mode: the model's loss as Hugging Face computes it "
+                        "(torch: the "
                         "logits whole, in fp32; the default) or Liger's fused linear "
                         "cross-entropy (liger-kernel: a chunk of tokens at a time)")
     p.add_argument("--optimizer-threads", type=int, default=None,
@@ -559,8 +710,32 @@ def main():
                    help="every mode but deepspeed's: each step's batch in this many "
                         "micro-batches, their grads accumulated (gradient accumulation)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--jsonl", default=None,
+                   help="append each configuration's result here as one JSON line, as soon as "
+                        "it is measured")
+    p.add_argument("--logs", default=None,
+                   help="a directory: each configuration's stderr (its progress, its library's "
+                        "log, its error) written to MODEL-MODE.log there")
+    p.add_argument("--run-timeout", type=float, default=None,
+                   help="seconds one configuration may run (default: no limit)")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.device:  # read by run_one, in this process or the one per configuration
+        os.environ["STRATA_BENCH_DEVICE"] = args.device
+    modes = [m for m in args.modes.split(",") if m] + ([args.peer] if args.peer else [])
+    if not modes:
+        p.error("no configuration: give --modes or --peer")
+    if "megatrain" in modes:
+        if not args.megatrain_dir:
+            p.error("megatrain: give --megatrain-dir DIR (MegaTrain's source tree)")
+        if args.accum > 1:
+            p.error("megatrain: --accum 1 only (MegaTrain's recipe trains one batch a step; its "
+                    "gradient_accumulation_steps sums the grads of whole steps)")
+        if args.impl != "hf":
+            p.error("megatrain: --impl hf (it trains Hugging Face models)")
+    if args.loss and args.impl != "zoo":
+        p.error("--loss: --impl zoo only (the Hugging Face model's loss is its own, or "
+                "strata.torch's over chunks of tokens)")
     if args.loss:  # read by run_one, in this process or the one per configuration
         os.environ["STRATA_BENCH_LOSS"] = args.loss
     if args.paged_state is not None:  # likewise
@@ -569,20 +744,24 @@ def main():
         os.environ["STRATA_BENCH_OPTIMIZER_THREADS"] = str(args.optimizer_threads)
     if args.accum < 1 or args.batch % args.accum:
         p.error("--accum %d must be at least 1 and divide --batch %d" % (args.accum, args.batch))
-    if args.accum > 1 and any(m.startswith("deepspeed") for m in args.modes.split(",")):
+    if args.accum > 1 and any(m.startswith("deepspeed") for m in modes):
         p.error("--accum: not for the deepspeed modes (their config sets the accumulation)")
     os.environ["STRATA_BENCH_ACCUM"] = str(args.accum)  # likewise
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.batch, args.seq, args.steps,
                                  args.warmup, args.clip, args.resident_blocks, args.nvme,
-                                 args.host_budget, args.trace, args.weights)), flush=True)
+                                 args.host_budget, args.trace, args.weights, args.impl,
+                                 args.megatrain_dir, args.dry_run)), flush=True)
         return
     results = []
     for preset in args.models.split(","):
-        for mode in args.modes.split(","):
+        for mode in modes:
             cmd = [sys.executable, __file__, "--one", mode, preset, "--batch", str(args.batch),
                    "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--clip", str(args.clip)]
+                   "--clip", str(args.clip), "--impl", args.impl]
+            if mode == "megatrain":
+                cmd += ["--megatrain-dir", args.megatrain_dir] + \
+                    (["--dry-run"] if args.dry_run else [])
             if args.resident_blocks is not None:
                 cmd += ["--resident-blocks", str(args.resident_blocks)]
             if args.nvme:
@@ -593,17 +772,38 @@ def main():
                 cmd += ["--weights", args.weights]
             if args.trace:
                 cmd += ["--trace", "%s-%s.json" % (args.trace, preset)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-            if proc.returncode != 0 or not lines:
-                err = ([l for l in proc.stderr.strip().splitlines()
-                        if not l.startswith(PROGRESS)] or ["exit %d" % proc.returncode])[-1]
-                results.append({"mode": mode, "model": preset, "error": err[:300]})
+            print("%s%s %s: %s" % (PROGRESS, preset, mode, " ".join(cmd[2:])), file=sys.stderr,
+                  flush=True)
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True,
+                                      timeout=args.run_timeout)
+                stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+            except subprocess.TimeoutExpired as e:
+                def text(b):
+                    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+                stdout, stderr, code = text(e.stdout), text(e.stderr) + \
+                    "\ntimed out after %.0f s" % args.run_timeout, None
+            if args.logs:
+                os.makedirs(args.logs, exist_ok=True)
+                pathlib.Path(args.logs, "%s-%s.log" % (preset, mode)).write_text(
+                    "$ %s\n%s" % (" ".join(cmd), stderr))
+            lines = [l for l in stdout.splitlines() if l.startswith("{")]
+            if code != 0 or not lines:
+                err = ([l for l in stderr.strip().splitlines()
+                        if not l.startswith(PROGRESS)] or ["exit %d" % code])[-1]
+                results.append({"mode": mode, "model": preset, "impl": args.impl,
+                                "batch": args.batch, "seq": args.seq, "accum": args.accum,
+                                "error": err[:300]})
             else:
                 results.append(json.loads(lines[-1]))
             r = results[-1]
+            if args.jsonl:
+                with open(args.jsonl, "a") as f:
+                    f.write(json.dumps(r) + "\n")
             if "error" in r:
                 print("%-4s %-15s failed: %s" % (preset, mode, r["error"]), flush=True)
+            elif r.get("dry_run"):
+                print("%-4s %-15s dry run: %s" % (preset, mode, r["dry_run"]), flush=True)
             else:
                 print("%-4s %-15s %8.0f tokens/s  %6.1f TFLOPS (6PT/t)  %6.1f (done)  step %.2f s  "
                       "host %.1f GB  device %.1f GB (reserved %.1f, %d retries)  setup %.0f s  %s"
@@ -628,6 +828,10 @@ def main():
                     print("     phases (host s / device s since the step's start): %s" % "  ".join(
                         "%s %.3f/%.3f" % (k, h, d) for k, (h, d) in r["phases"].items()),
                         flush=True)
+                print("     %d x %d tokens%s, losses %s" % (
+                    r["batch"], r["seq"], " as %d micro-batches of %d" % (
+                        r["accum"], r["batch"] // r["accum"]) if r["accum"] > 1 else "",
+                    " ".join("%.4f" % x for x in r["losses"])), flush=True)
                 if "placement" in r:
                     print("     %s" % r["placement"], flush=True)
                 if "predicted_step_seconds" in r:
@@ -645,10 +849,10 @@ def main():
     # Ratios against the peers, per model (also in the JSON, so a regression shows there).
     ratios = []
     for preset in args.models.split(","):
-        by = {r["mode"]: r for r in results if r["model"] == preset and "error" not in r}
+        by = {r["mode"]: r for r in results if r["model"] == preset and "tokens_per_second" in r}
         if "strata" in by:
             for peer in ("resident", "resident-nockpt", "fsdp2", "deepspeed-nvme",
-                         "deepspeed-cpu"):
+                         "deepspeed-cpu", "megatrain"):
                 if peer in by:
                     ratio = by["strata"]["tokens_per_second"] / by[peer]["tokens_per_second"]
                     ratios.append({"model": preset, "ratio": "strata/" + peer,
