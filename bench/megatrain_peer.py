@@ -25,13 +25,15 @@ CHECKPOINT_INTERVAL = 4
 NUM_GRAD_SLABS = 12
 
 
-def _import(megatrain_dir):
-    """MegaTrain's package from megatrain_dir; refused if it lacks the sdpa mask patch."""
+def load(megatrain_dir):
+    """MegaTrain's package from megatrain_dir; refused (SystemExit) if it is not there or lacks
+    the sdpa mask patch."""
     path = os.path.abspath(megatrain_dir)
     if not os.path.isdir(os.path.join(path, "infinity")):
         raise SystemExit("--megatrain-dir %s: no infinity/ package there (MegaTrain's source "
                          "tree is expected)" % megatrain_dir)
-    sys.path.insert(0, path)
+    if path not in sys.path:
+        sys.path.insert(0, path)
     import infinity
     from infinity.model.cpu_master import CPUMasterModel
     if not hasattr(CPUMasterModel, "_layer_attention_mask"):
@@ -88,7 +90,7 @@ def setup(megatrain_dir, hf_model, batch, seq, clip):
     backward timings of the measured steps) and close()."""
     import logging
     import torch
-    infinity = _import(megatrain_dir)
+    infinity = load(megatrain_dir)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s [%(levelname)s] %(message)s")
     config = _config(infinity, batch, seq, clip)
@@ -134,7 +136,7 @@ def dry_run(megatrain_dir, hf_model, batch, seq, clip):
     forward pass, which they must equal: the sdpa mask patch checked. A dict for the run's
     JSON."""
     import torch
-    infinity = _import(megatrain_dir)
+    infinity = load(megatrain_dir)
     from infinity.model.cpu_master import (CPUMasterModel, _discover_model_components,
                                            _introspect_layer_forward)
     config = _config(infinity, batch, seq, clip)

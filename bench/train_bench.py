@@ -365,6 +365,7 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         # The model on the CPU in bf16, as its train.py loads it, with every other mode's
         # weights (fast_init).
         import megatrain_peer
+        megatrain_peer.load(megatrain_dir)  # a wrong tree refused before the model is built
         hf = build_model(config, "hf", "meta", dtype=torch.bfloat16)
         materialize(hf, "cpu")
         if dry_run:
@@ -758,7 +759,7 @@ def main():
         for mode in modes:
             cmd = [sys.executable, __file__, "--one", mode, preset, "--batch", str(args.batch),
                    "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--clip", str(args.clip), "--impl", args.impl]
+                   "--clip", str(args.clip), "--impl", args.impl, "--accum", str(args.accum)]
             if mode == "megatrain":
                 cmd += ["--megatrain-dir", args.megatrain_dir] + \
                     (["--dry-run"] if args.dry_run else [])

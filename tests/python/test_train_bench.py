@@ -1,0 +1,191 @@
+"""bench/train_bench.py on the CPU (its --device cpu check, the tiny preset): Hugging Face's
+LlamaForCausalLM through strata.torch as one batch and as micro-batches, and the MegaTrain peer's
+driving of its API (against a stand-in `infinity` package that trains the same model with plain
+PyTorch: MegaTrain itself needs CUDA and is not part of the repository), each result's JSON
+line checked field by field."""
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "train_bench.py"
+
+# MegaTrain's API as bench/megatrain_peer.py drives it (CPUMasterConfig, CPUMasterModel with
+# forward_and_backward / get_parameters / _sync_params_to_gpu / zero_grad / cleanup, the sdpa
+# mask patch's _layer_attention_mask), the training itself done by the Hugging Face model on
+# the CPU: what train_bench reports must then be that model's training.
+FAKE_MEGATRAIN = {
+    "infinity/__init__.py": """
+        from .model.cpu_master import CPUMasterModel, CPUMasterConfig
+        """,
+    "infinity/model/__init__.py": "",
+    "infinity/model/cpu_master.py": """
+        import dataclasses
+        import torch
+
+        FLASH_CE_AVAILABLE = False
+        CALLS = []
+
+        @dataclasses.dataclass
+        class CPUMasterConfig:
+            model_name: str = ""
+            dataset_path: str = ""
+            batch_size: int = 1
+            max_seq_len: int = 1
+            gradient_accumulation_steps: int = 1
+            learning_rate: float = 1e-5
+            weight_decay: float = 0.01
+            max_grad_norm: float = 1.0
+            attn_implementation: str = "flash_attention_2"
+            trust_remote_code: bool = True
+            dtype: object = None
+            device: int = 0
+            checkpoint_interval: int = 4
+            num_grad_slabs: int = 12
+            seed: int = 42
+            log_interval: int = 1
+            beta1: float = 0.9
+            beta2: float = 0.999
+            eps: float = 1e-8
+
+        class CPUMasterModel:
+            def __init__(self, hf_model, config):
+                assert config.attn_implementation == "sdpa"
+                self.hf, self.config = hf_model, config
+
+            @staticmethod
+            def _layer_attention_mask(mask, attn_implementation, dtype):
+                return None
+
+            def forward_and_backward(self, input_ids, attention_mask, labels):
+                assert bool(attention_mask.all()) and input_ids.shape == (
+                    self.config.batch_size, self.config.max_seq_len)
+                loss = self.hf(input_ids, labels=labels).loss
+                loss.backward()
+                return loss.item(), input_ids.numel(), {"forward": 0.5, "backward": 1.5,
+                                                        "total": 2.0}
+
+            def get_parameters(self):
+                return list(self.hf.parameters())
+
+            def _sync_params_to_gpu(self):
+                pass
+
+            def zero_grad(self):
+                for p in self.hf.parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
+
+            def cleanup(self):
+                pass
+        """,
+}
+
+COMMON = ["--models", "tiny", "--device", "cpu", "--batch", "4", "--seq", "32", "--steps", "2",
+          "--warmup", "0", "--clip", "1.0"]
+
+
+def run_bench(tmp_path, *args):
+    """The driver run with these arguments; its JSON lines (--jsonl) and its stdout."""
+    jsonl = tmp_path / ("results-%d.jsonl" % len(list(tmp_path.glob("results-*"))))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(BENCH), *COMMON, *args, "--jsonl", str(jsonl),
+                           "--logs", str(tmp_path / "logs")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    for r in results:
+        assert "error" not in r, (r, "\n".join(
+            p.read_text() for p in (tmp_path / "logs").glob("*.log")))
+    return results, proc.stdout
+
+
+def check_measured(r, accum):
+    """The fields every measured configuration reports, consistent with each other."""
+    assert (r["model"], r["batch"], r["seq"], r["accum"], r["clip"]) == ("tiny", 4, 32, accum, 1.0)
+    assert r["tokens_per_step"] == 4 * 32
+    assert r["params"] == 250432  # tiny: every parameter, the embedding and the head included
+    assert len(r["losses"]) == 2 and all(math.isfinite(x) and x > 0 for x in r["losses"])
+    assert len(r["every_step_seconds"]) == 2
+    assert r["step_seconds"] > 0
+    assert r["tokens_per_second"] == pytest.approx(4 * 32 / r["step_seconds"])
+    assert r["tflops_6pt"] == pytest.approx(6 * r["params"] * 4 * 32 / r["step_seconds"] / 1e12)
+    assert r["tflops_done"] > r["tflops_6pt"]
+    assert r["peak_host_gb"] > 0
+    assert isinstance(r["placement"], str) and r["placement"]
+
+
+def test_strata_one_batch_and_megatrain_peer(tmp_path):
+    tree = tmp_path / "megatrain"
+    for path, text in FAKE_MEGATRAIN.items():
+        (tree / path).parent.mkdir(parents=True, exist_ok=True)
+        (tree / path).write_text(textwrap.dedent(text))
+    results, stdout = run_bench(tmp_path, "--modes", "strata", "--peer", "megatrain",
+                                "--megatrain-dir", str(tree))
+    strata, peer = results
+    assert (strata["mode"], strata["impl"]) == ("strata", "hf")
+    check_measured(strata, 1)
+    assert "optimizer state" in strata["placement"]  # model.strata.placement()
+    assert (peer["mode"], peer["impl"]) == ("megatrain", "megatrain")
+    check_measured(peer, 1)
+    assert peer["optimizer"].startswith(("DeepSpeedCPUAdam", "torch.optim.AdamW"))
+    assert peer["megatrain_forward_backward_seconds"] == [0.5, 1.5]  # its own timings
+    # The same model (fast_init's weights) on the same batch: the first losses agree (Strata's
+    # bf16 compute from fp32 masters, the stand-in's bf16 model).
+    assert peer["losses"][0] == pytest.approx(strata["losses"][0], rel=1e-2)
+    assert "strata / megatrain" in stdout and "losses" in stdout
+
+
+def test_strata_micro_batches(tmp_path):
+    (r,), stdout = run_bench(tmp_path, "--modes", "strata", "--accum", "2")
+    assert (r["mode"], r["impl"]) == ("strata", "hf")
+    check_measured(r, 2)
+    assert "as 2 micro-batches of 2" in stdout
+
+
+def test_megatrain_arguments_refused(tmp_path):
+    def fails(*args):
+        proc = subprocess.run([sys.executable, str(BENCH), *COMMON, *args], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode != 0
+        return proc.stderr
+    assert "--megatrain-dir" in fails("--modes", "", "--peer", "megatrain")
+    assert "--accum 1 only" in fails("--peer", "megatrain", "--megatrain-dir", str(tmp_path),
+                                     "--accum", "2")
+    # A tree without MegaTrain's package, then one without the sdpa mask patch.
+    import megatrain_peer
+    with pytest.raises(SystemExit, match="no infinity/ package"):
+        megatrain_peer.load(str(tmp_path / "none"))
+    unpatched = tmp_path / "unpatched"
+    (unpatched / "infinity" / "model").mkdir(parents=True)
+    (unpatched / "infinity" / "__init__.py").write_text("")
+    (unpatched / "infinity" / "model" / "__init__.py").write_text("")
+    (unpatched / "infinity" / "model" / "cpu_master.py").write_text("class CPUMasterModel:\n"
+                                                                    "    pass\n")
+    try:
+        with pytest.raises(SystemExit, match="lacks the sdpa attention-mask patch"):
+            megatrain_peer.load(str(unpatched))
+    finally:
+        sys.path.remove(str(unpatched))
+        for name in [n for n in sys.modules if n == "infinity" or n.startswith("infinity.")]:
+            del sys.modules[name]
+
+
+@pytest.mark.skipif(not os.environ.get("STRATA_MEGATRAIN_DIR"),
+                    reason="STRATA_MEGATRAIN_DIR: MegaTrain's patched source tree")
+def test_megatrain_dry_run(tmp_path):
+    """MegaTrain itself (not in the repository): imported, configured, and its layers run on the
+    CPU with the patched mask equal the model's own forward pass."""
+    (r,), stdout = run_bench(tmp_path, "--modes", "", "--peer", "megatrain", "--megatrain-dir",
+                             os.environ["STRATA_MEGATRAIN_DIR"], "--dry-run")
+    assert r["mode"] == "megatrain" and "dry run" in stdout
+    assert r["layer_max_abs_diff"] < 1e-2
