@@ -162,7 +162,7 @@ def probe_block(config, impl, batch, seq, device, dtype):
     cfg._attn_implementation = "sdpa"
     block = LlamaDecoderLayer(cfg, layer_idx=0).to(device, dtype)
     positions = torch.arange(seq, device=device).unsqueeze(0)
-    cos, sin = LlamaRotaryEmbedding(cfg, device=device)(x, positions)
+    cos, sin = LlamaRotaryEmbedding(cfg).to(device)(x, positions)
     return block, x, (), dict(position_embeddings=(cos.to(dtype), sin.to(dtype)),
                               attention_mask=None, position_ids=positions)
 
@@ -717,6 +717,9 @@ def main():
     p.add_argument("--logs", default=None,
                    help="a directory: each configuration's stderr (its progress, its library's "
                         "log, its error) written to MODEL-MODE.log there")
+    p.add_argument("--host-memory", type=float, default=0,
+                   help="GB of MemAvailable to make sure of first, touching memory where the "
+                        "VM grows its RAM on demand (dist_bench.grow_host_memory)")
     p.add_argument("--run-timeout", type=float, default=None,
                    help="seconds one configuration may run (default: no limit)")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
@@ -754,6 +757,12 @@ def main():
                                  args.host_budget, args.trace, args.weights, args.impl,
                                  args.megatrain_dir, args.dry_run)), flush=True)
         return
+    if args.host_memory:
+        from dist_bench import grow_host_memory
+        from host_memory import mem_available
+        seconds = grow_host_memory(int(args.host_memory * 1e9))
+        print("host memory: %.0f GB available (%.0f s to grow it; %.0f GB asked for)"
+              % (mem_available() / 1e9, seconds, args.host_memory), flush=True)
     results = []
     for preset in args.models.split(","):
         for mode in modes:
