@@ -8,9 +8,10 @@ The model is Hugging Face's LlamaForCausalLM (--impl hf, the default: sdpa atten
 users train), trained as the README shows: built on the meta device from its config,
 st.offload(model, dtype=torch.bfloat16), st.AdamW(model.parameters()), the loss from
 model(ids, labels=ids), clip_grad_norm_(model.parameters(), --clip). --impl zoo trains the
-package's own Llama of bench/llama_zoo instead (the same shapes). Weights come from
-dist_bench.fast_init (seeded, the same in every mode, MegaTrain's included), AdamW lr 1e-4,
-weight decay 0.1, random tokens (two seeded batches in turn).
+package's own Llama of bench/llama_zoo instead (the same shapes). The Hugging Face model's
+weights come from dist_bench.fast_init (seeded, the same in every mode and in MegaTrain's, but
+DeepSpeed's, which initializes its partitions as it builds them), AdamW lr 1e-4, weight decay
+0.1, random tokens (two seeded batches in turn).
 
 Reports per configuration: the median step time after warm-up, every step's seconds and loss,
 tokens/s, TFLOPS by two counts (6 P T / t with P every parameter, the embedding and the head
@@ -140,7 +141,11 @@ def checkpoint_blocks(model, impl):
     """Each decoder block recomputed in the backward pass (non-reentrant torch checkpointing),
     as strata.torch's streamed blocks are."""
     if impl == "hf":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return
     from torch.utils.checkpoint import checkpoint
     for block in model.model.layers:
@@ -427,12 +432,15 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         def step(ids):
             mark("start")
             # --accum: the batch in that many micro-batches, each backward pass accumulating
-            # (the mark "forward" after the first one's forward pass).
+            # (the mark "forward" after the first one's forward pass); the step's loss is
+            # their mean, the whole batch's.
+            total = 0.0
             for i, part in enumerate(ids.chunk(_accumulation())):
-                loss = model(part, labels=part).loss
+                loss = model(part, labels=part).loss / _accumulation()
                 if i == 0:
                     mark("forward")
-                (loss / _accumulation()).backward()
+                loss.backward()
+                total = total + loss.detach()
             mark("backward")
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -440,7 +448,7 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             opt.step()
             opt.zero_grad()
             mark("step")
-            return loss
+            return total
     else:
         if mode in ("resident", "resident-nockpt"):
             # All in HBM, torch's fused AdamW; "resident" recomputes each block in the backward
@@ -505,15 +513,17 @@ def _plain_step(model, opt, clip, autocast):
     import torch
 
     def step(ids):
+        total = 0.0  # the micro-batches' mean loss: the whole batch's
         for part in ids.chunk(_accumulation()):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                loss = model(part, labels=part).loss
-            (loss / _accumulation()).backward()
+                loss = model(part, labels=part).loss / _accumulation()
+            loss.backward()
+            total = total + loss.detach()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return total
     return step
 
 
