@@ -120,6 +120,12 @@ def setup(megatrain_dir, hf_model, batch, seq, clip):
 
     from infinity.model.cpu_master import FLASH_CE_AVAILABLE
     info = {"optimizer": name, "megatrain_commit": _commit(megatrain_dir),
+            # Where this run departs from its Llama-3-8B recipe, and why: no flash-attn here;
+            # every mode's AdamW hyperparameters (a step's time does not depend on them).
+            "megatrain_vs_recipe": "attn sdpa (recipe: flash_attention_2), lr %g and weight "
+                                   "decay %g (recipe: 2e-05, 0.01), random tokens (recipe: a "
+                                   "chat dataset, padded)" % (config.learning_rate,
+                                                              config.weight_decay),
             "plan": "MegaTrain: weights, grads and optimizer state on the CPU, 2 layer buffers "
                     "on the device, a checkpoint every %d layers, %d grad slabs, loss %s" % (
                         CHECKPOINT_INTERVAL, NUM_GRAD_SLABS,
