@@ -31,6 +31,10 @@ def note_memory(session, error):
                 "strata.torch: %d resident block(s) were keeping their activations (measured "
                 "spare memory); from the next step they are recomputed again" % keeper.count)
             keeper.stop()
+    if isinstance(error, torch.OutOfMemoryError):
+        said = session.spill.note()  # host memory refused to spilled checkpoints, or short
+        if said is not None and said not in getattr(error, "__notes__", []):
+            error.add_note(said)
 
 
 def _autocast_state(device_type):
@@ -383,8 +387,14 @@ def streamed_forward(session, index, run):
         leaves = kept
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         box = [call]
-        outs = StreamedBlockFunction.apply(session, index, run, leaves, spec, positions, box,
-                                           session.anchor, *[leaves[i] for i in positions])
+        at = len(session.resident_blocks) + index  # the block's place in the model's order
+        inputs = tree_unflatten(leaves, spec)
+        if at == 0:
+            session.spill.forward_begins(run, session.blocks[index], *inputs)
+        with session.spill.saving(at, *inputs):
+            outs = StreamedBlockFunction.apply(session, index, run, leaves, spec, positions,
+                                               box, session.anchor,
+                                               *[leaves[i] for i in positions])
         out_leaves, out_spec, out_positions = box[0]
         out_leaves = list(out_leaves)
         for pos, t in zip(out_positions, outs):

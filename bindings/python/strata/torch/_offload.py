@@ -70,6 +70,7 @@ class _Request:
     # The chunked loss (strata.torch._chunked_loss): None (off), or the tokens per chunk
     # (0: its default for the vocabulary).
     loss_chunk_tokens: int = None
+    spill_checkpoints: bool = None  # None (when the device is short), True or False
 
     def close(self):
         if self.source is not None:
@@ -90,7 +91,7 @@ class _Plan:
 def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, dtype=None,
             device=None, backend="auto", slot_budget=0, resident_blocks=None,
             state_placement=None, data_parallel=None, weights=None, grads="host",
-            chunked_loss=None):
+            chunked_loss=None, spill_checkpoints=None):
     """Stream `model`'s blocks through Strata; returns the model, changed in place.
 
     gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: pinned
@@ -133,9 +134,14 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         raise RuntimeError("strata.torch.offload: this model is already offloaded "
                            "(model.strata exists); offload a model once")
     loss_chunk_tokens = _check_chunked_loss(model, chunked_loss)
+    if spill_checkpoints is not None and spill_checkpoints is not True and \
+            spill_checkpoints is not False:
+        raise ValueError("strata.torch.offload: spill_checkpoints is %r, not None (when the "
+                         "device is short), True or False" % (spill_checkpoints,))
     request = _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device,
                         backend, slot_budget, state_placement, data_parallel, weights, grads)
     request.loss_chunk_tokens = loss_chunk_tokens
+    request.spill_checkpoints = spill_checkpoints
     rollback = _Rollback()
     rollback.push(request.close)
     try:
@@ -304,7 +310,8 @@ def _build(model, request, plan, rollback):
         gpu_budget=request.gpu_budget, host_budget=plan.host_budget, nvme=request.nvme,
         nvme_budget=plan.nvme_budget, slot_budget=request.slot_budget,
         grads_home=request.grads_home, init=getattr(model, "_init_weights", None),
-        resident_blocks=plan.kept, weights_source=request.source)
+        resident_blocks=plan.kept, weights_source=request.source,
+        spill_checkpoints=request.spill_checkpoints)
     layout = None
     if request.mesh is not None:
         # Everything outside the streamed blocks is replicated on every rank, its grads averaged
@@ -446,6 +453,13 @@ def _attach(model, session, plan, request):
             model, request.loss_chunk_tokens or None, auto=request.loss_chunk_tokens == 0)
     else:
         session.chunked_loss = _chunked_loss.installed(model)
+    # What the spill decision (strata.torch._spill) counts besides the blocks: the grads of the
+    # parameters outside the streamed blocks, and the loss's logits.
+    streamed = {id(p) for b in plan.blocks for p in b.parameters()}
+    session.spill.model_params = [p for p in model.parameters() if id(p) not in streamed]
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    session.spill.head = head if isinstance(head, torch.nn.Module) else None
+    session.spill.chunked_loss = session.chunked_loss
 
 
 def _keep_resident(session, index, block):
@@ -467,6 +481,8 @@ def _keep_resident(session, index, block):
         leaves, spec = tree_flatten((args, kwargs))
         args, kwargs = tree_unflatten(without_caches(leaves), spec)
         keeper.observe(index, run, args, kwargs)
+        if index == 0:
+            session.spill.forward_begins(run, block, args, kwargs)
         mode = keeper.mode(index, args)
         if mode == "whole":
             return run(*args, **kwargs)
@@ -475,7 +491,10 @@ def _keep_resident(session, index, block):
         if mode == "selective":
             return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True,
                               context_fn=functools.partial(keeper.context, index), **kwargs)
-        return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        # The checkpoint saves the block's inputs: its hidden states may go to host memory.
+        with session.spill.saving(index, args, kwargs):
+            return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True,
+                              **kwargs)
 
     # torch.compile: run as it is (a graph break), so that the calls above (the activation
     # keeper's, the pager's) run at every forward pass, not once when traced.
