@@ -154,12 +154,12 @@ CASES = {
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_spilled_checkpoints_train_bit_for_bit(case, device):
+def test_spilled_checkpoints_train_bit_for_bit(case, device, monkeypatch):
     """Every block spilled at every step: the same losses, grads and weights as without
     spilling, bit for bit, and plain PyTorch's within the parity tolerances."""
-    if device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    if device == "cuda":  # both sides the same fp32 arithmetic
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     spec = CASES[case]
     batches = data(device, spec.get("shapes", ((2, 16),) * STEPS))
     loop = spec.get("loop", {})
@@ -210,6 +210,11 @@ def test_host_refusing_buffers_falls_back_to_keeping_them(monkeypatch):
         assert spiller.spilled_total == 0 and spiller.count == 0
         assert model.strata.host_pinned_extra_bytes() == 0
         assert "were refused" in spiller.note()
+        from strata.torch._block import note_spill
+        error = torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        note_spill(model.strata, error)
+        assert any("block checkpoint buffer(s) of host memory were refused" in n
+                   for n in error.__notes__), error.__notes__
     finally:
         model.strata.close()
     kept, _, _, _ = strata_run(hf_llama, "cpu", False, batches)
@@ -280,7 +285,7 @@ def test_restores_in_flight_are_counted():
 def test_automatic_spill_when_the_device_looks_short(monkeypatch):
     """On a GPU made to look nearly full (mem_get_info reports what torch holds plus a little),
     the automatic mode spills; the run is bit-identical to one that does not."""
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     batches = data("cuda")
     kept, _, _, _ = strata_run(hf_llama, "cuda", False, batches)
     real = torch.cuda.mem_get_info
@@ -294,3 +299,23 @@ def test_automatic_spill_when_the_device_looks_short(monkeypatch):
     assert count > 0 and pinned > 0, placement
     assert "block checkpoints spilled" in placement
     assert_bit_identical(spilled, kept)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_buffers_on_a_gpu_are_page_locked_at_their_size():
+    """On a GPU the host copies are page-locked (asynchronous copies), registered at the
+    checkpoint's exact size rather than torch's power-of-two pinned blocks, and unregistered
+    when the session closes."""
+    model = st.offload(hf_llama("cuda"), device="cuda", resident_blocks=0,
+                       spill_checkpoints=True)
+    try:
+        opt = st.AdamW(model.parameters(), lr=tpm.LR, weight_decay=tpm.WD)
+        train(model, opt, data("cuda", ((3, 24),)))
+        pool = model.strata.spill.pool
+        assert sorted(pool.buffers) == [0, 1, 2]
+        for buf in pool.buffers.values():
+            assert buf.is_pinned() and buf.numel() == 3 * 24 * 64 * 4
+        assert model.strata.spill.spilled_total == 3
+    finally:
+        model.strata.close()
+    assert pool.nbytes == 0

@@ -31,8 +31,13 @@ def note_memory(session, error):
                 "strata.torch: %d resident block(s) were keeping their activations (measured "
                 "spare memory); from the next step they are recomputed again" % keeper.count)
             keeper.stop()
+
+
+def note_spill(session, error):
+    """An out-of-memory error on the device says when spilling checkpoints to host memory
+    (strata.torch._spill) could not make the step fit: buffers refused, or short even so."""
     if isinstance(error, torch.OutOfMemoryError):
-        said = session.spill.note()  # host memory refused to spilled checkpoints, or short
+        said = session.spill.note()
         if said is not None and said not in getattr(error, "__notes__", []):
             error.add_note(said)
 
@@ -76,6 +81,7 @@ class StreamedBlockFunction(torch.autograd.Function):
         except BaseException as e:
             session.abort()
             note_memory(session, e)
+            note_spill(session, e)
             raise
         session.end(index, FORWARD)
         out_leaves, out_spec = tree_flatten(out)
@@ -125,6 +131,7 @@ class StreamedBlockFunction(torch.autograd.Function):
         except BaseException as e:
             session.abort()
             note_memory(session, e)
+            note_spill(session, e)
             raise
         session.end(index, BACKWARD)
         return (None,) * 8 + tuple(result)

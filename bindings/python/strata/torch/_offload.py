@@ -350,7 +350,7 @@ def _install(model, session, request, plan, rollback):
             rollback.push(handle.remove)
     for index, block in enumerate(plan.kept):
         _remember_attribute(block, "forward", rollback)
-        _keep_resident(session, index, block)
+        _keep_resident(session, index, block, session.spill)
     streamed = {id(p) for b in plan.blocks for p in b.parameters()}
     for m in model.modules():
         inside = [p for p in m.parameters() if id(p) in streamed]
@@ -462,12 +462,13 @@ def _attach(model, session, plan, request):
     session.spill.chunked_loss = session.chunked_loss
 
 
-def _keep_resident(session, index, block):
+def _keep_resident(session, index, block, spill=None):
     """A block kept in HBM runs as plain PyTorch with activation checkpointing (RNG-exact, as
     the streamed blocks recompute), so its activation memory is what a streamed block's is;
     unless the measured memory lets it keep its activations (strata.torch._activations), all
     of them or only its matrix products' and attention's outputs, which gives the same values
-    without the recompute (or with only its elementwise part)."""
+    without the recompute (or with only its elementwise part). `spill`: the session's
+    strata.torch._spill.Spiller, which may send its checkpoint to host memory (None: it stays)."""
     run = block.forward
     keeper = session.activations
 
@@ -481,8 +482,8 @@ def _keep_resident(session, index, block):
         leaves, spec = tree_flatten((args, kwargs))
         args, kwargs = tree_unflatten(without_caches(leaves), spec)
         keeper.observe(index, run, args, kwargs)
-        if index == 0:
-            session.spill.forward_begins(run, block, args, kwargs)
+        if index == 0 and spill is not None:
+            spill.forward_begins(run, block, args, kwargs)
         mode = keeper.mode(index, args)
         if mode == "whole":
             return run(*args, **kwargs)
@@ -491,8 +492,11 @@ def _keep_resident(session, index, block):
         if mode == "selective":
             return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True,
                               context_fn=functools.partial(keeper.context, index), **kwargs)
+        if spill is None:
+            return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True,
+                              **kwargs)
         # The checkpoint saves the block's inputs: its hidden states may go to host memory.
-        with session.spill.saving(index, args, kwargs):
+        with spill.saving(index, args, kwargs):
             return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True,
                               **kwargs)
 

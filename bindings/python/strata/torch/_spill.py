@@ -115,10 +115,13 @@ class HostPool:
     def nbytes(self):
         return sum(b.numel() for b in self.buffers.values())
 
+    def holds(self, position, nbytes):
+        buf = self.buffers.get(position)
+        return buf is not None and buf.numel() >= nbytes
+
     def reserve(self, position, nbytes):
         """Buffer `position` holds at least `nbytes`; False when the host lacks the memory."""
-        buf = self.buffers.get(position)
-        if buf is not None and buf.numel() >= nbytes:
+        if self.holds(position, nbytes):
             return True
         self.release(position)
         available, total = _host.mem_available(), _host_memory()
@@ -161,23 +164,24 @@ def _register(buf):
     to a power of two and keep it cached once freed)."""
     if buf.numel() == 0:
         return True
-    return torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0) == 0
+    # 1: cudaHostRegisterPortable, as torch.cuda._pin_memory_utils registers.
+    return int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 1)) == 0
 
 
 def _unregister(buf):
     if buf.numel():
-        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
 
 
 class _Spilled:
-    """A spilled checkpoint: its host copy, the copy's event, and the device tensor once it is
-    restored (with the restore's event)."""
+    """A spilled checkpoint: its host copy (written on the side stream, which also restores
+    it: the copies back follow the copy out in stream order) and, once restored, the device
+    tensor and the restore's event."""
 
-    __slots__ = ("position", "host", "generation", "copied", "restored", "ready")
+    __slots__ = ("position", "host", "generation", "restored", "ready")
 
-    def __init__(self, position, host, generation, copied):
-        self.position, self.host, self.generation, self.copied = position, host, generation, \
-            copied
+    def __init__(self, position, host, generation):
+        self.position, self.host, self.generation = position, host, generation
         self.restored = self.ready = None
 
 
@@ -223,7 +227,14 @@ class Spiller:
 
     def close(self):
         self.records = {}
+        self._quiesce()
         self.pool.close()
+
+    def _quiesce(self):
+        """Wait for the side stream's copies: a buffer is freed or replaced only when no copy
+        reads or writes it."""
+        if self.side is not None:
+            self.side.synchronize()
 
     # --- the decision ---------------------------------------------------------------------
 
@@ -267,6 +278,8 @@ class Spiller:
 
     def _reserve(self, count, nbytes):
         """Buffers for the first `count` blocks: how many the host gave."""
+        if any(not self.pool.holds(position, nbytes) for position in range(count)):
+            self._quiesce()  # a buffer is replaced: the last step's copies may still use it
         for position in range(count):
             if not self.pool.reserve(position, nbytes):
                 return position
@@ -356,19 +369,15 @@ class Spiller:
         host = self.pool.view(position, t)
         if host is None:
             return None
-        copied = None
         if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
             side = self._side()
-            side.wait_stream(compute)
+            side.wait_stream(torch.cuda.current_stream(self.device))  # t is computed
             with torch.cuda.stream(side):
                 host.copy_(t.detach(), non_blocking=True)
             t.record_stream(side)  # its memory is not reused before the copy is done
-            copied = torch.cuda.Event()
-            copied.record(side)
         else:
             host.copy_(t.detach())
-        record = _Spilled(position, host, generation, copied)
+        record = _Spilled(position, host, generation)
         self.records[position] = record
         self.spilled_total += 1
         return record
