@@ -125,6 +125,11 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     and for the update). The training is bit for bit the same. With nvme=, DRAM then holds no
     grads either: down to the staging and one block's grads to read them through. Not yet
     under data parallelism.
+    spill_checkpoints: whether the blocks' checkpoints (each block's input, kept for its
+    backward pass) go to pinned host memory, copied out and back overlapped with compute and
+    bit-exact (strata.torch._spill): None (on CUDA when the step predicted from the batch run
+    does not fit in device memory, the first blocks'), True (every block's, every step; on
+    the CPU into ordinary host tensors), False (never).
     On CUDA without data parallelism, torch's caching allocator grows expandable segments from
     here on unless the process configured it (PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF
     non-empty: `expandable_segments:False` keeps the default; strata.torch._allocator says why,

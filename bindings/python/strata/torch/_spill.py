@@ -187,12 +187,12 @@ class _Spilled:
 
 class _Kept:
     """A checkpoint left on the device, with its block's position (the backward pass reaching
-    it prefetches the spilled ones before it)."""
+    it prefetches the spilled ones before it) and its forward pass's generation."""
 
-    __slots__ = ("position", "tensor")
+    __slots__ = ("position", "tensor", "generation")
 
-    def __init__(self, position, tensor):
-        self.position, self.tensor = position, tensor
+    def __init__(self, position, tensor, generation):
+        self.position, self.tensor, self.generation = position, tensor, generation
 
 
 class Spiller:
@@ -262,7 +262,9 @@ class Spiller:
                 base <= self.base + int(total * REDECIDE_GROWTH):
             return
         started = time.perf_counter()
-        self.tokens, self.base = max(tokens, self.tokens), base
+        # Planned for this batch: a later one with more tokens is decided again (one decided
+        # again for the memory held, with fewer tokens than before, plans for those).
+        self.tokens, self.base = tokens, base
         free, total = torch.cuda.mem_get_info(self.device)
         usable = free + torch.cuda.memory_reserved(self.device)
         margin = int(total * self.keeper.margin())
@@ -359,7 +361,7 @@ class Spiller:
                 record = self._spill(position, t, generation)
                 if record is not None:
                     return record
-            return _Kept(position, t)
+            return _Kept(position, t, generation)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
 
@@ -388,14 +390,14 @@ class Spiller:
         return self.side
 
     def _unpack(self, saved):
-        position = saved.position
-        for earlier in range(max(0, position - PREFETCH_DEPTH), position):
+        position, current = saved.position, saved.generation == self.generation
+        for earlier in range(max(0, position - PREFETCH_DEPTH), position) if current else ():
             record = self.records.get(earlier)
             if record is not None and record.restored is None:
                 self._restore(record)
         if isinstance(saved, _Kept):
             return saved.tensor
-        if saved.generation != self.generation:
+        if not current:
             raise RuntimeError(
                 "strata.torch: backward through block %d of a forward pass that is no longer "
                 "the current one (its checkpoint, spilled to host memory, was overwritten by "
