@@ -319,3 +319,89 @@ def test_buffers_on_a_gpu_are_page_locked_at_their_size():
     finally:
         model.strata.close()
     assert pool.nbytes == 0
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, hidden=64):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden,
+                                                                                   hidden)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+@pytest.fixture
+def device_memory(monkeypatch):
+    """torch.cuda's memory queries, made up: `memory` says what the device has (the spiller is
+    told it is on CUDA; only its decision runs, on the CPU)."""
+    memory = {"total": 100 * GB, "free": 50 * GB, "reserved": 10 * GB, "allocated": 40 * GB}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: memory["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: memory["reserved"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda *a: (memory["free"], memory["total"]))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: type("Properties", (), {"total_memory": memory["total"]}))
+    return memory
+
+
+def automatic_spiller(blocks=8):
+    from strata.torch._activations import ActivationKeeper
+    spiller = _spill.Spiller(torch.device("cpu"), None,
+                             ActivationKeeper(torch.device("cpu"), []), blocks)
+    spiller.cuda = True  # decided as on a GPU; the buffers stay ordinary host memory
+    return spiller
+
+
+def test_the_automatic_decision_follows_the_batch(device_memory):
+    """Decided at the first forward pass from its batch, kept while the batch does not grow,
+    made again for a larger batch or when the forward pass starts with more memory held."""
+    block = _Block()
+    spiller = automatic_spiller()
+    small = torch.zeros(2, 16, 64)
+    # 60 GB usable, a margin of 4 or 10 (with or without expandable segments), 40 held: 10
+    # GB or more left for checkpoints of a few KB: nothing spills.
+    spiller.forward_begins(block.forward, block, (small,), {})
+    assert (spiller.count, spiller.decisions, spiller.tokens) == (0, 1, 32)
+    spiller.forward_begins(block.forward, block, (small,), {})
+    assert spiller.decisions == 1  # the same batch: not decided again
+    # A larger batch with the device nearly full: decided again, and every block spills.
+    device_memory["allocated"] = device_memory["free"] + device_memory["reserved"]
+    large = torch.zeros(4, 16, 64)
+    spiller.forward_begins(block.forward, block, (large,), {})
+    assert (spiller.decisions, spiller.tokens) == (2, 64)
+    assert spiller.count == 8 and not spiller.fits
+    assert spiller.host_bytes == 8 * large.numel() * 4
+    assert "8 of 8 block checkpoints spilled" in spiller.describe()
+    assert "predicted short even so" in spiller.note()
+    # The smaller batch again, with the memory held the same: the decision stands.
+    spiller.forward_begins(block.forward, block, (small,), {})
+    assert spiller.decisions == 2
+    spiller.close()
+
+
+def test_the_automatic_decision_spills_what_the_prediction_needs(device_memory, monkeypatch):
+    """The prediction's parts reach spill_count: what torch holds, the grads to come, every
+    checkpoint, the block's measured working set."""
+    block = _Block()
+    spiller = automatic_spiller(blocks=4)
+    x = torch.zeros(2, 16, 64)
+    ckpt = x.numel() * 4
+    calls = []
+
+    def recording(checkpoints, base, working, usable, margin, depth=_spill.PREFETCH_DEPTH):
+        calls.append((checkpoints, base, working, usable, margin))
+        return 3, True
+
+    monkeypatch.setattr(_spill, "spill_count", recording)
+    grad_owner = torch.nn.Parameter(torch.zeros(1000))
+    spiller.model_params = [grad_owner]
+    spiller.forward_begins(block.forward, block, (x,), {})
+    (checkpoints, base, working, usable, margin), = calls
+    assert checkpoints == [ckpt] * 4
+    assert base == 40 * GB + 4000  # held, and the grad the backward pass will allocate
+    saved = spiller.measured[32]
+    assert saved and working == int(saved * 1.25) + 2 * ckpt
+    assert usable == 60 * GB and margin in (4 * GB, 10 * GB)
+    assert spiller.count == 3 and sorted(spiller.pool.buffers) == [0, 1, 2]
+    spiller.close()
