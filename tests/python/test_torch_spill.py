@@ -405,3 +405,27 @@ def test_the_automatic_decision_spills_what_the_prediction_needs(device_memory, 
     assert usable == 60 * GB and margin in (4 * GB, 10 * GB)
     assert spiller.count == 3 and sorted(spiller.pool.buffers) == [0, 1, 2]
     spiller.close()
+
+
+def test_automatic_mode_spills_nothing_inside_a_checkpoint(device_memory):
+    """Inside torch.utils.checkpoint (Hugging Face gradient checkpointing around the blocks)
+    the checkpoint keeps each block's input on the device: the automatic mode spills nothing
+    there (no memory to save), and says so to an out-of-memory error; outside, it spills."""
+    from torch.utils.checkpoint import checkpoint
+    spiller = automatic_spiller(blocks=2)
+    spiller.count = 2
+    x = torch.zeros(2, 16, 64, requires_grad=True)
+    used = []
+
+    def block(t):
+        hooks = spiller.saving(0, (t,), {})
+        used.append(hooks)
+        with hooks:
+            return t * 2
+
+    block(x)
+    assert used[-1] is not _spill._NO_HOOKS and not spiller.inside_checkpoint
+    checkpoint(block, x, use_reentrant=False)
+    assert used[-1] is _spill._NO_HOOKS and spiller.inside_checkpoint
+    assert "gradient_checkpointing_disable" in spiller.note()
+    spiller.close()

@@ -38,8 +38,11 @@ every block. A non-contiguous input stays. offload(spill_checkpoints=): None (au
 never on the CPU), True (every block spills at every step, on the CPU into ordinary host
 tensors: how the tests exercise it), False (never).
 
-Inside Hugging Face gradient checkpointing (gradient_checkpointing_enable) the layer's own
-checkpoint holds its input too: the values are the same, and the memory is not saved."""
+Inside Hugging Face gradient checkpointing (gradient_checkpointing_enable), or any
+torch.utils.checkpoint around the blocks, that checkpoint holds each block's input on the
+device itself: the automatic mode then spills nothing (it would save no memory), and an
+out-of-memory error says to turn it off (streamed blocks recompute already); True spills
+anyway (the same values)."""
 
 import os
 import time
@@ -219,6 +222,9 @@ class Spiller:
         self.model_params = []  # the device's parameters outside the streamed blocks
         self.head = None  # the output head (vocabulary x hidden), for the loss's estimate
         self.chunked_loss = None
+        # A forward pass ran inside torch.utils.checkpoint (around the blocks), which keeps
+        # their inputs on the device whatever is spilled.
+        self.inside_checkpoint = False
 
     @property
     def host_bytes(self):
@@ -351,6 +357,9 @@ class Spiller:
         with its position (the backward pass reaching it prefetches the earlier ones)."""
         if self.count <= 0:
             return _NO_HOOKS
+        if self.mode is None and _inside_checkpoint():
+            self.inside_checkpoint = True
+            return _NO_HOOKS
         hidden = hidden_of(args, kwargs) if position < self.count else None
         generation = self.generation
 
@@ -442,11 +451,25 @@ class Spiller:
                     "(less than %d%% of the machine's memory would have stayed available): "
                     "those checkpoints stayed on the device" % (self.pool.refused,
                                                                int(HOST_RESERVE * 100)))
+        if self.count and self.inside_checkpoint:
+            return ("strata.torch: the blocks run inside torch.utils.checkpoint (Hugging Face "
+                    "gradient_checkpointing_enable), which keeps each block's input on the "
+                    "device, so their checkpoints were not spilled to host memory: streamed "
+                    "blocks recompute already; model.gradient_checkpointing_disable() lets "
+                    "them spill")
         if self.count and not self.fits:
             return ("strata.torch: %d block checkpoints were spilled to host memory and the "
                     "step was predicted short even so: pass a smaller resident_blocks, or a "
                     "smaller batch" % self.count)
         return None
+
+
+def _inside_checkpoint():
+    """Whether the running forward pass is inside torch.utils.checkpoint's region: its
+    saved-tensor hooks are on top (torch marks them _checkpoint_internal; a torch without the
+    mark reads as outside, and the blocks spill as without the checkpoint)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and bool(getattr(top[0], "_checkpoint_internal", False))
 
 
 class _NoHooks:
