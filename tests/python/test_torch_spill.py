@@ -8,7 +8,8 @@ tolerances. Models: the tiny Hugging Face Llama and the package's own Llama (ben
 idioms: accumulation, Hugging Face gradient checkpointing, resident blocks, the chunked loss,
 the batch's shape changing between steps, a step that raises midway. The automatic decision
 is tested as a function of sizes (spill_count), and on a GPU with the device made to look
-short. The GPU variants skip without one (STRATA_PARITY_DEVICE=cuda runs the suite there)."""
+short. The GPU variants run wherever a GPU is (the lead's STRATA_PARITY_DEVICE=cuda runs
+included) and skip without one."""
 
 import pytest
 

@@ -6,9 +6,9 @@ checkpoint. At 148 x 1024 tokens of an 8B Llama that is 1.24 GB per block, 40 GB
 blocks, held through the whole forward pass. When they cannot all stay in HBM, the first
 blocks' inputs go to host memory:
 
-- the decision (spill_count), at each forward pass with grad from the batch actually run (the
-  first block's input is concrete then): the step's peak is predicted as what torch holds when
-  the forward pass begins, the grads the backward pass will allocate for the device's
+- the decision (spill_count), at the first forward pass with grad, from the batch actually
+  run (the first block's input is concrete then): the step's peak is predicted as what torch
+  holds when the forward pass begins, the grads the backward pass will allocate for the device's
   trainable parameters that have none now, every block's checkpoint, what the resident blocks
   that keep their activations hold (strata.torch._activations' measurements), and the larger
   of one block's backward working set (what it saves for its backward, measured on fake
@@ -19,7 +19,9 @@ blocks' inputs go to host memory:
   The first blocks: their backward comes last, so their restores have the most time. Decided
   again when the batch's tokens grow beyond what was planned for, or what torch holds at the
   forward pass's start grew (the resident optimizer state made by the first step);
-- the copies: a spilled block's input goes to a pinned host buffer on a side stream as the
+- the copies, through saved-tensor hooks around the save of the block's inputs (the
+  streamed block's autograd function, the resident block's torch checkpoint): a spilled
+  block's input goes to a pinned host buffer on a side stream as the
   block's forward finishes (the side stream waits for an event of the compute stream; the
   input's memory is not reused before the copy is done: record_stream); in the backward pass,
   when block p is reached (its saved input is read), the inputs of the spilled blocks p-1 ..
@@ -34,7 +36,9 @@ blocks' inputs go to host memory:
 
 Only the block's hidden states are spilled (its first tensor argument with two dimensions or
 more, or hidden_states=): what else it is given (rotary tables, masks) is one tensor shared by
-every block. A non-contiguous input stays. offload(spill_checkpoints=): None (automatic, above;
+every block. A non-contiguous input stays. With spilling on, an in-place write into a block's
+input after its forward is not caught as autograd's saved-tensor version check would (the
+hooks hold no tensor to check). offload(spill_checkpoints=): None (automatic, above;
 never on the CPU), True (every block spills at every step, on the CPU into ordinary host
 tensors: how the tests exercise it), False (never).
 
