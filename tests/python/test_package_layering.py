@@ -25,6 +25,7 @@ MODULE_ORDER = [
     "strata.torch._distributed",  # DataParallel, Mesh (collectives), chunk sizes
     "strata.torch._grads",  # StreamedGrad
     "strata.torch._activations",  # which resident blocks keep their activations
+    "strata.torch._spill",  # block checkpoints spilled to host memory when the device is short
     "strata.torch._planning",  # sizing: budgets, resident blocks, the NVMe placement check
     "strata.torch._streamed",  # a streamed parameter's place in Strata; filling tensors
     "strata.torch._layout",  # where parameters live: whole on one process, or sharded

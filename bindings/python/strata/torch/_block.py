@@ -33,6 +33,15 @@ def note_memory(session, error):
             keeper.stop()
 
 
+def note_spill(session, error):
+    """An out-of-memory error on the device says when spilling checkpoints to host memory
+    (strata.torch._spill) could not make the step fit: buffers refused, or short even so."""
+    if isinstance(error, torch.OutOfMemoryError):
+        said = session.spill.note()
+        if said is not None and said not in getattr(error, "__notes__", []):
+            error.add_note(said)
+
+
 def _autocast_state(device_type):
     if not torch.is_autocast_enabled(device_type):
         return None
@@ -72,6 +81,7 @@ class StreamedBlockFunction(torch.autograd.Function):
         except BaseException as e:
             session.abort()
             note_memory(session, e)
+            note_spill(session, e)
             raise
         session.end(index, FORWARD)
         out_leaves, out_spec = tree_flatten(out)
@@ -121,6 +131,7 @@ class StreamedBlockFunction(torch.autograd.Function):
         except BaseException as e:
             session.abort()
             note_memory(session, e)
+            note_spill(session, e)
             raise
         session.end(index, BACKWARD)
         return (None,) * 8 + tuple(result)
@@ -383,8 +394,14 @@ def streamed_forward(session, index, run):
         leaves = kept
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         box = [call]
-        outs = StreamedBlockFunction.apply(session, index, run, leaves, spec, positions, box,
-                                           session.anchor, *[leaves[i] for i in positions])
+        at = len(session.resident_blocks) + index  # the block's place in the model's order
+        inputs = tree_unflatten(leaves, spec)
+        if at == 0:
+            session.spill.forward_begins(run, session.blocks[index], *inputs)
+        with session.spill.saving(at, *inputs):
+            outs = StreamedBlockFunction.apply(session, index, run, leaves, spec, positions,
+                                               box, session.anchor,
+                                               *[leaves[i] for i in positions])
         out_leaves, out_spec, out_positions = box[0]
         out_leaves = list(out_leaves)
         for pos, t in zip(out_positions, outs):

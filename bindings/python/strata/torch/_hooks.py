@@ -8,7 +8,7 @@ which says why it cannot be."""
 import torch
 
 from . import _params
-from ._block import note_memory
+from ._block import note_memory, note_spill
 from ._surgery import swap_data
 
 
@@ -245,6 +245,7 @@ def note_memory_errors(model, session):
             return run(*args, **kwargs)
         except BaseException as e:
             note_memory(session, e)
+            note_spill(session, e)
             raise
 
     model.forward = forward

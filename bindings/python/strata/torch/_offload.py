@@ -70,6 +70,7 @@ class _Request:
     # The chunked loss (strata.torch._chunked_loss): None (off), or the tokens per chunk
     # (0: its default for the vocabulary).
     loss_chunk_tokens: int = None
+    spill_checkpoints: bool = None  # None (when the device is short), True or False
 
     def close(self):
         if self.source is not None:
@@ -90,7 +91,7 @@ class _Plan:
 def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, dtype=None,
             device=None, backend="auto", slot_budget=0, resident_blocks=None,
             state_placement=None, data_parallel=None, weights=None, grads="host",
-            chunked_loss=None):
+            chunked_loss=None, spill_checkpoints=None):
     """Stream `model`'s blocks through Strata; returns the model, changed in place.
 
     gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: pinned
@@ -124,6 +125,11 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     and for the update). The training is bit for bit the same. With nvme=, DRAM then holds no
     grads either: down to the staging and one block's grads to read them through. Not yet
     under data parallelism.
+    spill_checkpoints: whether the blocks' checkpoints (each block's input, kept for its
+    backward pass) go to pinned host memory, copied out and back overlapped with compute and
+    bit-exact (strata.torch._spill): None (on CUDA when the step predicted from the batch run
+    does not fit in device memory, the first blocks'), True (every block's, every step; on
+    the CPU into ordinary host tensors), False (never).
     On CUDA without data parallelism, torch's caching allocator grows expandable segments from
     here on unless the process configured it (PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF
     non-empty: `expandable_segments:False` keeps the default; strata.torch._allocator says why,
@@ -133,9 +139,14 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         raise RuntimeError("strata.torch.offload: this model is already offloaded "
                            "(model.strata exists); offload a model once")
     loss_chunk_tokens = _check_chunked_loss(model, chunked_loss)
+    if spill_checkpoints is not None and spill_checkpoints is not True and \
+            spill_checkpoints is not False:
+        raise ValueError("strata.torch.offload: spill_checkpoints is %r, not None (when the "
+                         "device is short), True or False" % (spill_checkpoints,))
     request = _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device,
                         backend, slot_budget, state_placement, data_parallel, weights, grads)
     request.loss_chunk_tokens = loss_chunk_tokens
+    request.spill_checkpoints = spill_checkpoints
     rollback = _Rollback()
     rollback.push(request.close)
     try:
@@ -304,7 +315,8 @@ def _build(model, request, plan, rollback):
         gpu_budget=request.gpu_budget, host_budget=plan.host_budget, nvme=request.nvme,
         nvme_budget=plan.nvme_budget, slot_budget=request.slot_budget,
         grads_home=request.grads_home, init=getattr(model, "_init_weights", None),
-        resident_blocks=plan.kept, weights_source=request.source)
+        resident_blocks=plan.kept, weights_source=request.source,
+        spill_checkpoints=request.spill_checkpoints)
     layout = None
     if request.mesh is not None:
         # Everything outside the streamed blocks is replicated on every rank, its grads averaged
@@ -343,7 +355,7 @@ def _install(model, session, request, plan, rollback):
             rollback.push(handle.remove)
     for index, block in enumerate(plan.kept):
         _remember_attribute(block, "forward", rollback)
-        _keep_resident(session, index, block)
+        _keep_resident(session, index, block, session.spill)
     streamed = {id(p) for b in plan.blocks for p in b.parameters()}
     for m in model.modules():
         inside = [p for p in m.parameters() if id(p) in streamed]
@@ -446,14 +458,22 @@ def _attach(model, session, plan, request):
             model, request.loss_chunk_tokens or None, auto=request.loss_chunk_tokens == 0)
     else:
         session.chunked_loss = _chunked_loss.installed(model)
+    # What the spill decision (strata.torch._spill) counts besides the blocks: the grads of the
+    # parameters outside the streamed blocks, and the loss's logits.
+    streamed = {id(p) for b in plan.blocks for p in b.parameters()}
+    session.spill.model_params = [p for p in model.parameters() if id(p) not in streamed]
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    session.spill.head = head if isinstance(head, torch.nn.Module) else None
+    session.spill.chunked_loss = session.chunked_loss
 
 
-def _keep_resident(session, index, block):
+def _keep_resident(session, index, block, spill=None):
     """A block kept in HBM runs as plain PyTorch with activation checkpointing (RNG-exact, as
     the streamed blocks recompute), so its activation memory is what a streamed block's is;
     unless the measured memory lets it keep its activations (strata.torch._activations), all
     of them or only its matrix products' and attention's outputs, which gives the same values
-    without the recompute (or with only its elementwise part)."""
+    without the recompute (or with only its elementwise part). `spill`: the session's
+    strata.torch._spill.Spiller, which may send its checkpoint to host memory (None: it stays)."""
     run = block.forward
     keeper = session.activations
 
@@ -467,6 +487,8 @@ def _keep_resident(session, index, block):
         leaves, spec = tree_flatten((args, kwargs))
         args, kwargs = tree_unflatten(without_caches(leaves), spec)
         keeper.observe(index, run, args, kwargs)
+        if index == 0 and spill is not None:
+            spill.forward_begins(run, block, args, kwargs)
         mode = keeper.mode(index, args)
         if mode == "whole":
             return run(*args, **kwargs)
@@ -475,7 +497,13 @@ def _keep_resident(session, index, block):
         if mode == "selective":
             return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True,
                               context_fn=functools.partial(keeper.context, index), **kwargs)
-        return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        if spill is None:
+            return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True,
+                              **kwargs)
+        # The checkpoint saves the block's inputs: its hidden states may go to host memory.
+        with spill.saving(index, args, kwargs):
+            return checkpoint(once, *args, use_reentrant=False, preserve_rng_state=True,
+                              **kwargs)
 
     # torch.compile: run as it is (a graph break), so that the calls above (the activation
     # keeper's, the pager's) run at every forward pass, not once when traced.

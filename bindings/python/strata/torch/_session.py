@@ -17,6 +17,7 @@ from ._activations import ActivationKeeper
 from ._grads import StreamedGrad
 from ._layout import LocalLayout
 from ._planning import DTYPE_NAMES
+from ._spill import Spiller
 from ._streamed import fill, narrows, split_master
 from ._weights import Prefetcher, load_buffers
 
@@ -40,6 +41,8 @@ class SessionChoices:
     init: object = None  # the model's _init_weights(module), for blocks built on meta
     resident_blocks: list = dataclasses.field(default_factory=list)  # kept in HBM, in order
     weights_source: tuple = None  # offload(weights=): (SafetensorsWeights, names by tensor)
+    # offload(spill_checkpoints=): None (when the device is short), True (always), False (never).
+    spill_checkpoints: bool = None
 
 
 class StrataSession:
@@ -78,6 +81,9 @@ class StrataSession:
         self.kept_fp32 = []
         # Which resident blocks keep their activations instead of recomputing them.
         self.activations = ActivationKeeper(self.device, self.resident_blocks)
+        # Which blocks' checkpoints go to host memory (strata.torch._spill).
+        self.spill = Spiller(self.device, choices.spill_checkpoints, self.activations,
+                             len(self.resident_blocks) + len(self.blocks))
         # A session-wide empty tensor requiring grad: every streamed block's autograd function
         # takes it, so the backward pass reaches each one in order; its grad accumulator says
         # whether a backward pass accumulates into parameters (loss.backward()) or not
@@ -315,6 +321,9 @@ class StrataSession:
             said = keeper.describe() if keeper.decided else ""
             head = "%d of %d blocks resident on the device (torch's AdamW there%s); " % (
                 len(kept), len(kept) + len(self.blocks), "; " + said if said else "")
+        spilled = self.spill.describe()
+        if spilled:
+            head += spilled + "; "
         s = self.optimizer.stats()
         caps = self.runtime.capabilities()
         def size(n):
@@ -343,6 +352,12 @@ class StrataSession:
         if caps.tiers_available[2]:
             line += ", NVMe %s" % size(caps.tier_budget_bytes[2])
         return line
+
+    def host_pinned_extra_bytes(self):
+        """Host memory strata.torch pins for this session beside the runtime's budgets: the
+        buffers of block checkpoints spilled to host memory (strata.torch._spill), kept from
+        step to step."""
+        return self.spill.host_bytes
 
     def weight_home(self, layer):
         """Where block `layer`'s weights live: the last nvme_weight_blocks blocks' on NVMe
@@ -714,6 +729,7 @@ class StrataSession:
             return
         self.closed = True
         self.close_weights()
+        self.spill.close()
         self.runtime.close()
 
     def close_weights(self):

@@ -1,0 +1,487 @@
+"""Block checkpoints spilled to host memory when the device is short (issue 36, item 2).
+
+Every block with grad keeps its input (its checkpoint) from its forward to its backward pass:
+a streamed block in its autograd function (strata.torch._block), a resident block in torch's
+checkpoint. At 148 x 1024 tokens of an 8B Llama that is 1.24 GB per block, 40 GB for 32
+blocks, held through the whole forward pass. When they cannot all stay in HBM, the first
+blocks' inputs go to host memory:
+
+- the decision (spill_count), at the first forward pass with grad, from the batch actually
+  run (the first block's input is concrete then): the step's peak is predicted as what torch
+  holds when the forward pass begins, the grads the backward pass will allocate for the device's
+  trainable parameters that have none now, every block's checkpoint, what the resident blocks
+  that keep their activations hold (strata.torch._activations' measurements), and the larger
+  of one block's backward working set (what it saves for its backward, measured on fake
+  tensors at this batch as ActivationKeeper measures, x BLOCK_FACTOR, plus the grads of its
+  input and output) and the loss's (the chunked loss's chunk, or the whole logits); it is
+  compared with what torch could hold (free + reserved) less ActivationKeeper's margin. When
+  short, as many of the first blocks spill as make it fit, counting the restores in flight.
+  The first blocks: their backward comes last, so their restores have the most time. Decided
+  again when the batch's tokens grow beyond what was planned for, or what torch holds at the
+  forward pass's start grew (the resident optimizer state made by the first step);
+- the copies, through saved-tensor hooks around the save of the block's inputs (the
+  streamed block's autograd function, the resident block's torch checkpoint): a spilled
+  block's input goes to a pinned host buffer on a side stream as the
+  block's forward finishes (the side stream waits for an event of the compute stream; the
+  input's memory is not reused before the copy is done: record_stream); in the backward pass,
+  when block p is reached (its saved input is read), the inputs of the spilled blocks p-1 ..
+  p-PREFETCH_DEPTH are copied back on the side stream into fresh device tensors, so the copy
+  overlaps block p's backward; the compute stream waits for a restore's event before using
+  it. A copy out and back is bit-exact;
+- the buffers: one per spilled block, kept from step to step (no per-step cudaHostAlloc),
+  grown when the batch grows; host memory pinned with cudaHostRegister at the exact size
+  (torch's pinned allocator rounds to a power of two). The pool refuses a buffer that would
+  leave less than HOST_RESERVE of the machine's memory available: that block does not spill,
+  and an out-of-memory error of the step says so. Their bytes: session.host_pinned_extra_bytes().
+
+Only the block's hidden states are spilled (its first tensor argument with two dimensions or
+more, or hidden_states=): what else it is given (rotary tables, masks) is one tensor shared by
+every block. A non-contiguous input stays. With spilling on, an in-place write into a block's
+input after its forward is not caught as autograd's saved-tensor version check would (the
+hooks hold no tensor to check). offload(spill_checkpoints=): None (automatic, above;
+never on the CPU), True (every block spills at every step, on the CPU into ordinary host
+tensors: how the tests exercise it), False (never).
+
+Inside Hugging Face gradient checkpointing (gradient_checkpointing_enable), or any
+torch.utils.checkpoint around the blocks, that checkpoint holds each block's input on the
+device itself: the automatic mode then spills nothing (it would save no memory), and an
+out-of-memory error says to turn it off (streamed blocks recompute already); True spills
+anyway (the same values)."""
+
+import os
+import time
+
+import torch
+
+from . import _host
+from ._activations import ActivationKeeper, measure
+from ._replay import ForwardState
+
+# Restores in flight ahead of the backward pass: block p's own and the next ones in backward
+# order (enough to hide a copy behind one block's backward).
+PREFETCH_DEPTH = 2
+# Host memory a spill buffer must leave available, as a fraction of the machine's.
+HOST_RESERVE = 0.10
+# A block whose forward cannot be measured on fake tensors: its backward working set taken as
+# this many checkpoints (an 8B Llama block at 148 x 1024 saves ~14 of them).
+UNMEASURED_BLOCK_FACTOR = 16
+# What the forward pass's start may grow by, as a fraction of the device, before the decision
+# is made again.
+REDECIDE_GROWTH = 0.01
+
+
+def spill_count(checkpoints, base, working, usable, margin, depth=PREFETCH_DEPTH):
+    """How many of the first blocks spill their checkpoints, and whether the step then fits:
+    (count, fits). `checkpoints`: each block's checkpoint bytes in forward order (0 where it
+    keeps none: a resident block keeping its activations); `base`: the bytes the step holds
+    besides them and besides `working`, the largest working set at the backward pass's peak;
+    `usable`: what torch could hold; `margin`: what stays free. With n spilled the peak is
+    base + working + the checkpoints not spilled + the restores in flight (the largest depth+1
+    of the spilled ones). None spill when everything fits; all of them, and not fitting, when
+    even that is short."""
+    limit = usable - margin
+    total = sum(checkpoints)
+    if base + working + total <= limit:
+        return 0, True
+    for n in range(1, len(checkpoints) + 1):
+        spilled = checkpoints[:n]
+        inflight = sum(sorted(spilled, reverse=True)[:depth + 1])
+        if base + working + total - sum(spilled) + inflight <= limit:
+            return n, True
+    return len(checkpoints), False
+
+
+def hidden_of(args, kwargs):
+    """The block's hidden states: its first tensor argument with two dimensions or more, or
+    hidden_states=; None when there is none."""
+    for a in args:
+        if torch.is_tensor(a) and a.dim() >= 2:
+            return a
+    h = kwargs.get("hidden_states")
+    return h if torch.is_tensor(h) and h.dim() >= 2 else None
+
+
+def _host_memory():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+class HostPool:
+    """The host buffers of spilled checkpoints, one per block position, reused from step to
+    step. `pinned`: page-locked (cudaHostRegister) for asynchronous copies to and from the
+    device; otherwise ordinary memory (the CPU device)."""
+
+    def __init__(self, pinned):
+        self.pinned = pinned
+        self.buffers = {}  # position -> uint8 tensor
+        self.refused = 0  # buffers refused for lack of host memory
+
+    @property
+    def nbytes(self):
+        return sum(b.numel() for b in self.buffers.values())
+
+    def holds(self, position, nbytes):
+        buf = self.buffers.get(position)
+        return buf is not None and buf.numel() >= nbytes
+
+    def reserve(self, position, nbytes):
+        """Buffer `position` holds at least `nbytes`; False when the host lacks the memory."""
+        if self.holds(position, nbytes):
+            return True
+        self.release(position)
+        available, total = _host.mem_available(), _host_memory()
+        if available is not None and total is not None and \
+                nbytes > available - int(total * HOST_RESERVE):
+            self.refused += 1
+            return False
+        try:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        except RuntimeError:
+            self.refused += 1
+            return False
+        if self.pinned and not _register(buf):
+            self.refused += 1
+            return False
+        self.buffers[position] = buf
+        return True
+
+    def view(self, position, t):
+        """Buffer `position` as a tensor of t's shape and dtype (None when there is none or it
+        is too small)."""
+        buf = self.buffers.get(position)
+        nbytes = t.numel() * t.element_size()
+        if buf is None or buf.numel() < nbytes:
+            return None
+        return buf[:nbytes].view(t.dtype).view(t.shape)
+
+    def release(self, position):
+        buf = self.buffers.pop(position, None)
+        if buf is not None and self.pinned:
+            _unregister(buf)
+
+    def close(self):
+        for position in list(self.buffers):
+            self.release(position)
+
+
+def _register(buf):
+    """Page-lock `buf`'s memory at its exact size (torch's pinned allocator would round it up
+    to a power of two and keep it cached once freed)."""
+    if buf.numel() == 0:
+        return True
+    # 1: cudaHostRegisterPortable, as torch.cuda._pin_memory_utils registers.
+    return int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 1)) == 0
+
+
+def _unregister(buf):
+    if buf.numel():
+        int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
+
+
+class _Spilled:
+    """A spilled checkpoint: its host copy (written on the side stream, which also restores
+    it: the copies back follow the copy out in stream order) and, once restored, the device
+    tensor and the restore's event."""
+
+    __slots__ = ("position", "host", "generation", "restored", "ready")
+
+    def __init__(self, position, host, generation):
+        self.position, self.host, self.generation = position, host, generation
+        self.restored = self.ready = None
+
+
+class _Kept:
+    """A checkpoint left on the device, with its block's position (the backward pass reaching
+    it prefetches the spilled ones before it) and its forward pass's generation."""
+
+    __slots__ = ("position", "tensor", "generation")
+
+    def __init__(self, position, tensor, generation):
+        self.position, self.tensor, self.generation = position, tensor, generation
+
+
+class Spiller:
+    """One per session. mode: None (automatic), True (always) or False (never)."""
+
+    def __init__(self, device, mode, keeper, positions):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.mode = mode
+        self.keeper = keeper  # the session's ActivationKeeper (resident blocks, margins)
+        self.positions = positions  # blocks with grad in a forward pass: resident + streamed
+        self.pool = HostPool(pinned=self.cuda)
+        self.side = None  # the copies' stream (CUDA)
+        self.count = 0  # the first blocks spilling now
+        self.fits = True  # whether the step was predicted to fit with them
+        self.tokens = 0  # the tokens the decision was made for
+        self.base = 0  # what torch held at that forward pass's start
+        self.measured = {}  # tokens -> one block's measure()d whole bytes (None: unmeasurable)
+        self.decisions = 0
+        self.spilled_total = 0  # checkpoints copied to host memory so far (tests, benchmarks)
+        self.decide_seconds = 0.0
+        self.generation = 0  # advances at each forward pass with grad
+        self.records = {}  # position -> _Spilled, of this generation
+        self.model_params = []  # the device's parameters outside the streamed blocks
+        self.head = None  # the output head (vocabulary x hidden), for the loss's estimate
+        self.chunked_loss = None
+        # A forward pass ran inside torch.utils.checkpoint (around the blocks), which keeps
+        # their inputs on the device whatever is spilled.
+        self.inside_checkpoint = False
+
+    @property
+    def host_bytes(self):
+        """Bytes of host memory the spill buffers hold."""
+        return self.pool.nbytes
+
+    def close(self):
+        self.records = {}
+        self._quiesce()
+        self.pool.close()
+
+    def _quiesce(self):
+        """Wait for the side stream's copies: a buffer is freed or replaced only when no copy
+        reads or writes it."""
+        if self.side is not None:
+            self.side.synchronize()
+
+    # --- the decision ---------------------------------------------------------------------
+
+    def forward_begins(self, run, block, args, kwargs):
+        """The first block's forward pass with grad (`run` its forward, `block` the module):
+        a new generation of records, and the decision for this batch."""
+        self.generation += 1
+        self.records = {}
+        hidden = hidden_of(args, kwargs)
+        if self.mode is False or hidden is None:
+            self.count = 0
+            return
+        tokens = hidden.numel() // hidden.shape[-1]
+        nbytes = hidden.numel() * hidden.element_size()
+        if self.mode is True:
+            self.count = self._reserve(self.positions, nbytes)
+            self.tokens = tokens
+            return
+        if not self.cuda:
+            self.count = 0
+            return
+        base = torch.cuda.memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        if self.decisions and tokens <= self.tokens and \
+                base <= self.base + int(total * REDECIDE_GROWTH):
+            return
+        started = time.perf_counter()
+        # Planned for this batch: a later one with more tokens is decided again (one decided
+        # again for the memory held, with fewer tokens than before, plans for those).
+        self.tokens, self.base = tokens, base
+        free, total = torch.cuda.mem_get_info(self.device)
+        usable = free + torch.cuda.memory_reserved(self.device)
+        margin = int(total * self.keeper.margin())
+        checkpoints, kept = self._checkpoints(tokens, nbytes)
+        working = max(self._block_working(run, block, args, kwargs, tokens, nbytes),
+                      self._loss_working(tokens))
+        count, self.fits = spill_count(checkpoints, base + self._grad_bytes() + kept, working,
+                                       usable, margin)
+        self.count = self._reserve(count, nbytes)
+        self.fits = self.fits and self.count == count
+        self.decisions += 1
+        self.decide_seconds += time.perf_counter() - started
+
+    def _reserve(self, count, nbytes):
+        """Buffers for the first `count` blocks: how many the host gave."""
+        if any(not self.pool.holds(position, nbytes) for position in range(count)):
+            self._quiesce()  # a buffer is replaced: the last step's copies may still use it
+        for position in range(count):
+            if not self.pool.reserve(position, nbytes):
+                return position
+        return count
+
+    def _checkpoints(self, tokens, nbytes):
+        """Each block's checkpoint bytes at this batch (0 for a resident block keeping its
+        activations) and what those keep."""
+        keeper = self.keeper
+        kept_blocks = {}
+        if keeper.forced is not None:
+            for i in range(len(keeper.blocks)):
+                if keeper.mode(i, ()) is not None:
+                    kept_blocks[i] = keeper.mode(i, ())
+        elif keeper.plan and tokens <= keeper.tokens:
+            last = len(keeper.blocks) - 1
+            for from_last, mode in enumerate(keeper.plan):
+                kept_blocks[last - from_last] = mode
+        kept = 0
+        for i, mode in kept_blocks.items():
+            measured = keeper.measured.get(i)
+            if measured:
+                use = measured[0] if mode == "whole" or measured[1] is None else measured[1][0]
+                kept += int(use * keeper.BLOCK_FACTOR)
+        return [0 if i in kept_blocks else nbytes for i in range(self.positions)], kept
+
+    def _block_working(self, run, block, args, kwargs, tokens, nbytes):
+        """One block's backward working set at this batch: what it saves for its backward (its
+        recompute) x BLOCK_FACTOR, and its input's and output's grads."""
+        if tokens not in self.measured:
+            state = ForwardState(block)
+            try:
+                measured = measure(run, args, kwargs, self.device, list(block.parameters()))
+            finally:
+                state.restore_buffers()
+            self.measured = {tokens: None if measured is None else measured[0]}
+        saved = self.measured[tokens]
+        if saved is None:
+            return UNMEASURED_BLOCK_FACTOR * nbytes
+        return int(saved * ActivationKeeper.BLOCK_FACTOR) + 2 * nbytes
+
+    def _loss_working(self, tokens):
+        """The loss's working set: with the chunked loss, one chunk's logits (compute dtype,
+        fp32, and their grad) and the head's fp32 weight grad; without it, the whole logits
+        (compute dtype, fp32, their grad in both)."""
+        weight = getattr(self.head, "weight", None)
+        if not torch.is_tensor(weight) or weight.dim() != 2:
+            return 0
+        vocab, hidden = weight.shape
+        loss = self.chunked_loss
+        if loss is not None and loss.enabled and loss.chunk_tokens:
+            chunk = min(tokens, loss.chunk_tokens)
+            return 8 * chunk * vocab + 4 * vocab * hidden
+        return 12 * tokens * vocab
+
+    def _grad_bytes(self):
+        """The grads the backward pass will allocate on the device: trainable parameters
+        outside the streamed blocks (resident blocks, embedding, head) that hold none now."""
+        return sum(p.numel() * p.element_size() for p in self.model_params
+                   if p.requires_grad and p.grad is None and p.device == self.device)
+
+    # --- the copies ---------------------------------------------------------------------------
+
+    def saving(self, position, args, kwargs):
+        """The context a block's forward with grad runs in: its hidden states spilled when
+        `position` is among the spilled blocks; every checkpoint of a step that spills marked
+        with its position (the backward pass reaching it prefetches the earlier ones)."""
+        if self.count <= 0:
+            return _NO_HOOKS
+        if self.mode is None and _inside_checkpoint():
+            self.inside_checkpoint = True
+            return _NO_HOOKS
+        hidden = hidden_of(args, kwargs) if position < self.count else None
+        generation = self.generation
+
+        def pack(t):
+            if hidden is not None and (t is hidden or (
+                    t.data_ptr() == hidden.data_ptr() and t.shape == hidden.shape and
+                    t.stride() == hidden.stride() and t.dtype == hidden.dtype)):
+                record = self._spill(position, t, generation)
+                if record is not None:
+                    return record
+            return _Kept(position, t, generation)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+
+    def _spill(self, position, t, generation):
+        if not t.is_contiguous() or t.device != self.device or position in self.records:
+            return None
+        host = self.pool.view(position, t)
+        if host is None:
+            return None
+        if self.cuda:
+            side = self._side()
+            side.wait_stream(torch.cuda.current_stream(self.device))  # t is computed
+            with torch.cuda.stream(side):
+                host.copy_(t.detach(), non_blocking=True)
+            t.record_stream(side)  # its memory is not reused before the copy is done
+        else:
+            host.copy_(t.detach())
+        record = _Spilled(position, host, generation)
+        self.records[position] = record
+        self.spilled_total += 1
+        return record
+
+    def _side(self):
+        if self.side is None:
+            self.side = torch.cuda.Stream(self.device)
+        return self.side
+
+    def _unpack(self, saved):
+        position, current = saved.position, saved.generation == self.generation
+        for earlier in range(max(0, position - PREFETCH_DEPTH), position) if current else ():
+            record = self.records.get(earlier)
+            if record is not None and record.restored is None:
+                self._restore(record)
+        if isinstance(saved, _Kept):
+            return saved.tensor
+        if not current:
+            raise RuntimeError(
+                "strata.torch: backward through block %d of a forward pass that is no longer "
+                "the current one (its checkpoint, spilled to host memory, was overwritten by "
+                "a later forward pass): call backward per forward pass" % position)
+        if saved.restored is None:
+            self._restore(saved)
+        t, ready = saved.restored, saved.ready
+        saved.restored = saved.ready = None  # read again (retain_graph): copied again
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        return t
+
+    def _restore(self, record):
+        """The record's host copy back on the device, on the side stream (CUDA)."""
+        host = record.host
+        if not self.cuda:
+            record.restored = host.clone()
+            return
+        compute = torch.cuda.current_stream(self.device)
+        t = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        side = self._side()
+        side.wait_stream(compute)  # t's memory may have been the compute stream's until now
+        with torch.cuda.stream(side):
+            t.copy_(host, non_blocking=True)
+        t.record_stream(side)
+        ready = torch.cuda.Event()
+        ready.record(side)
+        record.restored, record.ready = t, ready
+
+    def describe(self):
+        """'N of M block checkpoints spilled to host memory (X GiB)', or ''."""
+        if self.count <= 0:
+            return ""
+        return "%d of %d block checkpoints spilled to host memory (%.2f GiB)%s" % (
+            self.count, self.positions, self.host_bytes / (1 << 30),
+            "" if self.fits else ", the step predicted short even so")
+
+    def note(self):
+        """What an out-of-memory error of the step is told, or None."""
+        if self.pool.refused:
+            return ("strata.torch: %d block checkpoint buffer(s) of host memory were refused "
+                    "(less than %d%% of the machine's memory would have stayed available): "
+                    "those checkpoints stayed on the device" % (self.pool.refused,
+                                                               int(HOST_RESERVE * 100)))
+        if self.count and self.inside_checkpoint:
+            return ("strata.torch: the blocks run inside torch.utils.checkpoint (Hugging Face "
+                    "gradient_checkpointing_enable), which keeps each block's input on the "
+                    "device, so their checkpoints were not spilled to host memory: streamed "
+                    "blocks recompute already; model.gradient_checkpointing_disable() lets "
+                    "them spill")
+        if self.count and not self.fits:
+            return ("strata.torch: %d block checkpoints were spilled to host memory and the "
+                    "step was predicted short even so: pass a smaller resident_blocks, or a "
+                    "smaller batch" % self.count)
+        return None
+
+
+def _inside_checkpoint():
+    """Whether the running forward pass is inside torch.utils.checkpoint's region: its
+    saved-tensor hooks are on top (torch marks them _checkpoint_internal; a torch without the
+    mark reads as outside, and the blocks spill as without the checkpoint)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and bool(getattr(top[0], "_checkpoint_internal", False))
+
+
+class _NoHooks:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return False
+
+
+_NO_HOOKS = _NoHooks()

@@ -1,0 +1,432 @@
+"""Block checkpoints spilled to host memory (strata.torch._spill, offload(spill_checkpoints=)).
+
+A spilled checkpoint is copied out and back bit for bit, so a run that spills every block
+(spill_checkpoints=True: on the CPU into ordinary host tensors, on a GPU into pinned buffers
+through a side stream) must equal the same run without spilling bit for bit (losses, every
+grad after each backward, every weight), and plain PyTorch within the parity suite's
+tolerances. Models: the tiny Hugging Face Llama and the package's own Llama (bench/llama_zoo);
+idioms: accumulation, Hugging Face gradient checkpointing, resident blocks, the chunked loss,
+the batch's shape changing between steps, a step that raises midway. The automatic decision
+is tested as a function of sizes (spill_count), and on a GPU with the device made to look
+short. The GPU variants run wherever a GPU is (the lead's STRATA_PARITY_DEVICE=cuda runs
+included) and skip without one."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+import strata.torch as st  # noqa: E402
+from strata.torch import _spill  # noqa: E402
+
+import torch_parity_models as tpm  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))]
+STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def _threads(one_torch_thread):
+    yield
+
+
+def hf_llama(device, layers=3, seed=0):
+    torch.manual_seed(seed)
+    model = tpm.model_class("llama")(tpm.config("llama", layers))
+    return model.train().to(device)
+
+
+def zoo_llama(device, layers=3, seed=0):
+    from llama_zoo.torch_llama import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=tpm.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    return model.train().to(device)
+
+
+def data(device, shapes=((2, 16),) * STEPS, seed=0):
+    """Token ids of the given shapes, two fixed batches per shape in turn (as the parity
+    suite's: the loss falls visibly, and AdamW does not sit near eps on rows seen once)."""
+    out = []
+    for i, shape in enumerate(shapes):
+        g = torch.Generator().manual_seed(seed + i % 2)
+        out.append(torch.randint(3, tpm.VOCAB, shape, generator=g).to(device))
+    return out
+
+
+def grads(model):
+    return {n: p.grad.detach().clone().cpu() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def train(model, opt, batches, accumulate=1, fail_at=None):
+    """The plain loop; per micro-batch the loss and the grads after its backward. fail_at: the
+    micro-batch whose forward raises (after the blocks ran: in the final norm), the loop then
+    zeroing the grads and going on."""
+    losses, seen = [], []
+    norm = model.model.norm
+    for i, ids in enumerate(batches):
+        if i == fail_at:
+            handle = norm.register_forward_hook(lambda *a: (_ for _ in ()).throw(
+                RuntimeError("failing on purpose")))
+            with pytest.raises(RuntimeError, match="failing on purpose"):
+                model(ids, labels=ids)
+            handle.remove()
+            opt.zero_grad()
+            continue
+        loss = model(ids, labels=ids).loss
+        (loss / accumulate).backward()
+        losses.append(loss.item())
+        seen.append(grads(model))
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+    tpm.synchronize(opt)
+    return losses, seen, tpm.snapshot(model)
+
+
+def strata_run(build, device, spill, batches, offload_kwargs=None, gradient_checkpointing=False,
+               **loop):
+    model = build(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"resident_blocks": 0, **(offload_kwargs or {})}
+    model = st.offload(model, device=device, spill_checkpoints=spill, **kwargs)
+    try:
+        opt = st.AdamW(model.parameters(), lr=tpm.LR, weight_decay=tpm.WD)
+        out = train(model, opt, batches, **loop)
+        return out, model.strata.spill.spilled_total, model.strata.host_pinned_extra_bytes(), \
+            model.strata.placement()
+    finally:
+        model.strata.close()
+
+
+def plain_run(build, device, batches, gradient_checkpointing=False, chunk_tokens=None,
+              **loop):
+    model = build(device)
+    if chunk_tokens is not None:  # the same chunked loss on the plain model
+        from strata.torch import _chunked_loss
+        _chunked_loss.install(model, chunk_tokens)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=tpm.LR, weight_decay=tpm.WD)
+    return train(model, opt, batches, **loop)
+
+
+def assert_bit_identical(got, expected):
+    (g_losses, g_grads, g_state), (e_losses, e_grads, e_state) = got, expected
+    assert g_losses == e_losses
+    assert len(g_grads) == len(e_grads)
+    for step, (g, e) in enumerate(zip(g_grads, e_grads)):
+        assert sorted(g) == sorted(e), step
+        for name in e:
+            assert torch.equal(g[name], e[name]), "step %d: grad of %s differs" % (step, name)
+    tpm.assert_state_close(g_state, e_state, exact=True)
+
+
+def assert_close_to_plain(got, plain):
+    """The parity suite's comparisons: the losses step by step, the grads of the first
+    backward (later ones follow weights that Strata's CPU AdamW rounded in another order,
+    within the tolerance), the final weights."""
+    tpm.assert_losses_close(got[0], plain[0])
+    for name, e in plain[1][0].items():
+        tpm.assert_grad_close(name, got[1][0][name], e)
+    tpm.assert_state_close(got[2], plain[2])
+
+
+CASES = {
+    "hf": dict(build=hf_llama),
+    "zoo": dict(build=zoo_llama),
+    "accumulation": dict(build=hf_llama, loop=dict(accumulate=2)),
+    "gradient_checkpointing": dict(build=hf_llama, gradient_checkpointing=True),
+    "resident_blocks": dict(build=hf_llama, offload_kwargs=dict(resident_blocks=2)),
+    "chunked_loss": dict(build=hf_llama, offload_kwargs=dict(chunked_loss=8)),
+    "shape_changes": dict(build=hf_llama, shapes=((2, 16), (3, 24), (1, 8), (3, 24))),
+    "raises_midway": dict(build=hf_llama, shapes=((2, 16),) * 5, loop=dict(fail_at=2)),
+    "zoo_resident_accumulation": dict(build=zoo_llama, loop=dict(accumulate=2),
+                                      offload_kwargs=dict(resident_blocks=1)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_spilled_checkpoints_train_bit_for_bit(case, device, monkeypatch):
+    """Every block spilled at every step: the same losses, grads and weights as without
+    spilling, bit for bit, and plain PyTorch's within the parity tolerances."""
+    if device == "cuda":  # both sides the same fp32 arithmetic
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    spec = CASES[case]
+    batches = data(device, spec.get("shapes", ((2, 16),) * STEPS))
+    loop = spec.get("loop", {})
+    common = dict(offload_kwargs=spec.get("offload_kwargs"),
+                  gradient_checkpointing=spec.get("gradient_checkpointing", False), **loop)
+    spilled, count, pinned, placement = strata_run(spec["build"], device, True, batches,
+                                                   **common)
+    kept, none, _, _ = strata_run(spec["build"], device, False, batches, **common)
+    plain = plain_run(spec["build"], device, batches,
+                      gradient_checkpointing=spec.get("gradient_checkpointing", False),
+                      chunk_tokens=(spec.get("offload_kwargs") or {}).get("chunked_loss"),
+                      **loop)
+    assert none == 0
+    # Every block's checkpoint at every forward pass (the failed one's too: its blocks ran
+    # before the raise).
+    assert count == 3 * len(batches), count
+    assert pinned > 0
+    assert "3 of 3 block checkpoints spilled to host memory" in placement
+    assert_bit_identical(spilled, kept)
+    assert_close_to_plain(spilled, plain)
+
+
+def test_bad_values_are_refused_before_anything_changes():
+    for bad in ("yes", 1, 0, "auto"):
+        model = hf_llama("cpu")
+        with pytest.raises(ValueError, match="spill_checkpoints is"):
+            st.offload(model, device="cpu", resident_blocks=0, spill_checkpoints=bad)
+        assert getattr(model, "strata", None) is None
+
+
+def test_automatic_never_spills_on_the_cpu():
+    batches = data("cpu")
+    (_, _, _), count, pinned, placement = strata_run(hf_llama, "cpu", None, batches)
+    assert count == 0 and pinned == 0
+    assert "spilled" not in placement
+
+
+def test_host_refusing_buffers_falls_back_to_keeping_them(monkeypatch):
+    """The pool refuses buffers when the host lacks memory: nothing spills, the step trains as
+    without spilling, and an out-of-memory error would say why."""
+    monkeypatch.setattr(_spill._host, "mem_available", lambda: 0)
+    batches = data("cpu")
+    model = st.offload(hf_llama("cpu"), device="cpu", resident_blocks=0, spill_checkpoints=True)
+    try:
+        opt = st.AdamW(model.parameters(), lr=tpm.LR, weight_decay=tpm.WD)
+        got = train(model, opt, batches)
+        spiller = model.strata.spill
+        assert spiller.spilled_total == 0 and spiller.count == 0
+        assert model.strata.host_pinned_extra_bytes() == 0
+        assert "were refused" in spiller.note()
+        from strata.torch._block import note_spill
+        error = torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        note_spill(model.strata, error)
+        assert any("block checkpoint buffer(s) of host memory were refused" in n
+                   for n in error.__notes__), error.__notes__
+    finally:
+        model.strata.close()
+    kept, _, _, _ = strata_run(hf_llama, "cpu", False, batches)
+    assert_bit_identical(got, kept)
+
+
+def test_buffers_are_reused_and_grow_with_the_batch():
+    model = st.offload(hf_llama("cpu"), device="cpu", resident_blocks=0, spill_checkpoints=True)
+    try:
+        opt = st.AdamW(model.parameters(), lr=tpm.LR, weight_decay=tpm.WD)
+        pool = model.strata.spill.pool
+        train(model, opt, data("cpu", ((2, 16),) * 2))
+        first = {k: v.data_ptr() for k, v in pool.buffers.items()}
+        assert model.strata.host_pinned_extra_bytes() == 3 * 2 * 16 * 64 * 4
+        train(model, opt, data("cpu", ((1, 16),)))  # smaller: the same buffers
+        assert {k: v.data_ptr() for k, v in pool.buffers.items()} == first
+        train(model, opt, data("cpu", ((4, 16),)))  # larger: grown
+        assert model.strata.host_pinned_extra_bytes() == 3 * 4 * 16 * 64 * 4
+    finally:
+        model.strata.close()
+    assert pool.nbytes == 0  # closed with the session
+
+
+# ---------------------------------------------------------------------------------------------
+# The automatic decision.
+
+GB = 1 << 30
+
+
+def test_nothing_spills_when_everything_fits():
+    assert _spill.spill_count([GB] * 32, 50 * GB, 10 * GB, 140 * GB, 5 * GB) == (0, True)
+
+
+def test_the_first_blocks_spill_as_many_as_needed():
+    # 32 x 1.24 GiB of checkpoints, 85 GiB held, 12 GiB working set, 139 GiB usable, 5.6 GiB
+    # margin: 39.7 GiB do not fit in the 36.4 left; each block spilled frees 1.24 GiB, the
+    # three restores in flight cost 3.7 back.
+    ckpt = int(1.24 * GB)
+    count, fits = _spill.spill_count([ckpt] * 32, 85 * GB, 12 * GB, 139 * GB, int(5.6 * GB))
+    assert fits
+    limit = 139 * GB - int(5.6 * GB) - 85 * GB - 12 * GB
+    assert (32 - count) * ckpt + 3 * ckpt <= limit < (32 - count + 1) * ckpt + 3 * ckpt
+    assert count == 6
+
+
+def test_every_block_spills_and_the_step_is_short_when_even_that_does_not_fit():
+    assert _spill.spill_count([GB] * 4, 100 * GB, 50 * GB, 140 * GB, 0) == (4, False)
+
+
+def test_blocks_keeping_their_activations_have_no_checkpoint_to_spill():
+    # The last two (resident blocks keeping their activations) count 0: spilling reaches them
+    # and frees nothing; the restores in flight are the spilled ones'.
+    ckpts = [GB, GB, GB, 0, 0]
+    assert _spill.spill_count(ckpts, 10 * GB, GB, 14 * GB, 0, depth=0) == (0, True)
+    # One spilled frees 1 GiB and its restore (depth 0: the block's own) takes it back.
+    assert _spill.spill_count(ckpts, 10 * GB, GB, int(13.5 * GB), 0, depth=0) == (2, True)
+    assert _spill.spill_count(ckpts, 10 * GB, GB, 12 * GB, 0, depth=0) == (3, True)
+    assert _spill.spill_count(ckpts, 10 * GB, GB, int(11.5 * GB), 0, depth=0) == (5, False)
+
+
+def test_restores_in_flight_are_counted():
+    # Spilling one of two frees 1 GB but its restore takes it back (depth 0: the block's own).
+    assert _spill.spill_count([GB, GB], 0, 0, GB, 0, depth=0) == (2, True)
+    assert _spill.spill_count([GB, GB], 0, 0, GB, 0, depth=1) == (2, False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_automatic_spill_when_the_device_looks_short(monkeypatch):
+    """On a GPU made to look nearly full (mem_get_info reports what torch holds plus a little),
+    the automatic mode spills; the run is bit-identical to one that does not."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    batches = data("cuda")
+    kept, _, _, _ = strata_run(hf_llama, "cuda", False, batches)
+    real = torch.cuda.mem_get_info
+
+    def short(device=None):
+        free, total = real(device)
+        return min(free, 1 << 20), total
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", short)
+    spilled, count, pinned, placement = strata_run(hf_llama, "cuda", None, batches)
+    assert count > 0 and pinned > 0, placement
+    assert "block checkpoints spilled" in placement
+    assert_bit_identical(spilled, kept)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_buffers_on_a_gpu_are_page_locked_at_their_size():
+    """On a GPU the host copies are page-locked (asynchronous copies), registered at the
+    checkpoint's exact size rather than torch's power-of-two pinned blocks, and unregistered
+    when the session closes."""
+    model = st.offload(hf_llama("cuda"), device="cuda", resident_blocks=0,
+                       spill_checkpoints=True)
+    try:
+        opt = st.AdamW(model.parameters(), lr=tpm.LR, weight_decay=tpm.WD)
+        train(model, opt, data("cuda", ((3, 24),)))
+        pool = model.strata.spill.pool
+        assert sorted(pool.buffers) == [0, 1, 2]
+        for buf in pool.buffers.values():
+            assert buf.is_pinned() and buf.numel() == 3 * 24 * 64 * 4
+        assert model.strata.spill.spilled_total == 3
+    finally:
+        model.strata.close()
+    assert pool.nbytes == 0
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, hidden=64):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden,
+                                                                                   hidden)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+@pytest.fixture
+def device_memory(monkeypatch):
+    """torch.cuda's memory queries, made up: `memory` says what the device has (the spiller is
+    told it is on CUDA; only its decision runs, on the CPU)."""
+    memory = {"total": 100 * GB, "free": 50 * GB, "reserved": 10 * GB, "allocated": 40 * GB}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: memory["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: memory["reserved"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda *a: (memory["free"], memory["total"]))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: type("Properties", (), {"total_memory": memory["total"]}))
+    return memory
+
+
+def automatic_spiller(blocks=8):
+    from strata.torch._activations import ActivationKeeper
+    spiller = _spill.Spiller(torch.device("cpu"), None,
+                             ActivationKeeper(torch.device("cpu"), []), blocks)
+    spiller.cuda = True  # decided as on a GPU; the buffers stay ordinary host memory
+    return spiller
+
+
+def test_the_automatic_decision_follows_the_batch(device_memory):
+    """Decided at the first forward pass from its batch, kept while the batch does not grow,
+    made again for a larger batch or when the forward pass starts with more memory held."""
+    block = _Block()
+    spiller = automatic_spiller()
+    small = torch.zeros(2, 16, 64)
+    # 60 GB usable, a margin of 4 or 10 (with or without expandable segments), 40 held: 10
+    # GB or more left for checkpoints of a few KB: nothing spills.
+    spiller.forward_begins(block.forward, block, (small,), {})
+    assert (spiller.count, spiller.decisions, spiller.tokens) == (0, 1, 32)
+    spiller.forward_begins(block.forward, block, (small,), {})
+    assert spiller.decisions == 1  # the same batch: not decided again
+    # A larger batch with the device nearly full: decided again, and every block spills.
+    device_memory["allocated"] = device_memory["free"] + device_memory["reserved"]
+    large = torch.zeros(4, 16, 64)
+    spiller.forward_begins(block.forward, block, (large,), {})
+    assert (spiller.decisions, spiller.tokens) == (2, 64)
+    assert spiller.count == 8 and not spiller.fits
+    assert spiller.host_bytes == 8 * large.numel() * 4
+    assert "8 of 8 block checkpoints spilled" in spiller.describe()
+    assert "predicted short even so" in spiller.note()
+    # The smaller batch again, with the memory held the same: the decision stands.
+    spiller.forward_begins(block.forward, block, (small,), {})
+    assert spiller.decisions == 2
+    spiller.close()
+
+
+def test_the_automatic_decision_spills_what_the_prediction_needs(device_memory, monkeypatch):
+    """The prediction's parts reach spill_count: what torch holds, the grads to come, every
+    checkpoint, the block's measured working set."""
+    block = _Block()
+    spiller = automatic_spiller(blocks=4)
+    x = torch.zeros(2, 16, 64)
+    ckpt = x.numel() * 4
+    calls = []
+
+    def recording(checkpoints, base, working, usable, margin, depth=_spill.PREFETCH_DEPTH):
+        calls.append((checkpoints, base, working, usable, margin))
+        return 3, True
+
+    monkeypatch.setattr(_spill, "spill_count", recording)
+    grad_owner = torch.nn.Parameter(torch.zeros(1000))
+    spiller.model_params = [grad_owner]
+    spiller.forward_begins(block.forward, block, (x,), {})
+    (checkpoints, base, working, usable, margin), = calls
+    assert checkpoints == [ckpt] * 4
+    assert base == 40 * GB + 4000  # held, and the grad the backward pass will allocate
+    saved = spiller.measured[32]
+    assert saved and working == int(saved * 1.25) + 2 * ckpt
+    assert usable == 60 * GB and margin in (4 * GB, 10 * GB)
+    assert spiller.count == 3 and sorted(spiller.pool.buffers) == [0, 1, 2]
+    spiller.close()
+
+
+def test_automatic_mode_spills_nothing_inside_a_checkpoint(device_memory):
+    """Inside torch.utils.checkpoint (Hugging Face gradient checkpointing around the blocks)
+    the checkpoint keeps each block's input on the device: the automatic mode spills nothing
+    there (no memory to save), and says so to an out-of-memory error; outside, it spills."""
+    from torch.utils.checkpoint import checkpoint
+    spiller = automatic_spiller(blocks=2)
+    spiller.count = 2
+    x = torch.zeros(2, 16, 64, requires_grad=True)
+    used = []
+
+    def block(t):
+        hooks = spiller.saving(0, (t,), {})
+        used.append(hooks)
+        with hooks:
+            return t * 2
+
+    block(x)
+    assert used[-1] is not _spill._NO_HOOKS and not spiller.inside_checkpoint
+    checkpoint(block, x, use_reentrant=False)
+    assert used[-1] is _spill._NO_HOOKS and spiller.inside_checkpoint
+    assert "gradient_checkpointing_disable" in spiller.note()
+    spiller.close()
