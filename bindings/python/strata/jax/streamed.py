@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import core
-from . import _ffi
+from . import _ffi, _weights
 from ..core import BACKWARD, FORWARD, VIEW_GRAD, VIEW_WEIGHT
 
 # The dtypes Strata's optimizer trains (working copies and grads; masters are fp32).
@@ -113,9 +113,29 @@ class AdamW:
                 _lookup(g.get("weight_decay", self.weight_decay), step))
 
 
+def _array(leaf):
+    """A leaf as it is when a JAX array (it stays on its device), else as a numpy array."""
+    return leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+
+
+class _StackedLayers:
+    """Stacked leaves per layer: layer i's slices, taken when the layer is indexed (on the
+    leaves' device for JAX arrays)."""
+
+    def __init__(self, leaves, layers):
+        self.leaves, self.layers = leaves, layers
+
+    def __len__(self):
+        return self.layers
+
+    def __getitem__(self, i):
+        return [leaf[i] for leaf in self.leaves]
+
+
 class _ListedLayers:
-    """Listed blocks' leaves per layer as numpy arrays, read from the blocks when a layer is
-    indexed (a lazy sequence of blocks builds each block then, one at a time)."""
+    """Listed blocks' leaves per layer (numpy arrays, or JAX arrays where given), read from the
+    blocks when a layer is indexed (a lazy sequence of blocks builds each block then, one at a
+    time)."""
 
     def __init__(self, blocks):
         self.blocks = blocks
@@ -124,7 +144,7 @@ class _ListedLayers:
         return len(self.blocks)
 
     def __getitem__(self, i):
-        return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(self.blocks[i])]
+        return [_array(leaf) for leaf in jax.tree_util.tree_leaves(self.blocks[i])]
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -351,9 +371,9 @@ class Trainer:
                 raise ValueError("strata.jax: stacked block leaves disagree on the layer count "
                                  "(leading axis): %s" % {n: l.shape[0] for n, (_, l) in
                                                          zip(names, flat)})
-            hosts = [np.asarray(leaf) for _, leaf in flat]
-            per_layer = [[h[i] for h in hosts] for i in range(counts.pop())]
-            metas = [[(a.shape, a.dtype) for a in leaves] for leaves in per_layer]
+            leaves = [_array(leaf) for _, leaf in flat]
+            per_layer = _StackedLayers(leaves, counts.pop())
+            metas = [[(a.shape[1:], a.dtype) for a in leaves]] * len(per_layer)
         else:
             if len(blocks) == 0:
                 raise ValueError("strata.jax: no blocks")
@@ -408,28 +428,52 @@ class Trainer:
                                         beta2=opt.b2, eps=opt.eps, threads=opt.threads)
         self.leaf_groups = [opt.group_of(n) for n in self.names]
         self.weights, self.grads = [], []
-        for i, leaves in enumerate(per_layer):
-            ws, gs = [], []
-            for name, value, d, group in zip(self.names, leaves, self.leaf_dtypes,
-                                             self.leaf_groups):
-                full = "layers.%d.%s" % (i, name)
-                w = self.runtime.register(full, value.shape, _DTYPE_NAMES[d], "weight")
-                g = self.runtime.register(full + ".grad", value.shape, _DTYPE_NAMES[d], "grad")
-                working = np.ascontiguousarray(value.astype(d))
-                w.write_pointer(working.ctypes.data, working.nbytes)
-                self.optimizer.add_param(w, g, group=group)
-                if value.dtype == np.float32 and d != jnp.float32:
-                    # The master starts from the fp32 values, not their rounded copy.
-                    master = np.ascontiguousarray(value)
-                    self.optimizer.state(w, "master").write_pointer(master.ctypes.data,
-                                                                    master.nbytes)
-                ws.append(w)
-                gs.append(g)
-            self.weights.append(ws)
-            self.grads.append(gs)
+        t = time.perf_counter()
+        with self._writer() as writer:
+            for i in range(self.layers):
+                leaves = per_layer[i]
+                t = self._timed("read", t)  # a lazy sequence builds the block here
+                ws, gs = [], []
+                for name, shape, d in zip(self.names, self.shapes[i], self.leaf_dtypes):
+                    full = "layers.%d.%s" % (i, name)
+                    ws.append(self.runtime.register(full, shape, _DTYPE_NAMES[d], "weight"))
+                    gs.append(self.runtime.register(full + ".grad", shape, _DTYPE_NAMES[d],
+                                                    "grad"))
+                self.weights.append(ws)
+                self.grads.append(gs)
+                t = self._timed("register", t)
+                self._write_layer(writer, i, leaves, new=True)
+                t = time.perf_counter()
         self._slot_budget = slot_budget
         self.executor = None
         self._new_executor()
+        self._timed("executor", t)
+
+    def _writer(self):
+        return _weights.Writer(self.device,
+                               _ffi.copy_to_host if self._ffi is not None else None)
+
+    def _write_layer(self, writer, i, leaves, new=False):
+        """Layer i's values into its weights (converted to the compute dtype where they are: on
+        the device for JAX arrays there) and, trained in a narrower dtype, into its fp32 masters
+        (from fp32 values; else widened from the weights). new: add the params to the
+        optimizer between the two (its state is made there, the master widened from the
+        weight)."""
+        t = time.perf_counter()
+        staged = [writer.stage(v, d) for v, d in zip(leaves, self.leaf_dtypes)]
+        for w, value, d in zip(self.weights[i], staged, self.leaf_dtypes):
+            writer.write(w, value, d)
+        t = self._timed("weights", t) if new else t
+        for w, g, value, d, group in zip(self.weights[i], self.grads[i], leaves,
+                                         self.leaf_dtypes, self.leaf_groups):
+            if new:
+                self.optimizer.add_param(w, g, group=group)
+            # A new param's master is its weight widened (add_param): fp32 values replace it,
+            # so it starts from them, not their rounded copy; set_params writes it from any.
+            if d != jnp.float32 and (value.dtype == np.float32 or not new):
+                writer.write(self.optimizer.state(w, "master"), value, np.float32)
+        if new:
+            self._timed("optimizer_state", t)
 
     def _new_executor(self):
         if self.executor is not None:
@@ -793,14 +837,9 @@ class Trainer:
             per_layer = self._split_blocks_like(blocks)
             self._settle()
             self.optimizer.synchronize()
-            for ws, leaves in zip(self.weights, per_layer):
-                for w, value, d in zip(ws, leaves, self.leaf_dtypes):
-                    working = np.ascontiguousarray(value.astype(d))
-                    w.write_pointer(working.ctypes.data, working.nbytes)
-                    if d != jnp.float32:
-                        master = np.ascontiguousarray(value.astype(np.float32))
-                        self.optimizer.state(w, "master").write_pointer(master.ctypes.data,
-                                                                        master.nbytes)
+            with self._writer() as writer:
+                for i in range(self.layers):
+                    self._write_layer(writer, i, per_layer[i])
         if residents is not None:
             new, old = jax.tree_util.tree_structure(residents), \
                 jax.tree_util.tree_structure(self.residents)
