@@ -8,6 +8,7 @@ $STRATA_JAX_FFI_CACHE (default ~/.cache/strata/jax_ffi), keyed by everything tha
 $STRATA_JAX_FFI_LIBRARY names a prebuilt one instead; `python -m strata.jax._ffi [DIR]` builds
 it (into DIR) and prints its path. No CUDA toolkit is needed: the CUDA handlers reach the
 driver at run time."""
+import concurrent.futures
 import ctypes
 import hashlib
 import itertools
@@ -34,7 +35,7 @@ HOOK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c
                         ctypes.c_size_t)
 _TARGETS = ((ACQUIRE, "Acquire"), (RELEASE, "Release"), (BEGIN, "Begin"), (END, "End"))
 _lock = threading.Lock()
-_state = {"lib": None, "error": None}
+_state = {"lib": None, "error": None, "build": None}
 _sessions = itertools.count(1)
 
 
@@ -134,6 +135,26 @@ def _platforms():
         return {"cpu"}
 
 
+def start_build():
+    """Start compiling the library on a thread (unless it is loaded, prebuilt, failed or being
+    built): load() waits for it. The compile is a subprocess (about 15 s the first time on a
+    machine), so it overlaps the trainer's setup (reading the blocks, creating the runtime)."""
+    with _lock:
+        if any(_state[k] is not None for k in ("lib", "error", "build")) or \
+                os.environ.get("STRATA_JAX_FFI_LIBRARY"):
+            return
+        future = concurrent.futures.Future()
+
+        def run():
+            try:
+                future.set_result(build())
+            except BaseException as e:  # noqa: BLE001: load() raises it
+                future.set_exception(e)
+
+        _state["build"] = future
+        threading.Thread(target=run, name="strata-jax-ffi-build", daemon=True).start()
+
+
 def load():
     """The loaded FFI library with its targets registered with JAX (once per process).
     Raises FfiUnavailable with the reason when it cannot be had."""
@@ -143,7 +164,9 @@ def load():
         if _state["error"] is not None:
             raise FfiUnavailable(_state["error"])
         try:
-            path = os.environ.get("STRATA_JAX_FFI_LIBRARY") or build()
+            building = _state["build"]
+            path = os.environ.get("STRATA_JAX_FFI_LIBRARY") or (
+                building.result() if building is not None else build())
             lib = ctypes.CDLL(path)
             lib.strata_jax_ffi_strata_version_address.restype = ctypes.c_void_p
             ours = ctypes.cast(_lib.lib.strata_version, ctypes.c_void_p).value
@@ -156,7 +179,6 @@ def load():
             lib.strata_jax_ffi_bind.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint32,
                                                 ctypes.c_uint32,
                                                 ctypes.POINTER(ctypes.c_uint64)]
-            lib.strata_jax_ffi_reset.argtypes = [ctypes.c_uint64]
             lib.strata_jax_ffi_unbind.argtypes = [ctypes.c_uint64]
             lib.strata_jax_ffi_set_hook.argtypes = [ctypes.c_uint64, HOOK]
             lib.strata_jax_ffi_state.argtypes = [ctypes.c_uint64] + [ctypes.c_void_p] * 3
@@ -209,9 +231,6 @@ class Session:
         flat = (ctypes.c_uint64 * (layers * leaves))(*[b for row in layer_bytes for b in row])
         _check(self.lib, self.lib.strata_jax_ffi_bind(self.id, executor.handle, layers, leaves,
                                                       flat), "bind")
-
-    def reset(self):
-        _check(self.lib, self.lib.strata_jax_ffi_reset(self.id), "reset")
 
     def set_hook(self, fn):
         """fn(step) runs in the begin op of each training step, before the executor's step

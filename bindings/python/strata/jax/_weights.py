@@ -12,6 +12,7 @@ no host copy of the model in between.
 A tensor not in DRAM (NVMe) takes the host copy and strata_tensor_write."""
 import ctypes
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -80,8 +81,15 @@ class Writer:
                 value = _convert(value, dtype)
             if self.copy_to_host is not None and len(value.devices()) == 1:
                 value.block_until_ready()
-                self.copy_to_host(address, value.unsafe_buffer_pointer(), nbytes)
-                return
+                try:
+                    self.copy_to_host(address, value.unsafe_buffer_pointer(), nbytes)
+                    return
+                except RuntimeError as e:
+                    # Correct either way: the rest go through host memory, slower.
+                    warnings.warn("strata.jax: the driver's copy into Strata's memory failed "
+                                  "(%s); setup copies through host memory instead" % e,
+                                  RuntimeWarning, stacklevel=3)
+                    self.copy_to_host = None
             value = np.asarray(value)  # through host memory (XLA's own D2H)
         src = np.asarray(value).reshape(-1)
         dst = np.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=dtype)

@@ -218,6 +218,9 @@ class Trainer:
         if backend is None:
             backend = "cuda" if self.device.platform == "gpu" else "host"
         self.stacked = not isinstance(blocks, (list, tuple)) if stacked is None else stacked
+        ffi = self._ffi_choice(ffi, backend)
+        if ffi is not False:
+            _ffi.start_build()  # compiled (first use) while the blocks are read, runtime made
         per_layer = self._split_blocks(blocks)  # per layer, its leaves (numpy or JAX arrays)
         self.layers = len(per_layer)
         started = self._timed("check", started)
@@ -227,19 +230,18 @@ class Trainer:
         self.scan = scan if scan is not None else all(s == self.shapes[0] for s in self.shapes)
         if self.scan and any(s != self.shapes[0] for s in self.shapes):
             raise ValueError("strata.jax: scan=True needs every block of one shape")
-        self._ffi = self._open_ffi(ffi, backend)
-        self._steps = 0  # the host loop's count (the FFI path counts in its session)
-        started = self._timed("ffi", started)
+        self.runtime = core.Runtime(backend=backend,
+                                    hbm_budget=hbm if gpu_budget is None else gpu_budget,
+                                    dram_budget=dram if host_budget is None else host_budget,
+                                    nvme=nvme)
+        started = self._timed("runtime", started)
         try:
-            self.runtime = core.Runtime(backend=backend,
-                                        hbm_budget=hbm if gpu_budget is None else gpu_budget,
-                                        dram_budget=dram if host_budget is None else host_budget,
-                                        nvme=nvme)
+            self._ffi = self._open_ffi(ffi)  # waits for the library's compile, if still running
         except BaseException:
-            if self._ffi is not None:
-                self._ffi.close()
+            self.runtime.close()
             raise
-        self._timed("runtime", started)
+        self._steps = 0  # the host loop's count (the FFI path counts in its session)
+        self._timed("ffi", started)
         try:
             self._register(per_layer, slot_budget)
             del per_layer
@@ -317,14 +319,14 @@ class Trainer:
                               "counted", RuntimeWarning, stacklevel=3)
 
     # -- construction --------------------------------------------------------------------
-    def _open_ffi(self, ffi, backend):
-        """The FFI session for this trainer, or None for the host-synchronised loop."""
+    def _ffi_choice(self, ffi, backend):
+        """ffi resolved: False (the host loop), True (required) or None (if available)."""
         if ffi is None:
             env = os.environ.get("STRATA_JAX_FFI", "")
             if env in ("0", "1"):
                 ffi = env == "1"
         if ffi is False:
-            return None
+            return False
         platform = self.device.platform
         if (backend == "cuda") != (platform == "gpu") or platform not in ("gpu", "cpu"):
             why = ("the FFI ops need JAX's device and Strata's backend to match (a GPU with "
@@ -332,6 +334,13 @@ class Trainer:
                    % (platform, backend))
             if ffi:
                 raise ValueError("strata.jax: ffi=True: " + why)
+            return False
+        return ffi
+
+    def _open_ffi(self, ffi):
+        """The FFI session for this trainer (ffi: _ffi_choice's), or None for the
+        host-synchronised loop."""
+        if ffi is False:
             return None
         try:
             return _ffi.Session()

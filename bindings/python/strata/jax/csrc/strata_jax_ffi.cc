@@ -65,8 +65,12 @@ using CUdeviceptr = unsigned long long;  // NOLINT: the driver's type
 
 struct Driver {
   CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+  // For strata_jax_ffi_copy_to_host only (its own error when missing):
   CUresult (*memcpy)(CUdeviceptr, CUdeviceptr, size_t) = nullptr;
   CUresult (*pointer_get_attribute)(void*, int, CUdeviceptr) = nullptr;
+  CUresult (*device_get)(int*, int) = nullptr;
+  CUresult (*primary_ctx_retain)(CUcontext*, int) = nullptr;
+  CUresult (*primary_ctx_release)(int) = nullptr;
   CUresult (*stream_get_ctx)(CUstream, CUcontext*) = nullptr;
   CUresult (*ctx_get_current)(CUcontext*) = nullptr;
   CUresult (*ctx_set_current)(CUcontext) = nullptr;
@@ -88,8 +92,14 @@ const Driver& driver() {
       if (*fn == nullptr && out.error.empty()) out.error = std::string("libcuda lacks ") + name;
     };
     sym("cuMemcpyAsync", &out.memcpy_async);
-    sym("cuMemcpy", &out.memcpy);
-    sym("cuPointerGetAttribute", &out.pointer_get_attribute);
+    auto optional = [&](const char* name, auto* fn) {
+      *reinterpret_cast<void**>(fn) = dlsym(lib, name);
+    };
+    optional("cuMemcpy", &out.memcpy);
+    optional("cuPointerGetAttribute", &out.pointer_get_attribute);
+    optional("cuDeviceGet", &out.device_get);
+    optional("cuDevicePrimaryCtxRetain", &out.primary_ctx_retain);
+    optional("cuDevicePrimaryCtxRelease_v2", &out.primary_ctx_release);
     sym("cuStreamGetCtx", &out.stream_get_ctx);
     sym("cuCtxGetCurrent", &out.ctx_get_current);
     sym("cuCtxSetCurrent", &out.ctx_set_current);
@@ -571,51 +581,48 @@ STRATA_EXPORT int strata_jax_ffi_abandon(uint64_t session, int* abandoned) {
 }
 
 // Copy `bytes` from device memory `src` to host memory `dst` (pinned: a DMA at the link's
-// rate) with the driver, synchronously, in the context that owns `src`: how setup writes
-// values computed on the GPU straight into Strata's DRAM.
+// rate) with the driver, synchronously, in the primary context of the device that holds `src`
+// (XLA's context): how setup writes values computed on the GPU straight into Strata's DRAM.
 STRATA_EXPORT int strata_jax_ffi_copy_to_host(void* dst, const void* src, uint64_t bytes) {
   const Driver& d = driver();
   if (!d.error.empty()) {
     g_error = d.error;
     return -1;
   }
-  constexpr int kPointerAttributeContext = 1;  // CU_POINTER_ATTRIBUTE_CONTEXT
-  CUcontext ctx = nullptr, have = nullptr;
-  if (CUresult r = d.pointer_get_attribute(&ctx, kPointerAttributeContext,
+  if (d.memcpy == nullptr || d.pointer_get_attribute == nullptr || d.device_get == nullptr ||
+      d.primary_ctx_retain == nullptr || d.primary_ctx_release == nullptr) {
+    g_error = "libcuda lacks cuMemcpy, cuPointerGetAttribute or the primary-context calls";
+    return -1;
+  }
+  constexpr int kPointerAttributeDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+  int ordinal = -1, device = 0;
+  if (CUresult r = d.pointer_get_attribute(&ordinal, kPointerAttributeDeviceOrdinal,
                                            reinterpret_cast<CUdeviceptr>(src));
       r != 0) {
-    g_error = "cuPointerGetAttribute(CONTEXT): " + cu_message(d, r);
+    g_error = "cuPointerGetAttribute(DEVICE_ORDINAL): " + cu_message(d, r);
+    return -1;
+  }
+  if (CUresult r = d.device_get(&device, ordinal); r != 0) {
+    g_error = "cuDeviceGet: " + cu_message(d, r);
+    return -1;
+  }
+  CUcontext ctx = nullptr, have = nullptr;
+  if (CUresult r = d.primary_ctx_retain(&ctx, device); r != 0) {
+    g_error = "cuDevicePrimaryCtxRetain: " + cu_message(d, r);
     return -1;
   }
   d.ctx_get_current(&have);
-  if (have != ctx) {
-    if (CUresult r = d.ctx_set_current(ctx); r != 0) {
-      g_error = "cuCtxSetCurrent: " + cu_message(d, r);
-      return -1;
-    }
-  }
-  if (CUresult r =
-          d.memcpy(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), bytes);
-      r != 0) {
+  CUresult r = have == ctx ? 0 : d.ctx_set_current(ctx);
+  if (r != 0) {
+    g_error = "cuCtxSetCurrent: " + cu_message(d, r);
+  } else if (r = d.memcpy(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src),
+                          bytes);
+             r != 0) {
     g_error = "cuMemcpy: " + cu_message(d, r);
-    return -1;
   }
-  return 0;
-}
-
-// Before each step's program: the cursor to the first layer, nothing acquired.
-STRATA_EXPORT int strata_jax_ffi_reset(uint64_t session) {
-  std::shared_ptr<Session> s = find(session);
-  if (s == nullptr) {
-    g_error = "strata_jax_ffi_reset: unknown session " + std::to_string(session);
-    return -1;
-  }
-  std::lock_guard lock(s->mutex);
-  s->forward_next = 0;
-  s->backward_next = s->layers;
-  s->acquired = -1;
-  s->grad_views.clear();
-  return 0;
+  if (have != ctx) d.ctx_set_current(have);
+  d.primary_ctx_release(device);
+  return r == 0 ? 0 : -1;
 }
 
 // Forget the session (a compiled program that still names it fails cleanly).
