@@ -6,7 +6,7 @@
 // ABI only, linked against the libstrata.so.1 the Python package loaded (same instance: the
 // Python side checks that strata_version resolves to one address in both). It needs no CUDA
 // toolkit: the CUDA handlers reach the driver (libcuda.so.1, already loaded by XLA) through a
-// five-function shim opened at first use, as kvikio does.
+// small shim opened at first use, as kvikio does.
 //
 // Ops (docs/python-reference.md, "The XLA FFI path"):
 //   strata_acquire(token, dep) -> (token, weights...)    attributes: session, layer, phase
