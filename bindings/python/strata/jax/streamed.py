@@ -174,8 +174,9 @@ class Trainer:
     "host" (None: cuda when JAX's default device is a GPU). Budgets in bytes (None: from the
     model's size); nvme: paths for the NVMe tier.
 
-    ffi: run each step as one XLA program whose acquire and release of the blocks are XLA FFI
-    custom calls (no host synchronization per layer; docs/python-reference.md). None (the default): when
+    ffi: run each step as one XLA program whose begin and end of the executor's step and
+    acquire and release of the blocks are XLA FFI custom calls (no host call inside a step;
+    docs/python-reference.md). None (the default): when
     the FFI library can be built and loaded here and JAX's device matches the backend (a GPU
     with cuda, the CPU with host), else the host-synchronised loop (with a warning saying why);
     $STRATA_JAX_FFI=0 or 1 overrides None. True: required (raises if unavailable); False: the
