@@ -164,6 +164,10 @@ def test_user_jitted_step_matches_plain_jax_optax(scan):
     # No embed_fn, loss_fn or optimizer: the user's step owns them.
     with sj.Trainer(api.block_fn, blocks, block_optimizer=sj.AdamW(api.LR, weight_decay=api.WD),
                     ffi=True, scan=scan) as trainer:
+        # Where setup went, per phase (bench/jax_bench.py --setup prints it).
+        assert {"check", "runtime", "ffi", "read", "weights", "optimizer_state",
+                "executor"} <= set(trainer.setup_seconds)
+        assert all(v >= 0 for v in trainer.setup_seconds.values())
         tx = optax.adamw(api.LR, weight_decay=api.WD)
         train_step = user_step(trainer, tx)
         r, state, got = residents, tx.init(residents), []
