@@ -10,9 +10,13 @@ in every mode.
 Modes: ffi (strata.jax.Trainer, each step one XLA program with the FFI acquire/release ops,
 the blocks in a jax.lax.scan), ffi-unrolled (the same, the blocks unrolled), hostloop (the
 host-synchronised loop of per-layer programs), resident (every parameter in HBM, one jitted
-step with jax.checkpoint per block and AdamW in JAX). Both sides start from the same weights
-(llama_zoo.jax_llama.LazyBlocks, built one block at a time, so the 8B model's init does not
-need its fp32 copy in host memory). A mode that fails (the resident 8B model does not fit in
+step with jax.checkpoint per block and AdamW in JAX). Both sides start from the same weights:
+with --init device (the default) drawn on the device by jax.random one block at a time
+(DeviceBlocks: LazyBlocks' distribution), which strata.jax converts there and copies straight
+into Strata's pinned memory; with --init host, llama_zoo.jax_llama.LazyBlocks (numpy, one block
+at a time, so the 8B model's init does not need its fp32 copy in host memory). --setup prints
+where each streamed mode's setup went, per phase (Trainer.setup_seconds; "init": building the
+weights before the Trainer). A mode that fails (the resident 8B model does not fit in
 HBM) is reported with its error; --json writes the results in the strata-bench format
 (docs/benchmarks.md: ratio = tokens/s over resident JAX's in the same run) plus every run's details.
 """
@@ -34,7 +38,52 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 MODES = ("ffi", "ffi-unrolled", "hostloop", "resident")
 
 
-def run_one(mode, preset, batch, seq, steps, warmup):
+class DeviceBlocks:
+    """The blocks as a sequence that draws block i on JAX's default device when indexed, from
+    jax.random.fold_in(key(seed), i): llama_zoo.jax_llama.LazyBlocks' distribution (uniform with
+    standard deviation 0.02, unit norms), not its values. Nothing passes through host memory."""
+
+    def __init__(self, config, seed=0):
+        import jax
+        import jax.numpy as jnp
+        self.config, self.key = config, jax.random.key(seed)
+        h, inter = config.hidden_size, config.intermediate_size
+        kv = h // config.num_attention_heads * config.num_key_value_heads
+        a = 0.02 * 3 ** 0.5
+
+        def draw(key, shapes):
+            keys = jax.random.split(key, len(shapes))
+            return {name: jax.random.uniform(k, shape, jnp.float32, -a, a)
+                    for k, (name, shape) in zip(keys, shapes.items())}
+
+        def block(key):
+            out = draw(key, {"wq": (h, h), "wk": (h, kv), "wv": (h, kv), "wo": (h, h),
+                             "w_gate": (h, inter), "w_up": (h, inter), "w_down": (inter, h)})
+            out.update(attn_norm=jnp.ones(h, jnp.float32), mlp_norm=jnp.ones(h, jnp.float32))
+            return {k: out[k] for k in ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm",
+                                        "w_gate", "w_up", "w_down")}
+
+        def residents(key):
+            out = draw(key, {"embed": (config.vocab_size, h), "head": (h, config.vocab_size)})
+            return {"embed": out["embed"], "norm": jnp.ones(h, jnp.float32), "head": out["head"]}
+
+        self._block, self._residents = jax.jit(block), jax.jit(residents)
+
+    def __len__(self):
+        return self.config.num_hidden_layers
+
+    def __getitem__(self, i):
+        import jax
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._block(jax.random.fold_in(self.key, i))
+
+    def residents(self):
+        import jax
+        return self._residents(jax.random.fold_in(self.key, len(self)))
+
+
+def run_one(mode, preset, batch, seq, steps, warmup, init="device"):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -42,8 +91,10 @@ def run_one(mode, preset, batch, seq, steps, warmup):
 
     t_setup = time.perf_counter()
     config = models.PRESETS[preset]
-    lazy = models.LazyBlocks(config, seed=0)
+    lazy = DeviceBlocks(config, seed=0) if init == "device" else models.LazyBlocks(config, seed=0)
     residents = lazy.residents()
+    jax.block_until_ready(residents)
+    t_init = time.perf_counter() - t_setup
     rng = np.random.default_rng(0)
     data = [rng.integers(0, config.vocab_size, (batch, seq), dtype=np.int32) for _ in range(2)]
     extra = {}
@@ -58,7 +109,8 @@ def run_one(mode, preset, batch, seq, steps, warmup):
         extra = {"slots": info.slots, "slot_bytes": info.slot_bytes,
                  "prefetch": [info.forward_prefetch_depth, info.backward_prefetch_depth],
                  "plan_bottleneck": info.bottleneck.decode(),
-                 "backend": trainer.runtime.backend}
+                 "backend": trainer.runtime.backend,
+                 "setup_phases": dict(init=t_init, **trainer.setup_seconds)}
         step = trainer.step
     else:
         blocks = [lazy[i] for i in range(len(lazy))]
@@ -115,6 +167,14 @@ def run_one(mode, preset, batch, seq, steps, warmup):
                  "peak_device_bytes": peak, "jax": jax.__version__}, **extra)
 
 
+def _phases(r):
+    phases = r.get("setup_phases")
+    if not phases:
+        return ""
+    return "  setup phases: " + ", ".join("%s %.2f s" % kv for kv in phases.items()
+                                          if kv[1] >= 0.005)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="1b", help="preset(s), comma-separated: 1b,8b")
@@ -126,11 +186,15 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900, help="seconds per mode")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--init", choices=("device", "host"), default="device",
+                   help="where the weights are drawn (default: device)")
+    p.add_argument("--setup", action="store_true",
+                   help="print each streamed mode's setup seconds per phase")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args.model, args.batch, args.seq, args.steps,
-                                 args.warmup)), flush=True)
+                                 args.warmup, args.init)), flush=True)
         return
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
@@ -142,7 +206,8 @@ def main():
         for mode in modes:
             cmd = [sys.executable, __file__, "--one", mode, "--model", model,
                    "--batch", str(args.batch), "--seq", str(args.seq),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                   "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--init", args.init]
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -167,6 +232,8 @@ def main():
                       % (mode, model, r["tokens_per_second"], r["tflops_6pt"],
                          r["step_seconds"], r["first_step_seconds"], r["setup_seconds"],
                          " ".join("%.3f" % x for x in r["losses"]), r["device"]), flush=True)
+                if args.setup and _phases(r):
+                    print(_phases(r), flush=True)
             runs.append(r)
             by_mode[mode] = r
         base = by_mode.get("resident")

@@ -136,3 +136,141 @@ def test_ffi_session_refuses_unbound_use():
     fn = jax.jit(lambda t, x: session.acquire(t, x, 0, [jax.ShapeDtypeStruct((2,), jnp.float32)]))
     with pytest.raises(Exception, match="not bound"):
         jax.block_until_ready(fn(jnp.zeros((), jnp.uint32), jnp.zeros(3)))
+
+
+def user_step(trainer, tx):
+    """The user's own jitted step: embedding, the streamed blocks (trainer.apply_blocks), the
+    head's loss, their optax update of the residents and a metric, in one jax.jit."""
+    @jax.jit
+    def train_step(residents, state, ids):
+        def loss(r):
+            x, extras = api.embed_fn(r, ids)
+            return api.loss_fn(r, trainer.apply_blocks(x, *extras), ids)
+
+        value, grads = jax.value_and_grad(loss)(residents)
+        updates, state = tx.update(grads, state, residents)
+        return (optax.apply_updates(residents, updates), state,
+                {"loss": value, "grad_norm": optax.tree.norm(grads)})
+
+    return train_step
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+def test_user_jitted_step_matches_plain_jax_optax(scan):
+    blocks, residents = api.llama_params()
+    data = api.batches(5)
+    expected, final = api.plain_train(api.plain_loss, {"blocks": blocks, "res": residents},
+                                      optax.adamw(api.LR, weight_decay=api.WD), data)
+    # No embed_fn, loss_fn or optimizer: the user's step owns them.
+    with sj.Trainer(api.block_fn, blocks, block_optimizer=sj.AdamW(api.LR, weight_decay=api.WD),
+                    ffi=True, scan=scan) as trainer:
+        # Where setup went, per phase (bench/jax_bench.py --setup prints it).
+        assert {"check", "runtime", "ffi", "read", "weights", "optimizer_state",
+                "executor"} <= set(trainer.setup_seconds)
+        assert all(v >= 0 for v in trainer.setup_seconds.values())
+        tx = optax.adamw(api.LR, weight_decay=api.WD)
+        train_step = user_step(trainer, tx)
+        r, state, got = residents, tx.init(residents), []
+        for ids in data:
+            r, state, metrics = train_step(r, state, ids)
+            got.append(float(metrics["loss"]))
+            assert np.isfinite(float(metrics["grad_norm"]))
+        api.assert_losses(expected, got)
+        assert trainer.step_count == len(data) == trainer.optimizer.stats()["step"]
+        got_blocks, _ = trainer.get_params()
+        api.assert_close(final["blocks"], got_blocks, rtol=PLAIN_PARAMS_RTOL, what="blocks")
+        api.assert_close(final["res"], r, rtol=PLAIN_PARAMS_RTOL, what="residents")
+
+        # Not differentiated: a forward-only step (evaluation inside jit), nothing updated.
+        @jax.jit
+        def eval_loss(residents, ids):
+            x, extras = api.embed_fn(residents, ids)
+            return api.loss_fn(residents, trainer.apply_blocks(x, *extras), ids)
+
+        ids = data[0]
+        assert abs(float(eval_loss(r, ids)) - float(api.plain_loss(final, ids))) \
+            <= 1e-5 * expected[0]
+        assert trainer.step_count == len(data) == trainer.optimizer.stats()["step"]
+        with pytest.raises(TypeError, match="needs embed_fn and loss_fn"):
+            trainer.step(ids)
+
+
+def test_user_jitted_step_with_schedule_and_stacked_extras():
+    # Learned extras (their grads come back through the blocks), an integer mask, a schedule
+    # the begin op evaluates at each step, a param group: as Trainer.step, to float rounding.
+    blocks, residents = api.mlp_params()
+    data = api.mlp_data(6)
+    with api.mlp_trainer(blocks, residents, ffi=True) as reference:
+        expected = [reference.step(b) for b in data]
+    tx = optax.adamw(api.SCHEDULE, weight_decay=api.WD, mask=api.no_bias_decay)
+    with sj.Trainer(api.mlp_block, blocks, ffi=True, block_optimizer=sj.AdamW(
+            api.SCHEDULE, weight_decay=api.WD, groups=[
+                {"params": lambda name: name.endswith("b1"), "weight_decay": 0.0}])) as trainer:
+        @jax.jit
+        def train_step(r, state, batch):
+            def loss(r_):
+                x, extras = api.mlp_embed(r_, batch)
+                return api.mlp_loss(r_, trainer.apply_blocks(x, *extras), batch)
+
+            value, grads = jax.value_and_grad(loss)(r)
+            updates, state = tx.update(grads, state, r)
+            return optax.apply_updates(r, updates), state, value
+
+        r, state, got = residents, tx.init(residents), []
+        for b in data:
+            r, state, value = train_step(r, state, b)
+            got.append(float(value))
+        api.assert_losses(expected, got, rtol=OTHER_PROGRAM_RTOL)
+
+
+def test_user_jitted_step_failure_is_abandoned_by_the_next_step():
+    blocks, residents = api.llama_params()
+    data = api.batches(3)
+    tx = optax.adamw(api.LR, weight_decay=api.WD)
+    with sj.Trainer(api.block_fn, blocks, block_optimizer=sj.AdamW(api.LR, weight_decay=api.WD),
+                    ffi=True) as fresh:
+        step = user_step(fresh, tx)
+        r, state, expected = residents, tx.init(residents), []
+        for ids in data:
+            r, state, m = step(r, state, ids)
+            expected.append(float(m["loss"]))
+    fail = {"on": True}
+
+    def check(x):
+        if fail["on"]:
+            raise RuntimeError("boom in the user's step")
+        return x
+
+    with sj.Trainer(api.block_fn, blocks, block_optimizer=sj.AdamW(api.LR, weight_decay=api.WD),
+                    ffi=True) as trainer:
+        @jax.jit
+        def flaky(r, state, ids):
+            def loss(r_):
+                x, extras = api.embed_fn(r_, ids)
+                x = trainer.apply_blocks(x, *extras)
+                # Fails at run time after the step began, before the blocks' backward.
+                seen = jax.pure_callback(check, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                         jax.lax.stop_gradient(x))
+                return api.loss_fn(r_, x + 0 * seen, ids)
+
+            value, grads = jax.value_and_grad(loss)(r)
+            updates, state = tx.update(grads, state, r)
+            return optax.apply_updates(r, updates), state, {"loss": value}
+
+        with pytest.raises(Exception, match="boom in the user's step"):
+            jax.block_until_ready(flaky(residents, tx.init(residents), data[0]))
+        assert trainer.step_count == 0 and trainer.optimizer.stats()["step"] == 0
+        fail["on"] = False
+        r, state, got = residents, tx.init(residents), []
+        for ids in data:  # the first one's begin abandons the failed step
+            r, state, m = flaky(r, state, ids)
+            got.append(float(m["loss"]))
+        api.assert_losses(expected, got, rtol=OTHER_PROGRAM_RTOL)
+        assert trainer.step_count == len(data)
+
+
+def test_apply_blocks_needs_the_ffi_path():
+    blocks, residents = api.mlp_params()
+    with api.mlp_trainer(blocks, residents, ffi=False) as trainer:
+        with pytest.raises(RuntimeError, match="apply_blocks needs the XLA FFI ops"):
+            trainer.apply_blocks(jnp.zeros((2, api.H)))

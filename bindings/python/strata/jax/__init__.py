@@ -6,10 +6,16 @@
     for batch in batches:
         loss = trainer.step(batch)
 
+Or inside your own jax.jit, with your loss, metrics and optax:
+
+    trainer = strata.jax.Trainer(block_fn, blocks, block_optimizer=strata.jax.AdamW(3e-4))
+    x = trainer.apply_blocks(hidden, *extras)   # differentiable: one step of the blocks
+
 The blocks' weights live in Strata's DRAM (or NVMe). A step is one jitted XLA program in
-which acquiring a block (XLA's stream waits on Strata's loads; the weights are copied from the
-slot into the program) and releasing it with its grads are XLA FFI custom calls; where that
-library cannot be had, a host-synchronised loop of per-layer programs over DLPack views. The
+which beginning and ending the executor's step, acquiring a block (XLA's stream waits on
+Strata's loads; the weights are copied from the slot into the program) and releasing it with
+its grads are XLA FFI custom calls; where that library cannot be had, a host-synchronised
+loop of per-layer programs over DLPack views. The
 runtime's CPU AdamW updates fp32 masters as soon as a block's grads land. The residents
 (embedding, head, ...) stay on the device, trained by any optax optimizer. See docs/python-guide.md and docs/python-reference.md."""
 from .streamed import AdamW, Trainer  # noqa: F401

@@ -1,5 +1,6 @@
-"""The XLA FFI custom calls of strata.jax: acquiring and releasing a streamed layer as ops
-inside the XLA program (csrc/strata_jax_ffi.cc says what each op does).
+"""The XLA FFI custom calls of strata.jax: beginning and ending the executor's step, acquiring
+and releasing a streamed layer, as ops inside the XLA program (csrc/strata_jax_ffi.cc says
+what each op does); and the driver copy setup writes device values into Strata's DRAM with.
 
 The library is built on first use with the system C++ compiler against jaxlib's FFI headers
 (jax.ffi.include_dir()), strata.h and the libstrata.so.1 this package loaded, and cached under
@@ -7,6 +8,7 @@ $STRATA_JAX_FFI_CACHE (default ~/.cache/strata/jax_ffi), keyed by everything tha
 $STRATA_JAX_FFI_LIBRARY names a prebuilt one instead; `python -m strata.jax._ffi [DIR]` builds
 it (into DIR) and prints its path. No CUDA toolkit is needed: the CUDA handlers reach the
 driver at run time."""
+import concurrent.futures
 import ctypes
 import hashlib
 import itertools
@@ -26,8 +28,14 @@ from ..core import BACKWARD, FORWARD
 
 _SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "strata_jax_ffi.cc"
 ACQUIRE, RELEASE = "strata_jax_acquire", "strata_jax_release"
+BEGIN, END = "strata_jax_begin", "strata_jax_end"
+TRAIN, EVAL = 0, 1  # the begin and end ops' modes
+# The begin op's hook: (session, step, message, capacity) -> 0, or nonzero with the message.
+HOOK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p,
+                        ctypes.c_size_t)
+_TARGETS = ((ACQUIRE, "Acquire"), (RELEASE, "Release"), (BEGIN, "Begin"), (END, "End"))
 _lock = threading.Lock()
-_state = {"lib": None, "error": None}
+_state = {"lib": None, "error": None, "build": None}
 _sessions = itertools.count(1)
 
 
@@ -127,6 +135,26 @@ def _platforms():
         return {"cpu"}
 
 
+def start_build():
+    """Start compiling the library on a thread (unless it is loaded, prebuilt, failed or being
+    built): load() waits for it. The compile is a subprocess (about 15 s the first time on a
+    machine), so it overlaps the trainer's setup (reading the blocks, creating the runtime)."""
+    with _lock:
+        if any(_state[k] is not None for k in ("lib", "error", "build")) or \
+                os.environ.get("STRATA_JAX_FFI_LIBRARY"):
+            return
+        future = concurrent.futures.Future()
+
+        def run():
+            try:
+                future.set_result(build())
+            except BaseException as e:  # noqa: BLE001: load() raises it
+                future.set_exception(e)
+
+        _state["build"] = future
+        threading.Thread(target=run, name="strata-jax-ffi-build", daemon=True).start()
+
+
 def load():
     """The loaded FFI library with its targets registered with JAX (once per process).
     Raises FfiUnavailable with the reason when it cannot be had."""
@@ -136,7 +164,9 @@ def load():
         if _state["error"] is not None:
             raise FfiUnavailable(_state["error"])
         try:
-            path = os.environ.get("STRATA_JAX_FFI_LIBRARY") or build()
+            building = _state["build"]
+            path = os.environ.get("STRATA_JAX_FFI_LIBRARY") or (
+                building.result() if building is not None else build())
             lib = ctypes.CDLL(path)
             lib.strata_jax_ffi_strata_version_address.restype = ctypes.c_void_p
             ours = ctypes.cast(_lib.lib.strata_version, ctypes.c_void_p).value
@@ -149,19 +179,22 @@ def load():
             lib.strata_jax_ffi_bind.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint32,
                                                 ctypes.c_uint32,
                                                 ctypes.POINTER(ctypes.c_uint64)]
-            lib.strata_jax_ffi_reset.argtypes = [ctypes.c_uint64]
             lib.strata_jax_ffi_unbind.argtypes = [ctypes.c_uint64]
-            jax.ffi.register_ffi_target(ACQUIRE, jax.ffi.pycapsule(lib.StrataJaxAcquireHost),
-                                        platform="cpu")
-            jax.ffi.register_ffi_target(RELEASE, jax.ffi.pycapsule(lib.StrataJaxReleaseHost),
-                                        platform="cpu")
-            if "gpu" in _platforms():
-                jax.ffi.register_ffi_target(ACQUIRE,
-                                            jax.ffi.pycapsule(lib.StrataJaxAcquireCuda),
-                                            platform="CUDA")
-                jax.ffi.register_ffi_target(RELEASE,
-                                            jax.ffi.pycapsule(lib.StrataJaxReleaseCuda),
-                                            platform="CUDA")
+            lib.strata_jax_ffi_set_hook.argtypes = [ctypes.c_uint64, HOOK]
+            lib.strata_jax_ffi_state.argtypes = [ctypes.c_uint64] + [ctypes.c_void_p] * 3
+            lib.strata_jax_ffi_set_steps.argtypes = [ctypes.c_uint64, ctypes.c_uint64]
+            lib.strata_jax_ffi_abandon.argtypes = [ctypes.c_uint64, ctypes.c_void_p]
+            lib.strata_jax_ffi_copy_to_host.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                                        ctypes.c_uint64]
+            gpu = "gpu" in _platforms()
+            for target, name in _TARGETS:
+                jax.ffi.register_ffi_target(
+                    target, jax.ffi.pycapsule(getattr(lib, "StrataJax%sHost" % name)),
+                    platform="cpu")
+                if gpu:
+                    jax.ffi.register_ffi_target(
+                        target, jax.ffi.pycapsule(getattr(lib, "StrataJax%sCuda" % name)),
+                        platform="CUDA")
         except FfiUnavailable as e:
             _state["error"] = str(e)
             raise
@@ -177,12 +210,20 @@ def _check(lib, rc, what):
         raise RuntimeError("strata.jax ffi: %s: %s" % (what, lib.strata_jax_ffi_error().decode()))
 
 
+def copy_to_host(dst, src, nbytes):
+    """Copy nbytes from device address src to host address dst (synchronous; the driver's
+    cuMemcpy in the context owning src)."""
+    lib = load()
+    _check(lib, lib.strata_jax_ffi_copy_to_host(dst, src, nbytes), "copy_to_host")
+
+
 class Session:
     """One trainer's binding of its executor to the ops of its compiled step."""
 
     def __init__(self):
         self.lib = load()
         self.id = next(_sessions)
+        self._hook = None  # the ctypes callback, kept alive while the library may call it
 
     def bind(self, executor, layer_bytes):
         """layer_bytes: per layer, each weight's size in bytes (in the ops' result order)."""
@@ -191,8 +232,37 @@ class Session:
         _check(self.lib, self.lib.strata_jax_ffi_bind(self.id, executor.handle, layers, leaves,
                                                       flat), "bind")
 
-    def reset(self):
-        _check(self.lib, self.lib.strata_jax_ffi_reset(self.id), "reset")
+    def set_hook(self, fn):
+        """fn(step) runs in the begin op of each training step, before the executor's step
+        begins (on XLA's thread, holding the GIL); an exception fails the op with its text."""
+        def hook(_session, step, message, capacity):
+            try:
+                fn(int(step))
+                return 0
+            except BaseException as e:  # noqa: BLE001: reported through the op's error
+                text = ("%s: %s" % (type(e).__name__, e)).encode()[:capacity - 1]
+                ctypes.memmove(message, text, len(text))
+                return 1
+
+        self._hook = HOOK(hook)
+        _check(self.lib, self.lib.strata_jax_ffi_set_hook(self.id, self._hook), "set_hook")
+
+    def state(self):
+        """(steps ended, steps abandoned, whether a step is open)."""
+        steps, abandoned, open_ = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int()
+        _check(self.lib, self.lib.strata_jax_ffi_state(self.id, ctypes.byref(steps),
+                                                       ctypes.byref(abandoned),
+                                                       ctypes.byref(open_)), "state")
+        return steps.value, abandoned.value, bool(open_.value)
+
+    def set_steps(self, steps):
+        _check(self.lib, self.lib.strata_jax_ffi_set_steps(self.id, int(steps)), "set_steps")
+
+    def abandon(self):
+        """Abandon a step left open by a failed program; True if there was one."""
+        out = ctypes.c_int()
+        _check(self.lib, self.lib.strata_jax_ffi_abandon(self.id, ctypes.byref(out)), "abandon")
+        return bool(out.value)
 
     def close(self):
         if self.lib is not None:
@@ -207,6 +277,18 @@ class Session:
             token, dep, session=np.uint64(self.id), layer=np.int64(layer),
             phase=np.int32(FORWARD if phase == FORWARD else BACKWARD))
         return out[0], list(out[1:])
+
+    def begin(self, token, mode=TRAIN):
+        """The executor's step begins (mode EVAL: a forward-only one); returns the token."""
+        return jax.ffi.ffi_call(BEGIN, jax.ShapeDtypeStruct((), np.uint32),
+                                has_side_effect=True)(token, session=np.uint64(self.id),
+                                                      mode=np.int32(mode))
+
+    def end(self, token, mode=TRAIN):
+        """The executor's step ends (mode EVAL: is abandoned); returns the token."""
+        return jax.ffi.ffi_call(END, jax.ShapeDtypeStruct((), np.uint32),
+                                has_side_effect=True)(token, session=np.uint64(self.id),
+                                                      mode=np.int32(mode))
 
     def release(self, token, grads):
         """Hand the acquired backward layer its grads and release it; returns the token."""

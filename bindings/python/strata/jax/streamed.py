@@ -15,6 +15,7 @@ updated as soon as its grads land. See docs/python-guide.md and docs/python-refe
 import json
 import os
 import shutil
+import time
 import warnings
 
 import jax
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import core
-from . import _ffi
+from . import _ffi, _weights
 from ..core import BACKWARD, FORWARD, VIEW_GRAD, VIEW_WEIGHT
 
 # The dtypes Strata's optimizer trains (working copies and grads; masters are fp32).
@@ -112,9 +113,29 @@ class AdamW:
                 _lookup(g.get("weight_decay", self.weight_decay), step))
 
 
+def _array(leaf):
+    """A leaf as it is when a JAX array (it stays on its device), else as a numpy array."""
+    return leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+
+
+class _StackedLayers:
+    """Stacked leaves per layer: layer i's slices, taken when the layer is indexed (on the
+    leaves' device for JAX arrays)."""
+
+    def __init__(self, leaves, layers):
+        self.leaves, self.layers = leaves, layers
+
+    def __len__(self):
+        return self.layers
+
+    def __getitem__(self, i):
+        return [leaf[i] for leaf in self.leaves]
+
+
 class _ListedLayers:
-    """Listed blocks' leaves per layer as numpy arrays, read from the blocks when a layer is
-    indexed (a lazy sequence of blocks builds each block then, one at a time)."""
+    """Listed blocks' leaves per layer (numpy arrays, or JAX arrays where given), read from the
+    blocks when a layer is indexed (a lazy sequence of blocks builds each block then, one at a
+    time)."""
 
     def __init__(self, blocks):
         self.blocks = blocks
@@ -123,7 +144,7 @@ class _ListedLayers:
         return len(self.blocks)
 
     def __getitem__(self, i):
-        return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(self.blocks[i])]
+        return [_array(leaf) for leaf in jax.tree_util.tree_leaves(self.blocks[i])]
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -153,18 +174,37 @@ class Trainer:
     "host" (None: cuda when JAX's default device is a GPU). Budgets in bytes (None: from the
     model's size); nvme: paths for the NVMe tier.
 
-    ffi: run each step as one XLA program whose acquire and release of the blocks are XLA FFI
-    custom calls (no host synchronization per layer; docs/python-reference.md). None (the default): when
+    ffi: run each step as one XLA program whose begin and end of the executor's step and
+    acquire and release of the blocks are XLA FFI custom calls (no host call inside a step;
+    docs/python-reference.md). None (the default): when
     the FFI library can be built and loaded here and JAX's device matches the backend (a GPU
     with cuda, the CPU with host), else the host-synchronised loop (with a warning saying why);
     $STRATA_JAX_FFI=0 or 1 overrides None. True: required (raises if unavailable); False: the
     host-synchronised loop. scan: in the FFI program, loop over the blocks with jax.lax.scan
     (one compiled body; needs every block of one shape) rather than unrolled; None: scan when
-    the blocks' shapes allow."""
+    the blocks' shapes allow.
 
-    def __init__(self, block_fn, blocks, residents=None, *, embed_fn, loss_fn, optimizer=None,
-                 block_optimizer=None, stacked=None, dtype=None, gpu_budget=None,
-                 host_budget=None, nvme=None, backend=None, slot_budget=0, ffi=None, scan=None):
+    Inside your own jax.jit: trainer.apply_blocks(hidden, *extras) is the streamed blocks as a
+    differentiable JAX function (FFI path only), so your jitted step can embed, run the blocks,
+    compute its loss and metrics and update the residents with your optax; embed_fn and
+    loss_fn may then be None (step() needs them). Each differentiated call is one step of the
+    blocks (their grads go to Strata's AdamW); see apply_blocks.
+
+    Setup: block values may be numpy arrays or JAX arrays on any device; JAX arrays on the GPU
+    are converted there and copied straight into Strata's pinned memory (build the model on the
+    device for the fastest setup). A lazy sequence of listed blocks is indexed twice per block
+    (shapes first, then values). setup_seconds says where the construction's time went, per
+    phase."""
+
+    def __init__(self, block_fn, blocks, residents=None, *, embed_fn=None, loss_fn=None,
+                 optimizer=None, block_optimizer=None, stacked=None, dtype=None,
+                 gpu_budget=None, host_budget=None, nvme=None, backend=None, slot_budget=0,
+                 ffi=None, scan=None):
+        self.setup_seconds = {}
+        started = time.perf_counter()
+        if (embed_fn is None) != (loss_fn is None):
+            raise TypeError("strata.jax: give both embed_fn and loss_fn (for step()), or neither "
+                            "(your own jitted step calls trainer.apply_blocks)")
         self.block_fn, self.embed_fn, self.loss_fn = block_fn, embed_fn, loss_fn
         self.block_optimizer = block_optimizer if block_optimizer is not None else AdamW()
         if not isinstance(self.block_optimizer, AdamW):
@@ -179,45 +219,115 @@ class Trainer:
         if backend is None:
             backend = "cuda" if self.device.platform == "gpu" else "host"
         self.stacked = not isinstance(blocks, (list, tuple)) if stacked is None else stacked
-        per_layer = self._split_blocks(blocks)  # per layer, its numpy leaves
+        ffi = self._ffi_choice(ffi, backend)
+        if ffi is not False:
+            _ffi.start_build()  # compiled (first use) while the blocks are read, runtime made
+        per_layer = self._split_blocks(blocks)  # per layer, its leaves (numpy or JAX arrays)
         self.layers = len(per_layer)
+        started = self._timed("check", started)
         itemsize = max(d.itemsize for d in self.leaf_dtypes)
         hbm, dram = core.streaming_budgets([sum(int(np.prod(s)) for s in shapes)
                                             for shapes in self.shapes], itemsize)
         self.scan = scan if scan is not None else all(s == self.shapes[0] for s in self.shapes)
         if self.scan and any(s != self.shapes[0] for s in self.shapes):
             raise ValueError("strata.jax: scan=True needs every block of one shape")
-        self._ffi = self._open_ffi(ffi, backend)
+        self.runtime = core.Runtime(backend=backend,
+                                    hbm_budget=hbm if gpu_budget is None else gpu_budget,
+                                    dram_budget=dram if host_budget is None else host_budget,
+                                    nvme=nvme)
+        started = self._timed("runtime", started)
         try:
-            self.runtime = core.Runtime(backend=backend,
-                                        hbm_budget=hbm if gpu_budget is None else gpu_budget,
-                                        dram_budget=dram if host_budget is None else host_budget,
-                                        nvme=nvme)
+            self._ffi = self._open_ffi(ffi)  # waits for the library's compile, if still running
         except BaseException:
-            if self._ffi is not None:
-                self._ffi.close()
+            self.runtime.close()
             raise
+        self._steps = 0  # the host loop's count (the FFI path counts in its session)
+        self._timed("ffi", started)
         try:
             self._register(per_layer, slot_budget)
             del per_layer
+            started = time.perf_counter()
             self._init_residents(residents, optimizer)
+            started = self._timed("residents", started)
+            if self._ffi is not None:
+                self._ffi.set_hook(self._set_hyperparameters)
+            self._compile()
+            self._timed("compile", started)
         except BaseException:
             if self._ffi is not None:
                 self._ffi.close()
             self.runtime.close()
             raise
-        self.step_count = 0
-        self._compile()
+
+    def _timed(self, phase, started):
+        now = time.perf_counter()
+        self.setup_seconds[phase] = self.setup_seconds.get(phase, 0.0) + now - started
+        return now
+
+    @property
+    def step_count(self):
+        """Training steps done (a step that raised is not counted)."""
+        return self._ffi.state()[0] if self._ffi is not None else self._steps
+
+    @step_count.setter
+    def step_count(self, value):
+        if self._ffi is not None:
+            self._ffi.set_steps(value)
+        self._steps = int(value)
+
+    def _set_hyperparameters(self, step):
+        """Each group's learning rate and weight decay for the step about to begin (the
+        optimizer reads them at the executor's step begin)."""
+        for group in range(len(self.block_optimizer.groups) + 1):
+            self.optimizer.set_group(group, *self.block_optimizer.hyper(group, step))
+
+    def apply_blocks(self, hidden, *extras):
+        """The streamed blocks applied to `hidden` (block_fn(block_i, x, *extras) for each
+        block in order), as a JAX function for use inside your own jax.jit (FFI path only).
+
+        Differentiated (jax.grad, value_and_grad, vjp of something that depends on `hidden`
+        or on an inexact extra), one call is one training step of the blocks: its forward pass
+        begins the executor's step and streams the blocks in, its backward pass streams them
+        again, hands their grads to Strata's AdamW (which updates each block as its grads land,
+        with this step's learning rate) and ends the step; grads flow back to `hidden` and to
+        the inexact extras as for any JAX function. Not differentiated, it is a forward-only
+        step (evaluation: nothing is updated). Call it once per step (per jitted call); the
+        block params are not arguments (Strata owns them: get_params reads them). A program
+        that fails mid-step leaves the step to be abandoned by the next one (its released
+        grads were applied; it is not counted), as step() does."""
+        if self._ffi is None:
+            raise RuntimeError("strata.jax: apply_blocks needs the XLA FFI ops (this trainer "
+                               "runs the host-synchronised loop: ffi=False, or the library is "
+                               "unavailable); use step()")
+        if self.runtime._handle is None:
+            raise ValueError("strata.jax: the trainer is closed")
+        return self._apply_blocks(hidden, *extras)
+
+    def _settle(self):
+        """Before host work on the blocks' state: wait for running programs (the outputs JAX
+        holds), abandon a step a failed program left open, wait for running updates."""
+        if self._ffi is None:
+            return
+        if self._ffi.state()[2]:
+            for a in jax.live_arrays():
+                try:
+                    a.block_until_ready()
+                except Exception:  # noqa: BLE001: a failed program's outputs
+                    pass
+            if self._ffi.abandon():
+                warnings.warn("strata.jax: a step that failed after it began was abandoned: "
+                              "blocks whose grads it had released were updated; it is not "
+                              "counted", RuntimeWarning, stacklevel=3)
 
     # -- construction --------------------------------------------------------------------
-    def _open_ffi(self, ffi, backend):
-        """The FFI session for this trainer, or None for the host-synchronised loop."""
+    def _ffi_choice(self, ffi, backend):
+        """ffi resolved: False (the host loop), True (required) or None (if available)."""
         if ffi is None:
             env = os.environ.get("STRATA_JAX_FFI", "")
             if env in ("0", "1"):
                 ffi = env == "1"
         if ffi is False:
-            return None
+            return False
         platform = self.device.platform
         if (backend == "cuda") != (platform == "gpu") or platform not in ("gpu", "cpu"):
             why = ("the FFI ops need JAX's device and Strata's backend to match (a GPU with "
@@ -225,6 +335,13 @@ class Trainer:
                    % (platform, backend))
             if ffi:
                 raise ValueError("strata.jax: ffi=True: " + why)
+            return False
+        return ffi
+
+    def _open_ffi(self, ffi):
+        """The FFI session for this trainer (ffi: _ffi_choice's), or None for the
+        host-synchronised loop."""
+        if ffi is False:
             return None
         try:
             return _ffi.Session()
@@ -264,9 +381,9 @@ class Trainer:
                 raise ValueError("strata.jax: stacked block leaves disagree on the layer count "
                                  "(leading axis): %s" % {n: l.shape[0] for n, (_, l) in
                                                          zip(names, flat)})
-            hosts = [np.asarray(leaf) for _, leaf in flat]
-            per_layer = [[h[i] for h in hosts] for i in range(counts.pop())]
-            metas = [[(a.shape, a.dtype) for a in leaves] for leaves in per_layer]
+            leaves = [_array(leaf) for _, leaf in flat]
+            per_layer = _StackedLayers(leaves, counts.pop())
+            metas = [[(a.shape[1:], a.dtype) for a in leaves]] * len(per_layer)
         else:
             if len(blocks) == 0:
                 raise ValueError("strata.jax: no blocks")
@@ -321,28 +438,52 @@ class Trainer:
                                         beta2=opt.b2, eps=opt.eps, threads=opt.threads)
         self.leaf_groups = [opt.group_of(n) for n in self.names]
         self.weights, self.grads = [], []
-        for i, leaves in enumerate(per_layer):
-            ws, gs = [], []
-            for name, value, d, group in zip(self.names, leaves, self.leaf_dtypes,
-                                             self.leaf_groups):
-                full = "layers.%d.%s" % (i, name)
-                w = self.runtime.register(full, value.shape, _DTYPE_NAMES[d], "weight")
-                g = self.runtime.register(full + ".grad", value.shape, _DTYPE_NAMES[d], "grad")
-                working = np.ascontiguousarray(value.astype(d))
-                w.write_pointer(working.ctypes.data, working.nbytes)
-                self.optimizer.add_param(w, g, group=group)
-                if value.dtype == np.float32 and d != jnp.float32:
-                    # The master starts from the fp32 values, not their rounded copy.
-                    master = np.ascontiguousarray(value)
-                    self.optimizer.state(w, "master").write_pointer(master.ctypes.data,
-                                                                    master.nbytes)
-                ws.append(w)
-                gs.append(g)
-            self.weights.append(ws)
-            self.grads.append(gs)
+        t = time.perf_counter()
+        with self._writer() as writer:
+            for i in range(self.layers):
+                leaves = per_layer[i]
+                t = self._timed("read", t)  # a lazy sequence builds the block here
+                ws, gs = [], []
+                for name, shape, d in zip(self.names, self.shapes[i], self.leaf_dtypes):
+                    full = "layers.%d.%s" % (i, name)
+                    ws.append(self.runtime.register(full, shape, _DTYPE_NAMES[d], "weight"))
+                    gs.append(self.runtime.register(full + ".grad", shape, _DTYPE_NAMES[d],
+                                                    "grad"))
+                self.weights.append(ws)
+                self.grads.append(gs)
+                t = self._timed("register", t)
+                self._write_layer(writer, i, leaves, new=True)
+                t = time.perf_counter()
         self._slot_budget = slot_budget
         self.executor = None
         self._new_executor()
+        self._timed("executor", t)
+
+    def _writer(self):
+        return _weights.Writer(self.device,
+                               _ffi.copy_to_host if self._ffi is not None else None)
+
+    def _write_layer(self, writer, i, leaves, new=False):
+        """Layer i's values into its weights (converted to the compute dtype where they are: on
+        the device for JAX arrays there) and, trained in a narrower dtype, into its fp32 masters
+        (from fp32 values; else widened from the weights). new: add the params to the
+        optimizer between the two (its state is made there, the master widened from the
+        weight)."""
+        t = time.perf_counter()
+        staged = [writer.stage(v, d) for v, d in zip(leaves, self.leaf_dtypes)]
+        for w, value, d in zip(self.weights[i], staged, self.leaf_dtypes):
+            writer.write(w, value, d)
+        t = self._timed("weights", t) if new else t
+        for w, g, value, d, group in zip(self.weights[i], self.grads[i], leaves,
+                                         self.leaf_dtypes, self.leaf_groups):
+            if new:
+                self.optimizer.add_param(w, g, group=group)
+            # A new param's master is its weight widened (add_param): fp32 values replace it,
+            # so it starts from them, not their rounded copy; set_params writes it from any.
+            if d != jnp.float32 and (value.dtype == np.float32 or not new):
+                writer.write(self.optimizer.state(w, "master"), value, np.float32)
+        if new:
+            self._timed("optimizer_state", t)
 
     def _new_executor(self):
         if self.executor is not None:
@@ -397,9 +538,10 @@ class Trainer:
             hidden, extras = _normalize_embed(embed_fn(r, batch))
             return hidden, extras
 
-        self._embed = jax.jit(embed)
-        self._head = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
-        self._loss = jax.jit(loss_fn)
+        if embed_fn is not None:
+            self._embed = jax.jit(embed)
+            self._head = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
+            self._loss = jax.jit(loss_fn)
         opt = self.resident_optimizer
 
         def finish(r, opt_state, batch, g_head, g_x, g_diff, mask):
@@ -422,61 +564,128 @@ class Trainer:
         self._finish = jax.jit(finish, static_argnums=(6,))
         self._probe = jax.jit(lambda: jnp.zeros((), jnp.int32))
         if self._ffi is not None:
-            self._program = jax.jit(self._ffi_program(call_block, backward, embed, finish))
+            self._apply_blocks = self._ffi_apply(call_block, backward)
+            if embed_fn is not None:
+                self._program = jax.jit(self._ffi_program(embed, opt))
 
-    def _ffi_program(self, call_block, backward, embed, finish):
-        """The whole step as one function for jax.jit: embed, the blocks' forward (acquire op,
-        block), the head's value and grad, the blocks' backward (acquire op, recomputed vjp,
-        release op with the grads), the embedding's vjp and the residents' optax update."""
-        session, layers, loss_fn, scan = self._ffi, self.layers, self.loss_fn, self.scan
+    def _ffi_apply(self, call_block, backward):
+        """The streamed blocks as a differentiable JAX function f(x, diff, const) -> x for one
+        (mask, extras_def): a jax.custom_vjp whose forward begins the executor's step (begin op)
+        and runs the blocks (acquire op, block), and whose backward runs them in reverse
+        (acquire op, recomputed vjp, release op with the grads) and ends the step (end op).
+        Called without differentiation: a forward-only step, abandoned at its end."""
+        session, layers, scan = self._ffi, self.layers, self.scan
 
         def shapes(layer):
             return [jax.ShapeDtypeStruct(s, d) for s, d in zip(self.shapes[layer],
                                                                self.leaf_dtypes)]
 
-        def program(r, opt_state, batch):
-            hidden, extras = embed(r, batch)
-            leaves, extras_def = jax.tree_util.tree_flatten(extras)
+        def build(mask, extras_def):
+            def forward(x, diff, const, mode):
+                token = session.begin(jnp.zeros((), jnp.uint32), mode)
+                # Each acquire takes the hidden state (its grad in the backward pass) as an
+                # operand: XLA cannot issue it before the previous block, so at most one
+                # block's weights (and the slots Strata prefetches into) are in HBM at a time.
+                if scan:
+                    def body(carry, _):
+                        x_, tok = carry
+                        tok, w = session.acquire(tok, x_, FORWARD, shapes(0))
+                        return (call_block(w, x_, diff, const, mask, extras_def), tok), x_
+
+                    (x, token), inputs = jax.lax.scan(body, (x, token), None, length=layers)
+                else:
+                    inputs = []
+                    for layer in range(layers):
+                        token, w = session.acquire(token, x, FORWARD, shapes(layer), layer)
+                        inputs.append(x)
+                        x = call_block(w, x, diff, const, mask, extras_def)
+                return x, inputs, token
+
+            @jax.custom_vjp
+            def apply(x, diff, const):
+                x, _, token = forward(x, diff, const, _ffi.EVAL)
+                session.end(token, _ffi.EVAL)
+                return x
+
+            def apply_fwd(x, diff, const):
+                x, inputs, token = forward(x, diff, const, _ffi.TRAIN)
+                return x, (inputs, diff, const, token)
+
+            def apply_bwd(res, g_x):
+                inputs, diff, const, token = res
+                acc = [jnp.zeros_like(d) for d in diff]
+                if scan:
+                    def body(carry, x_in):
+                        g, acc_, tok = carry
+                        tok, w = session.acquire(tok, g, BACKWARD, shapes(0))
+                        g_w, g, acc_ = backward(w, x_in, diff, const, g, acc_, mask, extras_def)
+                        return (g, acc_, session.release(tok, g_w)), None
+
+                    (g_x, acc, token), _ = jax.lax.scan(body, (g_x, acc, token), inputs,
+                                                        reverse=True)
+                else:
+                    for layer in reversed(range(layers)):
+                        token, w = session.acquire(token, g_x, BACKWARD, shapes(layer), layer)
+                        g_w, g_x, acc = backward(w, inputs[layer], diff, const, g_x, acc, mask,
+                                                 extras_def)
+                        token = session.release(token, g_w)
+                session.end(token, _ffi.TRAIN)
+                return g_x, list(acc), [None] * len(const)
+
+            apply.defvjp(apply_fwd, apply_bwd)
+            return apply
+
+        cache = {}
+
+        def apply_blocks(hidden, *extras):
+            leaves, extras_def = jax.tree_util.tree_flatten(tuple(extras))
             mask = tuple(bool(jnp.issubdtype(jnp.asarray(e).dtype, jnp.inexact))
                          for e in leaves)
             diff = [e for e, m in zip(leaves, mask) if m]
             const = [e for e, m in zip(leaves, mask) if not m]
-            token = jnp.zeros((), jnp.uint32)
-            # Each acquire takes the hidden state (its grad in the backward pass) as an operand:
-            # XLA cannot issue it before the previous block, so at most one block's weights
-            # (and the slots Strata prefetches into) are in HBM at a time.
-            if scan:
-                def forward(carry, _):
-                    x, tok = carry
-                    tok, w = session.acquire(tok, x, FORWARD, shapes(0))
-                    return (call_block(w, x, diff, const, mask, extras_def), tok), x
+            key = (mask, extras_def)
+            if key not in cache:
+                cache[key] = build(mask, extras_def)
+            return cache[key](hidden, diff, const)
 
-                (x, token), inputs = jax.lax.scan(forward, (hidden, token), None, length=layers)
-            else:
-                x, inputs = hidden, []
-                for layer in range(layers):
-                    token, w = session.acquire(token, x, FORWARD, shapes(layer), layer)
-                    inputs.append(x)
-                    x = call_block(w, x, diff, const, mask, extras_def)
-            loss, (g_head, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1))(r, x, batch)
-            acc = [jnp.zeros_like(d) for d in diff]
-            if scan:
-                def backward_step(carry, x_in):
-                    g, acc_, tok = carry
-                    tok, w = session.acquire(tok, g, BACKWARD, shapes(0))
-                    g_w, g, acc_ = backward(w, x_in, diff, const, g, acc_, mask, extras_def)
-                    return (g, acc_, session.release(tok, g_w)), None
+        return apply_blocks
 
-                (g_x, acc, token), _ = jax.lax.scan(backward_step, (g_x, acc, token), inputs,
-                                                    reverse=True)
-            else:
-                for layer in reversed(range(layers)):
-                    token, w = session.acquire(token, g_x, BACKWARD, shapes(layer), layer)
-                    g_w, g_x, acc = backward(w, inputs[layer], diff, const, g_x, acc, mask,
-                                             extras_def)
-                    token = session.release(token, g_w)
-            r, opt_state = finish(r, opt_state, batch, g_head, g_x, acc, mask)
-            return loss, r, opt_state, token
+    def _ffi_program(self, embed, opt):
+        """Trainer.step as one function for jax.jit: embed, the streamed blocks
+        (apply_blocks: the executor's whole step as ops), the head's loss; the grads of the
+        head, the blocks' input and the extras, the embedding's vjp, the residents' optax
+        update. The blocks are differentiated through their input, so they train even with
+        frozen residents."""
+        apply_blocks, loss_fn = self.apply_blocks, self.loss_fn
+
+        def program(r, opt_state, batch):
+            def split(r_):
+                hidden, extras = embed(r_, batch)
+                leaves, extras_def = jax.tree_util.tree_flatten(extras)
+                mask = [bool(jnp.issubdtype(jnp.asarray(e).dtype, jnp.inexact))
+                        for e in leaves]
+                return (hidden, [e for e, m in zip(leaves, mask) if m]), (leaves, extras_def,
+                                                                          mask)
+
+            (hidden, diff), embed_vjp, (leaves, extras_def, mask) = jax.vjp(split, r,
+                                                                            has_aux=True)
+
+            def head(r_, x, d):
+                it = iter(d)
+                merged = [next(it) if m else e for e, m in zip(leaves, mask)]
+                extras = jax.tree_util.tree_unflatten(extras_def, merged)
+                return loss_fn(r_, apply_blocks(x, *extras), batch)
+
+            loss, (g_head, g_x, g_diff) = jax.value_and_grad(head, argnums=(0, 1, 2))(
+                r, hidden, diff)
+            (g_embed,) = embed_vjp((g_x, g_diff))
+            if opt is None:
+                return loss, r, opt_state
+            grads = jax.tree_util.tree_map(jnp.add, g_head, g_embed)
+            updates, opt_state = opt.update(grads, opt_state, r)
+            r = jax.tree_util.tree_map(
+                lambda p, u: jnp.asarray(p + u).astype(jnp.asarray(p).dtype), r, updates)
+            return loss, r, opt_state
 
         return program
 
@@ -516,11 +725,13 @@ class Trainer:
         the blocks whose grads were released were updated and the step is not counted."""
         if self.runtime._handle is None:
             raise ValueError("strata.jax: the trainer is closed")
+        if self.embed_fn is None:
+            raise TypeError("strata.jax: step() needs embed_fn and loss_fn (this trainer was made "
+                            "without them: call trainer.apply_blocks in your own jitted step)")
         if self._ffi is not None:
             return self._step_ffi(batch)
         hidden, diff, const, mask, extras_def = self._prepare(batch, "step")
-        for group in range(len(self.block_optimizer.groups) + 1):
-            self.optimizer.set_group(group, *self.block_optimizer.hyper(group, self.step_count))
+        self._set_hyperparameters(self.step_count)
         ex = self.executor
         released = 0
         live = None
@@ -559,30 +770,23 @@ class Trainer:
             raise
         self.residents, self.opt_state = self._finish(self.residents, self.opt_state, batch,
                                                       g_head, g_x, acc, mask)
-        self.step_count += 1
+        self._steps += 1
         return float(loss)
 
     def _step_ffi(self, batch):
-        """The step as one XLA program (see _ffi_program); the host waits once, at the end."""
+        """The step as one XLA program whose begin, acquire, release and end ops drive the
+        executor (see _ffi_program); the host waits once, for the loss."""
         self._check_not_traced(batch, "step")
-        for group in range(len(self.block_optimizer.groups) + 1):
-            self.optimizer.set_group(group, *self.block_optimizer.hyper(group, self.step_count))
-        ex = self.executor
-        self._ffi.reset()
-        ex.step_begin()
+        self._settle()
         out = None
         try:
             out = self._program(self.residents, self.opt_state, batch)
-            # Once per step: every op of the program has run (the last release's token), so
-            # the executor's step can end (which waits for the last grads to reach DRAM).
             jax.block_until_ready(out)
-            ex.step_end()
         except BaseException:
             # Traced but failed while running: some blocks may have released their grads.
             self._abort(out, 1 if out is not None else 0, exact=False)
             raise
-        loss, self.residents, self.opt_state, _ = out
-        self.step_count += 1
+        loss, self.residents, self.opt_state = out
         return float(loss)
 
     def _abort(self, live, released, exact=True):
@@ -614,6 +818,7 @@ class Trainer:
         """The loss on `batch` without grads or updates: each block's weights are read from
         DRAM (after running updates finish), not streamed by the executor."""
         hidden, diff, const, mask, extras_def = self._prepare(batch, "evaluate")
+        self._settle()
         self.optimizer.synchronize()
         x = hidden
         for layer in range(self.layers):
@@ -624,6 +829,7 @@ class Trainer:
     def get_params(self, masters=False):
         """(blocks, residents): the blocks as numpy arrays in the form they were given (stacked
         or listed), in the compute dtype (masters=True: the fp32 masters), and the residents."""
+        self._settle()
         self.optimizer.synchronize()
         layers = [self._read_layer(i, masters) for i in range(self.layers)]
         if self.stacked:
@@ -639,15 +845,11 @@ class Trainer:
         optimizer state. Same form, structure, shapes as given at construction."""
         if blocks is not None:
             per_layer = self._split_blocks_like(blocks)
+            self._settle()
             self.optimizer.synchronize()
-            for ws, leaves in zip(self.weights, per_layer):
-                for w, value, d in zip(ws, leaves, self.leaf_dtypes):
-                    working = np.ascontiguousarray(value.astype(d))
-                    w.write_pointer(working.ctypes.data, working.nbytes)
-                    if d != jnp.float32:
-                        master = np.ascontiguousarray(value.astype(np.float32))
-                        self.optimizer.state(w, "master").write_pointer(master.ctypes.data,
-                                                                        master.nbytes)
+            with self._writer() as writer:
+                for i in range(self.layers):
+                    self._write_layer(writer, i, per_layer[i])
         if residents is not None:
             new, old = jax.tree_util.tree_structure(residents), \
                 jax.tree_util.tree_structure(self.residents)
@@ -688,6 +890,7 @@ class Trainer:
         residents, the optax state and the step count (path/jax.npz). Written to
         "<path>.partial" and renamed into place, so a crash leaves the previous one whole."""
         path = os.fspath(path)
+        self._settle()
         tmp = path + ".partial"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -736,6 +939,7 @@ class Trainer:
                                  "checkpoint, %s%s here" % (i, dtype, shape, t.dtype,
                                                             list(t.shape)))
             values.append(r.view(t.dtype).reshape(t.shape))
+        self._settle()
         self.runtime.load_checkpoint(os.path.join(path, "strata"), self.optimizer)
         tree = jax.tree_util.tree_unflatten(treedef, values)
         self.residents, self.opt_state = jax.device_put(tree, self.device)
@@ -743,9 +947,12 @@ class Trainer:
 
     def synchronize(self):
         """Wait for the blocks' running updates."""
+        self._settle()
         self.optimizer.synchronize()
 
     def close(self):
+        if self._ffi is not None and self.runtime._handle is not None:
+            self._settle()
         if self._ffi is not None:
             self._ffi.close()
         self.runtime.close()

@@ -6,7 +6,7 @@
 // ABI only, linked against the libstrata.so.1 the Python package loaded (same instance: the
 // Python side checks that strata_version resolves to one address in both). It needs no CUDA
 // toolkit: the CUDA handlers reach the driver (libcuda.so.1, already loaded by XLA) through a
-// five-function shim opened at first use, as kvikio does.
+// small shim opened at first use, as kvikio does.
 //
 // Ops (docs/python-reference.md, "The XLA FFI path"):
 //   strata_acquire(token, dep) -> (token, weights...)    attributes: session, layer, phase
@@ -20,6 +20,17 @@
 //     Copies each grad into the acquired backward layer's grad views on the stream, then
 //     strata_layer_release on it: Strata records its event there, the D2H copies and the CPU
 //     optimizer's update follow.
+//   strata_begin(token) -> token                        attributes: session, mode
+//     Begins the executor's step: a step the session left open (its program failed after its
+//     begin) is abandoned first (strata_step_abort); the session's hook (the Python side:
+//     the step's learning rates and weight decays, read by the optimizer at strata_step_begin)
+//     runs; the layer cursors go back to the first layer; strata_step_begin. mode 1: a
+//     forward-only step (evaluation), which strata_end abandons instead of ending.
+//   strata_end(token) -> token                          attributes: session, mode
+//     Ends the step (strata_step_end: blocks until the last grads have landed in DRAM) and
+//     counts it; mode 1: strata_step_abort (nothing was released for the optimizer).
+// With begin and end as ops, a whole training step needs no host call: a user's own jitted
+// function can run the streamed blocks (docs/python-reference.md, "Inside your own jax.jit").
 // `token` (a u32 scalar whose value means nothing) chains the ops so XLA keeps them in the
 // executor's order; `dep` (the hidden state, or its grad) keeps an acquire after the previous
 // block's compute, so XLA cannot hoist it (and hold every layer's weights at once). Both ops
@@ -54,6 +65,12 @@ using CUdeviceptr = unsigned long long;  // NOLINT: the driver's type
 
 struct Driver {
   CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+  // For strata_jax_ffi_copy_to_host only (its own error when missing):
+  CUresult (*memcpy)(CUdeviceptr, CUdeviceptr, size_t) = nullptr;
+  CUresult (*pointer_get_attribute)(void*, int, CUdeviceptr) = nullptr;
+  CUresult (*device_get)(int*, int) = nullptr;
+  CUresult (*primary_ctx_retain)(CUcontext*, int) = nullptr;
+  CUresult (*primary_ctx_release)(int) = nullptr;
   CUresult (*stream_get_ctx)(CUstream, CUcontext*) = nullptr;
   CUresult (*ctx_get_current)(CUcontext*) = nullptr;
   CUresult (*ctx_set_current)(CUcontext) = nullptr;
@@ -75,6 +92,14 @@ const Driver& driver() {
       if (*fn == nullptr && out.error.empty()) out.error = std::string("libcuda lacks ") + name;
     };
     sym("cuMemcpyAsync", &out.memcpy_async);
+    auto optional = [&](const char* name, auto* fn) {
+      *reinterpret_cast<void**>(fn) = dlsym(lib, name);
+    };
+    optional("cuMemcpy", &out.memcpy);
+    optional("cuPointerGetAttribute", &out.pointer_get_attribute);
+    optional("cuDeviceGet", &out.device_get);
+    optional("cuDevicePrimaryCtxRetain", &out.primary_ctx_retain);
+    optional("cuDevicePrimaryCtxRelease_v2", &out.primary_ctx_release);
     sym("cuStreamGetCtx", &out.stream_get_ctx);
     sym("cuCtxGetCurrent", &out.ctx_get_current);
     sym("cuCtxSetCurrent", &out.ctx_set_current);
@@ -118,7 +143,22 @@ struct Session {
   uint32_t backward_next = 0;   // counts down from layers
   int64_t acquired = -1;        // the backward layer acquired (its grads go to release)
   std::vector<void*> grad_views;
+  bool open = false;       // a step begun by the begin op and not yet ended or abandoned
+  bool open_eval = false;  // the open step is forward-only
+  uint64_t steps = 0;      // training steps the end op ended (the Python side's step count)
+  uint64_t abandoned = 0;  // steps the begin op found open and abandoned
+  // Called by the begin op before strata_step_begin with the step's number; nonzero fails the
+  // op with the message it wrote (at most `capacity` bytes, NUL-terminated).
+  int (*hook)(uint64_t session, uint64_t step, char* message, size_t capacity) = nullptr;
 };
+
+// Abandon the session's open step (lock held): the acquired layer is released on `stream`.
+strata_status_t abandon(Session& s, void* stream) {
+  s.open = false;
+  s.acquired = -1;
+  s.grad_views.clear();
+  return strata_step_abort(s.executor, stream);
+}
 
 std::mutex g_sessions_mutex;
 std::map<uint64_t, std::shared_ptr<Session>> g_sessions;
@@ -186,7 +226,13 @@ ffi::Error acquire(CUstream stream, bool cuda, uint64_t session, int64_t layer_a
   if (strata_status_t st = strata_layer_acquire(s->executor, l, phase, cuda ? stream : nullptr,
                                                 STRATA_ACQUIRE_DEFAULT, &views);
       st != STRATA_OK) {
-    return strata_error("strata_layer_acquire", st, l);
+    ffi::Error e = strata_error("strata_layer_acquire", st, l);
+    if (!s->open) {
+      return ffi::Error::Internal(e.message() +
+                                  " (no step is open: is the streamed model called more than "
+                                  "once in one step, or outside its differentiated function?)");
+    }
+    return e;
   }
   ffi::Error failed = ffi::Error::Success();
   if (views.weight_count != s->leaves) {
@@ -271,6 +317,74 @@ ffi::Error release(CUstream stream, bool cuda, uint64_t session,
   return ffi::Error::Success();
 }
 
+ffi::Error begin(CUstream stream, bool cuda, uint64_t session, int32_t mode) {
+  std::shared_ptr<Session> s = find(session);
+  if (s == nullptr || s->executor == nullptr) {
+    return ffi::Error::InvalidArgument("strata.jax ffi: session " + std::to_string(session) +
+                                       " is not bound to an executor (the trainer is closed?)");
+  }
+  if (cuda) {
+    if (ffi::Error e = cuda_bind_context(stream); e.failure()) return e;
+  }
+  std::lock_guard lock(s->mutex);
+  if (s->open) {
+    // The program that began it failed before its end (an error in any of its ops): the grads
+    // it released were applied, the step is not counted (strata_step_abort's semantics).
+    ++s->abandoned;
+    if (strata_status_t st = abandon(*s, cuda ? stream : nullptr); st != STRATA_OK) {
+      return strata_error("strata_step_abort of the step left open", st, 0);
+    }
+  }
+  if (s->hook != nullptr && mode == 0) {
+    char message[1024] = {0};
+    if (s->hook(session, s->steps, message, sizeof message) != 0) {
+      return ffi::Error::Internal(std::string("strata.jax ffi: the step's begin hook: ") + message);
+    }
+  }
+  s->forward_next = 0;
+  s->backward_next = s->layers;
+  s->acquired = -1;
+  s->grad_views.clear();
+  if (strata_status_t st = strata_step_begin(s->executor); st != STRATA_OK) {
+    return strata_error("strata_step_begin", st, 0);
+  }
+  s->open = true;
+  s->open_eval = mode != 0;
+  return ffi::Error::Success();
+}
+
+ffi::Error end(CUstream stream, bool cuda, uint64_t session, int32_t mode) {
+  std::shared_ptr<Session> s = find(session);
+  if (s == nullptr || s->executor == nullptr) {
+    return ffi::Error::InvalidArgument("strata.jax ffi: session " + std::to_string(session) +
+                                       " is not bound to an executor");
+  }
+  if (cuda) {
+    if (ffi::Error e = cuda_bind_context(stream); e.failure()) return e;
+  }
+  std::lock_guard lock(s->mutex);
+  if (!s->open || s->open_eval != (mode != 0)) {
+    return ffi::Error::Internal(
+        "strata.jax ffi: step end without its begin (is the streamed model called more than once "
+        "in one step?)");
+  }
+  if (mode != 0) {
+    if (strata_status_t st = abandon(*s, cuda ? stream : nullptr); st != STRATA_OK) {
+      return strata_error("strata_step_abort (the end of a forward-only step)", st, 0);
+    }
+    return ffi::Error::Success();
+  }
+  strata_status_t st = strata_step_end(s->executor);
+  if (st != STRATA_OK) {
+    ffi::Error e = strata_error("strata_step_end", st, 0);
+    (void)abandon(*s, cuda ? stream : nullptr);
+    return e;
+  }
+  s->open = false;
+  ++s->steps;
+  return ffi::Error::Success();
+}
+
 // The bound signatures: the operands (token, dep / token) only order the ops.
 ffi::Error acquire_host(ffi::AnyBuffer, ffi::AnyBuffer, uint64_t session, int64_t layer,
                         int32_t phase, ffi::Result<ffi::AnyBuffer> token,
@@ -281,6 +395,20 @@ ffi::Error acquire_cuda(void* stream, ffi::AnyBuffer, ffi::AnyBuffer, uint64_t s
                         int64_t layer, int32_t phase, ffi::Result<ffi::AnyBuffer> token,
                         ffi::RemainingRets weights) {
   return acquire(stream, true, session, layer, phase, token, weights);
+}
+ffi::Error begin_host(ffi::AnyBuffer, uint64_t session, int32_t mode, ffi::Result<ffi::AnyBuffer>) {
+  return begin(nullptr, false, session, mode);
+}
+ffi::Error begin_cuda(void* stream, ffi::AnyBuffer, uint64_t session, int32_t mode,
+                      ffi::Result<ffi::AnyBuffer>) {
+  return begin(stream, true, session, mode);
+}
+ffi::Error end_host(ffi::AnyBuffer, uint64_t session, int32_t mode, ffi::Result<ffi::AnyBuffer>) {
+  return end(nullptr, false, session, mode);
+}
+ffi::Error end_cuda(void* stream, ffi::AnyBuffer, uint64_t session, int32_t mode,
+                    ffi::Result<ffi::AnyBuffer>) {
+  return end(stream, true, session, mode);
 }
 ffi::Error release_host(ffi::AnyBuffer, uint64_t session, ffi::Result<ffi::AnyBuffer> token,
                         ffi::RemainingArgs grads) {
@@ -335,6 +463,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataJaxReleaseCuda, release_cuda,
                                   .Ret<ffi::AnyBuffer>()
                                   .RemainingArgs(),
                               {});
+#define STRATA_STEP_HANDLER(name, fn, ...)                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, fn,                              \
+                                ffi::Ffi::Bind() __VA_ARGS__           \
+                                    .Arg<ffi::AnyBuffer>() /* token */ \
+                                    .Attr<uint64_t>("session")         \
+                                    .Attr<int32_t>("mode")             \
+                                    .Ret<ffi::AnyBuffer>(),            \
+                                {});
+STRATA_STEP_HANDLER(StrataJaxBeginHost, begin_host)
+STRATA_STEP_HANDLER(StrataJaxBeginCuda, begin_cuda, .Ctx<ffi::PlatformStream<void*>>())
+STRATA_STEP_HANDLER(StrataJaxEndHost, end_host)
+STRATA_STEP_HANDLER(StrataJaxEndCuda, end_cuda, .Ctx<ffi::PlatformStream<void*>>())
+#undef STRATA_STEP_HANDLER
 #pragma GCC visibility pop
 
 // --- The C entry points the Python side calls through ctypes ----------------------------
@@ -374,22 +515,114 @@ STRATA_EXPORT int strata_jax_ffi_bind(uint64_t session, strata_executor_t* execu
   s->backward_next = layers;
   s->acquired = -1;
   s->grad_views.clear();
+  s->open = false;  // a new executor has no step running
   return 0;
 }
 
-// Before each step's program: the cursor to the first layer, nothing acquired.
-STRATA_EXPORT int strata_jax_ffi_reset(uint64_t session) {
+// The begin op's hook (NULL: none); see Session::hook.
+STRATA_EXPORT int strata_jax_ffi_set_hook(uint64_t session,
+                                          int (*hook)(uint64_t, uint64_t, char*, size_t)) {
   std::shared_ptr<Session> s = find(session);
   if (s == nullptr) {
-    g_error = "strata_jax_ffi_reset: unknown session " + std::to_string(session);
+    g_error = "strata_jax_ffi_set_hook: unknown session " + std::to_string(session);
     return -1;
   }
   std::lock_guard lock(s->mutex);
-  s->forward_next = 0;
-  s->backward_next = s->layers;
-  s->acquired = -1;
-  s->grad_views.clear();
+  s->hook = hook;
   return 0;
+}
+
+// The session's counts: *steps ended by the end op, *abandoned steps, *open (1 while a step
+// begun by the begin op has neither ended nor been abandoned). Any pointer may be NULL.
+STRATA_EXPORT int strata_jax_ffi_state(uint64_t session, uint64_t* steps, uint64_t* abandoned,
+                                       int* open) {
+  std::shared_ptr<Session> s = find(session);
+  if (s == nullptr) {
+    g_error = "strata_jax_ffi_state: unknown session " + std::to_string(session);
+    return -1;
+  }
+  std::lock_guard lock(s->mutex);
+  if (steps != nullptr) *steps = s->steps;
+  if (abandoned != nullptr) *abandoned = s->abandoned;
+  if (open != nullptr) *open = s->open ? 1 : 0;
+  return 0;
+}
+
+// Set the count of ended steps (a loaded checkpoint's).
+STRATA_EXPORT int strata_jax_ffi_set_steps(uint64_t session, uint64_t steps) {
+  std::shared_ptr<Session> s = find(session);
+  if (s == nullptr) {
+    g_error = "strata_jax_ffi_set_steps: unknown session " + std::to_string(session);
+    return -1;
+  }
+  std::lock_guard lock(s->mutex);
+  s->steps = steps;
+  return 0;
+}
+
+// From the host: abandon the step left open by a program that failed (no-op without one).
+// *abandoned (may be NULL) is set to 1 when there was one.
+STRATA_EXPORT int strata_jax_ffi_abandon(uint64_t session, int* abandoned) {
+  std::shared_ptr<Session> s = find(session);
+  if (s == nullptr) {
+    g_error = "strata_jax_ffi_abandon: unknown session " + std::to_string(session);
+    return -1;
+  }
+  std::lock_guard lock(s->mutex);
+  if (abandoned != nullptr) *abandoned = s->open ? 1 : 0;
+  if (!s->open) return 0;
+  ++s->abandoned;
+  if (strata_status_t st = abandon(*s, nullptr); st != STRATA_OK) {
+    g_error = std::string("strata_step_abort: ") + strata_status_string(st) + ": " +
+              strata_last_error_message();
+    return -1;
+  }
+  return 0;
+}
+
+// Copy `bytes` from device memory `src` to host memory `dst` (pinned: a DMA at the link's
+// rate) with the driver, synchronously, in the primary context of the device that holds `src`
+// (XLA's context): how setup writes values computed on the GPU straight into Strata's DRAM.
+STRATA_EXPORT int strata_jax_ffi_copy_to_host(void* dst, const void* src, uint64_t bytes) {
+  const Driver& d = driver();
+  if (!d.error.empty()) {
+    g_error = d.error;
+    return -1;
+  }
+  if (d.memcpy == nullptr || d.pointer_get_attribute == nullptr || d.device_get == nullptr ||
+      d.primary_ctx_retain == nullptr || d.primary_ctx_release == nullptr) {
+    g_error = "libcuda lacks cuMemcpy, cuPointerGetAttribute or the primary-context calls";
+    return -1;
+  }
+  constexpr int kPointerAttributeDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+  int ordinal = -1, device = 0;
+  if (CUresult r = d.pointer_get_attribute(&ordinal, kPointerAttributeDeviceOrdinal,
+                                           reinterpret_cast<CUdeviceptr>(src));
+      r != 0) {
+    g_error = "cuPointerGetAttribute(DEVICE_ORDINAL): " + cu_message(d, r);
+    return -1;
+  }
+  if (CUresult r = d.device_get(&device, ordinal); r != 0) {
+    g_error = "cuDeviceGet: " + cu_message(d, r);
+    return -1;
+  }
+  CUcontext ctx = nullptr, have = nullptr;
+  if (CUresult r = d.primary_ctx_retain(&ctx, device); r != 0) {
+    g_error = "cuDevicePrimaryCtxRetain: " + cu_message(d, r);
+    return -1;
+  }
+  d.ctx_get_current(&have);
+  CUresult r = have == ctx ? 0 : d.ctx_set_current(ctx);
+  if (r != 0) {
+    g_error = "cuCtxSetCurrent: " + cu_message(d, r);
+  } else if (r = d.memcpy(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src),
+                          bytes);
+             r != 0) {
+    g_error = "cuMemcpy: " + cu_message(d, r);
+  }
+  if (have != ctx) d.ctx_set_current(have);
+  d.primary_ctx_release(device);
+  return r == 0 ? 0 : -1;
 }
 
 // Forget the session (a compiled program that still names it fails cleanly).
