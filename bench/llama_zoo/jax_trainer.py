@@ -66,7 +66,7 @@ class StreamedTrainer(Trainer):
         if not (hasattr(blocks, "__getitem__") and hasattr(blocks, "__len__")):
             blocks = list(blocks)
         super().__init__(block_fn, blocks,
-                         {k: np.asarray(v, np.float32) for k, v in residents.items()},
+                         {k: jnp.asarray(v, jnp.float32) for k, v in residents.items()},
                          embed_fn=embed_fn, loss_fn=loss_fn,
                          optimizer=TorchAdamW(lr, weight_decay),
                          block_optimizer=block_optimizer,
