@@ -58,5 +58,24 @@ PY
 
 bin="$work/venv/bin"
 "$bin/strata-prof" trace.json
-"$bin/strata-bench" stream --backend host --layers 4 --layer-bytes 1M --steps 2
+"$bin/strata-bench" stream --backend host --layers 4 --layer-bytes 4M --steps 2
+
+# A C program built against the wheel's CMake package (find_package(strata), strata::strata),
+# as docs/install.md says, runs with the bundled library.
+mkdir app
+cat > app/CMakeLists.txt <<'CMAKE'
+cmake_minimum_required(VERSION 3.25)
+project(app C)
+find_package(strata REQUIRED)
+add_executable(app app.c)
+target_link_libraries(app PRIVATE strata::strata)
+CMAKE
+cat > app/app.c <<'C'
+#include <stdio.h>
+#include <strata/strata.h>
+int main(void) { printf("C program linked to libstrata %s\n", strata_version_string()); return 0; }
+C
+cmake -S app -B app/build -Dstrata_DIR="$("$py" -c 'import strata.core as c; print(c.cmake_dir())')" >/dev/null
+cmake --build app/build >/dev/null
+app/build/app
 echo "pip install: passed"
