@@ -36,9 +36,8 @@ def version():
 
 
 def library_path():
-    """The file of the libstrata this process loaded. Which one is chosen: $STRATA_LIBRARY if
-    set, else the one bundled by pip install, else a build of this checkout, else the system's
-    (_lib._find_library; library_source() names the rule that applied)."""
+    """The file of the libstrata this process loaded (the order in which one is chosen:
+    strata._lib._find_library, docs/install.md; library_source() names the rule that chose it)."""
     return _lib.library_file
 
 
