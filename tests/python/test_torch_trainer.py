@@ -3,7 +3,8 @@ writes it: `Trainer(model=st.offload(model), optimizers=(st.AdamW(model.paramete
 None))`, against the same Trainer on plain PyTorch (torch.optim.AdamW), on the CPU: every
 micro-batch's loss and the final weights within torch_parity_models' tolerances, with what a
 Trainer user turns on (gradient accumulation, max_grad_norm clipping, a warm-up cosine schedule
-the Trainer builds over the given optimizer, shuffled data)."""
+the Trainer builds over the given optimizer, shuffled data, and with and without gradient
+checkpointing)."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -49,13 +50,13 @@ class RecordingTrainer(transformers.Trainer):
         return loss
 
 
-def run(model, opt, tmp_path):
+def run(model, opt, tmp_path, **options):
     args = transformers.TrainingArguments(
         str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUMULATE, max_grad_norm=1.0, lr_scheduler_type="cosine",
         warmup_steps=1, learning_rate=LR, weight_decay=WD, seed=0, use_cpu=True,
         report_to=[], save_strategy="no", logging_steps=1, dataloader_num_workers=0,
-        disable_tqdm=True)
+        disable_tqdm=True, **options)
     trainer = RecordingTrainer(model=model, args=args, train_dataset=Tokens(),
                                optimizers=(opt, None))
     trainer.train()
@@ -63,14 +64,24 @@ def run(model, opt, tmp_path):
     return trainer
 
 
-def test_trainer_trains_an_offloaded_model_as_it_trains_the_plain_one(tmp_path, offload,
-                                                                        one_torch_thread):
+# Gradient checkpointing: what a Trainer user with a model too large for the GPU turns on next
+# (the Trainer calls model.gradient_checkpointing_enable(); the blocks' forward runs again in
+# the backward pass, the weights streamed in again).
+@pytest.mark.parametrize("gradient_checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_trainer_trains_an_offloaded_model_as_it_trains_the_plain_one(
+        tmp_path, offload, one_torch_thread, gradient_checkpointing):
+    # transformers 5 renamed the argument (the old name still works, with a FutureWarning).
+    fields = transformers.TrainingArguments.__dataclass_fields__
+    name = ("activation_checkpointing" if "activation_checkpointing" in fields
+            else "gradient_checkpointing")
+    options = {name: gradient_checkpointing}
     plain = build("llama")
-    expected = run(plain, plain_adamw(plain.parameters()), tmp_path / "plain")
+    expected = run(plain, plain_adamw(plain.parameters()), tmp_path / "plain", **options)
+    assert plain.is_gradient_checkpointing == gradient_checkpointing  # the option took effect
 
     model = offload(build("llama"))
     opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    got = run(model, opt, tmp_path / "strata")
+    got = run(model, opt, tmp_path / "strata", **options)
 
     assert len(expected.losses) == STEPS * ACCUMULATE
     # Each loss after the first follows the previous steps' clipped, scheduled updates.
