@@ -30,21 +30,54 @@ TIER_COUNT = 3
 TRACE_KIND_COUNT = 8
 
 
+# Where pip install . puts the library (CMakeLists.txt's install rules under the package).
+BUNDLED_LIBRARY = pathlib.Path(__file__).resolve().parent / "lib" / "libstrata.so.1"
+
+
 def _find_library():
-    """$STRATA_LIBRARY, else a build of this checkout, else the system's libstrata.so.1."""
+    """(path, source) of the libstrata to load, the first of:
+
+    1. $STRATA_LIBRARY ("STRATA_LIBRARY"): an explicit choice wins over anything found, so a
+       developer's or the test suite's fresh build is the one tested even when a pip-installed
+       strata is the one imported;
+    2. the library bundled in this package by `pip install .` ("bundled");
+    3. a build of this checkout, build/{release,gpu,debug}/lib ("checkout"), for the package
+       used from the source tree (PYTHONPATH=bindings/python);
+    4. the system's libstrata.so.1, from `cmake --install` ("system").
+    docs/install.md says the same."""
     env = os.environ.get("STRATA_LIBRARY")
     if env:
-        return env
+        return env, "STRATA_LIBRARY"
+    if BUNDLED_LIBRARY.exists():
+        return str(BUNDLED_LIBRARY), "bundled"
     root = pathlib.Path(__file__).resolve().parents[3]
     for preset in ("release", "gpu", "debug"):
         candidate = root / "build" / preset / "lib" / "libstrata.so.1"
         if candidate.exists():
-            return str(candidate)
+            return str(candidate), "checkout"
     found = ctypes.util.find_library("strata")
     if found:
-        return found
-    raise OSError("libstrata.so.1 not found: build it (cmake --preset release && cmake --build "
-                  "--preset release) or set STRATA_LIBRARY to its path")
+        return found, "system"
+    raise OSError("libstrata.so.1 not found: pip install . from the repository root (it builds "
+                  "and bundles it), or build it (cmake --preset release && cmake --build "
+                  "--preset release), or set STRATA_LIBRARY to its path")
+
+
+def _loaded_path(library):
+    """The file a loaded library came from: its own path, or for a bare name that the dynamic
+    loader resolved (the system case), the file mapped into this process under that name."""
+    name = library._name
+    if os.path.dirname(name):
+        return os.path.abspath(name)
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(None, 5)[-1].strip()
+                if os.path.basename(path).startswith("libstrata.so"):
+                    return os.path.realpath(path)
+    except OSError:
+        pass
+    return name
 
 
 class Struct(ctypes.Structure):
@@ -364,8 +397,10 @@ _SIGNATURES = {
 
 
 def _load():
-    path = _find_library()
+    """(library, the file it was loaded from, which rule of _find_library found it)."""
+    path, source = _find_library()
     library = ctypes.CDLL(path)
+    path = _loaded_path(library)
     library.strata_version.restype = c_uint32
     found = library.strata_version()
     major, minor = found // 10000, found // 100 % 100
@@ -377,7 +412,7 @@ def _load():
         fn = getattr(library, name)
         fn.restype = restype
         fn.argtypes = argtypes
-    return library
+    return library, path, source
 
 
-lib = _load()
+lib, library_file, library_source = _load()

@@ -2,6 +2,7 @@
 Each frees its handle on close() (or garbage collection) in the order the header requires."""
 import ctypes
 import os
+import pathlib
 
 from . import _lib
 from .errors import check
@@ -32,6 +33,47 @@ _GRAD_TIERS = {"hbm": 0, "dram": 1}
 def version():
     """The library's version, "MAJOR.MINOR.PATCH" (strata_version_string)."""
     return L.strata_version_string().decode()
+
+
+def library_path():
+    """The file of the libstrata this process loaded (the order in which one is chosen:
+    strata._lib._find_library, docs/install.md; library_source() names the rule that chose it)."""
+    return _lib.library_file
+
+
+def library_source():
+    """Which rule found the loaded library: "STRATA_LIBRARY", "bundled", "checkout" or
+    "system"."""
+    return _lib.library_source
+
+
+def _beside_library(*relatives):
+    lib_dir = pathlib.Path(library_path()).parent  # the link's own directory, not its target's
+    return [lib_dir / r for r in relatives]
+
+
+def include_dir():
+    """The directory holding strata/strata.h for the loaded library, for C and C++ users
+    (-I$(python -c 'import strata.core as c; print(c.include_dir())')): the wheel's strata/include,
+    or an install prefix's include/, or this checkout's include/ for a build of it."""
+    candidates = _beside_library("../include", "../../include") + [
+        pathlib.Path(__file__).resolve().parents[3] / "include"]
+    for candidate in candidates:
+        if (candidate / "strata" / "strata.h").exists():
+            return str(candidate.resolve())
+    raise FileNotFoundError("strata/strata.h not found beside %s (looked in %s)"
+                            % (library_path(), ", ".join(map(str, candidates))))
+
+
+def cmake_dir():
+    """The directory of the loaded library's CMake package (strataConfig.cmake), to pass as
+    strata_DIR or on CMAKE_PREFIX_PATH for find_package(strata): present in the wheel and in a
+    cmake --install prefix, not in a build tree."""
+    for candidate in _beside_library("cmake/strata"):
+        if (candidate / "strataConfig.cmake").exists():
+            return str(candidate.resolve())
+    raise FileNotFoundError("no CMake package beside %s: pip install . or cmake --install the "
+                            "build it comes from" % library_path())
 
 
 def dtype_size(dtype):
