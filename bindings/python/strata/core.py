@@ -55,7 +55,7 @@ def layout_sizes(blocks, element_size, frozen=None, master_layout="separate", gr
     streaming_hbm_bytes and nvme_bytes, the grad fetch buffer, the staging slot, the tiers'
     margins, nvme_placeable_bytes of an NVMe tier of `nvme_budget` bytes or of nvme_bytes) and
     "layers": per block a dict of strata_layout_layer_t's fields. grads: "dram" or "hbm";
-    optimizer: "adamw" or "sgd" (with a momentum buffer if `momentum`); staging_slots: the
+    optimizer: a key of OPTIMIZERS ("sgd" with a momentum buffer if `momentum`); staging_slots: the
     slots dram_bytes keeps room for."""
     if element_size not in _LAYOUT_DTYPES:
         raise ValueError("element_size %r: streamed weights are 2 (bf16, f16) or 4 (f32) bytes"
