@@ -243,7 +243,11 @@ void lion_loop(const LionScalars& s, float* __restrict master, int16_t* __restri
     gi *= scale;
     const float mi = m[i];
     const float c = mi + omb1 * (gi - mi);
-    const float sign = c > 0.f ? 1.f : c < 0.f ? -1.f : c;
+    // Selects of constants, every comparison made: nested (c > 0 ? 1 : c < 0 ? -1 : c) or
+    // bool-to-float conversions are control flow GCC does not vectorize (checked with
+    // -fopt-info-vec).
+    const float sign0 = (c > 0.f ? 1.f : 0.f) - (c < 0.f ? 1.f : 0.f);
+    const float sign = c != c ? c : sign0;
     float p0;
     if constexpr (kSplit) {
       p0 = load_split(w, low, i);
