@@ -256,8 +256,8 @@ int run_optim(const Options& opt, Report* report) {
     const auto t = static_cast<unsigned>(threads_opt);
     others.push_back(time_strata(n, chunk, STRATA_DTYPE_F32, t, reps, STRATA_MASTER_SEPARATE, k));
     const Run b = time_strata(n, chunk, STRATA_DTYPE_BF16, t, reps, STRATA_MASTER_SEPARATE, k);
-    report->add(Result{std::string(k.name) + "_bf16_params", b.params_per_second / 1e9,
-                       "Gparam/s", "", 0, 0, "bf16 weights+grads, fp32 master"});
+    report->add(Result{std::string(k.name) + "_bf16_params", b.params_per_second / 1e9, "Gparam/s",
+                       "", 0, 0, "bf16 weights+grads, fp32 master"});
     report->add(Result{std::string(k.name) + "_fp32_params", others.back().params_per_second / 1e9,
                        "Gparam/s", "", 0, 0, "fp32 weights (own masters) + grads"});
   }
@@ -285,8 +285,8 @@ int run_optim(const Options& opt, Report* report) {
     for (const char* mode : {"foreach", "fused"}) {
       const double peer = json_number(out, name + "_" + mode);
       if (peer <= 0) continue;  // no fused kernel for it (Lion: none in torch)
-      report->add_vs(name + "_fp32_vs_torch_" + mode, others[i].params_per_second / 1e9,
-                     "Gparam/s", "torch " + name + " " + mode, peer / 1e9, false,
+      report->add_vs(name + "_fp32_vs_torch_" + mode, others[i].params_per_second / 1e9, "Gparam/s",
+                     "torch " + name + " " + mode, peer / 1e9, false,
                      name == "lion" ? "peer: lion-pytorch's update in torch foreach ops"
                                     : "same threads, same sizes");
     }

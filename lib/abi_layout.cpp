@@ -54,8 +54,8 @@ Status to_request(const strata_layout_request_t& q, LayoutRequest* r) {
                  " (STRATA_OPTIMIZER_ADAMW 0 to STRATA_OPTIMIZER_ADAGRAD 4)");
   }
   // The state the kind keeps, by the optimizer's own rule (sgd_momentum: SGD's buffer).
-  const StateSet kept = state_set(static_cast<OptimizerKind>(q.optimizer),
-                                  q.sgd_momentum != 0 ? 1.f : 0.f);
+  const StateSet kept =
+      state_set(static_cast<OptimizerKind>(q.optimizer), q.sgd_momentum != 0 ? 1.f : 0.f);
   r->adamw = kept.exp_avg_sq != nullptr && kept.exp_avg != nullptr;
   r->momentum = !r->adamw && (kept.exp_avg != nullptr || kept.exp_avg_sq != nullptr);
   if (q.master_layout != STRATA_MASTER_SEPARATE && q.master_layout != STRATA_MASTER_SPLIT) {

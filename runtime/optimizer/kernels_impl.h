@@ -471,9 +471,8 @@ void master_set(const ParamArrays& a, const float* in, std::size_t begin, std::s
 }  // namespace
 
 const KernelTable& table() {
-  static const KernelTable t{STRATA_KERNEL_ISA, &adamw,      &sgd,        &lion,
-                             &adagrad,          &sum_squares, &accumulate, &master_get,
-                             &master_set};
+  static const KernelTable t{STRATA_KERNEL_ISA, &adamw,      &sgd,        &lion,      &adagrad,
+                             &sum_squares,      &accumulate, &master_get, &master_set};
   return t;
 }
 

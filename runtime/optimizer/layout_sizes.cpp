@@ -96,7 +96,8 @@ Status compute_layout(const LayoutRequest& r, std::vector<LayoutLayer>* layers,
     }
   }
   const uint64_t es = dtype_size(r.dtype);
-  const uint64_t per = state_bytes_per_element(r.adamw || r.momentum, r.adamw, r.dtype, r.split_master);
+  const uint64_t per =
+      state_bytes_per_element(r.adamw || r.momentum, r.adamw, r.dtype, r.split_master);
   LayoutTotals t;
   t.state_bytes_per_element = per;
   layers->assign(n, LayoutLayer{});

@@ -253,9 +253,9 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, Mast
   const bool has_master = w.spec.dtype != DType::kF32;
   // A split master keeps only the low halves: the bf16 weight is the rest (kernels_impl.h).
   p.split = has_master && layout == MasterLayout::kSplit;
-  const uint64_t state_bytes = n * state_bytes_per_element(kept.exp_avg != nullptr,
-                                                           kept.exp_avg_sq != nullptr,
-                                                           w.spec.dtype, p.split);
+  const uint64_t state_bytes =
+      n * state_bytes_per_element(kept.exp_avg != nullptr, kept.exp_avg_sq != nullptr, w.spec.dtype,
+                                  p.split);
   const Tier home = state_bytes == 0 ? Tier::kDram : state_home(state_bytes);
   p.nvme_state = home == Tier::kNvme;
   const uint64_t nvme_before = nvme_state_bytes_;

@@ -16,8 +16,8 @@ namespace {
 // betas are the group's at this update, bias corrections included, as torch's AdamW computes
 // 1 - beta1 ** step from the param group's current betas at every step. Bias corrections and
 // products of hyperparameters in double, as PyTorch computes them in Python floats.
-optim::UpdateScalars update_scalars(const OptimizerConfig& c, const GroupHyperparams& g,
-                                    uint64_t t, float grad_scale) {
+optim::UpdateScalars update_scalars(const OptimizerConfig& c, const GroupHyperparams& g, uint64_t t,
+                                    float grad_scale) {
   optim::UpdateScalars u;
   const double lr = g.lr, wd = g.weight_decay;
   switch (c.kind) {
