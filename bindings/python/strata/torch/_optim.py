@@ -536,8 +536,9 @@ class _Optimizer(torch.optim.Optimizer):
 
     def _restore_resident(self, p, master, entry):
         """A resident parameter's torch optimizer state (and fp32 master) from a saved entry; no
-        entry: no state (the parameter has not been updated yet), or torch's initial one. A saved master is the
-        parameter's from then on (a write to the parameter before it does not count)."""
+        entry: no state (the parameter has not been updated yet), or torch's initial one
+        (Adagrad's). A saved master is the parameter's from then on (a write to the parameter
+        before it does not count)."""
         self._inner.state.pop(master, None)
         if entry is None:
             fresh = self._fresh_resident_state(master)
