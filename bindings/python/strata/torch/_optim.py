@@ -146,16 +146,16 @@ class _Optimizer(torch.optim.Optimizer):
         return None
 
     def _start(self, params, defaults, max_grad_norm, threads, accumulation_steps=None):
-        name = "strata.torch." + self.NAME
+        who = "strata.torch." + self.NAME
         if isinstance(params, nn.Module):
             params = [p for p in params.parameters() if p.requires_grad]
         if accumulation_steps not in (None, 1):
             raise ValueError(
                 "%s: accumulation_steps is gone: accumulate as in plain PyTorch ((loss / "
                 "N).backward() per micro-batch, step() and zero_grad() every N), which Strata "
-                "follows exactly" % name)
+                "follows exactly" % who)
         if not 0.0 <= max_grad_norm:
-            raise ValueError("%s: max_grad_norm must be >= 0" % name)
+            raise ValueError("%s: max_grad_norm must be >= 0" % who)
         self._ready = False
         torch.optim.Optimizer.__init__(self, params, defaults)
         self._check_groups()
@@ -168,14 +168,14 @@ class _Optimizer(torch.optim.Optimizer):
                     sessions[id(s)] = s
         if len(sessions) > 1:
             raise ValueError("%s: the parameters belong to several offloaded models; use one "
-                             "optimizer per model" % name)
+                             "optimizer per model" % who)
         self._session = next(iter(sessions.values()), None)
         paged = self.PAGED_STATE
         if not (paged in ("auto", None) or isinstance(paged, int) and
                 not isinstance(paged, bool) and paged >= 0):
             # Before anything is built: the optimizer can be created again once it is set right.
             raise ValueError("%s.PAGED_STATE is %r, not 'auto', None (every resident "
-                             "parameter's) or a count of resident blocks >= 0" % (name, paged))
+                             "parameter's) or a count of resident blocks >= 0" % (who, paged))
         mine = {id(p) for g in self.param_groups for p in g["params"]}
         if self._session is not None:
             session = self._session
@@ -191,7 +191,7 @@ class _Optimizer(torch.optim.Optimizer):
                 raise RuntimeError(
                     "%s: create the optimizer once, before the first forward pass with grad "
                     "(the streamed blocks' optimizer state is laid out with them)%s" % (
-                        name, "" if session.optimizer is not None else
+                        who, "" if session.optimizer is not None else
                                  "; the blocks were laid out without it (a checkpoint "
                                  "loaded, a forward pass of frozen blocks) and cannot be "
                                  "laid out again under data parallelism"
@@ -203,10 +203,10 @@ class _Optimizer(torch.optim.Optimizer):
                 for name, p in block.named_parameters():
                     if p.requires_grad and id(p) not in mine:
                         raise ValueError(
-                            "strata.torch.%s: the streamed parameter %r requires grad but is "
-                            "not among the optimizer's parameters; pass all of them (or "
+                            "%s: the streamed parameter %r requires grad but is not among "
+                            "the optimizer's parameters; pass all of them (or "
                             "requires_grad_(False) the ones to freeze)"
-                            % (self.NAME, session.prefixes[session.blocks.index(block)] + name))
+                            % (who, session.prefixes[session.blocks.index(block)] + name))
             group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
             self._group_of = group_of
             if session.executor is not None and trainable:
