@@ -49,12 +49,15 @@ Status to_request(const strata_layout_request_t& q, LayoutRequest* r) {
     return error(Code::kInvalidArgument, "unknown dtype ", q.dtype);
   }
   r->dtype = static_cast<DType>(q.dtype);
-  if (q.optimizer != STRATA_OPTIMIZER_ADAMW && q.optimizer != STRATA_OPTIMIZER_SGD) {
+  if (!known_kind(q.optimizer)) {
     return error(Code::kInvalidArgument, "unknown optimizer kind ", q.optimizer,
-                 " (STRATA_OPTIMIZER_ADAMW 0, STRATA_OPTIMIZER_SGD 1)");
+                 " (STRATA_OPTIMIZER_ADAMW 0 to STRATA_OPTIMIZER_ADAGRAD 4)");
   }
-  r->adamw = q.optimizer == STRATA_OPTIMIZER_ADAMW;
-  r->momentum = q.sgd_momentum != 0;
+  // The state the kind keeps, by the optimizer's own rule (sgd_momentum: SGD's buffer).
+  const StateSet kept =
+      state_set(static_cast<OptimizerKind>(q.optimizer), q.sgd_momentum != 0 ? 1.f : 0.f);
+  r->adamw = kept.exp_avg_sq != nullptr && kept.exp_avg != nullptr;
+  r->momentum = !r->adamw && (kept.exp_avg != nullptr || kept.exp_avg_sq != nullptr);
   if (q.master_layout != STRATA_MASTER_SEPARATE && q.master_layout != STRATA_MASTER_SPLIT) {
     return error(Code::kInvalidArgument, "unknown master_layout ", q.master_layout,
                  " (STRATA_MASTER_SEPARATE 0, STRATA_MASTER_SPLIT 1)");

@@ -81,6 +81,9 @@ static_assert(is(ViewRole::kActivation, STRATA_VIEW_ACTIVATION));
 
 static_assert(is(OptimizerKind::kAdamW, STRATA_OPTIMIZER_ADAMW));
 static_assert(is(OptimizerKind::kSgd, STRATA_OPTIMIZER_SGD));
+static_assert(is(OptimizerKind::kAdam, STRATA_OPTIMIZER_ADAM));
+static_assert(is(OptimizerKind::kLion, STRATA_OPTIMIZER_LION));
+static_assert(is(OptimizerKind::kAdagrad, STRATA_OPTIMIZER_ADAGRAD));
 
 static_assert(is(StateKind::kMaster, STRATA_STATE_MASTER));
 static_assert(is(StateKind::kExpAvg, STRATA_STATE_EXP_AVG));

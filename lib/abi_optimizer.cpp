@@ -90,7 +90,7 @@ strata_status_t optimizer_config_init(strata_optimizer_kind_t kind,
                                       std::size_t struct_size) {
   return guarded("strata_optimizer_config_init", [&] {
     STRATA_RETURN_IF_ERROR(require(config, "config"));
-    if (kind != STRATA_OPTIMIZER_ADAMW && kind != STRATA_OPTIMIZER_SGD) {
+    if (!known_kind(kind)) {
       return error(Code::kInvalidArgument, "unknown optimizer kind ", kind);
     }
     const strata_optimizer_config_t c =

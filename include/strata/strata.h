@@ -887,12 +887,14 @@ STRATA_API strata_status_t strata_executor_get_stats(strata_executor_t* executor
  * Optimizer: fp32 masters and optimizer state in DRAM, updated on the CPU beside the stream
  *
  * Per trainable weight the optimizer keeps an fp32 master (the weight itself when it is fp32)
- * and its state (AdamW: exp_avg and exp_avg_sq; SGD: momentum_buffer) as runtime tensors in
- * DRAM named "<weight>.master", "<weight>.exp_avg", ..., and writes the working copy the GPU
- * receives (bf16, fp16 or fp32) from the master at every update. The update is PyTorch's
- * (torch.optim.AdamW: decoupled weight decay, bias correction; torch.optim.SGD: L2 weight decay,
- * momentum, dampening, nesterov), vectorized (AVX-512 or AVX2, chosen at run time) on a thread
- * pool bound to the GPU's NUMA node.
+ * and its state (AdamW and Adam: exp_avg and exp_avg_sq; SGD: momentum_buffer; Lion: exp_avg;
+ * Adagrad: sum) as runtime tensors in DRAM named "<weight>.master", "<weight>.exp_avg", ...,
+ * and writes the working copy the GPU receives (bf16, fp16 or fp32) from the master at every
+ * update. The update is PyTorch's (torch.optim.AdamW: decoupled weight decay, bias correction;
+ * torch.optim.SGD: L2 weight decay, momentum, dampening, nesterov; since 1.4 torch.optim.Adam:
+ * L2 weight decay, bias correction; torch.optim.Adagrad: L2 weight decay, eps; and Lion, Chen
+ * et al. 2023 as lion-pytorch: decoupled weight decay), vectorized (AVX-512 or AVX2, chosen at
+ * run time) on a thread pool bound to the GPU's NUMA node.
  *
  * Attached to an executor, each layer's update starts as soon as its grads have landed in DRAM
  * (during the backward pass of the layers below), and the next step's load of that layer waits
@@ -905,15 +907,26 @@ typedef struct strata_optimizer strata_optimizer_t;
 typedef int32_t strata_optimizer_kind_t;
 #define STRATA_OPTIMIZER_ADAMW 0
 #define STRATA_OPTIMIZER_SGD 1
+/* Since 1.4. ADAM: torch.optim.Adam (weight_decay is L2: added to the grad; betas, eps as
+ * AdamW's). LION: p = p (1 - lr weight_decay) - lr sign(beta1 m + (1 - beta1) g), then
+ * m = beta2 m + (1 - beta2) g (defaults lr 1e-4, betas 0.9, 0.99, weight_decay 0; eps unused).
+ * ADAGRAD: torch.optim.Adagrad (weight_decay L2, eps default 1e-10, lr default 1e-2); its sum
+ * starts at 0 (initial_accumulator_value 0: write STRATA_STATE_EXP_AVG_SQ before the first
+ * update for another), and torch's lr_decay is the caller's: set the group's lr to
+ * lr / (1 + (t - 1) lr_decay) before update t (strata_optimizer_set_group). */
+#define STRATA_OPTIMIZER_ADAM 2
+#define STRATA_OPTIMIZER_LION 3
+#define STRATA_OPTIMIZER_ADAGRAD 4
 
 typedef struct strata_optimizer_config {
   size_t struct_size; /* STRATA_OPTIMIZER_CONFIG_STRUCT_SIZE */
   strata_optimizer_kind_t kind;
   /* Hyperparameters of group 0 (and the default of every other group). */
   float lr;           /* default 1e-3 */
-  float weight_decay; /* AdamW: decoupled, default 1e-2; SGD: L2, default 0 */
-  float beta1, beta2; /* AdamW, default 0.9, 0.999 */
-  float eps;          /* AdamW, default 1e-8 */
+  float weight_decay; /* AdamW, Lion: decoupled, AdamW's default 1e-2; SGD, Adam, Adagrad: L2,
+                         default 0 */
+  float beta1, beta2; /* AdamW, Adam, Lion: default 0.9, 0.999 (Lion 0.9, 0.99) */
+  float eps;          /* AdamW, Adam: default 1e-8; Adagrad: 1e-10 */
   float momentum;     /* SGD, default 0 (no momentum buffer) */
   float dampening;    /* SGD, default 0 */
   int32_t nesterov;   /* SGD: 1 = Nesterov momentum (needs momentum > 0, dampening 0) */
@@ -1064,8 +1077,9 @@ STRATA_API strata_status_t strata_optimizer_set_group(strata_optimizer_t* optimi
 typedef struct strata_group_hyperparams {
   size_t struct_size; /* STRATA_GROUP_HYPERPARAMS_STRUCT_SIZE */
   float lr;           /* >= 0 */
-  float weight_decay; /* >= 0; AdamW: decoupled; SGD: L2 */
-  /* AdamW (SGD ignores them, but they are checked): beta1 and beta2 in [0, 1), eps > 0. An
+  float weight_decay; /* >= 0; AdamW, Lion: decoupled; SGD, Adam, Adagrad: L2 */
+  /* AdamW and Adam; Lion reads the betas, Adagrad eps (the others ignore them, but they are
+   * checked): beta1 and beta2 in [0, 1), eps > 0. An
    * update at step t uses the betas set for it: its bias corrections are 1 - beta1^t and
    * 1 - beta2^t with those betas, as torch's AdamW computes them. */
   float beta1, beta2;
@@ -1189,8 +1203,8 @@ strata_status_t strata_optimizer_set_param_step(strata_optimizer_t* optimizer,
 
 typedef int32_t strata_state_kind_t;
 #define STRATA_STATE_MASTER 0     /* fp32 master (the weight itself when it is fp32) */
-#define STRATA_STATE_EXP_AVG 1    /* AdamW m, SGD momentum buffer */
-#define STRATA_STATE_EXP_AVG_SQ 2 /* AdamW v */
+#define STRATA_STATE_EXP_AVG 1    /* AdamW/Adam/Lion m, SGD momentum buffer */
+#define STRATA_STATE_EXP_AVG_SQ 2 /* AdamW/Adam v, Adagrad sum (since 1.4) */
 #define STRATA_STATE_GRAD_ACCUM 3 /* fp32 grad sum (accumulation_steps > 1) */
 #define STRATA_STATE_MASTER_LOW 4 /* since 1.2: a split master's low halves (I16) */
 
@@ -1538,8 +1552,9 @@ typedef struct strata_layout_request {
   /* The streamed weights' and their grads' dtype: STRATA_DTYPE_F32, _BF16 (the default) or
    * _F16. */
   strata_dtype_t dtype;
-  /* The optimizer (STRATA_OPTIMIZER_ADAMW, the default, or _SGD) and, for SGD, whether it
-   * keeps a momentum buffer (1: its config's momentum is above 0; default 0). */
+  /* The optimizer (STRATA_OPTIMIZER_ADAMW, the default, _SGD or, since 1.4, _ADAM, _LION,
+   * _ADAGRAD) and, for SGD, whether it keeps a momentum buffer (1: its config's momentum is
+   * above 0; default 0). */
   strata_optimizer_kind_t optimizer;
   int32_t sgd_momentum;
   /* How bf16 weights keep their fp32 masters (STRATA_MASTER_*; default SEPARATE). SPLIT with

@@ -201,7 +201,7 @@ Status save_checkpoint(Runtime& runtime, Optimizer* optimizer, const std::string
     const OptimizerConfig& c = optimizer->config();
     std::map<std::string, std::string> meta{
         {"strata.checkpoint", kFormatVersion},
-        {"optimizer", c.kind == OptimizerKind::kAdamW ? "adamw" : "sgd"},
+        {"optimizer", kind_name(c.kind)},
         {"step", std::to_string(counters.step)},
         {"skipped_steps", std::to_string(counters.skipped_steps)},
         {"growth_tracker", std::to_string(counters.growth_tracker)},
@@ -242,7 +242,7 @@ Status load_checkpoint(Runtime& runtime, Optimizer* optimizer, const std::string
   if (optimizer != nullptr) {
     STRATA_RETURN_IF_ERROR(safetensors::Reader::open(dir + "/" + kOptimizerFile, &opt_file));
     const auto& meta = opt_file->header().metadata;
-    const char* kind = optimizer->config().kind == OptimizerKind::kAdamW ? "adamw" : "sgd";
+    const char* kind = kind_name(optimizer->config().kind);
     auto it = meta.find("optimizer");
     if (it == meta.end() || it->second != kind) {
       return error(Code::kInvalidArgument, "checkpoint ", opt_file->path(), " holds ",

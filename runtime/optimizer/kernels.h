@@ -1,4 +1,5 @@
-// The optimizer's element-wise kernels: AdamW and SGD over fp32 masters and state, reading
+// The optimizer's element-wise kernels: AdamW (and Adam), SGD, Lion and Adagrad over fp32
+// masters and state, reading
 // grads in their streamed dtype and writing the streamed working copy. Each kernel exists once
 // per instruction set (AVX-512, AVX2, baseline x86-64), compiled from one template with
 // different flags; the best the CPU supports is chosen at run time.
@@ -22,8 +23,8 @@ bool isa_supported(Isa isa);
 struct ParamArrays {
   float* master = nullptr;      // fp32 master weights (may be the working copy itself); null
                                 // when the master is split (master_low)
-  float* exp_avg = nullptr;     // AdamW m / SGD momentum buffer
-  float* exp_avg_sq = nullptr;  // AdamW v
+  float* exp_avg = nullptr;     // AdamW/Adam/Lion m, SGD momentum buffer
+  float* exp_avg_sq = nullptr;  // AdamW/Adam v, Adagrad sum
   const void* grad = nullptr;   // as it left the GPU
   DType grad_dtype = DType::kF32;
   float* grad_accum = nullptr;  // fp32 sum of earlier micro-steps' grads; added when non-null
@@ -44,6 +45,7 @@ struct AdamWScalars {
   float lr_decay = 0.f;        // lr * weight_decay (decoupled): p -= p * lr_decay
   float step_size = 0.f;       // lr / (1 - beta1^t)
   float inv_bias2_sqrt = 1.f;  // 1 / sqrt(1 - beta2^t)
+  float l2 = 0.f;              // Adam (torch.optim.Adam): weight_decay added to the grad
 };
 
 struct SgdScalars {
@@ -56,11 +58,39 @@ struct SgdScalars {
   bool first_step = false;  // the momentum buffer starts as the first grad
 };
 
+// Lion (Chen et al. 2023; lucidrains/lion-pytorch): p = p * keep - lr * sign(lerp(m, g, 1 -
+// beta1)), m = lerp(m, g, 1 - beta2).
+struct LionScalars {
+  float grad_scale = 1.f;
+  float lr = 0.f;
+  float beta1 = 0.9f, beta2 = 0.99f;
+  float keep = 1.f;  // 1 - lr * weight_decay (decoupled), rounded once as torch's mul_ does
+};
+
+// Adagrad (torch.optim.Adagrad): g += weight_decay * p, sum += g^2,
+// p -= lr * g / (sqrt(sum) + eps), lr already decayed (lr / (1 + (t - 1) * lr_decay)).
+struct AdagradScalars {
+  float grad_scale = 1.f;
+  float lr = 0.f;
+  float weight_decay = 0.f;
+  float eps = 1e-10f;
+};
+
+// One update's scalars, whichever the optimizer's kind: it fills its kind's member.
+struct UpdateScalars {
+  AdamWScalars adamw;  // AdamW and Adam
+  SgdScalars sgd;
+  LionScalars lion;
+  AdagradScalars adagrad;
+};
+
 struct KernelTable {
   Isa isa;
   // Update elements [begin, end) of one parameter.
   void (*adamw)(const AdamWScalars&, const ParamArrays&, std::size_t begin, std::size_t end);
   void (*sgd)(const SgdScalars&, const ParamArrays&, std::size_t begin, std::size_t end);
+  void (*lion)(const LionScalars&, const ParamArrays&, std::size_t begin, std::size_t end);
+  void (*adagrad)(const AdagradScalars&, const ParamArrays&, std::size_t begin, std::size_t end);
   // Sum of squares of (grad + grad_accum) over [begin, end), unscaled; inf/NaN if any is.
   double (*sum_squares)(const ParamArrays&, std::size_t begin, std::size_t end);
   // grad_accum = grad (first) or grad_accum += grad, over [begin, end).

@@ -114,24 +114,25 @@ void adamw_loop(const AdamWScalars& s, float* __restrict master, int16_t* __rest
                 const float* __restrict acc, W* __restrict w, std::size_t begin, std::size_t end) {
   const float omb1 = 1.f - s.beta1, b2 = s.beta2, omb2 = 1.f - s.beta2;
   const float scale = s.grad_scale, lr_decay = s.lr_decay, step = s.step_size;
-  const float ib2 = s.inv_bias2_sqrt, eps = s.eps;
-  // PyTorch's operation order: decay, lerp m toward g, v = b2 v + (1-b2) g^2,
-  // p -= step * m / (sqrt(v) / sqrt(bias2) + eps).
+  const float ib2 = s.inv_bias2_sqrt, eps = s.eps, l2 = s.l2;
+  // PyTorch's operation order: (Adam) g += l2 p, decay, lerp m toward g,
+  // v = b2 v + (1-b2) g^2, p -= step * m / (sqrt(v) / sqrt(bias2) + eps). AdamW has l2 = 0 and
+  // Adam lr_decay = 0: adding 0 and subtracting p * 0 leave the other's values bit for bit.
   for (std::size_t i = begin; i < end; ++i) {
-    float gi = load(g, i);
-    if constexpr (kAccum) gi += acc[i];
-    gi *= scale;
-    const float mi = m[i] + omb1 * (gi - m[i]);
-    const float vi = v[i] * b2 + omb2 * (gi * gi);
-    const float denom = std::sqrt(vi) * ib2 + eps;
-    // p - p * lr_decay rather than p * (1 - lr_decay): the rounding of (1 - lr_decay) would
-    // bias every step the same way (1e-6 relative after 20 steps); this keeps it at 1 ulp.
     float p0;
     if constexpr (kSplit) {
       p0 = load_split(w, low, i);
     } else {
       p0 = master[i];
     }
+    float gi = load(g, i);
+    if constexpr (kAccum) gi += acc[i];
+    gi = gi * scale + l2 * p0;
+    const float mi = m[i] + omb1 * (gi - m[i]);
+    const float vi = v[i] * b2 + omb2 * (gi * gi);
+    const float denom = std::sqrt(vi) * ib2 + eps;
+    // p - p * lr_decay rather than p * (1 - lr_decay): the rounding of (1 - lr_decay) would
+    // bias every step the same way (1e-6 relative after 20 steps); this keeps it at 1 ulp.
     const float p = (p0 - p0 * lr_decay) - step * (mi / denom);
     m[i] = mi;
     v[i] = vi;
@@ -224,6 +225,106 @@ void sgd_typed(const SgdScalars& s, const ParamArrays& a, std::size_t begin, std
     if (a.master_low != nullptr) return sgd_variant<G, W, true>(s, a, begin, end);
   }
   sgd_variant<G, W, false>(s, a, begin, end);
+}
+
+// Lion and Adagrad: one loop each over restrict arrays (as adamw_loop), with the accumulator
+// and the split master compile-time choices made by with_layout below.
+template <typename G, typename W, bool kAccum, bool kSplit>
+void lion_loop(const LionScalars& s, float* __restrict master, int16_t* __restrict low,
+               float* __restrict m, const G* __restrict g, const float* __restrict acc,
+               W* __restrict w, std::size_t begin, std::size_t end) {
+  const float omb1 = 1.f - s.beta1, omb2 = 1.f - s.beta2;
+  const float scale = s.grad_scale, lr = s.lr, keep = s.keep;
+  // lion-pytorch's order: p *= 1 - lr wd; c = lerp(m, g, 1 - b1); p -= lr sign(c);
+  // m = lerp(m, g, 1 - b2). sign(0) is 0 and a NaN stays NaN, as torch.sign.
+  for (std::size_t i = begin; i < end; ++i) {
+    float gi = load(g, i);
+    if constexpr (kAccum) gi += acc[i];
+    gi *= scale;
+    const float mi = m[i];
+    const float c = mi + omb1 * (gi - mi);
+    // Selects of constants, every comparison made: nested (c > 0 ? 1 : c < 0 ? -1 : c) or
+    // bool-to-float conversions are control flow GCC does not vectorize (checked with
+    // -fopt-info-vec).
+    const float sign0 = (c > 0.f ? 1.f : 0.f) - (c < 0.f ? 1.f : 0.f);
+    const float sign = c != c ? c : sign0;
+    float p0;
+    if constexpr (kSplit) {
+      p0 = load_split(w, low, i);
+    } else {
+      p0 = master[i];
+    }
+    const float p = p0 * keep - lr * sign;
+    m[i] = mi + omb2 * (gi - mi);
+    if constexpr (kSplit) {
+      store_split(w, low, i, p);
+    } else {
+      master[i] = p;
+      if constexpr (!std::is_same_v<W, void>) store(w, i, p);
+    }
+  }
+}
+
+template <typename G, typename W, bool kAccum, bool kSplit>
+void adagrad_loop(const AdagradScalars& s, float* __restrict master, int16_t* __restrict low,
+                  float* __restrict sum, const G* __restrict g, const float* __restrict acc,
+                  W* __restrict w, std::size_t begin, std::size_t end) {
+  const float scale = s.grad_scale, lr = s.lr, wd = s.weight_decay, eps = s.eps;
+  // torch's order: g += wd p; sum += g * g; p += -clr * (g / (sqrt(sum) + eps)).
+  for (std::size_t i = begin; i < end; ++i) {
+    float p0;
+    if constexpr (kSplit) {
+      p0 = load_split(w, low, i);
+    } else {
+      p0 = master[i];
+    }
+    float gi = load(g, i);
+    if constexpr (kAccum) gi += acc[i];
+    gi = gi * scale + wd * p0;
+    const float si = sum[i] + gi * gi;
+    const float p = p0 - lr * (gi / (std::sqrt(si) + eps));
+    sum[i] = si;
+    if constexpr (kSplit) {
+      store_split(w, low, i, p);
+    } else {
+      master[i] = p;
+      if constexpr (!std::is_same_v<W, void>) store(w, i, p);
+    }
+  }
+}
+
+// Calls f.template operator()<kAccum, kSplit>() with the choices `a` makes (a split master
+// only with a bf16 working copy).
+template <typename W, typename F>
+void with_layout(const ParamArrays& a, F&& f) {
+  const bool accum = a.grad_accum != nullptr;
+  if constexpr (std::is_same_v<W, Bf16>) {
+    if (a.master_low != nullptr) {
+      if (accum) return f.template operator()<true, true>();
+      return f.template operator()<false, true>();
+    }
+  }
+  if (accum) return f.template operator()<true, false>();
+  f.template operator()<false, false>();
+}
+
+template <typename G, typename W>
+void lion_typed(const LionScalars& s, const ParamArrays& a, std::size_t begin, std::size_t end) {
+  with_layout<W>(a, [&]<bool kAccum, bool kSplit>() {
+    lion_loop<G, W, kAccum, kSplit>(s, a.master, a.master_low, a.exp_avg,
+                                    static_cast<const G*>(a.grad), a.grad_accum,
+                                    static_cast<W*>(a.weight), begin, end);
+  });
+}
+
+template <typename G, typename W>
+void adagrad_typed(const AdagradScalars& s, const ParamArrays& a, std::size_t begin,
+                   std::size_t end) {
+  with_layout<W>(a, [&]<bool kAccum, bool kSplit>() {
+    adagrad_loop<G, W, kAccum, kSplit>(s, a.master, a.master_low, a.exp_avg_sq,
+                                       static_cast<const G*>(a.grad), a.grad_accum,
+                                       static_cast<W*>(a.weight), begin, end);
+  });
 }
 
 template <typename G>
@@ -339,6 +440,18 @@ void sgd(const SgdScalars& s, const ParamArrays& a, std::size_t begin, std::size
     by_dtype(a.weight_dtype, [&]<typename W>() { sgd_typed<G, W>(s, a, begin, end); });
   });
 }
+void lion(const LionScalars& s, const ParamArrays& a, std::size_t begin, std::size_t end) {
+  by_dtype(a.grad_dtype, [&]<typename G>() {
+    if (a.weight == nullptr) return lion_typed<G, void>(s, a, begin, end);
+    by_dtype(a.weight_dtype, [&]<typename W>() { lion_typed<G, W>(s, a, begin, end); });
+  });
+}
+void adagrad(const AdagradScalars& s, const ParamArrays& a, std::size_t begin, std::size_t end) {
+  by_dtype(a.grad_dtype, [&]<typename G>() {
+    if (a.weight == nullptr) return adagrad_typed<G, void>(s, a, begin, end);
+    by_dtype(a.weight_dtype, [&]<typename W>() { adagrad_typed<G, W>(s, a, begin, end); });
+  });
+}
 double sum_squares(const ParamArrays& a, std::size_t begin, std::size_t end) {
   return by_dtype(a.grad_dtype, [&]<typename G>() { return sum_squares_typed<G>(a, begin, end); });
 }
@@ -358,8 +471,8 @@ void master_set(const ParamArrays& a, const float* in, std::size_t begin, std::s
 }  // namespace
 
 const KernelTable& table() {
-  static const KernelTable t{STRATA_KERNEL_ISA, &adamw,      &sgd,       &sum_squares,
-                             &accumulate,       &master_get, &master_set};
+  static const KernelTable t{STRATA_KERNEL_ISA, &adamw,      &sgd,        &lion,      &adagrad,
+                             &sum_squares,      &accumulate, &master_get, &master_set};
   return t;
 }
 

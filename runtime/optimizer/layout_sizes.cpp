@@ -43,10 +43,10 @@ uint64_t without_slack(uint64_t bytes) {
 }
 }  // namespace
 
-uint64_t state_bytes_per_element(bool adamw, bool momentum, DType weight_dtype, bool split_master) {
+uint64_t state_bytes_per_element(bool exp_avg, bool exp_avg_sq, DType weight_dtype,
+                                 bool split_master) {
   const bool has_master = weight_dtype != DType::kF32;
-  const bool has_avg = adamw || momentum;
-  return (has_master ? (split_master ? 2 : 4) : 0) + (has_avg ? 4 : 0) + (adamw ? 4 : 0);
+  return (has_master ? (split_master ? 2 : 4) : 0) + (exp_avg ? 4 : 0) + (exp_avg_sq ? 4 : 0);
 }
 
 uint64_t planned_state_bytes(uint64_t state_bytes) {
@@ -96,7 +96,8 @@ Status compute_layout(const LayoutRequest& r, std::vector<LayoutLayer>* layers,
     }
   }
   const uint64_t es = dtype_size(r.dtype);
-  const uint64_t per = state_bytes_per_element(r.adamw, r.momentum, r.dtype, r.split_master);
+  const uint64_t per =
+      state_bytes_per_element(r.adamw || r.momentum, r.adamw, r.dtype, r.split_master);
   LayoutTotals t;
   t.state_bytes_per_element = per;
   layers->assign(n, LayoutLayer{});

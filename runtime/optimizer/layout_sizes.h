@@ -27,9 +27,11 @@ inline constexpr uint64_t kMaxLayoutElements = 1ull << 44;
 inline constexpr uint64_t kMaxLayoutTensors = 1ull << 24;
 
 // Bytes of optimizer state per trainable element: an fp32 master unless the weight is fp32 (a
-// split master: its 2-byte low halves), AdamW's m and v, SGD's momentum buffer when momentum is
-// on. The optimizer allocates exactly this (add_param).
-uint64_t state_bytes_per_element(bool adamw, bool momentum, DType weight_dtype, bool split_master);
+// split master: its 2-byte low halves), and 4 bytes for each fp32 state tensor the kind keeps
+// (optimizer.h's state_set: AdamW's and Adam's m and v, SGD's momentum buffer when momentum is
+// on, Lion's m, Adagrad's sum). The optimizer allocates exactly this (add_param).
+uint64_t state_bytes_per_element(bool exp_avg, bool exp_avg_sq, DType weight_dtype,
+                                 bool split_master);
 
 // What the PLANNED state placement counts a param's state of `state_bytes` as when it decides
 // whether DRAM still holds it: page rounding and the state tensors' skews make the arena take a
@@ -44,8 +46,8 @@ uint64_t grad_fetch_span(uint64_t elements, std::size_t element_size);
 // ones are weights only.
 struct LayoutRequest {
   DType dtype = DType::kBF16;  // of the streamed weights and their grads
-  bool adamw = true;           // else SGD
-  bool momentum = false;       // SGD: a momentum buffer
+  bool adamw = true;           // two moments (AdamW, Adam); else one (Lion, Adagrad) or none
+  bool momentum = false;       // not adamw: one moment (SGD's momentum buffer, Lion, Adagrad)
   bool split_master = false;   // bf16 weights: STRATA_MASTER_SPLIT
   bool grads_in_hbm = false;
   uint32_t staging_slots = 4;  // slots the default DRAM budget keeps room for

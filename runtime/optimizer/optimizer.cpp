@@ -29,9 +29,45 @@ Status check_betas(float beta1, float beta2, float eps) {
   return check_finite("eps", eps, 0.f, false);
 }
 
+bool known_kind(int32_t kind) {
+  return kind >= static_cast<int32_t>(OptimizerKind::kAdamW) &&
+         kind <= static_cast<int32_t>(OptimizerKind::kAdagrad);
+}
+
+const char* kind_name(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kAdamW:
+      return "adamw";
+    case OptimizerKind::kSgd:
+      return "sgd";
+    case OptimizerKind::kAdam:
+      return "adam";
+    case OptimizerKind::kLion:
+      return "lion";
+    case OptimizerKind::kAdagrad:
+      return "adagrad";
+  }
+  return "unknown";
+}
+
+StateSet state_set(OptimizerKind kind, float momentum) {
+  switch (kind) {
+    case OptimizerKind::kAdamW:
+    case OptimizerKind::kAdam:
+      return {".exp_avg", ".exp_avg_sq"};
+    case OptimizerKind::kSgd:
+      return {momentum > 0.f ? ".momentum_buffer" : nullptr, nullptr};
+    case OptimizerKind::kLion:
+      return {".exp_avg", nullptr};
+    case OptimizerKind::kAdagrad:
+      return {nullptr, ".sum"};
+  }
+  return {};
+}
+
 namespace {
 Status validate(const OptimizerConfig& c) {
-  if (c.kind != OptimizerKind::kAdamW && c.kind != OptimizerKind::kSgd) {
+  if (!known_kind(static_cast<int32_t>(c.kind))) {
     return error(Code::kInvalidArgument, "optimizer config: unknown kind ",
                  static_cast<int>(c.kind));
   }
@@ -39,7 +75,9 @@ Status validate(const OptimizerConfig& c) {
   STRATA_RETURN_IF_ERROR(check_finite("weight_decay", c.weight_decay, 0.f, true));
   STRATA_RETURN_IF_ERROR(check_finite("max_grad_norm", c.max_grad_norm, 0.f, true));
   STRATA_RETURN_IF_ERROR(check_finite("loss_scale", c.loss_scale, 0.f, false));
-  if (c.kind == OptimizerKind::kAdamW) {
+  if (c.kind != OptimizerKind::kSgd) {
+    // Lion has no eps and Adagrad no betas, but a group's are checked whatever the kind
+    // (set_group_hyperparams), and the config is group 0's.
     STRATA_RETURN_IF_ERROR(check_betas(c.beta1, c.beta2, c.eps));
   } else {
     STRATA_RETURN_IF_ERROR(check_finite("momentum", c.momentum, 0.f, true));

@@ -40,18 +40,36 @@ namespace strata {
 
 class Executor;
 
-enum class OptimizerKind : int32_t { kAdamW = 0, kSgd = 1 };
+// strata.h STRATA_OPTIMIZER_* (append only).
+enum class OptimizerKind : int32_t { kAdamW = 0, kSgd = 1, kAdam = 2, kLion = 3, kAdagrad = 4 };
+
+// The state tensors a kind keeps beside the master: their name suffixes, null where it keeps
+// none. The one copy of the rule: add_param allocates these and layout_sizes counts them.
+// exp_avg: AdamW/Adam/Lion m, SGD's momentum buffer (momentum > 0); exp_avg_sq: AdamW/Adam v,
+// Adagrad's sum.
+struct StateSet {
+  const char* exp_avg = nullptr;
+  const char* exp_avg_sq = nullptr;
+};
+StateSet state_set(OptimizerKind kind, float momentum);
+// Whether `kind` is an OptimizerKind (the C ABI checks kinds it is given with it).
+bool known_kind(int32_t kind);
+// "adamw", "sgd", "adam", "lion", "adagrad": as checkpoints record the kind.
+const char* kind_name(OptimizerKind kind);
 
 // Where params' fp32 masters and moments live (strata.h STRATA_STATE_*).
 enum class StatePlacement : uint32_t { kInDram = 0, kPlanned = 1, kOnNvme = 2 };
 
-// The defaults are PyTorch's (torch.optim.AdamW, torch.optim.SGD) and the only copy of them:
-// strata_optimizer_config_init returns OptimizerConfig{.kind = kind}. Members may use the kind.
+// The defaults are PyTorch's (torch.optim.AdamW, SGD, Adam, Adagrad; Lion: lion-pytorch's
+// betas and weight decay) and the only copy of them: strata_optimizer_config_init returns
+// OptimizerConfig{.kind = kind}. Members may use the kind.
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kAdamW;
-  float lr = 1e-3f;
-  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
-  float weight_decay = kind == OptimizerKind::kAdamW ? 1e-2f : 0.f;  // AdamW decoupled; SGD L2
+  float lr = kind == OptimizerKind::kLion ? 1e-4f : kind == OptimizerKind::kAdagrad ? 1e-2f : 1e-3f;
+  float beta1 = 0.9f, beta2 = kind == OptimizerKind::kLion ? 0.99f : 0.999f;
+  float eps = kind == OptimizerKind::kAdagrad ? 1e-10f : 1e-8f;
+  // AdamW and Lion: decoupled; SGD, Adam and Adagrad: L2 (added to the grad)
+  float weight_decay = kind == OptimizerKind::kAdamW ? 1e-2f : 0.f;
   float momentum = 0.f, dampening = 0.f;
   bool nesterov = false;
   float max_grad_norm = 0.f;  // 0: no clipping
@@ -75,7 +93,8 @@ struct GradInfo {
 
 // A group's hyperparameters, read at each update that starts after they are set (torch's
 // optimizers read their param_groups at every step: a scheduler such as OneCycleLR changes
-// betas as well as lr). beta1, beta2 and eps are AdamW's; SGD reads lr and weight_decay.
+// betas as well as lr). beta1, beta2 and eps are AdamW's and Adam's; Lion reads the betas,
+// Adagrad eps; SGD reads lr and weight_decay.
 struct GroupHyperparams {
   float lr = 0.f;
   float weight_decay = 0.f;
@@ -272,8 +291,7 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     bool skip = true;            // no grad held
     const void* grad = nullptr;  // null with !skip: a zero grad
     DType dtype = DType::kF32;
-    optim::AdamWScalars adamw;
-    optim::SgdScalars sgd;
+    optim::UpdateScalars scalars;  // of the optimizer's kind
   };
   struct Task {
     std::size_t param;

@@ -249,13 +249,13 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, Mast
     if (!s.is_ok()) return roll_back(s);
     weight_data = weight_values.data();
   }
-  const bool adamw = config_.kind == OptimizerKind::kAdamW;
+  const StateSet kept = state_set(config_.kind, config_.momentum);
   const bool has_master = w.spec.dtype != DType::kF32;
   // A split master keeps only the low halves: the bf16 weight is the rest (kernels_impl.h).
   p.split = has_master && layout == MasterLayout::kSplit;
-  const bool has_avg = adamw || config_.momentum > 0.f;
   const uint64_t state_bytes =
-      n * state_bytes_per_element(adamw, config_.momentum > 0.f, w.spec.dtype, p.split);
+      n * state_bytes_per_element(kept.exp_avg != nullptr, kept.exp_avg_sq != nullptr, w.spec.dtype,
+                                  p.split);
   const Tier home = state_bytes == 0 ? Tier::kDram : state_home(state_bytes);
   p.nvme_state = home == Tier::kNvme;
   const uint64_t nvme_before = nvme_state_bytes_;
@@ -307,16 +307,15 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, Mast
     if (home == Tier::kNvme) s = runtime_->write(p.master, 0, bounce.data(), n * sizeof(float));
     if (!s.is_ok()) return roll_back_all(s);
   }
-  if (has_avg) {
+  if (kept.exp_avg != nullptr) {
     void* data = nullptr;
-    Status s =
-        zeroed(adamw ? ".exp_avg" : ".momentum_buffer", kSkew[1], DType::kF32, &p.exp_avg, &data);
+    Status s = zeroed(kept.exp_avg, kSkew[1], DType::kF32, &p.exp_avg, &data);
     a.exp_avg = static_cast<float*>(data);
     if (!s.is_ok()) return roll_back_all(s);
   }
-  if (adamw) {
+  if (kept.exp_avg_sq != nullptr) {
     void* data = nullptr;
-    Status s = zeroed(".exp_avg_sq", kSkew[2], DType::kF32, &p.exp_avg_sq, &data);
+    Status s = zeroed(kept.exp_avg_sq, kSkew[2], DType::kF32, &p.exp_avg_sq, &data);
     a.exp_avg_sq = static_cast<float*>(data);
     if (!s.is_ok()) return roll_back_all(s);
   }

@@ -1,5 +1,5 @@
-// Running the work of a job on the thread pool: AdamW and SGD scalars, automatic updates and
-// norms, explicit steps (strata_optimizer_step).
+// Running the work of a job on the thread pool: each kind's scalars (AdamW, Adam, SGD, Lion,
+// Adagrad), automatic updates and norms, explicit steps (strata_optimizer_step).
 #include "runtime/optimizer/optimizer.h"
 
 #include <algorithm>
@@ -14,31 +14,77 @@ namespace strata {
 namespace {
 // One update's scalars for a group at update count t (the grad multiplied by grad_scale). The
 // betas are the group's at this update, bias corrections included, as torch's AdamW computes
-// 1 - beta1 ** step from the param group's current betas at every step.
-optim::AdamWScalars adamw_scalars(const GroupHyperparams& g, double t, float grad_scale) {
-  // Bias corrections in double, as PyTorch computes them in Python floats.
-  optim::AdamWScalars a;
-  a.grad_scale = grad_scale;
-  a.beta1 = g.beta1;
-  a.beta2 = g.beta2;
-  a.eps = g.eps;
-  a.lr_decay = static_cast<float>(static_cast<double>(g.lr) * g.weight_decay);
-  a.step_size = static_cast<float>(g.lr / (1.0 - std::pow(double{g.beta1}, t)));
-  a.inv_bias2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double{g.beta2}, t)));
-  return a;
+// 1 - beta1 ** step from the param group's current betas at every step. Bias corrections and
+// products of hyperparameters in double, as PyTorch computes them in Python floats.
+optim::UpdateScalars update_scalars(const OptimizerConfig& c, const GroupHyperparams& g, uint64_t t,
+                                    float grad_scale) {
+  optim::UpdateScalars u;
+  const double lr = g.lr, wd = g.weight_decay;
+  switch (c.kind) {
+    case OptimizerKind::kAdamW:
+    case OptimizerKind::kAdam: {
+      optim::AdamWScalars& a = u.adamw;
+      a.grad_scale = grad_scale;
+      a.beta1 = g.beta1;
+      a.beta2 = g.beta2;
+      a.eps = g.eps;
+      // AdamW decays the weight apart from the grad, Adam adds the decay to the grad (L2).
+      const bool decoupled = c.kind == OptimizerKind::kAdamW;
+      a.lr_decay = decoupled ? static_cast<float>(lr * wd) : 0.f;
+      a.l2 = decoupled ? 0.f : g.weight_decay;
+      const double td = static_cast<double>(t);
+      a.step_size = static_cast<float>(lr / (1.0 - std::pow(double{g.beta1}, td)));
+      a.inv_bias2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double{g.beta2}, td)));
+      break;
+    }
+    case OptimizerKind::kSgd: {
+      optim::SgdScalars& q = u.sgd;
+      q.grad_scale = grad_scale;
+      q.lr = g.lr;
+      q.weight_decay = g.weight_decay;
+      q.momentum = c.momentum;
+      q.dampening = c.dampening;
+      q.nesterov = c.nesterov;
+      q.first_step = t == 1;
+      break;
+    }
+    case OptimizerKind::kLion: {
+      optim::LionScalars& l = u.lion;
+      l.grad_scale = grad_scale;
+      l.lr = g.lr;
+      l.beta1 = g.beta1;
+      l.beta2 = g.beta2;
+      l.keep = static_cast<float>(1.0 - lr * wd);
+      break;
+    }
+    case OptimizerKind::kAdagrad: {
+      // torch's lr_decay (lr / (1 + (t - 1) lr_decay)) is the framework's: it sets the
+      // group's lr (strata.torch.Adagrad does).
+      optim::AdagradScalars& a = u.adagrad;
+      a.grad_scale = grad_scale;
+      a.lr = g.lr;
+      a.weight_decay = g.weight_decay;
+      a.eps = g.eps;
+      break;
+    }
+  }
+  return u;
 }
 
-optim::SgdScalars sgd_scalars(const OptimizerConfig& c, const GroupHyperparams& g, uint64_t t,
-                              float grad_scale) {
-  optim::SgdScalars q;
-  q.grad_scale = grad_scale;
-  q.lr = g.lr;
-  q.weight_decay = g.weight_decay;
-  q.momentum = c.momentum;
-  q.dampening = c.dampening;
-  q.nesterov = c.nesterov;
-  q.first_step = t == 1;
-  return q;
+// The kind's kernel over elements [begin, end) of `a`.
+void run_update(const optim::KernelTable& k, OptimizerKind kind, const optim::UpdateScalars& u,
+                const optim::ParamArrays& a, std::size_t begin, std::size_t end) {
+  switch (kind) {
+    case OptimizerKind::kAdamW:
+    case OptimizerKind::kAdam:
+      return k.adamw(u.adamw, a, begin, end);
+    case OptimizerKind::kSgd:
+      return k.sgd(u.sgd, a, begin, end);
+    case OptimizerKind::kLion:
+      return k.lion(u.lion, a, begin, end);
+    case OptimizerKind::kAdagrad:
+      return k.adagrad(u.adagrad, a, begin, end);
+  }
 }
 
 // Elements [begin, end) of `a` as arrays of their own, starting at element 0.
@@ -66,16 +112,10 @@ optim::ParamArrays subarray(const optim::ParamArrays& a, std::size_t begin, std:
 double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const StepScalars* s,
                             bool first, Arrivals* arrivals, std::size_t offset) {
   std::vector<double> sums(kind == JobKind::kNorm ? tasks.size() : 0);
-  std::vector<optim::AdamWScalars> adam_groups;
-  std::vector<optim::SgdScalars> sgd_groups;
+  std::vector<optim::UpdateScalars> groups;
   if (kind == JobKind::kUpdate) {
-    const double t = static_cast<double>(s->t);
     for (const GroupHyperparams& g : s->groups) {
-      if (config_.kind == OptimizerKind::kAdamW) {
-        adam_groups.push_back(adamw_scalars(g, t, s->grad_scale));
-      } else {
-        sgd_groups.push_back(sgd_scalars(config_, g, s->t, s->grad_scale));
-      }
+      groups.push_back(update_scalars(config_, g, s->t, s->grad_scale));
     }
   }
   pool_->run(tasks.size(), [&](std::size_t k) {
@@ -91,12 +131,8 @@ double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const Ste
         sums[k] = kernels_->sum_squares(p.arrays, task.begin, task.end);
         break;
       case JobKind::kUpdate: {
-        const optim::ParamArrays a = update_arrays(p);
-        if (config_.kind == OptimizerKind::kAdamW) {
-          kernels_->adamw(adam_groups[p.group], a, task.begin, task.end);
-        } else {
-          kernels_->sgd(sgd_groups[p.group], a, task.begin, task.end);
-        }
+        run_update(*kernels_, config_.kind, groups[p.group], update_arrays(p), task.begin,
+                   task.end);
         break;
       }
       case JobKind::kLand:
@@ -167,11 +203,7 @@ void Optimizer::run_explicit(std::span<const Task> tasks, Job& job, Arrivals* ar
           a.grad = static_cast<const unsigned char*>(src.grad) + b * dtype_size(src.dtype);
           a.grad_dtype = src.dtype;
         }
-        if (config_.kind == OptimizerKind::kAdamW) {
-          kernels_->adamw(src.adamw, a, 0, e - b);
-        } else {
-          kernels_->sgd(src.sgd, a, 0, e - b);
-        }
+        run_update(*kernels_, config_.kind, src.scalars, a, 0, e - b);
         break;
       }
       default:
@@ -214,8 +246,7 @@ Status Optimizer::step_explicit() {
         }
         const float grad_scale = p.grad_mult / counters_.loss_scale;
         const GroupHyperparams& g = groups_[p.group];
-        src.adamw = adamw_scalars(g, static_cast<double>(p.t), grad_scale);
-        src.sgd = sgd_scalars(config_, g, p.t, grad_scale);
+        src.scalars = update_scalars(config_, g, p.t, grad_scale);
         any = true;
       }
       job.sources.push_back(src);

@@ -101,6 +101,10 @@ TEST_CASE("the layout query is what the arena and the optimizer take", "[layout]
       {STRATA_DTYPE_F32, STRATA_TIER_DRAM, STRATA_OPTIMIZER_ADAMW, 0, STRATA_MASTER_SEPARATE},
       {STRATA_DTYPE_F32, STRATA_TIER_HBM, STRATA_OPTIMIZER_SGD, 1, STRATA_MASTER_SEPARATE},
       {STRATA_DTYPE_BF16, STRATA_TIER_DRAM, STRATA_OPTIMIZER_SGD, 0, STRATA_MASTER_SEPARATE},
+      // Since 1.4: Adam's two moments, Lion's and Adagrad's one.
+      {STRATA_DTYPE_BF16, STRATA_TIER_DRAM, STRATA_OPTIMIZER_ADAM, 0, STRATA_MASTER_SPLIT},
+      {STRATA_DTYPE_F32, STRATA_TIER_DRAM, STRATA_OPTIMIZER_LION, 0, STRATA_MASTER_SEPARATE},
+      {STRATA_DTYPE_BF16, STRATA_TIER_HBM, STRATA_OPTIMIZER_ADAGRAD, 0, STRATA_MASTER_SEPARATE},
   };
   // Sizes off every boundary (an odd element count, a tensor below a page, one of several
   // pages), a frozen tensor beside trainable ones, and a layer of frozen tensors only.

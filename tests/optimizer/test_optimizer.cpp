@@ -113,6 +113,86 @@ TEST_CASE("clipping scales by max_norm / (norm + 1e-6), as clip_grad_norm_", "[o
   REQUIRE(std::abs(s.last_grad_norm - norm) <= 1e-6 * norm);
 }
 
+TEST_CASE("Adam, Lion and Adagrad through the C ABI: defaults, state, updates", "[optimizer]") {
+  // Since 1.4. An fp32 weight (its own master), two steps with the same grad, against the
+  // formulas in double (the kernels' own test covers every layout and ISA).
+  for (strata_optimizer_kind_t kind :
+       {STRATA_OPTIMIZER_ADAM, STRATA_OPTIMIZER_LION, STRATA_OPTIMIZER_ADAGRAD}) {
+    CAPTURE(kind);
+    Model m = make_model(1, 1, STRATA_DEVICE_BACKEND_HOST);
+    strata_optimizer_config_t c;
+    STRATA_REQUIRE_OK(strata_optimizer_config_init(kind, &c));
+    // The defaults: torch.optim.Adam's and Adagrad's, lion-pytorch's.
+    REQUIRE(c.weight_decay == 0.f);
+    REQUIRE(c.lr == (kind == STRATA_OPTIMIZER_LION      ? 1e-4f
+                     : kind == STRATA_OPTIMIZER_ADAGRAD ? 1e-2f
+                                                        : 1e-3f));
+    REQUIRE(c.beta2 == (kind == STRATA_OPTIMIZER_LION ? 0.99f : 0.999f));
+    REQUIRE(c.eps == (kind == STRATA_OPTIMIZER_ADAGRAD ? 1e-10f : 1e-8f));
+    c.lr = 0.01f;
+    c.weight_decay = 0.1f;
+    c.threads = 1;
+    strata_optimizer_t* o = nullptr;
+    STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
+    OptimizerPtr opt(o);
+    const std::size_t n = 1000;
+    strata_tensor_t* w = register_tensor(m.rt.get(), "w", n, STRATA_DTYPE_F32, STRATA_ROLE_WEIGHT);
+    strata_tensor_t* g = register_tensor(m.rt.get(), "g", n, STRATA_DTYPE_F32, STRATA_ROLE_GRAD);
+    std::vector<float> w0(n), g0(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      w0[i] = 0.5f - 0.001f * static_cast<float>(i);
+      g0[i] = 0.01f * static_cast<float>(i % 17) - 0.08f;  // zeros among them (i % 17 == 8)
+    }
+    STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), w, 0, w0.data(), 4 * n));
+    STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), g, 0, g0.data(), 4 * n));
+    strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE};
+    STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
+    // The state each kind keeps, and none other.
+    strata_tensor_t* avg = nullptr;
+    strata_tensor_t* sq = nullptr;
+    const bool has_avg = kind != STRATA_OPTIMIZER_ADAGRAD, has_sq = kind != STRATA_OPTIMIZER_LION;
+    REQUIRE((strata_optimizer_get_state(opt.get(), w, STRATA_STATE_EXP_AVG, &avg) == STRATA_OK) ==
+            has_avg);
+    REQUIRE((strata_optimizer_get_state(opt.get(), w, STRATA_STATE_EXP_AVG_SQ, &sq) == STRATA_OK) ==
+            has_sq);
+    REQUIRE(stats_of(opt.get()).state_bytes >= 4 * n * ((has_avg ? 1 : 0) + (has_sq ? 1 : 0)));
+    const double init = kind == STRATA_OPTIMIZER_ADAGRAD ? 0.1 : 0.0;
+    if (kind == STRATA_OPTIMIZER_ADAGRAD) {  // initial_accumulator_value, written as documented
+      const std::vector<float> start(n, static_cast<float>(init));
+      STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), sq, 0, start.data(), 4 * n));
+    }
+    std::vector<double> rp(w0.begin(), w0.end()), rm(n, 0), rv(n, init);
+    const double lr = c.lr, wd = c.weight_decay, b1 = c.beta1, b2 = c.beta2, eps = c.eps;
+    for (int t = 1; t <= 2; ++t) {
+      STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
+      for (std::size_t i = 0; i < n; ++i) {
+        const double gi = g0[i];
+        if (kind == STRATA_OPTIMIZER_ADAM) {
+          const double d = gi + wd * rp[i];
+          rm[i] = b1 * rm[i] + (1 - b1) * d;
+          rv[i] = b2 * rv[i] + (1 - b2) * d * d;
+          const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
+          rp[i] -= lr / bc1 * rm[i] / (std::sqrt(rv[i]) / std::sqrt(bc2) + eps);
+        } else if (kind == STRATA_OPTIMIZER_LION) {
+          const double u = b1 * rm[i] + (1 - b1) * gi;
+          rp[i] = rp[i] * (1 - lr * wd) - lr * ((u > 0) - (u < 0));
+          rm[i] = b2 * rm[i] + (1 - b2) * gi;
+        } else {
+          const double d = gi + wd * rp[i];
+          rv[i] += d * d;
+          rp[i] -= lr * d / (std::sqrt(rv[i]) + eps);
+        }
+      }
+    }
+    std::vector<float> w2(n);
+    STRATA_REQUIRE_OK(strata_tensor_read(m.rt.get(), w, 0, w2.data(), 4 * n));
+    for (std::size_t i = 0; i < n; ++i) {
+      INFO("element " << i);
+      REQUIRE(std::abs(w2[i] - rp[i]) <= 1e-6 * std::max(1.0, std::abs(rp[i])));
+    }
+  }
+}
+
 TEST_CASE("dynamic loss scaling skips overflowed steps and backs off", "[optimizer]") {
   Model m = make_model(1, 2, STRATA_DEVICE_BACKEND_HOST);
   strata_optimizer_config_t c = adamw_config();

@@ -89,6 +89,23 @@ def failure(kind):
     return arm
 
 
+def _torch_lion():
+    from strata.torch._optim import _TorchLion  # torch has no Lion: lion-pytorch's formula
+    return _TorchLion
+
+
+# name -> (strata.torch class, () -> the torch class DDP runs, lr -> settings)
+OPTIMIZERS = {
+    "adamw": ("AdamW", lambda: torch.optim.AdamW, lambda lr: dict(lr=lr, weight_decay=0.1)),
+    "adam": ("Adam", lambda: torch.optim.Adam, lambda lr: dict(lr=lr, weight_decay=0.1)),
+    "sgd": ("SGD", lambda: torch.optim.SGD,
+            lambda lr: dict(lr=10 * lr, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "lion": ("Lion", _torch_lion, lambda lr: dict(lr=lr / 10, weight_decay=0.1)),
+    "adagrad": ("Adagrad", lambda: torch.optim.Adagrad,
+                lambda lr: dict(lr=lr, lr_decay=0.01, initial_accumulator_value=0.1)),
+}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--rank", type=int, required=True)
@@ -127,6 +144,8 @@ def main(argv=None):
                         "the last rank alone writes inside gathered(writable=False): "
                         "'refused' says whether this rank refused it too; then block 0's "
                         "parameters are halved inside gathered(writable=True) on every rank")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
+                   help="strata.torch's optimizer of that name (DDP: torch's counterpart)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -149,7 +168,8 @@ def main(argv=None):
                                reduce_dtype=reduce_dtype) if args.world > 1 else False)
         if args.load_on_rank0 and args.rank == 0:
             fresh.load_state_dict(build(args.preset, seed=50)[1].state_dict())
-        return fresh, st.AdamW(fresh.parameters(), lr=args.lr, weight_decay=0.1)
+        return fresh, getattr(st, OPTIMIZERS[args.optimizer][0])(
+            fresh.parameters(), **OPTIMIZERS[args.optimizer][2](args.lr))
 
     after = None
     if args.mode == "strata":
@@ -165,7 +185,8 @@ def main(argv=None):
                 saved_weights.update((k, v.clone()) for k, v in model.state_dict().items())
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+        opt = OPTIMIZERS[args.optimizer][1]()(model.parameters(),
+                                               **OPTIMIZERS[args.optimizer][2](args.lr))
     fail = None
     if args.fail is not None and args.rank == args.world - 1:
         fail = (args.fail_step, lambda: failure(args.fail)(model))

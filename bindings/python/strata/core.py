@@ -18,7 +18,7 @@ DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3, "int8": 4, "u
 ROLES = {"weight": 0, "grad": 1, "optimizer_state": 2, "activation": 3, "other": 4}
 FORWARD, BACKWARD = 0, 1
 VIEW_WEIGHT, VIEW_GRAD, VIEW_ACTIVATION = 0, 1, 2
-OPTIMIZERS = {"adamw": 0, "sgd": 1}
+OPTIMIZERS = {"adamw": 0, "sgd": 1, "adam": 2, "lion": 3, "adagrad": 4}
 UPDATE_MODES = {"auto": 0, "explicit": 1}
 STATE_PLACEMENTS = {"dram": 0, "planned": 1, "nvme": 2}
 STATES = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2, "grad_accum": 3, "master_low": 4}
@@ -97,7 +97,7 @@ def layout_sizes(blocks, element_size, frozen=None, master_layout="separate", gr
     streaming_hbm_bytes and nvme_bytes, the grad fetch buffer, the staging slot, the tiers'
     margins, nvme_placeable_bytes of an NVMe tier of `nvme_budget` bytes or of nvme_bytes) and
     "layers": per block a dict of strata_layout_layer_t's fields. grads: "dram" or "hbm";
-    optimizer: "adamw" or "sgd" (with a momentum buffer if `momentum`); staging_slots: the
+    optimizer: a key of OPTIMIZERS ("sgd" with a momentum buffer if `momentum`); staging_slots: the
     slots dram_bytes keeps room for."""
     if element_size not in _LAYOUT_DTYPES:
         raise ValueError("element_size %r: streamed weights are 2 (bf16, f16) or 4 (f32) bytes"
@@ -593,7 +593,8 @@ class Executor:
 
 
 class Optimizer:
-    """The runtime's optimizer (AdamW or SGD) over DRAM weights: fp32 masters and state."""
+    """The runtime's optimizer (AdamW, SGD, Adam, Lion or Adagrad: `kind`, a key of OPTIMIZERS)
+    over DRAM weights: fp32 masters and state."""
 
     def __init__(self, runtime, kind="adamw", update_mode="auto", state_placement="dram",
                  **hyper):

@@ -15,9 +15,10 @@ the largest nn.ModuleList) live in Strata's pinned DRAM; each is streamed into H
 forward pass and again for its recomputed forward and backward pass (activation checkpointing
 per block, RNG-exact), its parameters pointing at the executor's slot memory through DLPack.
 Their grads go to DRAM and show as each parameter's .grad (strata.torch.StreamedGrad): norms,
-clipping, scaling and zeroing work on them as on any grad. strata.torch.AdamW is a
-torch.optim.Optimizer: at step() Strata's CPU AdamW updates the blocks' fp32 masters while the
-next forward pass runs, and torch's AdamW the resident parameters (embedding, final norm, head).
+clipping, scaling and zeroing work on them as on any grad. strata.torch.AdamW (and Adam, SGD,
+Lion, Adagrad) is a torch.optim.Optimizer: at step() Strata's CPU optimizer of the same kind
+updates the blocks' fp32 masters while the next forward pass runs, and torch's (Lion: the same
+formula in torch) the resident parameters (embedding, final norm, head).
 Whole-state checkpoints: strata.torch.save_checkpoint / load_checkpoint. The streamed
 parameters' values in a with-block (EMA, logging, writes): strata.torch.gathered. See
 docs/python-guide.md and docs/python-reference.md.
@@ -29,7 +30,7 @@ from ._distributed import DataParallel, DataParallelError
 from ._gathered import gathered
 from ._grads import StreamedGrad
 from ._offload import offload
-from ._optim import AdamW
+from ._optim import Adagrad, Adam, AdamW, Lion, SGD
 
-__all__ = ["offload", "AdamW", "StreamedGrad", "save_checkpoint", "load_checkpoint",
-           "DataParallel", "DataParallelError", "gathered"]
+__all__ = ["offload", "AdamW", "Adam", "SGD", "Lion", "Adagrad", "StreamedGrad",
+           "save_checkpoint", "load_checkpoint", "DataParallel", "DataParallelError", "gathered"]

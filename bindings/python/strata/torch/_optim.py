@@ -1,12 +1,16 @@
-"""strata.torch.AdamW: torch.optim.AdamW for an offloaded model, as a real torch.optim.Optimizer.
+"""strata.torch's optimizers: AdamW, Adam, SGD, Lion and Adagrad for an offloaded model, each a
+real torch.optim.Optimizer.
 
-The streamed parameters are updated by Strata's CPU AdamW (fp32 masters in DRAM; the update of
-each block is queued at step() and runs while the next forward pass streams the blocks below
-it in); the resident ones (embedding, final norm, head) by torch's own AdamW on the device,
-with fp32 masters where they are not fp32. Semantics are torch.optim.AdamW's: updates happen
-at step(), from the grads as they are then (accumulated over any number of backward passes,
-clipped or scaled in between), for parameters that have a grad; per-group lr and weight_decay;
-LR schedulers, state_dict()/load_state_dict() and zero_grad(set_to_none=...) work as usual."""
+The streamed parameters are updated by Strata's CPU optimizer of the same kind (fp32 masters in
+DRAM; the update of each block is queued at step() and runs while the next forward pass streams
+the blocks below it in); the resident ones (embedding, final norm, head) by torch's own
+optimizer on the device (Lion: _TorchLion below, lion-pytorch's formula), with fp32 masters
+where they are not fp32. Semantics are the torch optimizer's: updates happen at step(), from
+the grads as they are then (accumulated over any number of backward passes, clipped or scaled
+in between), for parameters that have a grad; per-group hyperparameters read at every step;
+LR schedulers, state_dict()/load_state_dict() and zero_grad(set_to_none=...) work as usual.
+One base class (_Optimizer) holds all of that; each optimizer is a small subclass naming its
+Strata kind, its torch counterpart, its state and how its groups reach Strata's."""
 
 import weakref
 
@@ -41,17 +45,18 @@ def _session_of(p):
     return _params.owner(p)
 
 
-def _resident_adamw(groups, foreach, fused):
-    """torch's AdamW over the resident parameters' fp32 masters: fused (one kernel reading
-    and writing each master, grad, m and v once; issue 13 asks for it, and on an H200 it is
-    ~0.06 s a step less than foreach's ~80 bytes a parameter for 3.5 G resident parameters)
-    unless `foreach` or `fused` says otherwise, as passed to strata.torch.AdamW. Where torch
-    has no fused kernel for the device, its default. Fused rounds a few elements differently
-    from foreach or the for-loop (another order of the same fp32 operations), as Strata's CPU
-    AdamW does for the streamed parameters: the same training within issue 12's tolerances."""
+def _resident_torch(cls, groups, foreach, fused):
+    """torch's `cls` (AdamW, Adam) over the resident parameters' fp32 masters: fused (one
+    kernel reading and writing each master, grad, m and v once; issue 13 asks for it, and on
+    an H200 it is ~0.06 s a step less than foreach's ~80 bytes a parameter for 3.5 G resident
+    parameters) unless `foreach` or `fused` says otherwise, as passed to the strata.torch
+    optimizer. Where torch has no fused kernel for the device, its default. Fused rounds a few
+    elements differently from foreach or the for-loop (another order of the same fp32
+    operations), as Strata's CPU optimizer does for the streamed parameters: the same training
+    within issue 12's tolerances."""
     if fused is None and foreach is None and _fused_supported(groups):
-        return torch.optim.AdamW(groups, fused=True)
-    return torch.optim.AdamW(groups, foreach=foreach, fused=fused)
+        return cls(groups, fused=True)
+    return cls(groups, foreach=foreach, fused=fused)
 
 
 def _fused_supported(groups):
@@ -66,31 +71,94 @@ def _fused_supported(groups):
                for g in groups for p in g["params"])
 
 
-class AdamW(torch.optim.Optimizer):
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, max_grad_norm=0.0, threads=0,
-                 accumulation_steps=None):
+class _TorchLion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023) on the device for the resident parameters, as lion-pytorch's
+    reference: p *= 1 - lr wd; p -= lr sign(lerp(m, g, 1 - beta1)); m = lerp(m, g, 1 - beta2).
+    State: exp_avg."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                m = state["exp_avg"]
+                p.mul_(1 - lr * wd)
+                p.add_(torch.lerp(m, p.grad, 1 - beta1).sign_(), alpha=-lr)
+                m.lerp_(p.grad, 1 - beta2)
+        return loss
+
+
+def _check_options(name, **flags):
+    """torch options strata.torch does not implement, refused by name when set."""
+    on = sorted(k for k, v in flags.items() if v)
+    if on:
+        raise ValueError("strata.torch.%s: %s not supported" % (name, ", ".join(on)))
+
+
+class _Optimizer(torch.optim.Optimizer):
+    """What every strata.torch optimizer shares (see the module's docstring). A subclass sets
+    NAME, KIND (core.OPTIMIZERS's key), HYPER (the group keys the resident optimizer copies at
+    every step), STATE (torch's state key -> Strata's state tensor) and implements
+    _settings, _make_resident and _set_groups."""
+
+    NAME = KIND = None
+    HYPER = ()
+    STATE = {}
+    STEP_IN_STATE = True  # torch keeps a "step" per parameter (SGD and Lion do not)
+
+    def _settings(self):
+        """core.Optimizer's settings for the streamed blocks (group 0's, from the defaults)."""
+        raise NotImplementedError
+
+    def _make_resident(self, groups):
+        """The torch optimizer over the resident masters' param groups."""
+        raise NotImplementedError
+
+    def _set_groups(self, optimizer):
+        """Every group's hyperparameters as they are now into Strata's optimizer."""
+        raise NotImplementedError
+
+    def _check_groups(self):
+        """Refuse param groups Strata's optimizer cannot run, before anything is laid out."""
+
+    def _state_kinds(self):
+        return self.STATE
+
+    def _initial_state(self, key, shape, device):
+        """A state tensor before any update (torch's initial value)."""
+        return torch.zeros(shape, device=device)
+
+    def _fresh_resident_state(self, master):
+        """A resident parameter's torch state when it has none (None: torch makes it)."""
+        return None
+
+    def _start(self, params, defaults, max_grad_norm, threads, accumulation_steps=None):
+        who = "strata.torch." + self.NAME
         if isinstance(params, nn.Module):
             params = [p for p in params.parameters() if p.requires_grad]
-        if amsgrad or maximize or capturable or differentiable:
-            raise ValueError("strata.torch.AdamW: amsgrad, maximize, capturable and "
-                             "differentiable are not supported")
         if accumulation_steps not in (None, 1):
             raise ValueError(
-                "strata.torch.AdamW: accumulation_steps is gone: accumulate as in plain "
-                "PyTorch ((loss / N).backward() per micro-batch, step() and zero_grad() every "
-                "N), which Strata follows exactly")
+                "%s: accumulation_steps is gone: accumulate as in plain PyTorch ((loss / "
+                "N).backward() per micro-batch, step() and zero_grad() every N), which Strata "
+                "follows exactly" % who)
         if not 0.0 <= max_grad_norm:
-            raise ValueError("strata.torch.AdamW: max_grad_norm must be >= 0")
-        if len(tuple(betas)) != 2:
-            raise ValueError("strata.torch.AdamW: betas must be two numbers (beta1, beta2), "
-                             "got %r" % (betas,))
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        amsgrad=False, maximize=False, foreach=foreach, capturable=False,
-                        differentiable=False, fused=fused)
+            raise ValueError("%s: max_grad_norm must be >= 0" % who)
         self._ready = False
-        super().__init__(params, defaults)
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        self._check_groups()
         self.max_grad_norm = float(max_grad_norm)
         sessions = {}
         for group in self.param_groups:
@@ -99,16 +167,15 @@ class AdamW(torch.optim.Optimizer):
                 if s is not None:
                     sessions[id(s)] = s
         if len(sessions) > 1:
-            raise ValueError("strata.torch.AdamW: the parameters belong to several offloaded "
-                             "models; use one optimizer per model")
+            raise ValueError("%s: the parameters belong to several offloaded models; use one "
+                             "optimizer per model" % who)
         self._session = next(iter(sessions.values()), None)
         paged = self.PAGED_STATE
         if not (paged in ("auto", None) or isinstance(paged, int) and
                 not isinstance(paged, bool) and paged >= 0):
             # Before anything is built: the optimizer can be created again once it is set right.
-            raise ValueError("strata.torch.AdamW.PAGED_STATE is %r, not 'auto', None (every "
-                             "resident parameter's) or a count of resident blocks >= 0"
-                             % (paged,))
+            raise ValueError("%s.PAGED_STATE is %r, not 'auto', None (every resident "
+                             "parameter's) or a count of resident blocks >= 0" % (who, paged))
         mine = {id(p) for g in self.param_groups for p in g["params"]}
         if self._session is not None:
             session = self._session
@@ -122,9 +189,9 @@ class AdamW(torch.optim.Optimizer):
             if session.optimizer is not None or session.executor is not None and trainable \
                     and not (session.relayable and session.layout.can_relay):
                 raise RuntimeError(
-                    "strata.torch.AdamW: create the optimizer once, before the first forward "
-                    "pass with grad (the streamed blocks' optimizer state is laid out with "
-                    "them)%s" % ("" if session.optimizer is not None else
+                    "%s: create the optimizer once, before the first forward pass with grad "
+                    "(the streamed blocks' optimizer state is laid out with them)%s" % (
+                        who, "" if session.optimizer is not None else
                                  "; the blocks were laid out without it (a checkpoint "
                                  "loaded, a forward pass of frozen blocks) and cannot be "
                                  "laid out again under data parallelism"
@@ -136,20 +203,23 @@ class AdamW(torch.optim.Optimizer):
                 for name, p in block.named_parameters():
                     if p.requires_grad and id(p) not in mine:
                         raise ValueError(
-                            "strata.torch.AdamW: the streamed parameter %r requires grad but is "
-                            "not among the optimizer's parameters; pass all of them (or "
+                            "%s: the streamed parameter %r requires grad but is not among "
+                            "the optimizer's parameters; pass all of them (or "
                             "requires_grad_(False) the ones to freeze)"
-                            % (session.prefixes[session.blocks.index(block)] + name))
+                            % (who, session.prefixes[session.blocks.index(block)] + name))
             group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+            self._group_of = group_of
             if session.executor is not None and trainable:
                 # Built without an optimizer by a checkpoint's load (st.load_checkpoint before
                 # the optimizer): laid out again from the loaded weights, as the plain model
                 # that loaded them and then made its optimizer.
                 session.unbuild()
             if session.executor is None:  # (frozen blocks built before: nothing to lay out)
-                session.build(dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
-                                   weight_decay=weight_decay, threads=threads), group_of)
-        # Resident parameters: torch's AdamW on fp32 masters (the parameter itself when fp32).
+                session.build(dict(self._settings(), kind=self.KIND, threads=threads), group_of)
+                if session.optimizer is not None:
+                    self._init_streamed_state()
+        # Resident parameters: torch's optimizer on fp32 masters (the parameter itself when
+        # fp32).
         self._resident = []  # (param, master, our group index)
         inner_groups, self._inner_of = [], {}
         kept = _kept_fp32_values(
@@ -174,9 +244,8 @@ class AdamW(torch.optim.Optimizer):
                 masters.append(master)
             if masters:
                 self._inner_of[gi] = len(inner_groups)
-                inner_groups.append(dict(params=masters, lr=group["lr"], betas=group["betas"],
-                                         eps=group["eps"], weight_decay=group["weight_decay"]))
-        self._inner = _resident_adamw(inner_groups, foreach, fused) if inner_groups else None
+                inner_groups.append(dict(params=masters, **{k: group[k] for k in self.HYPER}))
+        self._inner = self._make_resident(inner_groups) if inner_groups else None
         if self._session is not None:  # its masters took offload's fp32 copies: they go
             self._session.optimizer_created()
         self._pager = self._make_pager()
@@ -190,6 +259,15 @@ class AdamW(torch.optim.Optimizer):
         self._ready = True
         if self._pager is not None:
             self._pager.page_out(timed=False)  # the masters, from the first forward pass on
+
+    def _init_streamed_state(self):
+        """The streamed parameters' state where torch's does not start at zero (Adagrad's
+        initial_accumulator_value): Strata's starts zeroed."""
+        for sp in self._streamed():
+            for key, kind in self._state_kinds().items():
+                value = self._initial_state(key, sp.shape, "cpu")
+                if bool(value.any()):
+                    self._write_state(sp, kind, value)
 
     # The resident parameters' optimizer state paged to host memory between a step and the
     # next backward pass (strata.torch._paging; docs/python-reference.md, Performance): "auto" (on CUDA,
@@ -232,8 +310,9 @@ class AdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         if self._ready:
             raise NotImplementedError(
-                "strata.torch.AdamW: param groups are fixed at construction (the streamed "
-                "blocks' optimizer state is laid out then); pass every group to the constructor")
+                "strata.torch.%s: param groups are fixed at construction (the streamed blocks' "
+                "optimizer state is laid out then); pass every group to the constructor"
+                % self.NAME)
         super().add_param_group(param_group)
 
     # --- the step ------------------------------------------------------------------------
@@ -261,19 +340,15 @@ class AdamW(torch.optim.Optimizer):
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         if session is not None and session.optimizer is not None:
-            # Every group's hyperparameters as they are now: torch's AdamW reads lr, betas,
-            # eps and weight decay from its param groups at every step (OneCycleLR cycles the
-            # betas too), and so does Strata's, bias corrections included.
-            for gi, group in enumerate(self.param_groups):
-                beta1, beta2 = group["betas"]
-                session.optimizer.set_group(gi, float(group["lr"]), float(group["weight_decay"]),
-                                            betas=(float(beta1), float(beta2)),
-                                            eps=float(group["eps"]))
+            # Every group's hyperparameters as they are now: torch's optimizers read them from
+            # their param groups at every step (OneCycleLR cycles AdamW's betas too), and so
+            # does Strata's, bias corrections included.
+            self._set_groups(session.optimizer)
             session.optimizer.step()
         if self._inner is not None:
             for gi, ii in self._inner_of.items():
                 inner, group = self._inner.param_groups[ii], self.param_groups[gi]
-                for key in ("lr", "betas", "eps", "weight_decay"):
+                for key in self.HYPER:
                     inner[key] = group[key]
             self._step_resident()
         keeper = None if session is None else session.activations
@@ -308,7 +383,7 @@ class AdamW(torch.optim.Optimizer):
                 self._mark_synced(p, master)
 
     def _step_resident(self):
-        """torch's AdamW over the resident parameters, a chunk at a time: each inner step sees
+        """torch's optimizer over the resident parameters, a chunk at a time: each inner step sees
         only the chunk's masters (its param groups' lists swapped for the chunk's), with fp32
         copies of their grads. Per element that is the same update as one step over all of
         them; the memory it needs beside the state is a chunk's, where all at once an 8B
@@ -368,25 +443,38 @@ class AdamW(torch.optim.Optimizer):
     def _write_state(self, sp, kind, value):
         self._session.write_state(sp, kind, value)
 
+    def _streamed_entry(self, sp):
+        """A streamed parameter's state as torch's optimizer holds it, or None (no state)."""
+        _, _, t = self._session.optimizer.grad_info(sp.weight)
+        if t == 0 and not self._state_from_start():
+            return None
+        entry = {"step": torch.tensor(float(t))} if self.STEP_IN_STATE else {}
+        for key, kind in self._state_kinds().items():
+            entry[key] = self._read_state(sp, kind)
+        if not entry:
+            return None  # SGD without momentum keeps none (torch neither)
+        if self._session.dtype != torch.float32:
+            entry["master"] = self._read_state(sp, "master")
+        return entry
+
+    def _state_from_start(self):
+        """Whether torch holds state for a parameter never updated (Adagrad: from creation)."""
+        return False
+
     def _filled_state(self):
-        """self.state as torch.optim.AdamW would hold it (streamed state read from Strata)."""
+        """self.state as the torch optimizer would hold it (streamed state read from Strata)."""
         state = {}
         for sp in self._streamed():
-            _, _, t = self._session.optimizer.grad_info(sp.weight)
-            if t == 0:
-                continue
-            entry = {"step": torch.tensor(float(t)), "exp_avg": self._read_state(sp, "exp_avg"),
-                     "exp_avg_sq": self._read_state(sp, "exp_avg_sq")}
-            if self._session.dtype != torch.float32:
-                entry["master"] = self._read_state(sp, "master")
-            state[sp.param] = entry
+            entry = self._streamed_entry(sp)
+            if entry is not None:
+                state[sp.param] = entry
         if self._inner is not None:
             self._bring_in(writes=False)
             self._sync_resident_masters()
             # Paged state leaves the device at the next forward pass, its tensors' storage
             # freed: what is returned must outlive that (a state dict held while training
             # goes on, saved from a thread), so it is copied to host memory; unpaged, the
-            # tensors themselves, as torch's AdamW returns them.
+            # tensors themselves, as torch's optimizers return them.
             paged = self._pager is not None and self._pager.has_paged
 
             def kept(v):
@@ -417,9 +505,9 @@ class AdamW(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups) or any(
                 len(g["params"]) != len(mine["params"])
                 for g, mine in zip(groups, self.param_groups)):
-            raise ValueError("strata.torch.AdamW.load_state_dict: the state dict's param groups "
+            raise ValueError("strata.torch.%s.load_state_dict: the state dict's param groups "
                              "do not match this optimizer's (counts of groups or parameters "
-                             "differ)")
+                             "differ)" % self.NAME)
         by_index = {}
         for g, mine in zip(groups, self.param_groups):
             by_index.update(zip(g["params"], mine["params"]))
@@ -429,29 +517,33 @@ class AdamW(torch.optim.Optimizer):
         saved = {by_index[k]: v for k, v in state_dict["state"].items()}
         if self._session is not None and self._session.optimizer is not None:
             for sp in self._streamed():
-                entry = saved.get(sp.param)
-                if entry is None:
-                    zeros = torch.zeros(sp.shape)
-                    self._write_state(sp, "exp_avg", zeros)
-                    self._write_state(sp, "exp_avg_sq", zeros)
-                    self._session.optimizer.set_param_step(sp.weight, 0)
-                    continue
-                self._write_state(sp, "exp_avg", entry["exp_avg"])
-                self._write_state(sp, "exp_avg_sq", entry["exp_avg_sq"])
+                entry = saved.get(sp.param) or {}
+                for key, kind in self._state_kinds().items():
+                    value = entry.get(key)
+                    self._write_state(sp, kind, self._initial_state(key, sp.shape, "cpu")
+                                      if value is None else value)
                 if "master" in entry and self._session.dtype != torch.float32:
                     self._write_state(sp, "master", entry["master"])
-                self._session.optimizer.set_param_step(sp.weight, int(entry["step"]))
+                if self.STEP_IN_STATE:
+                    step = int(entry["step"]) if "step" in entry else 0
+                else:  # any count above 0 is "updated before" (SGD's buffer then exists)
+                    step = 1 if any(k in entry for k in self._state_kinds()) else 0
+                self._session.optimizer.set_param_step(sp.weight, step)
         if self._inner is not None:
             self._bring_in()
             for p, master, _ in self._resident:
                 self._restore_resident(p, master, saved.get(p))
 
     def _restore_resident(self, p, master, entry):
-        """A resident parameter's torch AdamW state (and fp32 master) from a saved entry; no
-        entry: no state (the parameter has not been updated yet). A saved master is the
-        parameter's from then on (a write to the parameter before it does not count)."""
+        """A resident parameter's torch optimizer state (and fp32 master) from a saved entry; no
+        entry: no state (the parameter has not been updated yet), or torch's initial one
+        (Adagrad's). A saved master is the parameter's from then on (a write to the parameter
+        before it does not count)."""
         self._inner.state.pop(master, None)
         if entry is None:
+            fresh = self._fresh_resident_state(master)
+            if fresh is not None:
+                self._inner.state[master] = fresh
             return
         inner = {}
         for key, value in entry.items():
@@ -501,4 +593,217 @@ class AdamW(torch.optim.Optimizer):
             self._restore_resident(p, master, saved["resident"].get(k))
 
 
-__all__ = ["AdamW", "StreamedGrad"]
+def _betas(name, betas):
+    if len(tuple(betas)) != 2:
+        raise ValueError("strata.torch.%s: betas must be two numbers (beta1, beta2), got %r"
+                         % (name, betas))
+    return tuple(betas)
+
+
+class AdamW(_Optimizer):
+    """torch.optim.AdamW (decoupled weight decay)."""
+
+    NAME, KIND = "AdamW", "adamw"
+    HYPER = ("lr", "betas", "eps", "weight_decay")
+    STATE = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+    TORCH = torch.optim.AdamW
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, max_grad_norm=0.0, threads=0,
+                 accumulation_steps=None):
+        _check_options(self.NAME, amsgrad=amsgrad, maximize=maximize, capturable=capturable,
+                       differentiable=differentiable)
+        defaults = dict(lr=lr, betas=_betas(self.NAME, betas), eps=eps,
+                        weight_decay=weight_decay, amsgrad=False, maximize=False,
+                        foreach=foreach, capturable=False, differentiable=False, fused=fused)
+        self._start(params, defaults, max_grad_norm, threads, accumulation_steps)
+
+    def _settings(self):
+        d = self.defaults
+        return dict(lr=d["lr"], beta1=d["betas"][0], beta2=d["betas"][1], eps=d["eps"],
+                    weight_decay=d["weight_decay"])
+
+    def _make_resident(self, groups):
+        return _resident_torch(self.TORCH, groups, self.defaults["foreach"],
+                               self.defaults["fused"])
+
+    def _set_groups(self, optimizer):
+        for gi, group in enumerate(self.param_groups):
+            beta1, beta2 = group["betas"]
+            optimizer.set_group(gi, float(group["lr"]), float(group["weight_decay"]),
+                                betas=(float(beta1), float(beta2)), eps=float(group["eps"]))
+
+
+class Adam(AdamW):
+    """torch.optim.Adam (L2 weight decay: added to the grad; bias corrections as torch's)."""
+
+    NAME, KIND = "Adam", "adam"
+    TORCH = torch.optim.Adam
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None, max_grad_norm=0.0, threads=0):
+        AdamW.__init__(self, params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                       foreach=foreach, capturable=capturable, differentiable=differentiable,
+                       fused=fused, max_grad_norm=max_grad_norm, threads=threads)
+
+
+class SGD(_Optimizer):
+    """torch.optim.SGD (momentum, dampening, Nesterov, L2 weight decay). The streamed blocks'
+    momentum, dampening and nesterov are their optimizer's config: the same in every group,
+    fixed at creation (a change is refused at the next step); lr and weight decay are read
+    from the groups at every step."""
+
+    NAME, KIND = "SGD", "sgd"
+    HYPER = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    STEP_IN_STATE = False
+    _FIXED = ("momentum", "dampening", "nesterov")
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, *, maximize=False, foreach=None, differentiable=False,
+                 fused=None, max_grad_norm=0.0, threads=0):
+        _check_options(self.NAME, maximize=maximize, differentiable=differentiable)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("strata.torch.SGD: Nesterov momentum requires a momentum and zero "
+                             "dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov, maximize=False,
+                        foreach=foreach, differentiable=False, fused=fused)
+        self._fixed = tuple(float(defaults[k]) for k in self._FIXED)
+        self.STATE = {"momentum_buffer": "exp_avg"} if momentum > 0 else {}
+        self._start(params, defaults, max_grad_norm, threads)
+
+    def _check_groups(self, when=None):
+        """The groups holding streamed parameters take the config's momentum, dampening and
+        nesterov; `when`: the call that found a change (None: creation)."""
+        for gi, group in enumerate(self.param_groups):
+            now = tuple(float(group[k]) for k in self._FIXED)
+            if now == self._fixed or all(_session_of(p) is None for p in group["params"]):
+                continue
+            raise ValueError(
+                "strata.torch.SGD: momentum, dampening and nesterov of the streamed blocks' "
+                "groups are fixed when the optimizer is created (%s) and the same in every "
+                "group, but %sgroup %d has %s; give every group the same, and change only lr "
+                "and weight_decay while training (OneCycleLR: cycle_momentum=False)"
+                % (dict(zip(self._FIXED, self._fixed)), "at %s " % when if when else "", gi,
+                   dict(zip(self._FIXED, now))))
+
+    def _settings(self):
+        d = self.defaults
+        return dict(lr=d["lr"], momentum=d["momentum"], dampening=d["dampening"],
+                    nesterov=int(bool(d["nesterov"])), weight_decay=d["weight_decay"])
+
+    def _make_resident(self, groups):
+        extra = {} if self.defaults["fused"] is None else {"fused": self.defaults["fused"]}
+        return torch.optim.SGD(groups, foreach=self.defaults["foreach"], **extra)
+
+    def _set_groups(self, optimizer):
+        self._check_groups("step()")
+        for gi, group in enumerate(self.param_groups):
+            optimizer.set_group(gi, float(group["lr"]), float(group["weight_decay"]))
+
+
+class Lion(_Optimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), as
+    lion-pytorch: update = sign(beta1 m + (1 - beta1) g), p -= lr (update + weight_decay p)
+    (decoupled), m = beta2 m + (1 - beta2) g. torch has no Lion: the resident parameters use
+    _TorchLion, the same formula. State: exp_avg."""
+
+    NAME, KIND = "Lion", "lion"
+    HYPER = ("lr", "betas", "weight_decay")
+    STATE = {"exp_avg": "exp_avg"}
+    STEP_IN_STATE = False
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
+                 max_grad_norm=0.0, threads=0):
+        betas = _betas(self.NAME, betas)
+        if not lr > 0 or not all(0 <= b <= 1 for b in betas):
+            raise ValueError("strata.torch.Lion: lr must be > 0 and betas in [0, 1]")
+        self._start(params, dict(lr=lr, betas=betas, weight_decay=weight_decay),
+                    max_grad_norm, threads)
+
+    def _settings(self):
+        d = self.defaults
+        return dict(lr=d["lr"], beta1=d["betas"][0], beta2=d["betas"][1],
+                    weight_decay=d["weight_decay"])
+
+    def _make_resident(self, groups):
+        return _TorchLion(groups)
+
+    def _set_groups(self, optimizer):
+        for gi, group in enumerate(self.param_groups):
+            beta1, beta2 = group["betas"]
+            optimizer.set_group(gi, float(group["lr"]), float(group["weight_decay"]),
+                                betas=(float(beta1), float(beta2)))
+
+
+class Adagrad(_Optimizer):
+    """torch.optim.Adagrad (lr_decay, L2 weight decay, initial_accumulator_value, eps). State
+    (from creation, as torch's): step and sum. lr_decay divides a group's lr by
+    1 + (step - 1) lr_decay at each step; with lr_decay the streamed parameters of a group must
+    have taken the same number of steps (they do unless some had no grad at some step)."""
+
+    NAME, KIND = "Adagrad", "adagrad"
+    HYPER = ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value")
+    STATE = {"sum": "exp_avg_sq"}
+
+    def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0,
+                 initial_accumulator_value=0.0, eps=1e-10, foreach=None, *, maximize=False,
+                 differentiable=False, fused=None, max_grad_norm=0.0, threads=0):
+        _check_options(self.NAME, maximize=maximize, differentiable=differentiable)
+        for key, value in (("lr", lr), ("lr_decay", lr_decay), ("weight_decay", weight_decay),
+                           ("initial_accumulator_value", initial_accumulator_value)):
+            if not value >= 0:
+                raise ValueError("strata.torch.Adagrad: %s must be >= 0, got %r" % (key, value))
+        defaults = dict(lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
+                        initial_accumulator_value=initial_accumulator_value, foreach=foreach,
+                        maximize=False, differentiable=False, fused=fused)
+        self._start(params, defaults, max_grad_norm, threads)
+
+    def _state_from_start(self):
+        return True
+
+    def _initial_state(self, key, shape, device):
+        return torch.full(shape, float(self.defaults["initial_accumulator_value"]),
+                          device=device)
+
+    def _fresh_resident_state(self, master):
+        return {"step": torch.tensor(0.0),
+                "sum": torch.full_like(master, float(self.defaults["initial_accumulator_value"]),
+                                       memory_format=torch.preserve_format)}
+
+    def _settings(self):
+        d = self.defaults
+        return dict(lr=d["lr"], eps=d["eps"], weight_decay=d["weight_decay"])
+
+    def _make_resident(self, groups):
+        extra = {} if self.defaults["fused"] is None else {"fused": self.defaults["fused"]}
+        # torch's Adagrad starts every sum from its constructor's initial_accumulator_value
+        # (not the group's): passed, as the user passed it to this one.
+        return torch.optim.Adagrad(
+            groups, initial_accumulator_value=self.defaults["initial_accumulator_value"],
+            foreach=self.defaults["foreach"], **extra)
+
+    def _set_groups(self, optimizer):
+        steps = {}  # group -> the update counts its streamed parameters holding a grad are at
+        if any(g["lr_decay"] != 0 for g in self.param_groups):
+            for sp in self._streamed():
+                has_grad, _, t = optimizer.grad_info(sp.weight)
+                if has_grad:
+                    steps.setdefault(self._group_of[id(sp.param)], set()).add(t)
+        for gi, group in enumerate(self.param_groups):
+            lr = float(group["lr"])
+            counts = steps.get(gi)
+            if group["lr_decay"] != 0 and counts:
+                if len(counts) > 1:
+                    raise ValueError(
+                        "strata.torch.Adagrad: lr_decay with the streamed parameters of group "
+                        "%d at different step counts %s (some had no grad at some step): the "
+                        "streamed blocks' update takes one learning rate per group; give "
+                        "those parameters a group of their own" % (gi, sorted(counts)))
+                lr = lr / (1 + next(iter(counts)) * float(group["lr_decay"]))
+            optimizer.set_group(gi, lr, float(group["weight_decay"]), eps=float(group["eps"]))
+
+
+__all__ = ["AdamW", "Adam", "SGD", "Lion", "Adagrad", "StreamedGrad"]

@@ -165,7 +165,9 @@ class StrataSession:
         trainable_any = self.blocks_train()
         opt = None
         if optimizer is not None and trainable_any:
-            opt = core.Optimizer(self.runtime, "adamw", update_mode="explicit", **optimizer,
+            settings = dict(optimizer)
+            kind = settings.pop("kind", "adamw")  # strata.torch's optimizer classes name theirs
+            opt = core.Optimizer(self.runtime, kind, update_mode="explicit", **settings,
                                  **self.state_options)
         # Every block's weights and grads are registered (shapes only) before any optimizer
         # state: state placed in DRAM first then sees exactly what DRAM has left for it.
