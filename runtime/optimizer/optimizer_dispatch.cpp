@@ -25,6 +25,13 @@ Status Optimizer::on_step_begin() {
   // and what the framework reads from the stats are settled.
   wait_for_norms(lock);
   if (!failure_.is_ok()) return failure_;
+  if (config_.explicit_updates && !accum_planned_ &&
+      std::any_of(params_.begin(), params_.end(),
+                  [](const Param& p) { return p.hold == GradHold::kGrad; })) {
+    // The first accumulation: every accumulator placed before any stash is queued (placing
+    // them may lay the staging slots out again, which waits for the queued work).
+    STRATA_RETURN_IF_ERROR(plan_accumulators(lock));
+  }
   in_executor_step_ = true;
   if (config_.explicit_updates) {
     // Grads held in the grad tensors would be overwritten by this step's: move them to the
@@ -38,7 +45,7 @@ Status Optimizer::on_step_begin() {
         Param& p = params_[i];
         const bool move = p.hold == GradHold::kGrad;
         if (move) {
-          Status s = ensure_accum(p);
+          Status s = ensure_accum(p, lock);
           if (!s.is_ok()) {
             in_executor_step_ = false;
             return s;
@@ -307,8 +314,12 @@ void Optimizer::dispatcher_main() {
         // Failed: nothing more is computed (a load is the only writer from here on, and a
         // synchronize that returned must stay true); the job only does its bookkeeping.
         failed_at_pick = failure_;
-        // Its state, if read ahead, is now in use: no longer a slot take_slot may take back.
-        if (needs_stage(job)) stages_[static_cast<std::size_t>(job.layer)].ahead = false;
+        // Its slot, if read ahead, is now in use: no longer one take_slot may take back, nor
+        // one stage_more may read more into.
+        if (needs_stage(job)) {
+          stages_[static_cast<std::size_t>(job.layer)].ahead = false;
+          stages_[static_cast<std::size_t>(job.layer)].in_use = true;
+        }
       }
     }
     start_io(reads);
@@ -386,6 +397,7 @@ void Optimizer::dispatcher_main() {
         std::lock_guard lock(mutex_);
         update_seconds_ += seconds;
         --running_;
+        if (staged) stages_[static_cast<std::size_t>(job.layer)].in_use = false;
         // At the front: it stays ahead of any later job of its layer (pick_job keeps each
         // layer's jobs in queue order).
         queue_.push_front(std::move(job));
@@ -404,8 +416,12 @@ void Optimizer::dispatcher_main() {
       --running_;
       bool wrote = false;  // this job started its layer's write-back
       if (staged) {
-        writes = finish_stage(static_cast<std::size_t>(job.layer),
-                              status.is_ok() && stage_status.is_ok() && !skip, &wrote);
+        // What the job changed: an update the state and weights (unless skipped), a landing
+        // or a stash the accumulators.
+        const bool ran = status.is_ok() && stage_status.is_ok() && !skip;
+        const uint8_t dirty = !ran ? 0 : job.kind == JobKind::kUpdate ? kStateClass : kAccumClass;
+        writes = finish_stage(static_cast<std::size_t>(job.layer), dirty,
+                              job.kind == JobKind::kUpdate, &wrote);
       }
       if (!status.is_ok()) {
         fail(error(status.code(), "optimizer: grads of layer ", job.layer,

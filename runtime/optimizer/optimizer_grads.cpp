@@ -5,25 +5,184 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
+#include "runtime/optimizer/layout_sizes.h"
 #include "runtime/optimizer/optimizer_internal.h"
 
 namespace strata {
 
-Status Optimizer::ensure_accum(Param& p) {
+namespace {
+// The staging slots plan_accumulators lays out when the accumulators are not all in DRAM: as
+// many as the layout had (the placement's choice for the state), 2 where it had none (one
+// slot's landing overlaps the next one's read), fewer when DRAM cannot hold them.
+constexpr std::size_t kAccumSlots = 2;
+// DRAM plan_accumulators leaves free beside the slots (the buffer's page rounding).
+constexpr uint64_t kAccumMargin = 2 * kLayoutPage;
+
+std::string mib(uint64_t bytes) {
+  return std::to_string((bytes + (1ull << 20) - 1) >> 20) + " MiB";
+}
+}  // namespace
+
+Status Optimizer::ensure_accum(Param& p, std::unique_lock<std::mutex>& lock) {
   if (p.accum != 0) return Status::ok();
-  TensorRecord w;
-  STRATA_RETURN_IF_ERROR(runtime_->info(p.weight, &w));
-  void* data = nullptr;
-  Status s = make_state(w, ".grad_accum", kSkew[3], Tier::kDram, &p.accum, &data);
-  p.accum_data = static_cast<float*>(data);
-  if (!s.is_ok()) {
-    return error(s.code(),
-                 "gradient accumulation (a backward pass onto grads not zeroed since the last "
-                 "one) needs an fp32 sum per parameter: ",
-                 s.message());
+  STRATA_RETURN_IF_ERROR(plan_accumulators(lock));
+  if (p.accum == 0) {
+    return error(Code::kInternal, "optimizer: a param has no accumulator after they were placed");
   }
+  return Status::ok();
+}
+
+void Optimizer::drop_accumulators(std::size_t owned_before, std::size_t pinned_before) {
+  while (pinned_.size() > pinned_before) {
+    runtime_->unpin(pinned_.back());
+    pinned_.pop_back();
+  }
+  while (owned_.size() > owned_before) {
+    (void)runtime_->unregister(owned_.back());
+    owned_.pop_back();
+  }
+  for (Param& p : params_) {
+    p.accum = 0;
+    p.accum_data = nullptr;
+    p.nvme_accum = false;
+  }
+  state_bytes_ -= accum_dram_bytes_;
+  nvme_state_bytes_ -= accum_nvme_bytes_;
+  accum_dram_bytes_ = accum_nvme_bytes_ = 0;
+}
+
+Status Optimizer::plan_accumulators(std::unique_lock<std::mutex>& lock) {
+  if (accum_planned_) return Status::ok();
+  // Every param's at once, at the first accumulation: one placement for all of them (the
+  // slots are laid out for it once), and nothing allocated for a run that never accumulates.
+  const std::size_t layers = layer_params_.size();
+  std::vector<uint64_t> dram_need(layers, 0), nvme_need(layers, 0);
+  uint64_t total = 0;
+  for (std::size_t l = 0; l < layers; ++l) {
+    for (std::size_t i : layer_params_[l]) {
+      dram_need[l] += accum_dram_bytes(params_[i].arrays.count);
+      nvme_need[l] += accum_nvme_bytes(params_[i].arrays.count);
+    }
+    total += dram_need[l];
+  }
+  const std::size_t owned_before = owned_.size(), pinned_before = pinned_.size();
+  // Registers the accumulators of layers [0, first_nvme) (in DRAM) or of the rest (on NVMe);
+  // the layer whose registration failed in *failed_layer.
+  auto place = [&](std::size_t first_nvme, Tier home, std::size_t* failed_layer) -> Status {
+    const std::size_t begin = home == Tier::kDram ? 0 : first_nvme;
+    const std::size_t end = home == Tier::kDram ? first_nvme : layers;
+    for (std::size_t l = begin; l < end; ++l) {
+      for (std::size_t i : layer_params_[l]) {
+        Param& p = params_[i];
+        TensorRecord w;
+        STRATA_RETURN_IF_ERROR(runtime_->info(p.weight, &w));
+        void* data = nullptr;
+        const uint64_t dram_before = state_bytes_, nvme_before = nvme_state_bytes_;
+        Status s = make_state(w, ".grad_accum", kSkew[3], home, &p.accum, &data);
+        accum_dram_bytes_ += state_bytes_ - dram_before;
+        accum_nvme_bytes_ += nvme_state_bytes_ - nvme_before;
+        if (!s.is_ok()) {
+          *failed_layer = l;
+          return s;
+        }
+        p.accum_data = static_cast<float*>(data);
+        p.nvme_accum = home == Tier::kNvme;
+      }
+    }
+    return Status::ok();
+  };
+  const TierUsage dram = runtime_->tier_usage(Tier::kDram);
+  const uint64_t free = dram.budget - dram.used;
+  const bool nvme = runtime_->tier_available(Tier::kNvme);
+  // First choice: every accumulator in DRAM, beside whatever is there (no slot changes).
+  Status first_error;
+  std::size_t max_prefix = layers;
+  if (total <= free) {
+    std::size_t failed = layers;
+    first_error = place(layers, Tier::kDram, &failed);
+    if (first_error.is_ok()) {
+      accum_planned_ = true;
+      return Status::ok();
+    }
+    drop_accumulators(owned_before, pinned_before);
+    max_prefix = failed;  // fragmented: the layers before the one that failed fitted
+  }
+  auto no_room = [&](const std::string& why) {
+    const uint64_t short_by = total > free ? total - free : 0;
+    return error(
+        Code::kOutOfMemory,
+        "gradient accumulation (a backward pass onto grads not zeroed since the last "
+        "one) needs an fp32 sum per parameter: ",
+        total, " bytes (", mib(total), ") for ", params_.size(), " params, and the DRAM tier has ",
+        free, " of its ", dram.budget, " bytes free (largest block ", dram.largest_free, ")", why,
+        ". Raise the DRAM budget by at least ", mib(short_by),
+        " (strata.torch: host_budget=, which defaults to room for the sums when the "
+        "host's available memory allows it), give the runtime an NVMe tier, where the "
+        "last layers' sums are staged through DRAM (strata.torch: nvme=), or leave "
+        "more DRAM free (grads in HBM: strata.torch grads='device'; more resident "
+        "blocks, which torch accumulates on the device)",
+        first_error.is_ok() ? "" : "; DRAM: ", first_error.is_ok() ? "" : first_error.message());
+  };
+  if (!nvme) return no_room(": no NVMe tier to put them on");
+  // With NVMe: the slots are laid out again (bigger: a layer's accumulators join its state),
+  // so nothing may use them meanwhile. Once per optimizer.
+  STRATA_RETURN_IF_ERROR(drain(lock));
+  const uint64_t room = free + staging_bytes_;  // the current slots are given back first
+  std::vector<uint64_t> state_slot(layers, 0);
+  for (std::size_t l = 0; l < layers && l < stages_.size(); ++l) state_slot[l] = stages_[l].bytes;
+  // The slot with layers [k, L)'s accumulators on NVMe: the largest of the first layers'
+  // state and the other layers' state and sums.
+  std::vector<uint64_t> suffix(layers + 1, 0), prefix_max(layers + 1, 0);
+  for (std::size_t l = layers; l-- > 0;) {
+    suffix[l] = std::max(suffix[l + 1], state_slot[l] + nvme_need[l]);
+  }
+  std::vector<uint64_t> in_dram(layers + 1, 0);
+  for (std::size_t l = 0; l < layers; ++l) {
+    prefix_max[l + 1] = std::max(prefix_max[l], state_slot[l]);
+    in_dram[l + 1] = in_dram[l] + dram_need[l];
+  }
+  auto slot_for = [&](std::size_t k) { return std::max(prefix_max[k], suffix[k]); };
+  const std::size_t had = slot_free_.size();
+  const std::size_t want_slots = had != 0 ? had : kAccumSlots;
+  // The most layers' accumulators in DRAM (the disk moves a sum in and out at every landing),
+  // with as many slots as the layout had, else fewer. k = layers is the all-DRAM case above.
+  std::size_t prefix = 0, slots = 0;
+  for (std::size_t n = want_slots; n >= 1 && slots == 0; --n) {
+    for (std::size_t k = 0; k < std::min(max_prefix + 1, layers); ++k) {
+      if (in_dram[k] + n * slot_for(k) + kAccumMargin <= room) {
+        prefix = k;
+        slots = n;
+      }
+    }
+  }
+  if (slots == 0) {
+    return no_room(
+        "; with the NVMe tier, one staging slot of the largest layer's state and sums (" +
+        std::to_string(slot_for(0)) + " bytes) does not fit in the " + std::to_string(room) +
+        " bytes DRAM has free for slots");
+  }
+  for (;;) {
+    // NVMe first, then the slots (one block: laid out before the DRAM sums split what is
+    // free), then the DRAM sums in what is left.
+    std::size_t failed = layers;
+    Status s = place(prefix, Tier::kNvme, &failed);
+    if (s.is_ok()) s = layout_stages(slots * slot_for(prefix) + kLayoutPage, slots);
+    if (s.is_ok()) s = place(prefix, Tier::kDram, &failed);
+    if (s.is_ok()) break;
+    drop_accumulators(owned_before, pinned_before);
+    // The layout as it was, so the state on NVMe still updates.
+    Status back = layout_stages();
+    const bool dram_short = s.code() == Code::kOutOfMemory && failed < prefix;
+    if (!dram_short || !back.is_ok()) {
+      if (!back.is_ok()) fail(back);
+      return s.code() == Code::kOutOfMemory ? no_room(std::string("; ") + s.message()) : s;
+    }
+    prefix = failed;  // fragmented: fewer layers' sums in DRAM (and a slot as large or larger)
+  }
+  accum_planned_ = true;
   return Status::ok();
 }
 
@@ -43,7 +202,13 @@ Status Optimizer::held_grad(TensorId weight, std::unique_lock<std::mutex>& lock,
   if (param == nullptr)
     return error(Code::kNotFound, "the tensor is not a parameter of this optimizer");
   const auto layer = static_cast<std::size_t>(param->layer);
-  cv_.wait(lock, [&] { return !failure_.is_ok() || landing_[layer] == 0; });
+  // An accumulator on NVMe is current there once its last landing's write-back is done (no job
+  // keeps one in a slot otherwise: read ahead is the state only).
+  cv_.wait(lock, [&] {
+    return !failure_.is_ok() ||
+           (landing_[layer] == 0 && (!param->nvme_accum || layer >= stages_.size() ||
+                                     stages_[layer].phase != StagePhase::kWriting));
+  });
   STRATA_RETURN_IF_ERROR(failure_);
   *out = param;
   return Status::ok();
@@ -80,6 +245,11 @@ Status Optimizer::grad_read(TensorId weight, float* dst, uint64_t count) {
   a.grad = p->hold == GradHold::kAccum ? static_cast<const void*>(p->accum_data) : p->arrays.grad;
   std::vector<unsigned char> fetched;  // an HBM-homed grad: copied here (the fetch buffer is
                                        // the dispatcher's)
+  if (p->hold == GradHold::kAccum && p->nvme_accum) {
+    Status s = runtime_->read(p->accum, 0, dst, count * sizeof(float));
+    if (!s.is_ok()) return error(s.code(), "grad_read: the accumulator on NVMe: ", s.message());
+    a.grad = dst;  // widened in place: a copy
+  }
   if (p->hold == GradHold::kGrad && p->hbm_grad) {
     fetched.resize(count * dtype_size(p->arrays.grad_dtype));
     Status s = runtime_->backend()->copy_sync(fetched.data(), p->grad_device, fetched.size());
@@ -129,10 +299,19 @@ Status Optimizer::grad_write(TensorId weight, const float* src, uint64_t count) 
   // Inside an executor step a zeroed grad's tensor is about to receive this step's backward
   // (which would replace what is written there): the accumulator takes it, and the landing adds.
   if (p->hold == GradHold::kAccum || (p->hold == GradHold::kZero && in_executor_step_)) {
-    STRATA_RETURN_IF_ERROR(ensure_accum(*p));
-    std::memcpy(p->accum_data, src, count * sizeof(float));
+    STRATA_RETURN_IF_ERROR(ensure_accum(*p, lock));
+    if (p->nvme_accum) {
+      Status s = runtime_->write(p->accum, 0, src, count * sizeof(float));
+      if (!s.is_ok()) {
+        p->grad_mult = 1.f;
+        p->grad_sq = std::numeric_limits<double>::quiet_NaN();  // its values are unspecified
+        return error(s.code(), "grad_write: the accumulator on NVMe: ", s.message());
+      }
+    } else {
+      std::memcpy(p->accum_data, src, count * sizeof(float));
+    }
     p->hold = GradHold::kAccum;
-    stored.grad = p->accum_data;
+    stored.grad = src;  // what the accumulator now holds, exactly
     stored.grad_dtype = DType::kF32;
   } else {
     // The grad tensor, in its dtype: rounded by the kernel that rounds an update's working copy
