@@ -69,12 +69,12 @@ Status Optimizer::plan_accumulators(std::unique_lock<std::mutex>& lock) {
     total += dram_need[l];
   }
   const std::size_t owned_before = owned_.size(), pinned_before = pinned_.size();
-  // Registers the accumulators of layers [0, first_nvme) (in DRAM) or of the rest (on NVMe);
-  // the layer whose registration failed in *failed_layer.
-  auto place = [&](std::size_t first_nvme, Tier home, std::size_t* failed_layer) -> Status {
-    const std::size_t begin = home == Tier::kDram ? 0 : first_nvme;
-    const std::size_t end = home == Tier::kDram ? first_nvme : layers;
-    for (std::size_t l = begin; l < end; ++l) {
+  // Registers the accumulators of the layers whose on_nvme[l] is (home == kNvme); the layer
+  // whose registration failed in *failed_layer.
+  auto place = [&](const std::vector<uint8_t>& on_nvme, Tier home,
+                   std::size_t* failed_layer) -> Status {
+    for (std::size_t l = 0; l < layers; ++l) {
+      if ((on_nvme[l] != 0) != (home == Tier::kNvme)) continue;
       for (std::size_t i : layer_params_[l]) {
         Param& p = params_[i];
         TensorRecord w;
@@ -99,16 +99,16 @@ Status Optimizer::plan_accumulators(std::unique_lock<std::mutex>& lock) {
   const bool nvme = runtime_->tier_available(Tier::kNvme);
   // First choice: every accumulator in DRAM, beside whatever is there (no slot changes).
   Status first_error;
-  std::size_t max_prefix = layers;
+  std::size_t dram_failed = layers;
   if (total <= free) {
     std::size_t failed = layers;
-    first_error = place(layers, Tier::kDram, &failed);
+    first_error = place(std::vector<uint8_t>(layers, 0), Tier::kDram, &failed);
     if (first_error.is_ok()) {
       accum_planned_ = true;
       return Status::ok();
     }
     drop_accumulators(owned_before, pinned_before);
-    max_prefix = failed;  // fragmented: the layers before the one that failed fitted
+    dram_failed = failed;  // fragmented: that layer's sums did not fit
   }
   auto no_room = [&](const std::string& why) {
     const uint64_t short_by = total > free ? total - free : 0;
@@ -132,55 +132,79 @@ Status Optimizer::plan_accumulators(std::unique_lock<std::mutex>& lock) {
   STRATA_RETURN_IF_ERROR(drain(lock));
   const uint64_t room = free + staging_bytes_;  // the current slots are given back first
   std::vector<uint64_t> state_slot(layers, 0);
-  for (std::size_t l = 0; l < layers && l < stages_.size(); ++l) state_slot[l] = stages_[l].bytes;
-  // The slot with layers [k, L)'s accumulators on NVMe: the largest of the first layers'
-  // state and the other layers' state and sums.
-  std::vector<uint64_t> suffix(layers + 1, 0), prefix_max(layers + 1, 0);
-  for (std::size_t l = layers; l-- > 0;) {
-    suffix[l] = std::max(suffix[l + 1], state_slot[l] + nvme_need[l]);
+  uint64_t largest_state = 0;
+  for (std::size_t l = 0; l < layers && l < stages_.size(); ++l) {
+    state_slot[l] = stages_[l].bytes;
+    largest_state = std::max(largest_state, state_slot[l]);
   }
-  std::vector<uint64_t> in_dram(layers + 1, 0);
-  for (std::size_t l = 0; l < layers; ++l) {
-    prefix_max[l + 1] = std::max(prefix_max[l], state_slot[l]);
-    in_dram[l + 1] = in_dram[l] + dram_need[l];
-  }
-  auto slot_for = [&](std::size_t k) { return std::max(prefix_max[k], suffix[k]); };
+  // Which layers' sums go to NVMe: those that grow the slot least first (a layer whose state
+  // is in DRAM: its sums alone; among equals the last layers, which the next forward pass
+  // needs last), as few as let the rest, and the slots, fit in DRAM. A slot holds a layer's
+  // staged state and sums at once (an update reads its grads from the sums).
+  std::vector<std::size_t> order(layers);
+  for (std::size_t l = 0; l < layers; ++l) order[l] = l;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
+    const uint64_t cx = state_slot[x] + nvme_need[x], cy = state_slot[y] + nvme_need[y];
+    return cx != cy ? cx < cy : x > y;
+  });
   const std::size_t had = slot_free_.size();
   const std::size_t want_slots = had != 0 ? had : kAccumSlots;
-  // The most layers' accumulators in DRAM (the disk moves a sum in and out at every landing),
-  // with as many slots as the layout had, else fewer. k = layers is the all-DRAM case above.
-  std::size_t prefix = 0, slots = 0;
+  std::vector<uint8_t> on_nvme(layers, 0);
+  std::size_t slots = 0;
+  uint64_t slot = 0;
+  // A fragmented DRAM (the all-DRAM try failed at dram_failed): that layer goes first.
+  if (dram_failed < layers) {
+    order.erase(std::find(order.begin(), order.end(), dram_failed));
+    order.insert(order.begin(), dram_failed);
+  }
   for (std::size_t n = want_slots; n >= 1 && slots == 0; --n) {
-    for (std::size_t k = 0; k < std::min(max_prefix + 1, layers); ++k) {
-      if (in_dram[k] + n * slot_for(k) + kAccumMargin <= room) {
-        prefix = k;
+    uint64_t in_dram = total, grown = largest_state;
+    for (std::size_t j = 0; j < layers && slots == 0; ++j) {
+      const std::size_t l = order[j];
+      in_dram -= dram_need[l];
+      grown = std::max(grown, state_slot[l] + nvme_need[l]);
+      if (in_dram + n * grown + kAccumMargin <= room) {
         slots = n;
+        slot = grown;
+        std::fill(on_nvme.begin(), on_nvme.end(), uint8_t{0});
+        for (std::size_t k = 0; k <= j; ++k) on_nvme[order[k]] = 1;
       }
     }
   }
   if (slots == 0) {
+    // The least DRAM any choice needs: one slot of the largest staged state, or of the
+    // cheapest layer's state and sums, beside every other layer's sums.
+    uint64_t least = std::numeric_limits<uint64_t>::max();
+    for (std::size_t l = 0; l < layers; ++l) {
+      least = std::min(
+          least, total - dram_need[l] + std::max(largest_state, state_slot[l] + nvme_need[l]));
+    }
     return no_room(
-        "; with the NVMe tier, one staging slot of the largest layer's state and sums (" +
-        std::to_string(slot_for(0)) + " bytes) does not fit in the " + std::to_string(room) +
-        " bytes DRAM has free for slots");
+        "; with the NVMe tier, the sums DRAM keeps and one staging slot for a "
+        "layer's state and sums need at least " +
+        std::to_string(least) + " bytes of the " + std::to_string(room) +
+        " DRAM has free beside the other tensors");
   }
-  for (;;) {
+  for (int attempt = 0;; ++attempt) {
     // NVMe first, then the slots (one block: laid out before the DRAM sums split what is
     // free), then the DRAM sums in what is left.
     std::size_t failed = layers;
-    Status s = place(prefix, Tier::kNvme, &failed);
-    if (s.is_ok()) s = layout_stages(slots * slot_for(prefix) + kLayoutPage, slots);
-    if (s.is_ok()) s = place(prefix, Tier::kDram, &failed);
+    Status s = place(on_nvme, Tier::kNvme, &failed);
+    if (s.is_ok()) s = layout_stages(slots * slot + kLayoutPage, slots);
+    if (s.is_ok()) s = place(on_nvme, Tier::kDram, &failed);
     if (s.is_ok()) break;
     drop_accumulators(owned_before, pinned_before);
     // The layout as it was, so the state on NVMe still updates.
     Status back = layout_stages();
-    const bool dram_short = s.code() == Code::kOutOfMemory && failed < prefix;
+    const bool dram_short =
+        s.code() == Code::kOutOfMemory && failed < layers && on_nvme[failed] == 0 && attempt < 8;
     if (!dram_short || !back.is_ok()) {
       if (!back.is_ok()) fail(back);
       return s.code() == Code::kOutOfMemory ? no_room(std::string("; ") + s.message()) : s;
     }
-    prefix = failed;  // fragmented: fewer layers' sums in DRAM (and a slot as large or larger)
+    // Fragmented: that layer's sums too on NVMe (in a slot that may then grow).
+    on_nvme[failed] = 1;
+    slot = std::max(slot, state_slot[failed] + nvme_need[failed]);
   }
   accum_planned_ = true;
   return Status::ok();
