@@ -977,7 +977,11 @@ typedef struct strata_optimizer_config {
  * scale and zero it; strata_optimizer_step queues the update of every param holding a grad
  * (asynchronously, in forward order, each layer's next load waiting for its update) and
  * leaves the grads held until zeroed. A param's update count (AdamW's t) advances only when
- * it held a grad. Needs max_grad_norm 0, no dynamic loss scale, accumulation_steps 1. */
+ * it held a grad. Needs max_grad_norm 0, no dynamic loss scale, accumulation_steps 1. The fp32
+ * sums of accumulation (STRATA_STATE_GRAD_ACCUM) are placed at the first accumulation: in DRAM
+ * when its free space holds them all (strata_layout_totals_t.accum_bytes), else, with an NVMe
+ * tier, some layers' on NVMe, staged through the staging slots like NVMe-homed state; with
+ * neither, that strata_step_begin fails with OUT_OF_MEMORY naming the bytes and the remedies. */
 #define STRATA_UPDATE_EXPLICIT 1u
 
 /* PyTorch's defaults for `kind`, and struct_size set. Errors: INVALID_ARGUMENT (NULL, unknown

@@ -25,13 +25,6 @@ Status Optimizer::on_step_begin() {
   // and what the framework reads from the stats are settled.
   wait_for_norms(lock);
   if (!failure_.is_ok()) return failure_;
-  if (config_.explicit_updates && !accum_planned_ &&
-      std::any_of(params_.begin(), params_.end(),
-                  [](const Param& p) { return p.hold == GradHold::kGrad; })) {
-    // The first accumulation: every accumulator placed before any stash is queued (placing
-    // them may lay the staging slots out again, which waits for the queued work).
-    STRATA_RETURN_IF_ERROR(plan_accumulators(lock));
-  }
   in_executor_step_ = true;
   if (config_.explicit_updates) {
     // Grads held in the grad tensors would be overwritten by this step's: move them to the
@@ -45,6 +38,9 @@ Status Optimizer::on_step_begin() {
         Param& p = params_[i];
         const bool move = p.hold == GradHold::kGrad;
         if (move) {
+          // The first accumulation places every accumulator (plan_accumulators) before this
+          // step's first stash is queued: laying the slots out again waits only for the
+          // previous steps' work.
           Status s = ensure_accum(p, lock);
           if (!s.is_ok()) {
             in_executor_step_ = false;
