@@ -1799,7 +1799,7 @@ def test_optimizer_state_on_nvme(placement, offload, tmp_path):
 def test_accumulators_on_nvme_when_the_host_budget_is_short(offload, tmp_path):
     """Idiom: gradient accumulation (with clipping) on a host_budget that holds the weights,
     grads and most of the optimizer state but not the fp32 sums of the micro-batches: with nvme= the
-    optimizer puts the last blocks' sums on NVMe, staged through DRAM at each backward pass
+    optimizer puts some blocks' sums on NVMe, staged through DRAM at each backward pass
     that adds, and training is plain PyTorch's (and bit for bit the run whose sums are in
     DRAM); the placement says where they will go, then where they are."""
     base = build("llama", layers=4)
@@ -1817,7 +1817,7 @@ def test_accumulators_on_nvme_when_the_host_budget_is_short(offload, tmp_path):
                     host_budget=everything - accum // 2)
     opt = strata_adamw(model.parameters())
     before = model.strata.placement()
-    assert "made at the first accumulation) on NVMe for the last blocks" in before, before
+    assert "made at the first accumulation) on NVMe for some blocks" in before, before
     got, got_norms = train(model, opt, data, accumulate=3, clip=0.5)
     synchronize(opt)
     assert_losses_close(got, expected)
@@ -1826,9 +1826,10 @@ def test_accumulators_on_nvme_when_the_host_budget_is_short(offload, tmp_path):
     assert_state_close(snapshot(model), in_dram, exact=True)
     line = model.strata.placement()
     assert "on NVMe for" in line, line
-    last = [sp for sp in model.strata.layers[-1] if sp.trainable][0]
-    assert (model.strata.optimizer.state(last.weight, "grad_accum").info().tier
-            == strata.core.TIERS["nvme"])
+    # The blocks whose state is in DRAM give theirs first (a slot then holds their sums alone).
+    tiers = [model.strata.optimizer.state(sp.weight, "grad_accum").info().tier
+             for layer in model.strata.layers for sp in layer if sp.trainable]
+    assert strata.core.TIERS["nvme"] in tiers and strata.core.TIERS["dram"] in tiers, tiers
     assert model.strata.optimizer.stats()["nvme_write_bytes"] > 0
 
 

@@ -375,8 +375,8 @@ class StrataSession:
         if need <= free:
             where = "in DRAM"
         elif self.runtime.capabilities().tiers_available[2]:
-            where = "on NVMe for the last blocks, staged through DRAM (DRAM has %s free)" % (
-                size(free))
+            where = ("on NVMe for some blocks, staged through DRAM (DRAM has %s free)"
+                     % size(free))
         else:
             where = ("nowhere: DRAM has %s free and there is no NVMe tier, so accumulating "
                      "fails (raise host_budget or pass nvme=)" % size(free))
