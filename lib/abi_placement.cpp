@@ -32,8 +32,7 @@ Status measure_missing(Runtime& runtime, PlacementRates* r, bool any_nvme_possib
     if (r->nvme_mixed <= 0) r->nvme_mixed = mixed;
   }
   if (r->update_elements <= 0) {
-    STRATA_RETURN_IF_ERROR(
-        optim::measure_update_rate(0, runtime.device_numa_node(), &r->update_elements));
+    STRATA_RETURN_IF_ERROR(optim::measure_update_rate(runtime, &r->update_elements));
   }
   return Status::ok();
 }

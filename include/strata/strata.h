@@ -990,7 +990,11 @@ typedef struct strata_optimizer_config {
  * scale and zero it; strata_optimizer_step queues the update of every param holding a grad
  * (asynchronously, in forward order, each layer's next load waiting for its update) and
  * leaves the grads held until zeroed. A param's update count (AdamW's t) advances only when
- * it held a grad. Needs max_grad_norm 0, no dynamic loss scale, accumulation_steps 1. */
+ * it held a grad. Needs max_grad_norm 0, no dynamic loss scale, accumulation_steps 1. The fp32
+ * sums of accumulation (STRATA_STATE_GRAD_ACCUM) are placed at the first accumulation: in DRAM
+ * when its free space holds them all (strata_layout_totals_t.accum_bytes), else, with an NVMe
+ * tier, some layers' on NVMe, staged through the staging slots like NVMe-homed state; with
+ * neither, that strata_step_begin fails with OUT_OF_MEMORY naming the bytes and the remedies. */
 #define STRATA_UPDATE_EXPLICIT 1u
 
 /* PyTorch's defaults for `kind`, and struct_size set. Errors: INVALID_ARGUMENT (NULL, unknown
@@ -1629,16 +1633,22 @@ typedef struct strata_layout_totals {
   uint64_t streaming_dram_bytes;
   uint64_t streaming_hbm_bytes;
   /* The NVMe tier's headroom beyond what a placement puts there: nvme_margin_bytes (64 MiB a
-   * layer) and 5%. nvme_bytes: a budget holding every layer's weights and state;
+   * layer) and 5%. nvme_bytes: a budget holding every layer's weights, state and accumulators;
    * nvme_placeable_bytes: what a placement may put on a tier of the request's
    * nvme_budget_bytes (or nvme_bytes), (budget - margin) / 1.05; 0 when the margin takes it
    * all. */
   uint64_t nvme_margin_bytes;
   uint64_t nvme_bytes;
   uint64_t nvme_placeable_bytes;
+  /* Explicit update mode's fp32 gradient accumulators (one per trainable tensor, created at the
+   * first backward pass onto grads not zeroed since the last one), as the DRAM arena takes them:
+   * each one's 4 KiB blocks and a page. The optimizer puts them in DRAM when its free space
+   * holds them, else, with an NVMe tier, (the last layers') on NVMe, staged through the staging
+   * slots like NVMe-homed state: a DRAM budget of dram_bytes (or streaming_dram_bytes) plus
+   * accum_bytes accumulates without touching the disk. nvme_bytes has room for them. */
+  uint64_t accum_bytes;
 } strata_layout_totals_t;
-#define STRATA_LAYOUT_TOTALS_STRUCT_SIZE \
-  STRATA_STRUCT_SIZE(strata_layout_totals_t, nvme_placeable_bytes)
+#define STRATA_LAYOUT_TOTALS_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_layout_totals_t, accum_bytes)
 
 /* Defaults (BF16, AdamW, separate masters, grads in DRAM, 4 staging slots, no layers), and
  * struct_size set. Errors: INVALID_ARGUMENT (NULL). Thread-safe. */

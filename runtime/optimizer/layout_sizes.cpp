@@ -53,6 +53,14 @@ uint64_t planned_state_bytes(uint64_t state_bytes) {
   return state_bytes + state_bytes / 64 + 3 * 8192;
 }
 
+uint64_t accum_dram_bytes(uint64_t elements) {
+  return dram_tensor_bytes(elements * sizeof(float));
+}
+
+uint64_t accum_nvme_bytes(uint64_t elements) {
+  return Arena::round_up(elements * sizeof(float), kLayoutPage);
+}
+
 uint64_t grad_fetch_span(uint64_t elements, std::size_t element_size) {
   return Arena::round_up(elements * element_size, kGradFetchAlignment);
 }
@@ -109,6 +117,7 @@ Status compute_layout(const LayoutRequest& r, std::vector<LayoutLayer>* layers,
       all += e;
       grads += e * es;
       l.update_elements += e;
+      t.accum_bytes += accum_dram_bytes(e);
       l.weight_bytes += dram_tensor_bytes(e * es);
       if (!r.grads_in_hbm) l.grad_bytes += dram_tensor_bytes(e * es);
       fetch += grad_fetch_span(e, es);
@@ -149,7 +158,9 @@ Status compute_layout(const LayoutRequest& r, std::vector<LayoutLayer>* layers,
     t.streaming_hbm_bytes += t.grad_hbm_bytes;
   }
   t.nvme_margin_bytes = kNvmeMarginPerLayer * n;
-  const uint64_t spillable = t.weight_bytes + t.state_bytes;
+  // Accumulators spill too (the optimizer puts them on NVMe when DRAM has no room for them at
+  // the first accumulation): the default NVMe budget holds them beside the state.
+  const uint64_t spillable = t.weight_bytes + t.state_bytes + t.accum_bytes;
   t.nvme_bytes = (spillable * (100 + kNvmeSlackPercent) + 99) / 100 + t.nvme_margin_bytes;
   const uint64_t budget = r.nvme_budget != 0 ? r.nvme_budget : t.nvme_bytes;
   t.nvme_placeable_bytes =

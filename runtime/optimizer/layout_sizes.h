@@ -39,6 +39,14 @@ uint64_t state_bytes_per_element(bool exp_avg, bool exp_avg_sq, DType weight_dty
 // 1/64 more keeps the decision on the safe side. Never below what the state takes.
 uint64_t planned_state_bytes(uint64_t state_bytes);
 
+// What a param's fp32 gradient accumulator (`<w>.grad_accum`, explicit mode's sum of several
+// backward passes; AUTO mode's with accumulation_steps > 1) takes of the DRAM arena: its arena
+// block and a page (its skew). The optimizer places accumulators by this figure and the layout
+// query reports their sum (accum_bytes), so a framework's budget and the runtime agree.
+uint64_t accum_dram_bytes(uint64_t elements);
+// The same accumulator on NVMe: its 4 KiB-rounded extent, which a staging slot also holds.
+uint64_t accum_nvme_bytes(uint64_t elements);
+
 // One param's span in the grad fetch buffer: its grads, rounded to kGradFetchAlignment.
 uint64_t grad_fetch_span(uint64_t elements, std::size_t element_size);
 
@@ -69,6 +77,7 @@ struct LayoutTotals {
   uint64_t dram_bytes = 0, dram_margin_bytes = 0;
   uint64_t streaming_dram_bytes = 0, streaming_hbm_bytes = 0;
   uint64_t nvme_margin_bytes = 0, nvme_bytes = 0, nvme_placeable_bytes = 0;
+  uint64_t accum_bytes = 0;  // every trainable tensor's accumulator in DRAM (accum_dram_bytes)
 };
 
 // Errors: kInvalidArgument (no layers or more than kMaxLayoutLayers, frozen given for another

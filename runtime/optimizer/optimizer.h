@@ -232,9 +232,12 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     // Explicit mode. The grad's value is grad_mult times what `hold` names; grad_sq is the
     // sum of squares of the latter (set when the job that wrote it finishes).
     GradHold hold = GradHold::kNone;
-    // The fp32 accumulator, allocated on first use (outside `arrays`, which pool threads copy
-    // while other jobs run: only jobs queued after it was set read it).
+    // The fp32 accumulator, allocated at the first accumulation (outside `arrays`, which pool
+    // threads copy while other jobs run: only jobs queued after it was set read it). In DRAM
+    // (accum_data), or on NVMe (nvme_accum: accum_data null, the jobs that read or write it
+    // find it in the layer's staging slot, staged[4]).
     float* accum_data = nullptr;
+    bool nvme_accum = false;
     float grad_mult = 1.f;
     double grad_sq = 0;
     uint64_t t = 0;
@@ -245,7 +248,7 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     bool nvme_state = false;
     bool nvme_weight = false;
     bool split = false;  // MasterLayout::kSplit: `master` is the low halves (I16)
-    std::array<void*, 4> staged{};
+    std::array<void*, 5> staged{};
     // A grad homed in HBM (2 bytes per bf16 parameter of DRAM less): `arrays.grad` points at
     // its place in the DRAM fetch buffer (at fetch_offset, set at attach), which a job fills
     // from `grad_device` before its tasks read the grad (fetch_grads).
@@ -263,11 +266,22 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     std::shared_ptr<Checksums> crcs;
     uint64_t offset = 0;  // in the slot, 4 KiB-aligned
     std::size_t param = 0;
-    int kind = 0;  // 0 master (or its low halves), 1 exp_avg, 2 exp_avg_sq, 3 the weight
+    int kind = 0;  // 0 master (or its low halves), 1 exp_avg, 2 exp_avg_sq, 3 the weight,
+                   // 4 the grad accumulator
   };
+  // What a job needs of its layer's slot, by class of staged tensor: the update's (state and
+  // weights, kinds 0-3), the accumulators (kind 4). A slot holds the classes its jobs need:
+  // an update reads the state (and the accumulators when it reads its grads from them), a
+  // landing or a stash only the accumulators, and each writes back only what it changed.
+  static constexpr uint8_t kStateClass = 1, kAccumClass = 2;
+  static uint8_t stage_class(int kind) { return kind == 4 ? kAccumClass : kStateClass; }
   struct LayerStage {
     std::vector<StagedTensor> tensors;
-    uint64_t bytes = 0;  // of a slot this layer uses
+    uint64_t bytes = 0;    // of a slot this layer uses
+    uint8_t classes = 0;   // of its tensors (kStateClass, kAccumClass)
+    uint8_t loaded = 0;    // classes whose tensors are in the slot (kStaged)
+    uint8_t incoming = 0;  // classes being read (kReading)
+    bool in_use = false;   // a job that needs the slot runs (its contents must not change)
     StagePhase phase = StagePhase::kIdle;
     int slot = -1;
     int outstanding = 0;  // transfers in flight
@@ -289,7 +303,8 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // Explicit mode: one parameter's share of an update job (what step() saw when it queued it).
   struct UpdateSource {
     bool skip = true;            // no grad held
-    const void* grad = nullptr;  // null with !skip: a zero grad
+    const void* grad = nullptr;  // null with !skip: a zero grad, unless staged_accum
+    bool staged_accum = false;   // the grad is the NVMe-homed accumulator, in the layer's slot
     DType dtype = DType::kF32;
     optim::UpdateScalars scalars;  // of the optimizer's kind
   };
@@ -352,8 +367,10 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
                        const std::function<Status(const Param&)>& access);
   // Where a new param's state of `bytes` goes under the placement policy.
   Tier state_home(uint64_t bytes);
-  // Attach: lays out each layer's NVMe-homed state and allocates the staging slots.
-  Status layout_stages();
+  // Attach: lays out each layer's NVMe-homed state (and accumulators) and allocates the staging
+  // slots: at most max_slots, in `room` bytes of DRAM (0: the largest free block, capped by
+  // nvme_staging_bytes less the grad fetch buffer, as the PLANNED placement kept it).
+  Status layout_stages(uint64_t room = 0, std::size_t max_slots = 0);
   void free_staging();
   // Under mutex_: gives free slots to layers whose update is queued, lowest layer first, and
   // returns the reads to start (outside mutex_: start_io).
@@ -363,10 +380,13 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   std::vector<StageIo> read_ahead(bool descending);
   void start_io(const std::vector<StageIo>& ios);
   void on_stage_io(const StageIo& io, Status s);
-  // Under mutex_: after a layer's update (dirty: it changed the state) — its write-back
+  // Under mutex_: after a job that used a layer's slot — the write-back of what it changed
   // (*wrote set), or the slot back at once (and the reads that slot lets start).
-  std::vector<StageIo> finish_stage(std::size_t layer, bool dirty, bool* wrote);
-  bool needs_stage(const Job& job) const;
+  // `dirty`: the classes the job changed; `update`: it was the layer's update.
+  std::vector<StageIo> finish_stage(std::size_t layer, uint8_t dirty, bool update, bool* wrote);
+  // The classes of `job`'s layer's slot that it needs (0: none, it runs without a slot).
+  uint8_t stage_need(const Job& job) const;
+  bool needs_stage(const Job& job) const { return stage_need(job) != 0; }
   // Under mutex_: a free slot, else one taken back from a layer read ahead that no queued
   // update needs yet; -1 if none.
   int take_slot(const std::vector<std::size_t>& queued_layers);
@@ -404,8 +424,21 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // Explicit-mode jobs (kLand, kStash, kUpdate with sources) over `tasks`.
   void run_explicit(std::span<const Task> tasks, Job& job, Arrivals* arrivals = nullptr,
                     std::size_t offset = 0);
-  // The fp32 accumulator of a param, allocated on first use. Under mutex_.
-  Status ensure_accum(Param& p);
+  // The fp32 accumulator of a param: at the first accumulation every param's is allocated at
+  // once (plan_accumulators). Under mutex_ (`lock`; it may wait for queued work).
+  Status ensure_accum(Param& p, std::unique_lock<std::mutex>& lock);
+  // Places every param's accumulator: in DRAM when its free space holds them all, else, with an
+  // NVMe tier, the last layers' on NVMe, staged through the slots (laid out again, bigger), the
+  // first layers' in what DRAM has left beside the slots; an error that names the numbers and
+  // the remedies when no tier has room. Under mutex_ (`lock`: waits for queued work when the
+  // slots are laid out again).
+  Status plan_accumulators(std::unique_lock<std::mutex>& lock);
+  // Gives every accumulator back (a failed plan_accumulators).
+  void drop_accumulators(std::size_t owned_before, std::size_t pinned_before);
+  // Where a job reads and writes `p`'s accumulator: DRAM, or its layer's slot.
+  float* accum_ptr(const Param& p) const {
+    return p.nvme_accum ? static_cast<float*>(p.staged[4]) : p.accum_data;
+  }
   // Explicit mode: the param of `weight`, attached, its grads landed. Under mutex_ (waits).
   Status held_grad(TensorId weight, std::unique_lock<std::mutex>& lock, Param** out);
   Status step_explicit();  // under step_mutex_
@@ -456,6 +489,9 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   int io_in_flight_ = 0;  // staging transfers whose callback has not run
   uint64_t nvme_read_bytes_ = 0, nvme_write_bytes_ = 0;
   double stage_wait_seconds_ = 0;
+  // Accumulators (explicit mode): placed at the first accumulation, kept from then on.
+  bool accum_planned_ = false;
+  uint64_t accum_dram_bytes_ = 0, accum_nvme_bytes_ = 0;
   // Grads homed in HBM, and the DRAM buffer they are fetched into (attached).
   std::size_t hbm_grad_params_ = 0;
   TensorId grad_fetch_id_ = 0;

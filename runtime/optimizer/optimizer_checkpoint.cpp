@@ -63,6 +63,8 @@ Status Optimizer::restore_counters(const OptimizerCounters& counters,
       st.phase = StagePhase::kIdle;
       st.slot = -1;
       st.outstanding = 0;
+      st.loaded = st.incoming = 0;
+      st.in_use = false;
       st.status = Status::ok();
     }
     std::fill(slot_free_.begin(), slot_free_.end(), uint8_t{1});

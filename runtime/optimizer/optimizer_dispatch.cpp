@@ -38,7 +38,10 @@ Status Optimizer::on_step_begin() {
         Param& p = params_[i];
         const bool move = p.hold == GradHold::kGrad;
         if (move) {
-          Status s = ensure_accum(p);
+          // The first accumulation places every accumulator (plan_accumulators) before this
+          // step's first stash is queued: laying the slots out again waits only for the
+          // previous steps' work.
+          Status s = ensure_accum(p, lock);
           if (!s.is_ok()) {
             in_executor_step_ = false;
             return s;
@@ -307,8 +310,12 @@ void Optimizer::dispatcher_main() {
         // Failed: nothing more is computed (a load is the only writer from here on, and a
         // synchronize that returned must stay true); the job only does its bookkeeping.
         failed_at_pick = failure_;
-        // Its state, if read ahead, is now in use: no longer a slot take_slot may take back.
-        if (needs_stage(job)) stages_[static_cast<std::size_t>(job.layer)].ahead = false;
+        // Its slot, if read ahead, is now in use: no longer one take_slot may take back, nor
+        // one stage_more may read more into.
+        if (needs_stage(job)) {
+          stages_[static_cast<std::size_t>(job.layer)].ahead = false;
+          stages_[static_cast<std::size_t>(job.layer)].in_use = true;
+        }
       }
     }
     start_io(reads);
@@ -386,6 +393,7 @@ void Optimizer::dispatcher_main() {
         std::lock_guard lock(mutex_);
         update_seconds_ += seconds;
         --running_;
+        if (staged) stages_[static_cast<std::size_t>(job.layer)].in_use = false;
         // At the front: it stays ahead of any later job of its layer (pick_job keeps each
         // layer's jobs in queue order).
         queue_.push_front(std::move(job));
@@ -404,8 +412,12 @@ void Optimizer::dispatcher_main() {
       --running_;
       bool wrote = false;  // this job started its layer's write-back
       if (staged) {
-        writes = finish_stage(static_cast<std::size_t>(job.layer),
-                              status.is_ok() && stage_status.is_ok() && !skip, &wrote);
+        // What the job changed: an update the state and weights (unless skipped), a landing
+        // or a stash the accumulators.
+        const bool ran = status.is_ok() && stage_status.is_ok() && !skip;
+        const uint8_t dirty = !ran ? 0 : job.kind == JobKind::kUpdate ? kStateClass : kAccumClass;
+        writes = finish_stage(static_cast<std::size_t>(job.layer), dirty,
+                              job.kind == JobKind::kUpdate, &wrote);
       }
       if (!status.is_ok()) {
         fail(error(status.code(), "optimizer: grads of layer ", job.layer,

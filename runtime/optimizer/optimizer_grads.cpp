@@ -5,25 +5,208 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
+#include "runtime/optimizer/layout_sizes.h"
 #include "runtime/optimizer/optimizer_internal.h"
 
 namespace strata {
 
-Status Optimizer::ensure_accum(Param& p) {
+namespace {
+// The staging slots plan_accumulators lays out when the accumulators are not all in DRAM: as
+// many as the layout had (the placement's choice for the state), 2 where it had none (one
+// slot's landing overlaps the next one's read), fewer when DRAM cannot hold them.
+constexpr std::size_t kAccumSlots = 2;
+// DRAM plan_accumulators leaves free beside the slots (the buffer's page rounding).
+constexpr uint64_t kAccumMargin = 2 * kLayoutPage;
+
+std::string mib(uint64_t bytes) {
+  return std::to_string((bytes + (1ull << 20) - 1) >> 20) + " MiB";
+}
+}  // namespace
+
+Status Optimizer::ensure_accum(Param& p, std::unique_lock<std::mutex>& lock) {
   if (p.accum != 0) return Status::ok();
-  TensorRecord w;
-  STRATA_RETURN_IF_ERROR(runtime_->info(p.weight, &w));
-  void* data = nullptr;
-  Status s = make_state(w, ".grad_accum", kSkew[3], Tier::kDram, &p.accum, &data);
-  p.accum_data = static_cast<float*>(data);
-  if (!s.is_ok()) {
-    return error(s.code(),
-                 "gradient accumulation (a backward pass onto grads not zeroed since the last "
-                 "one) needs an fp32 sum per parameter: ",
-                 s.message());
+  STRATA_RETURN_IF_ERROR(plan_accumulators(lock));
+  if (p.accum == 0) {
+    return error(Code::kInternal, "optimizer: a param has no accumulator after they were placed");
   }
+  return Status::ok();
+}
+
+void Optimizer::drop_accumulators(std::size_t owned_before, std::size_t pinned_before) {
+  while (pinned_.size() > pinned_before) {
+    runtime_->unpin(pinned_.back());
+    pinned_.pop_back();
+  }
+  while (owned_.size() > owned_before) {
+    (void)runtime_->unregister(owned_.back());
+    owned_.pop_back();
+  }
+  for (Param& p : params_) {
+    p.accum = 0;
+    p.accum_data = nullptr;
+    p.nvme_accum = false;
+  }
+  state_bytes_ -= accum_dram_bytes_;
+  nvme_state_bytes_ -= accum_nvme_bytes_;
+  accum_dram_bytes_ = accum_nvme_bytes_ = 0;
+}
+
+Status Optimizer::plan_accumulators(std::unique_lock<std::mutex>& lock) {
+  if (accum_planned_) return Status::ok();
+  // Every param's at once, at the first accumulation: one placement for all of them (the
+  // slots are laid out for it once), and nothing allocated for a run that never accumulates.
+  const std::size_t layers = layer_params_.size();
+  std::vector<uint64_t> dram_need(layers, 0), nvme_need(layers, 0);
+  uint64_t total = 0;
+  for (std::size_t l = 0; l < layers; ++l) {
+    for (std::size_t i : layer_params_[l]) {
+      dram_need[l] += accum_dram_bytes(params_[i].arrays.count);
+      nvme_need[l] += accum_nvme_bytes(params_[i].arrays.count);
+    }
+    total += dram_need[l];
+  }
+  const std::size_t owned_before = owned_.size(), pinned_before = pinned_.size();
+  // Registers the accumulators of the layers whose on_nvme[l] is (home == kNvme); the layer
+  // whose registration failed in *failed_layer.
+  auto place = [&](const std::vector<uint8_t>& on_nvme, Tier home,
+                   std::size_t* failed_layer) -> Status {
+    for (std::size_t l = 0; l < layers; ++l) {
+      if ((on_nvme[l] != 0) != (home == Tier::kNvme)) continue;
+      for (std::size_t i : layer_params_[l]) {
+        Param& p = params_[i];
+        TensorRecord w;
+        STRATA_RETURN_IF_ERROR(runtime_->info(p.weight, &w));
+        void* data = nullptr;
+        const uint64_t dram_before = state_bytes_, nvme_before = nvme_state_bytes_;
+        Status s = make_state(w, ".grad_accum", kSkew[3], home, &p.accum, &data);
+        accum_dram_bytes_ += state_bytes_ - dram_before;
+        accum_nvme_bytes_ += nvme_state_bytes_ - nvme_before;
+        if (!s.is_ok()) {
+          *failed_layer = l;
+          return s;
+        }
+        p.accum_data = static_cast<float*>(data);
+        p.nvme_accum = home == Tier::kNvme;
+      }
+    }
+    return Status::ok();
+  };
+  const TierUsage dram = runtime_->tier_usage(Tier::kDram);
+  const uint64_t free = dram.budget - dram.used;
+  const bool nvme = runtime_->tier_available(Tier::kNvme);
+  // First choice: every accumulator in DRAM, beside whatever is there (no slot changes).
+  Status first_error;
+  std::size_t dram_failed = layers;
+  if (total <= free) {
+    std::size_t failed = layers;
+    first_error = place(std::vector<uint8_t>(layers, 0), Tier::kDram, &failed);
+    if (first_error.is_ok()) {
+      accum_planned_ = true;
+      return Status::ok();
+    }
+    drop_accumulators(owned_before, pinned_before);
+    dram_failed = failed;  // fragmented: that layer's sums did not fit
+  }
+  auto no_room = [&](const std::string& why) {
+    const uint64_t short_by = total > free ? total - free : 0;
+    return error(
+        Code::kOutOfMemory,
+        "gradient accumulation (a backward pass onto grads not zeroed since the last "
+        "one) needs an fp32 sum per parameter: ",
+        total, " bytes (", mib(total), ") for ", params_.size(), " params, and the DRAM tier has ",
+        free, " of its ", dram.budget, " bytes free (largest block ", dram.largest_free, ")", why,
+        ". Raise the DRAM budget by at least ", mib(short_by),
+        " (strata.torch: host_budget=, which defaults to room for the sums when the "
+        "host's available memory allows it), give the runtime an NVMe tier, where the "
+        "last layers' sums are staged through DRAM (strata.torch: nvme=), or leave "
+        "more DRAM free (grads in HBM: strata.torch grads='device'; more resident "
+        "blocks, which torch accumulates on the device)",
+        first_error.is_ok() ? "" : "; DRAM: ", first_error.is_ok() ? "" : first_error.message());
+  };
+  if (!nvme) return no_room(": no NVMe tier to put them on");
+  // With NVMe: the slots are laid out again (bigger: a layer's accumulators join its state),
+  // so nothing may use them meanwhile. Once per optimizer.
+  STRATA_RETURN_IF_ERROR(drain(lock));
+  const uint64_t room = free + staging_bytes_;  // the current slots are given back first
+  std::vector<uint64_t> state_slot(layers, 0);
+  uint64_t largest_state = 0;
+  for (std::size_t l = 0; l < layers && l < stages_.size(); ++l) {
+    state_slot[l] = stages_[l].bytes;
+    largest_state = std::max(largest_state, state_slot[l]);
+  }
+  // Which layers' sums go to NVMe: those that grow the slot least first (a layer whose state
+  // is in DRAM: its sums alone; among equals the last layers, which the next forward pass
+  // needs last), as few as let the rest, and the slots, fit in DRAM. A slot holds a layer's
+  // staged state and sums at once (an update reads its grads from the sums).
+  std::vector<std::size_t> order(layers);
+  for (std::size_t l = 0; l < layers; ++l) order[l] = l;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
+    const uint64_t cx = state_slot[x] + nvme_need[x], cy = state_slot[y] + nvme_need[y];
+    return cx != cy ? cx < cy : x > y;
+  });
+  const std::size_t had = slot_free_.size();
+  const std::size_t want_slots = had != 0 ? had : kAccumSlots;
+  std::vector<uint8_t> on_nvme(layers, 0);
+  std::size_t slots = 0;
+  uint64_t slot = 0;
+  // A fragmented DRAM (the all-DRAM try failed at dram_failed): that layer goes first.
+  if (dram_failed < layers) {
+    order.erase(std::find(order.begin(), order.end(), dram_failed));
+    order.insert(order.begin(), dram_failed);
+  }
+  for (std::size_t n = want_slots; n >= 1 && slots == 0; --n) {
+    uint64_t in_dram = total, grown = largest_state;
+    for (std::size_t j = 0; j < layers && slots == 0; ++j) {
+      const std::size_t l = order[j];
+      in_dram -= dram_need[l];
+      grown = std::max(grown, state_slot[l] + nvme_need[l]);
+      if (in_dram + n * grown + kAccumMargin <= room) {
+        slots = n;
+        slot = grown;
+        std::fill(on_nvme.begin(), on_nvme.end(), uint8_t{0});
+        for (std::size_t k = 0; k <= j; ++k) on_nvme[order[k]] = 1;
+      }
+    }
+  }
+  if (slots == 0) {
+    // The least DRAM any choice needs: one slot of the largest staged state, or of the
+    // cheapest layer's state and sums, beside every other layer's sums.
+    uint64_t least = std::numeric_limits<uint64_t>::max();
+    for (std::size_t l = 0; l < layers; ++l) {
+      least = std::min(
+          least, total - dram_need[l] + std::max(largest_state, state_slot[l] + nvme_need[l]));
+    }
+    return no_room(
+        "; with the NVMe tier, the sums DRAM keeps and one staging slot for a "
+        "layer's state and sums need at least " +
+        std::to_string(least) + " bytes of the " + std::to_string(room) +
+        " DRAM has free beside the other tensors");
+  }
+  for (int attempt = 0;; ++attempt) {
+    // NVMe first, then the slots (one block: laid out before the DRAM sums split what is
+    // free), then the DRAM sums in what is left.
+    std::size_t failed = layers;
+    Status s = place(on_nvme, Tier::kNvme, &failed);
+    if (s.is_ok()) s = layout_stages(slots * slot + kLayoutPage, slots);
+    if (s.is_ok()) s = place(on_nvme, Tier::kDram, &failed);
+    if (s.is_ok()) break;
+    drop_accumulators(owned_before, pinned_before);
+    // The layout as it was, so the state on NVMe still updates.
+    Status back = layout_stages();
+    const bool dram_short =
+        s.code() == Code::kOutOfMemory && failed < layers && on_nvme[failed] == 0 && attempt < 8;
+    if (!dram_short || !back.is_ok()) {
+      if (!back.is_ok()) fail(back);
+      return s.code() == Code::kOutOfMemory ? no_room(std::string("; ") + s.message()) : s;
+    }
+    // Fragmented: that layer's sums too on NVMe (in a slot that may then grow).
+    on_nvme[failed] = 1;
+    slot = std::max(slot, state_slot[failed] + nvme_need[failed]);
+  }
+  accum_planned_ = true;
   return Status::ok();
 }
 
@@ -43,7 +226,13 @@ Status Optimizer::held_grad(TensorId weight, std::unique_lock<std::mutex>& lock,
   if (param == nullptr)
     return error(Code::kNotFound, "the tensor is not a parameter of this optimizer");
   const auto layer = static_cast<std::size_t>(param->layer);
-  cv_.wait(lock, [&] { return !failure_.is_ok() || landing_[layer] == 0; });
+  // An accumulator on NVMe is current there once its last landing's write-back is done (no job
+  // keeps one in a slot otherwise: read ahead is the state only).
+  cv_.wait(lock, [&] {
+    return !failure_.is_ok() ||
+           (landing_[layer] == 0 && (!param->nvme_accum || layer >= stages_.size() ||
+                                     stages_[layer].phase != StagePhase::kWriting));
+  });
   STRATA_RETURN_IF_ERROR(failure_);
   *out = param;
   return Status::ok();
@@ -80,6 +269,11 @@ Status Optimizer::grad_read(TensorId weight, float* dst, uint64_t count) {
   a.grad = p->hold == GradHold::kAccum ? static_cast<const void*>(p->accum_data) : p->arrays.grad;
   std::vector<unsigned char> fetched;  // an HBM-homed grad: copied here (the fetch buffer is
                                        // the dispatcher's)
+  if (p->hold == GradHold::kAccum && p->nvme_accum) {
+    Status s = runtime_->read(p->accum, 0, dst, count * sizeof(float));
+    if (!s.is_ok()) return error(s.code(), "grad_read: the accumulator on NVMe: ", s.message());
+    a.grad = dst;  // widened in place: a copy
+  }
   if (p->hold == GradHold::kGrad && p->hbm_grad) {
     fetched.resize(count * dtype_size(p->arrays.grad_dtype));
     Status s = runtime_->backend()->copy_sync(fetched.data(), p->grad_device, fetched.size());
@@ -129,10 +323,19 @@ Status Optimizer::grad_write(TensorId weight, const float* src, uint64_t count) 
   // Inside an executor step a zeroed grad's tensor is about to receive this step's backward
   // (which would replace what is written there): the accumulator takes it, and the landing adds.
   if (p->hold == GradHold::kAccum || (p->hold == GradHold::kZero && in_executor_step_)) {
-    STRATA_RETURN_IF_ERROR(ensure_accum(*p));
-    std::memcpy(p->accum_data, src, count * sizeof(float));
+    STRATA_RETURN_IF_ERROR(ensure_accum(*p, lock));
+    if (p->nvme_accum) {
+      Status s = runtime_->write(p->accum, 0, src, count * sizeof(float));
+      if (!s.is_ok()) {
+        p->grad_mult = 1.f;
+        p->grad_sq = std::numeric_limits<double>::quiet_NaN();  // its values are unspecified
+        return error(s.code(), "grad_write: the accumulator on NVMe: ", s.message());
+      }
+    } else {
+      std::memcpy(p->accum_data, src, count * sizeof(float));
+    }
     p->hold = GradHold::kAccum;
-    stored.grad = p->accum_data;
+    stored.grad = src;  // what the accumulator now holds, exactly
     stored.grad_dtype = DType::kF32;
   } else {
     // The grad tensor, in its dtype: rounded by the kernel that rounds an update's working copy

@@ -164,15 +164,16 @@ void Optimizer::run_explicit(std::span<const Task> tasks, Job& job, Arrivals* ar
     optim::ParamArrays accum_view;  // the accumulator read as a grad
     accum_view.grad_dtype = DType::kF32;
     accum_view.count = p.arrays.count;
+    float* const accum = accum_ptr(p);  // in DRAM, or staged in the layer's slot
     auto scale = [&](float m) {
       if (m == 1.f) return;
-      for (std::size_t i = b; i < e; ++i) p.accum_data[i] *= m;
+      for (std::size_t i = b; i < e; ++i) accum[i] *= m;
     };
     switch (job.kind) {
       case JobKind::kLand:
         if (job.add[slot] != 0) {
-          accum_view.grad = p.accum_data;
-          grad_view.grad_accum = p.accum_data;
+          accum_view.grad = accum;
+          grad_view.grad_accum = accum;
           scale(job.mult[slot]);
           kernels_->accumulate(grad_view, b, e, false);
           sums[k] = kernels_->sum_squares(accum_view, b, e);
@@ -182,8 +183,8 @@ void Optimizer::run_explicit(std::span<const Task> tasks, Job& job, Arrivals* ar
         break;
       case JobKind::kStash:
         if (job.add[slot] != 0) {
-          accum_view.grad = p.accum_data;
-          grad_view.grad_accum = p.accum_data;
+          accum_view.grad = accum;
+          grad_view.grad_accum = accum;
           kernels_->accumulate(grad_view, b, e, true);
           scale(job.mult[slot]);
           sums[k] = kernels_->sum_squares(accum_view, b, e);
@@ -195,12 +196,13 @@ void Optimizer::run_explicit(std::span<const Task> tasks, Job& job, Arrivals* ar
         optim::ParamArrays a = subarray(update_arrays(p), b, e);
         a.grad_accum = nullptr;
         thread_local std::vector<float> zeros;
-        if (src.grad == nullptr) {
+        const void* grad = src.staged_accum ? static_cast<const void*>(accum) : src.grad;
+        if (grad == nullptr) {
           if (zeros.size() < e - b) zeros.assign(e - b, 0.f);
           a.grad = zeros.data();
           a.grad_dtype = DType::kF32;
         } else {
-          a.grad = static_cast<const unsigned char*>(src.grad) + b * dtype_size(src.dtype);
+          a.grad = static_cast<const unsigned char*>(grad) + b * dtype_size(src.dtype);
           a.grad_dtype = src.dtype;
         }
         run_update(*kernels_, config_.kind, src.scalars, a, 0, e - b);
@@ -241,7 +243,8 @@ Status Optimizer::step_explicit() {
           src.grad = p.arrays.grad;
           src.dtype = p.arrays.grad_dtype;
         } else if (p.hold == GradHold::kAccum) {
-          src.grad = p.accum_data;
+          src.grad = p.accum_data;  // null on NVMe: the job finds it in the layer's slot
+          src.staged_accum = p.nvme_accum;
           src.dtype = DType::kF32;
         }
         const float grad_scale = p.grad_mult / counters_.loss_scale;

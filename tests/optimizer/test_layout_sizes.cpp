@@ -277,3 +277,54 @@ TEST_CASE("PLANNED keeps a param's state in DRAM exactly while the query's state
     }
   }
 }
+
+TEST_CASE("the layout query's accum_bytes holds what the accumulators take",
+          "[layout][optimizer]") {
+  // Trainable tensors off every page boundary; a frozen one (no accumulator).
+  const std::vector<Layer> model = {{{1000, 5000, 70001}, {3000}}, {{12345}, {}}};
+  std::vector<uint32_t> counts, frozen_counts;
+  std::vector<uint64_t> elements, frozen_elements;
+  const strata_layout_request_t q =
+      request_for(model, STRATA_DTYPE_BF16, STRATA_TIER_DRAM, STRATA_OPTIMIZER_ADAMW, 0,
+                  STRATA_MASTER_SEPARATE, &counts, &elements, &frozen_counts, &frozen_elements);
+  const Query got = query(q);
+  uint64_t expected = 0, trained = 0;
+  for (const Layer& l : model) {
+    for (uint64_t n : l.trainable) {
+      expected += (4 * n + kPage - 1) / kPage * kPage + kPage;  // its pages and one more
+      trained += n;
+    }
+  }
+  REQUIRE(got.totals.accum_bytes == expected);
+  // AUTO mode with accumulation_steps 2 allocates the same accumulators at add_param: the
+  // DRAM they take beside the rest of the state is within the query's figure.
+  uint64_t state_used[2] = {0, 0};
+  for (uint32_t steps : {1u, 2u}) {
+    RuntimePtr rt = make_runtime(config_for(STRATA_DEVICE_BACKEND_HOST, 64 * kMiB, 64 * kMiB));
+    strata_optimizer_config_t oc;
+    STRATA_REQUIRE_OK(strata_optimizer_config_init(STRATA_OPTIMIZER_ADAMW, &oc));
+    oc.threads = 1;
+    oc.accumulation_steps = steps;
+    strata_optimizer_t* raw = nullptr;
+    STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &oc, &raw));
+    OptimizerPtr opt(raw);
+    for (std::size_t i = 0; i < model.size(); ++i) {
+      for (std::size_t k = 0; k < model[i].trainable.size(); ++k) {
+        const std::string name = "layers." + std::to_string(i) + "." + std::to_string(k);
+        const uint64_t n = model[i].trainable[k];
+        strata_param_desc_t p{};
+        p.struct_size = STRATA_PARAM_DESC_STRUCT_SIZE;
+        p.weight =
+            tensor(rt.get(), name, n, STRATA_DTYPE_BF16, STRATA_ROLE_WEIGHT, STRATA_TIER_DRAM);
+        p.grad = tensor(rt.get(), name + ".grad", n, STRATA_DTYPE_BF16, STRATA_ROLE_GRAD,
+                        STRATA_TIER_DRAM);
+        const uint64_t before = used(rt.get(), STRATA_TIER_DRAM);
+        STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
+        state_used[steps - 1] += used(rt.get(), STRATA_TIER_DRAM) - before;
+      }
+    }
+  }
+  const uint64_t accumulators = state_used[1] - state_used[0];
+  REQUIRE(accumulators >= 4 * trained);
+  REQUIRE(accumulators <= got.totals.accum_bytes);
+}

@@ -184,9 +184,14 @@ def test_core_sizing_is_the_layout_query():
                             + core.NVME_DRAM_MARGIN)
             assert full == core.layout_totals(layers, slots)["dram_bytes"]
         assert core.NVME_DRAM_MARGIN == 16 << 20
-        # The NVMe tier's margins: 64 MiB a block and 5%, as strata.torch reserves them.
+        # The gradient accumulators: an fp32 sum per trainable element, each tensor's pages and
+        # a page (what the optimizer places them by).
+        accum = sum(block(4 * n) for b in blocks for n in b)
+        assert sizes["accum_bytes"] == accum == core.accum_bytes(blocks, element)
+        # The NVMe tier's margins: 64 MiB a block and 5%, as strata.torch reserves them; the
+        # tier holds the accumulators too.
         totals = core.layout_totals(layers)
-        spillable = sum(l["weight_bytes"] + l["state_bytes"] for l in layers)
+        spillable = sum(l["weight_bytes"] + l["state_bytes"] for l in layers) + accum
         margin = (64 << 20) * len(layers)
         assert totals["nvme_margin_bytes"] == margin
         assert totals["nvme_bytes"] == -(-spillable * 105 // 100) + margin

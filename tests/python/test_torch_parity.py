@@ -1796,6 +1796,61 @@ def test_optimizer_state_on_nvme(placement, offload, tmp_path):
     assert model.strata.optimizer.stats()["nvme_read_bytes"] > 0
 
 
+def test_accumulators_on_nvme_when_the_host_budget_is_short(offload, tmp_path):
+    """Idiom: gradient accumulation (with clipping) on a host_budget that holds the weights,
+    grads and most of the optimizer state but not the fp32 sums of the micro-batches: with nvme= the
+    optimizer puts some blocks' sums on NVMe, staged through DRAM at each backward pass
+    that adds, and training is plain PyTorch's (and bit for bit the run whose sums are in
+    DRAM); the placement says where they will go, then where they are."""
+    base = build("llama", layers=4)
+    data = batches(6, seed=1)
+    expected, expected_norms, expected_state = plain_run(deepcopy(base), data, accumulate=3,
+                                                         clip=0.5)
+    _, _, in_dram = strata_run(offload, deepcopy(base), data, accumulate=3, clip=0.5)
+    counts = [[p.numel() for p in b.parameters()] for b in blocks_of(base)]
+    layers = strata.core.placement_layers(counts, 4)
+    everything = sum(l["weight_bytes"] + l["grad_bytes"] + l["state_bytes"] for l in layers)
+    accum = strata.core.accum_bytes(counts, 4)
+    # The budget the placement counts for every tensor, less half the sums: the last block's
+    # state goes to NVMe, and DRAM keeps less free than the sums take.
+    model = offload(deepcopy(base), nvme=str(tmp_path / "tier"),
+                    host_budget=everything - accum // 2)
+    opt = strata_adamw(model.parameters())
+    before = model.strata.placement()
+    assert "made at the first accumulation) on NVMe for some blocks" in before, before
+    got, got_norms = train(model, opt, data, accumulate=3, clip=0.5)
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    assert_losses_close(got_norms, expected_norms)
+    assert_state_close(snapshot(model), expected_state)
+    assert_state_close(snapshot(model), in_dram, exact=True)
+    line = model.strata.placement()
+    assert "on NVMe for" in line, line
+    # The blocks whose state is in DRAM give theirs first (a slot then holds their sums alone).
+    tiers = [model.strata.optimizer.state(sp.weight, "grad_accum").info().tier
+             for layer in model.strata.layers for sp in layer if sp.trainable]
+    assert strata.core.TIERS["nvme"] in tiers and strata.core.TIERS["dram"] in tiers, tiers
+    assert model.strata.optimizer.stats()["nvme_write_bytes"] > 0
+
+
+def test_default_host_budget_has_room_to_accumulate(offload):
+    """Without host_budget the runtime's DRAM holds the streamed blocks and, where the host's
+    available memory allows (it does here), the gradient accumulators (the layout query's
+    accum_bytes): accumulating keeps the sums in DRAM, and the placement says so."""
+    base = build("llama")
+    model = offload(deepcopy(base))
+    counts = [[p.numel() for p in b.parameters()] for b in blocks_of(base)]
+    _, dram = strata.core.streaming_budgets([sum(c) for c in counts], 4)
+    budget = model.strata.runtime.capabilities().tier_budget_bytes[1]
+    # (The runtime rounds its budget up to the arena's 4 KiB pages.)
+    assert 0 <= budget - (dram + strata.core.accum_bytes([sum(c) for c in counts], 4)) < 4096
+    opt = strata_adamw(model.parameters())
+    assert "made at the first accumulation) in DRAM" in model.strata.placement()
+    train(model, opt, batches(2), accumulate=2)
+    synchronize(opt)
+    assert "gradient accumulators in DRAM;" in model.strata.placement()
+
+
 def test_checkpoints_without_the_optimizer_wait_for_its_updates(offload, tmp_path):
     """Idiom: st.save_checkpoint(path, model) or st.load_checkpoint(path, model) (no optimizer)
     right after opt.step(), whose updates still run (here: every block's weights on NVMe,

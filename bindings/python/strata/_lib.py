@@ -221,7 +221,7 @@ class LayoutTotals(Struct):
                 ("dram_bytes", c_uint64), ("dram_margin_bytes", c_uint64),
                 ("streaming_dram_bytes", c_uint64), ("streaming_hbm_bytes", c_uint64),
                 ("nvme_margin_bytes", c_uint64), ("nvme_bytes", c_uint64),
-                ("nvme_placeable_bytes", c_uint64)]
+                ("nvme_placeable_bytes", c_uint64), ("accum_bytes", c_uint64)]
 
 
 class LayerViews(Struct):

@@ -160,6 +160,18 @@ def grads_hbm_bytes(block_params, element_size):
     return layout_sizes([[n] for n in block_params], element_size, grads="hbm")["grad_hbm_bytes"]
 
 
+def accum_bytes(blocks, element_size):
+    """DRAM the optimizer's fp32 gradient accumulators take when a backward pass adds to grads
+    not zeroed since the last one (explicit update mode: one per trainable tensor, created at
+    the first accumulation): each one's 4 KiB pages and a page, summed
+    (strata_layout_totals_t.accum_bytes; `blocks`: per block, its trainable tensors' element
+    counts, or one count for the block). The optimizer puts them in DRAM when its free space
+    holds them, else the last layers' on NVMe, staged; with neither, the accumulating step
+    fails, naming these numbers."""
+    blocks = [b if isinstance(b, (list, tuple)) else [b] for b in blocks]
+    return layout_sizes(blocks, element_size)["accum_bytes"]
+
+
 def state_bytes_per_param(element_size, master_layout="separate"):
     """AdamW's state per parameter: m and v, and an fp32 master unless the weight is fp32 (a
     split master: its low halves, 2 bytes; the bf16 weight is the rest): what the optimizer

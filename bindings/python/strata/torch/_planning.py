@@ -36,12 +36,36 @@ def block_elements(blocks, mesh=None):
             for b in blocks]
 
 
+# The share of the host's available memory a default host budget may take to make room for
+# the gradient accumulators (the same share plan_nvme leaves the OS, torch and the user).
+HOST_SHARE = 0.85
+
+
+def with_accumulators(dram, counts, element):
+    """A default DRAM budget of `dram` bytes, with room for the gradient accumulators of the
+    streamed blocks (`counts`: per block its trainable tensors' elements, or one count) added
+    when the host's available memory holds both: then accumulating (a backward pass onto
+    grads not zeroed since the last one) keeps the fp32 sums in DRAM. Else `dram` as it is,
+    and the optimizer puts the sums on NVMe when there is an NVMe tier, or the first
+    accumulating step fails naming host_budget and nvme= (docs/optimizer.md, "Gradient
+    accumulators"). A budget is pinned whole when the runtime starts: the room is spent
+    whether or not the run accumulates."""
+    accum = core.accum_bytes(counts, element)
+    available = _host.mem_available()
+    if available is not None and dram + accum <= available * HOST_SHARE:
+        return dram + accum
+    return dram
+
+
 def session_budgets(counts, dtype, grads, gpu_budget, host_budget):
     """The HBM and DRAM budgets of a session's runtime: the given ones, or what the streamed
-    blocks of `counts` elements need (core.streaming_budgets). With grads in HBM a given
+    blocks of `counts` elements need (core.streaming_budgets), with room for the gradient
+    accumulators where the host has it (with_accumulators). With grads in HBM a given
     gpu_budget is the slots' and the grads come beside it."""
     element = element_bytes(dtype)
     hbm, dram = core.streaming_budgets(counts, element, master_layout(dtype), grads)
+    if host_budget is None:
+        dram = with_accumulators(dram, counts, element)
     if gpu_budget is not None and grads == "hbm":
         gpu_budget += core.grads_hbm_bytes(counts, element)  # beside the slots' budget
     return (hbm if gpu_budget is None else gpu_budget,
@@ -126,8 +150,11 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
     it only checks, with no rates, that some placement fits: nothing is created otherwise.
     Returns (layers: per block the sizes the placement weighs, host_budget, nvme_budget, what
     the placement may put on NVMe), the budgets filled in where not given: DRAM what every
-    tensor needs or 85% of the available memory, whichever is less; NVMe room for everything
-    that could spill, at most what the disks have free (the runtime preallocates its files)."""
+    tensor and the gradient accumulators need or 85% of the available memory, whichever is
+    less (the placement puts state in DRAM first: what is left holds accumulators, the rest
+    of them go to NVMe at the first accumulation); NVMe room for everything that could spill,
+    accumulators included, at most what the disks have free (the runtime preallocates its
+    files)."""
     element = element_bytes(dtype)
     counts = [[p.numel() for p in b.parameters() if p.requires_grad] for b in blocks]
     frozen = [[p.numel() for p in b.parameters() if not p.requires_grad] for b in blocks]
@@ -140,9 +167,10 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
     sizes = core.layout_totals(layers)
     if host_budget is None:
         available = _host.mem_available()
-        host_budget = sizes["dram_bytes"]  # every tensor in DRAM and the staging slots
+        # Every tensor in DRAM, the staging slots and the accumulators.
+        host_budget = sizes["dram_bytes"] + sizes["accum_bytes"]
         if available is not None:
-            host_budget = min(host_budget, int(available * 0.85))
+            host_budget = min(host_budget, int(available * HOST_SHARE))
     # The NVMe tier holds what the placement puts there and the tier's margins (the library's
     # rule, strata_layout_totals_t: 64 MiB a block and 5%): the placement may use
     # nvme_placeable_bytes of it, the same figure in the check here and in the session's choice.

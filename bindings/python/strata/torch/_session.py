@@ -350,6 +350,7 @@ class StrataSession:
                      % (i["candidates"], i["predicted_step_seconds"], i["bottleneck"],
                         i["predicted_nvme_read_seconds"], i["predicted_nvme_write_seconds"],
                         i["predicted_update_seconds"]))
+        line += "; " + self.accumulators_text(size)
         line += "; budgets: DRAM %s" % size(caps.tier_budget_bytes[1])
         if caps.tiers_available[2]:
             line += ", NVMe %s" % size(caps.tier_budget_bytes[2])
@@ -360,6 +361,44 @@ class StrataSession:
         buffers of block checkpoints spilled to host memory (strata.torch._spill), kept from
         step to step."""
         return self.spill.host_bytes
+
+    def accumulators_text(self, size):
+        """Where the streamed parameters' fp32 gradient accumulators live (the optimizer
+        makes them at the first backward pass onto grads not zeroed since the last one: then
+        where they are; before, where they will go with the DRAM free now). Part of
+        placement()."""
+        trained = [sp for layer in self.layers for sp in layer if sp.trainable]
+        if not trained:
+            return "no gradient accumulators (nothing streamed trains)"
+        homes = []
+        for sp in trained:
+            try:
+                homes.append(self.optimizer.state(sp.weight, "grad_accum").info().tier)
+            except LookupError:
+                break
+        if len(homes) == len(trained):
+            on_nvme = sum(1 for t in homes if t == core.TIERS["nvme"])
+            if not on_nvme:
+                return "gradient accumulators in DRAM"
+            return ("gradient accumulators in DRAM for %d params, on NVMe for %d (staged "
+                    "through the slots at each backward pass that adds)"
+                    % (len(homes) - on_nvme, on_nvme))
+        element = _planning.element_bytes(self.dtype)
+        need = core.accum_bytes([[sp.weight.nbytes // element for sp in layer if sp.trainable]
+                                 for layer in self.layers if any(sp.trainable for sp in layer)],
+                                element)
+        dram = self.runtime.tier_usage("dram")
+        free = dram["budget"] - dram["used"]
+        if need <= free:
+            where = "in DRAM"
+        elif self.runtime.capabilities().tiers_available[2]:
+            where = ("on NVMe for some blocks, staged through DRAM (DRAM has %s free)"
+                     % size(free))
+        else:
+            where = ("nowhere: DRAM has %s free and there is no NVMe tier, so accumulating "
+                     "fails (raise host_budget or pass nvme=)" % size(free))
+        return "gradient accumulators (%s, made at the first accumulation) %s" % (
+            size(need), where)
 
     def weight_home(self, layer):
         """Where block `layer`'s weights live: the last nvme_weight_blocks blocks' on NVMe
