@@ -16,7 +16,9 @@ namespace {
 // The sizes 1.3 introduced the structs with: a smaller struct_size is refused.
 constexpr std::size_t kLayoutRequestV1_3Size = STRATA_LAYOUT_REQUEST_STRUCT_SIZE;
 constexpr std::size_t kLayoutLayerV1_3Size = STRATA_LAYOUT_LAYER_STRUCT_SIZE;
-constexpr std::size_t kLayoutTotalsV1_3Size = STRATA_LAYOUT_TOTALS_STRUCT_SIZE;
+// 1.4 appended accum_bytes: a 1.3 caller's totals end at nvme_placeable_bytes.
+constexpr std::size_t kLayoutTotalsV1_3Size =
+    STRATA_STRUCT_SIZE(strata_layout_totals_t, nvme_placeable_bytes);
 
 // One layer's element counts: `count` entries of `elements` from *next on.
 Status read_counts(const uint32_t* counts, const uint64_t* elements, const char* what,

@@ -62,7 +62,7 @@
 #define STRATA_API_SINCE(major, minor) STRATA_API
 
 #define STRATA_VERSION_MAJOR 1
-#define STRATA_VERSION_MINOR 3
+#define STRATA_VERSION_MINOR 4
 #define STRATA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, as zstd does: comparable with < and >. */
 #define STRATA_VERSION_NUMBER \
@@ -1640,7 +1640,8 @@ typedef struct strata_layout_totals {
   uint64_t nvme_margin_bytes;
   uint64_t nvme_bytes;
   uint64_t nvme_placeable_bytes;
-  /* Explicit update mode's fp32 gradient accumulators (one per trainable tensor, created at the
+  /* Since 1.4 (a 1.3 caller's struct_size ends before it; the field is then not written).
+   * Explicit update mode's fp32 gradient accumulators (one per trainable tensor, created at the
    * first backward pass onto grads not zeroed since the last one), as the DRAM arena takes them:
    * each one's 4 KiB blocks and a page. The optimizer puts them in DRAM when its free space
    * holds them, else, with an NVMe tier, (the last layers') on NVMe, staged through the staging

@@ -732,6 +732,18 @@ TEST_CASE("layout query: bad requests are refused by name and nothing is written
                        "strata_layout_layer_t.struct_size");
   layers[0].struct_size = STRATA_LAYOUT_LAYER_STRUCT_SIZE;
 
+  // A 1.3 caller's totals end at nvme_placeable_bytes (1.4 appended accum_bytes): accepted, and
+  // nothing past its struct_size is written.
+  strata_layout_totals_t v13_totals;
+  std::memset(&v13_totals, 0xAB, sizeof v13_totals);
+  v13_totals.struct_size = STRATA_STRUCT_SIZE(strata_layout_totals_t, nvme_placeable_bytes);
+  REQUIRE(strata_layout_query(&q, layers, &v13_totals) == STRATA_OK);
+  REQUIRE(v13_totals.nvme_placeable_bytes != 0xABABABABABABABABull);
+  REQUIRE(v13_totals.accum_bytes == 0xABABABABABABABABull);
+  REQUIRE(v13_totals.struct_size ==
+          STRATA_STRUCT_SIZE(strata_layout_totals_t, nvme_placeable_bytes));
+  for (auto& l : layers) std::memset(&l.weight_bytes, 0xAB, sizeof l.weight_bytes);
+
   strata_layout_request_t none = q;
   none.layer_count = 0;
   STRATA_REQUIRE_ERROR(strata_layout_query(&none, nullptr, &totals), STRATA_ERROR_INVALID_ARGUMENT,

@@ -22,7 +22,7 @@ c_void_p = ctypes.c_void_p
 
 # The ABI these declarations are written against: the library must have this major version and
 # at least this minor one (the test abi_layout checks it is strata.h's version).
-ABI_VERSION = (1, 3)
+ABI_VERSION = (1, 4)
 
 MAX_NAME_LENGTH = 255
 MAX_NDIM = 8
