@@ -51,8 +51,20 @@ def _elementwise_inplace(func):
     element by element, so it can run on any part of the values (a rank's chunk)."""
     if func._schema.name.startswith("aten::_foreach_"):
         return func._schema.name.endswith("_") and _writes_first(func)
-    return torch.Tag.inplace in func.tags and (torch.Tag.pointwise in func.tags
-                                                or func in _ELEMENTWISE_INPLACE)
+    return _is_inplace(func) and (torch.Tag.pointwise in func.tags
+                                  or func in _ELEMENTWISE_INPLACE)
+
+
+# torch.Tag.inplace is newer than some torch releases strata.torch supports (2.11 has none):
+# without it an op is in place when it writes its first argument under an in-place name
+# (aten::mul_; an out= variant writes its kwarg-only `out`, never the first argument).
+_INPLACE_TAG = getattr(torch.Tag, "inplace", None)
+
+
+def _is_inplace(func):
+    if _INPLACE_TAG is not None:
+        return _INPLACE_TAG in func.tags
+    return func._schema.name.endswith("_") and _writes_first(func)
 
 
 def _writes_first(func):
