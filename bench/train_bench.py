@@ -408,7 +408,11 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
                            # STRATA_BENCH_SLOT_BUDGET (GiB): the executor's slots (how many
                            # blocks load ahead), for A/B runs; default: the planner's choice.
                            slot_budget=int(float(os.environ.get("STRATA_BENCH_SLOT_BUDGET", "0"))
-                                           * (1 << 30)))
+                                           * (1 << 30)),
+                           # STRATA_BENCH_SPILL: on / off forces offload(spill_checkpoints=)
+                           # for A/B runs; default: automatic.
+                           spill_checkpoints={"on": True, "off": False}.get(
+                               os.environ.get("STRATA_BENCH_SPILL", "auto")))
         paged = os.environ.get("STRATA_BENCH_PAGED_STATE")
         if paged is not None:  # --paged-state: an A/B of strata.torch.paging
             st.AdamW.PAGED_STATE = {"all": None, "auto": "auto"}.get(paged) if \
@@ -561,8 +565,13 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
             torch.cuda.current_stream().synchronize()
         every.append(time.perf_counter() - t0)
         # Progress on stderr (a slow configuration's steps take minutes; seen with --one).
-        print("%s%s %s step %d: %.2f s, loss %.4f" % (PROGRESS, mode, preset, i, every[-1],
-                                                    losses[-1]),
+        spill = getattr(getattr(model, "strata", None), "spill", None)
+        print("%s%s %s step %d: %.2f s, loss %.4f%s" % (
+            PROGRESS, mode, preset, i, every[-1], losses[-1],
+            "" if spill is None else ", checkpoints spilled %d (predicted to fit: %s, %d "
+            "decisions, device memory at the forward's start %.1f GB, peak %.1f GB)" % (
+                spill.count, spill.fits, spill.decisions, spill.base / 1e9,
+                torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0)),
               file=sys.stderr, flush=True)
         if i >= warmup:
             times.append(time.perf_counter() - t0)

@@ -361,7 +361,10 @@ class Spiller:
         with its position (the backward pass reaching it prefetches the earlier ones)."""
         if self.count <= 0:
             return _NO_HOOKS
-        if self.mode is None and _inside_checkpoint():
+        if _inside_checkpoint():
+            # The checkpoint keeps the block's input on the device whatever is spilled, so a
+            # spill frees nothing there (and on torch 2.11 our hooks inside its region broke
+            # its recompute's block order): nothing spills, in any mode.
             self.inside_checkpoint = True
             return _NO_HOOKS
         hidden = hidden_of(args, kwargs) if position < self.count else None
@@ -444,6 +447,9 @@ class Spiller:
         """'N of M block checkpoints spilled to host memory (X GiB)', or ''."""
         if self.count <= 0:
             return ""
+        if self.inside_checkpoint:
+            return ("block checkpoints kept on the device (the blocks run inside "
+                    "torch.utils.checkpoint, which keeps their inputs there)")
         return "%d of %d block checkpoints spilled to host memory (%.2f GiB)%s" % (
             self.count, self.positions, self.host_bytes / (1 << 30),
             "" if self.fits else ", the step predicted short even so")
@@ -471,9 +477,15 @@ class Spiller:
 def _inside_checkpoint():
     """Whether the running forward pass is inside torch.utils.checkpoint's region: its
     saved-tensor hooks are on top (torch marks them _checkpoint_internal; a torch without the
-    mark reads as outside, and the blocks spill as without the checkpoint)."""
+    mark and whose hooks come from another module reads as outside)."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and bool(getattr(top[0], "_checkpoint_internal", False))
+    if top is None:
+        return False
+    # torch 2.15 marks its hooks _checkpoint_internal; older releases (2.11) do not, and their
+    # hooks are closures defined in torch.utils.checkpoint.
+    return bool(getattr(top[0], "_checkpoint_internal", False)) or \
+        getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
+
 
 
 class _NoHooks:
