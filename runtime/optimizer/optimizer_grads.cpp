@@ -58,6 +58,11 @@ Status Optimizer::plan_accumulators(std::unique_lock<std::mutex>& lock) {
   if (accum_planned_) return Status::ok();
   // Every param's at once, at the first accumulation: one placement for all of them (the
   // slots are laid out for it once), and nothing allocated for a run that never accumulates.
+  // Queued and running jobs read every param's accumulator pointer (accum_ptr) without the
+  // mutex: they finish first, so that setting them here races with none (TSan caught an update
+  // of the previous step reading them while the DRAM placement wrote them). Once per
+  // optimizer.
+  STRATA_RETURN_IF_ERROR(drain(lock));
   const std::size_t layers = layer_params_.size();
   std::vector<uint64_t> dram_need(layers, 0), nvme_need(layers, 0);
   uint64_t total = 0;
@@ -127,9 +132,8 @@ Status Optimizer::plan_accumulators(std::unique_lock<std::mutex>& lock) {
         first_error.is_ok() ? "" : "; DRAM: ", first_error.is_ok() ? "" : first_error.message());
   };
   if (!nvme) return no_room(": no NVMe tier to put them on");
-  // With NVMe: the slots are laid out again (bigger: a layer's accumulators join its state),
-  // so nothing may use them meanwhile. Once per optimizer.
-  STRATA_RETURN_IF_ERROR(drain(lock));
+  // With NVMe: the slots are laid out again (bigger: a layer's accumulators join its state);
+  // nothing uses them (drained above).
   const uint64_t room = free + staging_bytes_;  // the current slots are given back first
   std::vector<uint64_t> state_slot(layers, 0);
   uint64_t largest_state = 0;
