@@ -205,11 +205,12 @@ def test_sizing_keeps_what_the_forward_pass_can_hide(window, active, sessions, m
     if active == 3:
         assert expected == 3
     if active:
-        base_ptr = pager.flat.untyped_storage().data_ptr()
+        assert sorted(pager.flats) == list(range(pager.active))  # one per paging group
+        bases = {f.untyped_storage().data_ptr() for f in pager.flats.values()}
         for _, t in pager._tensors(pager.groups[pager.active:]):
-            assert t.untyped_storage().data_ptr() != base_ptr  # out of the flat buffer
+            assert t.untyped_storage().data_ptr() not in bases  # out of the flat buffers
     else:  # nothing pages again: they stay where they are, the host memory goes
-        assert pager.flat is None and not pager.host and pager.paged_bytes == 0
+        assert not pager.flats and not pager.host and pager.paged_bytes == 0
     losses, _ = train(model, opt, data[2:], clip=1.0)
     synchronize(opt)
     twin = offloaded(base, sessions, dtype=torch.bfloat16)
@@ -499,3 +500,71 @@ def test_a_retried_forward_pass_is_timed_from_its_own_start(sessions, monkeypatc
     assert failed is not None
     model(ids, labels=ids).loss.backward()
     assert pager.began is not None and pager.began > failed
+
+
+def _group_in(pager):
+    """Whether each paging group's tensors have device memory now (all of them, or none)."""
+    held = [{t.untyped_storage().nbytes() > 0 for _, t in pager._tensors([g])}
+            for g in pager.groups]
+    assert all(len(h) == 1 for h in held), held
+    return [h.pop() for h in held]
+
+
+@pytest.mark.parametrize("resident_room", ["none", "all"])
+def test_copies_back_wait_for_room(resident_room, sessions, monkeypatch):
+    """The copies back take a group at a time, only as far as the device has room beside what
+    the rest of the backward pass needs (an 8B at 148 x 1024 ran out of memory when all of
+    its paged state came back at the first streamed block, beside the checkpoints): with room
+    for the first group during the streamed blocks' backward, only it comes back there; the
+    rest comes at the resident blocks' backward (announced last block first) if there is
+    room then, else when the step begins. Training is bit for bit the unpaged run's."""
+    base = build("llama", layers=4)
+    data = batches(4)
+    model = offloaded(base, sessions, dtype=torch.bfloat16)
+    expected = strata_steps(model, data, 0, monkeypatch)[1:]
+    expected_weights = snapshot(model)
+    model = offloaded(base, sessions, dtype=torch.bfloat16)
+    opt, _, _ = strata_steps(model, data[:1], None, monkeypatch)
+    pager = opt._pager
+    assert pager.state == "leaving" and len(pager.groups) == 3
+    # The first group's bytes in its flat buffer (each tensor 512-byte aligned).
+    first = sum((t.numel() * t.element_size() + 511) // 512 * 512
+                for _, t in pager._tensors(pager.groups[:1]))
+    room = {"now": None}
+    monkeypatch.setattr(pager, "_room", lambda: room["now"])
+    seen = []
+
+    def streamed(index):
+        # The first group fits at the first streamed block's backward, nothing more after it
+        # (the device's room is what is left once it is back).
+        room["now"] = first if index == 1 else 0
+        seen.append(("streamed", index, pager.state))
+
+    def resident(index):
+        room["now"] = 0 if resident_room == "none" else None
+        seen.append(("resident", index, pager.state, _group_in(pager)))
+    model.strata.on_backward_begin.insert(0, streamed)
+    model.strata.on_resident_backward_begin.insert(0, resident)
+    ids = data[1].to(DEVICE)
+    loss = model(ids, labels=ids).loss
+    assert pager.state == "out" and _group_in(pager) == [False] * 3
+    loss.backward()
+    assert [s[:2] for s in seen] == [("streamed", 1), ("streamed", 0), ("resident", 1),
+                                     ("resident", 0)], seen
+    # The streamed blocks' backward brought the first group alone.
+    assert seen[2][3] == [True, False, False], seen
+    if resident_room == "none":
+        assert pager.state == "coming" and _group_in(pager) == [True, False, False]
+    else:
+        assert pager.state == "in" and _group_in(pager) == [True] * 3
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    assert _group_in(pager) == [True] * 3  # the step brought in the rest
+    losses, _ = train(model, opt, data[2:], clip=1.0)
+    synchronize(opt)
+    assert [expected[0][0], expected[0][1]] + losses == expected[0] and \
+        losses == expected[0][2:]
+    weights = snapshot(model)
+    for key in weights:
+        assert torch.equal(weights[key], expected_weights[key]), key

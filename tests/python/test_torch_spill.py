@@ -416,6 +416,35 @@ def test_the_automatic_decision_spills_what_the_prediction_needs(device_memory, 
     spiller.close()
 
 
+def test_paged_state_leaving_is_counted_once(device_memory, monkeypatch):
+    """The resident optimizer state on its way to host memory at the forward pass's start
+    (strata.torch._paging) is gone by the loss and comes back as the backward pass has room
+    for it: it takes the working set's place in the prediction (the larger of the two), not a
+    share beside it (counted in full, an 8B's 31 GB at 148 x 1024 made every block spill and
+    still predicted no fit). The reserve the copies back leave is the working set, the
+    restores in flight and the margin."""
+    block = _Block()
+    spiller = automatic_spiller(blocks=4)
+    x = torch.zeros(2, 16, 64)
+    ckpt = x.numel() * 4
+    assert spiller.backward_reserve() is None  # no decision yet
+    calls = []
+
+    def recording(checkpoints, base, working, usable, margin, depth=_spill.PREFETCH_DEPTH):
+        calls.append((base, working, margin))
+        return 2, True
+
+    monkeypatch.setattr(_spill, "spill_count", recording)
+    spiller.leaving = lambda: 30 * GB
+    spiller.forward_begins(block.forward, block, (x,), {})
+    (base, working, margin), = calls
+    assert base == 10 * GB  # 40 held, 30 of them leaving
+    assert working == 30 * GB  # the state coming back is larger than one block's working set
+    block_working = int(spiller.measured[32] * 1.25) + 2 * ckpt
+    assert spiller.backward_reserve() == block_working + 2 * ckpt + margin
+    spiller.close()
+
+
 def test_automatic_mode_spills_nothing_inside_a_checkpoint(device_memory):
     """Inside torch.utils.checkpoint (Hugging Face gradient checkpointing around the blocks)
     the checkpoint keeps each block's input on the device: the automatic mode spills nothing

@@ -467,6 +467,24 @@ def _attach(model, session, plan, request):
     session.spill.chunked_loss = session.chunked_loss
 
 
+def _announcing_backward(session, index, output):
+    """`output` of resident block `index`, its backward pass announced to the session's
+    on_resident_backward_begin calls (strata.torch._paging brings optimizer state back as
+    the later blocks free their memory) when the grad of its first tensor that requires one
+    (its hidden states) arrives."""
+    calls = session.on_resident_backward_begin
+    if not calls:
+        return output
+    for leaf in tree_flatten(output)[0]:
+        if torch.is_tensor(leaf) and leaf.requires_grad:
+            def announce(grad):
+                for call in calls:
+                    call(index)
+            leaf.register_hook(announce)
+            break
+    return output
+
+
 def _keep_resident(session, index, block, spill=None):
     """A block kept in HBM runs as plain PyTorch with activation checkpointing (RNG-exact, as
     the streamed blocks recompute), so its activation memory is what a streamed block's is;
@@ -489,6 +507,9 @@ def _keep_resident(session, index, block, spill=None):
         keeper.observe(index, run, args, kwargs)
         if index == 0 and spill is not None:
             spill.forward_begins(run, block, args, kwargs)
+        return _announcing_backward(session, index, _run_kept(index, args, kwargs))
+
+    def _run_kept(index, args, kwargs):
         mode = keeper.mode(index, args)
         if mode == "whole":
             return run(*args, **kwargs)

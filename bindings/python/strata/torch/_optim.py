@@ -289,7 +289,9 @@ class _Optimizer(torch.optim.Optimizer):
         if not any(groups):
             return None
         live = [master for p, master, _ in self._resident if master is p]
-        pager = StatePager(self._inner, groups, session.device, live, auto=auto)
+        spill = session.spill
+        pager = StatePager(self._inner, groups, session.device, live, auto=auto,
+                           reserve=spill.backward_reserve)
         # The session calls the pager while it lives (weakly held: the optimizer owns it).
         # Forward points count the resident blocks first, then the streamed ones.
         resident, streamed = len(session.resident_blocks), len(session.layers)
@@ -301,6 +303,10 @@ class _Optimizer(torch.optim.Optimizer):
             lambda index: ref() is not None and ref().forward_begins(index, resident, streamed))
         session.on_backward_begin.append(
             lambda index: ref() is not None and ref().backward_begins(index, streamed - 1))
+        session.on_resident_backward_begin.append(
+            lambda index: ref() is not None and ref().resident_backward_begins(index))
+        # The spill decision counts the state on its way out as gone by the loss.
+        spill.leaving = lambda: ref().leaving_bytes() if ref() is not None else 0
         return pager
 
     def _bring_in(self, writes=True):

@@ -25,7 +25,14 @@ recomputing them. So those tensors leave the device once the step has updated th
 - in: while the backward pass computes, from its first streamed block on (the loss's
   transients are gone by then), a share at each streamed block so that the copies leave the
   link to the executor's weight transfers most of the time (all at once, an 8B's backward
-  pass got 0.4 s slower on an H200), the rest at the last one; the step waits for them.
+  pass got 0.4 s slower on an H200), a group (a resident block's tensors) at a time and only
+  as far as the device has room for them beside what the rest of the backward pass needs
+  (the spill decision's estimate of a block's backward working set, the restores in flight
+  and the margin: strata.torch._spill.Spiller.backward_reserve); what did not fit comes at
+  the resident blocks' backward passes, as their checkpoints free, and the rest when the
+  step begins; the step waits for them. With a large batch the blocks' checkpoints hold the
+  device through the streamed blocks' backward: at 148 x 1024 an 8B's whole paged state
+  (31 GB) arriving there ran out of memory.
 
 Every forward pass with grad has the state out at its loss (forward_begins): a read between
 steps leaves the copies out going, and after a write (a load), a failed backward pass, or in
@@ -78,8 +85,11 @@ class StatePager:
     # groups whose tensors fit; none: nothing pages).
     HOST_SHARE = 0.5
 
-    def __init__(self, inner, groups, device, live=(), sizing=True, auto=False):
+    def __init__(self, inner, groups, device, live=(), sizing=True, auto=False, reserve=None):
         self.inner = inner
+        # What the backward pass may still allocate beyond what it holds when a block's
+        # backward begins (bytes; None: unknown, and the copies back follow the schedule alone).
+        self.reserve = reserve
         self.groups = [list(g) for g in groups if g]
         self.live = {id(m) for m in live}
         self.device = device
@@ -89,13 +99,18 @@ class StatePager:
         self.registered = []  # host buffers registered with CUDA (kept alive)
         self.state = "in"  # "in", "leaving" (copies out queued), "out", "coming" (in part)
         self.pairs = []  # (device tensor, host tensor) of the last page-out, in group order
-        # While paging, the paged tensors are views of one device buffer, so that freeing them
-        # leaves one hole the loss's large transients fit in (freed one by one, the holes
-        # between the blocks' activations stranded as much memory as was paged: an 8B's
-        # reserved peak stayed at 139 GB with 91 GB allocated).
-        self.flat = None
-        self._layout = None  # [(id(tensor), offset)] of the paged tensors in the flat buffer
-        self.coming = []  # those not yet queued back
+        self.pieces = []  # the same pairs by group: [(group index, [(tensor, host)])]
+        # While paging, a group's paged tensors are views of one device buffer, so that freeing
+        # them leaves one hole per group the loss's large transients fit in (freed one by one,
+        # the holes between the blocks' activations stranded as much memory as was paged: an
+        # 8B's reserved peak stayed at 139 GB with 91 GB allocated). One buffer per group, not
+        # one for all: the copies back allocate a group at a time, as the backward pass frees
+        # room (one buffer for all needed the whole state's bytes free at the first streamed
+        # block's backward, where a large batch's checkpoints still hold the device: an 8B at
+        # 148 x 1024 ran out of memory there).
+        self.flats = {}  # group index -> its flat buffer
+        self._layouts = {}  # group index -> [(id(tensor), offset)] of its tensors in it
+        self.coming = []  # the pieces not yet queued back
         self.departed = None  # event after the copies out
         self.arrived = None  # event after the copies back, for the step to wait on
         self.active = len(self.groups)  # the groups that page (a prefix)
@@ -175,11 +190,19 @@ class StatePager:
             return
         if not self.sized and not again:
             self._size()
-        pending = [(k, t) for k, t in self._tensors(self.groups[:self.active])
-                   if t.untyped_storage().nbytes() > 0]
+        pending, counts = [], []
+        for g, group in enumerate(self.groups[:self.active]):
+            mine = [(k, t) for k, t in self._tensors([group]) if t.untyped_storage().nbytes() > 0]
+            if mine:
+                pending.extend(mine)
+                counts.append((g, len(mine)))
         if not pending:
             return
         self.pairs = self._host_for(pending)
+        self.pieces, at = [], 0
+        for g, n in counts:
+            self.pieces.append((g, self.pairs[at:at + n]))
+            at += n
         self.paged_bytes = sum(_nbytes(t) for t, _ in self.pairs)
         self.has_paged = True
         self.state = "leaving"
@@ -243,12 +266,12 @@ class StatePager:
             if not self.departed.query():
                 self.late_out += 1
             self.departed.synchronize()
-        base = self.flat.untyped_storage().data_ptr() if self.flat is not None else None
+        bases = self._flat_pointers()
         for t, _ in self.pairs:
-            if t.untyped_storage().data_ptr() != base:  # not (yet) a view of the flat buffer
+            if t.untyped_storage().data_ptr() not in bases:  # not (yet) a view of a flat buffer
                 t.untyped_storage().resize_(0)
-        if self.flat is not None:
-            self.flat.untyped_storage().resize_(0)
+        for flat in self.flats.values():
+            flat.untyped_storage().resize_(0)
         self.state = "out"
         self.current = True  # every pair was sent and has departed
 
@@ -306,35 +329,50 @@ class StatePager:
         self.active = active
         self.sized = True
         if active == 0:
-            # Nothing pages any more: the tensors stay views of the flat buffer, which is never
-            # freed again (cloning them out would hold the state twice at once), and the host
-            # memory goes.
-            self.flat = None
-            self.pairs, self.host, self.registered = [], {}, []
+            # Nothing pages any more: the tensors stay views of their flat buffers, which are
+            # never freed again (cloning them out would hold the state twice at once), and the
+            # host memory goes.
+            self.flats, self._layouts = {}, {}
+            self.pairs, self.pieces, self.host, self.registered = [], [], {}, []
             self.paged_bytes = 0
-        elif self.flat is not None:  # what stays in HBM from now on leaves the flat buffer
-            base = self.flat.untyped_storage().data_ptr()
-            for _, t in self._tensors(self.groups[active:]):
-                if t.untyped_storage().data_ptr() == base:
-                    t.data = t.data.clone()
+        else:  # what stays in HBM from now on leaves the flat buffers, a group at a time
+            for g in [g for g in self.flats if g >= active]:
+                base = self.flats[g].untyped_storage().data_ptr()
+                for _, t in self._tensors([self.groups[g]]):
+                    if t.untyped_storage().data_ptr() == base:
+                        t.data = t.data.clone()
+                del self.flats[g], self._layouts[g]
 
     # --- in --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def page_in(self, share=1.0):
-        """Queue copies back until `share` of the paged bytes are queued (the device memory
-        allocated on the current stream, which the backward pass uses)."""
+    def page_in(self, share=1.0, room=None):
+        """Queue copies back, a group at a time, until `share` of the paged bytes are queued
+        (the device memory allocated on the current stream, which the backward pass uses).
+        `room`: the bytes the device may give them now (None: no limit); a group that does
+        not fit waits for a later call (the step's bring_in takes every one)."""
         if self.state == "leaving":
             self.release()
         if self.state == "out":
-            self.coming = list(self.pairs)
+            self.coming = list(self.pieces)
             self.state = "coming"
-            self._allocate()
         if self.state != "coming":
             return
-        target = self.paged_bytes * (1.0 - min(1.0, max(0.0, share)))
-        left = sum(_nbytes(h) for _, h in self.coming)
-        batch, _ = _take(self.coming, None if share >= 1.0 else left - target)
+        left = sum(_nbytes(h) for _, pairs in self.coming for _, h in pairs)
+        quota = None if share >= 1.0 else left - self.paged_bytes * (1.0 - max(0.0, share))
+        batch = []
+        while self.coming and (quota is None or quota > 0):
+            g, pairs = self.coming[0]
+            size = sum(_aligned(_nbytes(h)) for _, h in pairs)
+            if room is not None and size > room:
+                break
+            self.coming.pop(0)
+            self._allocate(g, pairs)
+            batch.extend(pairs)
+            if room is not None:
+                room -= size
+            if quota is not None:
+                quota -= size
         if not self.coming:
             self.state = "in"
         if not batch:
@@ -350,23 +388,43 @@ class StatePager:
             self.arrived = torch.cuda.Event()
             self.arrived.record(self.stream)
 
-    def _allocate(self):
-        """Device memory for everything paged out: the flat buffer at its size again when the
-        paged tensors are its views, else a new one they become views of (the first page-in,
-        and after the tensors changed: the moments that the first step made, a load)."""
+    def _allocate(self, g, pairs):
+        """Device memory for group `g`'s paged tensors `pairs`: its flat buffer at its size
+        again when they are its views, else a new one they become views of (the first
+        page-in, and after the tensors changed: the moments that the first step made, a
+        load)."""
         offsets, total = [], 0
-        for t, h in self.pairs:
+        for t, h in pairs:
             offsets.append(total)
             total += _aligned(_nbytes(h))
-        storage = self.flat.untyped_storage() if self.flat is not None else None
-        if storage is not None and self._layout == \
-                [(id(t), o) for (t, _), o in zip(self.pairs, offsets)]:
-            storage.resize_(total)
+        layout = [(id(t), o) for (t, _), o in zip(pairs, offsets)]
+        flat = self.flats.get(g)
+        if flat is not None and self._layouts.get(g) == layout:
+            flat.untyped_storage().resize_(total)
             return
-        self.flat = torch.empty(total, dtype=torch.uint8, device=self.device)
-        for (t, h), offset in zip(self.pairs, offsets):
-            t.data = self.flat[offset:offset + _nbytes(h)].view(h.dtype).view(h.shape)
-        self._layout = [(id(t), o) for (t, _), o in zip(self.pairs, offsets)]
+        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        for (t, h), offset in zip(pairs, offsets):
+            t.data = flat[offset:offset + _nbytes(h)].view(h.dtype).view(h.shape)
+        self.flats[g], self._layouts[g] = flat, layout
+
+    def _flat_pointers(self):
+        return {f.untyped_storage().data_ptr() for f in self.flats.values()
+                if f.untyped_storage().nbytes() > 0}
+
+    def _room(self):
+        """The device memory the copies back may take now: what torch could still allocate
+        (free on the device, and cached by torch but unused) less what the rest of the
+        backward pass may need (`reserve`); None where that is not known (the CPU, or no
+        estimate: the schedule alone decides, as before the estimate existed)."""
+        if self.stream is None or self.reserve is None:
+            return None
+        reserve = self.reserve()
+        if reserve is None:
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - \
+            torch.cuda.memory_allocated(self.device)
+        return free + cached - reserve
 
     def bring_in(self, writes=True):
         """Everything in and usable on the current stream: before the update, and before any
@@ -436,7 +494,21 @@ class StatePager:
         self._send((point + 1) / (resident + streamed))
 
     def backward_begins(self, index, last):
-        self.page_in((last + 1 - index) / (last + 1))
+        """Streamed block `index` of 0..`last` begins its backward pass: the copies back keep
+        to an even share per streamed block, as far as the device has room for them."""
+        self.page_in((last + 1 - index) / (last + 1), self._room())
+
+    def resident_backward_begins(self, index):
+        """Resident block `index` begins its backward pass (the later blocks' checkpoints and
+        kept activations are freed): what the streamed blocks' backward had no room for comes
+        back as far as there is room now; the step brings in the rest."""
+        if self.state in ("out", "coming"):
+            self.page_in(1.0, self._room())
+
+    def leaving_bytes(self):
+        """The paged bytes still on the device on their way out (freed at the forward pass's
+        last block, before the loss)."""
+        return self.paged_bytes if self.state == "leaving" else 0
 
     @property
     def settled(self):

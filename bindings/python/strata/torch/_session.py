@@ -117,6 +117,7 @@ class StrataSession:
         self.on_forward_begin = []
         self.on_backward_begin = []
         self.on_resident_forward_begin = []  # a resident block's, with its index, with grad
+        self.on_resident_backward_begin = []  # and its backward pass's, with its index
         # The model's chunked loss (strata.torch._chunked_loss.ChunkedLoss; offload's
         # chunked_loss=), or None: its own.
         self.chunked_loss = None

@@ -229,6 +229,19 @@ class Spiller:
         # A forward pass ran inside torch.utils.checkpoint (around the blocks), which keeps
         # their inputs on the device whatever is spilled.
         self.inside_checkpoint = False
+        # The resident optimizer state on its way to host memory at the forward pass's start
+        # (bytes; strata.torch._paging sets it): gone by the loss, back in the backward pass.
+        self.leaving = lambda: 0
+        # Of the last decision: one block's (or the loss's) backward working set, the
+        # restores in flight and the margin (bytes), for the paged state's copies back.
+        self.working = None
+
+    def backward_reserve(self):
+        """What the backward pass may allocate beyond what it holds at a block's start: one
+        block's (or the loss's) backward working set at the batch last decided for, the
+        spilled checkpoints' restores in flight and the margin kept free (None before a
+        decision: on the CPU, with spill_checkpoints=True or False)."""
+        return self.working
 
     @property
     def host_bytes(self):
@@ -281,10 +294,18 @@ class Spiller:
         checkpoints, kept = self._checkpoints(tokens, nbytes)
         working = max(self._block_working(run, block, args, kwargs, tokens, nbytes),
                       self._loss_working(tokens))
-        count, self.fits = spill_count(checkpoints, base + self._grad_bytes() + kept, working,
-                                       usable, margin)
+        # The paged optimizer state held now leaves at the forward pass's last block, before
+        # the loss, and its copies back wait for room in the backward pass (backward_reserve):
+        # it takes the place of the working set, not a share beside it. Counted in full, an
+        # 8B's 31 GB at 148 x 1024 made every block spill and still predicted no fit.
+        leaving = min(self.leaving(), base)
+        count, self.fits = spill_count(checkpoints,
+                                       base - leaving + self._grad_bytes() + kept,
+                                       max(working, leaving), usable, margin)
         self.count = self._reserve(count, nbytes)
         self.fits = self.fits and self.count == count
+        inflight = sum(sorted(checkpoints[:self.count], reverse=True)[:PREFETCH_DEPTH + 1])
+        self.working = working + inflight + margin
         self.decisions += 1
         self.decide_seconds += time.perf_counter() - started
 
