@@ -722,23 +722,23 @@ def main(argv=None):
           "torch.set_num_threads in every job)" % (threads, host_cores()), flush=True)
     ds = {}
     if any(m.startswith("deepspeed") or m == "megatrain" for m, _, _ in runs) \
-            and not args.plan:
+            and not args.plan and args.device == "cuda":
         # DeepSpeed's ops built once, before any run (MegaTrain steps DeepSpeedCPUAdam too).
         import deepspeed_peer
-        ds = deepspeed_peer.status(build=args.device == "cuda")
+        ds = deepspeed_peer.status(build=True, timeout=int(min(300, args.budget / 2))
+                                   if args.budget else 300)
         print("deepspeed: %s" % json.dumps(ds), flush=True)
-        if any(m == "deepspeed-nvme" for m, _, _ in runs) \
-                and unavailable("deepspeed-nvme", args, ds):
-            print("ZeRO-Infinity: skipped, %s" % unavailable("deepspeed-nvme", args, ds),
-                  flush=True)
+    if any(m == "deepspeed-nvme" for m, _, _ in runs) and not args.plan \
+            and unavailable("deepspeed-nvme", args, ds):
+        print("ZeRO-Infinity: skipped, %s" % unavailable("deepspeed-nvme", args, ds), flush=True)
     if args.plan:
         for mode, gpus, mult in runs:
+            why = "DeepSpeed and libaio checked when it runs" if mode.startswith(
+                "deepspeed") and args.device == "cuda" else unavailable(mode, args, ds)
             print("%-17s threads %d%s" % (run_name(mode, gpus, mult),
                                           threads * gpus if mode == "megatrain" else threads,
-                                          "" if mode.startswith("deepspeed")
-                                          or unavailable(mode, args, ds) is None
-                                          else "  unavailable: " + unavailable(mode, args, ds)),
-                  flush=True)
+                                          "  unavailable: " + why if why and "checked" not in why
+                                          else "  (%s)" % why if why else ""), flush=True)
         return
     if args.host_memory:
         seconds = grow_host_memory(int(args.host_memory * 1e9))

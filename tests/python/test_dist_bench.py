@@ -1,0 +1,188 @@
+"""bench/dist_bench.py's choice of runs and peers, its CPU threads, its reading of a stopped run's
+progress and its summary, on the CPU (issue 39 item 3); one short series end to end under gloo
+on Strata's host backend (the GPU peers reported as unavailable there); a timed-out job's whole
+process group killed."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "dist_bench.py"
+
+import dist_bench  # noqa: E402 (bench/ is on the path: conftest.py)
+
+
+def test_parse_run_modes_and_rows():
+    assert dist_bench.parse_run("strata:4") == ("strata", 4, 1)
+    assert dist_bench.parse_run("strata:1:4") == ("strata", 1, 4)
+    for mode in ("fsdp2", "deepspeed", "deepspeed-nvme", "megatrain"):
+        assert dist_bench.parse_run(mode + ":4") == (mode, 4, 1)
+    for bad in ("zero3:4", "strata", "strata:0", "fsdp2:4:2", "megatrain:2:2", "strata:1:2:3"):
+        with pytest.raises(ValueError):
+            dist_bench.parse_run(bad)
+
+
+def test_default_runs_strata_first_slowest_peers_last():
+    runs = [dist_bench.parse_run(s) for s in dist_bench.default_runs(4).split(",")]
+    assert runs[:3] == [("strata", 1, 1), ("strata", 4, 1), ("strata", 1, 4)]
+    assert [m for m, _, _ in runs[3:]] == ["megatrain", "deepspeed", "fsdp2", "deepspeed-nvme"]
+    assert all(g == 4 and mult == 1 for _, g, mult in runs[3:])
+
+
+def test_threads_per_rank_is_the_hosts_cores_over_its_gpus(monkeypatch):
+    monkeypatch.setattr(dist_bench, "host_cores", lambda: 64)
+    runs = [("strata", 1, 1), ("fsdp2", 4, 1)]
+    args = types.SimpleNamespace(threads=0, device="cuda", host_gpus=0)
+    assert dist_bench.threads_per_rank(args, runs) == 16  # not torchrun's 1
+    args.host_gpus = 8
+    assert dist_bench.threads_per_rank(args, runs) == 8
+    args.threads = 3
+    assert dist_bench.threads_per_rank(args, runs) == 3
+    monkeypatch.setattr(dist_bench, "host_cores", lambda: 2)
+    args = types.SimpleNamespace(threads=0, device="cpu", host_gpus=0)
+    assert dist_bench.threads_per_rank(args, [("strata", 4, 1)]) == 1
+
+
+def test_unavailable_peers_say_why():
+    args = types.SimpleNamespace(device="cpu", megatrain_dir=None)
+    assert "CUDA" in dist_bench.unavailable("deepspeed", args, {})
+    assert "--megatrain-dir" in dist_bench.unavailable("megatrain", args, {})
+    assert dist_bench.unavailable("strata", args, {}) is None
+    assert dist_bench.unavailable("fsdp2", args, {}) is None
+    args.device = "cuda"
+    ok = {"version": "0.19.8", "aio": True}
+    assert dist_bench.unavailable("deepspeed", args, ok) is None
+    assert dist_bench.unavailable("deepspeed-nvme", args, ok) is None
+    no_aio = {"version": "0.19.8", "aio": False}
+    assert dist_bench.unavailable("deepspeed", args, no_aio) is None
+    assert dist_bench.unavailable("deepspeed-nvme", args, no_aio).startswith("libaio missing")
+    missing = {"error": "DeepSpeed not importable: ModuleNotFoundError", "aio": False}
+    assert "not importable" in dist_bench.unavailable("deepspeed", args, missing)
+    broken = {"version": "0.19.8", "aio": True, "cpu_adam_error": "RuntimeError: nvcc"}
+    assert "DeepSpeedCPUAdam" in dist_bench.unavailable("deepspeed", args, broken)
+
+
+def test_progress_lines_of_a_stopped_run(capsys):
+    for i, (seconds, loss) in enumerate([(9.0, 12.5), (2.0, 12.25), (3.0, 12.0)]):
+        dist_bench.progress(i, 1, seconds, loss, 1000)
+    err = "some log line\n" + capsys.readouterr().err
+    times, losses = dist_bench.from_progress(err, 1, 1000)
+    assert times == [2.0, 3.0] and losses == [12.5, 12.25, 12.0]
+
+
+def test_summary_scaling_losses_and_peers():
+    def run(mode, gpus, mult, tps, losses):
+        out = {"mode": mode, "model": "8b", "gpus": gpus, "mult": mult, "params": 8e9}
+        dist_bench.measured(out, [gpus * 16384 / tps], losses, gpus * 16384, gpus)
+        return out
+    results = [run("strata", 1, 1, 1000.0, [2.0, 2.0]),
+               run("strata", 4, 1, 4100.0, [3.0, 2.5]),
+               run("strata", 1, 4, 1000.0, [3.0, 2.5 * (1 + 2e-3)]),
+               run("fsdp2", 4, 1, 1000.0, [3.0, 2.6]),
+               {"mode": "deepspeed", "model": "8b", "gpus": 4, "mult": 1, "skipped": "x"},
+               dict(run("megatrain", 4, 1, 2050.0, [3.0, 2.5]), partial="1 measured step")]
+    lines = dist_bench.summarize(results, ["8b"], 4)
+    assert any("4 GPUs / 1 GPU = 4.100" in line for line in lines)
+    losses = [line for line in lines if "strata losses" in line]
+    assert len(losses) == 1 and "within" in losses[0] and "NOT" not in losses[0]
+    assert any("fsdp2" in line and "= 4.100" in line for line in lines)
+    # Skipped and partial runs are not compared.
+    assert not any("deepspeed" in line or "megatrain" in line for line in lines)
+    results[2]["losses"][1] = 2.5 * 1.01
+    losses = [line for line in dist_bench.summarize(results, ["8b"], 4)
+              if "strata losses" in line]
+    assert "NOT within" in losses[0]
+    table = dist_bench.markdown(results, lines, ["# header"])
+    assert "| 8b deepspeed:4 | skipped: x |" in table and "(partial: 1 measured step)" in table
+
+
+def test_timed_out_job_is_killed_with_its_children(tmp_path):
+    pidfile = tmp_path / "child"
+    code = ("import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "open(%r, 'w').write(str(p.pid))\n"
+            "time.sleep(60)\n" % str(pidfile))
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    deadline = time.time() + 20
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.time() < deadline
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    dist_bench.kill_group(proc)
+    assert proc.poll() is not None
+    for _ in range(100):  # the grandchild is gone too (reaped by init)
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the job's child process outlived the kill")
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bindings" / "python"),
+                                                      env.get("PYTHONPATH")]))
+    return env
+
+
+def test_plan_and_budget_run_nothing(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--models", "tiny",
+                          "--gpus", "2", "--plan"], capture_output=True, text=True,
+                         env=_env(), timeout=60)
+    assert out.returncode == 0, out.stderr
+    names = [line.split()[0] for line in out.stdout.splitlines()[1:]]
+    assert names == ["strata:1", "strata:2", "strata:1:2", "megatrain:2", "deepspeed:2",
+                     "fsdp2:2", "deepspeed-nvme:2"]
+    assert "CPU threads:" in out.stdout and "unavailable: no --megatrain-dir" in out.stdout
+    report = tmp_path / "r.json"
+    out = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--models", "tiny",
+                          "--runs", "strata:1,fsdp2:2", "--budget", "1", "--json",
+                          str(report)], capture_output=True, text=True, env=_env(), timeout=60)
+    assert out.returncode == 0, out.stderr
+    results = json.loads(report.read_text())["results"]
+    assert [r["skipped"].startswith("no time left") for r in results] == [True, True]
+
+
+def test_cpu_series_end_to_end(tmp_path):
+    """A short series on the host backend: Strata's job reports the threads it was given, the
+    DeepSpeed peers are reported as unavailable without CUDA, MegaTrain's data-parallel
+    configuration is dry-run where STRATA_MEGATRAIN_DIR names its tree."""
+    if not os.environ.get("STRATA_LIBRARY"):
+        pytest.skip("needs a built libstrata (STRATA_LIBRARY)")
+    megatrain = os.environ.get("STRATA_MEGATRAIN_DIR")
+    runs = "strata:1,deepspeed-nvme:2" + (",megatrain:2" if megatrain else "")
+    report = tmp_path / "r.json"
+    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--models", "tiny", "--runs", runs,
+           "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "1", "--threads", "1",
+           "--json", str(report), "--markdown", str(tmp_path / "r.md"),
+           "--logs", str(tmp_path / "logs"), "--run-timeout", "240"]
+    if megatrain:
+        cmd += ["--megatrain-dir", megatrain]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = json.loads(report.read_text())
+    assert got["threads_per_rank"] == 1
+    by = {r["mode"]: r for r in got["results"]}
+    strata = by["strata"]
+    assert "error" not in strata, strata
+    assert strata["cpu_threads"] == 1 and strata["process_group"] == "gloo"
+    assert len(strata["losses"]) == 2 and strata["tokens_per_second"] > 0
+    assert "CUDA" in by["deepspeed-nvme"]["skipped"]
+    assert "ZeRO-Infinity: skipped" in out.stdout
+    assert (tmp_path / "logs" / "tiny_strata-1.log").exists()
+    assert "| tiny strata:1 |" in (tmp_path / "r.md").read_text()
+    if megatrain:
+        mt = by["megatrain"]
+        assert "over 2 devices" in mt["dry_run"], mt
+        assert mt["cpu_threads"] == 2 and mt["worker_cpu_threads"] == 1
