@@ -50,6 +50,8 @@ def config(rows, clip, nvme_path=None, largest_param=0, param_buffers=16):
 _PROBE = r"""
 import json, sys, time
 out = {}
+def first_line(e):
+    return "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
 try:
     import deepspeed
     out["version"] = deepspeed.__version__
@@ -66,11 +68,11 @@ try:
     else:
         out["cpu_adam"] = "not built (no CUDA run)"
 except Exception as e:
-    out["cpu_adam_error"] = "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+    out["cpu_adam_error"] = first_line(e)
 try:
     ok = AsyncIOBuilder().is_compatible(verbose=True)
 except Exception as e:
-    ok, out["aio_error"] = False, "%s: %s" % (type(e).__name__, str(e)[:200])
+    ok, out["aio_error"] = False, first_line(e)
 out["aio"] = bool(ok)
 if ok and build:
     t = time.perf_counter()
@@ -79,7 +81,7 @@ if ok and build:
         out["aio_build_seconds"] = time.perf_counter() - t
     except Exception as e:
         out["aio"] = False
-        out["aio_error"] = "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        out["aio_error"] = first_line(e)
 print(json.dumps(out))
 """
 

@@ -163,7 +163,7 @@ def set_threads(threads):
 
 
 def run_job(mode, model_name, rows_per_gpu, seq, steps, warmup, clip, device_kind,
-            resident_blocks=None, threads=1, nvme_dir=None, megatrain_dir=None):
+            resident_blocks=None, threads=1, nvme_dir=None):
     import torch
     import torch.distributed as dist
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -63,7 +63,7 @@ export PYTHONUNBUFFERED=1
             export LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
             echo "libaio: unpacked from $WHEELS into $AIO ($LIB)"
         fi
-        echo "wheels installed in $(( $(date +%s) - t0 )) s: $(ls "$WHEELS" | tr '\n' ' ')"
+        echo "wheels installed in $(( $(date +%s) - t0 )) s: $(cd "$WHEELS" && echo *)"
     fi
     [ -e /usr/include/libaio.h ] && echo "libaio: the machine's own"
     df -h "$PWD" | tail -1 | awk '{print "disk for the NVMe runs: " $4 " free of " $2 " (" $6 ")"}'

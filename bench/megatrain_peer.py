@@ -139,7 +139,8 @@ def setup(megatrain_dir, hf_model, batch, seq, clip, devices=None):
                                    "chat dataset, padded)" % (config.learning_rate,
                                                               config.weight_decay),
             "plan": "MegaTrain%s: weights, grads and optimizer state on the CPU, 2 layer "
-                    "buffers on the device, a checkpoint every %d layers, %d grad slabs, loss %s" % (
+                    "buffers on the device, a checkpoint every %d layers, %d grad slabs, "
+                    "loss %s" % (
                         " data parallel over %d GPUs (a worker process each, grads added in "
                         "shared memory)" % len(devices) if devices and len(devices) > 1 else "",
                         CHECKPOINT_INTERVAL, NUM_GRAD_SLABS,
