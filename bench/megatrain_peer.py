@@ -101,6 +101,7 @@ def setup(megatrain_dir, hf_model, batch, seq, clip, devices=None):
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s [%(levelname)s] %(message)s")
     config = _config(infinity, batch, seq, clip, devices)
+    data_parallel = bool(devices) and len(devices) > 1
     model = infinity.CPUMasterModel(hf_model, config)
     params = model.get_parameters()
     opt, name = _optimizer(params, config)
@@ -110,12 +111,20 @@ def setup(megatrain_dir, hf_model, batch, seq, clip, devices=None):
         mask = torch.ones_like(ids)
         loss, _, timing = model.forward_and_backward(ids, mask, ids)
         timings.append(timing)
+        if data_parallel and any(p.grad is None for p in params):
+            raise RuntimeError("MegaTrain data parallel: a parameter without its shared-memory "
+                               "grad: this step would not train it")
         if clip:
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         model._sync_params_to_gpu()
         model.zero_grad()
-        opt.zero_grad()
+        # Data parallel: its train.py's optimizer.zero_grad() (set_to_none, torch's default)
+        # would detach the shared-memory grads its workers add into from this process's
+        # parameters, so that from the second step on the clip and the update see no grads
+        # and train nothing; model.zero_grad() has zeroed every one of them in place already.
+        if not data_parallel:
+            opt.zero_grad()
         return loss
 
     def report(warmup):
@@ -136,8 +145,12 @@ def setup(megatrain_dir, hf_model, batch, seq, clip, devices=None):
             # every mode's AdamW hyperparameters (a step's time does not depend on them).
             "megatrain_vs_recipe": "attn sdpa (recipe: flash_attention_2), lr %g and weight "
                                    "decay %g (recipe: 2e-05, 0.01), random tokens (recipe: a "
-                                   "chat dataset, padded)" % (config.learning_rate,
-                                                              config.weight_decay),
+                                   "chat dataset, padded)%s" % (
+                                       config.learning_rate, config.weight_decay,
+                                       "; data parallel: the optimizer's grads zeroed in place "
+                                       "(its train.py sets them to None, which detaches the "
+                                       "workers' shared grads after the first step)"
+                                       if data_parallel else ""),
             "plan": "MegaTrain%s: weights, grads and optimizer state on the CPU, 2 layer "
                     "buffers on the device, a checkpoint every %d layers, %d grad slabs, "
                     "loss %s" % (
