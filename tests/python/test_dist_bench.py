@@ -186,3 +186,109 @@ def test_cpu_series_end_to_end(tmp_path):
         mt = by["megatrain"]
         assert "over 2 devices" in mt["dry_run"], mt
         assert mt["cpu_threads"] == 2 and mt["worker_cpu_threads"] == 1
+
+
+# MegaTrain's data-parallel mode as its SharedState sets it up: each parameter's grad is a
+# shared-memory tensor attached once, into which the workers add every step's grads (here the
+# grads of the Hugging Face model on the CPU); nothing attaches it again.
+FAKE_DP_MEGATRAIN = {
+    "infinity/__init__.py": "from .model.cpu_master import CPUMasterModel, CPUMasterConfig\n",
+    "infinity/model/__init__.py": "",
+    "infinity/model/cpu_master.py": '''
+import dataclasses
+import torch
+
+FLASH_CE_AVAILABLE = False
+
+
+@dataclasses.dataclass
+class CPUMasterConfig:
+    model_name: str = ""
+    dataset_path: str = ""
+    batch_size: int = 1
+    max_seq_len: int = 1
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    attn_implementation: str = "flash_attention_2"
+    trust_remote_code: bool = True
+    dtype: object = None
+    device: int = 0
+    devices: list = dataclasses.field(default_factory=list)
+    checkpoint_interval: int = 4
+    num_grad_slabs: int = 12
+    seed: int = 42
+    log_interval: int = 1
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+
+class CPUMasterModel:
+    def __init__(self, hf_model, config):
+        assert len(config.devices) == 2 and config.batch_size % 2 == 0
+        self.hf, self.config = hf_model, config
+        self.params = [p for p in hf_model.parameters()]
+        self.shared = [torch.zeros_like(p) for p in self.params]
+        for p, g in zip(self.params, self.shared):
+            p.grad = g
+
+    @staticmethod
+    def _layer_attention_mask(mask, attn_implementation, dtype):
+        return None
+
+    def forward_and_backward(self, input_ids, attention_mask, labels):
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+        loss = self.hf(input_ids, labels=labels).loss
+        for g, d in zip(self.shared, torch.autograd.grad(loss, self.params)):
+            g.add_(d)
+        return loss.item(), input_ids.numel(), {"forward": 0.5, "backward": 1.5}
+
+    def get_parameters(self):
+        return self.params
+
+    def _sync_params_to_gpu(self):
+        pass
+
+    def zero_grad(self):
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def cleanup(self):
+        pass
+''',
+}
+
+
+def test_megatrain_data_parallel_step_trains_every_step(tmp_path, monkeypatch):
+    """The peer's step over MegaTrain's data-parallel mode updates the weights on every step,
+    not only the first (its train.py's optimizer.zero_grad() would detach the shared grads)."""
+    import torch
+    import megatrain_peer
+    for name, text in FAKE_DP_MEGATRAIN.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for name in [m for m in sys.modules if m == "infinity" or m.startswith("infinity.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(megatrain_peer, "_optimizer", lambda params, config: (
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), "torch.optim.AdamW"))
+    config = dist_bench.hf_config("tiny")
+    hf = dist_bench.meta_model(config)
+    hf.to_empty(device="cpu")
+    hf.apply(dist_bench.fast_init)
+    peer = megatrain_peer.setup(str(tmp_path), hf, 4, 8, 1.0, devices=[0, 1])
+    assert "data parallel over 2 GPUs" in peer.info["plan"]
+    ids = dist_bench.data(config, 4, 8)[0]
+    weight = hf.model.layers[0].mlp.up_proj.weight
+    for _ in range(3):
+        before = weight.detach().clone()
+        peer.step(ids)
+        assert not torch.equal(before, weight.detach())
+    for name in [m for m in sys.modules if m == "infinity" or m.startswith("infinity.")]:
+        del sys.modules[name]
