@@ -9,6 +9,8 @@ needs) are compiled on first use (ninja and nvcc on the machine); `status()` bui
 timed, so that no run's setup pays for the compile and a machine without libaio is reported
 ("ZeRO-Infinity: skipped, libaio missing") rather than crashing a run."""
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -92,14 +94,19 @@ def status(build, timeout=420):
     with build, the seconds its CPU Adam and async I/O ops took to compile (both cached in
     torch's extension directory for the runs that follow), or why they failed."""
     t = time.perf_counter()
+    # In a session of its own: on timeout the compilers it started go with it.
+    proc = subprocess.Popen([sys.executable, "-c", _PROBE, "1" if build else "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run([sys.executable, "-c", _PROBE, "1" if build else "0"],
-                              capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return {"error": "DeepSpeed's ops did not build in %d s" % timeout, "aio": False}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if not lines:
-        tail = (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]
+        tail = (stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]
         return {"error": "DeepSpeed check failed: %s" % tail[:300], "aio": False}
     out = json.loads(lines[-1])
     out["check_seconds"] = time.perf_counter() - t
