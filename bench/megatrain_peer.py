@@ -54,7 +54,10 @@ def _commit(megatrain_dir):
         return None
 
 
-def _config(infinity, batch, seq, clip):
+def _config(infinity, batch, seq, clip, devices=None):
+    """Its configuration for this run: `batch` rows a step over all of `devices` (CUDA device
+    numbers; more than one: its data-parallel mode, one worker process a device, each on
+    batch / len(devices) rows), examples/sft/configs/llama3_8b.yaml's memory settings."""
     import torch
     return infinity.CPUMasterConfig(
         model_name="train_bench (built from its config, fast_init)",
@@ -63,7 +66,7 @@ def _config(infinity, batch, seq, clip):
         learning_rate=1e-4, weight_decay=0.1, max_grad_norm=clip,  # train_bench's AdamW
         attn_implementation="sdpa", trust_remote_code=False, dtype=torch.bfloat16, device=0,
         checkpoint_interval=CHECKPOINT_INTERVAL, num_grad_slabs=NUM_GRAD_SLABS, seed=0,
-        log_interval=1)
+        log_interval=1, **({"devices": list(devices)} if devices else {}))
 
 
 def _optimizer(params, config):
@@ -83,17 +86,22 @@ def _optimizer(params, config):
         "torch.optim.AdamW on the CPU (DeepSpeedCPUAdam unavailable: %s)" % reason
 
 
-def setup(megatrain_dir, hf_model, batch, seq, clip):
+def setup(megatrain_dir, hf_model, batch, seq, clip, devices=None):
     """MegaTrain's CPUMasterModel of hf_model (a Hugging Face causal LM on the CPU, bf16) and its
     optimizer: a namespace with step(ids) -> loss (one optimizer step on the batch ids, labels
     the same ids, nothing padded), info (what the run reports), report() (its own forward and
-    backward timings of the measured steps) and close()."""
+    backward timings of the measured steps), workers() (the process ids of its data-parallel
+    workers) and close(). With several `devices`, its data-parallel mode (examples/sft/train.py
+    --devices 0,1,...): it spawns one worker process a device, hands each its contiguous
+    batch / len(devices) rows, the workers add their grads into shared-memory tensors, and this
+    process clips and steps the optimizer over all of them."""
     import logging
     import torch
     infinity = load(megatrain_dir)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s [%(levelname)s] %(message)s")
-    config = _config(infinity, batch, seq, clip)
+    config = _config(infinity, batch, seq, clip, devices)
+    data_parallel = bool(devices) and len(devices) > 1
     model = infinity.CPUMasterModel(hf_model, config)
     params = model.get_parameters()
     opt, name = _optimizer(params, config)
@@ -103,20 +111,33 @@ def setup(megatrain_dir, hf_model, batch, seq, clip):
         mask = torch.ones_like(ids)
         loss, _, timing = model.forward_and_backward(ids, mask, ids)
         timings.append(timing)
+        if data_parallel and any(p.grad is None for p in params):
+            raise RuntimeError("MegaTrain data parallel: a parameter without its shared-memory "
+                               "grad: this step would not train it")
         if clip:
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         model._sync_params_to_gpu()
         model.zero_grad()
-        opt.zero_grad()
+        # Data parallel: its train.py's optimizer.zero_grad() (set_to_none, torch's default)
+        # would detach the shared-memory grads its workers add into from this process's
+        # parameters, so that from the second step on the clip and the update see no grads
+        # and train nothing; model.zero_grad() has zeroed every one of them in place already.
+        if not data_parallel:
+            opt.zero_grad()
         return loss
 
     def report(warmup):
         import statistics
-        measured = timings[warmup:] or timings
+        measured = [t for t in (timings[warmup:] or timings) if t]
+        if not measured or not all("forward" in t and "backward" in t for t in measured):
+            return {}
         return {"megatrain_forward_backward_seconds": [
             statistics.median(t["forward"] for t in measured),
             statistics.median(t["backward"] for t in measured)]}
+
+    def workers():
+        return [p.pid for p in getattr(model, "worker_processes", [])]
 
     from infinity.model.cpu_master import FLASH_CE_AVAILABLE
     info = {"optimizer": name, "megatrain_commit": _commit(megatrain_dir),
@@ -124,18 +145,26 @@ def setup(megatrain_dir, hf_model, batch, seq, clip):
             # every mode's AdamW hyperparameters (a step's time does not depend on them).
             "megatrain_vs_recipe": "attn sdpa (recipe: flash_attention_2), lr %g and weight "
                                    "decay %g (recipe: 2e-05, 0.01), random tokens (recipe: a "
-                                   "chat dataset, padded)" % (config.learning_rate,
-                                                              config.weight_decay),
-            "plan": "MegaTrain: weights, grads and optimizer state on the CPU, 2 layer buffers "
-                    "on the device, a checkpoint every %d layers, %d grad slabs, loss %s" % (
+                                   "chat dataset, padded)%s" % (
+                                       config.learning_rate, config.weight_decay,
+                                       "; data parallel: the optimizer's grads zeroed in place "
+                                       "(its train.py sets them to None, which detaches the "
+                                       "workers' shared grads after the first step)"
+                                       if data_parallel else ""),
+            "plan": "MegaTrain%s: weights, grads and optimizer state on the CPU, 2 layer "
+                    "buffers on the device, a checkpoint every %d layers, %d grad slabs, "
+                    "loss %s" % (
+                        " data parallel over %d GPUs (a worker process each, grads added in "
+                        "shared memory)" % len(devices) if devices and len(devices) > 1 else "",
                         CHECKPOINT_INTERVAL, NUM_GRAD_SLABS,
                         "flash-attn's cross-entropy" if FLASH_CE_AVAILABLE
                         else "torch's cross-entropy, 128 positions at a time")}
     info["placement"] = info["plan"] + "; optimizer " + name
-    return types.SimpleNamespace(step=step, info=info, report=report, close=model.cleanup)
+    return types.SimpleNamespace(step=step, info=info, report=report, workers=workers,
+                                 close=model.cleanup)
 
 
-def dry_run(megatrain_dir, hf_model, batch, seq, clip):
+def dry_run(megatrain_dir, hf_model, batch, seq, clip, devices=None):
     """Without CUDA (MegaTrain's training needs it): MegaTrain imported, its configuration for
     this run built, and its layers run on the CPU as it runs them (the kwargs from its own
     _build_layer_kwargs, the rotary embeddings as it computes them) against the model's own
@@ -145,7 +174,7 @@ def dry_run(megatrain_dir, hf_model, batch, seq, clip):
     infinity = load(megatrain_dir)
     from infinity.model.cpu_master import (CPUMasterModel, _discover_model_components,
                                            _introspect_layer_forward)
-    config = _config(infinity, batch, seq, clip)
+    config = _config(infinity, batch, seq, clip, devices)
     parts = _discover_model_components(hf_model)
     accepts = _introspect_layer_forward(parts["layers"][0])
     ids = torch.randint(0, hf_model.config.vocab_size, (2, seq),
@@ -188,10 +217,11 @@ def dry_run(megatrain_dir, hf_model, batch, seq, clip):
         optimizer = "DeepSpeedCPUAdam"
     except Exception:
         optimizer = "torch.optim.AdamW on the CPU (DeepSpeed not importable)"
-    return {"dry_run": "MegaTrain %s imported from %s; config: batch %d x %d, clip %g, sdpa, "
+    return {"dry_run": "MegaTrain %s imported from %s; config: batch %d x %d%s, clip %g, sdpa, "
                        "checkpoint_interval %d, %d grad slabs; its layers with the patched mask "
                        "equal the model's forward (max |diff| %.2g); optimizer would be %s"
                        % (_commit(megatrain_dir) or "(commit unknown)", megatrain_dir, batch, seq,
-                          clip, CHECKPOINT_INTERVAL, NUM_GRAD_SLABS, diff, optimizer),
+                          " over %d devices" % len(devices) if devices and len(devices) > 1
+                          else "", clip, CHECKPOINT_INTERVAL, NUM_GRAD_SLABS, diff, optimizer),
             "megatrain_commit": _commit(megatrain_dir), "optimizer": optimizer,
             "layer_max_abs_diff": diff}
