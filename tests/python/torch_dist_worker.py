@@ -1,7 +1,8 @@
 """One rank of the data-parallel tests (tests/python/test_torch_distributed.py): trains the tiny
 Llama-style model on the CPU through strata.torch under a gloo process group (or through plain
 PyTorch DDP), on its slice of every step's batch, and rank 0 writes the losses (averaged over
-the ranks) and the final parameters to --out. --fail makes the last rank fail mid-step."""
+the ranks) and the final parameters to --out. --fail makes the last rank fail mid-step; --nvme
+gives every rank an NVMe tier (--host-budget: how much of its state stays in DRAM)."""
 import argparse
 import datetime
 import os
@@ -74,6 +75,7 @@ def nvme_options(args, model, nvme):
     """offload's NVMe options for this rank: the tier's path (--nvme-fault: the last rank's
     wrong), and the --host-budget for this rank's chunks of the blocks."""
     import strata.core
+    from strata.torch import _planning
     from strata.torch._distributed import chunk_elements
     if args.nvme_fault is not None and args.rank == args.world - 1:
         if args.nvme_fault == "disagree":
@@ -85,9 +87,11 @@ def nvme_options(args, model, nvme):
     shards = args.shard_size or args.world
     counts = [[chunk_elements(p.numel(), shards) if args.world > 1 else p.numel()
                for p in block.parameters()] for block in model.model.layers]
-    layers = strata.core.placement_layers(counts, torch.finfo(getattr(torch, args.dtype)).bits // 8)
+    dtype = getattr(torch, args.dtype)
+    layers = strata.core.placement_layers(counts, torch.finfo(dtype).bits // 8,
+                                          master_layout=_planning.master_layout(dtype))
     if args.host_budget == "planned":
-        half = len(layers) // 2
+        half = len(layers) // 4
         options["host_budget"] = (sum(l["weight_bytes"] + l["grad_bytes"] for l in layers)
                                   + sum(l["state_bytes"] for l in layers[:half])
                                   + max(l["state_bytes"] for l in layers))
