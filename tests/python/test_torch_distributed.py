@@ -233,19 +233,25 @@ def test_a_failing_rank_takes_the_job_down(tmp_path, how):
         assert codes[1] == -9, codes
 
 
-@pytest.mark.parametrize("budget", ["least", "planned"])
+@pytest.mark.parametrize("budget", ["least", "planned", "share"])
 def test_two_ranks_with_nvme_train_like_one_rank_and_resume_exactly(tmp_path, budget):
     # nvme= under data parallelism: each rank's runtime has its own tier file (<path>.rank<r>)
     # and a host_budget for its half of every parameter that is too small for its state:
     # "least" puts every block's weights and optimizer state on NVMe (the weights streamed
     # from the disk into the gathers, written back by the updates), "planned" the state of
-    # the last blocks. Both ranks adopt one placement; the training is one process's with
-    # both ranks' rows (NVMe changes no value), and a checkpoint after step 2, loaded into
-    # freshly initialized ranks whose tiers are other files, continues bit for bit.
+    # the last blocks; "share" is the default host_budget on a host whose available memory
+    # (as each rank reads it: more on rank 1) divided by its 2 ranks is about "planned"'s:
+    # both ranks take rank 0's share. Both ranks adopt one placement; the training is one
+    # process's with both ranks' rows (NVMe changes no value), and a checkpoint after step 2,
+    # loaded into freshly initialized ranks whose tiers are other files, continues bit for bit.
     (tmp_path / "tier").mkdir()
     got = run_ranks(tmp_path, "nvme.pt", 2, nvme=tmp_path / "tier" / "t", host_budget=budget,
                     resume_at=2)
     ranks = got["nvme"]
+    # One placement: each rank measured its rates and chose; both adopted the choice whose
+    # predicted step is the slowest (its rates and all).
+    slowest = max((r["own_choice"] for r in ranks), key=lambda i: i["predicted_step_seconds"])
+    assert ranks[0]["choice"] == ranks[1]["choice"] == slowest, ranks
     assert ranks[0]["homes"] == ranks[1]["homes"], ranks
     for rank in ranks:
         assert rank["files"] == ["t.rank0", "t.rank1"], rank["files"]
@@ -258,6 +264,9 @@ def test_two_ranks_with_nvme_train_like_one_rank_and_resume_exactly(tmp_path, bu
         else:
             assert rank["weights_on_nvme"] == 0, rank["placement"]
             assert stats["nvme_state_params"] < stats["params"], rank["placement"]
+        if budget == "share":  # (the runtime rounds its budget up to 4 KiB pages)
+            expected = ranks[0]["expected_host_budget"]
+            assert 0 <= rank["host_budget"] - expected < 4096, (rank["host_budget"], expected)
     assert_close(got, one_rank(tmp_path), atol=1e-5)
     assert got["resumed"] == got["losses"][2:]
     for name, value in got["state"].items():

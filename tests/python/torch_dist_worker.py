@@ -90,11 +90,21 @@ def nvme_options(args, model, nvme):
     dtype = getattr(torch, args.dtype)
     layers = strata.core.placement_layers(counts, torch.finfo(dtype).bits // 8,
                                           master_layout=_planning.master_layout(dtype))
-    if args.host_budget == "planned":
-        half = len(layers) // 4
-        options["host_budget"] = (sum(l["weight_bytes"] + l["grad_bytes"] for l in layers)
-                                  + sum(l["state_bytes"] for l in layers[:half])
-                                  + max(l["state_bytes"] for l in layers))
+    if args.host_budget in ("planned", "share"):
+        first = len(layers) // 4
+        budget = (sum(l["weight_bytes"] + l["grad_bytes"] for l in layers)
+                  + sum(l["state_bytes"] for l in layers[:first])
+                  + max(l["state_bytes"] for l in layers))
+        if args.host_budget == "planned":
+            options["host_budget"] = budget
+            return options
+        # The default host_budget, on a host whose available memory makes this rank's share
+        # that budget; the next ranks see more (read at other times), and the ranks agree on
+        # the least share.
+        from strata.torch import _host
+        available = int((budget + 1) * args.world / _planning.HOST_SHARE) + 1
+        _host.mem_available = lambda: available * (1 + args.rank)
+        options["expected_host_budget"] = int(available * _planning.HOST_SHARE) // args.world
         return options
     low, high = 0, strata.core.full_dram(layers)
     while low < high:
@@ -187,11 +197,12 @@ def main(argv=None):
     p.add_argument("--nvme", default=None,
                    help="an NVMe tier file path, the same on every rank (each rank's files are "
                         "<path>.rank<r>); the resumed model of --resume-at gets <path>-resumed")
-    p.add_argument("--host-budget", choices=["least", "planned"], default=None,
+    p.add_argument("--host-budget", choices=["least", "planned", "share"], default=None,
                    help="with --nvme: the least host_budget any placement of this rank's "
-                        "chunks fits (their weights and state on NVMe), or room for the "
-                        "weights, the grads, the first half of the blocks' state and a "
-                        "staging slot (the rest of the state on NVMe)")
+                        "chunks fits (their weights and state on NVMe); room for the "
+                        "weights, the grads, the first quarter of the blocks' state and a "
+                        "staging slot (the rest of the state on NVMe); or the default, on a "
+                        "host whose available memory, shared by the ranks, makes it that")
     p.add_argument("--nvme-fault", choices=["unwritable", "disagree"], default=None,
                    help="with --nvme: the last rank's path is in a folder that does not exist, "
                         "or the last rank passes no nvme=")
@@ -206,6 +217,9 @@ def main(argv=None):
     data = batches(config, args.steps, args.rows, args.seq)
     checkpoint = None if args.out is None else args.out + ".ckpt"
 
+    expected_host_budget = []  # per offload with --nvme --host-budget share: each rank's share
+    own_choice = []  # per offload with --nvme: the placement this rank chose (its info)
+
     def strata_model(seed, nvme=args.nvme):
         import strata.torch as st
         _, fresh = build(args.preset, seed=seed)
@@ -214,10 +228,13 @@ def main(argv=None):
         tier = {}
         if nvme is not None:
             tier = nvme_options(args, fresh, nvme)
+            expected_host_budget.append(tier.pop("expected_host_budget", None))
         fresh = st.offload(fresh, device="cpu", dtype=getattr(torch, args.dtype),
                            data_parallel=st.DataParallel(
                                shard_size=args.shard_size, timeout=args.timeout,
                                reduce_dtype=reduce_dtype) if args.world > 1 else False, **tier)
+        if nvme is not None:  # this rank's own choice, before the ranks adopt one
+            own_choice.append(fresh.strata.placement_choice.info)
         if args.load_on_rank0 and args.rank == 0:
             fresh.load_state_dict(build(args.preset, seed=50)[1].state_dict())
         return fresh, getattr(st, OPTIMIZERS[args.optimizer][0])(
@@ -276,8 +293,11 @@ def main(argv=None):
         dist.all_gather_object(every, {
             "stats": session.optimizer.stats(), "placement": session.placement(),
             "homes": session.placement_choice.homes,
+            "choice": session.placement_choice.info, "own_choice": own_choice[0],
             "weights_on_nvme": sum(sp.weight.info().tier == 2
                                    for entries in session.layers for sp in entries),
+            "host_budget": session.runtime.capabilities().tier_budget_bytes[1],
+            "expected_host_budget": expected_host_budget[0],
             "files": sorted(os.listdir(os.path.dirname(args.nvme)))})
         out["nvme"] = every
     if args.gathered:
