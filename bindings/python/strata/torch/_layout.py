@@ -24,7 +24,12 @@ pass:
   over all ranks when the backward pass ends (as DDP does).
 
 Everything reading values (state_dict, evaluation, grads' values, optimizer state) gathers the
-chunks, so it is collective: every rank must make the same calls."""
+chunks, so it is collective: every rank must make the same calls.
+
+With nvme= each rank's runtime has an NVMe tier of its own files, and what its DRAM budget cannot
+hold of its chunks goes there as on one GPU (offload planned every rank's chunks within the same
+budgets: strata.torch._planning.plan_nvme); the ranks measure their rates at once and adopt one
+placement before anything is registered (ShardedLayout.before_build)."""
 
 import contextlib
 import os
