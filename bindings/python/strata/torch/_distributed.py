@@ -314,7 +314,7 @@ def rank_files(mesh, nvme, options):
             "(%s); every rank passes the same (each rank gets files of its own, <path>.rank<r>); "
             "nothing was changed" % "; ".join(
                 "rank %d: %s" % (r, _describe_nvme(o)) for r, o in enumerate(every)))
-    paths = ["%s.rank%d" % (os.fspath(p), mesh.rank) for p in nvme]
+    paths = ["%s.rank%d" % (os.fsdecode(p), mesh.rank) for p in nvme]
     problems = mesh.gather_objects([e for e in map(_probe_file, paths) if e is not None])
     wrong = ["rank %d: %s" % (r, "; ".join(e)) for r, e in enumerate(problems) if e]
     if wrong:
