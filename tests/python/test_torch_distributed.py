@@ -7,8 +7,12 @@ group, each with its own Strata runtime (host backend), running tests/python/tor
   differently, and AdamW magnifies the rounding of grads near zero; measured 4.2e-6).
 - 4 ranks as 2 replicas x 2 shards (processes standing in for two hosts) train like one rank.
 - A rank that raises, is killed, or stops mid-step takes the job down: the others fail within
-  the collective timeout with Strata's error instead of hanging."""
+  the collective timeout with Strata's error instead of hanging.
+- With nvme= (issue 39) 2 ranks with state, and weights, on their own NVMe files train like one
+  rank and resume exactly; a rank that cannot use nvme=, or disagrees about it, is refused on
+  every rank."""
 import multiprocessing
+import os
 import socket
 import time
 
@@ -227,3 +231,63 @@ def test_a_failing_rank_takes_the_job_down(tmp_path, how):
         assert "injected failure" in texts[1] and codes[1] not in (0, None), texts[1][-2000:]
     elif how == "kill":
         assert codes[1] == -9, codes
+
+
+@pytest.mark.parametrize("budget", ["least", "planned", "share"])
+def test_two_ranks_with_nvme_train_like_one_rank_and_resume_exactly(tmp_path, budget):
+    # nvme= under data parallelism: each rank's runtime has its own tier file (<path>.rank<r>)
+    # and a host_budget for its half of every parameter that is too small for its state:
+    # "least" puts every block's weights and optimizer state on NVMe (the weights streamed
+    # from the disk into the gathers, written back by the updates), "planned" the state of
+    # the last blocks; "share" is the default host_budget on a host whose available memory
+    # (as each rank reads it: more on rank 1) divided by its 2 ranks is about "planned"'s:
+    # both ranks take rank 0's share. Both ranks adopt one placement; the training is one
+    # process's with both ranks' rows (NVMe changes no value), and a checkpoint after step 2,
+    # loaded into freshly initialized ranks whose tiers are other files, continues bit for bit.
+    (tmp_path / "tier").mkdir()
+    got = run_ranks(tmp_path, "nvme.pt", 2, nvme=tmp_path / "tier" / "t", host_budget=budget,
+                    resume_at=2)
+    ranks = got["nvme"]
+    # One placement: each rank measured its rates and chose; both adopted the choice whose
+    # predicted step is the slowest (its rates and all).
+    slowest = max((r["own_choice"] for r in ranks), key=lambda i: i["predicted_step_seconds"])
+    assert ranks[0]["choice"] == ranks[1]["choice"] == slowest, ranks
+    assert ranks[0]["homes"] == ranks[1]["homes"], ranks
+    for rank in ranks:
+        assert rank["files"] == ["t.rank0", "t.rank1"], rank["files"]
+        stats = rank["stats"]
+        assert stats["nvme_state_params"] > 0 and stats["nvme_read_bytes"] > 0, rank["placement"]
+        assert "on NVMe" in rank["placement"] and "staged through" in rank["placement"]
+        if budget == "least":
+            assert rank["weights_on_nvme"] == stats["params"], rank["placement"]
+            assert "the weights of 4 blocks on NVMe" in rank["placement"], rank["placement"]
+        else:
+            assert rank["weights_on_nvme"] == 0, rank["placement"]
+            assert stats["nvme_state_params"] < stats["params"], rank["placement"]
+        if budget == "share":  # (the runtime rounds its budget up to 4 KiB pages)
+            expected = ranks[0]["expected_host_budget"]
+            assert 0 <= rank["host_budget"] - expected < 4096, (rank["host_budget"], expected)
+    assert_close(got, one_rank(tmp_path), atol=1e-5)
+    assert got["resumed"] == got["losses"][2:]
+    for name, value in got["state"].items():
+        assert torch.equal(got["resumed_state"][name], value), name
+
+
+@pytest.mark.parametrize("fault", ["unwritable", "disagree"])
+def test_nvme_a_rank_cannot_use_is_refused_on_every_rank(tmp_path, fault):
+    # The last rank's tier would be in a folder that does not exist, or the last rank passes
+    # no nvme=: offload refuses on every rank, naming the rank and the problem, before
+    # anything is created (no rank left waiting in a collective).
+    (tmp_path / "tier").mkdir()
+    out = str(tmp_path / fault)
+    codes, texts, elapsed = launch(2, {"--out": out, "--rows": ROWS, "--steps": 1,
+                                       "--nvme": tmp_path / "tier" / "t", "--nvme-fault": fault,
+                                       "--timeout": 20}, limit=60, grace=5)
+    expected = ("rank 1: %s: No such file or directory" % (tmp_path / "tier" / "missing" /
+                                                           "tier.rank1")
+                if fault == "unwritable" else "rank 1: no nvme=")
+    for code, text in zip(codes, texts):
+        assert code not in (0, None), text[-2000:]
+        assert "ValueError: strata.torch.offload" in text and expected in text, text[-2000:]
+    assert elapsed < 20, elapsed
+    assert os.listdir(tmp_path / "tier") == []  # the probe left nothing behind

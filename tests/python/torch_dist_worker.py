@@ -1,7 +1,8 @@
 """One rank of the data-parallel tests (tests/python/test_torch_distributed.py): trains the tiny
 Llama-style model on the CPU through strata.torch under a gloo process group (or through plain
 PyTorch DDP), on its slice of every step's batch, and rank 0 writes the losses (averaged over
-the ranks) and the final parameters to --out. --fail makes the last rank fail mid-step."""
+the ranks) and the final parameters to --out. --fail makes the last rank fail mid-step; --nvme
+gives every rank an NVMe tier (--host-budget: how much of its state stays in DRAM)."""
 import argparse
 import datetime
 import os
@@ -68,6 +69,53 @@ def loop(model, opt, data, rank, world, clip, fail=None, after=None, grad_ops=Fa
         if after is not None:
             after(step + 1)
     return losses
+
+
+def nvme_options(args, model, nvme):
+    """offload's NVMe options for this rank: the tier's path (--nvme-fault: the last rank's
+    wrong), and the --host-budget for this rank's chunks of the blocks."""
+    import strata.core
+    from strata.torch import _planning
+    from strata.torch._distributed import chunk_elements
+    if args.nvme_fault is not None and args.rank == args.world - 1:
+        if args.nvme_fault == "disagree":
+            return {}
+        nvme = os.path.join(os.path.dirname(nvme), "missing", "tier")
+    options = {"nvme": nvme}
+    if args.host_budget is None:
+        return options
+    shards = args.shard_size or args.world
+    counts = [[chunk_elements(p.numel(), shards) if args.world > 1 else p.numel()
+               for p in block.parameters()] for block in model.model.layers]
+    dtype = getattr(torch, args.dtype)
+    layers = strata.core.placement_layers(counts, torch.finfo(dtype).bits // 8,
+                                          master_layout=_planning.master_layout(dtype))
+    if args.host_budget in ("planned", "share"):
+        first = len(layers) // 4
+        budget = (sum(l["weight_bytes"] + l["grad_bytes"] for l in layers)
+                  + sum(l["state_bytes"] for l in layers[:first])
+                  + max(l["state_bytes"] for l in layers))
+        if args.host_budget == "planned":
+            options["host_budget"] = budget
+            return options
+        # The default host_budget, on a host whose available memory makes this rank's share
+        # that budget; the next ranks see more (read at other times), and the ranks agree on
+        # the least share.
+        from strata.torch import _host
+        available = int((budget + 1) * args.world / _planning.HOST_SHARE) + 1
+        _host.mem_available = lambda: available * (1 + args.rank)
+        options["expected_host_budget"] = int(available * _planning.HOST_SHARE) // args.world
+        return options
+    low, high = 0, strata.core.full_dram(layers)
+    while low < high:
+        mid = (low + high) // 2
+        try:
+            strata.core.place(layers, dram_budget=mid, nvme_budget=1 << 50)
+            high = mid
+        except MemoryError:
+            low = mid + 1
+    options["host_budget"] = low
+    return options
 
 
 def failure(kind):
@@ -146,6 +194,18 @@ def main(argv=None):
                         "parameters are halved inside gathered(writable=True) on every rank")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
                    help="strata.torch's optimizer of that name (DDP: torch's counterpart)")
+    p.add_argument("--nvme", default=None,
+                   help="an NVMe tier file path, the same on every rank (each rank's files are "
+                        "<path>.rank<r>); the resumed model of --resume-at gets <path>-resumed")
+    p.add_argument("--host-budget", choices=["least", "planned", "share"], default=None,
+                   help="with --nvme: the least host_budget any placement of this rank's "
+                        "chunks fits (their weights and state on NVMe); room for the "
+                        "weights, the grads, the first quarter of the blocks' state and a "
+                        "staging slot (the rest of the state on NVMe); or the default, on a "
+                        "host whose available memory, shared by the ranks, makes it that")
+    p.add_argument("--nvme-fault", choices=["unwritable", "disagree"], default=None,
+                   help="with --nvme: the last rank's path is in a folder that does not exist, "
+                        "or the last rank passes no nvme=")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -157,15 +217,24 @@ def main(argv=None):
     data = batches(config, args.steps, args.rows, args.seq)
     checkpoint = None if args.out is None else args.out + ".ckpt"
 
-    def strata_model(seed):
+    expected_host_budget = []  # per offload with --nvme --host-budget share: each rank's share
+    own_choice = []  # per offload with --nvme: the placement this rank chose (its info)
+
+    def strata_model(seed, nvme=args.nvme):
         import strata.torch as st
         _, fresh = build(args.preset, seed=seed)
         # One rank: the reference, no data parallelism.
         reduce_dtype = getattr(torch, args.reduce_dtype) if args.reduce_dtype else None
+        tier = {}
+        if nvme is not None:
+            tier = nvme_options(args, fresh, nvme)
+            expected_host_budget.append(tier.pop("expected_host_budget", None))
         fresh = st.offload(fresh, device="cpu", dtype=getattr(torch, args.dtype),
                            data_parallel=st.DataParallel(
                                shard_size=args.shard_size, timeout=args.timeout,
-                               reduce_dtype=reduce_dtype) if args.world > 1 else False)
+                               reduce_dtype=reduce_dtype) if args.world > 1 else False, **tier)
+        if nvme is not None:  # this rank's own choice, before the ranks adopt one
+            own_choice.append(fresh.strata.placement_choice.info)
         if args.load_on_rank0 and args.rank == 0:
             fresh.load_state_dict(build(args.preset, seed=50)[1].state_dict())
         return fresh, getattr(st, OPTIMIZERS[args.optimizer][0])(
@@ -218,6 +287,19 @@ def main(argv=None):
     out = {"losses": losses, "state": state}
     if args.mode == "strata":  # the elements this rank keeps optimizer state for
         out["elements"] = model.strata.optimizer.stats()["elements"]
+    if args.nvme is not None:  # where every rank's state went, and its files
+        session = model.strata
+        every = [None] * args.world
+        dist.all_gather_object(every, {
+            "stats": session.optimizer.stats(), "placement": session.placement(),
+            "homes": session.placement_choice.homes,
+            "choice": session.placement_choice.info, "own_choice": own_choice[0],
+            "weights_on_nvme": sum(sp.weight.info().tier == 2
+                                   for entries in session.layers for sp in entries),
+            "host_budget": session.runtime.capabilities().tier_budget_bytes[1],
+            "expected_host_budget": expected_host_budget[0],
+            "files": sorted(os.listdir(os.path.dirname(args.nvme)))})
+        out["nvme"] = every
     if args.gathered:
         every = [None] * args.world
         dist.all_gather_object(every, refused)
@@ -237,7 +319,8 @@ def main(argv=None):
             for entries in session.layers for sp in entries if sp.trainable)
     if args.resume_at is not None:
         # Another init (seed), then the checkpoint: the rest of the run again.
-        resumed, resumed_opt = strata_model(100 + args.rank)
+        resumed, resumed_opt = strata_model(
+            100 + args.rank, None if args.nvme is None else args.nvme + "-resumed")
         st.load_checkpoint(checkpoint, resumed, resumed_opt)
         out["resumed"] = loop(resumed, resumed_opt, data[args.resume_at:], args.rank, args.world,
                               args.clip)

@@ -8,9 +8,14 @@ rank's chunk of a streamed parameter.
 The ranks are arranged as replicas x shards: `shard_size` consecutive ranks (by default the
 ranks of one host) share one copy of the streamed blocks' training state, each rank holding
 1/shard_size of every streamed parameter (its weight, grad, fp32 master and AdamW moments) in
-its own pinned DRAM; the shard groups are replicas of each other (one per host)."""
+its own pinned DRAM; the shard groups are replicas of each other (one per host).
+
+With nvme= each rank's runtime has an NVMe tier of its own files (rank_files: `<path>.rank<r>`),
+its share of the host's memory and disk (Mesh.ranks_on_host, disk_sharing), and every rank
+adopts one placement of the state (strata.torch._layout.ShardedLayout.before_build)."""
 
 import datetime
+import os
 import socket
 
 import torch
@@ -166,6 +171,11 @@ class Mesh:
         consecutive = all(self.hosts[i] == self.hosts[i - i % size] for i in range(self.world))
         return size if len(set(counts.values())) == 1 and consecutive else 1
 
+    def ranks_on_host(self):
+        """How many ranks of the data-parallel group run on this rank's host: they share its
+        memory and disks (whatever the shard size)."""
+        return self.hosts.count(self.hosts[self.rank])
+
     def describe(self):
         return "%d replica(s) x %d shard(s); rank %d is shard %d of replica %d" % (
             self.replicas, self.shard_size, self.rank, self.shard_rank, self.replica)
@@ -283,3 +293,64 @@ def optimizer_threads(mesh, numa_node):
     sharing = mesh.gather_objects(here).count(here)
     cpus = _host.node_cpus(numa_node)
     return max(1, cpus // sharing - 1)
+
+
+def rank_files(mesh, nvme, options):
+    """This rank's NVMe tier files under data parallelism: `<path>.rank<r>` for each path of
+    nvme= (r its rank in the data-parallel group, unique across hosts, so ranks on one host or
+    on a shared file system never open one file: the runtime locks its files), or [] when no
+    rank passed nvme=. Collective, and every rank reaches the same decision: the ranks must
+    agree about `options` (nvme= given or not, how many files, and the NVMe options beside it:
+    they fix the placement every rank adopts), and every rank must be able to create and open
+    its files as the tier does (O_DIRECT); else the same ValueError on every rank, naming the
+    ranks and what is wrong with each, before anything is created."""
+    mine = dict(options, nvme=len(nvme))
+    every = mesh.gather_objects(mine)
+    if not any(o["nvme"] for o in every):
+        return []
+    if any(o != every[0] for o in every):
+        raise ValueError(
+            "strata.torch.offload: the data-parallel ranks disagree about nvme= and its options "
+            "(%s); every rank passes the same (each rank gets files of its own, <path>.rank<r>); "
+            "nothing was changed" % "; ".join(
+                "rank %d: %s" % (r, _describe_nvme(o)) for r, o in enumerate(every)))
+    paths = ["%s.rank%d" % (os.fsdecode(p), mesh.rank) for p in nvme]
+    problems = mesh.gather_objects([e for e in map(_probe_file, paths) if e is not None])
+    wrong = ["rank %d: %s" % (r, "; ".join(e)) for r, e in enumerate(problems) if e]
+    if wrong:
+        raise ValueError("strata.torch.offload: nvme= cannot hold the NVMe tier on every rank "
+                         "(%s); every rank needs a writable file system that supports O_DIRECT "
+                         "(not tmpfs) at its paths; nothing was changed" % "; ".join(wrong))
+    return paths
+
+
+def _describe_nvme(options):
+    if not options["nvme"]:
+        return "no nvme="
+    return ", ".join("%s=%r" % (k, options[k]) for k in sorted(options) if k != "nvme") + \
+        ", %d file(s)" % options["nvme"]
+
+
+def _probe_file(path):
+    """None when this process can create (or open) `path` as the NVMe tier opens its files
+    (read-write, O_DIRECT), else what failed; a file the probe created is removed again."""
+    existed = os.path.exists(path)
+    flags = os.O_RDWR | getattr(os, "O_DIRECT", 0) | (0 if existed else os.O_CREAT | os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as e:
+        return "%s: %s" % (path, e.strerror)
+    os.close(fd)
+    if not existed:
+        os.unlink(path)
+    return None
+
+
+def disk_sharing(mesh, paths):
+    """How many ranks of this host have NVMe files on the file system of this rank's busiest
+    one (at least 1): they share its free space (collective)."""
+    devices = sorted({os.stat(os.path.dirname(os.path.abspath(p))).st_dev for p in paths})
+    every = mesh.gather_objects(devices)
+    host = mesh.hosts[mesh.rank]
+    return max([sum(1 for r, devs in enumerate(every) if mesh.hosts[r] == host and d in devs)
+                for d in devices] or [1])

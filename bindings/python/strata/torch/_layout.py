@@ -24,7 +24,12 @@ pass:
   over all ranks when the backward pass ends (as DDP does).
 
 Everything reading values (state_dict, evaluation, grads' values, optimizer state) gathers the
-chunks, so it is collective: every rank must make the same calls."""
+chunks, so it is collective: every rank must make the same calls.
+
+With nvme= each rank's runtime has an NVMe tier of its own files, and what its DRAM budget cannot
+hold of its chunks goes there as on one GPU (offload planned every rank's chunks within the same
+budgets: strata.torch._planning.plan_nvme); the ranks measure their rates at once and adopt one
+placement before anything is registered (ShardedLayout.before_build)."""
 
 import contextlib
 import os
@@ -244,7 +249,13 @@ class ShardedLayout(LocalLayout):
         super().attach(session)
         self.comm = torch.cuda.Stream(session.device) if session.cuda else None
         self.reduce_stream = torch.cuda.Stream(session.device) if session.cuda else None
-        self.numa_node = session.runtime.capabilities().device_numa_node
+        caps = session.runtime.capabilities()
+        self.numa_node = caps.device_numa_node
+        if caps.tiers_available[2]:
+            # The session's placement measures the disk next (offload's _build): every rank
+            # at once, as the ranks will use the host's disks in training, so each measures
+            # its share of them.
+            self.mesh.barrier("measuring the NVMe tier's rates")
 
     # --- registration ----------------------------------------------------------------------
 
@@ -258,6 +269,8 @@ class ShardedLayout(LocalLayout):
         return sp
 
     def before_build(self, optimizer):
+        if self.session.placement_choice is not None:
+            self._adopt_one_placement()
         if optimizer is not None and not optimizer.get("threads"):
             optimizer = dict(optimizer, threads=optimizer_threads(self.mesh, self.numa_node))
         with torch.no_grad():
@@ -267,6 +280,21 @@ class ShardedLayout(LocalLayout):
                 if fp32 is not None:  # the fp32 values its master starts from
                     self.mesh.broadcast(fp32, "broadcasting resident parameter %d from rank 0" % k)
         return optimizer
+
+    def _adopt_one_placement(self):
+        """With NVMe, every rank adopts one placement of the state before anything is
+        registered: the one chosen by the rank whose measured rates predict the slowest step
+        (the ranks wait for each other at every block, so the slowest rank sets the pace; its
+        choice is the fastest for it). Each rank chose from the same layers (equal chunks) and
+        the same budgets (strata.torch._planning.plan_nvme agreed on them), so that rank's
+        choice, its optimizer options and its weight homes fit every rank's runtime; only the
+        rates differ. Collective."""
+        s = self.session
+        every = self.mesh.gather_objects((s.placement_choice, s.state_options,
+                                          s.nvme_weight_blocks))
+        slowest = max(range(len(every)),
+                      key=lambda r: (every[r][0].info["predicted_step_seconds"], -r))
+        s.placement_choice, s.state_options, s.nvme_weight_blocks = every[slowest]
 
     def after_build(self):
         s = self.session

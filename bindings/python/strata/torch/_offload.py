@@ -274,7 +274,9 @@ def _validate_model(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, de
 def _plan(model, request, resident_blocks):
     """Which blocks stay resident (the given count, or _planning's choice; under data
     parallelism the fewest any rank keeps) and, with NVMe, whether a placement of the training
-    state fits (else whether the host budget holds the streamed blocks). Creates nothing."""
+    state fits (else whether the host budget holds the streamed blocks); under data
+    parallelism with NVMe, each rank's own files (request.nvme becomes them) and its share of
+    the host's budgets. Creates nothing (a probe of each rank's files leaves none behind)."""
     all_blocks, mesh = request.all_blocks, request.mesh
     if resident_blocks is None:
         resident_blocks = _planning._auto_resident_blocks(
@@ -288,17 +290,16 @@ def _plan(model, request, resident_blocks):
     plan = _Plan(all_blocks[:resident_blocks], all_blocks[resident_blocks:],
                  request.host_budget, request.nvme_budget)
     _surgery.refuse_shared_outside(model, plan.blocks)
-    if request.nvme and mesh is not None:
-        # Each rank would need NVMe files of its own, and the state's placement is planned per
-        # runtime from what one process holds: not built yet.
-        raise NotImplementedError(
-            "strata.torch.offload: nvme= under data parallelism is not supported yet; each "
-            "rank keeps 1/(ranks per host) of the training state in DRAM: size host_budget "
-            "for that, or train without data_parallel")
+    if mesh is not None:
+        # Every rank its own NVMe files, or none on every rank (collective: the ranks agree
+        # about nvme= and its options, and each can create its files, or all raise).
+        request.nvme = _distributed.rank_files(mesh, request.nvme, {
+            "nvme_budget": request.nvme_budget, "host_budget": request.host_budget,
+            "state_placement": request.state_placement})
     if request.nvme:
         plan.layers, plan.host_budget, plan.nvme_budget, plan.place_nvme = _planning.plan_nvme(
             plan.blocks, request.dtype, request.grads_home, request.state_placement,
-            plan.host_budget, request.nvme, plan.nvme_budget)
+            plan.host_budget, request.nvme, plan.nvme_budget, mesh)
     else:
         _planning.check_host_budget(plan.blocks, request.dtype, mesh, request.grads_home,
                                     plan.host_budget)

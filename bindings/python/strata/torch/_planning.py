@@ -8,7 +8,7 @@ import torch
 
 from .. import core
 from . import _host
-from ._distributed import chunk_elements
+from ._distributed import chunk_elements, disk_sharing
 
 # The dtypes streamed weights may have, by the runtime's names for them.
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -143,7 +143,8 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"
     return k
 
 
-def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvme_budget):
+def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvme_budget,
+              mesh=None):
     """With nvme=: training state may spill to NVMe. The placement (strata_placement_*)
     chooses, from the budgets and the rates measured on the runtime, which blocks' state and
     weights go there, fastest predicted step first (docs/optimizer.md, "State on NVMe"). Here
@@ -154,10 +155,21 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
     less (the placement puts state in DRAM first: what is left holds accumulators, the rest
     of them go to NVMe at the first accumulation); NVMe room for everything that could spill,
     accumulators included, at most what the disks have free (the runtime preallocates its
-    files)."""
+    files).
+
+    Under data parallelism (`mesh`, collective) each rank plans its chunks of the blocks
+    (block_elements' rule) with `nvme` its own files (strata.torch._distributed.rank_files): the
+    defaults are its share of the host, 85% of the available memory and the free disk divided
+    among the ranks of the host (of the ranks with files on the same file system), and the
+    ranks agree on the smallest of their budgets, so that every rank checks, and later
+    chooses, one placement of equal chunks within equal budgets."""
     element = element_bytes(dtype)
-    counts = [[p.numel() for p in b.parameters() if p.requires_grad] for b in blocks]
-    frozen = [[p.numel() for p in b.parameters() if not p.requires_grad] for b in blocks]
+
+    def kept(p):  # the elements of `p` this process keeps
+        return p.numel() if mesh is None else chunk_elements(p.numel(), mesh.shard_size)
+
+    counts = [[kept(p) for p in b.parameters() if p.requires_grad] for b in blocks]
+    frozen = [[kept(p) for p in b.parameters() if not p.requires_grad] for b in blocks]
     layers = core.placement_layers(counts, element, frozen,
                                    "nvme" if state_placement == "nvme" else "choose",
                                    master_layout=master_layout(dtype), grads=grads_home)
@@ -170,12 +182,17 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
         # Every tensor in DRAM, the staging slots and the accumulators.
         host_budget = sizes["dram_bytes"] + sizes["accum_bytes"]
         if available is not None:
-            host_budget = min(host_budget, int(available * HOST_SHARE))
+            ranks = 1 if mesh is None else mesh.ranks_on_host()
+            host_budget = min(host_budget, int(available * HOST_SHARE) // ranks)
     # The NVMe tier holds what the placement puts there and the tier's margins (the library's
     # rule, strata_layout_totals_t: 64 MiB a block and 5%): the placement may use
     # nvme_placeable_bytes of it, the same figure in the check here and in the session's choice.
     if not nvme_budget:
-        nvme_budget = min(sizes["nvme_bytes"], _host.disk_free(nvme))
+        sharing = 1 if mesh is None else disk_sharing(mesh, nvme)
+        nvme_budget = min(sizes["nvme_bytes"], _host.disk_free(nvme) // sharing)
+    if mesh is not None:  # one placement: every rank's within the same budgets
+        every = mesh.gather_objects((host_budget, nvme_budget))
+        host_budget, nvme_budget = min(b[0] for b in every), min(b[1] for b in every)
     place_nvme = core.layout_totals(layers, nvme_budget=nvme_budget)["nvme_placeable_bytes"]
     if place_nvme <= 0:
         raise ValueError("strata.torch.offload: nvme_budget %d bytes leaves no room for "
