@@ -57,12 +57,11 @@ buffer up to a power of two). Not under data parallelism (strata.torch._distribu
 residents replicated and in sync as they are); on the CPU (the tests) the host copy is another
 CPU buffer and nothing is sized."""
 
-import os
 import weakref
 
 import torch
 
-from . import _host
+from . import _planning
 
 
 class StatePager:
@@ -74,13 +73,19 @@ class StatePager:
     # The share of the measured window (copies out during the forward pass) the paged bytes
     # may take: the copies' rate varies with what the host does meanwhile.
     WINDOW_SHARE = 0.85
-    # auto: at most this share of the host memory available when it decides (the first
-    # groups whose tensors fit; none: nothing pages).
-    HOST_SHARE = 0.5
+    # Without a budget (a pager made outside strata.torch.AdamW): auto takes at most this
+    # share of the host memory available when it decides (the first groups whose tensors fit;
+    # none: nothing pages), the share a default host_budget leaves strata.torch's own host
+    # memory (one constant: _planning.POOL_SHARE).
+    HOST_SHARE = _planning.POOL_SHARE
 
-    def __init__(self, inner, groups, device, live=(), sizing=True, auto=False):
+    def __init__(self, inner, groups, device, live=(), sizing=True, auto=False, budget=None):
         self.inner = inner
         self.groups = [list(g) for g in groups if g]
+        # The session's strata.torch._planning.HostBudget: the host copies take at most what
+        # host_budget leaves (auto: decided at the first step's end; a count of blocks or
+        # every resident parameter's: the first groups that fit now, here).
+        self.budget = budget
         self.live = {id(m) for m in live}
         self.device = device
         cuda = device.type == "cuda"
@@ -120,6 +125,19 @@ class StatePager:
         self.has_paged = False  # some page-out took tensors (the keeper measures afresh)
         self.full_steps = 0  # steps' page-outs that took everything, before the sizing
         self.last_point = "end"  # the forward pass's last point seen (forward_begins)
+        if budget is not None:
+            budget.add("paged optimizer state", self)
+            if self.probe is None:
+                fits = self._fitting(budget.room())
+                self.groups = self.groups[:fits]
+                self.active = fits
+                if fits == 0:
+                    self.sized = True  # nothing to time: the activation keeper may plan
+
+    @property
+    def host_bytes(self):
+        """Bytes of host memory the host copies hold (their registered buffers)."""
+        return sum(b.numel() for b in self.registered)
 
     # --- which tensors ---------------------------------------------------------------------
 
@@ -261,14 +279,15 @@ class StatePager:
         if not timed:
             return True
         self.probe = None
-        available = _available_host_bytes()
-        fits, total = 0, 0
-        for group in self.groups:
-            total += sum(self._paged_size(m) for m in group)
-            if total > self.HOST_SHARE * available:
-                break
-            fits += 1
-        self.decision = dict(host_available_bytes=available, groups_fitting_host=fits)
+        if self.budget is not None:
+            available = None
+            room = self.budget.room()
+        else:
+            available = _available_host_bytes()
+            room = self.HOST_SHARE * available
+        fits = self._fitting(room)
+        self.decision = dict(host_available_bytes=available, host_room_bytes=int(room),
+                             groups_fitting_host=fits)
         if fits == 0:
             self.active, self.sized = 0, True
             return True
@@ -276,11 +295,22 @@ class StatePager:
         self.active = fits
         return False
 
+    def _fitting(self, room):
+        """How many of the first groups' host copies fit in `room` bytes."""
+        fits, total = 0, 0
+        for group in self.groups:
+            total += sum(self._paged_size(m) for m in group)
+            if total > room:
+                break
+            fits += 1
+        return fits
+
     def _paged_size(self, master):
         """The bytes a master pages once AdamW's state exists: the master itself (unless it
         is the model's own fp32 parameter) and its two fp32 moments (counted from the master:
         a first step without grads makes none, and a fit counted from what exists then was 3x
-        too small)."""
+        too small). The host buffer aligns each tensor to 512 bytes (_host_for): at most
+        that much more per tensor, inside host_budget's documented constant."""
         moments = 2 * master.numel() * 4
         return moments + (0 if id(master) in self.live else _nbytes(master))
 
@@ -450,13 +480,8 @@ class StatePager:
 
 
 def _available_host_bytes():
-    """The host memory available now (Linux's MemAvailable: free plus what the kernel can
-    reclaim, read as offload reads it for its budgets), or the free pages where
-    /proc/meminfo cannot be read."""
-    available = _host.mem_available()
-    if available is not None:
-        return available
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """The host memory available now (a pager without a budget decides from it)."""
+    return _planning.available_host_bytes()
 
 
 def _take(queue, quota):

@@ -48,6 +48,7 @@ device itself: the automatic mode then spills nothing (it would save no memory),
 out-of-memory error says to turn it off (streamed blocks recompute already); True spills
 anyway (the same values)."""
 
+import contextlib
 import os
 import time
 
@@ -111,12 +112,16 @@ def _host_memory():
 class HostPool:
     """The host buffers of spilled checkpoints, one per block position, reused from step to
     step. `pinned`: page-locked (cudaHostRegister) for asynchronous copies to and from the
-    device; otherwise ordinary memory (the CPU device)."""
+    device; otherwise ordinary memory (the CPU device). `budget`: the session's
+    strata.torch._planning.HostBudget (None: only the host's memory bounds it)."""
 
-    def __init__(self, pinned):
+    def __init__(self, pinned, budget=None):
         self.pinned = pinned
+        self.budget = budget
         self.buffers = {}  # position -> uint8 tensor
         self.refused = 0  # buffers refused for lack of host memory
+        self.over_budget = 0  # buffers refused because host_budget had no room left
+        self.wanted = 0  # the bytes of the last buffer refused for the budget
 
     @property
     def nbytes(self):
@@ -135,6 +140,10 @@ class HostPool:
         if available is not None and total is not None and \
                 nbytes > available - int(total * HOST_RESERVE):
             self.refused += 1
+            return False
+        if self.budget is not None and nbytes > self.budget.room():
+            self.over_budget += 1
+            self.wanted = nbytes
             return False
         try:
             buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -214,6 +223,7 @@ class Spiller:
         self.pool = HostPool(pinned=self.cuda)
         self.side = None  # the copies' stream (CUDA)
         self.count = 0  # the first blocks spilling now
+        self.wanted = 0  # the first blocks the decision wanted spilled (count: those it got)
         self.fits = True  # whether the step was predicted to fit with them
         self.tokens = 0  # the tokens the decision was made for
         self.base = 0  # what torch held at that forward pass's start
@@ -235,6 +245,12 @@ class Spiller:
         """Bytes of host memory the spill buffers hold."""
         return self.pool.nbytes
 
+    def use_budget(self, budget):
+        """Count the buffers against `budget` (the session's strata.torch._planning.HostBudget):
+        a buffer beyond what it leaves is refused, and that block keeps its checkpoint."""
+        self.pool.budget = budget
+        budget.add("spilled checkpoints", self)
+
     def close(self):
         self.records = {}
         self._quiesce()
@@ -255,16 +271,17 @@ class Spiller:
         self.records = {}
         hidden = hidden_of(args, kwargs)
         if self.mode is False or hidden is None:
-            self.count = 0
+            self.count = self.wanted = 0
             return
         tokens = hidden.numel() // hidden.shape[-1]
         nbytes = hidden.numel() * hidden.element_size()
         if self.mode is True:
+            self.wanted = self.positions
             self.count = self._reserve(self.positions, nbytes)
             self.tokens = tokens
             return
         if not self.cuda:
-            self.count = 0
+            self.count = self.wanted = 0
             return
         base = torch.cuda.memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -283,6 +300,7 @@ class Spiller:
                       self._loss_working(tokens))
         count, self.fits = spill_count(checkpoints, base + self._grad_bytes() + kept, working,
                                        usable, margin)
+        self.wanted = count
         self.count = self._reserve(count, nbytes)
         self.fits = self.fits and self.count == count
         self.decisions += 1
@@ -324,7 +342,11 @@ class Spiller:
         if tokens not in self.measured:
             state = ForwardState(block)
             try:
-                measured = measure(run, args, kwargs, self.device, list(block.parameters()))
+                # A prediction, not a forward pass of the model's: the user's hooks do not see
+                # it (they would count it, or record fake tensors).
+                with without_forward_hooks(block):
+                    measured = measure(run, args, kwargs, self.device,
+                                       list(block.parameters()))
             finally:
                 state.restore_buffers()
             self.measured = {tokens: None if measured is None else measured[0]}
@@ -443,19 +465,36 @@ class Spiller:
         ready.record(side)
         record.restored, record.ready = t, ready
 
+    def _budget_short(self):
+        """Whether host_budget left no room for some of the buffers the decision wanted."""
+        return self.pool.over_budget > 0 and self.count < self.wanted
+
     def describe(self):
-        """'N of M block checkpoints spilled to host memory (X GiB)', or ''."""
-        if self.count <= 0:
+        """'N of M block checkpoints spilled to host memory (X GiB)', what host_budget kept
+        from spilling, or ''."""
+        if self.count <= 0 and not self._budget_short():
             return ""
         if self.inside_checkpoint:
             return ("block checkpoints kept on the device (the blocks run inside "
                     "torch.utils.checkpoint, which keeps their inputs there)")
-        return "%d of %d block checkpoints spilled to host memory (%.2f GiB)%s" % (
-            self.count, self.positions, self.host_bytes / (1 << 30),
-            "" if self.fits else ", the step predicted short even so")
+        said = "%d of %d block checkpoints spilled to host memory (%.2f GiB)" % (
+            self.count, self.positions, self.host_bytes / (1 << 30))
+        if self._budget_short():
+            said += ("; %d more kept on the device: host_budget has no room for them "
+                     "(%.2f GiB left of it, %.2f GiB a checkpoint)"
+                     % (self.wanted - self.count, self.pool.budget.room() / (1 << 30),
+                        self.pool.wanted / (1 << 30)))
+        return said + ("" if self.fits else ", the step predicted short even so")
 
     def note(self):
         """What an out-of-memory error of the step is told, or None."""
+        if self._budget_short():
+            return ("strata.torch: host_budget had room for %d of the %d block checkpoints "
+                    "the step needed spilled to host memory (%.2f GiB of it left, %.2f GiB a "
+                    "checkpoint): the others stayed on the device; raise host_budget (or pass "
+                    "a smaller resident_blocks, or a smaller batch)"
+                    % (self.count, self.wanted, self.pool.budget.room() / (1 << 30),
+                       self.pool.wanted / (1 << 30)))
         if self.pool.refused:
             return ("strata.torch: %d block checkpoint buffer(s) of host memory were refused "
                     "(less than %d%% of the machine's memory would have stayed available): "
@@ -472,6 +511,33 @@ class Spiller:
                     "step was predicted short even so: pass a smaller resident_blocks, or a "
                     "smaller batch" % self.count)
         return None
+
+
+@contextlib.contextmanager
+def without_forward_hooks(module):
+    """No forward hook or forward pre-hook runs inside: those of `module` and every module in
+    it, and the global ones (torch.nn.modules.module.register_module_forward_hook). Each hook
+    dictionary is swapped for an empty one and the same object put back after, so a hook
+    handle's remove() still finds its own (the handles hold the dictionaries)."""
+    import torch.nn.modules.module as nn_module
+
+    dicts = ("_forward_hooks", "_forward_pre_hooks")
+    globals_ = ("_global_forward_hooks", "_global_forward_pre_hooks")
+    saved = [(m, name, m.__dict__[name]) for m in module.modules() for name in dicts
+             if m.__dict__.get(name)]
+    saved_globals = [(name, getattr(nn_module, name)) for name in globals_
+                     if getattr(nn_module, name, None)]
+    try:
+        for m, name, hooks in saved:
+            m.__dict__[name] = type(hooks)()
+        for name, hooks in saved_globals:
+            setattr(nn_module, name, type(hooks)())
+        yield
+    finally:
+        for m, name, hooks in saved:
+            m.__dict__[name] = hooks
+        for name, hooks in saved_globals:
+            setattr(nn_module, name, hooks)
 
 
 def _inside_checkpoint():
