@@ -127,6 +127,8 @@ class HostPool:
     def nbytes(self):
         return sum(b.numel() for b in self.buffers.values())
 
+    host_bytes = nbytes  # what a HostBudget counts
+
     def holds(self, position, nbytes):
         buf = self.buffers.get(position)
         return buf is not None and buf.numel() >= nbytes
@@ -249,7 +251,7 @@ class Spiller:
         """Count the buffers against `budget` (the session's strata.torch._planning.HostBudget):
         a buffer beyond what it leaves is refused, and that block keeps its checkpoint."""
         self.pool.budget = budget
-        budget.add("spilled checkpoints", self)
+        budget.add("spilled checkpoints", self.pool)
 
     def close(self):
         self.records = {}
