@@ -1,7 +1,9 @@
 """The optimizer state of resident parameters paged to host memory between a step and the next
 backward pass (issue 13: the HBM that kept activations need at the loss's peak). On by
 default on CUDA (strata.torch.AdamW.PAGED_STATE = "auto"; docs/python-reference.md, Performance): from
-the first step's end, as much as fits in half the host's available memory. Measured in
+the first step's end, as much as fits in what host_budget leaves beside the arena and the
+spilled checkpoints (the session's strata.torch._planning.HostBudget; the default budget leaves
+half the host memory available once the arena is made). Measured in
 docs/benchmarks.md: with the activation keeper planning from the allocated peak, the 3.6B
 Llama at 32x1024 on an H200 keeps 22 blocks instead of 14 (414 TFLOPS against 402 in one run),
 the 8B 13 instead of 3 (2.6% faster in one run), and the 8B at 16x1024 on an H100 7 instead of
@@ -273,9 +275,9 @@ class StatePager:
     def _probing(self, timed):
         """auto, at a page-out: whether nothing pages now. Not at the optimizer's creation
         (`timed` False: the masters would leave before any step measured anything); at the
-        first step's end (the moments exist), the first groups whose tensors fit in
-        HOST_SHARE of the host memory available page from then on, as without auto (none
-        fit: nothing ever pages)."""
+        first step's end (the moments exist), the first groups whose tensors fit in what the
+        budget leaves then (without one: HOST_SHARE of the host memory available) page from
+        then on, as without auto (none fit: nothing ever pages)."""
         if not timed:
             return True
         self.probe = None

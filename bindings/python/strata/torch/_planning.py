@@ -1,7 +1,8 @@
 """Sizing, before anything is built: how strata.torch lays out a streamed parameter's fp32
 master, the budgets a session's runtime gets by default, how many of the first blocks stay
 resident in HBM, whether the streamed blocks fit the host budget, and with NVMe which placement
-of their training state the budgets allow. The byte counts are the runtime's (strata.core asks
+of their training state the budgets allow, and what host_budget leaves beside the arena to
+strata.torch's own host memory (HostBudget). The byte counts are the runtime's (strata.core asks
 the C library); what is decided here is strata.torch's policy on top of them."""
 
 import os

@@ -30,9 +30,16 @@ blocks' inputs go to host memory:
   it. A copy out and back is bit-exact;
 - the buffers: one per spilled block, kept from step to step (no per-step cudaHostAlloc),
   grown when the batch grows; host memory pinned with cudaHostRegister at the exact size
-  (torch's pinned allocator rounds to a power of two). The pool refuses a buffer that would
-  leave less than HOST_RESERVE of the machine's memory available: that block does not spill,
-  and an out-of-memory error of the step says so. Their bytes: session.host_pinned_extra_bytes().
+  (torch's pinned allocator rounds to a power of two). They count against host_budget (the
+  session's strata.torch._planning.HostBudget): the pool refuses a buffer beyond what the
+  budget leaves beside the arena and the paged optimizer state, or one that would leave less
+  than HOST_RESERVE of the machine's memory available: that block does not spill, describe()
+  (placement()) says how many more the decision wanted, and an out-of-memory error of the
+  step names the remedy (host_budget). Their bytes: session.host_pinned_extra_bytes().
+
+The decision's fake-tensor forward runs with every forward hook held back
+(without_forward_hooks): it is a prediction, and the user's hooks see only real forward
+passes.
 
 Only the block's hidden states are spilled (its first tensor argument with two dimensions or
 more, or hidden_states=): what else it is given (rotary tables, masks) is one tensor shared by
