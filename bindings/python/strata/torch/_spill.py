@@ -129,6 +129,7 @@ class HostPool:
         self.refused = 0  # buffers refused for lack of host memory
         self.over_budget = 0  # buffers refused because host_budget had no room left
         self.wanted = 0  # the bytes of the last buffer refused for the budget
+        self.last_refusal = None  # why the last refusal: "host" or "budget"
 
     @property
     def nbytes(self):
@@ -148,22 +149,26 @@ class HostPool:
         available, total = _host.mem_available(), _host_memory()
         if available is not None and total is not None and \
                 nbytes > available - int(total * HOST_RESERVE):
-            self.refused += 1
-            return False
+            return self._refuse("host")
         if self.budget is not None and nbytes > self.budget.room():
-            self.over_budget += 1
             self.wanted = nbytes
-            return False
+            return self._refuse("budget")
         try:
             buf = torch.empty(nbytes, dtype=torch.uint8)
         except RuntimeError:
-            self.refused += 1
-            return False
+            return self._refuse("host")
         if self.pinned and not _register(buf):
-            self.refused += 1
-            return False
+            return self._refuse("host")
         self.buffers[position] = buf
         return True
+
+    def _refuse(self, why):
+        if why == "budget":
+            self.over_budget += 1
+        else:
+            self.refused += 1
+        self.last_refusal = why
+        return False
 
     def view(self, position, t):
         """Buffer `position` as a tensor of t's shape and dtype (None when there is none or it
@@ -233,6 +238,7 @@ class Spiller:
         self.side = None  # the copies' stream (CUDA)
         self.count = 0  # the first blocks spilling now
         self.wanted = 0  # the first blocks the decision wanted spilled (count: those it got)
+        self.stopped_by = None  # why count < wanted: the pool's refusal ("host", "budget")
         self.fits = True  # whether the step was predicted to fit with them
         self.tokens = 0  # the tokens the decision was made for
         self.base = 0  # what torch held at that forward pass's start
@@ -319,8 +325,10 @@ class Spiller:
         """Buffers for the first `count` blocks: how many the host gave."""
         if any(not self.pool.holds(position, nbytes) for position in range(count)):
             self._quiesce()  # a buffer is replaced: the last step's copies may still use it
+        self.stopped_by = None
         for position in range(count):
             if not self.pool.reserve(position, nbytes):
+                self.stopped_by = self.pool.last_refusal
                 return position
         return count
 
@@ -476,7 +484,7 @@ class Spiller:
 
     def _budget_short(self):
         """Whether host_budget left no room for some of the buffers the decision wanted."""
-        return self.pool.over_budget > 0 and self.count < self.wanted
+        return self.stopped_by == "budget" and self.count < self.wanted
 
     def describe(self):
         """'N of M block checkpoints spilled to host memory (X GiB)', what host_budget kept
@@ -489,10 +497,11 @@ class Spiller:
         said = "%d of %d block checkpoints spilled to host memory (%.2f GiB)" % (
             self.count, self.positions, self.host_bytes / (1 << 30))
         if self._budget_short():
-            said += ("; %d more kept on the device: host_budget has no room for them "
-                     "(%.2f GiB left of it, %.2f GiB a checkpoint)"
-                     % (self.wanted - self.count, self.pool.budget.room() / (1 << 30),
-                        self.pool.wanted / (1 << 30)))
+            return said + ("; %d more kept on the device: host_budget has no room for them "
+                           "(%.2f GiB left of it, %.2f GiB a checkpoint)%s"
+                           % (self.wanted - self.count, self.pool.budget.room() / (1 << 30),
+                              self.pool.wanted / (1 << 30),
+                              "" if self.fits else ", the step predicted short"))
         return said + ("" if self.fits else ", the step predicted short even so")
 
     def note(self):
