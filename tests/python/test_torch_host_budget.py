@@ -210,12 +210,13 @@ def test_the_pager_pages_what_the_budget_leaves():
     blocks (or every resident parameter's) pages the first groups whose copies fit in what
     host_budget leaves, decided at construction; none fit: nothing pages and the pager is
     settled (the activation keeper does not wait for a sizing that never comes)."""
+    import torch
     from strata.torch._planning import HostBudget
     budget = HostBudget(10_000 + 2 * 12_000 + 100, 10_000)
     pager = _pager([[1000]] * 3, budget)
     assert (len(pager.groups), pager.active) == (2, 2)
     assert budget.held() == {"paged optimizer state": 0}
-    pager.registered.append(__import__("torch").zeros(5000, dtype=__import__("torch").uint8))
+    pager.registered.append(torch.zeros(5000, dtype=torch.uint8))
     assert budget.room() == 2 * 12_000 + 100 - 5000  # its host copies count once made
     none = _pager([[1000]] * 3, HostBudget(10_000 + 11_999, 10_000))
     assert none.active == 0 and none.groups == [] and none.settled

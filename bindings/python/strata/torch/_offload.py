@@ -100,8 +100,8 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     leaves to the resident parameters' paged optimizer state and the spilled checkpoints
     (model.strata.host_budget: _planning.HostBudget). None: the arena what the blocks, grads
     and optimizer state need (with nvme, that or 85% of the available memory, whichever is
-    less), and beside it half the host memory then available. nvme: an NVMe tier, a path or a list of paths
-    (files, striped): the optimizer state that host_budget cannot hold goes there, the last
+    less), and beside it half the host memory then available. nvme: an NVMe tier, a path or
+    a list of paths (files, striped): the optimizer state that host_budget cannot hold goes there, the last
     blocks' first, staged through DRAM for each update; when host_budget cannot even hold every
     streamed weight beside the grads and staging, the last blocks' weights go there too
     (streamed from NVMe, written back by their updates). nvme_budget: its bytes (None or 0:

@@ -176,9 +176,9 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
     Returns (layers: per block the sizes the placement weighs, the arena's DRAM budget,
     nvme_budget, what the placement may put on NVMe), the budgets filled in where not given:
     DRAM what every tensor and the gradient accumulators need or 85% of the available memory,
-    whichever is less; of a given host_budget at most what they need (the rest is
-    strata.torch's own host memory's: HostBudget) (the placement puts state in DRAM first: what is left holds accumulators, the rest
-    of them go to NVMe at the first accumulation); NVMe room for everything that could spill,
+    whichever is less, and of a given host_budget at most what they need (the rest is
+    strata.torch's own host memory's: HostBudget); the placement puts state in DRAM first:
+    what is left holds accumulators, the rest of them go to NVMe at the first accumulation; NVMe room for everything that could spill,
     accumulators included, at most what the disks have free (the runtime preallocates its
     files)."""
     element = element_bytes(dtype)
