@@ -467,3 +467,37 @@ def test_automatic_mode_spills_nothing_inside_a_checkpoint(device_memory):
     assert used[-1] is _spill._NO_HOOKS and spiller.inside_checkpoint
     assert "gradient_checkpointing_disable" in spiller.note()
     spiller.close()
+
+
+@pytest.mark.parametrize("where", ["module", "global"])
+def test_the_decision_runs_no_user_hook(where, device_memory):
+    """The automatic decision measures the first block's forward on fake tensors: a
+    prediction, not a forward pass of the model's, so the user's forward hooks (a module's
+    inside the block, or a global one) must not see it. A counting hook counts as many calls
+    as in the same loop without the decision (a review found the prediction counted too)."""
+    seen = {}
+    for decide in (False, True):
+        model = st.offload(hf_llama("cpu"), device="cpu", resident_blocks=0,
+                           spill_checkpoints=None)
+        try:
+            model.strata.allow_inner_hooks = True  # the hook only observes
+            if decide:
+                model.strata.spill.cuda = True  # decided as on a GPU (device_memory: roomy)
+            mlp, calls = model.model.layers[0].mlp, []
+            if where == "module":
+                handle = mlp.register_forward_hook(lambda *a: calls.append(1))
+            else:
+                handle = torch.nn.modules.module.register_module_forward_hook(
+                    lambda m, *a: calls.append(1) if m is mlp else None)
+            try:
+                opt = st.AdamW(model.parameters(), lr=tpm.LR, weight_decay=tpm.WD)
+                # A larger batch in the second step: decided (and measured) again.
+                train(model, opt, data("cpu", ((2, 16), (4, 16))))
+            finally:
+                handle.remove()
+            seen[decide] = len(calls), model.strata.spill.decisions, \
+                sorted(model.strata.spill.measured)
+        finally:
+            model.strata.close()
+    assert seen[False][1] == 0 and seen[True][1] == 2 and seen[True][2] == [64]
+    assert seen[True][0] == seen[False][0] > 0, seen

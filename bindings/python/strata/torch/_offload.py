@@ -82,7 +82,7 @@ class _Plan:
     """What _plan decided: which blocks stay resident and which stream, and the budgets."""
     kept: list  # the resident blocks
     blocks: list  # the streamed blocks
-    host_budget: int
+    host_budget: int  # the runtime's DRAM arena's (of a given host_budget: its share)
     nvme_budget: int
     layers: list = None  # with nvme: per block, the sizes the placement weighs
     place_nvme: int = 0  # with nvme: what the placement may put there
@@ -94,10 +94,14 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
             chunked_loss=None, spill_checkpoints=None):
     """Stream `model`'s blocks through Strata; returns the model, changed in place.
 
-    gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: pinned
-    DRAM bytes (None: what the blocks, grads and optimizer state need; with nvme, that or 85% of
-    the available memory, whichever is less). nvme: an NVMe tier, a path or a list of paths
-    (files, striped): the optimizer state that host_budget cannot hold goes there, the last
+    gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: the host
+    memory the run may pin or allocate: the runtime's pinned DRAM arena (the blocks, grads,
+    optimizer state, staging, gradient accumulators: at most what they need) and what it
+    leaves to the resident parameters' paged optimizer state and the spilled checkpoints
+    (model.strata.host_budget: _planning.HostBudget). None: the arena what the blocks, grads
+    and optimizer state need (with nvme, that or 85% of the available memory, whichever is
+    less), and beside it half the host memory then available. nvme: an NVMe tier, a path or
+    a list of paths (files, striped): the optimizer state that host_budget cannot hold goes there, the last
     blocks' first, staged through DRAM for each update; when host_budget cannot even hold every
     streamed weight beside the grads and staging, the last blocks' weights go there too
     (streamed from NVMe, written back by their updates). nvme_budget: its bytes (None or 0:
@@ -303,6 +307,8 @@ def _plan(model, request, resident_blocks):
     else:
         _planning.check_host_budget(plan.blocks, request.dtype, mesh, request.grads_home,
                                     plan.host_budget)
+        plan.host_budget = _planning.arena_budget(plan.blocks, request.dtype, mesh,
+                                                  request.grads_home, plan.host_budget)
     return plan
 
 
@@ -327,6 +333,12 @@ def _build(model, request, plan, rollback):
                                [p for p in model.parameters() if id(p) not in streamed])
     session = StrataSession(choices, layout)
     rollback.push(session.close)
+    # host_budget's accounting (the arena first; what the budget leaves, strata.torch's own
+    # host memory: the paged optimizer state, strata.torch.AdamW's, and the spilled
+    # checkpoints), made once the arena is pinned so a default budget does not count it twice.
+    session.host_budget = _planning.HostBudget(
+        request.host_budget, session.runtime.capabilities().tier_budget_bytes[1])
+    session.spill.use_budget(session.host_budget)
     if plan.layers is not None:
         try:
             session.place(plan.layers, plan.host_budget, plan.place_nvme,

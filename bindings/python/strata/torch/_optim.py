@@ -291,7 +291,8 @@ class _Optimizer(torch.optim.Optimizer):
         live = [master for p, master, _ in self._resident if master is p]
         spill = session.spill
         pager = StatePager(self._inner, groups, session.device, live, auto=auto,
-                           reserve=spill.backward_reserve)
+                           reserve=spill.backward_reserve,
+                           budget=getattr(session, "host_budget", None))
         # The session calls the pager while it lives (weakly held: the optimizer owns it).
         # Forward points count the resident blocks first, then the streamed ones.
         resident, streamed = len(session.resident_blocks), len(session.layers)

@@ -1,7 +1,9 @@
 """The optimizer state of resident parameters paged to host memory between a step and the next
 backward pass (issue 13: the HBM that kept activations need at the loss's peak). On by
 default on CUDA (strata.torch.AdamW.PAGED_STATE = "auto"; docs/python-reference.md, Performance): from
-the first step's end, as much as fits in half the host's available memory. Measured in
+the first step's end, as much as fits in what host_budget leaves beside the arena and the
+spilled checkpoints (the session's strata.torch._planning.HostBudget; the default budget leaves
+half the host memory available once the arena is made). Measured in
 docs/benchmarks.md: with the activation keeper planning from the allocated peak, the 3.6B
 Llama at 32x1024 on an H200 keeps 22 blocks instead of 14 (414 TFLOPS against 402 in one run),
 the 8B 13 instead of 3 (2.6% faster in one run), and the 8B at 16x1024 on an H100 7 instead of
@@ -64,12 +66,11 @@ buffer up to a power of two). Not under data parallelism (strata.torch._distribu
 residents replicated and in sync as they are); on the CPU (the tests) the host copy is another
 CPU buffer and nothing is sized."""
 
-import os
 import weakref
 
 import torch
 
-from . import _host
+from . import _planning
 
 
 class StatePager:
@@ -81,16 +82,23 @@ class StatePager:
     # The share of the measured window (copies out during the forward pass) the paged bytes
     # may take: the copies' rate varies with what the host does meanwhile.
     WINDOW_SHARE = 0.85
-    # auto: at most this share of the host memory available when it decides (the first
-    # groups whose tensors fit; none: nothing pages).
-    HOST_SHARE = 0.5
+    # Without a budget (a pager made outside strata.torch.AdamW): auto takes at most this
+    # share of the host memory available when it decides (the first groups whose tensors fit;
+    # none: nothing pages), the share a default host_budget leaves strata.torch's own host
+    # memory (one constant: _planning.POOL_SHARE).
+    HOST_SHARE = _planning.POOL_SHARE
 
-    def __init__(self, inner, groups, device, live=(), sizing=True, auto=False, reserve=None):
+    def __init__(self, inner, groups, device, live=(), sizing=True, auto=False, reserve=None,
+                 budget=None):
         self.inner = inner
         # What the backward pass may still allocate beyond what it holds when a block's
         # backward begins (bytes; None: unknown, and the copies back follow the schedule alone).
         self.reserve = reserve
         self.groups = [list(g) for g in groups if g]
+        # The session's strata.torch._planning.HostBudget: the host copies take at most what
+        # host_budget leaves (auto: decided at the first step's end; a count of blocks or
+        # every resident parameter's: the first groups that fit now, here).
+        self.budget = budget
         self.live = {id(m) for m in live}
         self.device = device
         cuda = device.type == "cuda"
@@ -135,6 +143,19 @@ class StatePager:
         self.has_paged = False  # some page-out took tensors (the keeper measures afresh)
         self.full_steps = 0  # steps' page-outs that took everything, before the sizing
         self.last_point = "end"  # the forward pass's last point seen (forward_begins)
+        if budget is not None:
+            budget.add("paged optimizer state", self)
+            if self.probe is None:
+                fits = self._fitting(budget.room())
+                self.groups = self.groups[:fits]
+                self.active = fits
+                if fits == 0:
+                    self.sized = True  # nothing to time: the activation keeper may plan
+
+    @property
+    def host_bytes(self):
+        """Bytes of host memory the host copies hold (their registered buffers)."""
+        return sum(b.numel() for b in self.registered)
 
     # --- which tensors ---------------------------------------------------------------------
 
@@ -278,20 +299,21 @@ class StatePager:
     def _probing(self, timed):
         """auto, at a page-out: whether nothing pages now. Not at the optimizer's creation
         (`timed` False: the masters would leave before any step measured anything); at the
-        first step's end (the moments exist), the first groups whose tensors fit in
-        HOST_SHARE of the host memory available page from then on, as without auto (none
-        fit: nothing ever pages)."""
+        first step's end (the moments exist), the first groups whose tensors fit in what the
+        budget leaves then (without one: HOST_SHARE of the host memory available) page from
+        then on, as without auto (none fit: nothing ever pages)."""
         if not timed:
             return True
         self.probe = None
-        available = _available_host_bytes()
-        fits, total = 0, 0
-        for group in self.groups:
-            total += sum(self._paged_size(m) for m in group)
-            if total > self.HOST_SHARE * available:
-                break
-            fits += 1
-        self.decision = dict(host_available_bytes=available, groups_fitting_host=fits)
+        if self.budget is not None:
+            available = None
+            room = self.budget.room()
+        else:
+            available = _available_host_bytes()
+            room = self.HOST_SHARE * available
+        fits = self._fitting(room)
+        self.decision = dict(host_available_bytes=available, host_room_bytes=int(room),
+                             groups_fitting_host=fits)
         if fits == 0:
             self.active, self.sized = 0, True
             return True
@@ -299,11 +321,22 @@ class StatePager:
         self.active = fits
         return False
 
+    def _fitting(self, room):
+        """How many of the first groups' host copies fit in `room` bytes."""
+        fits, total = 0, 0
+        for group in self.groups:
+            total += sum(self._paged_size(m) for m in group)
+            if total > room:
+                break
+            fits += 1
+        return fits
+
     def _paged_size(self, master):
         """The bytes a master pages once AdamW's state exists: the master itself (unless it
         is the model's own fp32 parameter) and its two fp32 moments (counted from the master:
         a first step without grads makes none, and a fit counted from what exists then was 3x
-        too small)."""
+        too small). The host buffer aligns each tensor to 512 bytes (_host_for): at most
+        that much more per tensor, inside host_budget's documented constant."""
         moments = 2 * master.numel() * 4
         return moments + (0 if id(master) in self.live else _nbytes(master))
 
@@ -522,13 +555,8 @@ class StatePager:
 
 
 def _available_host_bytes():
-    """The host memory available now (Linux's MemAvailable: free plus what the kernel can
-    reclaim, read as offload reads it for its budgets), or the free pages where
-    /proc/meminfo cannot be read."""
-    available = _host.mem_available()
-    if available is not None:
-        return available
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """The host memory available now (a pager without a budget decides from it)."""
+    return _planning.available_host_bytes()
 
 
 def _take(queue, quota):

@@ -1,8 +1,12 @@
 """Sizing, before anything is built: how strata.torch lays out a streamed parameter's fp32
 master, the budgets a session's runtime gets by default, how many of the first blocks stay
 resident in HBM, whether the streamed blocks fit the host budget, and with NVMe which placement
-of their training state the budgets allow. The byte counts are the runtime's (strata.core asks
+of their training state the budgets allow, and what host_budget leaves beside the arena to
+strata.torch's own host memory (HostBudget). The byte counts are the runtime's (strata.core asks
 the C library); what is decided here is strata.torch's policy on top of them."""
+
+import os
+import weakref
 
 import torch
 
@@ -57,11 +61,32 @@ def with_accumulators(dram, counts, element):
     return dram
 
 
+def arena_need(counts, dtype, grads):
+    """(the DRAM the streamed blocks of `counts` elements need without NVMe, the room their
+    gradient accumulators take): core.streaming_budgets' and core.accum_bytes', the library's
+    figures. The arena never uses more than their sum."""
+    element = element_bytes(dtype)
+    _, dram = core.streaming_budgets(counts, element, master_layout(dtype), grads)
+    return dram, core.accum_bytes(counts, element)
+
+
+def arena_budget(blocks, dtype, mesh, grads, host_budget):
+    """Without NVMe, the runtime's DRAM arena out of a given host_budget: at most what the
+    arena can use (arena_need: the blocks and their accumulators; pinned whole at start, more
+    would be memory nobody uses), the rest of the budget left to strata.torch's own host
+    memory (HostBudget). None: the default (session_budgets)."""
+    if host_budget is None:
+        return None
+    dram, accum = arena_need(block_elements(blocks, mesh), dtype, grads)
+    return min(host_budget, dram + accum)
+
+
 def session_budgets(counts, dtype, grads, gpu_budget, host_budget):
-    """The HBM and DRAM budgets of a session's runtime: the given ones, or what the streamed
-    blocks of `counts` elements need (core.streaming_budgets), with room for the gradient
-    accumulators where the host has it (with_accumulators). With grads in HBM a given
-    gpu_budget is the slots' and the grads come beside it."""
+    """The HBM and DRAM budgets of a session's runtime: the given ones (a DRAM one is the
+    arena's share of host_budget: arena_budget, plan_nvme), or what the streamed blocks of
+    `counts` elements need (core.streaming_budgets), with room for the gradient accumulators
+    where the host has it (with_accumulators). With grads in HBM a given gpu_budget is the
+    slots' and the grads come beside it."""
     element = element_bytes(dtype)
     hbm, dram = core.streaming_budgets(counts, element, master_layout(dtype), grads)
     if host_budget is None:
@@ -149,11 +174,12 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
     chooses, from the budgets and the rates measured on the runtime, which blocks' state and
     weights go there, fastest predicted step first (docs/optimizer.md, "State on NVMe"). Here
     it only checks, with no rates, that some placement fits: nothing is created otherwise.
-    Returns (layers: per block the sizes the placement weighs, host_budget, nvme_budget, what
-    the placement may put on NVMe), the budgets filled in where not given: DRAM what every
-    tensor and the gradient accumulators need or 85% of the available memory, whichever is
-    less (the placement puts state in DRAM first: what is left holds accumulators, the rest
-    of them go to NVMe at the first accumulation); NVMe room for everything that could spill,
+    Returns (layers: per block the sizes the placement weighs, the arena's DRAM budget,
+    nvme_budget, what the placement may put on NVMe), the budgets filled in where not given:
+    DRAM what every tensor and the gradient accumulators need or 85% of the available memory,
+    whichever is less, and of a given host_budget at most what they need (the rest is
+    strata.torch's own host memory's: HostBudget); the placement puts state in DRAM first:
+    what is left holds accumulators, the rest of them go to NVMe at the first accumulation; NVMe room for everything that could spill,
     accumulators included, at most what the disks have free (the runtime preallocates its
     files).
 
@@ -177,13 +203,18 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
         layer["name"] = "blocks.%d" % i
     # Grads on the device: the placement counts the DRAM buffer they are read through.
     sizes = core.layout_totals(layers)
+    # Every tensor in DRAM, the staging slots and the accumulators: the most the arena can
+    # use; of a given host_budget the rest is left to strata.torch's own host memory
+    # (HostBudget).
+    full = sizes["dram_bytes"] + sizes["accum_bytes"]
     if host_budget is None:
         available = _host.mem_available()
-        # Every tensor in DRAM, the staging slots and the accumulators.
-        host_budget = sizes["dram_bytes"] + sizes["accum_bytes"]
+        host_budget = full
         if available is not None:
             ranks = 1 if mesh is None else mesh.ranks_on_host()
             host_budget = min(host_budget, int(available * HOST_SHARE) // ranks)
+    else:
+        host_budget = min(host_budget, full)
     # The NVMe tier holds what the placement puts there and the tier's margins (the library's
     # rule, strata_layout_totals_t: 64 MiB a block and 5%): the placement may use
     # nvme_placeable_bytes of it, the same figure in the check here and in the session's choice.
@@ -207,3 +238,75 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
         raise ValueError("strata.torch.offload: %s with training state and weights on NVMe "
                          "(%s); nothing was changed" % (short, e)) from None
     return layers, host_budget, nvme_budget, place_nvme
+
+
+# strata.torch's own host memory beside the arena (HostBudget's pools: the resident
+# parameters' paged optimizer state, strata.torch._paging; block checkpoints spilled to host
+# memory, strata.torch._spill) without a host_budget: this share of the host memory available
+# once the arena is made (the paged state alone took half of it at the first step's end
+# before the pools were counted together).
+POOL_SHARE = 0.5
+
+
+class HostBudget:
+    """host_budget as a promise: what one session's run takes of the host's memory. The
+    runtime's DRAM arena (pinned whole at start: `arena`, its budget) comes first; what the
+    budget leaves beside it is for strata.torch's own pools (the paged optimizer state, the
+    spilled checkpoints), which ask room() before they take host memory and report what they
+    hold (`host_bytes`); a pool that gets no room takes less (fewer groups page, fewer blocks
+    spill) and says so. `given`: the user's host_budget, or None: then the budget is the
+    arena and POOL_SHARE of the host memory available now (made just after the runtime, so
+    the arena is not counted twice). `available`: that memory (None: read it)."""
+
+    def __init__(self, given, arena, available=None):
+        self.given = given
+        self.arena = int(arena)
+        if given is not None:
+            self.total = int(given)
+        else:
+            if available is None:
+                available = available_host_bytes()
+            self.total = self.arena + int(POOL_SHARE * available)
+        self._pools = []  # (name, weakref to an object with host_bytes)
+
+    def add(self, name, pool):
+        """Count `pool` (an object whose host_bytes is what it holds now) against the budget
+        while it lives."""
+        self._pools.append((name, weakref.ref(pool)))
+
+    def held(self):
+        """{pool name: host bytes it holds now} of the pools alive."""
+        out = {}
+        for name, ref in self._pools:
+            pool = ref()
+            if pool is not None:
+                out[name] = out.get(name, 0) + int(pool.host_bytes)
+        return out
+
+    def room(self):
+        """Host bytes a pool may take now: the budget less the arena and what every pool
+        holds (0 when nothing is left)."""
+        return max(0, self.total - self.arena - sum(self.held().values()))
+
+    def describe(self):
+        """'host budget X (given|default): DRAM arena Y, <pool> Z, ..., W left', for
+        placement()."""
+        held = self.held()
+        parts = ["DRAM arena %s" % _size(self.arena)]
+        parts += ["%s %s" % (name, _size(n)) for name, n in held.items() if n]
+        return "host budget %s (%s): %s, %s left" % (
+            _size(self.total), "given" if self.given is not None else "default",
+            ", ".join(parts), _size(self.room()))
+
+
+def available_host_bytes():
+    """The host memory available now (Linux's MemAvailable: free plus what the kernel can
+    reclaim), or the free pages where /proc/meminfo cannot be read."""
+    available = _host.mem_available()
+    if available is not None:
+        return available
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _size(n):
+    return "%.2f GiB" % (n / (1 << 30)) if n >= 1 << 30 else "%.1f MiB" % (n / (1 << 20))

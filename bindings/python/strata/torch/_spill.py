@@ -30,9 +30,16 @@ blocks' inputs go to host memory:
   it. A copy out and back is bit-exact;
 - the buffers: one per spilled block, kept from step to step (no per-step cudaHostAlloc),
   grown when the batch grows; host memory pinned with cudaHostRegister at the exact size
-  (torch's pinned allocator rounds to a power of two). The pool refuses a buffer that would
-  leave less than HOST_RESERVE of the machine's memory available: that block does not spill,
-  and an out-of-memory error of the step says so. Their bytes: session.host_pinned_extra_bytes().
+  (torch's pinned allocator rounds to a power of two). They count against host_budget (the
+  session's strata.torch._planning.HostBudget): the pool refuses a buffer beyond what the
+  budget leaves beside the arena and the paged optimizer state, or one that would leave less
+  than HOST_RESERVE of the machine's memory available: that block does not spill, describe()
+  (placement()) says how many more the decision wanted, and an out-of-memory error of the
+  step names the remedy (host_budget). Their bytes: session.host_pinned_extra_bytes().
+
+The decision's fake-tensor forward runs with every forward hook held back
+(without_forward_hooks): it is a prediction, and the user's hooks see only real forward
+passes.
 
 Only the block's hidden states are spilled (its first tensor argument with two dimensions or
 more, or hidden_states=): what else it is given (rotary tables, masks) is one tensor shared by
@@ -48,6 +55,7 @@ device itself: the automatic mode then spills nothing (it would save no memory),
 out-of-memory error says to turn it off (streamed blocks recompute already); True spills
 anyway (the same values)."""
 
+import contextlib
 import os
 import time
 
@@ -111,16 +119,23 @@ def _host_memory():
 class HostPool:
     """The host buffers of spilled checkpoints, one per block position, reused from step to
     step. `pinned`: page-locked (cudaHostRegister) for asynchronous copies to and from the
-    device; otherwise ordinary memory (the CPU device)."""
+    device; otherwise ordinary memory (the CPU device). `budget`: the session's
+    strata.torch._planning.HostBudget (None: only the host's memory bounds it)."""
 
-    def __init__(self, pinned):
+    def __init__(self, pinned, budget=None):
         self.pinned = pinned
+        self.budget = budget
         self.buffers = {}  # position -> uint8 tensor
         self.refused = 0  # buffers refused for lack of host memory
+        self.over_budget = 0  # buffers refused because host_budget had no room left
+        self.wanted = 0  # the bytes of the last buffer refused for the budget
+        self.last_refusal = None  # why the last refusal: "host" or "budget"
 
     @property
     def nbytes(self):
         return sum(b.numel() for b in self.buffers.values())
+
+    host_bytes = nbytes  # what a HostBudget counts
 
     def holds(self, position, nbytes):
         buf = self.buffers.get(position)
@@ -134,18 +149,26 @@ class HostPool:
         available, total = _host.mem_available(), _host_memory()
         if available is not None and total is not None and \
                 nbytes > available - int(total * HOST_RESERVE):
-            self.refused += 1
-            return False
+            return self._refuse("host")
+        if self.budget is not None and nbytes > self.budget.room():
+            self.wanted = nbytes
+            return self._refuse("budget")
         try:
             buf = torch.empty(nbytes, dtype=torch.uint8)
         except RuntimeError:
-            self.refused += 1
-            return False
+            return self._refuse("host")
         if self.pinned and not _register(buf):
-            self.refused += 1
-            return False
+            return self._refuse("host")
         self.buffers[position] = buf
         return True
+
+    def _refuse(self, why):
+        if why == "budget":
+            self.over_budget += 1
+        else:
+            self.refused += 1
+        self.last_refusal = why
+        return False
 
     def view(self, position, t):
         """Buffer `position` as a tensor of t's shape and dtype (None when there is none or it
@@ -214,6 +237,8 @@ class Spiller:
         self.pool = HostPool(pinned=self.cuda)
         self.side = None  # the copies' stream (CUDA)
         self.count = 0  # the first blocks spilling now
+        self.wanted = 0  # the first blocks the decision wanted spilled (count: those it got)
+        self.stopped_by = None  # why count < wanted: the pool's refusal ("host", "budget")
         self.fits = True  # whether the step was predicted to fit with them
         self.tokens = 0  # the tokens the decision was made for
         self.base = 0  # what torch held at that forward pass's start
@@ -248,6 +273,12 @@ class Spiller:
         """Bytes of host memory the spill buffers hold."""
         return self.pool.nbytes
 
+    def use_budget(self, budget):
+        """Count the buffers against `budget` (the session's strata.torch._planning.HostBudget):
+        a buffer beyond what it leaves is refused, and that block keeps its checkpoint."""
+        self.pool.budget = budget
+        budget.add("spilled checkpoints", self.pool)
+
     def close(self):
         self.records = {}
         self._quiesce()
@@ -268,16 +299,17 @@ class Spiller:
         self.records = {}
         hidden = hidden_of(args, kwargs)
         if self.mode is False or hidden is None:
-            self.count = 0
+            self.count = self.wanted = 0
             return
         tokens = hidden.numel() // hidden.shape[-1]
         nbytes = hidden.numel() * hidden.element_size()
         if self.mode is True:
+            self.wanted = self.positions
             self.count = self._reserve(self.positions, nbytes)
             self.tokens = tokens
             return
         if not self.cuda:
-            self.count = 0
+            self.count = self.wanted = 0
             return
         base = torch.cuda.memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -302,6 +334,7 @@ class Spiller:
         count, self.fits = spill_count(checkpoints,
                                        base - leaving + self._grad_bytes() + kept,
                                        max(working, leaving), usable, margin)
+        self.wanted = count
         self.count = self._reserve(count, nbytes)
         self.fits = self.fits and self.count == count
         inflight = sum(sorted(checkpoints[:self.count], reverse=True)[:PREFETCH_DEPTH + 1])
@@ -313,8 +346,10 @@ class Spiller:
         """Buffers for the first `count` blocks: how many the host gave."""
         if any(not self.pool.holds(position, nbytes) for position in range(count)):
             self._quiesce()  # a buffer is replaced: the last step's copies may still use it
+        self.stopped_by = None
         for position in range(count):
             if not self.pool.reserve(position, nbytes):
+                self.stopped_by = self.pool.last_refusal
                 return position
         return count
 
@@ -345,7 +380,11 @@ class Spiller:
         if tokens not in self.measured:
             state = ForwardState(block)
             try:
-                measured = measure(run, args, kwargs, self.device, list(block.parameters()))
+                # A prediction, not a forward pass of the model's: the user's hooks do not see
+                # it (they would count it, or record fake tensors).
+                with without_forward_hooks(block):
+                    measured = measure(run, args, kwargs, self.device,
+                                       list(block.parameters()))
             finally:
                 state.restore_buffers()
             self.measured = {tokens: None if measured is None else measured[0]}
@@ -464,19 +503,37 @@ class Spiller:
         ready.record(side)
         record.restored, record.ready = t, ready
 
+    def _budget_short(self):
+        """Whether host_budget left no room for some of the buffers the decision wanted."""
+        return self.stopped_by == "budget" and self.count < self.wanted
+
     def describe(self):
-        """'N of M block checkpoints spilled to host memory (X GiB)', or ''."""
-        if self.count <= 0:
+        """'N of M block checkpoints spilled to host memory (X GiB)', what host_budget kept
+        from spilling, or ''."""
+        if self.count <= 0 and not self._budget_short():
             return ""
         if self.inside_checkpoint:
             return ("block checkpoints kept on the device (the blocks run inside "
                     "torch.utils.checkpoint, which keeps their inputs there)")
-        return "%d of %d block checkpoints spilled to host memory (%.2f GiB)%s" % (
-            self.count, self.positions, self.host_bytes / (1 << 30),
-            "" if self.fits else ", the step predicted short even so")
+        said = "%d of %d block checkpoints spilled to host memory (%.2f GiB)" % (
+            self.count, self.positions, self.host_bytes / (1 << 30))
+        if self._budget_short():
+            return said + ("; %d more kept on the device: host_budget has no room for them "
+                           "(%.2f GiB left of it, %.2f GiB a checkpoint)%s"
+                           % (self.wanted - self.count, self.pool.budget.room() / (1 << 30),
+                              self.pool.wanted / (1 << 30),
+                              "" if self.fits else ", the step predicted short"))
+        return said + ("" if self.fits else ", the step predicted short even so")
 
     def note(self):
         """What an out-of-memory error of the step is told, or None."""
+        if self._budget_short():
+            return ("strata.torch: host_budget had room for %d of the %d block checkpoints "
+                    "the step needed spilled to host memory (%.2f GiB of it left, %.2f GiB a "
+                    "checkpoint): the others stayed on the device; raise host_budget (or pass "
+                    "a smaller resident_blocks, or a smaller batch)"
+                    % (self.count, self.wanted, self.pool.budget.room() / (1 << 30),
+                       self.pool.wanted / (1 << 30)))
         if self.pool.refused:
             return ("strata.torch: %d block checkpoint buffer(s) of host memory were refused "
                     "(less than %d%% of the machine's memory would have stayed available): "
@@ -493,6 +550,33 @@ class Spiller:
                     "step was predicted short even so: pass a smaller resident_blocks, or a "
                     "smaller batch" % self.count)
         return None
+
+
+@contextlib.contextmanager
+def without_forward_hooks(module):
+    """No forward hook or forward pre-hook runs inside: those of `module` and every module in
+    it, and the global ones (torch.nn.modules.module.register_module_forward_hook). Each hook
+    dictionary is swapped for an empty one and the same object put back after, so a hook
+    handle's remove() still finds its own (the handles hold the dictionaries)."""
+    import torch.nn.modules.module as nn_module
+
+    dicts = ("_forward_hooks", "_forward_pre_hooks")
+    globals_ = ("_global_forward_hooks", "_global_forward_pre_hooks")
+    saved = [(m, name, m.__dict__[name]) for m in module.modules() for name in dicts
+             if m.__dict__.get(name)]
+    saved_globals = [(name, getattr(nn_module, name)) for name in globals_
+                     if getattr(nn_module, name, None)]
+    try:
+        for m, name, hooks in saved:
+            m.__dict__[name] = type(hooks)()
+        for name, hooks in saved_globals:
+            setattr(nn_module, name, type(hooks)())
+        yield
+    finally:
+        for m, name, hooks in saved:
+            m.__dict__[name] = hooks
+        for name, hooks in saved_globals:
+            setattr(nn_module, name, hooks)
 
 
 def _inside_checkpoint():
