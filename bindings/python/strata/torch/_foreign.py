@@ -3,23 +3,26 @@ FSDP2's fully_shard (and torch's composable replicate), FSDP1's FullyShardedData
 DeepSpeed's engine each take over the parameters' memory (broadcast into them, flatten or shard
 them) and their gradient reduction, which Strata already owns: the streamed parameters are
 placeholders over Strata's memory, their grads live in Strata, and offload() is data parallel by
-itself under torchrun. Without a refusal they fail far from the cause (a broadcast into a
-placeholder, "parameters added after offload" at the optimizer) or, worse, train silently
-wrong (a DDP built before the optimizer reduces only the resident grads).
+itself under torchrun. Unrefused, they failed far from the cause (a broadcast into a
+placeholder, "parameters added after offload" at the optimizer, a layer that "declares no
+weights"), or ran with one rank in a way neither was made for (a DDP built before the
+optimizer).
 
-Refused as early as each can be seen without patching torch or DeepSpeed:
+Refused as early as each can be seen without patching torch or DeepSpeed, with a message that
+names the wrapper, says why and names offload's own data parallelism:
 - DistributedDataParallel(model): when it is built, through the attribute DDP reads first from
   the module it wraps (_ddp_params_and_buffers_to_ignore), before it touches anything.
 - fully_shard / replicate on the model or any of its modules: when applied, through the
   per-module state of torch's composable-API contract, before the API records or changes
   anything (an empty registry the contract created the instant before is removed).
-- Otherwise at the model's first training forward (its forward pre-hook): a DDP around a module
-  that holds the model (DDP's own record of the DDP whose forward runs), a module that
-  fully_shard changed (a guard above missing in another torch), FSDP1 or a DeepSpeed engine
-  calling the model (the calling frames: neither reads anything from the model it wraps that
-  could say so earlier). Those two change the model when they are built (FSDP1 flattens its
-  parameters, DeepSpeed broadcasts into them and partitions them): the message says to offload
-  it again."""
+- DeepSpeed's engine: when its constructor moves the model to its device (model.to, which
+  reaches strata.torch._hooks.guard_apply), before it broadcasts into the parameters or
+  partitions them; DeepSpeed reads nothing from the model before that could say so.
+- Otherwise at the model's training forward (its forward pre-hook): a DDP around a module that
+  holds the model (DDP's own record of the DDP whose forward runs), a module that fully_shard
+  changed (the contract's state unguarded in another torch), FSDP1 or a DeepSpeed engine that
+  did not move the model calling it (found in the calling frames). FSDP1 flattens the
+  parameters when it is built: the message then says to offload the model again."""
 
 import importlib
 import sys
