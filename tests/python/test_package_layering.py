@@ -17,6 +17,7 @@ MODULE_ORDER = [
     "strata.core",
     "strata.torch._host",  # host probes: MemAvailable, free disk, a NUMA node's CPUs
     "strata.torch._chunked_loss",  # the causal-LM loss over chunks of tokens (imports torch only)
+    "strata.torch._foreign",  # DDP, FSDP, DeepSpeed over an offloaded model refused (torch only)
     "strata.torch._allocator",  # torch's CUDA caching allocator settings
     "strata.torch._params",  # per-parameter bookkeeping, a table keyed by the parameter
     "strata.torch._surgery",  # model surgery: blocks, shared parameters, meta modules, swap

@@ -7,7 +7,7 @@ which says why it cannot be."""
 
 import torch
 
-from . import _params
+from . import _foreign, _params
 from ._block import note_memory, note_spill
 from ._surgery import swap_data
 
@@ -221,6 +221,7 @@ def guard_apply(session, module, streamed):
     original = module._apply
 
     def _apply(fn, *args, **kwargs):
+        _foreign.refuse_engine_moving(module)  # DeepSpeed's engine wrapping the model
         for p in streamed:
             t = fn(p.data)
             if t.dtype != p.dtype or t.device != p.device:

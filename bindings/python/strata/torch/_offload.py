@@ -22,8 +22,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from . import (_allocator, _chunked_loss, _distributed, _hooks, _params, _planning, _surgery,
-               _weights)
+from . import (_allocator, _chunked_loss, _distributed, _foreign, _hooks, _params, _planning,
+               _surgery, _weights)
 from ._block import streamed_forward
 from ._layout import ShardedLayout
 from ._replay import replaying_forward_state, without_caches
@@ -456,12 +456,14 @@ def _restore_buffer(module, name, value):
 
 def _attach(model, session, plan, request):
     """model.strata, the load hooks around the build and between steps, the model's forward
-    pre-hook, the out-of-memory notes of a model with resident blocks, and the chunked loss
-    (last: nothing can fail after its hooks are in)."""
+    pre-hooks, the refusals of a second distribution layer (strata.torch._foreign), the
+    out-of-memory notes of a model with resident blocks, and the chunked loss (last: nothing
+    can fail after its hooks are in)."""
     model.strata = session
     around = _surgery.blocks_around(model, plan.blocks)
     _hooks.install_load_hooks(model, session, plan.blocks, around)
     model.register_forward_pre_hook(_hooks.ModelForwardBegins(session, around))
+    _foreign.install(model, around)  # DDP, FSDP, DeepSpeed over the model: refused
     if plan.kept:
         _hooks.note_memory_errors(model, session)
     if request.loss_chunk_tokens is not None:
