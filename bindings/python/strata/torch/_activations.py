@@ -56,7 +56,7 @@ import time
 import torch
 
 from . import _allocator
-from ._replay import ForwardState
+from ._replay import ForwardState, without_forward_hooks
 
 
 def _costly_ops():
@@ -359,10 +359,12 @@ class ActivationKeeper:
             started = time.perf_counter()
             # The fake forward runs ops on 0-dim CPU buffers for real (a call counter,
             # BatchNorm's num_batches_tracked): they are put back after it.
+            # The user's forward hooks see only real forward passes (without_forward_hooks).
             state = ForwardState(self.blocks[index])
             try:
-                self.measured[index] = measure(run, args, kwargs, self.device,
-                                               list(self.blocks[index].parameters()))
+                with without_forward_hooks(self.blocks[index]):
+                    self.measured[index] = measure(run, args, kwargs, self.device,
+                                                   list(self.blocks[index].parameters()))
             finally:
                 state.restore_buffers()
             self.measure_seconds += time.perf_counter() - started

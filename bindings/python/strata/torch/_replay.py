@@ -86,3 +86,30 @@ def replaying_forward_state(module, run):
         return run(*args, **kwargs)
 
     return call
+
+
+@contextlib.contextmanager
+def without_forward_hooks(module):
+    """No forward hook or forward pre-hook runs inside: those of `module` and every module in
+    it, and the global ones (torch.nn.modules.module.register_module_forward_hook). Each hook
+    dictionary is swapped for an empty one and the same object put back after, so a hook
+    handle's remove() still finds its own (the handles hold the dictionaries)."""
+    import torch.nn.modules.module as nn_module
+
+    dicts = ("_forward_hooks", "_forward_pre_hooks")
+    globals_ = ("_global_forward_hooks", "_global_forward_pre_hooks")
+    saved = [(m, name, m.__dict__[name]) for m in module.modules() for name in dicts
+             if m.__dict__.get(name)]
+    saved_globals = [(name, getattr(nn_module, name)) for name in globals_
+                     if getattr(nn_module, name, None)]
+    try:
+        for m, name, hooks in saved:
+            m.__dict__[name] = type(hooks)()
+        for name, hooks in saved_globals:
+            setattr(nn_module, name, type(hooks)())
+        yield
+    finally:
+        for m, name, hooks in saved:
+            m.__dict__[name] = hooks
+        for name, hooks in saved_globals:
+            setattr(nn_module, name, hooks)

@@ -127,6 +127,9 @@ class StrataSession:
         # (unbuild), nothing of the values being lost.
         self.relayable = False
         self.optimizer_made = False  # strata.torch.AdamW was created for this session
+        # The host memory account (strata.torch._planning.HostBudget: the arena, the paged
+        # state, the spill pool), made by offload once the runtime exists.
+        self.host_budget = None
         # Evaluated before the build: id(param) -> its own data, put back after the block ran.
         self._unmoved = {}
         started = time.perf_counter()
@@ -355,13 +358,18 @@ class StrataSession:
         line += "; budgets: DRAM %s" % size(caps.tier_budget_bytes[1])
         if caps.tiers_available[2]:
             line += ", NVMe %s" % size(caps.tier_budget_bytes[2])
+        if self.host_budget is not None:
+            line += "; " + self.host_budget.describe()
         return line
 
     def host_pinned_extra_bytes(self):
-        """Host memory strata.torch pins for this session beside the runtime's budgets: the
-        buffers of block checkpoints spilled to host memory (strata.torch._spill), kept from
-        step to step."""
-        return self.spill.host_bytes
+        """Host memory strata.torch holds for this session beside the runtime's arena, counted
+        against host_budget (strata.torch._planning.HostBudget): the resident parameters'
+        paged optimizer state (strata.torch._paging) and the buffers of block checkpoints
+        spilled to host memory (strata.torch._spill), kept from step to step."""
+        if self.host_budget is None:
+            return self.spill.host_bytes
+        return sum(self.host_budget.held().values())
 
     def accumulators_text(self, size):
         """Where the streamed parameters' fp32 gradient accumulators live (the optimizer
