@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Issue 39's fair-peer series on one multi-GPU host, in one command of at most ~9 minutes:
+# Issue 39's fair-peer series on one multi-GPU host (the whole series takes more than one
+# 10-minute device call: run it in two, `-- --runs strata:1,strata:4,strata:1:4,megatrain:4`
+# and `-- --runs deepspeed:4,fsdp2:4,deepspeed-nvme:4`; each call at most ~9 minutes):
 # Strata on 1 GPU, on N GPUs and on 1 GPU with N times the rows (the losses strata:N must
 # equal), then MegaTrain's data-parallel mode, DeepSpeed ZeRO-3 offloading to the CPU, FSDP2 with
 # CPUOffloadPolicy and ZeRO-Infinity (NVMe), each on N GPUs, slowest last (bench/dist_bench.py:
@@ -69,7 +71,7 @@ export PYTHONUNBUFFERED=1
     df -h "$PWD" | tail -1 | awk '{print "disk for the NVMe runs: " $4 " free of " $2 " (" $6 ")"}'
     # CPU threads a rank: the host's cores over all its GPUs, not over the GPUs a run uses.
     HOST_GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-    ARGS=(--models "$MODEL" --gpus "$GPUS" --host-gpus "${HOST_GPUS:-0}" --batch 16 --seq 1024 --steps 2 --warmup 1
+    ARGS=(--models "$MODEL" --gpus "$GPUS" --host-gpus "${HOST_GPUS:-0}" --batch 16 --seq 1024 --steps 4 --warmup 2
           --clip 1.0 --budget "$BUDGET" --host-memory "$HOST_MEMORY" --logs "$RUNLOGS"
           --json "$OUT/summary.json" --markdown "$OUT/summary.md")
     [ -n "$MEGATRAIN" ] && ARGS+=(--megatrain-dir "$MEGATRAIN")
