@@ -194,6 +194,28 @@ def test_the_arena_takes_at_most_what_it_can_use(monkeypatch):
     assert _planning.arena_budget(blocks, torch.float32, None, "dram", None) is None
 
 
+def test_accumulators_room_is_judged_per_rank_of_the_host(monkeypatch):
+    """The default DRAM budget adds the gradient accumulators' room when the host's available
+    memory holds it; under data parallelism each process of the host makes such a budget, so
+    each judges against its share (two ranks that each took 85% of the host would pin 170%)."""
+    import types
+    import torch
+    from strata.torch import _host, _planning
+    blocks = [torch.nn.Linear(64, 64) for _ in range(3)]
+    counts = _planning.block_elements(blocks)
+    element = _planning.element_bytes(torch.float32)
+    dram, accum = _planning.arena_need(counts, torch.float32, "dram")
+    # Room for one rank's arena and accumulators, not for two.
+    available = int((dram + accum) / _planning.HOST_SHARE * 1.5)
+    monkeypatch.setattr(_host, "mem_available", lambda: available)
+    assert _planning.with_accumulators(dram, counts, element) == dram + accum
+    assert _planning.with_accumulators(dram, counts, element, ranks=2) == dram
+    two = types.SimpleNamespace(ranks_on_host=lambda: 2)
+    _, alone = _planning.session_budgets(counts, torch.float32, "dram", None, None)
+    _, shared = _planning.session_budgets(counts, torch.float32, "dram", None, None, two)
+    assert (alone, shared) == (dram + accum, dram)
+
+
 def _pager(groups, budget, auto=False):
     """A StatePager over CPU masters of `groups` sizes (elements), with no optimizer state
     yet (the sizing counts the moments to come from the masters)."""

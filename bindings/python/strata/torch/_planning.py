@@ -45,7 +45,7 @@ def block_elements(blocks, mesh=None):
 HOST_SHARE = 0.85
 
 
-def with_accumulators(dram, counts, element):
+def with_accumulators(dram, counts, element, ranks=1):
     """A default DRAM budget of `dram` bytes, with room for the gradient accumulators of the
     streamed blocks (`counts`: per block its trainable tensors' elements, or one count) added
     when the host's available memory holds both: then accumulating (a backward pass onto
@@ -53,10 +53,11 @@ def with_accumulators(dram, counts, element):
     and the optimizer puts the sums on NVMe when there is an NVMe tier, or the first
     accumulating step fails naming host_budget and nvme= (docs/optimizer.md, "Gradient
     accumulators"). A budget is pinned whole when the runtime starts: the room is spent
-    whether or not the run accumulates."""
+    whether or not the run accumulates. `ranks`: the processes of this host that each make
+    such a budget (data parallelism): each may take its share of the available memory."""
     accum = core.accum_bytes(counts, element)
     available = _host.mem_available()
-    if available is not None and dram + accum <= available * HOST_SHARE:
+    if available is not None and dram + accum <= available * HOST_SHARE / ranks:
         return dram + accum
     return dram
 
@@ -81,16 +82,18 @@ def arena_budget(blocks, dtype, mesh, grads, host_budget):
     return min(host_budget, dram + accum)
 
 
-def session_budgets(counts, dtype, grads, gpu_budget, host_budget):
+def session_budgets(counts, dtype, grads, gpu_budget, host_budget, mesh=None):
     """The HBM and DRAM budgets of a session's runtime: the given ones (a DRAM one is the
     arena's share of host_budget: arena_budget, plan_nvme), or what the streamed blocks of
     `counts` elements need (core.streaming_budgets), with room for the gradient accumulators
     where the host has it (with_accumulators). With grads in HBM a given gpu_budget is the
-    slots' and the grads come beside it."""
+    slots' and the grads come beside it. `mesh`: under data parallelism, the accumulators' room
+    is judged against this rank's share of the host."""
     element = element_bytes(dtype)
     hbm, dram = core.streaming_budgets(counts, element, master_layout(dtype), grads)
     if host_budget is None:
-        dram = with_accumulators(dram, counts, element)
+        dram = with_accumulators(dram, counts, element,
+                                 1 if mesh is None else mesh.ranks_on_host())
     if gpu_budget is not None and grads == "hbm":
         gpu_budget += core.grads_hbm_bytes(counts, element)  # beside the slots' budget
     return (hbm if gpu_budget is None else gpu_budget,

@@ -135,7 +135,7 @@ class StrataSession:
         started = time.perf_counter()
         gpu_budget, host_budget = _planning.session_budgets(
             self.layout.block_counts(self.blocks), self.dtype, self.grads_home,
-            choices.gpu_budget, choices.host_budget)
+            choices.gpu_budget, choices.host_budget, self.mesh)
         # The runtime computes on the model's GPU (cuda:1 is ordinal 1), not always the first.
         self.runtime = core.Runtime(backend=choices.backend, hbm_budget=gpu_budget,
                                     dram_budget=host_budget, nvme=choices.nvme,
