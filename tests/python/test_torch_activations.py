@@ -279,7 +279,8 @@ def resident_run(blocks, plan_from):
     from strata.torch._offload import _keep_resident
     keeper = ActivationKeeper(torch.device("cpu"), blocks)
     keeper.enabled = True
-    session = types.SimpleNamespace(activations=keeper, on_resident_forward_begin=[])
+    session = types.SimpleNamespace(activations=keeper, on_resident_forward_begin=[],
+                                    on_resident_backward_begin=[])
     for i, b in enumerate(blocks):
         _keep_resident(session, i, b)
     x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1))
