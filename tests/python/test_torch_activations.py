@@ -486,15 +486,15 @@ class CostlyOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def streamed_run(offload, base, data, keep, resident=0, keep_resident=None):
-    """Train `base` offloaded (`resident` resident blocks, the rest streamed) for `data`, the
-    last `keep` streamed blocks forced to keep selectively (None: as on the CPU by default, they
-    recompute), `keep_resident` resident blocks forced to keep selectively: (losses, norms,
-    state, costly ops run, placement)."""
+def streamed_run(offload, base, data, keep, resident=0, keep_resident=None, spill=None):
+    """Train `base` offloaded (`resident` resident blocks, the rest streamed; `spill`:
+    offload's spill_checkpoints) for `data`, the last `keep` streamed blocks forced to keep
+    selectively (None: as on the CPU by default, they recompute), `keep_resident` resident
+    blocks forced to keep selectively: (losses, norms, state, costly ops run, placement)."""
     import strata.torch as st
     from test_torch_parity import LR, WD
     from torch_parity_models import deepcopy, snapshot, synchronize, train
-    model = offload(deepcopy(base), resident_blocks=resident)
+    model = offload(deepcopy(base), resident_blocks=resident, spill_checkpoints=spill)
     if keep is not None:
         model.strata.activations.forced_streamed = keep
     if keep_resident is not None:
@@ -507,15 +507,17 @@ def streamed_run(offload, base, data, keep, resident=0, keep_resident=None):
     return losses, norms, snapshot(model), ops.ran, model.strata.placement()
 
 
-@pytest.mark.parametrize("arch,resident", [("llama", 0), ("gpt2", 0), ("llama", 1),
-                                           ("gpt2", 1)])
-def test_streamed_blocks_keeping_selectively_train_bit_identically(arch, resident, offload,
-                                                                   one_torch_thread):
+@pytest.mark.parametrize("arch,resident,spill", [("llama", 0, None), ("gpt2", 0, None),
+                                                 ("llama", 1, None), ("gpt2", 1, None),
+                                                 ("gpt2", 1, True)])
+def test_streamed_blocks_keeping_selectively_train_bit_identically(arch, resident, spill,
+                                                                   offload, one_torch_thread):
     """Streamed blocks that keep their matrix products' and attention's outputs (what measured
     spare memory turns on for them on CUDA; forced here) train bit for bit as when they
     recompute them, over steps with accumulation, clipping and (gpt2) dropout, beside a
-    resident block keeping selectively too; their backward pass runs none of those ops again;
-    and the training equals plain PyTorch's in fp32."""
+    resident block keeping selectively too, and with their checkpoints spilled to host memory;
+    their backward pass runs none of those ops again; and the training equals plain PyTorch's
+    in fp32."""
     from test_torch_parity import plain_run
     from torch_parity_models import assert_losses_close, assert_state_close, batches, build
     dropout = 0.1 if arch == "gpt2" else 0.0
@@ -523,8 +525,8 @@ def test_streamed_blocks_keeping_selectively_train_bit_identically(arch, residen
     data = batches(4)
     streamed = 4 - resident
     keep_resident = 1 if resident else None
-    recomputed = streamed_run(offload, base, data, None, resident, keep_resident)
-    kept = streamed_run(offload, base, data, streamed - 1, resident, keep_resident)
+    recomputed = streamed_run(offload, base, data, None, resident, keep_resident, spill)
+    kept = streamed_run(offload, base, data, streamed - 1, resident, keep_resident, spill)
     assert kept[0] == recomputed[0]  # the losses
     assert kept[1] == recomputed[1]  # the grad norms, clipped with
     assert kept[2].keys() == recomputed[2].keys()
@@ -536,6 +538,8 @@ def test_streamed_blocks_keeping_selectively_train_bit_identically(arch, residen
     assert "%d streamed blocks keep only their matrix products' and attention's outputs" % (
         streamed - 1) in kept[4]
     assert "streamed block" not in recomputed[4]
+    if spill:
+        assert "4 of 4 block checkpoints spilled to host memory" in kept[4]
     torch.manual_seed(7)
     from copy import deepcopy
     expected, expected_norms, expected_state = plain_run(deepcopy(base), data, accumulate=2,
