@@ -354,10 +354,12 @@ def test_an_out_of_memory_error_turns_keeping_off():
         activations = ActivationKeeper(torch.device("cpu"), [object()] * 3)
 
     Session.activations.plan = ["selective", "selective"]
+    Session.activations.streamed = 3
     error = torch.OutOfMemoryError("CUDA out of memory (simulated)")
     note_memory(Session, error)
-    assert Session.activations.count == 0
-    assert any("were keeping their activations" in n for n in error.__notes__), error.__notes__
+    assert Session.activations.count == 0 and Session.activations.streamed == 0
+    assert any("2 resident and 3 streamed block(s) were keeping their activations" in n
+               for n in error.__notes__), error.__notes__
 
 
 GB = 1 << 30

@@ -567,9 +567,9 @@ class ActivationKeeper:
                             "products' and attention's outputs)" % (count, count - whole))
         streamed = self.kept_streamed
         if streamed > 0:
-            said.append("%d streamed block%s keep%s only their matrix products' and attention's "
-                        "outputs" % (streamed, "" if streamed == 1 else "s",
-                                     "s" if streamed == 1 else ""))
+            said.append("%d streamed block%s only %s matrix products' and attention's "
+                        "outputs" % (streamed, " keeps" if streamed == 1 else "s keep",
+                                     "its" if streamed == 1 else "their"))
         return "; ".join(said)
 
 
