@@ -607,3 +607,43 @@ def test_streamed_blocks_measured_and_planned_after_the_resident_ones(offload):
         keeper._watch_retries()
         keeper._watch_retries()
     assert keeper.streamed == 0 and keeper.plan == [] and keeper.backed_off == 3
+
+
+def test_the_kept_forward_runs_the_ops_of_the_recompute():
+    """A streamed block keeping selectively runs its forward with grad, as its recompute will:
+    under no_grad an op can dispatch otherwise (SDPA's efficient and cuDNN attention skip
+    their logsumexp when nothing requires grad; here a block choosing its product by
+    requires_grad, as such kernels do), and the recompute would find no cached output for its
+    op (or, on older torch, another op's). With grad, the recompute runs no costly op and its
+    grads are autograd's."""
+    from strata.torch._block import _kept_forward
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def run(x):
+        h = x.relu()
+        if h.requires_grad:
+            return torch.mm(h, w).sigmoid()
+        return torch.bmm(h.unsqueeze(0), w.unsqueeze(0)).squeeze(0).sigmoid()
+
+    x = torch.randn(6, 4, requires_grad=True)
+    g = torch.randn(6, 4)
+    keeper = ActivationKeeper(torch.device("cpu"), [], [object()])
+    forward, recompute = keeper.streamed_contexts()
+    out = _kept_forward(run, (x,), {}, forward)
+    assert out.grad_fn is None  # nothing of the forward's graph is kept
+    inputs = x.detach().requires_grad_()
+    with CostlyOps() as ops, recompute:
+        again = run(inputs)
+    assert ops.ran == 0 and torch.equal(again, out)
+    got = torch.autograd.grad(again, [inputs, w], g)
+    expected = torch.autograd.grad(run(x), [x, w], g)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+    # The same forward under no_grad: another op, which the recompute does not find.
+    forward, recompute = keeper.streamed_contexts()
+    with torch.no_grad(), forward:
+        run(x)
+    with pytest.raises(RuntimeError), recompute:
+        run(x.detach().requires_grad_())
