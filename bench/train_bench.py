@@ -621,6 +621,11 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
             other = rest + resident * fwd + (resident - count) * bwd \
                 + (count - whole) * probe["backward_selective"] \
                 + whole * probe["backward_whole"] + resident_params * probe["update_per_param"]
+            # Streamed blocks keeping selectively: their backward is a selectively kept
+            # block's (their matrix products served from the forward's outputs), not the
+            # recompute's that the step model counts for every streamed block.
+            streamed_kept = keeper.kept_streamed if keeper is not None else 0
+            other += streamed_kept * (probe["backward_selective"] - bwd)
             predicted = model.strata.predict(fwd, bwd, other)
             out.update(probe=probe, probe_seconds=[fwd, bwd, rest],
                        predicted_step_seconds=predicted.info["predicted_step_seconds"],
@@ -635,13 +640,19 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
         keeper = getattr(model.strata, "activations", None)
         out["kept_activations"] = keeper.count if keeper is not None else 0
         out["kept_whole"] = keeper.whole if keeper is not None else 0
+        # Streamed blocks keeping their matrix products' and attention's outputs (issue 36).
+        out["kept_streamed"] = keeper.kept_streamed if keeper is not None else 0
         if keeper is not None:  # one block's saved bytes, kept wholly and selectively
             out["kept_block_gb"] = [None if b is None else b / 1e9
                                     for b in (keeper.block_bytes, keeper.selective_bytes)]
+            # The last streamed block's bytes kept selectively (every costly op's output).
+            streamed_bytes = keeper.streamed_bytes(len(keeper.streamed_blocks) - 1)
+            out["kept_streamed_block_gb"] = None if streamed_bytes is None \
+                else streamed_bytes / 1e9
             out["kept_measure_seconds"] = keeper.measure_seconds
             out["kept_backed_off"] = keeper.backed_off  # blocks dropped for allocation retries
-        out["plan"] += " (%d keep activations, %d of them wholly)" % (out["kept_activations"],
-                                                                     out["kept_whole"])
+        out["plan"] += " (%d keep activations, %d of them wholly; %d streamed keep " \
+            "selectively)" % (out["kept_activations"], out["kept_whole"], out["kept_streamed"])
         pager = getattr(opt, "_pager", None)
         if pager is not None:  # bytes paged a step; steps whose copies ran late
             out["paged_state"] = dict(gb=pager.paged_bytes / 1e9, late_out=pager.late_out,

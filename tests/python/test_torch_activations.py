@@ -354,10 +354,12 @@ def test_an_out_of_memory_error_turns_keeping_off():
         activations = ActivationKeeper(torch.device("cpu"), [object()] * 3)
 
     Session.activations.plan = ["selective", "selective"]
+    Session.activations.streamed = 3
     error = torch.OutOfMemoryError("CUDA out of memory (simulated)")
     note_memory(Session, error)
-    assert Session.activations.count == 0
-    assert any("were keeping their activations" in n for n in error.__notes__), error.__notes__
+    assert Session.activations.count == 0 and Session.activations.streamed == 0
+    assert any("2 resident and 3 streamed block(s) were keeping their activations" in n
+               for n in error.__notes__), error.__notes__
 
 
 GB = 1 << 30
@@ -470,3 +472,178 @@ def test_retries_between_steps_do_not_count(fake_cuda):
     memory["num_alloc_retries"] = 2  # in the step
     keeper.on_step()
     assert keeper.count == 7 and keeper.backed_off == 1
+
+
+class CostlyOps(TorchDispatchMode):
+    """Counts the costly ops (matrix products, attention) that actually run, per grad mode: a
+    kept op's output served from the cache never reaches this mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.ran = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in COSTLY_OPS:
+            self.ran += 1
+        return func(*args, **(kwargs or {}))
+
+
+def streamed_run(offload, base, data, keep, resident=0, keep_resident=None, spill=None):
+    """Train `base` offloaded (`resident` resident blocks, the rest streamed; `spill`:
+    offload's spill_checkpoints) for `data`, the last `keep` streamed blocks forced to keep
+    selectively (None: as on the CPU by default, they recompute), `keep_resident` resident
+    blocks forced to keep selectively: (losses, norms, state, costly ops run, placement)."""
+    import strata.torch as st
+    from test_torch_parity import LR, WD
+    from torch_parity_models import deepcopy, snapshot, synchronize, train
+    model = offload(deepcopy(base), resident_blocks=resident, spill_checkpoints=spill)
+    if keep is not None:
+        model.strata.activations.forced_streamed = keep
+    if keep_resident is not None:
+        model.strata.activations.forced = keep_resident
+    torch.manual_seed(7)
+    opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    with CostlyOps() as ops:
+        losses, norms = train(model, opt, data, accumulate=2, clip=1.0)
+    synchronize(opt)
+    return losses, norms, snapshot(model), ops.ran, model.strata.placement()
+
+
+@pytest.mark.parametrize("arch,resident,spill", [("llama", 0, None), ("gpt2", 0, None),
+                                                 ("llama", 1, None), ("gpt2", 1, None),
+                                                 ("gpt2", 1, True)])
+def test_streamed_blocks_keeping_selectively_train_bit_identically(arch, resident, spill,
+                                                                   offload, one_torch_thread):
+    """Streamed blocks that keep their matrix products' and attention's outputs (what measured
+    spare memory turns on for them on CUDA; forced here) train bit for bit as when they
+    recompute them, over steps with accumulation, clipping and (gpt2) dropout, beside a
+    resident block keeping selectively too, and with their checkpoints spilled to host memory;
+    their backward pass runs none of those ops again; and the training equals plain PyTorch's
+    in fp32."""
+    from test_torch_parity import plain_run
+    from torch_parity_models import assert_losses_close, assert_state_close, batches, build
+    dropout = 0.1 if arch == "gpt2" else 0.0
+    base = build(arch, dropout=dropout, layers=4)
+    data = batches(4)
+    streamed = 4 - resident
+    keep_resident = 1 if resident else None
+    recomputed = streamed_run(offload, base, data, None, resident, keep_resident, spill)
+    kept = streamed_run(offload, base, data, streamed - 1, resident, keep_resident, spill)
+    assert kept[0] == recomputed[0]  # the losses
+    assert kept[1] == recomputed[1]  # the grad norms, clipped with
+    assert kept[2].keys() == recomputed[2].keys()
+    for name, value in recomputed[2].items():
+        assert torch.equal(kept[2][name], value), name
+    # Per micro-batch, each kept block's costly ops ran once instead of twice.
+    per_block = (recomputed[3] - kept[3]) // (len(data) * (streamed - 1))
+    assert per_block > 0 and recomputed[3] - kept[3] == per_block * len(data) * (streamed - 1)
+    assert "%d streamed blocks keep only their matrix products' and attention's outputs" % (
+        streamed - 1) in kept[4]
+    assert "streamed block" not in recomputed[4]
+    if spill:
+        assert "4 of 4 block checkpoints spilled to host memory" in kept[4]
+    torch.manual_seed(7)
+    from copy import deepcopy
+    expected, expected_norms, expected_state = plain_run(deepcopy(base), data, accumulate=2,
+                                                         clip=1.0)
+    assert_losses_close(kept[0], expected)
+    assert kept[1] == pytest.approx(expected_norms, rel=1e-6)
+    assert_state_close(kept[2], expected_state)
+
+
+def test_streamed_blocks_measured_and_planned_after_the_resident_ones(offload):
+    """On CUDA (enabled here), each streamed block is measured at the batch with every costly
+    op's output (its recompute runs the whole block, no early stop: more than the resident
+    measurement, which stops there); the plan keeps the resident blocks first, then the
+    streamed ones from the last back, only selectively; the spill decision counts what they
+    keep; allocation retries drop the first kept streamed block first; off on the CPU by
+    default."""
+    import strata.torch as st
+    from torch_parity_models import batches, build
+    model = offload(build("llama", layers=4), resident_blocks=1)
+    st.AdamW(model.parameters())
+    keeper = model.strata.activations
+    assert not keeper.enabled and keeper.streamed_mode(2, ()) is None  # the CPU's default
+    keeper.enabled = True
+    ids = batches(1)[0]
+    model(ids, labels=ids).loss.backward()
+    assert sorted(keeper.measured) == [0] and sorted(keeper.streamed_measured) == [0, 1, 2]
+    whole, (resident_selective, _) = keeper.measured[0]
+    selective = [keeper.streamed_bytes(i) for i in range(3)]
+    assert len(set(selective)) == 1 and selective[0] > resident_selective
+    assert keeper.streamed_measured[2][1][1] > keeper.measured[0][1][1]  # every costly op
+
+    factor = keeper.BLOCK_FACTOR
+    one, rs = int(selective[0] * factor), int(resident_selective * factor)
+    assert int(whole * factor) - rs > one // 2
+    room = rs + 2 * one + one // 2
+    keeper.decide(room, 0, 0)  # the resident block selectively, then 2 streamed; no upgrade
+    assert keeper.plan == ["selective"] and keeper.streamed == 2
+    keeper.decide(int(whole * factor) + 3 * one, 0, 0)  # streamed blocks before the upgrade
+    assert keeper.plan == ["whole"] and keeper.streamed == 3
+    keeper.decide(int(resident_selective * factor) - 1, 0, 0)  # the resident block first
+    assert keeper.plan == [] and keeper.streamed == 0
+    keeper.decide(room, 0, 0)
+    x = (torch.empty(2, 16, 8),)
+    assert [keeper.streamed_mode(i, x) for i in range(3)] == [None, "selective", "selective"]
+    assert keeper.streamed_mode(2, (torch.empty(4, 16, 8),)) is None  # more tokens: recompute
+    tokens = keeper.tokens
+    assert keeper.kept_streamed_bytes(tokens) == 2 * int(selective[0] * factor)
+    assert keeper.kept_streamed_bytes(tokens + 1) == 0
+    checkpoints, kept = model.strata.spill._checkpoints(tokens, 1000)
+    assert checkpoints == [0, 1000, 1000, 1000]  # a streamed block's checkpoint stays
+    assert kept == int(resident_selective * factor) + 2 * int(selective[0] * factor)
+    assert "1 keep their activations (1 of them only" in keeper.describe()
+    assert "2 streamed blocks keep only" in keeper.describe()
+
+    keeper.retries_at_forward, keeper.retries = None, 0
+    keeper.decided = True
+    counts = iter([1, 2, 3])
+    import unittest.mock
+    with unittest.mock.patch.object(torch.cuda, "memory_stats",
+                                    lambda *_: {"num_alloc_retries": next(counts)}):
+        keeper._watch_retries()
+        assert keeper.streamed == 1 and keeper.plan == ["selective"]
+        keeper._watch_retries()
+        keeper._watch_retries()
+    assert keeper.streamed == 0 and keeper.plan == [] and keeper.backed_off == 3
+
+
+def test_the_kept_forward_runs_the_ops_of_the_recompute():
+    """A streamed block keeping selectively runs its forward with grad, as its recompute will:
+    under no_grad an op can dispatch otherwise (SDPA's efficient and cuDNN attention skip
+    their logsumexp when nothing requires grad; here a block choosing its product by
+    requires_grad, as such kernels do), and the recompute would find no cached output for its
+    op (or, on older torch, another op's). With grad, the recompute runs no costly op and its
+    grads are autograd's."""
+    from strata.torch._block import _kept_forward
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def run(x):
+        h = x.relu()
+        if h.requires_grad:
+            return torch.mm(h, w).sigmoid()
+        return torch.bmm(h.unsqueeze(0), w.unsqueeze(0)).squeeze(0).sigmoid()
+
+    x = torch.randn(6, 4, requires_grad=True)
+    g = torch.randn(6, 4)
+    keeper = ActivationKeeper(torch.device("cpu"), [], [object()])
+    forward, recompute = keeper.streamed_contexts()
+    out = _kept_forward(run, (x,), {}, forward)
+    assert out.grad_fn is None  # nothing of the forward's graph is kept
+    inputs = x.detach().requires_grad_()
+    with CostlyOps() as ops, recompute:
+        again = run(inputs)
+    assert ops.ran == 0 and torch.equal(again, out)
+    got = torch.autograd.grad(again, [inputs, w], g)
+    expected = torch.autograd.grad(run(x), [x, w], g)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+    # The same forward under no_grad: another op, which the recompute does not find.
+    forward, recompute = keeper.streamed_contexts()
+    with torch.no_grad(), forward:
+        run(x)
+    with pytest.raises(RuntimeError), recompute:
+        run(x.detach().requires_grad_())

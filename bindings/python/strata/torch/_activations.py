@@ -48,7 +48,21 @@ without. A forward pass with more tokens, or longer sequences, than the measured
 runs checkpointed (activations and logits grow with the tokens, attention's with the
 sequence). An out-of-memory error anywhere (the allocator counts them: a forward, a backward,
 a step) turns keeping off for good; a step that made the allocator retry an allocation (free
-its cache, a device synchronization) drops the first kept block. Only on CUDA."""
+its cache, a device synchronization) drops the first kept block. Only on CUDA.
+
+Streamed blocks (issue 36: an 8B at 32x1024 on an H200 recomputed 17 streamed blocks' forward,
+~0.44 s of a 3.9 s step, with ~50 GB of the device unused) keep selectively too, with what the
+resident blocks leave: the same plan, the streamed blocks after the resident ones (from the
+last streamed block back: their backward comes first, so what they hold is freed soonest), each
+only selectively (wholly would save its weights). A streamed block's recompute runs its whole
+forward (strata.torch._block: no early stop), so every costly op's output is kept
+(measure(everything=True)), measured per streamed block as the resident blocks are (blocks can
+differ; each at the batch, on fake tensors: a resident block's measurement stops at the early
+stop, so it is not reused). Its forward then runs with grad as its recompute will (the same
+ops, the same arguments: under no_grad an attention can skip its logsumexp and a matmul fold
+differently), under the forward context of selective_context, its saved tensors dropped as
+they are made (only the cached outputs stay); its recompute runs under the paired recompute
+context, served those outputs."""
 
 import contextlib
 import time
@@ -272,13 +286,17 @@ class ActivationKeeper:
     FRAGMENTATION_EXPANDABLE = 0.02
     DECIDE_AFTER_STEPS = 2
 
-    def __init__(self, device, blocks):
+    def __init__(self, device, blocks, streamed_blocks=()):
         self.device = device
         self.blocks = blocks  # the resident blocks, in order
+        self.streamed_blocks = streamed_blocks  # the streamed blocks, in order (after them)
         self.enabled = device.type == "cuda"  # measured and planned (only on CUDA)
         self.plan = []  # the modes of the last resident blocks, the last block's first
+        # Of the same plan (decide), how many of the last streamed blocks keep selectively.
+        self.streamed = 0
         self.forced = None  # a fixed count (tests, tools); None: measured
         self.forced_whole = 0  # of a forced count, how many keep everything
+        self.forced_streamed = None  # a fixed count of the last streamed blocks; None: measured
         self.steps = 0
         self.tokens = 0  # the most tokens a measured step had
         self.seq = 0  # and the longest sequence
@@ -287,6 +305,8 @@ class ActivationKeeper:
         # for all: blocks can differ (dense and mixture-of-experts layers in one model), in
         # their bytes and in whether keeping them selectively is safe at all.
         self.measured = {}
+        # Per streamed block, at self.tokens: measure(everything=True)'s result, or None.
+        self.streamed_measured = {}
         self.measure_seconds = 0.0  # host time spent measuring (what the first steps pay)
         self.decided = False
         self.emptied = False  # on_step emptied the allocator's cache (paged state)
@@ -309,6 +329,12 @@ class ActivationKeeper:
         """Every block recomputes from now on (an out-of-memory error said the plan was
         wrong)."""
         self.plan = []
+        self.streamed = 0
+
+    @property
+    def kept_streamed(self):
+        """How many of the last streamed blocks keep selectively (forced or planned)."""
+        return self.forced_streamed if self.forced_streamed is not None else self.streamed
 
     def _last(self, item):
         """The last resident block's measure()d value: 0 whole bytes, 1 selective bytes, 2 its
@@ -335,10 +361,36 @@ class ActivationKeeper:
         if from_last == len(self.plan) - 1 and self.oom_since_plan():
             self.stop()
             return None
-        tokens, seq = shape_of(args)
-        if tokens > self.tokens or seq > self.seq:
+        if not self._within_measured(args):
             return None
         return self.plan[from_last]
+
+    def _within_measured(self, args):
+        """Whether a block's inputs are no larger than the measured steps' (tokens, sequence)."""
+        tokens, seq = shape_of(args)
+        return tokens <= self.tokens and seq <= self.seq
+
+    def streamed_mode(self, index, args):
+        """How streamed block `index` runs now: None (its forward recomputed whole in the
+        backward pass) or "selective" (its costly ops' outputs kept)."""
+        from_last = len(self.streamed_blocks) - 1 - index
+        if self.forced_streamed is not None:
+            return "selective" if from_last < self.forced_streamed else None
+        if from_last >= self.streamed:
+            return None
+        if from_last == self.streamed - 1 and not self.plan and self.oom_since_plan():
+            self.stop()
+            return None
+        return "selective" if self._within_measured(args) else None
+
+    def streamed_contexts(self):
+        """The (forward, recompute) context pair of a streamed block kept selectively: every
+        costly op's output cached (its recompute runs the whole block, no early stop)."""
+        forward, recompute = selective_context(None)
+        # torch >= 2.12 may route cached outputs through the saved-tensor hooks in scope (the
+        # ones dropping what the kept forward saves, the spill's): they stay as they are.
+        forward.respect_saved_tensors_hooks = False
+        return forward, recompute
 
     def oom_since_plan(self):
         return self.device.type == "cuda" and \
@@ -348,23 +400,38 @@ class ActivationKeeper:
         """A forward pass with grad of resident block `index`, before the decision: note its
         tokens and, for the most tokens seen, what it would keep (measured once per block at
         that many tokens: one forward on fake tensors each)."""
-        if self.decided or self.forced is not None or not self.enabled:
+        if self.forced is not None:
+            return
+        self._observe(self.measured, self.blocks[index], index, run, args, kwargs, None)
+
+    def observe_streamed(self, index, run, args, kwargs):
+        """A forward pass with grad of streamed block `index`, before the decision: as
+        observe(), its bytes kept selectively measured with every costly op (its recompute
+        runs the whole block)."""
+        if self.forced_streamed is not None:
+            return
+        self._observe(self.streamed_measured, self.streamed_blocks[index], index, run, args,
+                      kwargs, True)
+
+    def _observe(self, measured, block, index, run, args, kwargs, everything):
+        if self.decided or not self.enabled:
             return
         tokens, seq = shape_of(args)
         self.seq = max(self.seq, seq)
         if tokens > self.tokens:
             self.tokens = tokens
-            self.measured = {}
-        if tokens == self.tokens and index not in self.measured:
+            self.measured.clear()
+            self.streamed_measured.clear()
+        if tokens == self.tokens and index not in measured:
             started = time.perf_counter()
             # The fake forward runs ops on 0-dim CPU buffers for real (a call counter,
             # BatchNorm's num_batches_tracked): they are put back after it.
             # The user's forward hooks see only real forward passes (without_forward_hooks).
-            state = ForwardState(self.blocks[index])
+            state = ForwardState(block)
             try:
-                with without_forward_hooks(self.blocks[index]):
-                    self.measured[index] = measure(run, args, kwargs, self.device,
-                                                   list(self.blocks[index].parameters()))
+                with without_forward_hooks(block):
+                    measured[index] = measure(run, args, kwargs, self.device,
+                                              list(block.parameters()), everything=everything)
             finally:
                 state.restore_buffers()
             self.measure_seconds += time.perf_counter() - started
@@ -420,25 +487,33 @@ class ActivationKeeper:
         return peak
 
     def forward_begins(self):
-        """A forward pass with grad reaches the first resident block: the retries counted
-        against the plan are those from the first such point after a step to the next step
-        (a checkpoint's copies between steps, say, are not the plan's doing)."""
-        if self.decided and self.plan and self.retries_at_forward is None:
+        """A forward pass with grad reaches the first block (resident, or streamed when none
+        is): the retries counted against the plan are those from the first such point after a
+        step to the next step (a checkpoint's copies between steps, say, are not the plan's
+        doing)."""
+        if self.decided and (self.plan or self.streamed) and self.retries_at_forward is None:
             self.retries_at_forward = \
                 torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
 
     def _watch_retries(self):
         retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
         since = self.retries if self.retries_at_forward is None else self.retries_at_forward
-        if retries > since and self.plan:
-            self.plan.pop()  # the first kept block (the plan lists the last block's first)
+        if retries > since and (self.plan or self.streamed):
+            # The first kept block: a streamed one while any keeps (the plan lists the
+            # resident blocks' from the last back, then the streamed blocks').
+            if self.streamed:
+                self.streamed -= 1
+            else:
+                self.plan.pop()
             self.backed_off += 1
         self.retries = retries
         self.retries_at_forward = None
 
     def decide(self, usable, peak, margin):
         """The plan from the measured blocks, for `usable` bytes of which `peak` were in use
-        and `margin` stay free: from the last block back, as long as each was measured."""
+        and `margin` stay free: from the last resident block back, as long as each was
+        measured, then from the last streamed block back, as long as each can keep
+        selectively."""
         blocks = []
         for index in reversed(range(len(self.blocks))):
             measured = self.measured.get(index)
@@ -447,7 +522,32 @@ class ActivationKeeper:
             selective = measured[1]
             blocks.append((int(measured[0] * self.BLOCK_FACTOR),
                            None if selective is None else int(selective[0] * self.BLOCK_FACTOR)))
-        self.plan = plan_kept(usable, peak, blocks, margin)
+        resident = len(blocks)
+        for index in reversed(range(len(self.streamed_blocks))):
+            selective = self.streamed_bytes(index)
+            if selective is None:
+                break
+            blocks.append((None, int(selective * self.BLOCK_FACTOR)))
+        plan = plan_kept(usable, peak, blocks, margin)
+        self.plan, self.streamed = plan[:resident], len(plan[resident:])
+
+    def streamed_bytes(self, index):
+        """Streamed block `index`'s measured bytes kept selectively (None: not measured, or
+        it cannot be kept selectively)."""
+        measured = self.streamed_measured.get(index)
+        if not measured or measured[1] is None or measured[1][0] <= 0:
+            return None
+        return measured[1][0]
+
+    def kept_streamed_bytes(self, tokens):
+        """What the streamed blocks keeping selectively hold at a batch of `tokens` (x
+        BLOCK_FACTOR, as planned): 0 when none do, or when the batch has more tokens than
+        measured (they recompute then)."""
+        if self.kept_streamed <= 0 or (self.forced_streamed is None and tokens > self.tokens):
+            return 0
+        last = len(self.streamed_blocks) - 1
+        return sum(int((self.streamed_bytes(last - k) or 0) * self.BLOCK_FACTOR)
+                   for k in range(min(self.kept_streamed, len(self.streamed_blocks))))
 
     def margin(self):
         """The fraction of the device left unused: smaller when the allocator grows
@@ -455,16 +555,24 @@ class ActivationKeeper:
         return self.MARGIN_EXPANDABLE if _allocator.expandable_segments() else self.MARGIN
 
     def describe(self):
-        """'N keep their activations (S selectively)', or '' when none do."""
+        """'N keep their activations (S selectively)', and how many streamed blocks keep
+        selectively, or '' when none do."""
         count = self.forced if self.forced is not None else self.count
         whole = self.forced_whole if self.forced is not None else self.whole
-        if count <= 0:
-            return ""
-        whole = min(whole, count)
-        if whole == count:
-            return "%d keep their activations" % count
-        return "%d keep their activations (%d of them only their matrix products' and " \
-            "attention's outputs)" % (count, count - whole)
+        said = []
+        if count > 0:
+            whole = min(whole, count)
+            if whole == count:
+                said.append("%d keep their activations" % count)
+            else:
+                said.append("%d keep their activations (%d of them only their matrix "
+                            "products' and attention's outputs)" % (count, count - whole))
+        streamed = self.kept_streamed
+        if streamed > 0:
+            said.append("%d streamed block%s only %s matrix products' and attention's "
+                        "outputs" % (streamed, " keeps" if streamed == 1 else "s keep",
+                                     "its" if streamed == 1 else "their"))
+        return "; ".join(said)
 
 
 def _mode_of(from_last, count, whole):
@@ -479,19 +587,26 @@ def plan_kept(usable, peak, blocks, margin):
     """The modes of the last resident blocks, the last block's first ("selective" or "whole"):
     which can skip recompute in the memory between the measured peak and what torch could
     hold, less `margin` bytes. `blocks`: from the last block back, (bytes kept wholly, bytes
-    kept selectively or None when it cannot be). As many blocks as fit are kept selectively
-    (a block that cannot be: wholly), from the last back and stopping at the first that does
-    not fit; then what is left upgrades them to whole, from the last back."""
+    kept selectively or None when it cannot be; whole None: a block that can only be kept
+    selectively, a streamed one). As many blocks as fit are kept selectively (a block that
+    cannot be: wholly), from the last back and stopping at the first that does not fit; then
+    what is left upgrades them to whole, from the last back."""
     spare = usable - peak - margin
     plan = []
     for whole, selective in blocks:
+        if whole is None:
+            if not selective or selective <= 0 or selective > spare:
+                break
+            plan.append("selective")
+            spare -= selective
+            continue
         cost = whole if selective is None or not 0 < selective < whole else selective
         if whole <= 0 or cost > spare:
             break
         plan.append("whole" if cost == whole else "selective")
         spare -= cost
     for i, (whole, selective) in enumerate(blocks[:len(plan)]):
-        if plan[i] == "selective" and whole - selective <= spare:
+        if plan[i] == "selective" and whole is not None and whole - selective <= spare:
             plan[i] = "whole"
             spare -= whole - selective
     return plan

@@ -3,7 +3,16 @@ pass saves only the block's inputs; the backward pass streams the block in again
 forward with the RNG and autocast state of the first run, as torch.utils.checkpoint with
 preserve_rng_state=True does, and backpropagates, sending the weight grads to Strata); without
 grad (evaluation, generate()), the block runs on weights copied in from DRAM, with any KV cache
-used as usual."""
+used as usual.
+
+A streamed block that keeps selectively (strata.torch._activations: measured spare memory)
+runs its forward with grad, as its recompute will, under selective checkpointing's forward
+context, which caches its matrix products' and attention's outputs; what autograd saves there
+is dropped as it is saved (only the cached outputs stay), the inputs detached as the recompute
+detaches them. The recompute runs under the paired context, served those outputs instead of
+computing them again, its RNG and autocast state the first run's as always (a random op is
+never cached: it draws again what it drew). The weights are never kept: the recompute uses
+the ones streamed in for the backward pass."""
 
 import contextlib
 
@@ -25,11 +34,13 @@ def note_memory(session, error):
             "offload); pass a smaller resident_blocks, or 0, to leave more to activations"
             % len(session.resident_blocks))
         keeper = session.activations
-        if keeper.count > 0 and keeper.forced is None:
+        if keeper.count + keeper.streamed > 0 and keeper.forced is None and \
+                keeper.forced_streamed is None:
             # The measured plan was wrong for this step: recompute again from the next one.
             error.add_note(
-                "strata.torch: %d resident block(s) were keeping their activations (measured "
-                "spare memory); from the next step they are recomputed again" % keeper.count)
+                "strata.torch: %d resident and %d streamed block(s) were keeping their "
+                "activations (measured spare memory); from the next step they are recomputed "
+                "again" % (keeper.count, keeper.streamed))
             keeper.stop()
 
 
@@ -60,8 +71,9 @@ class StreamedBlockFunction(torch.autograd.Function):
     session-wide empty tensor requiring grad, keeps every block in the graph so the backward
     pass reaches each one in order even where no input or parameter needs a grad. Returns the
     tensor leaves of the block's output; `box` holds the caller's own (args, kwargs) where
-    they can be used as they are (None where a KV cache was dropped from them) and receives
-    the output's structure."""
+    they can be used as they are (None where a KV cache was dropped from them) and the
+    (forward, recompute) contexts of a block keeping selectively (None: it recomputes all),
+    and receives the output's structure."""
 
     @staticmethod
     def forward(ctx, session, index, run, leaves, spec, positions, box, anchor, *tensors):
@@ -69,15 +81,24 @@ class StreamedBlockFunction(torch.autograd.Function):
         ctx.cpu_rng = torch.get_rng_state()
         ctx.device_rng = torch.cuda.get_rng_state(session.device) if session.cuda else None
         ctx.autocast = _autocast_state(device_type)
+        contexts = box.pop()
         call = box.pop()
+        ctx.cached = None if contexts is None else contexts[1]
         session.begin(index, FORWARD)
         try:
             # The caller's own lists and dicts where nothing was dropped from them: what the
             # block writes into them (a statistic appended to a list) reaches the caller, as
             # in plain PyTorch. (What it puts there carries no grad: checked in the recompute.)
-            args, kwargs = tree_unflatten(leaves, spec) if call is None else call
+            if call is not None:
+                args, kwargs = call
+            else:
+                args, kwargs = tree_unflatten(
+                    leaves if contexts is None else [_detached(x) for x in leaves], spec)
             state = ForwardState(session.blocks[index])
-            out = run(*args, **kwargs)
+            if contexts is None:
+                out = run(*args, **kwargs)
+            else:
+                out = _kept_forward(run, args, kwargs, contexts[0])
         except BaseException as e:
             session.abort()
             note_memory(session, e)
@@ -174,12 +195,16 @@ def _recompute_grads(ctx, grad_outs, params, accumulate):
     args, kwargs = tree_unflatten(leaves, ctx.spec)
     attributes = _tensor_attributes(block)
     devices = [session.device] if session.cuda else []
+    # A block that kept selectively: its cached outputs served (once: a second recompute, as
+    # _input_grads_only's after an abandoned step could need, recomputes them).
+    cached, ctx.cached = ctx.cached, None
     with torch.random.fork_rng(devices=devices, device_type=session.device.type), \
             ctx.state.replay():
         torch.set_rng_state(ctx.cpu_rng)
         if session.cuda:
             torch.cuda.set_rng_state(ctx.device_rng, session.device)
-        with torch.enable_grad(), _autocast(session.device.type, ctx.autocast):
+        with torch.enable_grad(), _autocast(session.device.type, ctx.autocast), \
+                cached if cached is not None else contextlib.nullcontext():
             out = ctx.run(*args, **kwargs)
     out_tensors = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
     _refuse_grads_left_behind(session, ctx.index, attributes, (args, kwargs),
@@ -202,6 +227,43 @@ def _recompute_grads(ctx, grad_outs, params, accumulate):
     input_grads = iter(grads[:n_inputs])
     return ([next(input_grads) if t.requires_grad else None for t in inputs],
             grads[n_inputs:n_inputs + len(params)])
+
+
+def _detached(x):
+    """A block input as its recompute gets it: detached, requiring grad where it did (the
+    function's needs_input_grad is the input's requires_grad; a float only)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.detach().requires_grad_(x.requires_grad and x.is_floating_point())
+
+
+def _drop(_):
+    return None
+
+
+def _never(_):
+    raise RuntimeError("strata.torch: a streamed block's kept forward pass is not "
+                       "differentiated (its recompute is)")
+
+
+def _kept_forward(run, args, kwargs, caching):
+    """The forward of a streamed block keeping selectively: with grad, on its inputs detached
+    as the recompute detaches them (the caller's graph untouched, an in-place write into an
+    input included), so that it runs the ops, with the arguments, that the recompute will and
+    the caching context's outputs are the recompute's (under no_grad an attention may skip its
+    logsumexp, a matmul fold its input otherwise); what autograd saves is dropped as it is
+    saved (no memory beyond a forward under no_grad, the cached outputs apart). The caller's
+    own lists and dicts (StreamedBlockFunction.forward) are passed as they are, the tensors
+    inside them too (not replaced there: they are the caller's); a block writing in place into
+    one of those would write into the caller's graph. Returns the output, detached."""
+    args = tuple(_detached(a) for a in args)
+    kwargs = {k: _detached(v) for k, v in kwargs.items()}
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _never), \
+            caching:
+        out = run(*args, **kwargs)
+    leaves, spec = tree_flatten(out)
+    return tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves],
+                          spec)
 
 
 def _tensor_attributes(block):
@@ -393,9 +455,14 @@ def streamed_forward(session, index, run):
         call = _caller_arguments(args, kwargs, leaves, kept)
         leaves = kept
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        box = [call]
         at = len(session.resident_blocks) + index  # the block's place in the model's order
         inputs = tree_unflatten(leaves, spec)
+        keeper = session.activations
+        if at == 0 and keeper.enabled:
+            keeper.forward_begins()
+        keeper.observe_streamed(index, run, *inputs)
+        keep = keeper.streamed_mode(index, inputs[0]) == "selective"
+        box = [call, keeper.streamed_contexts() if keep else None]
         if at == 0:
             session.spill.forward_begins(run, session.blocks[index], *inputs)
         with session.spill.saving(at, *inputs):

@@ -79,8 +79,9 @@ class StrataSession:
         # Resident parameters narrowed to the compute dtype that keep offload's fp32 values
         # for their masters (strata.torch._params), until the optimizer exists.
         self.kept_fp32 = []
-        # Which resident blocks keep their activations instead of recomputing them.
-        self.activations = ActivationKeeper(self.device, self.resident_blocks)
+        # Which resident blocks keep their activations instead of recomputing them, and which
+        # streamed blocks keep their matrix products' and attention's outputs.
+        self.activations = ActivationKeeper(self.device, self.resident_blocks, self.blocks)
         # Which blocks' checkpoints go to host memory (strata.torch._spill).
         self.spill = Spiller(self.device, choices.spill_checkpoints, self.activations,
                              len(self.resident_blocks) + len(self.blocks))
@@ -322,11 +323,14 @@ class StrataSession:
             return "no optimizer yet: state is placed when strata.torch.AdamW is created"
         kept = self.resident_blocks
         head = ""
+        keeper = self.activations
+        said = keeper.describe() if keeper.decided or keeper.forced is not None or \
+            keeper.forced_streamed is not None else ""
         if kept:
-            keeper = self.activations
-            said = keeper.describe() if keeper.decided else ""
             head = "%d of %d blocks resident on the device (torch's AdamW there%s); " % (
                 len(kept), len(kept) + len(self.blocks), "; " + said if said else "")
+        elif said:
+            head = said + "; "
         spilled = self.spill.describe()
         if spilled:
             head += spilled + "; "

@@ -355,7 +355,8 @@ class Spiller:
 
     def _checkpoints(self, tokens, nbytes):
         """Each block's checkpoint bytes at this batch (0 for a resident block keeping its
-        activations) and what those keep."""
+        activations) and what those keep, with what the streamed blocks keeping selectively
+        hold (their checkpoints stay: their recompute starts from them)."""
         keeper = self.keeper
         kept_blocks = {}
         if keeper.forced is not None:
@@ -372,6 +373,7 @@ class Spiller:
             if measured:
                 use = measured[0] if mode == "whole" or measured[1] is None else measured[1][0]
                 kept += int(use * keeper.BLOCK_FACTOR)
+        kept += keeper.kept_streamed_bytes(tokens)
         return [0 if i in kept_blocks else nbytes for i in range(self.positions)], kept
 
     def _block_working(self, run, block, args, kwargs, tokens, nbytes):
