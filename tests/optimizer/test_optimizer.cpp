@@ -525,6 +525,48 @@ TEST_CASE("explicit updates: a held grad written back (torch's clamp_ on p.grad)
   }
 }
 
+TEST_CASE("explicit updates: the first accumulation waits for the previous step's updates",
+          "[optimizer]") {
+  // The first backward pass onto grads not zeroed (torch's loop without zero_grad) places every
+  // param's fp32 accumulator; the previous strata_optimizer_step's updates may still run then,
+  // and every job reads each of its params' accumulator pointer. Run with the second step
+  // begun as soon as layer 0's update has finished (update_seconds moved), so a later layer's
+  // update is running or queued while the placement runs: under TSan a placement that did not
+  // wait for it is a data race on the pointer (the defect fixed in 3fb1b9c). Either way the
+  // result must equal the same steps with every update waited for before the second begins.
+  const std::vector<int64_t> sizes{1 << 19, 1 << 17};  // updates long enough to overlap
+  strata_optimizer_config_t c = adamw_config();
+  c.update_mode = STRATA_UPDATE_EXPLICIT;
+  auto run = [&](bool overlap) {
+    Model m = make_model(6, 11, backend_under_test(), sizes);
+    OptimizerPtr opt = make_optimizer(m, c);
+    Streamed st;
+    attach_streamed(m, opt.get(), &st);
+    streamed_pass(m, st.ex, 0, 0);
+    STRATA_REQUIRE_OK(strata_optimizer_synchronize(opt.get()));  // the landings: not updates
+    const double landed = stats_of(opt.get()).update_seconds;
+    STRATA_REQUIRE_OK(strata_optimizer_set_group(opt.get(), 0, 1e-2f, 0.1f));
+    STRATA_REQUIRE_OK(strata_optimizer_set_group(opt.get(), 1, 1e-2f, 0.f));
+    STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
+    if (overlap) {
+      // The updates run in forward order, one layer's at a time: once layer 0's has added its
+      // time, the dispatcher goes on to layer 1's.
+      while (stats_of(opt.get()).update_seconds == landed) std::this_thread::yield();
+    } else {
+      STRATA_REQUIRE_OK(strata_optimizer_synchronize(opt.get()));
+    }
+    queue_explicit_step(m, opt.get(), st.ex, 1);  // its pass adds to the held grads
+    STRATA_REQUIRE_OK(strata_optimizer_synchronize(opt.get()));
+    strata_grad_info_t info{};
+    info.struct_size = STRATA_GRAD_INFO_STRUCT_SIZE;
+    STRATA_REQUIRE_OK(strata_optimizer_grad_info(opt.get(), m.weights[5][1], &info));
+    REQUIRE(info.has_grad == 1);
+    REQUIRE(info.step == 2);
+    return snapshot(m, opt.get());
+  };
+  REQUIRE(run(true) == run(false));
+}
+
 TEST_CASE("an abandoned step changes nothing but the grads whose backward was done",
           "[optimizer]") {
   strata_optimizer_config_t c = adamw_config();

@@ -12,7 +12,7 @@ import strata.torch as st  # noqa: E402
 
 from torch_parity_models import (  # noqa: E402
     DEVICE, LR, WD, assert_losses_close, assert_state_close, batches, build, deepcopy,
-    plain_adamw, snapshot, synchronize)
+    plain_adamw, snapshot, synchronize, train)
 
 transformers.logging.set_verbosity_error()
 nn = torch.nn
@@ -234,6 +234,49 @@ def test_reentrant_gradient_checkpointing_is_refused(offload):
         model(ids, labels=ids)
     with torch.no_grad():
         model(ids, labels=ids)  # evaluation is not refused
+
+
+def checkpoint_calls(layers):
+    """Each layer's __call__ run in torch.utils.checkpoint(use_reentrant=False) in training, as
+    Hugging Face gradient checkpointing does up to transformers 5.17 (later releases wrap the
+    class's forward, which offload replaces, so no checkpoint surrounds a streamed block)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed:
+        def __call__(self, *args, **kwargs):
+            if self.training and torch.is_grad_enabled():
+                # No KV cache under checkpointing (the recompute would append to it again).
+                kwargs.update({k: None for k in ("past_key_values", "cache") if k in kwargs})
+                kwargs.update({"use_cache": False} if "use_cache" in kwargs else {})
+                return checkpoint(functools.partial(nn.Module.__call__, self, **kwargs), *args,
+                                  use_reentrant=False)
+            return nn.Module.__call__(self, *args, **kwargs)
+
+    for layer in layers:
+        layer.__class__ = type("Checkpointed" + type(layer).__name__,
+                               (Checkpointed, type(layer)), {})
+
+
+def test_non_reentrant_checkpointing_around_streamed_blocks_trains(offload):
+    """Non-reentrant checkpointing around each streamed block's call: the block's backward
+    read its saved inputs through the checkpoint's hooks, which recomputed the whole call, and
+    so ran the block's forward again mid-backward (the block order error, torch 2.11 +
+    transformers 5.17 on the GPU machines; any torch with the checkpoint around the call). It
+    trains as plain PyTorch under the same checkpointing."""
+    base = build("llama")
+    plain, model = deepcopy(base), deepcopy(base)
+    checkpoint_calls(plain.model.layers)
+    checkpoint_calls(model.model.layers)
+    model = offload(model)
+    data = batches(3)
+    expected, _ = train(plain, plain_adamw(plain.parameters()), data)
+    opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    got, _ = train(model, opt, data)
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
 
 
 def test_reentrant_checkpointing_on_the_blocks_loop_is_refused(offload):

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import BACKWARD, FORWARD
 from ._replay import ForwardState, without_caches
+from ._spill import _inside_checkpoint
 
 
 def note_memory(session, error):
@@ -437,6 +438,24 @@ def _caller_arguments(args, kwargs, leaves, kept):
             {k: None if id(v) in ids else v for k, v in kwargs.items()})
 
 
+def _keep(t):
+    return t
+
+
+def _beside_checkpoint():
+    """Inside torch.utils.checkpoint's non-reentrant region (Hugging Face
+    gradient_checkpointing_enable with use_reentrant=False, where it wraps the block's
+    __call__, as transformers up to 5.17 does), the block's inputs are saved for its backward
+    as they are, not through the checkpoint's hooks: unpacked through them, they would make
+    torch recompute the whole checkpointed call, and so run this block's forward again, in the
+    middle of the backward pass (the block order error). Nothing is lost: the block recomputes
+    itself in its backward pass, and the checkpoint keeps the same inputs for its own
+    recompute anyway."""
+    if not _inside_checkpoint():
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_keep, _keep)
+
+
 def streamed_forward(session, index, run):
     """The forward installed on block `index`: `run` is its original forward."""
 
@@ -465,7 +484,7 @@ def streamed_forward(session, index, run):
         box = [call, keeper.streamed_contexts() if keep else None]
         if at == 0:
             session.spill.forward_begins(run, session.blocks[index], *inputs)
-        with session.spill.saving(at, *inputs):
+        with session.spill.saving(at, *inputs), _beside_checkpoint():
             outs = StreamedBlockFunction.apply(session, index, run, leaves, spec, positions,
                                                box, session.anchor,
                                                *[leaves[i] for i in positions])

@@ -170,6 +170,21 @@ std::shared_ptr<Session> find(uint64_t id) {
   return it == g_sessions.end() ? nullptr : it->second;
 }
 
+// Every op's prologue: the session `id` names, bound to an executor, with the CUDA context of
+// XLA's `stream` made current on this thread; or the error the op returns.
+ffi::ErrorOr<std::shared_ptr<Session>> bound_session(uint64_t id, CUstream stream, bool cuda) {
+  std::shared_ptr<Session> s = find(id);
+  if (s == nullptr || s->executor == nullptr) {
+    return ffi::Unexpected(
+        ffi::Error::InvalidArgument("strata.jax ffi: session " + std::to_string(id) +
+                                    " is not bound to an executor (the trainer is closed?)"));
+  }
+  if (cuda) {
+    if (ffi::Error e = cuda_bind_context(stream); e.failure()) return ffi::Unexpected(e);
+  }
+  return s;
+}
+
 ffi::Error strata_error(const char* what, strata_status_t s, uint64_t layer) {
   return ffi::Error::Internal(std::string("strata.jax ffi: ") + what + " (layer " +
                               std::to_string(layer) + "): " + strata_status_string(s) + ": " +
@@ -194,14 +209,9 @@ ffi::Error copy(void* dst, const void* src, size_t bytes, CUstream stream, bool 
 
 ffi::Error acquire(CUstream stream, bool cuda, uint64_t session, int64_t layer_attr, int32_t phase,
                    ffi::Result<ffi::AnyBuffer> /*token_out*/, ffi::RemainingRets weights) {
-  std::shared_ptr<Session> s = find(session);
-  if (s == nullptr || s->executor == nullptr) {
-    return ffi::Error::InvalidArgument("strata.jax ffi: session " + std::to_string(session) +
-                                       " is not bound to an executor (the trainer is closed?)");
-  }
-  if (cuda) {
-    if (ffi::Error e = cuda_bind_context(stream); e.failure()) return e;
-  }
+  auto bound = bound_session(session, stream, cuda);
+  if (!bound.has_value()) return bound.error();
+  const std::shared_ptr<Session>& s = *bound;
   std::lock_guard lock(s->mutex);
   if (phase != STRATA_PHASE_FORWARD && phase != STRATA_PHASE_BACKWARD) {
     return ffi::Error::InvalidArgument("strata.jax ffi: unknown phase");
@@ -276,14 +286,9 @@ ffi::Error acquire(CUstream stream, bool cuda, uint64_t session, int64_t layer_a
 
 ffi::Error release(CUstream stream, bool cuda, uint64_t session,
                    ffi::Result<ffi::AnyBuffer> /*token_out*/, ffi::RemainingArgs grads) {
-  std::shared_ptr<Session> s = find(session);
-  if (s == nullptr || s->executor == nullptr) {
-    return ffi::Error::InvalidArgument("strata.jax ffi: session " + std::to_string(session) +
-                                       " is not bound to an executor");
-  }
-  if (cuda) {
-    if (ffi::Error e = cuda_bind_context(stream); e.failure()) return e;
-  }
+  auto bound = bound_session(session, stream, cuda);
+  if (!bound.has_value()) return bound.error();
+  const std::shared_ptr<Session>& s = *bound;
   std::lock_guard lock(s->mutex);
   if (s->acquired < 0) {
     return ffi::Error::Internal("strata.jax ffi: release without a backward acquire");
@@ -318,14 +323,9 @@ ffi::Error release(CUstream stream, bool cuda, uint64_t session,
 }
 
 ffi::Error begin(CUstream stream, bool cuda, uint64_t session, int32_t mode) {
-  std::shared_ptr<Session> s = find(session);
-  if (s == nullptr || s->executor == nullptr) {
-    return ffi::Error::InvalidArgument("strata.jax ffi: session " + std::to_string(session) +
-                                       " is not bound to an executor (the trainer is closed?)");
-  }
-  if (cuda) {
-    if (ffi::Error e = cuda_bind_context(stream); e.failure()) return e;
-  }
+  auto bound = bound_session(session, stream, cuda);
+  if (!bound.has_value()) return bound.error();
+  const std::shared_ptr<Session>& s = *bound;
   std::lock_guard lock(s->mutex);
   if (s->open) {
     // The program that began it failed before its end (an error in any of its ops): the grads
@@ -354,14 +354,9 @@ ffi::Error begin(CUstream stream, bool cuda, uint64_t session, int32_t mode) {
 }
 
 ffi::Error end(CUstream stream, bool cuda, uint64_t session, int32_t mode) {
-  std::shared_ptr<Session> s = find(session);
-  if (s == nullptr || s->executor == nullptr) {
-    return ffi::Error::InvalidArgument("strata.jax ffi: session " + std::to_string(session) +
-                                       " is not bound to an executor");
-  }
-  if (cuda) {
-    if (ffi::Error e = cuda_bind_context(stream); e.failure()) return e;
-  }
+  auto bound = bound_session(session, stream, cuda);
+  if (!bound.has_value()) return bound.error();
+  const std::shared_ptr<Session>& s = *bound;
   std::lock_guard lock(s->mutex);
   if (!s->open || s->open_eval != (mode != 0)) {
     return ffi::Error::Internal(
