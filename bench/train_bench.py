@@ -286,34 +286,17 @@ def setup_deepspeed(config, mode, batch, clip, nvme, param_buffers=16, impl="zoo
                        ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     torch.cuda.set_device(0)
+    import deepspeed_peer  # the ZeRO-3 configuration, one copy for this bench and dist_bench
+
+    path = None
     if mode == "deepspeed-nvme":
         if not nvme:
             raise SystemExit("deepspeed-nvme needs --nvme PATH (its files go to PATH.deepspeed/)")
         path = nvme + ".deepspeed"
         os.makedirs(path, exist_ok=True)
-        # Its swap buffers must each hold the largest parameter (the embedding or the head),
-        # and there must be enough for two blocks' parameters at once (the one computing and
-        # the one prefetched): with the documented 5, step 2's forward pass fails "Not enough
-        # buffers 0 for swapping 1" (DeepSpeed issue 3062).
-        largest = max(config.vocab_size * config.hidden_size,
-                      config.hidden_size * config.intermediate_size)
-        offload_param = {"device": "nvme", "nvme_path": path, "pin_memory": True,
-                         "buffer_count": param_buffers, "buffer_size": int(largest * 1.05)}
-        offload_optimizer = {"device": "nvme", "nvme_path": path, "pin_memory": True,
-                             "buffer_count": 4}
-    else:
-        offload_param = {"device": "cpu", "pin_memory": True}
-        offload_optimizer = {"device": "cpu", "pin_memory": True}
-    ds_config = {
-        "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-        "gradient_clipping": clip, "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": 3, "offload_param": offload_param,
-                              "offload_optimizer": offload_optimizer},
-        # ZeRO-Infinity's documented settings for its async I/O (libaio).
-        "aio": {"block_size": 1048576, "queue_depth": 8, "single_submit": False,
-                "overlap_events": True},
-    }
+    largest = max(config.vocab_size * config.hidden_size,
+                  config.hidden_size * config.intermediate_size)
+    ds_config = deepspeed_peer.config(batch, clip, path, largest, param_buffers)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         if impl == "hf":  # built partitioned, with Hugging Face's own init (quick on the GPU)
             from transformers import LlamaForCausalLM
