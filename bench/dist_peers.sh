@@ -43,6 +43,17 @@ RUNLOGS=$(mktemp -d /tmp/dist_peers_logs.XXXXXX)
 # NVLink multicast stays off in every process (the machines' rule: it can take the host's GPUs
 # out of service).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# DeepSpeed 0.19.8's op builder reads each TORCH_CUDA_ARCH_LIST entry's minor version with int():
+# an arch-specific entry ("9.0a") fails there with "invalid literal for int() with base 10: '0a'",
+# the error that skipped ZeRO-Infinity in the first series (2026-11-27; most likely this cause:
+# the machine's list was not printed then, it is now). The entries without the suffix build
+# kernels its ops run with.
+echo "TORCH_CUDA_ARCH_LIST: ${TORCH_CUDA_ARCH_LIST:-unset}"
+if [[ "${TORCH_CUDA_ARCH_LIST:-}" =~ [0-9]a ]]; then
+    TORCH_CUDA_ARCH_LIST=$(sed -E 's/([0-9])a/\1/g' <<< "$TORCH_CUDA_ARCH_LIST")
+    export TORCH_CUDA_ARCH_LIST
+    echo "TORCH_CUDA_ARCH_LIST for DeepSpeed's op builder: $TORCH_CUDA_ARCH_LIST"
+fi
 export PYTHONUNBUFFERED=1
 
 {
