@@ -164,17 +164,21 @@ void Optimizer::run_explicit(std::span<const Task> tasks, Job& job, Arrivals* ar
     optim::ParamArrays accum_view;  // the accumulator read as a grad
     accum_view.grad_dtype = DType::kF32;
     accum_view.count = p.arrays.count;
-    float* const accum = accum_ptr(p);  // in DRAM, or staged in the layer's slot
-    auto scale = [&](float m) {
+    // The accumulator (in DRAM, or staged in the layer's slot) is read only by a job that
+    // uses it: only such a job waited for the slot (stage_need), and the NVMe tier's thread
+    // may release the slot of another use meanwhile, writing p.staged (TSan: a landing that
+    // adds nothing read the pointer it does not use while the slot was released).
+    auto scale = [&](float* accum, float m) {
       if (m == 1.f) return;
       for (std::size_t i = b; i < e; ++i) accum[i] *= m;
     };
     switch (job.kind) {
       case JobKind::kLand:
         if (job.add[slot] != 0) {
+          float* const accum = accum_ptr(p);
           accum_view.grad = accum;
           grad_view.grad_accum = accum;
-          scale(job.mult[slot]);
+          scale(accum, job.mult[slot]);
           kernels_->accumulate(grad_view, b, e, false);
           sums[k] = kernels_->sum_squares(accum_view, b, e);
         } else {
@@ -183,10 +187,11 @@ void Optimizer::run_explicit(std::span<const Task> tasks, Job& job, Arrivals* ar
         break;
       case JobKind::kStash:
         if (job.add[slot] != 0) {
+          float* const accum = accum_ptr(p);
           accum_view.grad = accum;
           grad_view.grad_accum = accum;
           kernels_->accumulate(grad_view, b, e, true);
-          scale(job.mult[slot]);
+          scale(accum, job.mult[slot]);
           sums[k] = kernels_->sum_squares(accum_view, b, e);
         }
         break;
@@ -196,7 +201,7 @@ void Optimizer::run_explicit(std::span<const Task> tasks, Job& job, Arrivals* ar
         optim::ParamArrays a = subarray(update_arrays(p), b, e);
         a.grad_accum = nullptr;
         thread_local std::vector<float> zeros;
-        const void* grad = src.staged_accum ? static_cast<const void*>(accum) : src.grad;
+        const void* grad = src.staged_accum ? static_cast<const void*>(accum_ptr(p)) : src.grad;
         if (grad == nullptr) {
           if (zeros.size() < e - b) zeros.assign(e - b, 0.f);
           a.grad = zeros.data();
