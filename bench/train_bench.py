@@ -634,6 +634,9 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
                 else streamed_bytes / 1e9
             out["kept_measure_seconds"] = keeper.measure_seconds
             out["kept_backed_off"] = keeper.backed_off  # blocks dropped for allocation retries
+            # The plan's inputs (usable, peak, margin, each block's bytes): why it kept what
+            # it kept (an H200 at 32 x 1024 kept no streamed block with 55 GB unused).
+            out["kept_decision"] = keeper.decision
         out["plan"] += " (%d keep activations, %d of them wholly; %d streamed keep " \
             "selectively)" % (out["kept_activations"], out["kept_whole"], out["kept_streamed"])
         pager = getattr(opt, "_pager", None)

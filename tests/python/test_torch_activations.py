@@ -582,8 +582,13 @@ def test_streamed_blocks_measured_and_planned_after_the_resident_ones(offload):
     one, rs = int(selective[0] * factor), int(resident_selective * factor)
     assert int(whole * factor) - rs > one // 2
     room = rs + 2 * one + one // 2
+    assert keeper.decision is None
     keeper.decide(room, 0, 0)  # the resident block selectively, then 2 streamed; no upgrade
     assert keeper.plan == ["selective"] and keeper.streamed == 2
+    # What the plan was made from, kept for the benchmarks (the bench's kept_decision).
+    assert keeper.decision == dict(usable=room, peak=0, margin=0, resident=1,
+                                   blocks=[(int(whole * factor), rs)] + [(None, one)] * 3,
+                                   plan=["selective"] * 3)
     keeper.decide(int(whole * factor) + 3 * one, 0, 0)  # streamed blocks before the upgrade
     assert keeper.plan == ["whole"] and keeper.streamed == 3
     keeper.decide(int(resident_selective * factor) - 1, 0, 0)  # the resident block first

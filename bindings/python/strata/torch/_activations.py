@@ -314,6 +314,10 @@ class ActivationKeeper:
         self.retries = 0  # the allocator's retry count after the last step
         self.retries_at_forward = None  # and when the next forward pass began (forward_begins)
         self.backed_off = 0  # blocks dropped from the plan for allocation retries
+        # The last decide()'s inputs and result, for benchmarks and diagnostics: usable, peak
+        # and margin bytes, each planned block's (whole, selective) bytes from the last
+        # resident block back then the streamed ones, and the plan (None: not decided).
+        self.decision = None
 
     @property
     def count(self):
@@ -530,6 +534,8 @@ class ActivationKeeper:
             blocks.append((None, int(selective * self.BLOCK_FACTOR)))
         plan = plan_kept(usable, peak, blocks, margin)
         self.plan, self.streamed = plan[:resident], len(plan[resident:])
+        self.decision = dict(usable=usable, peak=peak, margin=margin, resident=resident,
+                             blocks=blocks, plan=list(plan))
 
     def streamed_bytes(self, index):
         """Streamed block `index`'s measured bytes kept selectively (None: not measured, or
