@@ -524,6 +524,32 @@ def _engine_step(engine):
     return step
 
 
+def _profiler(mode, preset, cuda):
+    """torch.profiler started for one step (host ops, and kernels on a GPU) when
+    STRATA_BENCH_PROFILE (--profile) names where its trace goes; None otherwise. The profiler's
+    own overhead makes that step's time not comparable: it is the last measured one."""
+    if not os.environ.get("STRATA_BENCH_PROFILE"):
+        return None
+    import torch
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.__enter__()
+    return profiler
+
+
+def _write_profile(profiler, mode, preset):
+    import gzip
+    import shutil
+    path = "%s-%s-%s.json" % (os.environ["STRATA_BENCH_PROFILE"], preset, mode)
+    profiler.export_chrome_trace(path)
+    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(path)
+    print("%sprofile of the last step: %s.gz" % (PROGRESS, path), file=sys.stderr, flush=True)
+
+
 def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, steps, warmup,
              batch, seq, trace, nvme, opt):
     """run_one's measured steps and what it reports of them."""
@@ -541,12 +567,16 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
         # pass overlaps) is paid where the next step waits for it, as in a real loop.
         if cuda:
             torch.cuda.current_stream().synchronize()
+        profiler = _profiler(mode, preset, cuda) if i == warmup + steps - 1 else None
         t0 = time.perf_counter()
         loss = step(ids)
         losses.append(float(loss.detach()) if hasattr(loss, "detach") else float(loss))
         if cuda:
             torch.cuda.current_stream().synchronize()
         every.append(time.perf_counter() - t0)
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            _write_profile(profiler, mode, preset)
         # Progress on stderr (a slow configuration's steps take minutes; seen with --one).
         spill = getattr(getattr(model, "strata", None), "spill", None)
         print("%s%s %s step %d: %.2f s, loss %.4f%s" % (
@@ -711,6 +741,9 @@ def main():
                         "(st.offload(weights=)) instead of initializing it")
     p.add_argument("--trace", default=None,
                    help="strata: a Chrome trace of the measured steps, written to TRACE-MODEL.json")
+    p.add_argument("--profile", default=None,
+                   help="every mode: torch.profiler over the last measured step (host ops and "
+                        "kernels), a Chrome trace written to PROFILE-MODEL-MODE.json.gz")
     p.add_argument("--loss", choices=("torch", "liger"), default=None,
                    help="--impl zoo, every mode: the model's loss as Hugging Face computes it "
                         "(torch: the "
@@ -758,6 +791,8 @@ def main():
                 "strata.torch's over chunks of tokens)")
     if args.loss:  # read by run_one, in this process or the one per configuration
         os.environ["STRATA_BENCH_LOSS"] = args.loss
+    if args.profile is not None:  # likewise
+        os.environ["STRATA_BENCH_PROFILE"] = os.path.abspath(args.profile)
     if args.paged_state is not None:  # likewise
         os.environ["STRATA_BENCH_PAGED_STATE"] = args.paged_state
     if args.optimizer_threads is not None:  # likewise

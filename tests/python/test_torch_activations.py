@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from strata.torch._activations import (ActivationKeeper, plan_kept, saved_bytes, saves_output,
-                                      selective_bytes, selective_context, shape_of, tokens_of,
+from strata.torch._activations import (ActivationKeeper, plan_kept, plan_kept_timeline,
+                                      saved_bytes, saves_output, selective_bytes, selective_context, shape_of, tokens_of,
                                       COSTLY_OPS)
 from torch_parity_models import ARCHS, DEVICE, build
 
@@ -103,6 +103,86 @@ def test_plan_buys_selective_blocks_first_then_upgrades():
     assert [keeper.mode(i, x) for i in range(5)] == [None, None, None, "selective",
                                                       "selective"]
     assert "2 keep their activations (2 of them only" in keeper.describe()
+
+
+def test_the_timeline_counts_each_kept_block_where_it_is_alive():
+    """A kept block's activations live from its forward pass to its backward pass: a late
+    streamed block's are freed early in the backward pass, before the paged optimizer state
+    comes back and the step peaks (an 8B at 32 x 1024: the peak counted against every block
+    kept no streamed one). Blocks 0-1 resident, 2-4 streamed; memory 10 until the backward
+    pass reaches block 2, then 30, 40 (the state back); the peak 42 (2 between points)."""
+    timeline = {("f", g): 10 for g in range(5)}
+    timeline.update({("b", 4): 10, ("b", 3): 10, ("b", 2): 30, ("b", 1): 40, ("b", 0): 40})
+    blocks = [(50, 20)] * 2 + [(None, 20)] * 3  # residents from the last back, then streamed
+    order = [1, 0, 4, 3, 2]
+    assert plan_kept(100, 42, blocks, 0) == ["selective"] * 2  # 58 spare at the peak
+    # Blocks 1 and 0 at the late points (40 + 2 + 40 <= 100), blocks 4 and 3 where only the
+    # forward pass's end holds them (10 + 2 + 80 <= 100); block 2 would make 102 there.
+    assert plan_kept_timeline(100, 42, blocks, 0, timeline, order) == ["selective"] * 4
+    # With more room every block keeps (110 at the forward pass's end); what is left then
+    # upgrades (whole: 30 more) where it fits at every point it is alive: block 1 (140 <= 148)
+    # and not block 0 as well (170).
+    assert plan_kept_timeline(130, 42, blocks, 0, timeline, order) == ["selective"] * 5
+    assert plan_kept_timeline(150, 42, blocks, 0, timeline, order) == \
+        ["whole"] + ["selective"] * 4
+    # A flat timeline at the peak is plan_kept.
+    flat = {key: 42 for key in timeline}
+    for usable in (60, 100, 130, 200):
+        assert plan_kept_timeline(usable, 42, blocks, 0, flat, order) == \
+            plan_kept(usable, 42, blocks, 0)
+
+
+def test_the_timeline_never_keeps_less():
+    """Every point plus what the step allocated between points is at most the peak: the
+    timeline's plan keeps at least plan_kept's blocks, whatever the memory's shape."""
+    import random
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        peak = rng.randint(10, 100)
+        timeline = {(kind, g): rng.randint(0, peak) for kind in "fb" for g in range(n)}
+        blocks = [(rng.randint(1, 30), rng.choice([None, rng.randint(1, 30)]))
+                  for _ in range(n)]
+        order = list(reversed(range(n)))
+        usable, margin = rng.randint(peak, 250), rng.randint(0, 10)
+        ours = plan_kept_timeline(usable, peak, blocks, margin, timeline, order)
+        assert len(ours) >= len(plan_kept(usable, peak, blocks, margin))
+
+
+def test_the_plan_is_made_from_the_measured_steps_timeline(fake_cuda, monkeypatch):
+    """at_point notes the memory allocated at each block's start in the step being measured
+    (the largest over its passes); the decision plans from that step's timeline, and a step
+    that misses a point plans as before."""
+    memory, _ = fake_cuda
+    now = {"bytes": 0}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *_: now["bytes"])
+
+    def step(keeper, late):
+        for g in range(8):
+            now["bytes"] = 20 * GB
+            keeper.at_point("f", g, streamed=False)
+        for g in reversed(range(8)):
+            now["bytes"] = (late if g < 2 else 20) * GB  # the first blocks' backward: more
+            keeper.at_point("b", g, streamed=False)
+        keeper.on_step()
+
+    keeper = keeper_of(block_gb=8)  # 8 blocks of 8 GB (10 planned); 140 usable, peak 130
+    step(keeper, 120)
+    assert not keeper.decided and keeper.timeline == {}  # each step afresh
+    step(keeper, 120)
+    # 10 GB between the points (130 - 120): blocks 7..2 alive where 20 GB are (20 + 10 +
+    # 60), block 1 at its backward's 120 (+ 10 + 10 = 140), block 0 with it there: 150 > 140.
+    # At the peak (plan_kept) one block would fit.
+    assert keeper.decided and keeper.count == 7 and keeper.decision["timeline"]
+    assert keeper.plan == ["whole"] * 7
+    keeper.at_point("f", 0, streamed=False)
+    assert keeper.timeline == {}  # decided: nothing noted
+    keeper = keeper_of()
+    for _ in range(2):
+        now["bytes"] = 20 * GB
+        keeper.at_point("f", 0, streamed=False)  # not every point: plan_kept's plan
+        keeper.on_step()
+    assert keeper.decided and keeper.count == 2 and keeper.decision["timeline"] is None
 
 
 def test_plan_of_blocks_that_differ():
@@ -588,7 +668,7 @@ def test_streamed_blocks_measured_and_planned_after_the_resident_ones(offload):
     # What the plan was made from, kept for the benchmarks (the bench's kept_decision).
     assert keeper.decision == dict(usable=room, peak=0, margin=0, resident=1,
                                    blocks=[(int(whole * factor), rs)] + [(None, one)] * 3,
-                                   plan=["selective"] * 3)
+                                   plan=["selective"] * 3, timeline=None)
     keeper.decide(int(whole * factor) + 3 * one, 0, 0)  # streamed blocks before the upgrade
     assert keeper.plan == ["whole"] and keeper.streamed == 3
     keeper.decide(int(resident_selective * factor) - 1, 0, 0)  # the resident block first

@@ -318,6 +318,14 @@ class ActivationKeeper:
         # and margin bytes, each planned block's (whole, selective) bytes from the last
         # resident block back then the streamed ones, and the plan (None: not decided).
         self.decision = None
+        # The step being measured: the device memory allocated when each block began its
+        # forward ("f") or backward ("b") pass with grad, by (kind, block), blocks numbered in
+        # the model's order (resident, then streamed); the largest over the step's passes.
+        # A kept block's activations live from its forward pass to its backward pass: the
+        # plan adds each only where it is alive (at_point), not at the step's peak whatever
+        # held it (an 8B at 32 x 1024 peaked with the paged optimizer state back in HBM, late
+        # in the backward pass, where the streamed blocks' kept outputs are long freed).
+        self.timeline = {}
 
     @property
     def count(self):
@@ -396,6 +404,17 @@ class ActivationKeeper:
         forward.respect_saved_tensors_hooks = False
         return forward, recompute
 
+    def at_point(self, kind, index, streamed):
+        """Block `index` (of the streamed blocks when `streamed`, else of the resident ones)
+        begins its forward ("f") or backward ("b") pass with grad: the memory allocated now is
+        noted for the plan, while one is to be made."""
+        if not self.enabled or self.decided:
+            return
+        key = (kind, len(self.blocks) + index if streamed else index)
+        now = torch.cuda.memory_allocated(self.device)
+        if now > self.timeline.get(key, -1):
+            self.timeline[key] = now
+
     def oom_since_plan(self):
         return self.device.type == "cuda" and \
             torch.cuda.memory_stats(self.device).get("num_ooms", 0) > self.ooms
@@ -462,6 +481,7 @@ class ActivationKeeper:
         self.steps += 1
         if not self.enabled:
             return
+        timeline, self.timeline = self.timeline, {}  # the step that ended; the next afresh
         if self.decided:
             self._watch_retries()
             return
@@ -478,7 +498,7 @@ class ActivationKeeper:
         self.retries = stats.get("num_alloc_retries", 0)
         free, total = torch.cuda.mem_get_info(self.device)
         usable = free + torch.cuda.memory_reserved(self.device)
-        self.decide(usable, self.peak(total), int(total * self.margin()))
+        self.decide(usable, self.peak(total), int(total * self.margin()), timeline)
 
     def peak(self, total):
         """The memory a step needs at its peak: what the allocator reserved, or with
@@ -513,12 +533,14 @@ class ActivationKeeper:
         self.retries = retries
         self.retries_at_forward = None
 
-    def decide(self, usable, peak, margin):
+    def decide(self, usable, peak, margin, timeline=None):
         """The plan from the measured blocks, for `usable` bytes of which `peak` were in use
         and `margin` stay free: from the last resident block back, as long as each was
         measured, then from the last streamed block back, as long as each can keep
-        selectively."""
-        blocks = []
+        selectively. `timeline`: the measured step's memory at each block's start (at_point);
+        with every block's two points in it, each kept block counts where it is alive
+        (plan_kept_timeline), else at the peak (plan_kept)."""
+        blocks, order = [], []
         for index in reversed(range(len(self.blocks))):
             measured = self.measured.get(index)
             if not measured or not measured[0]:
@@ -526,16 +548,26 @@ class ActivationKeeper:
             selective = measured[1]
             blocks.append((int(measured[0] * self.BLOCK_FACTOR),
                            None if selective is None else int(selective[0] * self.BLOCK_FACTOR)))
+            order.append(index)
         resident = len(blocks)
         for index in reversed(range(len(self.streamed_blocks))):
             selective = self.streamed_bytes(index)
             if selective is None:
                 break
             blocks.append((None, int(selective * self.BLOCK_FACTOR)))
-        plan = plan_kept(usable, peak, blocks, margin)
+            order.append(len(self.blocks) + index)
+        count = len(self.blocks) + len(self.streamed_blocks)
+        complete = bool(timeline) and all((kind, g) in timeline for kind in "fb"
+                                          for g in range(count))
+        if complete:
+            plan = plan_kept_timeline(usable, peak, blocks, margin, timeline, order)
+        else:
+            plan = plan_kept(usable, peak, blocks, margin)
         self.plan, self.streamed = plan[:resident], len(plan[resident:])
         self.decision = dict(usable=usable, peak=peak, margin=margin, resident=resident,
-                             blocks=blocks, plan=list(plan))
+                             blocks=blocks, plan=list(plan),
+                             timeline=sorted([kind, g, n] for (kind, g), n in timeline.items())
+                             if complete else None)
 
     def streamed_bytes(self, index):
         """Streamed block `index`'s measured bytes kept selectively (None: not measured, or
@@ -615,4 +647,48 @@ def plan_kept(usable, peak, blocks, margin):
         if plan[i] == "selective" and whole is not None and whole - selective <= spare:
             plan[i] = "whole"
             spare -= whole - selective
+    return plan
+
+
+def plan_kept_timeline(usable, peak, blocks, margin, timeline, order):
+    """plan_kept's plan (the same `blocks`, in the same order, by the same rules), each kept
+    block counted only where its activations are alive: `timeline` maps (kind, g) to the
+    memory allocated when block g (in the model's order) began its forward ("f") or
+    backward ("b") pass in a step that kept nothing, and `order[i]` is blocks[i]'s g. Block
+    g's kept activations are made in its forward pass and freed by its backward pass: alive
+    at the points (kind, i) with i >= g. What the step allocated between its points (a
+    block's working set, the loss) is the measured `peak` less the largest point, added at
+    every point. Never keeps less than plan_kept: each point plus that is at most `peak`."""
+    limit = usable - margin - max(0, peak - max(timeline.values()))
+    points = sorted(timeline.items(), key=lambda item: item[0][1])
+    extra = [0] * len(points)  # kept bytes alive at each point
+
+    def fits(g, cost):
+        return all(m + extra[k] + cost <= limit
+                   for k, ((_, i), m) in enumerate(points) if i >= g)
+
+    def add(g, cost):
+        for k, ((_, i), _) in enumerate(points):
+            if i >= g:
+                extra[k] += cost
+
+    plan = []
+    for (whole, selective), g in zip(blocks, order):
+        if whole is None:
+            cost, mode = selective, "selective"
+            if not selective or selective <= 0:
+                break
+        else:
+            if whole <= 0:
+                break
+            mode = "whole" if selective is None or not 0 < selective < whole else "selective"
+            cost = whole if mode == "whole" else selective
+        if not fits(g, cost):
+            break
+        add(g, cost)
+        plan.append(mode)
+    for i, ((whole, selective), g) in enumerate(zip(blocks[:len(plan)], order)):
+        if plan[i] == "selective" and whole is not None and fits(g, whole - selective):
+            add(g, whole - selective)
+            plan[i] = "whole"
     return plan

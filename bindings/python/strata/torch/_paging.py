@@ -19,11 +19,14 @@ recomputing them. So those tensors leave the device once the step has updated th
 - out: after the update, copied to host memory on the pager's own stream while the next
   forward pass computes, a share issued at each block's forward start (issued at once, they
   held a loss.item() after the step behind them on the copy engine); their device memory
-  (one flat buffer, so that freeing it leaves one hole) is freed when the forward pass
+  (one flat buffer per group, so that freeing it leaves one hole) is freed two block starts
+  after the one that issued the group's last copy (StatePager.FREE_LAG; in stream order, the
+  compute stream waiting for the copies, the host never), the rest when the forward pass
   reaches its last streamed block (the model's last block: the head and the loss come
-  next), where the host waits for the copies if they are not done. Freed there and only
-  there, so the memory a step uses does not depend on how fast the copies ran, and what the
-  activation keeper measures is what every later step uses;
+  next), where the host waits for the copies if they are not done. Freed at fixed
+  points, so the memory a step uses does not depend on how fast the copies ran, and what the
+  activation keeper measures is what every later step uses; freed as the forward pass goes,
+  not all at its end, so the blocks after them may keep their activations in the room;
 - in: while the backward pass computes, from its first streamed block on (the loss's
   transients are gone by then), a share at each streamed block so that the copies leave the
   link to the executor's weight transfers most of the time (all at once, an 8B's backward
@@ -82,6 +85,15 @@ class StatePager:
     # The share of the measured window (copies out during the forward pass) the paged bytes
     # may take: the copies' rate varies with what the host does meanwhile.
     WINDOW_SHARE = 0.85
+    # A group's device memory is freed this many forward points (block starts) after the one
+    # that issued its last copy out: at a fixed point, so the memory a step uses does not
+    # depend on how fast the copies ran and what the activation keeper measures holds in
+    # every later step. Freed in stream order: the compute stream waits for the copies'
+    # event first, the host never (the host runs blocks ahead of the device, far ahead
+    # through the resident blocks, which load nothing: waiting there, 35 times a step, cost
+    # an 8B's forward pass 0.14 s on an H200). The copies run at ~53 GB/s there, a share (1
+    # GB) in less than a block's forward pass at 32 x 1024 (27 ms): the device rarely waits.
+    FREE_LAG = 2
     # Without a budget (a pager made outside strata.torch.AdamW): auto takes at most this
     # share of the host memory available when it decides (the first groups whose tensors fit;
     # none: nothing pages), the share a default host_budget leaves strata.torch's own host
@@ -120,6 +132,14 @@ class StatePager:
         self._layouts = {}  # group index -> [(id(tensor), offset)] of its tensors in it
         self.coming = []  # the pieces not yet queued back
         self.departed = None  # event after the copies out
+        # Groups whose copies out are all issued: [(forward point, event after their copies,
+        # [group index])], in issue order; each is freed FREE_LAG forward points after the one
+        # that issued it (_free_departed), and the groups freed so far (indices). Freed there,
+        # not at the forward pass's last block: the blocks that keep their activations after
+        # them take the room (an 8B at 32 x 1024: 31 GB held to the end left no room for any
+        # streamed block to keep its activations).
+        self.departing = []
+        self.freed = set()
         self.arrived = None  # event after the copies back, for the step to wait on
         self.active = len(self.groups)  # the groups that page (a prefix)
         self.sized = not (sizing and cuda)
@@ -199,9 +219,9 @@ class StatePager:
         """After the update (queued on the current stream): the paged tensors are to leave.
         Their copies out are issued a share at a time as the next forward pass goes (send):
         issued at once, they held the loop's own small copies to the host (a loss.item()
-        after the step) behind them on the copy engine. The device memory stays until the
-        forward pass's last block (release). `timed`: a step's page-out, whose copies the
-        next forward pass times. `again`: a forward pass begins with the state in HBM (the
+        after the step) behind them on the copy engine. A group's device memory stays until
+        FREE_LAG forward points after its copies were issued (the last groups': release).
+        `timed`: a step's page-out, whose copies the next forward pass times. `again`: a forward pass begins with the state in HBM (the
         step's page-out was cancelled by a write, a failed step brought it back, or this is
         a later micro-batch of gradient accumulation): it leaves in this forward pass too,
         copied only if the host copies are not current."""
@@ -232,6 +252,10 @@ class StatePager:
         self.unsent, self.sent = ([], self.paged_bytes) if self.current else \
             (list(self.pairs), 0)
         self.departed = None
+        self.departing, self.freed = [], set()
+        self.point = 0  # the forward point whose share _send issues
+        if self.current:  # nothing to copy: every group may go at the first forward points
+            self.departing.append((-self.FREE_LAG, None, [g for g, _ in self.pieces]))
         if self.stream is None:  # the CPU: each share copied when it is sent
             return
         self.ready = torch.cuda.Event()
@@ -251,14 +275,18 @@ class StatePager:
         """Issue the copies out until `share` of the paged bytes are issued (all: 1)."""
         if self.state != "leaving" or not self.unsent:
             return
+        before_count = len(self.pairs) - len(self.unsent)
         batch, taken = _take(self.unsent, None if share >= 1.0
                              else self.paged_bytes * share - self.sent)
         self.sent += taken
         if not batch:
             return
+        done = self._groups_issued(before_count, before_count + len(batch))
         if self.stream is None:
             for t, h in batch:
                 h.copy_(t)
+            if done:
+                self.departing.append((self.point, None, done))
             return
         self.stream.wait_event(self.ready)
         with torch.cuda.stream(self.stream):
@@ -268,10 +296,46 @@ class StatePager:
                 h.copy_(t, non_blocking=True)
             self.departed = torch.cuda.Event(enable_timing=True)
             self.departed.record(self.stream)
+        if done:
+            self.departing.append((self.point, self.departed, done))
         if self.timed:
             # Each batch's copies from when the stream got to them: their own time, not the
             # forward pass's pace of issuing them.
             self.busy.append((before, self.departed))
+
+    def _groups_issued(self, before, after):
+        """The groups whose last pair is among pairs[before:after] (their copies out all issued
+        by this batch)."""
+        done, end = [], 0
+        for g, pairs in self.pieces:
+            end += len(pairs)
+            if before < end <= after:
+                done.append(g)
+        return done
+
+    @torch.no_grad()
+    def _free_departed(self, point):
+        """At forward point `point`: free the device memory of the groups issued FREE_LAG or
+        more points before, after their copies in stream order. The memory came from the
+        current stream's pool (page_in allocates there) and goes back to it: what reuses it
+        runs on that stream after the wait, the copies' reads done."""
+        while self.departing and self.departing[0][0] <= point - self.FREE_LAG:
+            _, event, groups = self.departing.pop(0)
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+            for g in groups:
+                self._free_group(g)
+
+    def _free_group(self, g):
+        pairs = dict(self.pieces)[g]
+        flat = self.flats.get(g)
+        bases = self._flat_pointers()
+        for t, _ in pairs:
+            if t.untyped_storage().data_ptr() not in bases:  # not (yet) a view of a flat buffer
+                t.untyped_storage().resize_(0)
+        if flat is not None:
+            flat.untyped_storage().resize_(0)
+        self.freed.add(g)
 
     @torch.no_grad()
     def release(self):
@@ -293,6 +357,7 @@ class StatePager:
                 t.untyped_storage().resize_(0)
         for flat in self.flats.values():
             flat.untyped_storage().resize_(0)
+        self.departing, self.freed = [], set(g for g, _ in self.pieces)
         self.state = "out"
         self.current = True  # every pair was sent and has departed
 
@@ -463,9 +528,13 @@ class StatePager:
         """Everything in and usable on the current stream: before the update, and before any
         read (`writes` False: state_dict, a checkpoint) or write of the state outside a step.
         A read while the copies out are under way leaves them going (the tensors stay valid
-        until the forward pass's last block); a write cancels them, and the next forward pass
-        pages the state out again (page_out(again=True))."""
+        until they are freed; once a group was freed, every group leaves and comes back
+        first); a write cancels them, and the next forward pass pages the state out again
+        (page_out(again=True))."""
         current = torch.cuda.current_stream(self.device) if self.stream is not None else None
+        if self.state == "leaving" and self.freed:
+            # Some groups already left the device: the rest leave too, and all come back.
+            self.release()
         if self.state == "leaving":
             if not writes:
                 return
@@ -524,6 +593,8 @@ class StatePager:
             return
         else:
             point = index + 1
+        self._free_departed(point)
+        self.point = point
         self._send((point + 1) / (resident + streamed))
 
     def backward_begins(self, index, last):
@@ -539,9 +610,13 @@ class StatePager:
             self.page_in(1.0, self._room())
 
     def leaving_bytes(self):
-        """The paged bytes still on the device on their way out (freed at the forward pass's
-        last block, before the loss)."""
-        return self.paged_bytes if self.state == "leaving" else 0
+        """The paged bytes still on the device on their way out (a group freed FREE_LAG
+        forward points after its copies were issued, the rest at the forward pass's last
+        block, before the loss)."""
+        if self.state != "leaving":
+            return 0
+        pieces = dict(self.pieces)
+        return self.paged_bytes - sum(_nbytes(t) for g in self.freed for t, _ in pieces[g])
 
     @property
     def settled(self):

@@ -119,6 +119,15 @@ class StrataSession:
         self.on_backward_begin = []
         self.on_resident_forward_begin = []  # a resident block's, with its index, with grad
         self.on_resident_backward_begin = []  # and its backward pass's, with its index
+        if self.activations.enabled:  # the activation keeper's memory at each block's start
+            keeper = self.activations
+            self.on_forward_begin.append(
+                lambda i: i is not None and keeper.at_point("f", i, streamed=True))
+            self.on_backward_begin.append(lambda i: keeper.at_point("b", i, streamed=True))
+            self.on_resident_forward_begin.append(
+                lambda i: keeper.at_point("f", i, streamed=False))
+            self.on_resident_backward_begin.append(
+                lambda i: keeper.at_point("b", i, streamed=False))
         # The model's chunked loss (strata.torch._chunked_loss.ChunkedLoss; offload's
         # chunked_loss=), or None: its own.
         self.chunked_loss = None
