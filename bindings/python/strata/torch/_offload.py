@@ -121,7 +121,14 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     number, or 0, when the first step runs out of memory).
     data_parallel: None (data parallel over torch.distributed's default group when it is
     initialized with several ranks), False (never), or a strata.torch.DataParallel
-    (strata.torch._distributed). weights: a safetensors checkpoint (a file, or a Hugging Face
+    (strata.torch._distributed); every rank calls offload alike, and a failure on one rank
+    stops every rank (the others with a DataParallelError naming it). With nvme= under data
+    parallelism each rank's tier is its own files, `<path>.rank<r>` for each path (r its rank
+    in the group); the ranks must agree on nvme= and its options; host_budget and
+    nvme_budget, given, are each rank's, and by default its share of the host, the smallest
+    of the ranks' shares taken by all; one rank of those sharing a host's disks measures them
+    for the others (each counting its share of the rates), and every rank adopts the placement
+    of the rank whose rates predict the slowest step. weights: a safetensors checkpoint (a file, or a Hugging Face
     directory with model.safetensors or its sharded index) every parameter's values come from,
     for a model best built on the meta device: the streamed blocks' go from the file into
     Strata's pinned arena, the rest onto the device (strata.torch._weights); a checkpoint that
