@@ -6,7 +6,9 @@ process group running tests/python/torch_dist_setup_worker.py.
   DataParallelError naming it and its error, within seconds, not DataParallel's timeout; every
   rank undoes its offload, and the job can offload again.
 - With nvme=, one rank of the ranks of a host that share its disks measures them, and each
-  rank's placement counts its share of the measured rates; every rank adopts one placement."""
+  rank's placement counts its share of the measured rates; every rank adopts one placement.
+- Without nvme=, the default DRAM budget's room for gradient accumulators is judged against the
+  rank's share of the host's available memory."""
 import json
 import multiprocessing
 import socket
@@ -47,7 +49,7 @@ def launch(tmp_path, world, limit=90, **args):
         argv = ["--rank", str(rank), "--world", str(world), "--port", str(port), "--out", out,
                 "--timeout", str(TIMEOUT)]
         for k, v in args.items():
-            argv += ["--" + k.replace("_", "-"), str(v)]
+            argv += ["--" + k.replace("_", "-")] + ([] if v is True else [str(v)])
         procs.append(context().Process(target=worker.entry,
                                        args=(argv, "%s.log%d" % (out, rank))))
         procs[-1].start()
@@ -135,3 +137,15 @@ def test_one_rank_of_a_host_measures_its_disk_for_the_others(tmp_path, world, ho
         assert own["nvme_mixed"] == measured["nvme_mixed"], (r, measured)
         assert r["homes"] == ranks[0]["homes"], r
         assert r["losses"] == ranks[0]["losses"], ranks
+
+
+def test_each_rank_judges_the_accumulators_room_against_its_share_of_the_host(tmp_path):
+    # The host's available memory (patched) holds one rank's arena and gradient accumulators
+    # with room to spare (1.5 times them within the 85% share), not two ranks' (each judged
+    # against all of it, two ranks would pin 170% of it): one rank alone gets the room, each of
+    # two ranks its arena without it (the accumulators go where the optimizer finds room).
+    alone = launch(tmp_path, 1, accumulator_room=True)[0]["arena"]
+    assert alone["budget"] >= alone["need"] + alone["accumulators"], alone
+    for r in launch(tmp_path, 2, accumulator_room=True):
+        arena = r["arena"]
+        assert arena["need"] <= arena["budget"] < arena["need"] + arena["accumulators"], r

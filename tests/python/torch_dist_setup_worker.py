@@ -69,6 +69,11 @@ def main(argv=None):
                    help="the ranks stand for this many hosts (consecutive ranks, as torchrun "
                         "assigns them), by the host name each one reports")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--accumulator-room", action="store_true",
+                   help="the host's available memory (patched) holds one rank's arena and "
+                        "gradient accumulators, not every rank's: 'arena' in the output says "
+                        "what this rank's runtime got, beside what it needs with and without "
+                        "the accumulators")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.hosts > 1:
@@ -83,6 +88,15 @@ def main(argv=None):
     inject(args.fault if args.rank == fault_rank else None, disk_calls)
     config, model = base.build("tiny", seed=args.rank)
     options = {"nvme": args.nvme} if args.nvme else {}
+    if args.accumulator_room:
+        from strata.torch import _host, _planning
+        from strata.torch._distributed import chunk_elements
+        counts = [sum(chunk_elements(p.numel(), args.world) for p in block.parameters())
+                  for block in model.model.layers]
+        dram, accum = _planning.arena_need(counts, torch.float32, "dram")
+        available = int((dram + accum) / _planning.HOST_SHARE * 1.5)
+        _host.mem_available = lambda: available
+        out_arena = {"need": dram, "accumulators": accum}
     parallel = st.DataParallel(timeout=args.timeout)
     out = {"rank": args.rank}
     started = time.monotonic()
@@ -99,6 +113,9 @@ def main(argv=None):
         st.offload(model, device="cpu", data_parallel=parallel, **options)
     session = model.strata
     out["disk_calls"] = disk_calls
+    if args.accumulator_room:
+        out["arena"] = dict(out_arena,
+                            budget=session.runtime.capabilities().tier_budget_bytes[1])
     if session.placement_choice is not None:
         out["own_choice"] = session.placement_choice.info  # before the ranks adopt one
     opt = st.AdamW(model.parameters(), lr=1e-3)
