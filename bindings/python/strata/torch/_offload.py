@@ -8,13 +8,14 @@ device, the blocks, the weights file, data parallelism), _plan (resident blocks,
 NVMe budgets: nothing is created), _build (the session, its runtime and with NVMe the
 placement), _host_budget (host_budget's account), _install (the allocator setting, the blocks'
 forwards and hooks, resident blocks), _move_residents (the model outside the streamed blocks
-onto the device) and _attach (model.strata and the model's own hooks). Each stage that changes something records how to undo it on a _Rollback; when a later
-stage fails, everything done is undone in reverse order, so a failed call leaves the model as
-it was and releases what it allocated. Under data parallelism every rank runs the stages
-together: what can fail on one rank alone (the resident blocks' sizing, the host budget's check,
-the runtime, the disk's measurement, the placement, the install and the move) ends in an
-EveryRank (strata.torch._session), so that a failure on any rank stops every rank at once,
-each undoing what it did, and names the rank and its error."""
+onto the device) and _attach (model.strata and the model's own hooks). Each stage that
+changes something records how to undo it on a _Rollback; when a later stage fails, everything
+done is undone in reverse order, so a failed call leaves the model as it was and releases what
+it allocated. Under data parallelism every rank runs the stages together: what can fail on one
+rank alone (the resident blocks' sizing, the host budget's check, the runtime, the disk's
+measurement, the placement, the install and the move) ends in an EveryRank
+(strata.torch._session), so that a failure on any rank stops every rank at once, each undoing
+what it did, and names the rank and its error."""
 
 import dataclasses
 import functools
@@ -128,11 +129,12 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     nvme_budget, given, are each rank's, and by default its share of the host, the smallest
     of the ranks' shares taken by all; one rank of those sharing a host's disks measures them
     for the others (each counting its share of the rates), and every rank adopts the placement
-    of the rank whose rates predict the slowest step. weights: a safetensors checkpoint (a file, or a Hugging Face
-    directory with model.safetensors or its sharded index) every parameter's values come from,
-    for a model best built on the meta device: the streamed blocks' go from the file into
-    Strata's pinned arena, the rest onto the device (strata.torch._weights); a checkpoint that
-    lacks a parameter or has another shape is refused before anything changes.
+    of the rank whose rates predict the slowest step. weights: a safetensors checkpoint (a
+    file, or a Hugging Face directory with model.safetensors or its sharded index) every
+    parameter's values come from, for a model best built on the meta device: the streamed
+    blocks' go from the file into Strata's pinned arena, the rest onto the device
+    (strata.torch._weights); a checkpoint that lacks a parameter or has another shape is
+    refused before anything changes.
     grads: where the streamed blocks' grads live between the backward pass and the step,
     "host" (pinned DRAM) or "device" (the GPU's memory, beside gpu_budget: 2 bytes per bf16
     parameter of DRAM less, 12 instead of 14, and as many more of HBM; the optimizer copies
