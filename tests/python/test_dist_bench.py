@@ -19,6 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "dist_bench.py"
 
 import dist_bench  # noqa: E402 (bench/ is on the path: conftest.py)
+import megatrain_stub  # noqa: E402
 
 
 def test_parse_run_modes_and_rows():
@@ -191,40 +192,7 @@ def test_cpu_series_end_to_end(tmp_path):
 # MegaTrain's data-parallel mode as its SharedState sets it up: each parameter's grad is a
 # shared-memory tensor attached once, into which the workers add every step's grads (here the
 # grads of the Hugging Face model on the CPU); nothing attaches it again.
-FAKE_DP_MEGATRAIN = {
-    "infinity/__init__.py": "from .model.cpu_master import CPUMasterModel, CPUMasterConfig\n",
-    "infinity/model/__init__.py": "",
-    "infinity/model/cpu_master.py": '''
-import dataclasses
-import torch
-
-FLASH_CE_AVAILABLE = False
-
-
-@dataclasses.dataclass
-class CPUMasterConfig:
-    model_name: str = ""
-    dataset_path: str = ""
-    batch_size: int = 1
-    max_seq_len: int = 1
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    attn_implementation: str = "flash_attention_2"
-    trust_remote_code: bool = True
-    dtype: object = None
-    device: int = 0
-    devices: list = dataclasses.field(default_factory=list)
-    checkpoint_interval: int = 4
-    num_grad_slabs: int = 12
-    seed: int = 42
-    log_interval: int = 1
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-
-
+FAKE_DP_MODEL = '''
 class CPUMasterModel:
     def __init__(self, hf_model, config):
         assert len(config.devices) == 2 and config.batch_size % 2 == 0
@@ -260,8 +228,7 @@ class CPUMasterModel:
 
     def cleanup(self):
         pass
-''',
-}
+'''
 
 
 def test_megatrain_data_parallel_step_trains_every_step(tmp_path, monkeypatch):
@@ -269,10 +236,7 @@ def test_megatrain_data_parallel_step_trains_every_step(tmp_path, monkeypatch):
     not only the first (its train.py's optimizer.zero_grad() would detach the shared grads)."""
     import torch
     import megatrain_peer
-    for name, text in FAKE_DP_MEGATRAIN.items():
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    megatrain_stub.write(tmp_path, FAKE_DP_MODEL)
     for name in [m for m in sys.modules if m == "infinity" or m.startswith("infinity.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "path", list(sys.path))

@@ -618,3 +618,28 @@ def test_copies_back_wait_for_room(resident_room, sessions, monkeypatch):
     weights = snapshot(model)
     for key in weights:
         assert torch.equal(weights[key], expected_weights[key]), key
+
+
+def test_a_share_of_the_copies_back_counts_the_bytes_copied():
+    """page_in(share) queues copies back until `share` of the paged bytes are queued, counted
+    as the copies out count them (the bytes copied), not in the device memory their buffers
+    take (each tensor 512-byte aligned): four groups of one 12-byte tensor, half of them back
+    at 0.5 and three at 0.75 (counted aligned, the first group's 512 bytes spent the whole
+    quota: one group at 0.5, two at 0.75); the values come back as they were."""
+    import types
+    from strata.torch import _paging
+    masters = [torch.full((3,), float(i)) for i in range(4)]
+    pager = _paging.StatePager(types.SimpleNamespace(state={}), [[m] for m in masters],
+                               torch.device("cpu"))
+    pager.page_out(timed=False)
+    pager.release()
+    assert pager.state == "out" and _group_in(pager) == [False] * 4
+    assert pager.paged_bytes == 4 * 12
+    pager.page_in(0.5)
+    assert _group_in(pager) == [True, True, False, False]
+    pager.page_in(0.75)
+    assert _group_in(pager) == [True, True, True, False]
+    pager.page_in(1.0)
+    assert pager.state == "in" and _group_in(pager) == [True] * 4
+    for i, m in enumerate(masters):
+        assert torch.equal(m, torch.full((3,), float(i)))

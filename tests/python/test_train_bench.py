@@ -9,54 +9,23 @@ import os
 import pathlib
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import megatrain_stub  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "train_bench.py"
 
-# MegaTrain's API as bench/megatrain_peer.py drives it (CPUMasterConfig, CPUMasterModel with
-# forward_and_backward / get_parameters / _sync_params_to_gpu / zero_grad / cleanup, the sdpa
-# mask patch's _layer_attention_mask), the training itself done by the Hugging Face model on
-# the CPU: what train_bench reports must then be that model's training.
-FAKE_MEGATRAIN = {
-    "infinity/__init__.py": """
-        from .model.cpu_master import CPUMasterModel, CPUMasterConfig
-        """,
-    "infinity/model/__init__.py": "",
-    "infinity/model/cpu_master.py": """
-        import dataclasses
-        import torch
-
-        FLASH_CE_AVAILABLE = False
-        CALLS = []
-
-        @dataclasses.dataclass
-        class CPUMasterConfig:
-            model_name: str = ""
-            dataset_path: str = ""
-            batch_size: int = 1
-            max_seq_len: int = 1
-            gradient_accumulation_steps: int = 1
-            learning_rate: float = 1e-5
-            weight_decay: float = 0.01
-            max_grad_norm: float = 1.0
-            attn_implementation: str = "flash_attention_2"
-            trust_remote_code: bool = True
-            dtype: object = None
-            device: int = 0
-            checkpoint_interval: int = 4
-            num_grad_slabs: int = 12
-            seed: int = 42
-            log_interval: int = 1
-            beta1: float = 0.9
-            beta2: float = 0.999
-            eps: float = 1e-8
-
+# MegaTrain's API as bench/megatrain_peer.py drives it (megatrain_stub's package and
+# CPUMasterConfig; here CPUMasterModel with forward_and_backward / get_parameters /
+# _sync_params_to_gpu / zero_grad / cleanup, the sdpa mask patch's _layer_attention_mask), the
+# training itself done by the Hugging Face model on the CPU: what train_bench reports must then
+# be that model's training.
+FAKE_MODEL = """
         class CPUMasterModel:
             def __init__(self, hf_model, config):
                 assert config.attn_implementation == "sdpa"
@@ -87,8 +56,7 @@ FAKE_MEGATRAIN = {
 
             def cleanup(self):
                 pass
-        """,
-}
+        """
 
 COMMON = ["--models", "tiny", "--device", "cpu", "--batch", "4", "--seq", "32", "--steps", "2",
           "--warmup", "0", "--clip", "1.0"]
@@ -128,10 +96,7 @@ def check_measured(r, accum):
 def one_batch(tmp_path_factory):
     """Strata, then the MegaTrain peer (the stand-in), on the whole batch: (results, stdout)."""
     tmp_path = tmp_path_factory.mktemp("one_batch")
-    tree = tmp_path / "megatrain"
-    for path, text in FAKE_MEGATRAIN.items():
-        (tree / path).parent.mkdir(parents=True, exist_ok=True)
-        (tree / path).write_text(textwrap.dedent(text))
+    tree = megatrain_stub.write(tmp_path / "megatrain", FAKE_MODEL)
     return run_bench(tmp_path, "--modes", "strata", "--peer", "megatrain",
                      "--megatrain-dir", str(tree))
 

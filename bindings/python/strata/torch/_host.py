@@ -31,6 +31,12 @@ def disk_free(paths):
     return min(free[dev] * len(paths) // files[dev] for dev in free)
 
 
+def file_systems(paths):
+    """The file systems (st_dev) holding the folders of `paths`, sorted: the NVMe tier's files
+    on one of them share its disks."""
+    return sorted({os.stat(os.path.dirname(os.path.abspath(p))).st_dev for p in paths})
+
+
 def node_cpus(node):
     """The CPUs this process may run on in NUMA node `node` (all it may run on where the node
     is unknown or shares none with them)."""

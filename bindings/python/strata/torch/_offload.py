@@ -5,12 +5,17 @@ values in Strata (strata.torch._hooks).
 
 offload() is a pipeline of stages, each a function below: _validate (the arguments, the
 device, the blocks, the weights file, data parallelism), _plan (resident blocks, the host and
-NVMe budgets: nothing is created), _build (the session and its runtime), _install (the
-allocator setting, the blocks' forwards and hooks, resident blocks), _move_residents (the model
-outside the streamed blocks onto the device) and _attach (model.strata and the model's own
-hooks). Each stage that changes something records how to undo it on a _Rollback; when a later
-stage fails, everything done is undone in reverse order, so a failed call leaves the model as
-it was and releases what it allocated."""
+NVMe budgets: nothing is created), _build (the session, its runtime and with NVMe the
+placement), _host_budget (host_budget's account), _install (the allocator setting, the blocks'
+forwards and hooks, resident blocks), _move_residents (the model outside the streamed blocks
+onto the device) and _attach (model.strata and the model's own hooks). Each stage that
+changes something records how to undo it on a _Rollback; when a later stage fails, everything
+done is undone in reverse order, so a failed call leaves the model as it was and releases what
+it allocated. Under data parallelism every rank runs the stages together: what can fail on one
+rank alone (the resident blocks' sizing, the host budget's check, the runtime, the disk's
+measurement, the placement, the install and the move) ends in an EveryRank
+(strata.torch._session), so that a failure on any rank stops every rank at once, each undoing
+what it did, and names the rank and its error."""
 
 import dataclasses
 import functools
@@ -27,7 +32,7 @@ from . import (_allocator, _chunked_loss, _distributed, _foreign, _hooks, _param
 from ._block import streamed_forward
 from ._layout import ShardedLayout
 from ._replay import replaying_forward_state, without_caches
-from ._session import SessionChoices, StrataSession
+from ._session import EveryRank, SessionChoices, StrataSession
 
 
 class _Rollback:
@@ -117,11 +122,19 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     number, or 0, when the first step runs out of memory).
     data_parallel: None (data parallel over torch.distributed's default group when it is
     initialized with several ranks), False (never), or a strata.torch.DataParallel
-    (strata.torch._distributed). weights: a safetensors checkpoint (a file, or a Hugging Face
-    directory with model.safetensors or its sharded index) every parameter's values come from,
-    for a model best built on the meta device: the streamed blocks' go from the file into
-    Strata's pinned arena, the rest onto the device (strata.torch._weights); a checkpoint that
-    lacks a parameter or has another shape is refused before anything changes.
+    (strata.torch._distributed); every rank calls offload alike, and a failure on one rank
+    stops every rank (the others with a DataParallelError naming it). With nvme= under data
+    parallelism each rank's tier is its own files, `<path>.rank<r>` for each path (r its rank
+    in the group); the ranks must agree on nvme= and its options; host_budget and
+    nvme_budget, given, are each rank's, and by default its share of the host, the smallest
+    of the ranks' shares taken by all; one rank of those sharing a host's disks measures them
+    for the others (each counting its share of the rates), and every rank adopts the placement
+    of the rank whose rates predict the slowest step. weights: a safetensors checkpoint (a
+    file, or a Hugging Face directory with model.safetensors or its sharded index) every
+    parameter's values come from, for a model best built on the meta device: the streamed
+    blocks' go from the file into Strata's pinned arena, the rest onto the device
+    (strata.torch._weights); a checkpoint that lacks a parameter or has another shape is
+    refused before anything changes.
     grads: where the streamed blocks' grads live between the backward pass and the step,
     "host" (pinned DRAM) or "device" (the GPU's memory, beside gpu_budget: 2 bytes per bf16
     parameter of DRAM less, 12 instead of 14, and as many more of HBM; the optimizer copies
@@ -157,8 +170,14 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         plan = _plan(model, request, resident_blocks)
         session = _build(model, request, plan, rollback)
         started = time.perf_counter()
-        _install(model, session, request, plan, rollback)
-        _move_residents(model, session, request, plan, rollback)
+        # The rest is this rank's own work until the optimizer's build: under data parallelism
+        # a failure on one rank (its device's memory) stops every rank here, each undoing
+        # what it did, instead of the others waiting at the build's first collective.
+        with EveryRank(request.mesh, "installing the streamed blocks and moving the rest of "
+                                     "the model to the device"):
+            _host_budget(session, request)
+            _install(model, session, request, plan, rollback)
+            _move_residents(model, session, request, plan, rollback)
     except BaseException as e:
         rollback.run(e)
         raise
@@ -282,12 +301,14 @@ def _plan(model, request, resident_blocks):
     parallelism with NVMe, each rank's own files (request.nvme becomes them) and its share of
     the host's budgets. Creates nothing (a probe of each rank's files leaves none behind)."""
     all_blocks, mesh = request.all_blocks, request.mesh
-    if resident_blocks is None:
-        resident_blocks = _planning._auto_resident_blocks(
-            model, all_blocks, request.dtype, request.device, request.gpu_budget,
-            request.grads_home)
-    if mesh is not None:  # every rank must stream the same blocks: the fewest any rank keeps
-        resident_blocks = min(mesh.gather_objects(resident_blocks))
+    # Every rank must stream the same blocks: the fewest any rank keeps.
+    with EveryRank(mesh, "choosing the resident blocks") as step:
+        step.value = resident_blocks
+        if resident_blocks is None:
+            step.value = _planning._auto_resident_blocks(
+                model, all_blocks, request.dtype, request.device, request.gpu_budget,
+                request.grads_home)
+    resident_blocks = min(step.every)
     if not 0 <= resident_blocks < len(all_blocks):
         raise ValueError("strata.torch.offload: resident_blocks is %d; the model has %d blocks "
                          "and at least one must stream" % (resident_blocks, len(all_blocks)))
@@ -305,10 +326,11 @@ def _plan(model, request, resident_blocks):
             plan.blocks, request.dtype, request.grads_home, request.state_placement,
             plan.host_budget, request.nvme, plan.nvme_budget, mesh)
     else:
-        _planning.check_host_budget(plan.blocks, request.dtype, mesh, request.grads_home,
-                                    plan.host_budget)
-        plan.host_budget = _planning.arena_budget(plan.blocks, request.dtype, mesh,
-                                                  request.grads_home, plan.host_budget)
+        with EveryRank(mesh, "checking host_budget"):
+            _planning.check_host_budget(plan.blocks, request.dtype, mesh, request.grads_home,
+                                        plan.host_budget)
+            plan.host_budget = _planning.arena_budget(plan.blocks, request.dtype, mesh,
+                                                      request.grads_home, plan.host_budget)
     return plan
 
 
@@ -333,19 +355,25 @@ def _build(model, request, plan, rollback):
                                [p for p in model.parameters() if id(p) not in streamed])
     session = StrataSession(choices, layout)
     rollback.push(session.close)
-    # host_budget's accounting (the arena first; what the budget leaves, strata.torch's own
-    # host memory: the paged optimizer state, strata.torch.AdamW's, and the spilled
-    # checkpoints), made once the arena is pinned so a default budget does not count it twice.
-    session.host_budget = _planning.HostBudget(
-        request.host_budget, session.runtime.capabilities().tier_budget_bytes[1])
-    session.spill.use_budget(session.host_budget)
     if plan.layers is not None:
         try:
             session.place(plan.layers, plan.host_budget, plan.place_nvme,
                           request.state_placement)
         except MemoryError as e:  # the choice with measured rates fits wherever the check did
-            raise ValueError("strata.torch.offload: %s; nothing was changed" % e) from None
+            error = ValueError("strata.torch.offload: %s; nothing was changed" % e)
+            for note in getattr(e, "__notes__", ()):  # the ranks that failed alike (EveryRank)
+                error.add_note(note)
+            raise error from None
     return session
+
+
+def _host_budget(session, request):
+    """host_budget's accounting (the arena first; what the budget leaves, strata.torch's own
+    host memory: the paged optimizer state, strata.torch.AdamW's, and the spilled
+    checkpoints), made once the arena is pinned so a default budget does not count it twice."""
+    session.host_budget = _planning.HostBudget(
+        request.host_budget, session.runtime.capabilities().tier_budget_bytes[1])
+    session.spill.use_budget(session.host_budget)
 
 
 def _install(model, session, request, plan, rollback):

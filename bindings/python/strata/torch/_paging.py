@@ -448,7 +448,9 @@ class StatePager:
         """Queue copies back, a group at a time, until `share` of the paged bytes are queued
         (the device memory allocated on the current stream, which the backward pass uses).
         `room`: the bytes the device may give them now (None: no limit); a group that does
-        not fit waits for a later call (the step's bring_in takes every one)."""
+        not fit waits for a later call (the step's bring_in takes every one). The share counts
+        bytes copied, as paged_bytes and the copies out (_take) do; the room, the device memory
+        a group's buffer takes (each tensor in it aligned: _allocate)."""
         if self.state == "leaving":
             self.release()
         if self.state == "out":
@@ -470,7 +472,7 @@ class StatePager:
             if room is not None:
                 room -= size
             if quota is not None:
-                quota -= size
+                quota -= sum(_nbytes(h) for _, h in pairs)
         if not self.coming:
             self.state = "in"
         if not batch:

@@ -12,8 +12,9 @@ import torch
 
 from .. import core
 from ..core import BACKWARD, FORWARD, VIEW_WEIGHT
-from . import _params, _planning, _surgery
+from . import _host, _params, _planning, _surgery
 from ._activations import ActivationKeeper
+from ._distributed import DataParallelError
 from ._grads import StreamedGrad
 from ._layout import LocalLayout
 from ._planning import DTYPE_NAMES
@@ -43,6 +44,63 @@ class SessionChoices:
     weights_source: tuple = None  # offload(weights=): (SafetensorsWeights, names by tensor)
     # offload(spill_checkpoints=): None (when the device is short), True (always), False (never).
     spill_checkpoints: bool = None
+
+
+class EveryRank:
+    """A step of the set-up that can fail on one rank alone (its device, its runtime's memory,
+    its disk), made collective under data parallelism (`mesh`):
+
+        with EveryRank(mesh, "creating the runtime") as step:
+            ...
+            step.value = what this rank shares (it must pickle)
+        step.every  # every rank's value, in rank order
+
+    At the end of the block every rank says how its step went (one all_gather_object); when it
+    failed on any rank, every rank raises there, at once, instead of the others going on to
+    their next collective and waiting in it for DataParallel's timeout: a rank that failed
+    raises its own error, with a note naming every rank that failed and why (so an error every
+    rank meets alike, a budget too small everywhere, stays the error it is), and the others a
+    DataParallelError naming them. Without a mesh the block runs as it is (every: [value]).
+    The block itself must make no collective: every rank ends it at its own pace."""
+
+    def __init__(self, mesh, what):
+        self.mesh, self.what = mesh, what
+        self.value = None
+        self.every = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if self.mesh is None:
+            self.every = [self.value]
+            return False
+        if error is not None and not isinstance(error, Exception):
+            return False  # an interrupt or an exit: the process is going anyway
+        mine = None
+        if error is not None:
+            text = str(error).strip().splitlines()
+            mine = "%s: %s" % (type(error).__name__, text[0][:300] if text else "")
+        try:
+            every = self.mesh.gather_objects((mine, None if error is not None else self.value))
+        except DataParallelError:
+            if error is None:
+                raise
+            return False  # the job is broken too; this rank's own error says why it stopped
+        failed = ["rank %d (%s)" % (r, cause) for r, (cause, _) in enumerate(every)
+                  if cause is not None]
+        if not failed:
+            self.every = [value for _, value in every]
+            return False
+        said = "%s failed on %s" % (self.what, ", ".join(failed))
+        if error is not None:
+            error.add_note("strata.torch data parallel (rank %d of %d): %s; every rank stops "
+                           "here" % (self.mesh.rank, self.mesh.world, said))
+            return False
+        raise DataParallelError(
+            "strata.torch data parallel (rank %d of %d): %s; every rank stops here (this one "
+            "did not fail: the error of each rank named says why)"
+            % (self.mesh.rank, self.mesh.world, said))
 
 
 class StrataSession:
@@ -79,18 +137,6 @@ class StrataSession:
         # Resident parameters narrowed to the compute dtype that keep offload's fp32 values
         # for their masters (strata.torch._params), until the optimizer exists.
         self.kept_fp32 = []
-        # Which resident blocks keep their activations instead of recomputing them, and which
-        # streamed blocks keep their matrix products' and attention's outputs.
-        self.activations = ActivationKeeper(self.device, self.resident_blocks, self.blocks)
-        # Which blocks' checkpoints go to host memory (strata.torch._spill).
-        self.spill = Spiller(self.device, choices.spill_checkpoints, self.activations,
-                             len(self.resident_blocks) + len(self.blocks))
-        # A session-wide empty tensor requiring grad: every streamed block's autograd function
-        # takes it, so the backward pass reaches each one in order; its grad accumulator says
-        # whether a backward pass accumulates into parameters (loss.backward()) or not
-        # (torch.autograd.grad).
-        self.anchor = torch.zeros(0, device=self.device, requires_grad=True)
-        self.anchor_node = self.anchor.view_as(self.anchor).grad_fn.next_functions[0][0]
         # Forward hooks inside streamed blocks are refused (strata.torch._block.refuse_inner_hooks)
         # unless the user says they only observe.
         self.allow_inner_hooks = False
@@ -142,15 +188,43 @@ class StrataSession:
         self.host_budget = None
         # Evaluated before the build: id(param) -> its own data, put back after the block ran.
         self._unmoved = {}
+        self.nvme_files = choices.nvme  # this rank's NVMe tier files (none: no tier)
+        self.runtime = None
         started = time.perf_counter()
-        gpu_budget, host_budget = _planning.session_budgets(
-            self.layout.block_counts(self.blocks), self.dtype, self.grads_home,
-            choices.gpu_budget, choices.host_budget, self.mesh)
-        # The runtime computes on the model's GPU (cuda:1 is ordinal 1), not always the first.
-        self.runtime = core.Runtime(backend=choices.backend, hbm_budget=gpu_budget,
-                                    dram_budget=host_budget, nvme=choices.nvme,
-                                    nvme_budget=choices.nvme_budget,
-                                    device=(self.device.index or 0) if self.cuda else 0)
+        # What can fail on this rank alone (its device, its runtime's memory): under data
+        # parallelism every rank learns of a failure here, instead of waiting for DataParallel's
+        # timeout in the next collective (EveryRank); another rank's failure closes this
+        # rank's runtime again.
+        try:
+            with EveryRank(self.mesh, "creating the session's Strata runtime"):
+                # Which resident blocks keep their activations instead of recomputing them,
+                # and which streamed blocks keep their matrix products' and attention's
+                # outputs.
+                self.activations = ActivationKeeper(self.device, self.resident_blocks,
+                                                    self.blocks)
+                # Which blocks' checkpoints go to host memory (strata.torch._spill).
+                self.spill = Spiller(self.device, choices.spill_checkpoints, self.activations,
+                                     len(self.resident_blocks) + len(self.blocks))
+                # A session-wide empty tensor requiring grad: every streamed block's autograd
+                # function takes it, so the backward pass reaches each one in order; its grad
+                # accumulator says whether a backward pass accumulates into parameters
+                # (loss.backward()) or not (torch.autograd.grad).
+                self.anchor = torch.zeros(0, device=self.device, requires_grad=True)
+                self.anchor_node = \
+                    self.anchor.view_as(self.anchor).grad_fn.next_functions[0][0]
+                gpu_budget, host_budget = _planning.session_budgets(
+                    self.layout.block_counts(self.blocks), self.dtype, self.grads_home,
+                    choices.gpu_budget, choices.host_budget, self.mesh)
+                # The runtime computes on the model's GPU (cuda:1 is ordinal 1), not always
+                # the first.
+                self.runtime = core.Runtime(backend=choices.backend, hbm_budget=gpu_budget,
+                                            dram_budget=host_budget, nvme=choices.nvme,
+                                            nvme_budget=choices.nvme_budget,
+                                            device=(self.device.index or 0) if self.cuda else 0)
+        except BaseException:
+            if self.runtime is not None:
+                self.runtime.close()
+            raise
         self.timed("runtime", started)
         try:
             self.layout.attach(self)
@@ -255,7 +329,7 @@ class StrataSession:
         self.timed("plan", t)
         self.layout.after_build()
 
-    def place(self, layers, dram_budget, nvme_budget, state_placement=None):
+    def place(self, layers, dram_budget, nvme_budget, state_placement=None, rates=None):
         """Choose where the streamed blocks' optimizer state and weights live, on NVMe or in
         DRAM (core.place: every split the budgets allow, simulated with the rates measured on
         this runtime, the fastest kept), and set the optimizer's options to realize it: its
@@ -266,9 +340,15 @@ class StrataSession:
         core.placement_layers of the blocks; nvme_budget: what the placement may put on NVMe
         (the tier less its margins). With grads on the device the placement counts the DRAM
         buffer they are read through (its grad_fetch_bytes), which the optimizer takes from
-        nvme_staging_bytes before its staging slots."""
-        choice = core.place(layers, runtime=self.runtime, dram_budget=dram_budget,
-                            nvme_budget=nvme_budget)
+        nvme_staging_bytes before its staging slots. `rates`: core.place's, those given not
+        measured; under data parallelism the NVMe tier's, unless all three are given (alike on
+        every rank), are one rank's measurement shared (disk_rates: collective)."""
+        rates = dict(rates or {})
+        if self.mesh is not None and not all(rates.get(k) for k in self.DISK_RATES):
+            rates.update(self.disk_rates(layers, dram_budget, nvme_budget))
+        with EveryRank(self.mesh, "choosing the placement of the training state"):
+            choice = core.place(layers, runtime=self.runtime, dram_budget=dram_budget,
+                                nvme_budget=nvme_budget, rates=rates)
         self.placement_choice, self.placement_layers = choice, layers
         # The optimizer fills DRAM param by param with the margin placement_layers counts,
         # so the block at the boundary may keep part of its state in DRAM. Nothing spilled: a
@@ -277,6 +357,35 @@ class StrataSession:
         self.state_options = {"state_placement": state_placement or "planned",
                               "nvme_staging_bytes": staging + choice.info["grad_fetch_bytes"]}
         self.nvme_weight_blocks = choice.info["weight_nvme_layers"]
+
+    # The NVMe tier's rates (core.place's names), and the others given as placeholders so that
+    # core.place, which measures only the rates it is not given, measures the disk alone (the
+    # placement it chooses with them is not used).
+    DISK_RATES = ("nvme_read", "nvme_write", "nvme_mixed")
+    _DISK_ONLY = {"h2d": 1.0, "d2h": 1.0, "update_elements": 1.0}
+
+    def disk_rates(self, layers, dram_budget, nvme_budget):
+        """Under data parallelism, the NVMe tier's rates this rank's placement counts
+        (collective). The ranks of a host whose tier files are on the same file systems share
+        those disks in training: the first of them measures them alone (the others wait) and
+        each counts its share, the read and write rates divided by their number (nvme_mixed, a
+        ratio, as measured). Each measuring at once moved k times the data (up to 4 GiB in
+        each of 3 phases, a rank) to find the same share. A rank with disks of its own
+        measures them, at once with the others."""
+        mesh = self.mesh
+        with EveryRank(mesh, "finding the NVMe tier's file systems") as disks:
+            disks.value = (mesh.hosts[mesh.rank], _host.file_systems(self.nvme_files))
+        sharing = [r for r, key in enumerate(disks.every) if key == disks.value]
+        with EveryRank(mesh, "measuring the NVMe tier's rates") as step:
+            if sharing[0] == mesh.rank:
+                info = core.place(layers, runtime=self.runtime, dram_budget=dram_budget,
+                                  nvme_budget=nvme_budget, rates=self._DISK_ONLY).info
+                step.value = {k: info[k if k == "nvme_mixed" else k + "_bytes_per_second"]
+                              for k in self.DISK_RATES}
+        measured = step.every[sharing[0]]
+        return {"nvme_read": measured["nvme_read"] / len(sharing),
+                "nvme_write": measured["nvme_write"] / len(sharing),
+                "nvme_mixed": measured["nvme_mixed"]}
 
     def predict(self, forward_seconds=0.0, backward_seconds=0.0, other_seconds=0.0):
         """The step Strata's model predicts for this session's streamed blocks (a
