@@ -254,7 +254,7 @@ class _HostReplica:
             start += n
         if cuda and self.host_bytes:
             cudart = torch.cuda.cudart()
-            code = cudart.cudaHostRegister(self.memory.data_ptr(), self.host_bytes, 0)
+            code = cudart.cudaHostRegister(self.memory.data_ptr(), self.host_bytes, 1)  # portable
             if int(code) != 0:
                 raise RuntimeError("strata.torch: pinning the host replica of the weights (%d "
                                    "bytes) failed: CUDA error %d" % (self.host_bytes, int(code)))
