@@ -18,8 +18,9 @@ network's cost shows; nvlink (default) leaves NCCL its fastest path between the 
 Reported per run: tokens/s, step time (median after warm-up), each step's loss, per rank the
 optimizer state bytes in DRAM (Strata's stats), the DRAM arena, the host replica of the weights
 (pieces), the peak host memory (VmHWM), and the bytes each rank sends across the hosts per step:
-counted from the cross-host collectives the layout issued (all-reduce 2(H-1)/H of its tensor,
-reduce-scatter and all-gather (H-1)/H of the whole), as a ring algorithm moves them. Writes
+counted from the cross-host collectives the layout issued, the residents' grads' all-reduce
+included (all-reduce 2(H-1)/H of its tensor, reduce-scatter and all-gather (H-1)/H of the
+whole), as a ring algorithm moves them. Writes
 DIR/results.json, DIR/summary.md and DIR/<run>.log. --device cpu runs the same code under gloo
 on Strata's host backend (--model tiny), for checking the script."""
 import argparse
@@ -61,6 +62,9 @@ def count_network(mesh):
     counted("average_replicas", 2 * ring, lambda a: nbytes(a[0]))  # all-reduce
     counted("scatter_pieces", ring, lambda a: nbytes(a[1]))  # reduce-scatter of the chunk
     counted("gather_pieces", ring, lambda a: nbytes(a[0]))  # all-gather into the chunk
+    # The resident parameters' grads, all-reduced over every rank: each rank a host here
+    # (shard_size=1), so all of it crosses the hosts.
+    counted("average_all", 2 * (mesh.world - 1) / mesh.world, lambda a: nbytes(a[0]))
     return counter
 
 
@@ -164,6 +168,10 @@ def launch(args, run, out_dir):
     return result
 
 
+def size(n):
+    return "%.2f GB" % (n / 1e9) if n >= 1e8 else "%.2f MB" % (n / 1e6)
+
+
 def summarize(results, gpus):
     by = {r["run"]: r for r in results if "tokens_per_second" in r}
     lines = []
@@ -183,11 +191,11 @@ def summarize(results, gpus):
         state = [a["state_bytes"] / max(1, b["state_bytes"])
                  for a, b in zip(p["ranks"], h["ranks"])]
         lines.append("pieces / hsdp: tokens/s %.3f; optimizer state per rank %s (1/%d = %.3f "
-                     "expected); network bytes per rank per step %.2f GB vs %.2f GB" % (
+                     "expected); network bytes per rank per step %s vs %s" % (
                          p["tokens_per_second"] / h["tokens_per_second"],
                          " ".join("%.3f" % s for s in state), gpus, 1 / gpus,
-                         p["ranks"][0]["network_bytes_per_step"] / 1e9,
-                         h["ranks"][0]["network_bytes_per_step"] / 1e9))
+                         size(p["ranks"][0]["network_bytes_per_step"]),
+                         size(h["ranks"][0]["network_bytes_per_step"])))
     return lines
 
 
@@ -243,11 +251,11 @@ def main(argv=None):
         results.append(r)
         if "tokens_per_second" in r:
             rank = r["ranks"][0]
-            print("%-6s %8.0f tokens/s  step %.2f s  setup %.0f s  state %.2f GB/rank  "
-                  "host replica %.2f GB/rank  network %.2f GB/rank/step  losses %s" % (
+            print("%-6s %8.0f tokens/s  step %.2f s  setup %.0f s  state %s/rank  "
+                  "host replica %s/rank  network %s/rank/step  losses %s" % (
                       run, r["tokens_per_second"], r["step_seconds"], r["setup_seconds"],
-                      rank["state_bytes"] / 1e9, rank["replica_bytes"] / 1e9,
-                      rank["network_bytes_per_step"] / 1e9,
+                      size(rank["state_bytes"]), size(rank["replica_bytes"]),
+                      size(rank["network_bytes_per_step"]),
                       " ".join("%.4f" % x for x in r["losses"])), flush=True)
         else:
             print("%-6s failed: %s" % (run, r["error"]), flush=True)

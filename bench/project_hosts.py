@@ -2,7 +2,8 @@
 """Projected step time of Strata's data parallelism over 2-16 hosts of 8 GPUs, from measured
 rates passed in: HSDP (every host the whole optimizer state, grads all-reduced across the hosts)
 against the optimizer state sharded across the hosts (DataParallel(state_across_hosts=True)).
-docs/architecture.md ("Across hosts") derives the bytes; docs/benchmarks.md has the table.
+docs/architecture.md ("Optimizer state across hosts") derives the bytes; docs/benchmarks.md has
+the table ("Across hosts").
 
     python bench/project_hosts.py                       # 8B, the rates measured on H200s
     python bench/project_hosts.py --model 70b --tokens-per-gpu 8192 --markdown

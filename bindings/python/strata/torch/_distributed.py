@@ -68,7 +68,8 @@ class DataParallel:
         and grad of only piece h of its chunk k, so each host's optimizer state and CPU update
         shrink by the number of replicas; grads are reduce-scattered across the hosts instead
         of all-reduced, and the updated pieces all-gathered back at each block's next load
-        (docs/architecture.md, "Across hosts"). Needs at least 2 replicas; not with nvme=."""
+        (docs/architecture.md, "Optimizer state across hosts"). Needs at least 2 replicas;
+        not with nvme=."""
 
     def __init__(self, group=None, shard_size=None, timeout=600.0, reduce_dtype=None,
                  broadcast=True, state_across_hosts=False):

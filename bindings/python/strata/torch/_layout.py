@@ -26,13 +26,13 @@ pass:
 Everything reading values (state_dict, evaluation, grads' values, optimizer state) gathers the
 chunks, so it is collective: every rank must make the same calls.
 
-Pieces (DataParallel(state_across_hosts=True), docs/architecture.md, "Across hosts"): each chunk
-is cut once more into one piece per replica (host), and rank k of replica h registers only
-piece h of its chunk k with Strata: its bf16 weight, its grad, its fp32 master and moments. Each
-host's optimizer state and CPU update shrink by the number of hosts H. The weights stay
-replicated per host: a forward gather all-gathers the pieces across the replicas (the
-network) into chunk k on the device before the shard group's gather, and copies the chunk to
-this rank's host replica of the block (pinned DRAM, `_HostReplica`) on the same stream; the
+Pieces (DataParallel(state_across_hosts=True); docs/architecture.md, "Optimizer state across
+hosts"): each chunk is cut once more into one piece per replica (host), and rank k of replica h
+registers only piece h of its chunk k with Strata: its bf16 weight, grad, fp32 master and
+moments. Each host's optimizer state and CPU update shrink by the number of hosts H. The
+weights stay replicated per host: a forward gather all-gathers the pieces across the replicas
+(the network) into chunk k on the device before the shard group's gather, and copies the chunk
+to this rank's host replica of the block (pinned DRAM, `_HostReplica`) on the same stream; the
 backward gather copies the chunk back from there instead of using the network again. The
 grads are reduce-scattered over the shard group, then over the replicas (each rank gets the
 average of its piece). The executor streams only the pieces; the replica is the layout's own,
