@@ -6,6 +6,10 @@ group, each with its own Strata runtime (host backend), running tests/python/tor
   departs that far from one process here: a batch's grad summed in two halves rounds
   differently, and AdamW magnifies the rounding of grads near zero; measured 4.2e-6).
 - 4 ranks as 2 replicas x 2 shards (processes standing in for two hosts) train like one rank.
+- DataParallel(state_across_hosts=True) (issue 39): 4 ranks as 2 hosts x 2 and 2 ranks as 2
+  hosts x 1, each rank with the optimizer state of half of its chunks, train like one rank and
+  resume exactly; each rank's state bytes are half of HSDP's; what the option cannot do is
+  refused on every rank.
 - A rank that raises, is killed, or stops mid-step takes the job down: the others fail within
   the collective timeout with Strata's error instead of hanging.
 - With nvme= (issue 39) 2 ranks with state, and weights, on their own NVMe files train like one
@@ -178,6 +182,101 @@ def test_two_replicas_of_two_shards_train_like_one_rank_and_resume_exactly(tmp_p
     assert got["resumed"] == got["losses"][2:]
     for name, value in got["state"].items():
         assert torch.equal(got["resumed_state"][name], value), name
+
+
+def assert_state_halved(pieces, hsdp, params, hosts=2):
+    """Each rank's optimizer state bytes are 1/hosts of the same rank's under HSDP, but for the
+    pieces' padding: a chunk is padded to a multiple of 64 x hosts elements instead of 64 (at
+    most 16 bytes of state an element)."""
+    for got, whole in zip(pieces, hsdp):
+        assert whole <= hosts * got <= whole + 16 * 64 * hosts * params, (pieces, hsdp)
+
+
+def test_state_across_two_hosts_of_two_trains_like_one_rank_and_resumes_exactly(tmp_path):
+    # Four processes standing in for two hosts of two GPUs, the optimizer state sharded across
+    # the hosts too: each rank updates half of its chunk of every parameter (grads
+    # reduce-scattered across the hosts, the updated halves all-gathered back at the next
+    # forward pass, the host replica of the weights serving the backward pass). One rank
+    # with all the rows is the oracle; a checkpoint after step 2 (every rank writes its own
+    # piece) continues bit for bit in freshly initialized ranks.
+    got = run_ranks(tmp_path, "pieces.pt", 4, shard_size=2, state_across_hosts=True,
+                    resume_at=2)
+    one = one_rank(tmp_path)
+    assert_close(got, one, atol=1e-5)
+    assert got["resumed"] == got["losses"][2:]
+    for name, value in got["state"].items():
+        assert torch.equal(got["resumed_state"][name], value), name
+    hsdp = run_ranks(tmp_path, "hsdp.pt", 4, shard_size=2)
+    assert_state_halved(got["state_bytes"], hsdp["state_bytes"], len(one["state"]))
+    # The host replica: each rank keeps its chunks' weights whole (4 bytes an fp32 element, as
+    # many elements as HSDP's rank keeps state for, but for the padding).
+    for replica in got["replica_bytes"]:
+        assert 4 * hsdp["elements"] <= replica <= 4 * (hsdp["elements"] + 128 * len(one["state"]))
+    assert hsdp["replica_bytes"] == [0] * 4
+
+
+def test_state_across_two_hosts_of_one_with_grad_changes_trains_like_one_rank(tmp_path):
+    # Two processes standing in for two hosts of one GPU (shard_size=1: each host holds every
+    # weight, each updates half of every parameter), with elementwise grad changes between
+    # backward and step (each rank changes its own piece) and the clip (global norm summed
+    # over the pieces), and resumed from a checkpoint after step 2.
+    got = run_ranks(tmp_path, "pieces.pt", 2, shard_size=1, state_across_hosts=True,
+                    grad_ops=True, resume_at=2)
+    one = run_ranks(tmp_path, "one.pt", 1, grad_ops=True)
+    assert_close(got, one, atol=1e-5)
+    assert got["resumed"] == got["losses"][2:]
+    for name, value in got["state"].items():
+        assert torch.equal(got["resumed_state"][name], value), name
+    # Each host keeps state for half of every streamed parameter (HSDP: all of it), its piece
+    # padded so that the chunk is a multiple of 2 x 64 elements.
+    params = len(one["state"])
+    assert one["elements"] <= 2 * got["elements"] <= one["elements"] + 128 * params
+
+
+def test_state_across_hosts_in_bf16_trains_like_one_rank(tmp_path):
+    # bf16 weights, grads averaged in fp32 (reduce-scattered over the shards, then across the
+    # hosts, rounded once into the piece's bf16 grad), st.gathered reading every piece back:
+    # bf16's tolerance, as test_bf16_with_fp32_reduction_trains_like_one_rank.
+    got = run_ranks(tmp_path, "bf16.pt", 4, shard_size=2, state_across_hosts=True,
+                    dtype="bfloat16", reduce_dtype="float32", gathered=True)
+    expected = run_ranks(tmp_path, "bf16-one.pt", 1, dtype="bfloat16", gathered=True)
+    assert got["gathered_is_state"] is True and got["refused"] == [True] * 4
+    for g, e in zip(got["losses"], expected["losses"]):
+        assert abs(g - e) <= 1e-2 * abs(e), (got["losses"], expected["losses"])
+    for name, e in expected["state"].items():
+        e = e.float()
+        d = got["state"][name].float() - e
+        assert d.pow(2).mean().sqrt() <= 2e-2 * e.pow(2).mean().sqrt(), name
+
+
+@pytest.mark.parametrize("case", ["one_replica", "nvme", "disagree", "resume_as_hsdp"])
+def test_state_across_hosts_refuses_what_it_cannot_do_on_every_rank(tmp_path, case):
+    # One replica (nothing to shard across), nvme= beside it, ranks that disagree about it:
+    # offload raises on every rank before anything trains; a checkpoint of pieces loaded
+    # under HSDP is refused by load_checkpoint (the state of half a chunk cannot fill it).
+    (tmp_path / "tier").mkdir()
+    options = {"--out": str(tmp_path / case), "--rows": ROWS, "--steps": 2, "--timeout": 20,
+               "--state-across-hosts": True}
+    expected = {
+        "one_replica": "ValueError: strata.torch.offload: DataParallel(state_across_hosts=True) "
+                       "shards the optimizer state across replicas",
+        "nvme": "NotImplementedError: strata.torch.offload: nvme= with "
+                "DataParallel(state_across_hosts=True)",
+        "disagree": "rank 0: True, rank 1: False",
+        "resume_as_hsdp": "the optimizer state across 2 hosts; this model trains by 2 "
+                          "data-parallel ranks in shards of 1 (load it under the same layout)",
+    }[case]
+    options["--shard-size"] = 2 if case == "one_replica" else 1
+    if case == "nvme":
+        options["--nvme"] = tmp_path / "tier" / "t"
+    if case == "disagree":
+        options["--state-across-hosts-fault"] = "disagree"
+    if case == "resume_as_hsdp":
+        options.update({"--resume-at": 1, "--state-across-hosts-fault": "resume_as_hsdp"})
+    codes, texts, _ = launch(2, options, limit=90, grace=5)
+    for code, text in zip(codes, texts):
+        assert code not in (0, None), text[-2000:]
+        assert expected in text, text[-2000:]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad", "lion"])

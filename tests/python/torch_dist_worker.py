@@ -206,6 +206,13 @@ def main(argv=None):
     p.add_argument("--nvme-fault", choices=["unwritable", "disagree"], default=None,
                    help="with --nvme: the last rank's path is in a folder that does not exist, "
                         "or the last rank passes no nvme=")
+    p.add_argument("--state-across-hosts", action="store_true",
+                   help="DataParallel(state_across_hosts=True): the optimizer state sharded "
+                        "across the replicas (processes standing in for hosts) too")
+    p.add_argument("--state-across-hosts-fault", choices=["disagree", "resume_as_hsdp"],
+                   default=None,
+                   help="with --state-across-hosts: the last rank passes False, or the resumed "
+                        "model of --resume-at trains without it (its load must be refused)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -220,7 +227,7 @@ def main(argv=None):
     expected_host_budget = []  # per offload with --nvme --host-budget share: each rank's share
     own_choice = []  # per offload with --nvme: the placement this rank chose (its info)
 
-    def strata_model(seed, nvme=args.nvme):
+    def strata_model(seed, nvme=args.nvme, across=args.state_across_hosts):
         import strata.torch as st
         _, fresh = build(args.preset, seed=seed)
         # One rank: the reference, no data parallelism.
@@ -232,7 +239,9 @@ def main(argv=None):
         fresh = st.offload(fresh, device="cpu", dtype=getattr(torch, args.dtype),
                            data_parallel=st.DataParallel(
                                shard_size=args.shard_size, timeout=args.timeout,
-                               reduce_dtype=reduce_dtype) if args.world > 1 else False, **tier)
+                               reduce_dtype=reduce_dtype,
+                               state_across_hosts=across)
+                           if args.world > 1 else False, **tier)
         if nvme is not None:  # this rank's own choice, before the ranks adopt one
             own_choice.append(fresh.strata.placement_choice.info)
         if args.load_on_rank0 and args.rank == 0:
@@ -243,7 +252,8 @@ def main(argv=None):
     after = None
     if args.mode == "strata":
         import strata.torch as st
-        model, opt = strata_model(args.rank)
+        model, opt = strata_model(args.rank, across=args.state_across_hosts and not (
+            args.state_across_hosts_fault == "disagree" and args.rank == args.world - 1))
         saved_weights = {}
 
         def after(step):
@@ -286,7 +296,15 @@ def main(argv=None):
         state = {k[len("module."):]: v for k, v in state.items()}
     out = {"losses": losses, "state": state}
     if args.mode == "strata":  # the elements this rank keeps optimizer state for
-        out["elements"] = model.strata.optimizer.stats()["elements"]
+        stats = model.strata.optimizer.stats()
+        out["elements"] = stats["elements"]
+        layout = model.strata.layout
+        every = [None] * args.world  # and every rank's state bytes and host replica bytes
+        dist.all_gather_object(every, (stats["state_bytes"], 0 if getattr(
+            layout, "replica", None) is None else layout.replica.host_bytes)) \
+            if args.world > 1 else every.__setitem__(0, (stats["state_bytes"], 0))
+        out["state_bytes"] = [b for b, _ in every]
+        out["replica_bytes"] = [r for _, r in every]
     if args.nvme is not None:  # where every rank's state went, and its files
         session = model.strata
         every = [None] * args.world
@@ -320,10 +338,11 @@ def main(argv=None):
     if args.resume_at is not None:
         # Another init (seed), then the checkpoint: the rest of the run again.
         resumed, resumed_opt = strata_model(
-            100 + args.rank, None if args.nvme is None else args.nvme + "-resumed")
+            100 + args.rank, None if args.nvme is None else args.nvme + "-resumed",
+            args.state_across_hosts and args.state_across_hosts_fault != "resume_as_hsdp")
         st.load_checkpoint(checkpoint, resumed, resumed_opt)
         out["resumed"] = loop(resumed, resumed_opt, data[args.resume_at:], args.rank, args.world,
-                              args.clip)
+                              args.clip, grad_ops=args.grad_ops)
         out["resumed_state"] = {k: v.clone() for k, v in resumed.state_dict().items()}
         resumed.strata.close()
     if args.rank == 0 and args.out:

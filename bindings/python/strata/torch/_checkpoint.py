@@ -228,4 +228,7 @@ def load_checkpoint(path, model, optimizer=None):
 def _describe(layout):
     if layout is None:
         return "by one process (no data parallelism)"
-    return "by %d data-parallel ranks in shards of %d" % (layout["ranks"], layout["shard_size"])
+    text = "by %d data-parallel ranks in shards of %d" % (layout["ranks"], layout["shard_size"])
+    if layout.get("state_across_hosts"):
+        text += ", the optimizer state across %d hosts" % layout["state_across_hosts"]
+    return text

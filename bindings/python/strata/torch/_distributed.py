@@ -9,6 +9,9 @@ The ranks are arranged as replicas x shards: `shard_size` consecutive ranks (by 
 ranks of one host) share one copy of the streamed blocks' training state, each rank holding
 1/shard_size of every streamed parameter (its weight, grad, fp32 master and AdamW moments) in
 its own pinned DRAM; the shard groups are replicas of each other (one per host).
+With state_across_hosts the replicas (hosts) split that state once more: rank k of host h keeps
+the optimizer state of piece h of chunk k only (strata.torch._layout, "pieces"), while every host
+still holds all of the weights.
 
 With nvme= each rank's runtime has an NVMe tier of its own files (rank_files: `<path>.rank<r>`),
 its share of the host's memory and disk (Mesh.ranks_on_host, disk_sharing), and every rank
@@ -33,10 +36,13 @@ except ImportError:  # a torch built without distributed support
 ALIGN = 64
 
 
-def chunk_elements(numel, shards):
-    """Elements of each rank's chunk of a parameter of `numel` elements."""
+def chunk_elements(numel, shards, pieces=1):
+    """Elements of each rank's chunk of a parameter of `numel` elements; with `pieces` (hosts
+    splitting the chunk's state, DataParallel(state_across_hosts=True)) a multiple of that many
+    aligned pieces, so every piece starts aligned too."""
     per = -(-numel // shards)
-    return max(ALIGN, -(-per // ALIGN) * ALIGN)
+    align = ALIGN * pieces
+    return max(align, -(-per // align) * align)
 
 
 class DataParallelError(RuntimeError):
@@ -56,10 +62,17 @@ class DataParallel:
     reduce_dtype: the dtype grads are averaged in (None: the compute dtype, as DDP does;
         torch.float32 costs twice the bytes on the wire and rounds once).
     broadcast: start every rank from rank 0's values of every parameter (as DDP does), so
-        differently seeded ranks still train one model."""
+        differently seeded ranks still train one model.
+    state_across_hosts: shard the optimizer state across the replicas (hosts) too, while each
+        host keeps a replica of the weights: rank k of replica h keeps the fp32 master, moments
+        and grad of only piece h of its chunk k, so each host's optimizer state and CPU update
+        shrink by the number of replicas; grads are reduce-scattered across the hosts instead
+        of all-reduced, and the updated pieces all-gathered back at each block's next load
+        (docs/architecture.md, "Optimizer state across hosts"). Needs at least 2 replicas;
+        not with nvme=."""
 
     def __init__(self, group=None, shard_size=None, timeout=600.0, reduce_dtype=None,
-                 broadcast=True):
+                 broadcast=True, state_across_hosts=False):
         if shard_size is not None and (not isinstance(shard_size, int) or shard_size < 1):
             raise ValueError("strata.torch.DataParallel: shard_size must be a positive integer "
                              "(got %r)" % (shard_size,))
@@ -72,6 +85,10 @@ class DataParallel:
                              "bfloat16 or float16 (got %r)" % (reduce_dtype,))
         self.group, self.shard_size, self.timeout = group, shard_size, timeout
         self.reduce_dtype, self.broadcast = reduce_dtype, bool(broadcast)
+        if not isinstance(state_across_hosts, bool):
+            raise TypeError("strata.torch.DataParallel: state_across_hosts is True or False "
+                            "(got %r)" % (state_across_hosts,))
+        self.state_across_hosts = state_across_hosts
 
 
 def resolve(data_parallel, device):
@@ -128,14 +145,32 @@ class Mesh:
             torch.cuda.set_device(device)
         self.failed = None  # the first DataParallelError: later collectives refuse at once
         self.all = self._group(ranks)
-        self.hosts = self._gather_objects(socket.gethostname())
+        # Every rank must make the same groups below: the layout's options are agreed first.
+        every = self._gather_objects((socket.gethostname(), options.state_across_hosts))
+        self.hosts = [host for host, _ in every]
+        across = [flag for _, flag in every]
+        if any(flag != across[0] for flag in across):
+            raise ValueError("strata.torch.offload: the data-parallel ranks disagree about "
+                             "DataParallel(state_across_hosts=...) (%s); every rank passes the "
+                             "same" % ", ".join("rank %d: %s" % (r, f) for r, f in
+                                                enumerate(across)))
         size = options.shard_size or self._ranks_per_host()
         if self.world % size:
             raise ValueError("strata.torch.offload: shard_size %d does not divide the %d ranks "
                              "of the data-parallel group" % (size, self.world))
         self.shard_size, self.replicas = size, self.world // size
         self.shard_rank, self.replica = self.rank % size, self.rank // size
+        if options.state_across_hosts and self.replicas < 2:
+            raise ValueError(
+                "strata.torch.offload: DataParallel(state_across_hosts=True) shards the "
+                "optimizer state across replicas (hosts), but the %d ranks form one replica of "
+                "shard_size %d: it needs at least 2 (several hosts, or a shard_size below the "
+                "ranks' count); nothing was changed" % (self.world, size))
+        # Pieces each rank's chunk is cut into across the replicas (1: every replica holds the
+        # whole chunk's state, HSDP); this rank's piece is its replica's index.
+        self.pieces = self.replicas if options.state_across_hosts else 1
         self.gather_group = self.reduce_group = self.replica_group = None
+        self.piece_group = None  # gathers of updated pieces across the replicas
         if size > 1:
             for k in range(self.replicas):
                 shard = ranks[k * size:(k + 1) * size]
@@ -147,6 +182,11 @@ class Mesh:
                 replica = self._group(ranks[j::size])
                 if j == self.shard_rank:
                     self.replica_group = replica
+        if self.pieces > 1:  # a second communicator: gathers never queue behind reductions
+            for j in range(size):
+                pieces = self._group(ranks[j::size])
+                if j == self.shard_rank:
+                    self.piece_group = pieces
 
     # --- set-up ----------------------------------------------------------------------------
 
@@ -177,8 +217,12 @@ class Mesh:
         return self.hosts.count(self.hosts[self.rank])
 
     def describe(self):
-        return "%d replica(s) x %d shard(s); rank %d is shard %d of replica %d" % (
+        text = "%d replica(s) x %d shard(s); rank %d is shard %d of replica %d" % (
             self.replicas, self.shard_size, self.rank, self.shard_rank, self.replica)
+        if self.pieces > 1:
+            text += "; optimizer state across the replicas: this rank updates piece %d of %d " \
+                    "of its chunks" % (self.replica, self.pieces)
+        return text
 
     # --- errors ----------------------------------------------------------------------------
 
@@ -248,6 +292,26 @@ class Mesh:
         return self.run(what, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.AVG,
                                                       group=self.all, async_op=True))
 
+    def gather_pieces(self, out, piece, what):
+        """out (pieces x piece elements) <- every replica's piece of this rank's chunk, in
+        replica order (state_across_hosts); asynchronous, as all_gather."""
+        return self.all_gather(out, piece, what, group=self.piece_group)
+
+    def scatter_pieces(self, out, chunk, what):
+        """out <- this replica's piece of the average of `chunk` over the replicas
+        (state_across_hosts: the ranks holding the same chunk); asynchronous."""
+        return self.run(what, lambda: dist.reduce_scatter_tensor(
+            out, chunk, op=dist.ReduceOp.AVG, group=self.replica_group, async_op=True))
+
+    def sum_all(self, values, what):
+        """The elementwise sums over every rank of a list of floats (synchronous)."""
+        if not values:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.comm_device())
+        self.wait(self.run(what, lambda: dist.all_reduce(t, group=self.all, async_op=True)),
+                  what)
+        return t.cpu().tolist()
+
     def sum_shards(self, values, what):
         """The elementwise sums over the shard group of a list of floats (synchronous)."""
         if self.shard_size == 1 or not values:
@@ -308,6 +372,11 @@ def rank_files(mesh, nvme, options):
     every = mesh.gather_objects(mine)
     if not any(o["nvme"] for o in every):
         return []
+    if mesh.pieces > 1:
+        raise NotImplementedError(
+            "strata.torch.offload: nvme= with DataParallel(state_across_hosts=True) is not "
+            "supported: state sharded across hosts already divides each host's optimizer state "
+            "by the number of hosts; drop nvme=, or state_across_hosts; nothing was changed")
     if any(o != every[0] for o in every):
         raise ValueError(
             "strata.torch.offload: the data-parallel ranks disagree about nvme= and its options "

@@ -26,6 +26,20 @@ pass:
 Everything reading values (state_dict, evaluation, grads' values, optimizer state) gathers the
 chunks, so it is collective: every rank must make the same calls.
 
+Pieces (DataParallel(state_across_hosts=True); docs/architecture.md, "Optimizer state across
+hosts"): each chunk is cut once more into one piece per replica (host), and rank k of replica h
+registers only piece h of its chunk k with Strata: its bf16 weight, grad, fp32 master and
+moments. Each host's optimizer state and CPU update shrink by the number of hosts H. The
+weights stay replicated per host: a forward gather all-gathers the pieces across the replicas
+(the network) into chunk k on the device before the shard group's gather, and copies the chunk
+to this rank's host replica of the block (pinned DRAM, `_HostReplica`) on the same stream; the
+backward gather copies the chunk back from there instead of using the network again. The
+grads are reduce-scattered over the shard group, then over the replicas (each rank gets the
+average of its piece). The executor streams only the pieces; the replica is the layout's own,
+written and read on its communication stream in order, so no ordering with the executor's
+copies is needed; it is rewritten at every forward pass (never persisted: checkpoints hold
+each rank's pieces).
+
 With nvme= each rank's runtime has an NVMe tier of its own files, and what its DRAM budget cannot
 hold of its chunks goes there as on one GPU (offload planned every rank's chunks within the same
 budgets: strata.torch._planning.plan_nvme); the ranks measure their rates at once and adopt one
@@ -33,6 +47,7 @@ placement before anything is registered (ShardedLayout.before_build)."""
 
 import contextlib
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -218,7 +233,37 @@ class LocalLayout:
 
 
 class ShardedParam(StreamedParam):
-    __slots__ = ("numel", "chunk", "offset")
+    # chunk: this rank's chunk's elements; piece: what this rank registers of it (the chunk,
+    # or with pieces across the replicas 1/pieces of it); offset: in the gathered block;
+    # chunk_offset: in the block's chunks (pieces only).
+    __slots__ = ("numel", "chunk", "piece", "offset", "chunk_offset")
+
+
+class _HostReplica:
+    """With pieces: the block chunks of this rank, in DRAM (one copy per rank, so the host holds
+    every weight once): written by each forward gather, read by the backward gather. Pinned
+    (registered with CUDA) on a GPU, so both copies are asynchronous on the communication
+    stream; counted against host_budget as a pool (strata.torch._planning.HostBudget)."""
+
+    def __init__(self, counts, dtype, cuda):
+        self.memory = torch.empty(sum(counts), dtype=dtype)
+        self.host_bytes = self.memory.numel() * self.memory.element_size()
+        self.blocks, start = [], 0
+        for n in counts:
+            self.blocks.append(self.memory[start:start + n])
+            start += n
+        if cuda and self.host_bytes:
+            cudart = torch.cuda.cudart()
+            code = cudart.cudaHostRegister(self.memory.data_ptr(), self.host_bytes, 1)  # portable
+            if int(code) != 0:
+                raise RuntimeError("strata.torch: pinning the host replica of the weights (%d "
+                                   "bytes) failed: CUDA error %d" % (self.host_bytes, int(code)))
+            # The finalizer holds the memory: unpinned first, then freed.
+            weakref.finalize(self, _unpin, cudart, self.memory)
+
+
+def _unpin(cudart, memory):
+    cudart.cudaHostUnregister(memory.data_ptr())
 
 
 class ShardedLayout(LocalLayout):
@@ -231,10 +276,16 @@ class ShardedLayout(LocalLayout):
         super().__init__()
         self.mesh = mesh
         self.lead = mesh.rank == 0
-        self.writes_streamed = mesh.replica == 0
+        self.pieces = mesh.pieces  # >1: this rank holds one piece of its chunks' state
+        # The first replica's ranks write the shards (the replicas hold the same); with pieces
+        # every rank writes its own.
+        self.writes_streamed = mesh.replica == 0 or self.pieces > 1
         self.residents = residents  # the replicated parameters
         self.layer_elements = []  # per block: elements of its gathered buffer
         self.buffers = [None, None]  # gathered blocks, alternating (even / odd blocks)
+        self.chunk_elements = []  # with pieces, per block: its chunks' elements
+        self.chunk_buffers = [None, None]  # with pieces: the block's chunks, alternating
+        self.replica = None  # with pieces: the _HostReplica of this rank's chunks
         self.free = [None, None]  # per buffer: event after the last compute that read it
         self.holding = [None, None]  # per buffer: (step_id, block) it holds
         self.ready = {}  # block -> (buffer, event): gathered, waiting for its compute
@@ -260,12 +311,22 @@ class ShardedLayout(LocalLayout):
     # --- registration ----------------------------------------------------------------------
 
     def block_counts(self, blocks):
-        return _planning.block_elements(blocks, self.mesh)
+        if self.pieces == 1:
+            return _planning.block_elements(blocks, self.mesh)
+        # The runtime holds this rank's pieces (weights, grads, state); the host replica of
+        # the chunks is the layout's own (_HostReplica).
+        return [sum(self._sizes(p.numel())[1] for p in b.parameters()) for b in blocks]
+
+    def _sizes(self, numel):
+        """(chunk, piece): elements of this rank's chunk of a parameter and of what it
+        registers of it."""
+        chunk = chunk_elements(numel, self.mesh.shard_size, self.pieces)
+        return chunk, chunk // self.pieces
 
     def streamed_param(self, p, name, local, layer, index):
         sp = ShardedParam(p, name, local, layer, index)
         sp.numel = p.numel()
-        sp.chunk = chunk_elements(sp.numel, self.mesh.shard_size)
+        sp.chunk, sp.piece = self._sizes(sp.numel)
         return sp
 
     def before_build(self, optimizer):
@@ -299,28 +360,35 @@ class ShardedLayout(LocalLayout):
     def after_build(self):
         s = self.session
         for entries in s.layers:
-            offset = 0
+            offset = chunks = 0
             for sp in entries:
-                sp.offset = offset
+                sp.offset, sp.chunk_offset = offset, chunks
                 offset += self.mesh.shard_size * sp.chunk
+                chunks += sp.chunk
             self.layer_elements.append(offset)
+            self.chunk_elements.append(chunks)
+        if self.pieces > 1:
+            self.replica = _HostReplica(self.chunk_elements, s.dtype, s.cuda)
+            if s.host_budget is not None:
+                s.host_budget.add("host replica of the weights", self.replica)
         if s.optimizer is not None:
             s.optimizer = _CountingOptimizer(s.optimizer, self)
 
     def register_param(self, sp, p):
         name = "%s.shard%dof%d" % (sp.name, self.mesh.shard_rank, self.mesh.shard_size)
-        self.session.register_shape(sp, name, [sp.chunk], p.requires_grad)
+        if self.pieces > 1:
+            name += ".piece%dof%d" % (self.mesh.replica, self.pieces)
+        self.session.register_shape(sp, name, [sp.piece], p.requires_grad)
 
     def write_param(self, sp, values, opt, group):
         self.mesh.broadcast(values, "broadcasting %s from rank 0" % sp.name)
         self.session.write_values(sp, self._own_chunk(sp, values), opt, group)
 
     def _own_chunk(self, sp, values):
-        """This rank's chunk of a parameter's values (zero past the end)."""
+        """This rank's chunk (or piece) of a parameter's values (zero past the end)."""
         flat = values.detach().reshape(-1)
-        out = torch.zeros(sp.chunk, dtype=flat.dtype, device=flat.device)
-        lo = self.mesh.shard_rank * sp.chunk
-        hi = min(lo + sp.chunk, sp.numel)
+        out = torch.zeros(sp.piece, dtype=flat.dtype, device=flat.device)
+        lo, hi = self._own_range(sp)
         if hi > lo:
             out[:hi - lo] = flat[lo:hi]
         return out
@@ -346,6 +414,37 @@ class ShardedLayout(LocalLayout):
                                           device=self.session.device)
         return self.buffers[b]
 
+    def _chunk_buffer(self, b):
+        if self.chunk_buffers[b] is None:
+            self.chunk_buffers[b] = torch.empty(max(self.chunk_elements),
+                                                dtype=self.session.dtype,
+                                                device=self.session.device)
+        return self.chunk_buffers[b]
+
+    def _chunks(self, index, phase, b, what):
+        """With pieces, on the communication stream: block `index`'s chunks of this rank, whole,
+        in a chunk buffer (its parameters' chunks at their chunk_offset). The forward pass
+        gathers every replica's updated piece (across the hosts) and keeps the chunks in the
+        host replica for the backward pass, which copies them back from there: the same stream
+        orders the two copies, and a forward pass always precedes its backward pass."""
+        chunks = self._chunk_buffer(b)
+        n = self.chunk_elements[index]
+        host = self.replica.blocks[index]
+        if phase == BACKWARD:
+            chunks[:n].copy_(host, non_blocking=True)
+            return chunks
+        works = []
+        for sp in self.session.layers[index]:
+            piece = torch.from_dlpack(self.session.executor.view(index, phase, VIEW_WEIGHT,
+                                                                 sp.index))
+            out = chunks[sp.chunk_offset:sp.chunk_offset + sp.chunk]
+            works.append(self.mesh.gather_pieces(out, piece, what + " across the replicas"))
+            del piece
+        for work in works:
+            self.mesh.wait(work, what + " across the replicas")
+        host.copy_(chunks[:n], non_blocking=True)
+        return chunks
+
     # --- the step --------------------------------------------------------------------------
 
     def _gather(self, index, phase):
@@ -359,10 +458,14 @@ class ShardedLayout(LocalLayout):
             if self.free[b] is not None:
                 self.comm.wait_event(self.free[b])
             self.session.executor.acquire(index, phase, self._handle(self.comm))
+            chunks = self._chunks(index, phase, b, what) if self.pieces > 1 else None
             works = []
             for sp in self.session.layers[index]:
-                chunk = torch.from_dlpack(self.session.executor.view(index, phase, VIEW_WEIGHT,
-                                                                     sp.index))
+                if chunks is None:
+                    chunk = torch.from_dlpack(self.session.executor.view(
+                        index, phase, VIEW_WEIGHT, sp.index))
+                else:
+                    chunk = chunks[sp.chunk_offset:sp.chunk_offset + sp.chunk]
                 out = buf[sp.offset:sp.offset + shards * sp.chunk]
                 works.append(self.mesh.all_gather(out, chunk, what))
                 del chunk
@@ -435,8 +538,9 @@ class ShardedLayout(LocalLayout):
             full = g.reshape(-1).to(dtype).contiguous()
             if shards * sp.chunk != sp.numel:
                 full = F.pad(full, (0, shards * sp.chunk - sp.numel))
-            out = view if dtype == view.dtype else torch.empty(sp.chunk, dtype=dtype,
-                                                               device=view.device)
+            # With pieces the chunk's average goes on to the replicas' reduce-scatter.
+            out = view if dtype == view.dtype and self.pieces == 1 else \
+                torch.empty(sp.chunk, dtype=dtype, device=view.device)
             works.append(self.mesh.reduce_scatter(out, full, what))
             keep += [g, full, out]
             pairs.append((out, view))
@@ -452,8 +556,18 @@ class ShardedLayout(LocalLayout):
         with self._on(self.reduce_stream):
             for work in works:
                 self.mesh.wait(work, what)
-            replicas = [self.mesh.average_replicas(out, what + " over the replicas")
-                        for out, _ in pairs]
+            if self.pieces > 1:  # each replica gets the average of its piece of the chunk
+                replicas = []
+                for i, (out, view) in enumerate(pairs):
+                    piece = view if out.dtype == view.dtype else \
+                        torch.empty(view.numel(), dtype=out.dtype, device=view.device)
+                    replicas.append(self.mesh.scatter_pieces(
+                        piece, out, what + " across the replicas"))
+                    keep.append(piece)
+                    pairs[i] = (piece, view)
+            else:
+                replicas = [self.mesh.average_replicas(out, what + " over the replicas")
+                            for out, _ in pairs]
             for work in replicas:
                 self.mesh.wait(work, what + " over the replicas")
             for out, view in pairs:
@@ -520,15 +634,21 @@ class ShardedLayout(LocalLayout):
             s.optimizer.master_write(sp.weight, chunk.data_ptr(), chunk.numel())
 
     def _gather_values(self, sp, chunk):
-        """A parameter-shaped tensor from every shard's `chunk` of it (on the CPU)."""
+        """A parameter-shaped tensor from every shard's `chunk` of it (on the CPU); with pieces
+        `chunk` is this rank's piece, first gathered across the replicas into its chunk."""
         what = "gathering the values of %s" % sp.name
         chunk = chunk.to(self.mesh.comm_device())
+        if self.pieces > 1:
+            piece = chunk
+            chunk = torch.empty(sp.chunk, dtype=piece.dtype, device=piece.device)
+            self.mesh.wait(self.mesh.gather_pieces(chunk, piece, what), what)
         out = torch.empty(self.mesh.shard_size * sp.chunk, dtype=chunk.dtype, device=chunk.device)
         self.mesh.wait(self.mesh.all_gather(out, chunk, what), what)
         return out[:sp.numel].view(sp.shape).cpu()
 
     def _read_chunk(self, tensor, sp, dtype):
-        host = torch.empty(sp.chunk, dtype=dtype)
+        """This rank's chunk (or piece) of a tensor of the parameter's."""
+        host = torch.empty(sp.piece, dtype=dtype)
         tensor.read_pointer(host.data_ptr(), host.numel() * host.element_size())
         return host
 
@@ -542,7 +662,7 @@ class ShardedLayout(LocalLayout):
 
     def read_state(self, sp, kind):
         if kind == "master":  # put together whatever its layout
-            host = torch.empty(sp.chunk, dtype=torch.float32)
+            host = torch.empty(sp.piece, dtype=torch.float32)
             self.session.optimizer.master_read(sp.weight, host.data_ptr(), host.numel())
             return self._gather_values(sp, host)
         return self._gather_values(
@@ -556,17 +676,21 @@ class ShardedLayout(LocalLayout):
                               torch.float32)
 
     def read_grad(self, sp):
-        host = torch.empty(sp.chunk, dtype=torch.float32)
+        host = torch.empty(sp.piece, dtype=torch.float32)
         self.session.optimizer.grad_read(sp.weight, host.data_ptr(), host.numel())
         return self._gather_values(sp, host)
 
     def grad_sums(self, params):
-        """Global sums of squares: each rank's chunks' sums, added over the shard group, for
-        every trainable parameter at once, cached until a grad changes."""
+        """Global sums of squares: each rank's chunks' sums, added over the shard group (with
+        pieces: each rank's pieces' sums, added over every rank), for every trainable parameter
+        at once, cached until a grad changes."""
         if self.sums is None or self.sums[0] != self.grad_version:
             trainable = [sp for entries in self.session.layers for sp in entries if sp.trainable]
             local = [self.session.optimizer.grad_info(sp.weight)[1] for sp in trainable]
-            total = self.mesh.sum_shards(local, "summing the grads' squares over the shards")
+            if self.pieces > 1:
+                total = self.mesh.sum_all(local, "summing the grads' squares over the pieces")
+            else:
+                total = self.mesh.sum_shards(local, "summing the grads' squares over the shards")
             self.sums = (self.grad_version, {id(sp): s for sp, s in zip(trainable, total)})
         return [self.sums[1][id(sp)] for sp in params]
 
@@ -574,7 +698,7 @@ class ShardedLayout(LocalLayout):
         """This rank's elements of the grad (its chunk without the padding past the end), flat:
         an elementwise op on them is the op on the whole grad, sharded."""
         lo, hi = self._own_range(sp)
-        host = torch.empty(sp.chunk, dtype=torch.float32)
+        host = torch.empty(sp.piece, dtype=torch.float32)
         self.session.optimizer.grad_read(sp.weight, host.data_ptr(), host.numel())
         return host[:hi - lo]
 
@@ -585,14 +709,18 @@ class ShardedLayout(LocalLayout):
     def write_own_grad(self, sp, values):
         # The padding keeps its zeros: it counts in the chunk's sum of squares (the norm).
         lo, hi = self._own_range(sp)
-        host = torch.zeros(sp.chunk, dtype=torch.float32)
+        host = torch.zeros(sp.piece, dtype=torch.float32)
         host[:hi - lo] = values.detach().to("cpu", torch.float32).reshape(-1)
         self.session.optimizer.grad_write(sp.weight, host.data_ptr(), host.numel())
 
     def _own_range(self, sp):
-        """[lo, hi): this rank's elements of the flattened parameter."""
-        lo = min(self.mesh.shard_rank * sp.chunk, sp.numel)
-        return lo, min(lo + sp.chunk, sp.numel)
+        """[lo, hi): this rank's elements of the flattened parameter (its chunk, or with
+        pieces its replica's piece of it)."""
+        lo = self.mesh.shard_rank * sp.chunk
+        if self.pieces > 1:
+            lo += self.mesh.replica * sp.piece
+        lo = min(lo, sp.numel)
+        return lo, min(lo + sp.piece, sp.numel)
 
     # --- what other modules ask ------------------------------------------------------------
 
@@ -603,11 +731,16 @@ class ShardedLayout(LocalLayout):
         return [all(column) for column in zip(*self.mesh.gather_objects(flags))]
 
     def checkpoint_layout(self):
-        return {"ranks": self.mesh.world, "shard_size": self.mesh.shard_size}
+        layout = {"ranks": self.mesh.world, "shard_size": self.mesh.shard_size}
+        if self.pieces > 1:  # (absent otherwise: checkpoints of HSDP still compare equal)
+            layout["state_across_hosts"] = self.pieces
+        return layout
 
     def streamed_dir(self, root):
-        return os.path.join(root, "streamed",
-                            "shard%dof%d" % (self.mesh.shard_rank, self.mesh.shard_size))
+        name = "shard%dof%d" % (self.mesh.shard_rank, self.mesh.shard_size)
+        if self.pieces > 1:
+            name += ".piece%dof%d" % (self.mesh.replica, self.pieces)
+        return os.path.join(root, "streamed", name)
 
     def rng_file(self, root):
         return os.path.join(root, "rng", "rank%d.pt" % self.mesh.rank)
