@@ -42,7 +42,8 @@ each rank's pieces).
 
 With nvme= each rank's runtime has an NVMe tier of its own files, and what its DRAM budget cannot
 hold of its chunks goes there as on one GPU (offload planned every rank's chunks within the same
-budgets: strata.torch._planning.plan_nvme); the ranks measure their rates at once and adopt one
+budgets: strata.torch._planning.plan_nvme); one rank of those sharing a host's disks measures
+them and each counts its share of the rates (strata.torch._session), and the ranks adopt one
 placement before anything is registered (ShardedLayout.before_build)."""
 
 import contextlib
@@ -302,11 +303,6 @@ class ShardedLayout(LocalLayout):
         self.reduce_stream = torch.cuda.Stream(session.device) if session.cuda else None
         caps = session.runtime.capabilities()
         self.numa_node = caps.device_numa_node
-        if caps.tiers_available[2]:
-            # The session's placement measures the disk next (offload's _build): every rank
-            # at once, as the ranks will use the host's disks in training, so each measures
-            # its share of them.
-            self.mesh.barrier("measuring the NVMe tier's rates")
 
     # --- registration ----------------------------------------------------------------------
 

@@ -165,15 +165,6 @@ class StrataSession:
         self.on_backward_begin = []
         self.on_resident_forward_begin = []  # a resident block's, with its index, with grad
         self.on_resident_backward_begin = []  # and its backward pass's, with its index
-        if self.activations.enabled:  # the activation keeper's memory at each block's start
-            keeper = self.activations
-            self.on_forward_begin.append(
-                lambda i: i is not None and keeper.at_point("f", i, streamed=True))
-            self.on_backward_begin.append(lambda i: keeper.at_point("b", i, streamed=True))
-            self.on_resident_forward_begin.append(
-                lambda i: keeper.at_point("f", i, streamed=False))
-            self.on_resident_backward_begin.append(
-                lambda i: keeper.at_point("b", i, streamed=False))
         # The model's chunked loss (strata.torch._chunked_loss.ChunkedLoss; offload's
         # chunked_loss=), or None: its own.
         self.chunked_loss = None
@@ -202,6 +193,7 @@ class StrataSession:
                 # outputs.
                 self.activations = ActivationKeeper(self.device, self.resident_blocks,
                                                     self.blocks)
+                self._note_memory_timeline()
                 # Which blocks' checkpoints go to host memory (strata.torch._spill).
                 self.spill = Spiller(self.device, choices.spill_checkpoints, self.activations,
                                      len(self.resident_blocks) + len(self.blocks))
@@ -234,6 +226,20 @@ class StrataSession:
 
     # --- registration ----------------------------------------------------------------------
 
+
+    def _note_memory_timeline(self):
+        """The activation keeper notes the memory allocated at each block's forward and
+        backward start (ActivationKeeper.at_point), on CUDA, called before strata.torch's
+        other block-start calls (the pager's), which change it."""
+        keeper = self.activations
+        if not keeper.enabled:
+            return
+        self.on_forward_begin.append(
+            lambda i: i is not None and keeper.at_point("f", i, streamed=True))
+        self.on_backward_begin.append(lambda i: keeper.at_point("b", i, streamed=True))
+        self.on_resident_forward_begin.append(lambda i: keeper.at_point("f", i, streamed=False))
+        self.on_resident_backward_begin.append(
+            lambda i: keeper.at_point("b", i, streamed=False))
     def timed(self, phase, started):
         """Add the seconds since `started` to `phase`; returns now (the next phase's start)."""
         now = time.perf_counter()
