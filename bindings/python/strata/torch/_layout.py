@@ -549,6 +549,14 @@ class ShardedLayout(LocalLayout):
         block, works, keep, pairs = self.reduction or (index, [], [], [])
         self.reduction = None
         what = "reducing block %d's grads" % index
+        if self.session.cuda:
+            # Everything below reads what the compute stream wrote (the grads, and their copy
+            # into `out` or the view where no shard group reduce-scatters: shard_size 1). A
+            # shard group's NCCL reduce-scatter, issued on the compute stream and waited for
+            # below, orders the reduce stream after it only when there is one; without it the
+            # replicas' collectives (and the release's D2H) would run on whatever the buffers
+            # held before the compute stream got there.
+            self.reduce_stream.wait_stream(torch.cuda.current_stream(self.session.device))
         with self._on(self.reduce_stream):
             for work in works:
                 self.mesh.wait(work, what)
