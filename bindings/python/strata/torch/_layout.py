@@ -18,8 +18,9 @@ pass:
   the forward pass. The forward pass gathers block i+1 while block i computes.
 - backward: the recomputed grads are reduce-scattered (averaged) straight into the slot's grad
   views, averaged over the replicas where there are several, and the block is released after
-  that on a side stream: the executor's D2H of the chunk and the optimizer's landing follow, while
-  the compute stream goes on with the next block, whose gather is issued at once.
+  that on a side stream (which first waits for the compute stream: without a shard group
+  nothing else orders the two), so the executor's D2H of the chunk and the optimizer's landing
+  follow, while the compute stream goes on with the next block, whose gather is issued at once.
 - the resident parameters (embedding, head, resident blocks) are replicas, their grads averaged
   over all ranks when the backward pass ends (as DDP does).
 
