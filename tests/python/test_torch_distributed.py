@@ -14,11 +14,16 @@ group, each with its own Strata runtime (host backend), running tests/python/tor
   the collective timeout with Strata's error instead of hanging.
 - With nvme= (issue 39) 2 ranks with state, and weights, on their own NVMe files train like one
   rank and resume exactly; a rank that cannot use nvme=, or disagrees about it, is refused on
-  every rank."""
+  every rank.
+- The GPU path's stream ordering, which gloo (synchronous) cannot show: the layout's step over
+  CUDA streams modelled by vector clocks, every access of the same memory from two streams
+  ordered (hosts of one and of two GPUs, with and without the state across hosts)."""
+import contextlib
 import multiprocessing
 import os
 import socket
 import time
+import types
 
 import pytest
 
@@ -27,6 +32,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch without distributed support", allow_module_level=True)
 import torch_dist_worker as worker  # noqa: E402
+from strata.core import BACKWARD, FORWARD, VIEW_WEIGHT  # noqa: E402
 
 ROWS, STEPS, CLIP = 4, 4, 0.05  # the clip binds: every step scales the grads
 
@@ -390,3 +396,263 @@ def test_nvme_a_rank_cannot_use_is_refused_on_every_rank(tmp_path, fault):
         assert "ValueError: strata.torch.offload" in text and expected in text, text[-2000:]
     assert elapsed < 20, elapsed
     assert os.listdir(tmp_path / "tier") == []  # the probe left nothing behind
+
+
+# --- the GPU path's stream ordering, modelled on the CPU -----------------------------------------
+#
+# gloo is synchronous: every collective is done when it returns, so the gloo runs above cannot
+# see a missing ordering between the CUDA streams the layout uses on a GPU (compute, the
+# communication stream, the reduction stream, NCCL's own). The test below runs the layout's
+# real step (its acquire, store_grads and release, two steps of three blocks) over streams that
+# keep vector clocks instead of running anything: torch's CUDA stream and event calls are
+# replaced by ones that record what each stream has waited for, torch's collectives by NCCL's
+# ordering (its stream waits for the issuing stream; wait() makes the current stream wait for
+# it), the executor by its documented one (acquire makes the stream wait for the load, the
+# release point orders the slot's refill and the grads' D2H), and every tensor operation is
+# seen through a TorchFunctionMode as reads and writes of memory on the current stream. Two
+# accesses of the same bytes, one a write, on different streams must be ordered by the clocks.
+
+
+class _Stream:
+    def __init__(self, timeline, name):
+        self.timeline, self.name, self.clock = timeline, name, {}
+        self.cuda_stream = self  # the handle the layout passes to the executor
+
+    def wait_event(self, event):
+        _merge(self.clock, event.clock)
+
+    def wait_stream(self, other):
+        _merge(self.clock, other.clock)
+
+
+def _merge(into, clock):
+    for s, t in clock.items():
+        into[s] = max(into.get(s, 0), t)
+
+
+class _Timeline:
+    def __init__(self):
+        self.compute = _Stream(self, "compute")
+        self.current = self.compute
+        self.host = {}  # what the host has waited for: later work on any stream follows it
+        self.accesses = []  # (start, end, write, stream, tick, what)
+        self.alive = []  # every tensor accessed: its memory is never reused during the test
+        self.hazards = []
+        self.phase = ""  # what the step is doing, for the hazards' text
+
+    def stream(self, name):
+        return _Stream(self, name)
+
+    def host_waits(self, stream):
+        _merge(self.host, stream.clock)
+
+    def access(self, what, reads=(), writes=()):
+        what = "%s (%s)" % (self.phase, what)
+        s = self.current
+        _merge(s.clock, self.host)
+        s.clock[s] = s.clock.get(s, 0) + 1
+        tick = s.clock[s]
+        for t, write in [(t, False) for t in reads] + [(t, True) for t in writes]:
+            if t.numel() == 0:
+                continue
+            self.alive.append(t)
+            start = t.data_ptr()
+            end = start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * \
+                t.element_size()
+            for a_start, a_end, a_write, a_stream, a_tick, a_what in self.accesses:
+                if (write or a_write) and a_start < end and start < a_end and \
+                        a_stream is not s and s.clock.get(a_stream, 0) < a_tick:
+                    self.hazards.append("%s on %s, unordered with %s on %s" % (
+                        what, s.name, a_what, a_stream.name))
+            self.accesses.append((start, end, write, s, tick, what))
+
+
+class _Event:
+    def __init__(self, timeline):
+        self.timeline, self.clock = timeline, {}
+
+    def record(self, stream=None):
+        self.clock = dict((stream or self.timeline.current).clock)
+
+    def query(self):
+        return True
+
+
+class _Accesses(torch.overrides.TorchFunctionMode):
+    """Every torch operation as reads and writes on the timeline's current stream: an in-place
+    one (copy_, zero_) writes its first tensor and reads the rest; one that makes new tensors
+    reads its inputs and writes them; views (slicing, reshape, a no-op to()) and allocations
+    (torch.empty) touch nothing."""
+
+    def __init__(self, timeline):
+        super().__init__()
+        self.timeline = timeline
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)]
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.startswith("__") and inputs:
+            self.timeline.access(name, reads=inputs[1:], writes=inputs[:1])
+            return out
+        if name in ("empty", "empty_like", "empty_strided"):
+            return out  # an allocation writes nothing
+        storages = {t.untyped_storage().data_ptr() for t in inputs}
+        fresh = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+                 and t.untyped_storage().data_ptr() not in storages]
+        if fresh:
+            self.timeline.access(name, reads=inputs, writes=fresh)
+        return out
+
+
+class _Work:
+    def __init__(self, timeline, stream):
+        self.timeline, self.stream = timeline, stream
+
+    def wait(self, timeout=None):
+        self.timeline.current.wait_stream(self.stream)
+
+
+def _nccl(timeline):
+    """torch.distributed's collectives as NCCL orders them: each runs on a stream of its own
+    that waits for the issuing stream at the call, reading all of its input and writing all of
+    its output there (no values are computed: only the ordering is checked)."""
+    def run(what, reads, writes):
+        stream = timeline.stream("nccl")
+        stream.wait_stream(timeline.current)
+        issuing, timeline.current = timeline.current, stream
+        try:
+            timeline.access(what, reads, writes)
+        finally:
+            timeline.current = issuing
+        return _Work(timeline, stream)
+
+    def all_gather_into_tensor(out, chunk, group=None, async_op=False):
+        return run("NCCL all-gather", [chunk], [out])
+
+    def reduce_scatter_tensor(out, full, op=None, group=None, async_op=False):
+        return run("NCCL reduce-scatter", [full], [out])
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return run("NCCL all-reduce", [tensor], [tensor])
+
+    return types.SimpleNamespace(all_gather_into_tensor=all_gather_into_tensor,
+                                 reduce_scatter_tensor=reduce_scatter_tensor,
+                                 all_reduce=all_reduce,
+                                 ReduceOp=types.SimpleNamespace(AVG="avg", SUM="sum"))
+
+
+class _Executor:
+    """Strata's executor as the layout sees it: one slot per block (weights, and grads in the
+    backward pass); acquire loads it on the given stream after the slot's last release point;
+    a backward release's grads leave for DRAM from its stream's point."""
+
+    def __init__(self, timeline, layers):
+        self.timeline = timeline
+        self.weights = [[torch.zeros(sp.piece) for sp in entries] for entries in layers]
+        self.grads = [[torch.zeros(sp.piece) for sp in entries] for entries in layers]
+        self.released = [{} for _ in layers]
+
+    def _on(self, stream, what, reads=(), writes=()):
+        issuing, self.timeline.current = self.timeline.current, stream
+        try:
+            self.timeline.access(what, reads, writes)
+        finally:
+            self.timeline.current = issuing
+
+    def acquire(self, index, phase, stream):
+        _merge(stream.clock, self.released[index])
+        grads = self.grads[index] if phase == BACKWARD else []
+        self._on(stream, "the executor's load", writes=self.weights[index] + grads)
+
+    def view(self, index, phase, role, i):
+        return (self.weights if role == VIEW_WEIGHT else self.grads)[index][i]
+
+    def release(self, index, phase, stream):
+        self.released[index] = dict(stream.clock)
+        if phase == BACKWARD:
+            self._on(stream, "the executor's D2H of the grads", reads=self.grads[index])
+
+
+def _model_step(monkeypatch, shard_size, pieces, steps=2, blocks=3):
+    """The hazards of `steps` training steps of the layout over the modelled streams."""
+    from strata.torch import _distributed, _layout
+    timeline = _Timeline()
+    monkeypatch.setattr(_distributed, "dist", _nccl(timeline))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: timeline.current)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _Event(timeline))
+
+    @contextlib.contextmanager
+    def on(stream):
+        issuing, timeline.current = timeline.current, stream
+        try:
+            yield
+        finally:
+            timeline.current = issuing
+    monkeypatch.setattr(torch.cuda, "stream", on)
+
+    mesh = _distributed.Mesh.__new__(_distributed.Mesh)
+    replicas = 2
+    group = object()
+    mesh.__dict__.update(
+        failed=None, backend="nccl", timeout=None, reduce_dtype=None, shard_size=shard_size,
+        replicas=replicas, world=shard_size * replicas, rank=0, shard_rank=0, replica=0,
+        pieces=pieces, all=group, replica_group=group, piece_group=group if pieces > 1 else None,
+        gather_group=group if shard_size > 1 else None,
+        reduce_group=group if shard_size > 1 else None)
+    layout = _layout.ShardedLayout(mesh, residents=[])
+    session = types.SimpleNamespace(cuda=False, device=torch.device("cpu"), dtype=torch.float32,
+                                    step_id=0, delivered=[], host_budget=None, optimizer=None,
+                                    layers=[], unbind=lambda index: None)
+    for i in range(blocks):
+        entries = []
+        for j, shape in enumerate([(8, 12), (40,)]):
+            sp = layout.streamed_param(torch.nn.Parameter(torch.zeros(shape)), "b%d.p%d" % (i, j),
+                                       "p%d" % j, i, j)
+            sp.grad, sp.grad_index = object(), j  # trainable
+            entries.append(sp)
+        session.layers.append(entries)
+    layout.session = session
+    layout.after_build()  # (cuda=False here: the host replica is not pinned)
+    session.cuda = True
+    session.executor = _Executor(timeline, session.layers)
+    layout.comm, layout.reduce_stream = timeline.stream("comm"), timeline.stream("reduce")
+
+    def compute(index, pass_name):
+        timeline.phase = "block %d %s" % (index, pass_name)
+        with torch.no_grad():
+            return [sp.param * 2 for sp in session.layers[index]]
+
+    with _Accesses(timeline):
+        for step in range(steps):
+            session.step_id += 1
+            for i in range(blocks):
+                timeline.phase = "block %d forward" % i
+                layout.acquire(i, FORWARD)
+                compute(i, "forward")
+                layout.release(i, FORWARD)
+            for i in reversed(range(blocks)):
+                timeline.phase = "block %d backward" % i
+                layout.acquire(i, BACKWARD)
+                grads = compute(i, "backward")
+                timeline.phase = "block %d backward" % i
+                layout.store_grads(i, session.layers[i], grads)
+                layout.release(i, BACKWARD)
+            timeline.host_waits(layout.reduce_stream)  # step_end: the grads landed
+            layout.after_end(0, BACKWARD)
+            session.delivered.clear()
+    return timeline.hazards
+
+
+@pytest.mark.parametrize("shard_size,pieces", [(1, 2), (1, 1), (2, 2), (2, 1)],
+                         ids=["pieces_hosts_of_one", "hsdp_hosts_of_one", "pieces_hosts_of_two",
+                              "hsdp_hosts_of_two"])
+def test_every_stream_access_of_the_gpu_path_is_ordered(monkeypatch, shard_size, pieces):
+    # Found on 2 H200s: hosts of one GPU (no shard group, so no NCCL reduce-scatter issued on
+    # the compute stream) left the reduction stream unordered with the compute stream, and the
+    # replicas' collectives read the grads before they were written (state across hosts
+    # trained wrongly; HSDP all-reduced the grads' zeroed views).
+    hazards = _model_step(monkeypatch, shard_size, pieces)
+    assert not hazards, "\n".join(hazards[:10])

@@ -18,8 +18,9 @@ pass:
   the forward pass. The forward pass gathers block i+1 while block i computes.
 - backward: the recomputed grads are reduce-scattered (averaged) straight into the slot's grad
   views, averaged over the replicas where there are several, and the block is released after
-  that on a side stream: the executor's D2H of the chunk and the optimizer's landing follow, while
-  the compute stream goes on with the next block, whose gather is issued at once.
+  that on a side stream (which first waits for the compute stream: without a shard group
+  nothing else orders the two), so the executor's D2H of the chunk and the optimizer's landing
+  follow, while the compute stream goes on with the next block, whose gather is issued at once.
 - the resident parameters (embedding, head, resident blocks) are replicas, their grads averaged
   over all ranks when the backward pass ends (as DDP does).
 
@@ -549,6 +550,14 @@ class ShardedLayout(LocalLayout):
         block, works, keep, pairs = self.reduction or (index, [], [], [])
         self.reduction = None
         what = "reducing block %d's grads" % index
+        if self.session.cuda:
+            # Everything below reads what the compute stream wrote (the grads, and their copy
+            # into `out` or the view where no shard group reduce-scatters: shard_size 1). A
+            # shard group's NCCL reduce-scatter, issued on the compute stream and waited for
+            # below, orders the reduce stream after it only when there is one; without it the
+            # replicas' collectives (and the release's D2H) would run on whatever the buffers
+            # held before the compute stream got there.
+            self.reduce_stream.wait_stream(torch.cuda.current_stream(self.session.device))
         with self._on(self.reduce_stream):
             for work in works:
                 self.mesh.wait(work, what)
