@@ -11,10 +11,11 @@ of st.offload's setup (model.strata.setup_seconds), most of a large model's.
 
 On the GPU servers (virtual machines) the first touch of guest memory the host has not backed
 yet is what costs: a second runtime of the same size in the same process reuses memory the
-first one freed and is faster (and where the VM grows its RAM on demand, MemAvailable bounds the
-arena until --host-memory grows it, as train_bench.py's option does). --keep holds every runtime until the end, so each count faults
-memory no earlier run touched (the sum of the runs must fit MemAvailable); without it, only the
-first run of a process sees cold memory. One line per run, --json FILE for all of them."""
+first one freed and is faster (and where the VM grows its RAM on demand, MemAvailable bounds
+the arena until --host-memory grows it, as train_bench.py's option does). --keep holds every
+runtime until the end, so each count faults memory no earlier run touched (the sum of the runs
+must fit MemAvailable); without it, only the first run of a process sees cold memory. One line
+per run, --json FILE for all of them."""
 
 import argparse
 import json
@@ -110,8 +111,8 @@ def main():
         for threads in counts:
             rt, r = run_one(args.gb, threads, args.backend, args.hbm_mb << 20)
             results.append(r)
-            print("%-5s %6.1f GB  threads %3d (asked %d)  create %6.2f s = %.3f s/GB  fault %6.2f s "
-                  "(%5.1f GB/s)  +pin %5.2f s  arena %5.1f GB/s  huge %.1f GB  %s"
+            print("%-5s %6.1f GB  threads %3d (asked %d)  create %6.2f s = %.3f s/GB  "
+                  "fault %6.2f s (%5.1f GB/s)  +pin %5.2f s  arena %5.1f GB/s  huge %.1f GB  %s"
                   % (r["backend"], r["arena_gb"], r["threads"], threads, r["create_seconds"],
                      r["create_seconds_per_gb"], r["fault_seconds"],
                      r["fault_gb_per_second"] or 0, r["pin_added_seconds"],

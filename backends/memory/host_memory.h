@@ -14,10 +14,11 @@
 // pages ahead of it already resident, except at the frontier, where it faults the odd page
 // itself. The set-up then takes about as long as the longer of the two instead of their sum.
 // Why one thread per core: on the virtual machines we run on, the first touch of guest memory
-// the hypervisor has not backed yet costs ~0.3-0.5 GB/s per faulting thread (0.30-0.41 GB/s
-// for one thread on a 2-core Firecracker guest; an H200 host's 16 threads faulted 68 GB at
-// 7.7 GB/s, 0.48 per thread), far below memory bandwidth, so the rate grows with threads; the
-// cap of 16 threads this replaced left 48 of a 64-core host's cores idle for a 390 GB arena.
+// the hypervisor has not backed yet costs ~0.2-0.5 GB/s per faulting thread (0.2-0.41 GB/s for
+// one thread on a 2-core Firecracker guest, 8.6 GB/s on memory touched before; an H200 host's
+// 16 threads faulted 68 GB at 7.7 GB/s, 0.48 each), far below memory bandwidth: the cost is per
+// fault, and more threads should fault more at once. The cap of 16 threads this replaced left
+// 48 of a 64-core host's cores idle for a 390 GB arena (bench/setup_bench.py measures it).
 // One call over the whole mapping, never one per chunk: CUDA refuses (or stages as pageable)
 // a copy whose host range spans two registrations, and an arena block may straddle any chunk.
 #pragma once
