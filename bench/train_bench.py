@@ -408,7 +408,9 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         out["resident_blocks"] = len(model.strata.resident_blocks)
         out["setup_phases"] = model.strata.setup_seconds  # updated by the optimizer's build
         caps = model.strata.runtime.capabilities()
-        # Within "runtime": faulting the DRAM arena in (threaded) and pinning it.
+        # Within "runtime": faulting the DRAM arena in (threaded) and what pinning added after
+        # it (the two overlap: docs/architecture.md, "The DRAM tier"); bench/setup_bench.py
+        # measures them alone.
         out["dram_fault_pin_seconds"] = [caps.dram_fault_seconds, caps.dram_pin_seconds]
         # How much of it the kernel put on huge pages (madvise asks; it may not grant them),
         # against the arena's size: the update's rate depends on it (TLB misses).

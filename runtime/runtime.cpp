@@ -157,7 +157,7 @@ unsigned char* Runtime::address(const TensorRecord& t) const {
   return regions_[static_cast<int>(t.tier)]->base() + t.offset;  // HBM and DRAM only
 }
 
-Status Runtime::register_tensor(TensorSpec spec, TensorId* id, uint64_t skew) {
+Status Runtime::register_tensor(TensorSpec spec, TensorId* id, uint64_t skew, bool* zeroed) {
   uint64_t nbytes = 0;
   STRATA_RETURN_IF_ERROR(validate_spec(spec, &nbytes));
   STRATA_RETURN_IF_ERROR(check_tier(spec.home));
@@ -173,12 +173,14 @@ Status Runtime::register_tensor(TensorSpec spec, TensorId* id, uint64_t skew) {
   const Tier home = spec.home;
   Arena& home_arena = *arena(home);
   uint64_t offset = 0;
-  STRATA_RETURN_IF_ERROR(home_arena.allocate(nbytes + skew, spec.name, &offset));
+  bool untouched = false;
+  STRATA_RETURN_IF_ERROR(home_arena.allocate(nbytes + skew, spec.name, &offset, &untouched));
   Status added = registry_.add(std::move(spec), nbytes, home, offset + skew, id);
   if (!added.is_ok()) {
     (void)home_arena.free(offset);
     return added;
   }
+  if (zeroed != nullptr) *zeroed = home == Tier::kDram && untouched;
   registry_.find(*id)->skew = skew;
   if (home == Tier::kNvme && nvme_->checksums()) {
     // Contents are undefined until written: each piece gets its checksum when first written.

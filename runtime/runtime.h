@@ -84,7 +84,10 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   // far into its block. Arrays a kernel streams together at the same offset within a page
   // conflict in the caches (4K aliasing: the optimizer's update ran at under half speed);
   // giving each its own skew avoids that.
-  Status register_tensor(TensorSpec spec, TensorId* id, uint64_t skew = 0);
+  // *zeroed (if given): the tensor's bytes are all zero, its block being DRAM that no tensor
+  // held before (the arena is anonymous memory, zero until written, and nothing writes it
+  // outside registered tensors' blocks). False for HBM and NVMe, whose memory is not cleared.
+  Status register_tensor(TensorSpec spec, TensorId* id, uint64_t skew = 0, bool* zeroed = nullptr);
   Status find(std::string_view name, TensorId* id);
   Status unregister(TensorId id);
   Status info(TensorId id, TensorRecord* out);

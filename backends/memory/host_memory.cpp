@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -61,29 +62,37 @@ Status apply_numa_policy(void* ptr, uint64_t bytes, const HostMemoryOptions& opt
 constexpr uint64_t kMaxFaultThreads = 1024;
 
 // Writing one byte per page makes each page resident (and, with a bound policy, places it).
-// When a thread cannot be started (a pids limit), the calling thread faults in the rest itself:
-// slower, but the arena is the same, and no joinable std::thread is ever destroyed.
-// Returns the threads that ran (the caller included when it had to help).
-unsigned fault_in(unsigned char* base, uint64_t bytes, unsigned threads) {
+// The threads take kFaultChunkBytes chunks in address order from one counter, so the resident
+// part of the mapping grows from its start, where the concurrent pinning walk follows it
+// (host_memory.h); `stop` (a failed pin) ends the fault-in at the next chunk. When a thread
+// cannot be started (a pids limit), the calling thread works the counter too: slower, but the
+// arena is the same, and no joinable std::thread is ever destroyed. Returns the threads that
+// ran (the caller included when it had to help).
+unsigned fault_in(unsigned char* base, uint64_t bytes, unsigned threads,
+                  const std::atomic<bool>& stop) {
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t pages = bytes / page;
   threads = static_cast<unsigned>(std::clamp<uint64_t>(
       threads, 1, std::min<uint64_t>(kMaxFaultThreads, std::max<uint64_t>(pages, 1))));
-  auto touch = [=](uint64_t first, uint64_t last) {
-    for (uint64_t p = first; p < last; ++p) base[p * page] = 0;
+  const uint64_t chunk = std::max<uint64_t>(page, kFaultChunkBytes / page * page);
+  const uint64_t chunks = (bytes + chunk - 1) / chunk;
+  std::atomic<uint64_t> next{0};
+  auto work = [&] {
+    for (uint64_t c = next.fetch_add(1, std::memory_order_relaxed);
+         c < chunks && !stop.load(std::memory_order_relaxed);
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      const uint64_t end = std::min(bytes, (c + 1) * chunk);
+      for (uint64_t at = c * chunk; at < end; at += page) base[at] = 0;
+    }
   };
   std::vector<std::thread> workers;
   unsigned t = 0;
   for (; t < threads; ++t) {
     std::thread w;
-    if (!spawn_thread(
-             "a dram fault-in", [=] { touch(pages * t / threads, pages * (t + 1) / threads); }, &w)
-             .is_ok()) {
-      break;
-    }
+    if (!spawn_thread("a dram fault-in", work, &w).is_ok()) break;
     workers.push_back(std::move(w));
   }
-  if (t < threads) touch(pages * t / threads, pages);  // the share of the threads that never ran
+  if (t < threads) work();  // the threads that never ran: the caller takes their chunks
   for (auto& w : workers) w.join();
   return t < threads ? t + 1 : t;
 }
@@ -102,7 +111,7 @@ uint64_t host_available_memory() {
 }
 
 Status map_host_memory(uint64_t bytes, const HostMemoryOptions& options, void** out,
-                       HostMemoryReport* report) {
+                       HostMemoryReport* report, const PinHostMemory& pin) {
   const uint64_t available = host_available_memory();
   if (available != 0 && bytes > available) {
     return error(Code::kOutOfMemory, "dram budget of ", bytes, " bytes exceeds the ", available,
@@ -123,10 +132,36 @@ Status map_host_memory(uint64_t bytes, const HostMemoryOptions& options, void** 
     return placed;
   }
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const unsigned asked = options.threads != 0 ? options.threads : std::min(cores, 16u);
+  const unsigned asked = options.threads != 0 ? options.threads : cores;  // host_memory.h: why
   const auto start = std::chrono::steady_clock::now();
-  report->threads = fault_in(static_cast<unsigned char*>(p), bytes, asked);
+  // The pinning call runs beside the fault-in (host_memory.h); `pinned_at` is when it ended,
+  // in seconds from `start`.
+  Status pinned = Status::ok();
+  double pinned_at = 0;
+  std::atomic<bool> stop{false};
+  auto pin_now = [&] {
+    const auto call = std::chrono::steady_clock::now();
+    pinned = pin(p, bytes);
+    if (!pinned.is_ok()) stop = true;
+    report->pin_call_seconds = seconds_since(call);
+    pinned_at = seconds_since(start);
+  };
+  std::thread pinner;
+  if (pin) report->pinned_concurrently = spawn_thread("a dram pinning", pin_now, &pinner).is_ok();
+  report->threads = fault_in(static_cast<unsigned char*>(p), bytes, asked, stop);
   report->fault_seconds = seconds_since(start);
+  if (pin) {
+    if (report->pinned_concurrently) {
+      pinner.join();
+    } else {
+      pin_now();  // no thread for it: after the fault-in, as one call all the same
+    }
+    report->pin_seconds = std::max(0.0, pinned_at - report->fault_seconds);
+    if (!pinned.is_ok()) {
+      munmap(p, bytes);
+      return pinned;
+    }
+  }
   *out = p;
   return Status::ok();
 }

@@ -321,9 +321,9 @@ typedef struct strata_runtime_config {
    * STRATA_NUMA_NODE. */
   strata_numa_policy_t dram_numa_policy;
   int32_t dram_numa_node;
-  /* Threads that fault the DRAM arena in at start-up, before it is pinned; 0 = one per core,
-   * at most 16. At most 1024 (or one per page) are used; where the OS refuses a thread, the
-   * calling thread faults in that thread's share itself. */
+  /* Threads that fault the DRAM arena in at start-up, while it is pinned; 0 = one per core
+   * (since 1.4; at most 16 before). At most 1024 (or one per page) are used; where the OS
+   * refuses a thread, the calling thread faults in that thread's share itself. */
   uint32_t dram_fault_threads;
   /* NVMe tier backing files, one per path, striped. Each is created if absent (and then
    * removed at destroy), opened with O_DIRECT, locked (flock, exclusive, while the runtime
@@ -400,8 +400,10 @@ typedef struct strata_capabilities {
   /* Diagnostic: why this backend was chosen, e.g. "auto: no CUDA device (cudaErrorNoDevice)". */
   char backend_reason[256];
   /* The DRAM arena: where its pages were placed (diagnostic: "node 0 (the GPU's)"), the node
-   * (-1 if interleaved or unbound), whether huge pages were granted, and how long start-up took to
-   * fault it in (with dram_fault_threads threads) and to pin it. Pinning rate = budget / time. */
+   * (-1 if interleaved or unbound), whether huge pages were granted, how long start-up took to
+   * fault it in (with dram_fault_threads threads), and how much longer pinning took: since 1.4
+   * pinning runs beside the fault-in, so dram_pin_seconds is what it added after the fault-in
+   * ended (often 0) and their sum is the arena's whole set-up. */
   char dram_placement[64];
   int32_t dram_numa_node;
   int32_t dram_huge_pages;

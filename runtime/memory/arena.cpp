@@ -29,7 +29,7 @@ void Arena::erase_free(uint64_t offset, uint64_t size) {
   free_by_size_.erase({size, offset});
 }
 
-Status Arena::allocate(uint64_t bytes, std::string_view what, uint64_t* offset) {
+Status Arena::allocate(uint64_t bytes, std::string_view what, uint64_t* offset, bool* untouched) {
   const uint64_t size = round_up(bytes, alignment_);
   auto it = size == 0 ? free_by_size_.end() : free_by_size_.lower_bound({size, 0});
   if (it == free_by_size_.end()) {
@@ -42,6 +42,8 @@ Status Arena::allocate(uint64_t bytes, std::string_view what, uint64_t* offset) 
   if (block_size > size) insert_free(block_offset + size, block_size - size);
   allocated_.emplace(block_offset, size);
   used_ += size;
+  if (untouched != nullptr) *untouched = block_offset >= untouched_from_;
+  untouched_from_ = std::max(untouched_from_, block_offset + size);
   *offset = block_offset;
   return Status::ok();
 }

@@ -31,9 +31,12 @@ class Arena {
   Arena(std::string_view name, uint64_t capacity, uint64_t alignment = kDefaultAlignment);
 
   // Reserve `bytes` (0 counts as 1; rounded up to the alignment). On success *offset is the
-  // block's start. Exhaustion returns kOutOfMemory naming `what`, the requested bytes, the free
-  // bytes and the largest free block.
-  Status allocate(uint64_t bytes, std::string_view what, uint64_t* offset);
+  // block's start and *untouched (if given) whether no byte of the block was ever part of an
+  // earlier block: memory that was zero when the arena was made is still zero there, so the
+  // optimizer need not zero its new state a second time. Exhaustion returns kOutOfMemory naming
+  // `what`, the requested bytes, the free bytes and the largest free block.
+  Status allocate(uint64_t bytes, std::string_view what, uint64_t* offset,
+                  bool* untouched = nullptr);
 
   // Return a block; `offset` must come from allocate() and not have been freed (kInternal if not:
   // freeing twice is a bug in the caller, reported rather than corrupting the free lists).
@@ -57,6 +60,10 @@ class Arena {
   uint64_t alignment_;
   uint64_t capacity_;
   uint64_t used_ = 0;
+  // No block ever handed out reached at or above this offset. One mark, not a set of ranges: a
+  // fresh arena fills from its start (best fit in one free block), so the mark tells exactly for
+  // the blocks of a set-up, and a block in a hole some earlier block left is never untouched.
+  uint64_t untouched_from_ = 0;
   std::map<uint64_t, uint64_t> free_by_offset_;           // offset -> size
   std::set<std::pair<uint64_t, uint64_t>> free_by_size_;  // (size, offset), for best fit
   std::unordered_map<uint64_t, uint64_t> allocated_;      // offset -> size

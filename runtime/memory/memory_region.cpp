@@ -1,9 +1,5 @@
 #include "runtime/memory/memory_region.h"
 
-#include <chrono>
-
-#include "common/clock.h"
-
 namespace strata {
 
 Status MemoryRegion::allocate_device(std::shared_ptr<DeviceBackend> backend, uint64_t bytes,
@@ -19,17 +15,13 @@ Status MemoryRegion::allocate_host(std::shared_ptr<DeviceBackend> backend, uint6
                                    std::shared_ptr<MemoryRegion>* out) {
   void* base = nullptr;
   HostMemoryReport report;
-  STRATA_RETURN_IF_ERROR(map_host_memory(bytes, options, &base, &report));
-  const auto pin_start = std::chrono::steady_clock::now();
-  Status pinned = backend->pin_host(base, bytes);
-  if (!pinned.is_ok()) {
-    unmap_host_memory(base, bytes);
-    return pinned;
-  }
+  // Pinned while it is faulted in (host_memory.h): one registration of the whole arena.
+  STRATA_RETURN_IF_ERROR(map_host_memory(
+      bytes, options, &base, &report,
+      [&backend](void* ptr, uint64_t size) { return backend->pin_host(ptr, size); }));
   std::shared_ptr<MemoryRegion> region(
       new MemoryRegion(std::move(backend), Tier::kDram, base, bytes));
   region->host_report_ = std::move(report);
-  region->pin_seconds_ = seconds_since(pin_start);
   *out = std::move(region);
   return Status::ok();
 }

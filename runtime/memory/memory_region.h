@@ -17,7 +17,8 @@ class MemoryRegion {
   // The HBM arena: one device allocation.
   static Status allocate_device(std::shared_ptr<DeviceBackend> backend, uint64_t bytes,
                                 std::shared_ptr<MemoryRegion>* out);
-  // The DRAM arena: host memory mapped, NUMA-placed and faulted in, then pinned by the backend.
+  // The DRAM arena: host memory mapped, NUMA-placed and faulted in, pinned by the backend while
+  // it is faulted in.
   static Status allocate_host(std::shared_ptr<DeviceBackend> backend, uint64_t bytes,
                               const HostMemoryOptions& options, std::shared_ptr<MemoryRegion>* out);
   ~MemoryRegion();
@@ -28,8 +29,9 @@ class MemoryRegion {
   uint64_t size() const { return size_; }
   // How the DRAM arena was set up (empty for HBM).
   const HostMemoryReport& host_report() const { return host_report_; }
-  // Seconds the backend spent pinning the DRAM arena (0 for HBM).
-  double pin_seconds() const { return pin_seconds_; }
+  // Seconds pinning the DRAM arena added after its fault-in ended (0 for HBM): the arena's
+  // set-up took host_report().fault_seconds + pin_seconds().
+  double pin_seconds() const { return host_report_.pin_seconds; }
 
  private:
   MemoryRegion(std::shared_ptr<DeviceBackend> backend, Tier tier, void* base, uint64_t size)
@@ -40,7 +42,6 @@ class MemoryRegion {
   void* base_;
   uint64_t size_;
   HostMemoryReport host_report_;
-  double pin_seconds_ = 0;
 };
 
 }  // namespace strata

@@ -149,17 +149,14 @@ Status NvmeTier::create(const NvmeOptions& options, std::shared_ptr<DeviceBacken
   tier->slots_ = options.queue_depth;
   tier->staging_bytes_ = 2ull * tier->slots_ * block;
   HostMemoryReport report;
-  Status mapped = map_host_memory(tier->staging_bytes_, staging_memory, &tier->staging_, &report);
+  DeviceBackend* pinning = tier->device_.get();
+  Status mapped = map_host_memory(
+      tier->staging_bytes_, staging_memory, &tier->staging_, &report,
+      [pinning](void* ptr, uint64_t bytes) { return pinning->pin_host(ptr, bytes); });
   if (!mapped.is_ok()) {
-    close_storage_files(&tier->files_);
-    return mapped;
-  }
-  Status pinned = tier->device_->pin_host(tier->staging_, tier->staging_bytes_);
-  if (!pinned.is_ok()) {
-    unmap_host_memory(tier->staging_, tier->staging_bytes_);
     tier->staging_ = nullptr;
     close_storage_files(&tier->files_);
-    return pinned;
+    return mapped;
   }
   tier->to_disk_slots_ = static_cast<unsigned char*>(tier->staging_);
   tier->from_disk_slots_ = tier->to_disk_slots_ + static_cast<uint64_t>(tier->slots_) * block;

@@ -352,8 +352,9 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
                      unsigned char** base);
   void drop_buffer(TensorId* id);
   // Registers a state tensor in `home` (DRAM: *data points at it; NVMe: *data is null).
+  // *zeroed (if given): its bytes are already all zero (Runtime::register_tensor).
   Status make_state(const TensorRecord& weight, const char* suffix, uint64_t skew, Tier home,
-                    TensorId* id, void** data, DType dtype = DType::kF32);
+                    TensorId* id, void** data, DType dtype = DType::kF32, bool* zeroed = nullptr);
   // A failed optimizer: waits for the running job and the staging transfers, then drops the
   // queued jobs, the step's counts and explicit mode's held grads. Under mutex_.
   void drop_failed_step(std::unique_lock<std::mutex>& lock);

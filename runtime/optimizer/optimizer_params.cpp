@@ -96,14 +96,14 @@ void Optimizer::drop_buffer(TensorId* id) {
 }
 
 Status Optimizer::make_state(const TensorRecord& weight, const char* suffix, uint64_t skew,
-                             Tier home, TensorId* id, void** data, DType dtype) {
+                             Tier home, TensorId* id, void** data, DType dtype, bool* zeroed) {
   TensorSpec spec;
   spec.name = state_name(weight.spec.name, suffix);
   spec.dtype = dtype;
   spec.shape = weight.spec.shape;
   spec.role = Role::kOptimizerState;
   spec.home = home;
-  Status s = runtime_->register_tensor(spec, id, home == Tier::kDram ? skew : 0);
+  Status s = runtime_->register_tensor(spec, id, home == Tier::kDram ? skew : 0, zeroed);
   if (!s.is_ok()) {
     return error(s.code(), "optimizer state for '", weight.spec.name, "': ", s.message());
   }
@@ -264,10 +264,14 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, Mast
     return roll_back(std::move(s));
   };
   // A new state tensor of `dtype`, zeroed: on NVMe through a bounce buffer of zeros, in DRAM
-  // on the pool.
+  // on the pool, unless its block is DRAM no tensor held before, zero since the arena was
+  // mapped (at set-up, nearly all of the moments' and split masters' blocks: writing them again
+  // was a second pass over 10 bytes per parameter, 80 GB for an 8B).
   auto zeroed = [&](const char* suffix, uint64_t skew, DType dtype, TensorId* id,
                     void** data) -> Status {
-    STRATA_RETURN_IF_ERROR(make_state(w, suffix, skew, home, id, data, dtype));
+    bool already = false;
+    STRATA_RETURN_IF_ERROR(make_state(w, suffix, skew, home, id, data, dtype, &already));
+    if (already) return Status::ok();
     const std::size_t elem = dtype_size(dtype);
     if (home == Tier::kNvme) {
       const std::vector<unsigned char> zeros(n * elem);

@@ -933,6 +933,72 @@ TEST_CASE("a checkpoint for the safetensors compatibility test", "[checkpoint]")
   STRATA_REQUIRE_OK(strata_checkpoint_save(rt.get(), opt.get(), out));
 }
 
+// The optimizer does not zero a DRAM state block no tensor held since the arena was mapped (it
+// is zero already, Runtime::register_tensor) and zeroes every other: state laid where freed
+// tensors of 0xFF bytes were must read zero all the same, in both master layouts.
+TEST_CASE("new optimizer state reads zero over fresh DRAM and over DRAM freed tensors held",
+          "[optimizer]") {
+  for (bool dirty : {false, true}) {
+    CAPTURE(dirty);
+    RuntimePtr rt = make_runtime(config_for(STRATA_DEVICE_BACKEND_HOST, 16 * kMiB, 16 * kMiB));
+    if (dirty) {  // every byte of the arena held a tensor of 0xFF bytes, then freed
+      std::vector<strata_tensor_t*> fill;
+      const std::vector<unsigned char> ones(kMiB / 4, 0xFF);
+      for (int k = 0;; ++k) {
+        const int64_t shape[1] = {static_cast<int64_t>(ones.size())};
+        const std::string name = "fill" + std::to_string(k);
+        const strata_tensor_desc_t d = desc(name.c_str(), shape, 1, STRATA_TIER_DRAM);
+        strata_tensor_t* t = nullptr;
+        if (strata_tensor_register(rt.get(), &d, &t) != STRATA_OK) break;
+        STRATA_REQUIRE_OK(strata_tensor_write(rt.get(), t, 0, ones.data(), ones.size()));
+        fill.push_back(t);
+      }
+      REQUIRE(fill.size() >= 60);  // 16 MiB in blocks of 256 KiB
+      for (strata_tensor_t* t : fill) STRATA_REQUIRE_OK(strata_tensor_unregister(rt.get(), t));
+    }
+    strata_optimizer_config_t c = adamw_config();
+    c.threads = 2;
+    strata_optimizer_t* o = nullptr;
+    STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &c, &o));
+    OptimizerPtr opt(o);
+    const int64_t n = 100000;
+    for (uint32_t layout : {STRATA_MASTER_SEPARATE, STRATA_MASTER_SPLIT}) {
+      CAPTURE(layout);
+      const std::string base = "w" + std::to_string(layout);
+      strata_tensor_t* w =
+          register_tensor(rt.get(), base, n, STRATA_DTYPE_BF16, STRATA_ROLE_WEIGHT);
+      strata_tensor_t* g =
+          register_tensor(rt.get(), base + ".grad", n, STRATA_DTYPE_BF16, STRATA_ROLE_GRAD);
+      std::vector<uint16_t> values(static_cast<std::size_t>(n));
+      for (int64_t i = 0; i < n; ++i) values[i] = to_bf16(0.001f * static_cast<float>(i % 977));
+      STRATA_REQUIRE_OK(strata_tensor_write(rt.get(), w, 0, values.data(), 2 * values.size()));
+      strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, layout};
+      STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
+      std::vector<strata_state_kind_t> zero_states = {STRATA_STATE_EXP_AVG,
+                                                      STRATA_STATE_EXP_AVG_SQ};
+      if (layout == STRATA_MASTER_SPLIT) zero_states.push_back(STRATA_STATE_MASTER_LOW);
+      for (strata_state_kind_t which : zero_states) {
+        CAPTURE(which);
+        strata_tensor_t* state = nullptr;
+        STRATA_REQUIRE_OK(strata_optimizer_get_state(opt.get(), w, which, &state));
+        strata_tensor_info_t info{};
+        info.struct_size = STRATA_TENSOR_INFO_STRUCT_SIZE;
+        STRATA_REQUIRE_OK(strata_tensor_get_info(rt.get(), state, &info));
+        std::vector<unsigned char> bytes(info.nbytes, 0xAB);
+        STRATA_REQUIRE_OK(strata_tensor_read(rt.get(), state, 0, bytes.data(), bytes.size()));
+        REQUIRE(std::count(bytes.begin(), bytes.end(), 0) == static_cast<long>(bytes.size()));
+      }
+      if (layout == STRATA_MASTER_SEPARATE) {  // the master starts as the weight, widened
+        strata_tensor_t* master = nullptr;
+        STRATA_REQUIRE_OK(strata_optimizer_get_state(opt.get(), w, STRATA_STATE_MASTER, &master));
+        std::vector<float> m(static_cast<std::size_t>(n));
+        STRATA_REQUIRE_OK(strata_tensor_read(rt.get(), master, 0, m.data(), 4 * m.size()));
+        for (int64_t i = 0; i < n; i += 997) REQUIRE(m[i] == from_bf16(values[i]));
+      }
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   return run_on_backend_under_test(argc, argv);
 }

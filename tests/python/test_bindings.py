@@ -23,6 +23,19 @@ def test_register_write_read(rt):
     assert rt.tier_usage("dram")["tensors"] == 1
 
 
+def test_dram_fault_threads_reach_the_runtime():
+    """core.Runtime(dram_fault_threads=) is the config's field: the capabilities report the
+    threads that faulted the arena in and its set-up times (pinning overlaps the fault-in, so
+    dram_pin_seconds is only what it added after it)."""
+    with strata.Runtime(backend="host", hbm_budget=16 * MiB, dram_budget=16 * MiB,
+                        dram_fault_threads=3) as r:
+        caps = r.capabilities()
+        assert caps.dram_fault_threads == 3
+        assert caps.dram_fault_seconds > 0 and caps.dram_pin_seconds >= 0
+    with strata.Runtime(backend="host", hbm_budget=16 * MiB, dram_budget=16 * MiB) as r:
+        assert r.capabilities().dram_fault_threads >= 1  # 0 asks for one per core
+
+
 def test_errors_carry_status_and_message(rt):
     rt.register("dup", [4], "float32")
     with pytest.raises(strata.StrataError) as e:

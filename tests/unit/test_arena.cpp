@@ -123,3 +123,31 @@ TEST_CASE("arena survives random fragmentation with consistent accounting", "[ar
   REQUIRE(arena.free_block_count() == 1);
   REQUIRE(arena.largest_free() == capacity);
 }
+
+TEST_CASE("arena says which blocks no earlier block ever covered", "[arena]") {
+  strata::Arena a("dram", 64 * 4096, 4096);
+  uint64_t x = 0, y = 0, z = 0, w = 0;
+  bool untouched = false;
+  REQUIRE(a.allocate(4096, "x", &x, &untouched).is_ok());
+  REQUIRE(untouched);
+  REQUIRE(a.allocate(3 * 4096, "y", &y, &untouched).is_ok());
+  REQUIRE(untouched);
+  REQUIRE(a.allocate(4096, "z", &z, &untouched).is_ok());
+  REQUIRE(untouched);
+  // y's hole is taken again (best fit): covered before, whatever size is asked of it.
+  REQUIRE(a.free(y).is_ok());
+  REQUIRE(a.allocate(4096, "w", &w, &untouched).is_ok());
+  REQUIRE(w == y);
+  REQUIRE_FALSE(untouched);
+  REQUIRE(a.allocate(2 * 4096, "v", &y, &untouched).is_ok());
+  REQUIRE(y == w + 4096);
+  REQUIRE_FALSE(untouched);
+  // Past everything handed out: untouched, also after the block below it is freed.
+  REQUIRE(a.free(z).is_ok());
+  REQUIRE(a.allocate(2 * 4096, "u", &z, &untouched).is_ok());
+  REQUIRE(z == x + 4 * 4096);  // z's old block and the page above it
+  REQUIRE_FALSE(untouched);    // starts inside z's old block
+  REQUIRE(a.allocate(4096, "t", &w, &untouched).is_ok());
+  REQUIRE(w == z + 2 * 4096);
+  REQUIRE(untouched);
+}

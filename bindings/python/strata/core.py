@@ -344,14 +344,17 @@ class Runtime:
     """A Strata runtime: the device backend and the HBM, DRAM (pinned, budgeted) and NVMe tiers.
 
     backend: "auto" (cuda where a GPU is usable, host otherwise), "cuda" or "host".
-    Budgets in bytes; nvme: list of file paths (striped) or None."""
+    Budgets in bytes; nvme: list of file paths (striped) or None. dram_fault_threads: threads
+    that fault the DRAM arena in at creation (0: the library's default, one per core up to its
+    cap)."""
 
     def __init__(self, backend="auto", hbm_budget=0, dram_budget=0, nvme=None, nvme_budget=0,
-                 device=0):
+                 device=0, dram_fault_threads=0):
         config = _lib.RuntimeConfig()
         check(L.strata_runtime_config_init(ctypes.byref(config)))
         config.device_backend = BACKENDS[backend]
         config.device_ordinal = device
+        config.dram_fault_threads = int(dram_fault_threads)
         config.hbm_budget_bytes = int(hbm_budget)
         config.dram_budget_bytes = int(dram_budget)
         config.nvme_budget_bytes = int(nvme_budget)
