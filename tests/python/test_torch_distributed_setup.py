@@ -8,7 +8,10 @@ process group running tests/python/torch_dist_setup_worker.py.
 - With nvme=, one rank of the ranks of a host that share its disks measures them, and each
   rank's placement counts its share of the measured rates; every rank adopts one placement.
 - Without nvme=, the default DRAM budget's room for gradient accumulators is judged against the
-  rank's share of the host's available memory."""
+  rank's share of the host's available memory, and so is the default host budget's room for
+  strata.torch's own pools (POOL_SHARE of the share); a given host_budget is each rank's.
+- Under DataParallel(state_across_hosts=True) the arena is sized for the rank's pieces, with
+  the host replica of the weights beside it in the host budget, not as for HSDP."""
 import json
 import multiprocessing
 import socket
@@ -149,3 +152,100 @@ def test_each_rank_judges_the_accumulators_room_against_its_share_of_the_host(tm
     for r in launch(tmp_path, 2, accumulator_room=True):
         arena = r["arena"]
         assert arena["need"] <= arena["budget"] < arena["need"] + arena["accumulators"], r
+
+
+def _arena(counts):
+    """(what the blocks of `counts` elements need in DRAM, what the runtime's arena can use
+    for them: the gradient accumulators too), fp32 (the tiny model's):
+    strata.torch._planning.arena_need."""
+    from strata.torch import _planning
+    dram, accum = _planning.arena_need(counts, torch.float32, "dram")
+    return dram, dram + accum
+
+
+def _pinned(budget):
+    """The arena a DRAM budget pins: rounded up to 4 KiB (the runtime's, NvmeTier::kAlignment);
+    the host budget's account counts what is pinned."""
+    return -(-budget // 4096) * 4096
+
+
+def test_a_default_host_budget_is_each_rank_share_of_the_host(tmp_path):
+    # The host's available memory (patched) is divided among the ranks of the host: the pools
+    # (paged optimizer state, spilled checkpoints) of each of 2 ranks get half of what 1 rank
+    # alone gets, and each arena is what its chunks need. Before, each of k ranks took
+    # POOL_SHARE of the whole host (2 ranks: all of it).
+    from strata.torch import _planning
+    from strata.torch._distributed import chunk_elements
+    available = 64 << 30
+    alone = launch(tmp_path, 1, available=available)[0]
+    ranks = launch(tmp_path, 2, available=available)
+    pools = {}
+    for r in [alone] + ranks:
+        world = 1 if r is alone else 2
+        budget = r["budget"]
+        _, arena = _arena([sum(chunk_elements(n, world) for n in block)
+                           for block in r["numels"]])
+        assert budget["given"] is None, r
+        assert budget["arena"] == budget["runtime_dram"] == _pinned(arena), r
+        pools.setdefault(world, []).append(budget["total"] - budget["arena"])
+    assert pools[1] == [int(_planning.POOL_SHARE * available)], pools
+    assert pools[2] == [int(_planning.POOL_SHARE * (available // 2))] * 2, pools
+    assert abs(2 * pools[2][0] - pools[1][0]) <= 1, pools
+    # A given host_budget is each rank's, as documented: each of 2 ranks gets all of it.
+    given = 1 << 30
+    for r in launch(tmp_path, 2, available=available, host_budget=given):
+        budget = r["budget"]
+        _, arena = _arena([sum(chunk_elements(n, 2) for n in block) for block in r["numels"]])
+        assert arena < given, r
+        assert (budget["given"], budget["total"], budget["arena"]) == \
+            (given, given, _pinned(arena)), r
+
+
+def test_state_across_hosts_sizes_the_arena_for_its_pieces_beside_the_host_replica(tmp_path):
+    # 2 ranks standing in for 2 hosts of one rank each (shard_size 1, 2 replicas): with the
+    # state across the hosts each runtime holds half of every chunk (its piece) and the layout
+    # pins the whole chunk's weights as its host replica beside the arena. Before, a given
+    # host_budget sized the arena as for HSDP (whole chunks): pinned memory nobody used, and a
+    # budget that holds the pieces and the replica was refused.
+    from strata.torch import _planning
+    from strata.torch._distributed import chunk_elements
+    available = 64 << 30
+    big = 4 << 30
+    across = launch(tmp_path, 2, hosts=2, state_across_hosts=True, host_budget=big,
+                    available=available)
+    numels = across[0]["numels"]
+    chunks = [[chunk_elements(n, 1, 2) for n in block] for block in numels]
+    pieces_need, pieces = _arena([sum(c // 2 for c in block) for block in chunks])
+    hsdp_need, hsdp = _arena([sum(chunk_elements(n, 1) for n in block) for block in numels])
+    replica = 4 * sum(map(sum, chunks))  # fp32 weights
+    assert pieces < hsdp and pieces + replica < big, (pieces, hsdp, replica)
+    held = "host replica of the weights"
+    for r in across:  # the arena what the pieces can use, the replica beside it
+        budget = r["budget"]
+        assert (budget["total"], budget["arena"], budget["runtime_dram"]) == \
+            (big, _pinned(pieces), _pinned(pieces)), r
+        assert budget["held"][held] == replica, r
+    for r in launch(tmp_path, 2, hosts=2, host_budget=big, available=available):
+        assert (r["budget"]["arena"], r["budget"]["runtime_dram"]) == (_pinned(hsdp),) * 2, r
+    assert across[0]["losses"] == across[1]["losses"], across
+    # A budget that holds the pieces' blocks and the replica, not HSDP's chunks: the pieces
+    # train in it, the arena the budget less the replica; HSDP is refused on both ranks.
+    tight = pieces_need + replica
+    assert tight < hsdp_need
+    for r in launch(tmp_path, 2, hosts=2, state_across_hosts=True, host_budget=tight,
+                    available=available):
+        budget = r["budget"]
+        assert (budget["total"], budget["arena"]) == (tight, _pinned(pieces_need)), r
+        assert budget["held"][held] == replica and len(r["losses"]) > 0, r
+    for r in launch(tmp_path, 2, hosts=2, host_budget=tight, available=available):
+        assert r["error"] == "ValueError", r
+        assert "host_budget %d bytes is below the %d bytes" % (tight, hsdp_need) in \
+            r["message"], r
+    # The default: the arena what the pieces can use; the host budget holds it, the replica
+    # and POOL_SHARE of what the replica leaves of the rank's share of the host.
+    for r in launch(tmp_path, 2, hosts=2, state_across_hosts=True, available=available):
+        budget = r["budget"]
+        assert budget["given"] is None and budget["arena"] == _pinned(pieces), r
+        assert budget["total"] == _pinned(pieces) + replica + int(
+            _planning.POOL_SHARE * (available - replica)), r
+        assert budget["held"][held] == replica, r

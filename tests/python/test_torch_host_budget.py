@@ -216,6 +216,63 @@ def test_accumulators_room_is_judged_per_rank_of_the_host(monkeypatch):
     assert (alone, shared) == (dram + accum, dram)
 
 
+def test_a_default_budget_is_this_processs_share_of_the_host():
+    """Under data parallelism each of the host's ranks makes a default budget: its pools get
+    POOL_SHARE of its share of the available memory (k ranks: POOL_SHARE of the host
+    together); a pool the process cannot do without and has not yet allocated (the host
+    replica of the weights, `beside`) is held by the budget, beside what POOL_SHARE leaves of
+    the share. A given budget is the process's whatever the ranks."""
+    from strata.torch._planning import POOL_SHARE, HostBudget
+    assert HostBudget(None, 600, available=1000, ranks=2).total == 600 + int(POOL_SHARE * 500)
+    assert HostBudget(None, 600, available=1000, ranks=2, beside=100).total == \
+        600 + 100 + int(POOL_SHARE * 400)
+    assert HostBudget(None, 600, available=1000, ranks=4, beside=300).total == 600 + 300
+    assert HostBudget(1000, 600, available=1000, ranks=2, beside=100).total == 1000
+
+
+def test_state_across_hosts_budgets_count_the_pieces_and_the_host_replica(monkeypatch):
+    """DataParallel(state_across_hosts=True): each rank's runtime holds its pieces
+    (chunk_elements(numel, S, pieces) // pieces a parameter) and the layout pins the whole
+    chunks' weights beside the arena (the host replica): a given host_budget must hold both
+    (refused one byte short, naming the replica), and its arena is the budget less the
+    replica; the default arena's accumulator room is judged with the replica beside it."""
+    import types
+    import pytest
+    import torch
+    from strata.torch import _host, _planning
+    from strata.torch._distributed import chunk_elements
+    blocks = [torch.nn.Linear(64, 64) for _ in range(3)]
+    hsdp = types.SimpleNamespace(shard_size=2, pieces=1, ranks_on_host=lambda: 1)
+    across = types.SimpleNamespace(shard_size=2, pieces=2, ranks_on_host=lambda: 1)
+    chunks = [[chunk_elements(p.numel(), 2, 2) for p in b.parameters()] for b in blocks]
+    counts = [sum(c // 2 for c in b) for b in chunks]
+    assert _planning.block_elements(blocks, across) == counts
+    assert _planning.block_elements(blocks, hsdp) == \
+        [sum(chunk_elements(p.numel(), 2) for p in b.parameters()) for b in blocks]
+    replica = 4 * sum(map(sum, chunks))
+    assert _planning.replica_bytes(blocks, torch.float32, across) == replica
+    assert _planning.replica_bytes(blocks, torch.float32, hsdp) == 0
+    assert _planning.replica_bytes(blocks, torch.float32, None) == 0
+    need, accum = _planning.arena_need(counts, torch.float32, "dram")
+    assert _planning.estimate_dram(blocks, torch.float32, across) == need
+    budget = need + replica
+    _planning.check_host_budget(blocks, torch.float32, across, "dram", budget)
+    with pytest.raises(ValueError, match="below the %d bytes.*%d bytes for the host replica"
+                       % (budget, replica)):
+        _planning.check_host_budget(blocks, torch.float32, across, "dram", budget - 1)
+    assert _planning.arena_budget(blocks, torch.float32, across, "dram", budget) == need
+    assert _planning.arena_budget(blocks, torch.float32, across, "dram", 10 * budget) == \
+        need + accum
+    # The accumulators' room: the arena's need and accumulators fit the share, not with the
+    # replica beside them.
+    available = int((need + accum + replica // 2) / _planning.HOST_SHARE)
+    monkeypatch.setattr(_host, "mem_available", lambda: available)
+    _, without = _planning.session_budgets(counts, torch.float32, "dram", None, None, across)
+    _, beside = _planning.session_budgets(counts, torch.float32, "dram", None, None, across,
+                                          replica)
+    assert (without, beside) == (need + accum, need)
+
+
 def _pager(groups, budget, auto=False):
     """A StatePager over CPU masters of `groups` sizes (elements), with no optimizer state
     yet (the sizing counts the moments to come from the masters)."""

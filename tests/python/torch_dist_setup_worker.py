@@ -2,8 +2,9 @@
 offloads the tiny Llama-style model on the CPU under a gloo process group, with a fault on one
 rank (--fault) or not, and writes what it saw to <--out>.rank<r> (JSON): the error offload
 raised and how long it took, who measured the disk and what rates each rank's placement
-counted, where the state went. The model and the training loop are the data-parallel tests'
-(torch_dist_worker)."""
+counted, where the state went, what its host budget account got (--available,
+--host-budget, --state-across-hosts). The model and the training loop are the data-parallel
+tests' (torch_dist_worker)."""
 import argparse
 import datetime
 import json
@@ -74,6 +75,12 @@ def main(argv=None):
                         "gradient accumulators, not every rank's: 'arena' in the output says "
                         "what this rank's runtime got, beside what it needs with and without "
                         "the accumulators")
+    p.add_argument("--available", type=int, default=None,
+                   help="the host's available memory (patched), bytes; 'budget' in the output "
+                        "says what this rank's host budget account got")
+    p.add_argument("--host-budget", type=int, default=None, help="offload(host_budget=)")
+    p.add_argument("--state-across-hosts", action="store_true",
+                   help="DataParallel(state_across_hosts=True) (with --hosts: one per rank)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.hosts > 1:
@@ -88,6 +95,11 @@ def main(argv=None):
     inject(args.fault if args.rank == fault_rank else None, disk_calls)
     config, model = base.build("tiny", seed=args.rank)
     options = {"nvme": args.nvme} if args.nvme else {}
+    if args.host_budget is not None:
+        options["host_budget"] = args.host_budget
+    if args.available is not None:
+        from strata.torch import _host
+        _host.mem_available = lambda: args.available
     if args.accumulator_room:
         from strata.torch import _host, _planning
         from strata.torch._distributed import chunk_elements
@@ -97,8 +109,11 @@ def main(argv=None):
         available = int((dram + accum) / _planning.HOST_SHARE * 1.5)
         _host.mem_available = lambda: available
         out_arena = {"need": dram, "accumulators": accum}
-    parallel = st.DataParallel(timeout=args.timeout)
-    out = {"rank": args.rank}
+    parallel = st.DataParallel(timeout=args.timeout,
+                               state_across_hosts=args.state_across_hosts)
+    out = {"rank": args.rank,
+           # per streamed block, its parameters' elements (every block streams on the CPU)
+           "numels": [[p.numel() for p in block.parameters()] for block in model.model.layers]}
     started = time.monotonic()
     try:
         st.offload(model, device="cpu", data_parallel=parallel, **options)
@@ -107,6 +122,12 @@ def main(argv=None):
         out["error"] = type(e).__name__
         out["message"] = "\n".join([str(e)] + list(getattr(e, "__notes__", [])))
         out["offloaded"] = getattr(model, "strata", None) is not None
+        if args.fault is None:  # refused as the test expects: nothing to train
+            with open("%s.rank%d" % (args.out, args.rank), "w") as f:
+                json.dump(out, f)
+            dist.barrier()
+            dist.destroy_process_group()
+            return
         # The job goes on: offload leaves the model as it was on every rank, and the ranks are
         # in step for their next collectives.
         inject(None, disk_calls)
@@ -118,9 +139,13 @@ def main(argv=None):
                             budget=session.runtime.capabilities().tier_budget_bytes[1])
     if session.placement_choice is not None:
         out["own_choice"] = session.placement_choice.info  # before the ranks adopt one
+    budget = session.host_budget
+    out["budget"] = {"total": budget.total, "arena": budget.arena, "given": budget.given,
+                     "runtime_dram": session.runtime.capabilities().tier_budget_bytes[1]}
     opt = st.AdamW(model.parameters(), lr=1e-3)
     data = base.batches(config, 1, 2 * args.world, 16)
     out["losses"] = base.loop(model, opt, data, args.rank, args.world, 0.0)
+    out["budget"]["held"] = budget.held()  # the pools, the host replica among them
     if session.placement_choice is not None:
         out["homes"] = session.placement_choice.homes
         out["nvme_state_params"] = session.optimizer.stats()["nvme_state_params"]

@@ -105,7 +105,8 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     leaves to the resident parameters' paged optimizer state and the spilled checkpoints
     (model.strata.host_budget: _planning.HostBudget). None: the arena what the blocks, grads
     and optimizer state need (with nvme, that or 85% of the available memory, whichever is
-    less), and beside it half the host memory then available. nvme: an NVMe tier, a path or
+    less), and beside it half the host memory then available (under data parallelism half of
+    the rank's share: divided by the ranks of the host). nvme: an NVMe tier, a path or
     a list of paths (files, striped): the optimizer state that host_budget cannot hold goes there, the last
     blocks' first, staged through DRAM for each update; when host_budget cannot even hold every
     streamed weight beside the grads and staging, the last blocks' weights go there too
@@ -370,9 +371,16 @@ def _build(model, request, plan, rollback):
 def _host_budget(session, request):
     """host_budget's accounting (the arena first; what the budget leaves, strata.torch's own
     host memory: the paged optimizer state, strata.torch.AdamW's, and the spilled
-    checkpoints), made once the arena is pinned so a default budget does not count it twice."""
+    checkpoints), made once the arena is pinned so a default budget does not count it twice.
+    Under data parallelism a default budget is this rank's share of the host (the ranks of
+    the host divide its available memory; every rank's arena is pinned by now: the runtimes
+    were created in one collective step) and holds the host replica of the weights the
+    layout pins later (state across hosts)."""
+    mesh = request.mesh
     session.host_budget = _planning.HostBudget(
-        request.host_budget, session.runtime.capabilities().tier_budget_bytes[1])
+        request.host_budget, session.runtime.capabilities().tier_budget_bytes[1],
+        ranks=1 if mesh is None else mesh.ranks_on_host(),
+        beside=_planning.replica_bytes(session.blocks, session.dtype, mesh))
     session.spill.use_budget(session.host_budget)
 
 

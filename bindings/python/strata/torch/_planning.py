@@ -31,13 +31,32 @@ def element_bytes(dtype):
     return torch.finfo(dtype).bits // 8
 
 
-def block_elements(blocks, mesh=None):
-    """Elements per block that this process keeps in DRAM: the whole parameters, or under data
-    parallelism (`mesh`) this rank's chunks of them."""
+def kept_elements(numel, mesh=None):
+    """Elements of a streamed parameter of `numel` elements that this process's runtime holds
+    (its weight, grad and optimizer state): all of them; under data parallelism (`mesh`) this
+    rank's chunk (strata.torch._distributed.chunk_elements); with the state across hosts
+    (DataParallel(state_across_hosts=True), mesh.pieces > 1) this rank's piece of that chunk,
+    what strata.torch._layout registers (the chunk itself is in the host replica:
+    replica_bytes)."""
     if mesh is None:
-        return [sum(p.numel() for p in b.parameters()) for b in blocks]
-    return [sum(chunk_elements(p.numel(), mesh.shard_size) for p in b.parameters())
-            for b in blocks]
+        return numel
+    return chunk_elements(numel, mesh.shard_size, mesh.pieces) // mesh.pieces
+
+
+def block_elements(blocks, mesh=None):
+    """Elements per block that this process's runtime keeps in DRAM (kept_elements)."""
+    return [sum(kept_elements(p.numel(), mesh) for p in b.parameters()) for b in blocks]
+
+
+def replica_bytes(blocks, dtype, mesh=None):
+    """Pinned host bytes this process keeps beside the arena for the streamed blocks: with the
+    state across hosts (mesh.pieces > 1) the layout's host replica of the weights, every
+    streamed parameter's whole chunk in the compute dtype (strata.torch._layout._HostReplica,
+    counted as a HostBudget pool once made); else 0."""
+    if mesh is None or mesh.pieces == 1:
+        return 0
+    return element_bytes(dtype) * sum(chunk_elements(p.numel(), mesh.shard_size, mesh.pieces)
+                                      for b in blocks for p in b.parameters())
 
 
 # The share of the host's available memory a default host budget may take to make room for
@@ -45,7 +64,7 @@ def block_elements(blocks, mesh=None):
 HOST_SHARE = 0.85
 
 
-def with_accumulators(dram, counts, element, ranks=1):
+def with_accumulators(dram, counts, element, ranks=1, beside=0):
     """A default DRAM budget of `dram` bytes, with room for the gradient accumulators of the
     streamed blocks (`counts`: per block its trainable tensors' elements, or one count) added
     when the host's available memory holds both: then accumulating (a backward pass onto
@@ -54,10 +73,11 @@ def with_accumulators(dram, counts, element, ranks=1):
     accumulating step fails naming host_budget and nvme= (docs/optimizer.md, "Gradient
     accumulators"). A budget is pinned whole when the runtime starts: the room is spent
     whether or not the run accumulates. `ranks`: the processes of this host that each make
-    such a budget (data parallelism): each may take its share of the available memory."""
+    such a budget (data parallelism): each may take its share of the available memory.
+    `beside`: host bytes the process pins beside the arena from that share (replica_bytes)."""
     accum = core.accum_bytes(counts, element)
     available = _host.mem_available()
-    if available is not None and dram + accum <= available * HOST_SHARE / ranks:
+    if available is not None and dram + accum + beside <= available * HOST_SHARE / ranks:
         return dram + accum
     return dram
 
@@ -72,28 +92,30 @@ def arena_need(counts, dtype, grads):
 
 
 def arena_budget(blocks, dtype, mesh, grads, host_budget):
-    """Without NVMe, the runtime's DRAM arena out of a given host_budget: at most what the
-    arena can use (arena_need: the blocks and their accumulators; pinned whole at start, more
-    would be memory nobody uses), the rest of the budget left to strata.torch's own host
-    memory (HostBudget). None: the default (session_budgets)."""
+    """Without NVMe, the runtime's DRAM arena out of a given host_budget: what the budget
+    leaves beside the host replica of the weights (replica_bytes; state across hosts only), at
+    most what the arena can use (arena_need: the blocks and their accumulators; pinned whole at
+    start, more would be memory nobody uses), the rest of the budget left to strata.torch's own
+    host memory (HostBudget). None: the default (session_budgets)."""
     if host_budget is None:
         return None
     dram, accum = arena_need(block_elements(blocks, mesh), dtype, grads)
-    return min(host_budget, dram + accum)
+    return min(host_budget - replica_bytes(blocks, dtype, mesh), dram + accum)
 
 
-def session_budgets(counts, dtype, grads, gpu_budget, host_budget, mesh=None):
+def session_budgets(counts, dtype, grads, gpu_budget, host_budget, mesh=None, beside=0):
     """The HBM and DRAM budgets of a session's runtime: the given ones (a DRAM one is the
     arena's share of host_budget: arena_budget, plan_nvme), or what the streamed blocks of
     `counts` elements need (core.streaming_budgets), with room for the gradient accumulators
     where the host has it (with_accumulators). With grads in HBM a given gpu_budget is the
     slots' and the grads come beside it. `mesh`: under data parallelism, the accumulators' room
-    is judged against this rank's share of the host."""
+    is judged against this rank's share of the host, less `beside` (the host replica this
+    rank pins beside the arena: replica_bytes)."""
     element = element_bytes(dtype)
     hbm, dram = core.streaming_budgets(counts, element, master_layout(dtype), grads)
     if host_budget is None:
         dram = with_accumulators(dram, counts, element,
-                                 1 if mesh is None else mesh.ranks_on_host())
+                                 1 if mesh is None else mesh.ranks_on_host(), beside)
     if gpu_budget is not None and grads == "hbm":
         gpu_budget += core.grads_hbm_bytes(counts, element)  # beside the slots' budget
     return (hbm if gpu_budget is None else gpu_budget,
@@ -109,24 +131,30 @@ def estimate_dram(blocks, dtype, mesh=None, grads="dram"):
 
 
 def check_host_budget(blocks, dtype, mesh, grads_home, host_budget):
-    """Without NVMe, a given host_budget must hold the streamed blocks: else a ValueError that
-    says what they need (and what grads='device' would), before anything is created."""
+    """Without NVMe, a given host_budget must hold the streamed blocks (and with the state
+    across hosts, beside them, the host replica of their weights): else a ValueError that says
+    what they need (and what grads='device' would), before anything is created."""
     if host_budget is None:
         return
-    need = estimate_dram(blocks, dtype, mesh, grads_home)
+    replica = replica_bytes(blocks, dtype, mesh)
+    need = estimate_dram(blocks, dtype, mesh, grads_home) + replica
     if host_budget >= need:
         return
     hint = ""
     if grads_home == "dram" and mesh is None:
         hint = ("; grads='device' needs %d (the grads on the GPU)"
                 % estimate_dram(blocks, dtype, mesh, "hbm"))
+    beside = ""
+    if replica:
+        beside = (", and beside them %d bytes for the host replica of their weights "
+                  "(DataParallel(state_across_hosts=True))" % replica)
     raise ValueError("strata.torch.offload: host_budget %d bytes is below the %d bytes the "
                      "streamed blocks need in pinned DRAM (their weights, %sfp32 masters "
                      "and AdamW moments, 2%% for page alignment, and a fixed 256 MiB of "
-                     "headroom beyond them; or pass nvme= to put state on NVMe%s); nothing "
+                     "headroom beyond them%s; or pass nvme= to put state on NVMe%s); nothing "
                      "was changed" % (host_budget, need,
                                       "grads, " if grads_home == "dram" else
-                                      "one block's grads, ", hint))
+                                      "one block's grads, ", beside, hint))
 
 
 def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"):
@@ -193,12 +221,10 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
     ranks agree on the smallest of their budgets, so that every rank checks, and later
     chooses, one placement of equal chunks within equal budgets."""
     element = element_bytes(dtype)
-
-    def kept(p):  # the elements of `p` this process keeps
-        return p.numel() if mesh is None else chunk_elements(p.numel(), mesh.shard_size)
-
-    counts = [[kept(p) for p in b.parameters() if p.requires_grad] for b in blocks]
-    frozen = [[kept(p) for p in b.parameters() if not p.requires_grad] for b in blocks]
+    counts = [[kept_elements(p.numel(), mesh) for p in b.parameters() if p.requires_grad]
+              for b in blocks]
+    frozen = [[kept_elements(p.numel(), mesh) for p in b.parameters() if not p.requires_grad]
+              for b in blocks]
     layers = core.placement_layers(counts, element, frozen,
                                    "nvme" if state_placement == "nvme" else "choose",
                                    master_layout=master_layout(dtype), grads=grads_home)
@@ -247,7 +273,8 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
 # parameters' paged optimizer state, strata.torch._paging; block checkpoints spilled to host
 # memory, strata.torch._spill) without a host_budget: this share of the host memory available
 # once the arena is made (the paged state alone took half of it at the first step's end
-# before the pools were counted together).
+# before the pools were counted together); under data parallelism of the rank's share of it
+# (HostBudget's ranks).
 POOL_SHARE = 0.5
 
 
@@ -257,11 +284,17 @@ class HostBudget:
     budget leaves beside it is for strata.torch's own pools (the paged optimizer state, the
     spilled checkpoints), which ask room() before they take host memory and report what they
     hold (`host_bytes`); a pool that gets no room takes less (fewer groups page, fewer blocks
-    spill) and says so. `given`: the user's host_budget, or None: then the budget is the
-    arena and POOL_SHARE of the host memory available now (made just after the runtime, so
-    the arena is not counted twice). `available`: that memory (None: read it)."""
+    spill) and says so. `given`: the user's host_budget (under data parallelism each rank's),
+    or None: then the budget is the arena and POOL_SHARE of this process's share of the host
+    memory available now (made just after the runtime, so the arena is not counted twice).
+    `available`: that memory (None: read it). `ranks`: the processes of this host that each
+    make such a budget (data parallelism: Mesh.ranks_on_host; every one's arena made
+    already), each taking its share of the available memory, so that k ranks of a host take
+    POOL_SHARE of it together, not k times that. `beside`: pinned bytes this process adds
+    later as a pool it cannot do without (the host replica of the weights: replica_bytes):
+    a default budget holds them, and POOL_SHARE of the share they leave."""
 
-    def __init__(self, given, arena, available=None):
+    def __init__(self, given, arena, available=None, ranks=1, beside=0):
         self.given = given
         self.arena = int(arena)
         if given is not None:
@@ -269,7 +302,8 @@ class HostBudget:
         else:
             if available is None:
                 available = available_host_bytes()
-            self.total = self.arena + int(POOL_SHARE * available)
+            share = max(0, int(available) // ranks - beside)
+            self.total = self.arena + beside + int(POOL_SHARE * share)
         self._pools = []  # (name, weakref to an object with host_bytes)
 
     def add(self, name, pool):

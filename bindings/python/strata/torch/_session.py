@@ -206,7 +206,8 @@ class StrataSession:
                     self.anchor.view_as(self.anchor).grad_fn.next_functions[0][0]
                 gpu_budget, host_budget = _planning.session_budgets(
                     self.layout.block_counts(self.blocks), self.dtype, self.grads_home,
-                    choices.gpu_budget, choices.host_budget, self.mesh)
+                    choices.gpu_budget, choices.host_budget, self.mesh,
+                    _planning.replica_bytes(self.blocks, self.dtype, self.mesh))
                 # The runtime computes on the model's GPU (cuda:1 is ordinal 1), not always
                 # the first.
                 self.runtime = core.Runtime(backend=choices.backend, hbm_budget=gpu_budget,
