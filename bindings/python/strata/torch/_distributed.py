@@ -418,7 +418,7 @@ def _probe_file(path):
 def disk_sharing(mesh, paths):
     """How many ranks of this host have NVMe files on the file system of this rank's busiest
     one (at least 1): they share its free space (collective)."""
-    devices = sorted({os.stat(os.path.dirname(os.path.abspath(p))).st_dev for p in paths})
+    devices = _host.file_systems(paths)
     every = mesh.gather_objects(devices)
     host = mesh.hosts[mesh.rank]
     return max([sum(1 for r, devs in enumerate(every) if mesh.hosts[r] == host and d in devs)

@@ -308,17 +308,15 @@ class ShardedLayout(LocalLayout):
     # --- registration ----------------------------------------------------------------------
 
     def block_counts(self, blocks):
-        if self.pieces == 1:
-            return _planning.block_elements(blocks, self.mesh)
-        # The runtime holds this rank's pieces (weights, grads, state); the host replica of
-        # the chunks is the layout's own (_HostReplica).
-        return [sum(self._sizes(p.numel())[1] for p in b.parameters()) for b in blocks]
+        # With pieces the runtime holds this rank's pieces (weights, grads, state); the host
+        # replica of the chunks is the layout's own (_HostReplica).
+        return _planning.block_elements(blocks, self.mesh)
 
     def _sizes(self, numel):
         """(chunk, piece): elements of this rank's chunk of a parameter and of what it
-        registers of it."""
-        chunk = chunk_elements(numel, self.mesh.shard_size, self.pieces)
-        return chunk, chunk // self.pieces
+        registers of it (_planning.kept_elements: one rule with the arena's sizing)."""
+        return chunk_elements(numel, self.mesh.shard_size, self.pieces), \
+            _planning.kept_elements(numel, self.mesh)
 
     def streamed_param(self, p, name, local, layer, index):
         sp = ShardedParam(p, name, local, layer, index)
