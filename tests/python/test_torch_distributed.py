@@ -88,7 +88,6 @@ def launch(world, args, limit=120, grace=5.0):
     return [p.exitcode for p in procs], texts, elapsed
 
 
-
 def assert_bf16_close(got, expected):
     """Losses within 1% and every parameter's difference within 2% of its RMS: bf16 ranks
     against one bf16 process (the sums round in another order)."""
@@ -98,6 +97,7 @@ def assert_bf16_close(got, expected):
         e = e.float()
         d = got["state"][name].float() - e
         assert d.pow(2).mean().sqrt() <= 2e-2 * e.pow(2).mean().sqrt(), name
+
 
 def run_ranks(tmp_path, name, world, **args):
     out = str(tmp_path / name)
