@@ -403,6 +403,49 @@ def test_groups_leave_the_device_as_the_forward_pass_goes(sessions, monkeypatch)
         assert torch.equal(wa[key], wb[key]), key
 
 
+@pytest.mark.parametrize("access", ["write", "read"])
+def test_a_state_access_mid_forward_keeps_every_tensor(access, sessions, monkeypatch):
+    """A write in the middle of a forward pass (a load) cancels the page-out, and no group is
+    freed after it (the review found groups freed while the state was back "in": the update
+    then met tensors without storage); a read after a group left brings every group back for
+    the reader, and they leave again, so the loss still runs without them. Training goes on
+    bit for bit as without the access."""
+    base = build("llama", layers=8)
+    data = batches(4)
+    runs = []
+    for touched in (False, True):
+        model = offloaded(base, sessions, dtype=torch.bfloat16, resident=4)
+        opt, losses, _ = strata_steps(model, data[:2], None, monkeypatch)
+        pager = opt._pager
+        seen = []
+
+        def hook(i):
+            if touched and not seen and pager.state == "leaving" and \
+                    (bool(pager.freed) if access == "read" else not pager.freed):
+                state = opt.state_dict()
+                if access == "write":
+                    opt.load_state_dict(state)
+                seen.append(pager.state)
+        model.strata.on_resident_forward_begin.append(hook)
+        loss = model(data[2], labels=data[2]).loss
+        model.strata.on_resident_forward_begin.remove(hook)
+        if touched:
+            assert seen, "the access did not happen"
+            if access == "read":
+                assert pager.state == "out" and _device_bytes(pager) == 0
+        assert all(size > 0 for _, size in paged_tensors(opt)) or pager.state == "out"
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        more, _ = train(model, opt, data[3:], clip=1.0)
+        synchronize(opt)
+        runs.append((losses + [float(loss.detach())] + more, snapshot(model)))
+    (la, wa), (lb, wb) = runs
+    assert la == lb
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
 def _fail_once():
     failed = []
 

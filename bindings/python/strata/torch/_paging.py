@@ -319,7 +319,8 @@ class StatePager:
         more points before, after their copies in stream order. The memory came from the
         current stream's pool (page_in allocates there) and goes back to it: what reuses it
         runs on that stream after the wait, the copies' reads done."""
-        while self.departing and self.departing[0][0] <= point - self.FREE_LAG:
+        while self.state == "leaving" and self.departing and \
+                self.departing[0][0] <= point - self.FREE_LAG:
             _, event, groups = self.departing.pop(0)
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)
@@ -327,14 +328,16 @@ class StatePager:
                 self._free_group(g)
 
     def _free_group(self, g):
-        pairs = dict(self.pieces)[g]
+        """Free group `g`'s flat buffer, whose memory page_in took from the current stream's
+        pool. Tensors not (yet) views of one (the first page-out's, a load's) may come from
+        another stream's pool (the optimizer made them elsewhere): release() frees them, after
+        the host waited for the copies."""
         flat = self.flats.get(g)
         bases = self._flat_pointers()
-        for t, _ in pairs:
-            if t.untyped_storage().data_ptr() not in bases:  # not (yet) a view of a flat buffer
-                t.untyped_storage().resize_(0)
-        if flat is not None:
-            flat.untyped_storage().resize_(0)
+        pairs = dict(self.pieces)[g]
+        if flat is None or any(t.untyped_storage().data_ptr() not in bases for t, _ in pairs):
+            return
+        flat.untyped_storage().resize_(0)
         self.freed.add(g)
 
     @torch.no_grad()
@@ -534,8 +537,12 @@ class StatePager:
         first); a write cancels them, and the next forward pass pages the state out again
         (page_out(again=True))."""
         current = torch.cuda.current_stream(self.device) if self.stream is not None else None
+        again = False
         if self.state == "leaving" and self.freed:
-            # Some groups already left the device: the rest leave too, and all come back.
+            # Some groups already left the device: the rest leave too, and all come back; a
+            # read in the middle of a forward pass then has them leave again (copied already:
+            # freed at the next point), so the loss still runs without them.
+            again = not writes and self.last_point != "end"
             self.release()
         if self.state == "leaving":
             if not writes:
@@ -545,6 +552,7 @@ class StatePager:
             if self.departed is not None:
                 current.wait_event(self.departed)
             self.unsent = []
+            self.departing = []  # nothing leaves any more: no group is freed later
             self.state = "in"
             self.current = False
             return
@@ -556,6 +564,8 @@ class StatePager:
                 self.late_in += 1
             current.wait_event(self.arrived)
             self.arrived = None
+        if again:
+            self.page_out(timed=False, again=True)
 
     # --- the session's hooks ---------------------------------------------------------------
 
