@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from strata.torch._activations import (ActivationKeeper, plan_kept, plan_kept_timeline,
-                                      saved_bytes, saves_output, selective_bytes, selective_context, shape_of, tokens_of,
+from strata.torch._activations import (ActivationKeeper, _last_alive, plan_kept,
+                                      plan_kept_timeline, saved_bytes, saves_output, selective_bytes, selective_context, shape_of, tokens_of,
                                       COSTLY_OPS)
 from torch_parity_models import ARCHS, DEVICE, build
 
@@ -109,79 +109,108 @@ def test_the_timeline_counts_each_kept_block_where_it_is_alive():
     """A kept block's activations live from its forward pass to its backward pass: a late
     streamed block's are freed early in the backward pass, before the paged optimizer state
     comes back and the step peaks (an 8B at 32 x 1024: the peak counted against every block
-    kept no streamed one). Blocks 0-1 resident, 2-4 streamed; memory 10 until the backward
-    pass reaches block 2, then 30, 40 (the state back); the peak 42 (2 between points)."""
-    timeline = {("f", g): 10 for g in range(5)}
-    timeline.update({("b", 4): 10, ("b", 3): 10, ("b", 2): 30, ("b", 1): 40, ("b", 0): 40})
+    kept no streamed one). Blocks 0-1 resident, 2-4 streamed; each interval's peak in a step
+    that kept nothing, by the point that ends it: 12 through the forward pass and the loss
+    (the last block's backward start), 32 while block 3 goes backward (the state coming),
+    then 42 (the state back): the step's peak."""
+    timeline = {("f", g): 12 for g in range(5)}
+    timeline.update({("b", 4): 12, ("b", 3): 12, ("b", 2): 32, ("b", 1): 42, ("b", 0): 42,
+                     ("end", 0): 42})
+    intervals = [(_last_alive(key, 5), m) for key, m in timeline.items()]
     blocks = [(50, 20)] * 2 + [(None, 20)] * 3  # residents from the last back, then streamed
     order = [1, 0, 4, 3, 2]
     assert plan_kept(100, 42, blocks, 0) == ["selective"] * 2  # 58 spare at the peak
-    # Blocks 1 and 0 at the late points (40 + 2 + 40 <= 100), blocks 4 and 3 where only the
-    # forward pass's end holds them (10 + 2 + 80 <= 100); block 2 would make 102 there.
-    assert plan_kept_timeline(100, 42, blocks, 0, timeline, order) == ["selective"] * 4
-    # With more room every block keeps (110 at the forward pass's end); what is left then
-    # upgrades (whole: 30 more) where it fits at every point it is alive: block 1 (140 <= 148)
-    # and not block 0 as well (170).
-    assert plan_kept_timeline(130, 42, blocks, 0, timeline, order) == ["selective"] * 5
-    assert plan_kept_timeline(150, 42, blocks, 0, timeline, order) == \
+    # Blocks 1 and 0 where the state is back (42 + 40 <= 100), blocks 4 and 3 where only the
+    # forward pass and the loss hold them (12 + 80 <= 100); block 2 makes 32 + 60 + 20 > 100
+    # while block 3 goes backward (block 2 alive with 0, 1 and itself).
+    assert plan_kept_timeline(100, blocks, 0, intervals, order) == ["selective"] * 4
+    # With more room every block keeps (112 where all are alive); what is left then upgrades
+    # (whole: 30 more) where it fits in every interval it is alive in: block 1 (142 <= 150)
+    # and not block 0 as well (172).
+    assert plan_kept_timeline(130, blocks, 0, intervals, order) == ["selective"] * 5
+    assert plan_kept_timeline(150, blocks, 0, intervals, order) == \
         ["whole"] + ["selective"] * 4
-    # A flat timeline at the peak is plan_kept.
-    flat = {key: 42 for key in timeline}
+    # Every interval at the step's peak is plan_kept.
+    flat = [(last, 42) for last, _ in intervals]
     for usable in (60, 100, 130, 200):
-        assert plan_kept_timeline(usable, 42, blocks, 0, flat, order) == \
+        assert plan_kept_timeline(usable, blocks, 0, flat, order) == \
             plan_kept(usable, 42, blocks, 0)
 
 
+def test_the_loss_counts_every_kept_block():
+    """The loss's transient (its fp32 logits) comes between the last block's forward start
+    and its backward start, where every kept block is alive: planned against, though the
+    step peaks later (a review found a plan that counted the step's peak less the largest
+    point at every point keep two blocks that the loss would not have fit)."""
+    timeline = {("f", 0): 10, ("f", 1): 11, ("f", 2): 12, ("f", 3): 13, ("b", 3): 54,
+                ("b", 2): 14, ("b", 1): 14, ("b", 0): 60, ("end", 0): 64}
+    intervals = [(_last_alive(key, 4), m) for key, m in timeline.items()]
+    blocks = [(40, None)] * 4
+    assert plan_kept(100, 64, blocks, 0) == []
+    # The last block alone fits beside the loss (54 + 40), two do not (134); the unsound
+    # plan (64 - 60 = 4 between points, added to each point) kept two.
+    assert plan_kept_timeline(100, blocks, 0, intervals, [3, 2, 1, 0]) == ["whole"]
+    assert plan_kept_timeline(100, [(40, 20)] * 4, 0, intervals, [3, 2, 1, 0]) == \
+        ["selective"] * 2  # 54 + 2 x 20 <= 100 at the loss
+
+
 def test_the_timeline_never_keeps_less():
-    """Every point plus what the step allocated between points is at most the peak: the
-    timeline's plan keeps at least plan_kept's blocks, whatever the memory's shape."""
+    """No interval's peak is more than the step's: the timeline's plan keeps at least
+    plan_kept's blocks, whatever the memory's shape."""
     import random
     rng = random.Random(7)
     for _ in range(300):
         n = rng.randint(1, 8)
         peak = rng.randint(10, 100)
         timeline = {(kind, g): rng.randint(0, peak) for kind in "fb" for g in range(n)}
+        timeline[("end", 0)] = peak
+        intervals = [(_last_alive(key, n), m) for key, m in timeline.items()]
         blocks = [(rng.randint(1, 30), rng.choice([None, rng.randint(1, 30)]))
                   for _ in range(n)]
         order = list(reversed(range(n)))
         usable, margin = rng.randint(peak, 250), rng.randint(0, 10)
-        ours = plan_kept_timeline(usable, peak, blocks, margin, timeline, order)
+        ours = plan_kept_timeline(usable, blocks, margin, intervals, order)
         assert len(ours) >= len(plan_kept(usable, peak, blocks, margin))
 
 
 def test_the_plan_is_made_from_the_measured_steps_timeline(fake_cuda, monkeypatch):
-    """at_point notes the memory allocated at each block's start in the step being measured
-    (the largest over its passes); the decision plans from that step's timeline, and a step
-    that misses a point plans as before."""
+    """at_point notes the allocator's peaks since the last point for the interval that ends
+    there and resets them (the largest per interval over the step's passes; the step's
+    peaks kept by the keeper); the decision plans from that step's intervals, and a step
+    that misses a point plans from the step's peak as before."""
     memory, _ = fake_cuda
-    now = {"bytes": 0}
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *_: now["bytes"])
+    peaks = {"now": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *_: peaks["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *_: peaks["now"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *_: None)
 
     def step(keeper, late):
         for g in range(8):
-            now["bytes"] = 20 * GB
+            peaks["now"] = 20 * GB
             keeper.at_point("f", g, streamed=False)
         for g in reversed(range(8)):
-            now["bytes"] = (late if g < 2 else 20) * GB  # the first blocks' backward: more
+            peaks["now"] = (late if g < 2 else 20) * GB  # the first blocks' backward: more
             keeper.at_point("b", g, streamed=False)
+        peaks["now"] = late * GB  # block 0's backward and the step
         keeper.on_step()
 
-    keeper = keeper_of(block_gb=8)  # 8 blocks of 8 GB (10 planned); 140 usable, peak 130
-    step(keeper, 120)
+    keeper = keeper_of(block_gb=8)  # 8 blocks of 8 GB (10 planned); 140 usable
+    step(keeper, 130)
     assert not keeper.decided and keeper.timeline == {}  # each step afresh
-    step(keeper, 120)
-    # 10 GB between the points (130 - 120): blocks 7..2 alive where 20 GB are (20 + 10 +
-    # 60), block 1 at its backward's 120 (+ 10 + 10 = 140), block 0 with it there: 150 > 140.
-    # At the peak (plan_kept) one block would fit.
-    assert keeper.decided and keeper.count == 7 and keeper.decision["timeline"]
-    assert keeper.plan == ["whole"] * 7
+    step(keeper, 130)
+    # Blocks 7..3 alive where 20 GB were used (20 + 50); block 2 in the interval of its own
+    # backward pass (ending at block 1's start: 130 + 10 = 140), block 1 with it there:
+    # 150 > 140. At the step's peak (plan_kept) one block would fit.
+    assert keeper.decided and keeper.count == 6 and keeper.decision["timeline"]
+    assert keeper.plan == ["whole"] * 6
     keeper.at_point("f", 0, streamed=False)
     assert keeper.timeline == {}  # decided: nothing noted
     keeper = keeper_of()
     for _ in range(2):
-        now["bytes"] = 20 * GB
+        peaks["now"] = 130 * GB
         keeper.at_point("f", 0, streamed=False)  # not every point: plan_kept's plan
         keeper.on_step()
+    # The step's peak is the keeper's own (130), 5 GB a block planned: 2 fit in 10.
     assert keeper.decided and keeper.count == 2 and keeper.decision["timeline"] is None
 
 

@@ -318,14 +318,18 @@ class ActivationKeeper:
         # and margin bytes, each planned block's (whole, selective) bytes from the last
         # resident block back then the streamed ones, and the plan (None: not decided).
         self.decision = None
-        # The step being measured: the device memory allocated when each block began its
-        # forward ("f") or backward ("b") pass with grad, by (kind, block), blocks numbered in
-        # the model's order (resident, then streamed); the largest over the step's passes.
-        # A kept block's activations live from its forward pass to its backward pass: the
-        # plan adds each only where it is alive (at_point), not at the step's peak whatever
-        # held it (an 8B at 32 x 1024 peaked with the paged optimizer state back in HBM, late
-        # in the backward pass, where the streamed blocks' kept outputs are long freed).
+        # The step being measured, cut at each block's forward ("f") and backward ("b")
+        # start with grad: the allocator's peaks (allocated, reserved) in the interval that
+        # ends at (kind, block), blocks numbered in the model's order (resident, then
+        # streamed), the last interval ("end", 0) ending at the step; the largest over the
+        # step's passes. A kept block's activations live from its forward pass to its
+        # backward pass: the plan adds each only to the intervals where it is alive
+        # (at_point, plan_kept_timeline), not to the step's peak whatever held it (an 8B at
+        # 32 x 1024 peaked with the paged optimizer state back in HBM, late in the backward
+        # pass, where the streamed blocks' kept outputs are long freed). And the step's peaks
+        # over every interval (torch's statistics are reset at each point meanwhile).
         self.timeline = {}
+        self.step_peaks = (0, 0)
 
     @property
     def count(self):
@@ -406,14 +410,21 @@ class ActivationKeeper:
 
     def at_point(self, kind, index, streamed):
         """Block `index` (of the streamed blocks when `streamed`, else of the resident ones)
-        begins its forward ("f") or backward ("b") pass with grad: the memory allocated now is
-        noted for the plan, while one is to be made."""
+        begins its forward ("f") or backward ("b") pass with grad: while a plan is to be made,
+        the allocator's peaks since the last point are noted for the interval that ends here,
+        and reset (torch.cuda.max_memory_allocated and _reserved count from each point in the
+        steps before the decision)."""
         if not self.enabled or self.decided:
             return
-        key = (kind, len(self.blocks) + index if streamed else index)
-        now = torch.cuda.memory_allocated(self.device)
-        if now > self.timeline.get(key, -1):
-            self.timeline[key] = now
+        self._end_interval((kind, len(self.blocks) + index if streamed else index))
+
+    def _end_interval(self, key):
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        reserved = torch.cuda.max_memory_reserved(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.step_peaks = (max(self.step_peaks[0], allocated), max(self.step_peaks[1], reserved))
+        prior = self.timeline.get(key, (0, 0))
+        self.timeline[key] = (max(prior[0], allocated), max(prior[1], reserved))
 
     def oom_since_plan(self):
         return self.device.type == "cuda" and \
@@ -481,7 +492,11 @@ class ActivationKeeper:
         self.steps += 1
         if not self.enabled:
             return
-        timeline, self.timeline = self.timeline, {}  # the step that ended; the next afresh
+        if self.timeline and not self.decided:
+            self._end_interval(("end", 0))  # the last block's backward pass and the step
+        # The step that ended (its intervals and peaks); the next is measured afresh.
+        timeline, self.timeline = self.timeline, {}
+        peaks, self.step_peaks = self.step_peaks, (0, 0)
         if self.decided:
             self._watch_retries()
             return
@@ -498,15 +513,22 @@ class ActivationKeeper:
         self.retries = stats.get("num_alloc_retries", 0)
         free, total = torch.cuda.mem_get_info(self.device)
         usable = free + torch.cuda.memory_reserved(self.device)
-        self.decide(usable, self.peak(total), int(total * self.margin()), timeline)
+        # With intervals noted, torch's peaks count from the last point only: the step's are
+        # the keeper's own.
+        peak = self.peak(total, peaks if timeline else None)
+        self.decide(usable, peak, int(total * self.margin()),
+                    {key: self.peak(total, pair) for key, pair in timeline.items()})
 
-    def peak(self, total):
+    def peak(self, total, peaks=None):
         """The memory a step needs at its peak: what the allocator reserved, or with
         expandable segments what it allocated plus FRAGMENTATION_EXPANDABLE of the device
-        (`total`) when that is less."""
-        peak = torch.cuda.max_memory_reserved(self.device)
+        (`total`) when that is less. `peaks`: (allocated, reserved) peaks to judge instead of
+        torch's since its last reset."""
+        if peaks is None:
+            peaks = (torch.cuda.max_memory_allocated(self.device),
+                     torch.cuda.max_memory_reserved(self.device))
+        allocated, peak = peaks
         if _allocator.expandable_segments():
-            allocated = torch.cuda.max_memory_allocated(self.device)
             peak = min(peak, allocated + int(total * self.FRAGMENTATION_EXPANDABLE))
         return peak
 
@@ -537,9 +559,10 @@ class ActivationKeeper:
         """The plan from the measured blocks, for `usable` bytes of which `peak` were in use
         and `margin` stay free: from the last resident block back, as long as each was
         measured, then from the last streamed block back, as long as each can keep
-        selectively. `timeline`: the measured step's memory at each block's start (at_point);
-        with every block's two points in it, each kept block counts where it is alive
-        (plan_kept_timeline), else at the peak (plan_kept)."""
+        selectively. `timeline`: the measured step's peak in each interval between block starts
+        (at_point), by the point that ends it; with every block's two points in it, each kept
+        block counts in the intervals where it is alive (plan_kept_timeline), else at the
+        step's peak (plan_kept)."""
         blocks, order = [], []
         for index in reversed(range(len(self.blocks))):
             measured = self.measured.get(index)
@@ -557,10 +580,13 @@ class ActivationKeeper:
             blocks.append((None, int(selective * self.BLOCK_FACTOR)))
             order.append(len(self.blocks) + index)
         count = len(self.blocks) + len(self.streamed_blocks)
+        timeline = timeline or {}
         complete = bool(timeline) and all((kind, g) in timeline for kind in "fb"
                                           for g in range(count))
         if complete:
-            plan = plan_kept_timeline(usable, peak, blocks, margin, timeline, order)
+            plan = plan_kept_timeline(usable, blocks, margin,
+                                      [(_last_alive(key, count), m)
+                                       for key, m in timeline.items()], order)
         else:
             plan = plan_kept(usable, peak, blocks, margin)
         self.plan, self.streamed = plan[:resident], len(plan[resident:])
@@ -650,26 +676,38 @@ def plan_kept(usable, peak, blocks, margin):
     return plan
 
 
-def plan_kept_timeline(usable, peak, blocks, margin, timeline, order):
+def _last_alive(key, count):
+    """The last block (in the model's order, of `count`) whose kept activations are alive in
+    the interval that ends at `key`: before block i's forward start, block i-1's forward
+    pass ran (blocks up to i-1 made theirs); before the last block's backward start, its
+    forward pass and the loss (all of them alive); before block i's backward start, block
+    i+1's backward pass (it frees its own as it ends); ("end", 0): block 0's backward pass
+    and the step."""
+    kind, i = key
+    if kind == "f":
+        return i - 1
+    if kind == "b":
+        return count - 1 if i == count - 1 else i + 1
+    return 0
+
+
+def plan_kept_timeline(usable, blocks, margin, intervals, order):
     """plan_kept's plan (the same `blocks`, in the same order, by the same rules), each kept
-    block counted only where its activations are alive: `timeline` maps (kind, g) to the
-    memory allocated when block g (in the model's order) began its forward ("f") or
-    backward ("b") pass in a step that kept nothing, and `order[i]` is blocks[i]'s g. Block
-    g's kept activations are made in its forward pass and freed by its backward pass: alive
-    at the points (kind, i) with i >= g. What the step allocated between its points (a
-    block's working set, the loss) is the measured `peak` less the largest point, added at
-    every point. Never keeps less than plan_kept: each point plus that is at most `peak`."""
-    limit = usable - margin - max(0, peak - max(timeline.values()))
-    points = sorted(timeline.items(), key=lambda item: item[0][1])
-    extra = [0] * len(points)  # kept bytes alive at each point
+    block counted only in the intervals of the step where its activations are alive:
+    `intervals` is [(last, peak)], an interval's peak in a step that kept nothing and the
+    last block (in the model's order) whose kept activations would be alive in it (blocks
+    0..last: _last_alive); `order[i]` is blocks[i]'s place in the model. Never keeps less
+    than plan_kept at the step's peak, since no interval's peak is more than it."""
+    limit = usable - margin
+    extra = [0] * len(intervals)  # kept bytes alive in each interval
 
     def fits(g, cost):
         return all(m + extra[k] + cost <= limit
-                   for k, ((_, i), m) in enumerate(points) if i >= g)
+                   for k, (last, m) in enumerate(intervals) if g <= last)
 
     def add(g, cost):
-        for k, ((_, i), _) in enumerate(points):
-            if i >= g:
+        for k, (last, _) in enumerate(intervals):
+            if g <= last:
                 extra[k] += cost
 
     plan = []
