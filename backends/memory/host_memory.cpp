@@ -1,6 +1,7 @@
 #include "backends/memory/host_memory.h"
 
 #include <numa.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -60,6 +61,18 @@ Status apply_numa_policy(void* ptr, uint64_t bytes, const HostMemoryOptions& opt
 }
 
 constexpr uint64_t kMaxFaultThreads = 1024;
+
+// The cores this process may run on (its affinity: a container's or a rank's share), not the
+// machine's: k processes of one host each faulting with every core's worth of threads would
+// oversubscribe it k times.
+unsigned usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    return static_cast<unsigned>(std::max(1, CPU_COUNT(&set)));
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
 
 // Writing one byte per page makes each page resident (and, with a bound policy, places it).
 // The threads take kFaultChunkBytes chunks in address order from one counter, so the resident
@@ -131,8 +144,7 @@ Status map_host_memory(uint64_t bytes, const HostMemoryOptions& options, void** 
     munmap(p, bytes);
     return placed;
   }
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const unsigned asked = options.threads != 0 ? options.threads : cores;  // host_memory.h: why
+  const unsigned asked = options.threads != 0 ? options.threads : usable_cores();  // .h: why
   const auto start = std::chrono::steady_clock::now();
   // The pinning call runs beside the fault-in (host_memory.h); `pinned_at` is when it ended,
   // in seconds from `start`.

@@ -37,7 +37,7 @@ struct HostMemoryOptions {
   NumaPolicy policy = NumaPolicy::kAuto;
   int node = -1;            // for kNode
   int preferred_node = -1;  // the GPU's node, used by kAuto; -1 if unknown
-  unsigned threads = 0;     // fault-in threads; 0 = one per core; never above 1024
+  unsigned threads = 0;     // fault-in threads; 0 = one per core of the affinity; at most 1024
 };
 
 // Pins (registers for DMA) the whole mapping; called once, on its own thread while the fault-in

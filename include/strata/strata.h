@@ -321,9 +321,10 @@ typedef struct strata_runtime_config {
    * STRATA_NUMA_NODE. */
   strata_numa_policy_t dram_numa_policy;
   int32_t dram_numa_node;
-  /* Threads that fault the DRAM arena in at start-up, while it is pinned; 0 = one per core
-   * (since 1.4; at most 16 before). At most 1024 (or one per page) are used; where the OS
-   * refuses a thread, the calling thread faults in that thread's share itself. */
+  /* Threads that fault the DRAM arena in at start-up, while it is pinned; 0 = one per core the
+   * calling process may run on (its CPU affinity; since 1.4; at most 16 before). At most 1024 (or
+   * one per page) are used; where the OS refuses a thread, the calling thread faults in that
+   * thread's share itself. */
   uint32_t dram_fault_threads;
   /* NVMe tier backing files, one per path, striped. Each is created if absent (and then
    * removed at destroy), opened with O_DIRECT, locked (flock, exclusive, while the runtime

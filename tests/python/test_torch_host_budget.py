@@ -335,3 +335,17 @@ def test_the_spill_pool_refuses_what_the_budget_lacks():
     pool.release(2)
     assert pool.reserve(1, 2000)  # its own 1000 back, and the 1000 released
     assert budget.room() == 0 and pool.nbytes == 3000
+
+
+def test_ranks_of_a_host_share_its_cores_for_the_fault_in():
+    """Under data parallelism each rank faults its arena in with its share of the cores (the
+    ranks of a host create their arenas at once; torchrun leaves each the whole affinity);
+    one process leaves it to the runtime's default (every core of its affinity)."""
+    import os
+    import types
+    from strata.torch import _host
+    cores = len(os.sched_getaffinity(0))
+    assert _host.fault_threads(None) == 0
+    for ranks in (1, 2, 3, 64 * cores):
+        mesh = types.SimpleNamespace(ranks_on_host=lambda ranks=ranks: ranks)
+        assert _host.fault_threads(mesh) == max(1, cores // ranks)

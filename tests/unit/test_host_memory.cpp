@@ -3,6 +3,8 @@
 // thread of its own; every byte usable and zero; a failed pin releases everything; a refused
 // pinning thread pins after the fault-in, still once. Pinning goes through the device
 // backend's pin_host, counted here by a backend that wraps the host backend.
+#include <sched.h>
+
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -139,6 +141,36 @@ TEST_CASE("without a pin function nothing is pinned and the memory is faulted in
   REQUIRE(report.pin_seconds == 0);
   REQUIRE(report.pin_call_seconds == 0);
   check_zero_and_usable(p, bytes);
+  strata::unmap_host_memory(p, bytes);
+}
+
+TEST_CASE("the default fault-in threads are the cores of the process's affinity", "[host_memory]") {
+  // strata.h: dram_fault_threads 0 = one per core the calling process may run on (a rank
+  // pinned to its share of a host starts that many, not the machine's).
+  cpu_set_t before;
+  CPU_ZERO(&before);
+  REQUIRE(sched_getaffinity(0, sizeof(before), &before) == 0);
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &before)) {
+      CPU_SET(cpu, &one);
+      break;
+    }
+  }
+  REQUIRE(sched_setaffinity(0, sizeof(one), &one) == 0);
+  const uint64_t bytes = 4 * strata::kFaultChunkBytes;
+  strata::HostMemoryOptions options;  // threads = 0: the default
+  void* p = nullptr;
+  strata::HostMemoryReport report;
+  const bool ok = strata::map_host_memory(bytes, options, &p, &report).is_ok();
+  REQUIRE(sched_setaffinity(0, sizeof(before), &before) == 0);
+  REQUIRE(ok);
+  REQUIRE(report.threads == 1);
+  strata::unmap_host_memory(p, bytes);
+  // And with the whole affinity back, as many threads as its cores (up to the chunks).
+  REQUIRE(strata::map_host_memory(bytes, options, &p, &report).is_ok());
+  REQUIRE(report.threads == std::min<unsigned>(4, static_cast<unsigned>(CPU_COUNT(&before))));
   strata::unmap_host_memory(p, bytes);
 }
 

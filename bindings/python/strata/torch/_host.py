@@ -60,3 +60,13 @@ def parse_cpulist(text):
         lo, _, hi = part.partition("-")
         cpus.update(range(int(lo), int(hi or lo) + 1))
     return cpus
+
+
+def fault_threads(mesh=None):
+    """The threads this process's runtime faults its DRAM arena in with: 0 (the runtime's
+    default: one per core of this process's affinity) for one process; under data parallelism
+    (`mesh`) this rank's share of those cores, since the ranks of a host create their arenas
+    at the same time (torchrun leaves every rank the whole host's affinity)."""
+    if mesh is None:
+        return 0
+    return max(1, len(os.sched_getaffinity(0)) // mesh.ranks_on_host())

@@ -213,7 +213,8 @@ class StrataSession:
                 self.runtime = core.Runtime(backend=choices.backend, hbm_budget=gpu_budget,
                                             dram_budget=host_budget, nvme=choices.nvme,
                                             nvme_budget=choices.nvme_budget,
-                                            device=(self.device.index or 0) if self.cuda else 0)
+                                            device=(self.device.index or 0) if self.cuda else 0,
+                                            dram_fault_threads=_host.fault_threads(self.mesh))
         except BaseException:
             if self.runtime is not None:
                 self.runtime.close()
