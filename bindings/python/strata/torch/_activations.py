@@ -655,25 +655,8 @@ def plan_kept(usable, peak, blocks, margin):
     selectively, a streamed one). As many blocks as fit are kept selectively (a block that
     cannot be: wholly), from the last back and stopping at the first that does not fit; then
     what is left upgrades them to whole, from the last back."""
-    spare = usable - peak - margin
-    plan = []
-    for whole, selective in blocks:
-        if whole is None:
-            if not selective or selective <= 0 or selective > spare:
-                break
-            plan.append("selective")
-            spare -= selective
-            continue
-        cost = whole if selective is None or not 0 < selective < whole else selective
-        if whole <= 0 or cost > spare:
-            break
-        plan.append("whole" if cost == whole else "selective")
-        spare -= cost
-    for i, (whole, selective) in enumerate(blocks[:len(plan)]):
-        if plan[i] == "selective" and whole is not None and whole - selective <= spare:
-            plan[i] = "whole"
-            spare -= whole - selective
-    return plan
+    # One interval, the step's peak, where every kept block is alive.
+    return plan_kept_timeline(usable, blocks, margin, [(0, peak)], [0] * len(blocks))
 
 
 def _last_alive(key, count):

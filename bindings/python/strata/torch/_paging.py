@@ -221,10 +221,11 @@ class StatePager:
         issued at once, they held the loop's own small copies to the host (a loss.item()
         after the step) behind them on the copy engine. A group's device memory stays until
         FREE_LAG forward points after its copies were issued (the last groups': release).
-        `timed`: a step's page-out, whose copies the next forward pass times. `again`: a forward pass begins with the state in HBM (the
-        step's page-out was cancelled by a write, a failed step brought it back, or this is
-        a later micro-batch of gradient accumulation): it leaves in this forward pass too,
-        copied only if the host copies are not current."""
+        `timed`: a step's page-out, whose copies the next forward pass times. `again`: a
+        forward pass begins with the state in HBM (the step's page-out was cancelled by a
+        write, a failed step brought it back, or this is a later micro-batch of gradient
+        accumulation): it leaves in this forward pass too, copied only if the host copies are
+        not current."""
         if self.state != "in":
             return
         if self.probe is not None and (again or self._probing(timed)):
