@@ -658,6 +658,17 @@ def markdown(results, summary, header):
     return "\n".join(header + [""] + rows + [""] + ["- " + line for line in summary]) + "\n"
 
 
+def add_step_options(p):
+    """The options of a measured step every data-parallel bench takes (this one, dist_hosts):
+    rows per GPU, sequence, timed and warm-up steps, clipping, device."""
+    p.add_argument("--batch", type=int, default=16, help="rows per GPU per step")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="3.6b,8b")
@@ -665,12 +676,7 @@ def main(argv=None):
     p.add_argument("--runs", default=None,
                    help="MODE:GPUS[:ROWS] list (default strata:1,strata:N,strata:1:N, then "
                         "megatrain,deepspeed,fsdp2,deepspeed-nvme on N GPUs)")
-    p.add_argument("--batch", type=int, default=16, help="rows per GPU per step")
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    add_step_options(p)
     p.add_argument("--resident-blocks", type=int, default=None,
                    help="strata: blocks kept in HBM (default: strata.torch.offload's choice)")
     p.add_argument("--threads", type=int, default=0,

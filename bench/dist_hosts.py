@@ -220,12 +220,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="3.6b", choices=sorted(dist_bench.CONFIGS))
     p.add_argument("--gpus", type=int, default=2, help="processes standing in for hosts")
-    p.add_argument("--batch", type=int, default=16, help="rows per GPU per step")
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    dist_bench.add_step_options(p)
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads a rank (default: the host's cores over --gpus)")
     p.add_argument("--transport", choices=["nvlink", "socket"], default="nvlink")
