@@ -544,7 +544,11 @@ def test_the_keeper_measures_afresh_when_sizing_stops_paging(sessions, monkeypat
     for ids in batches(3):
         train(model, opt, [ids], clip=1.0)
         seen.append((pager.active, keeper.decided, list(calls)))
-    assert seen[1] == (0, False, ["empty", "reset"])  # paging stopped; measured afresh
+    # Paging stopped; measured afresh: the cache emptied once, then the peaks reset. (On CUDA
+    # the keeper's block-start points also reset the peaks in every step before the decision.)
+    assert seen[0][2].count("empty") == 0 and seen[1][:2] == (0, False)
+    after = seen[1][2][len(seen[0][2]):]
+    assert after.count("empty") == 1 and after[after.index("empty") + 1] == "reset"
     assert seen[2][:2] == (0, True)
 
 
