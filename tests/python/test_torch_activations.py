@@ -197,6 +197,9 @@ def test_the_plan_is_made_from_the_measured_steps_timeline(fake_cuda, monkeypatc
     keeper = keeper_of(block_gb=8)  # 8 blocks of 8 GB (10 planned); 140 usable
     step(keeper, 130)
     assert not keeper.decided and keeper.timeline == {}  # each step afresh
+    # torch's peak counts from the last point; the run's peak is still reported.
+    peaks["now"] = 20 * GB
+    assert keeper.max_allocated() == 130 * GB
     step(keeper, 130)
     # Blocks 7..3 alive where 20 GB were used (20 + 50); block 2 in the interval of its own
     # backward pass (ending at block 1's start: 130 + 10 = 140), block 1 with it there:

@@ -330,6 +330,9 @@ class ActivationKeeper:
         # over every interval (torch's statistics are reset at each point meanwhile).
         self.timeline = {}
         self.step_peaks = (0, 0)
+        # The largest allocated over every interval noted so far (run-long): torch's own
+        # max_memory_allocated counts only from the last point while the keeper measures.
+        self.allocated_seen = 0
 
     @property
     def count(self):
@@ -423,8 +426,14 @@ class ActivationKeeper:
         reserved = torch.cuda.max_memory_reserved(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self.step_peaks = (max(self.step_peaks[0], allocated), max(self.step_peaks[1], reserved))
+        self.allocated_seen = max(self.allocated_seen, allocated)
         prior = self.timeline.get(key, (0, 0))
         self.timeline[key] = (max(prior[0], allocated), max(prior[1], reserved))
+
+    def max_allocated(self):
+        """torch.cuda.max_memory_allocated as it would read had the keeper not reset the peaks
+        at each block start while measuring (what a user's "peak memory" print expects)."""
+        return max(torch.cuda.max_memory_allocated(self.device), self.allocated_seen)
 
     def oom_since_plan(self):
         return self.device.type == "cuda" and \
