@@ -163,7 +163,12 @@ Status NvmeTier::create(const NvmeOptions& options, std::shared_ptr<DeviceBacken
 
   StorageEngineOptions engine_options;
   engine_options.queue_depth = options.queue_depth;
-  engine_options.buffers = {dram, {tier->staging_, tier->staging_bytes_}};
+  // Fixed buffers are what io_uring reads into and writes from: the staging slots always, the
+  // DRAM arena only with direct_dram (by default DRAM <-> NVMe goes through the slots).
+  // Registering pins every page again (the kernel's own pin, beside CUDA's): for the whole
+  // arena that is a second pass over hundreds of GB at set-up, for buffers never used.
+  engine_options.buffers = {{tier->staging_, tier->staging_bytes_}};
+  if (options.direct_dram) engine_options.buffers.push_back(dram);
   engine_options.fault_hook = options.fault_hook;
   engine_options.on_request = std::move(on_request);
   Status engine = create_storage_engine(options.engine, tier->files_.files, engine_options,

@@ -54,8 +54,9 @@ class NvmeTier {
   // tier or without one.
   static Status check_io_options(const NvmeOptions& options);
 
-  // `dram` is the pinned DRAM arena (registered as fixed buffers); staging buffers are mapped
-  // and pinned here with `staging_memory`.
+  // `dram` is the pinned DRAM arena (registered with io_uring as fixed buffers only with
+  // options.direct_dram, the one mode that reads and writes it directly); staging buffers are
+  // mapped and pinned here with `staging_memory`, and always registered.
   static Status create(const NvmeOptions& options, std::shared_ptr<DeviceBackend> device,
                        std::pair<void*, uint64_t> dram, const HostMemoryOptions& staging_memory,
                        AccountCopy account, std::unique_ptr<NvmeTier>* out,
