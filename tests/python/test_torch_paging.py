@@ -667,6 +667,62 @@ def test_copies_back_wait_for_room(resident_room, sessions, monkeypatch):
         assert torch.equal(weights[key], expected_weights[key]), key
 
 
+def test_a_later_micro_batch_frees_what_came_back_without_the_rest(sessions, monkeypatch):
+    """In gradient accumulation, what a micro-batch's backward pass brought back is of no use to
+    the next micro-batch (nothing writes the state before the step, and its host copies are
+    current): the next forward pass frees it and leaves the rest on the host, instead of
+    bringing every group in (the forward pass waiting for the copies) only to free it again
+    (a review found it). The step brings everything in; training is bit for bit the unpaged
+    run's."""
+    base = build("llama", layers=4)
+    data = batches(4)
+
+    def run(paged):
+        model = offloaded(base, sessions, dtype=torch.bfloat16)
+        opt, losses, _ = strata_steps(model, data[:1], paged, monkeypatch)
+        pager, brought = opt._pager, []
+        if pager is not None:
+            first = sum((t.numel() * t.element_size() + 511) // 512 * 512
+                        for _, t in pager._tensors(pager.groups[:1]))
+            room = {"now": None}
+            monkeypatch.setattr(pager, "_room", lambda: room["now"])
+            allocate = pager._allocate
+
+            def counted(g, pairs):
+                brought.append(g)
+                return allocate(g, pairs)
+            monkeypatch.setattr(pager, "_allocate", counted)
+            # Room for the first group at the first streamed block's backward, none after.
+            model.strata.on_backward_begin.insert(
+                0, lambda index: room.update(now=first if index == 1 else 0))
+            model.strata.on_resident_backward_begin.insert(0, lambda index: room.update(now=0))
+        at_loss = []
+        for ids in data[1:3]:
+            ids = ids.to(DEVICE)
+            loss = model(ids, labels=ids).loss
+            if pager is not None:
+                at_loss.append((pager.state, _group_in(pager)))
+            losses.append(loss.item())
+            (loss / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        upto_step = list(brought)
+        more, _ = train(model, opt, data[3:], clip=1.0)
+        synchronize(opt)
+        return losses + more, snapshot(model), upto_step, at_loss
+
+    expected, expected_weights, _, _ = run(0)
+    losses, weights, brought, at_loss = run(None)
+    assert at_loss == [("out", [False] * 3)] * 2
+    # Group 0 back in each micro-batch's backward pass, groups 1 and 2 only at the step
+    # (before: 0, then 1 and 2 at the second micro-batch's start, then 0, 1, 2 again).
+    assert brought == [0, 0, 1, 2], str(brought)
+    assert losses == expected
+    for key in weights:
+        assert torch.equal(weights[key], expected_weights[key]), key
+
+
 def test_a_share_of_the_copies_back_counts_the_bytes_copied():
     """page_in(share) queues copies back until `share` of the paged bytes are queued, counted
     as the copies out count them (the bytes copied), not in the device memory their buffers

@@ -42,7 +42,9 @@ recomputing them. So those tensors leave the device once the step has updated th
 Every forward pass with grad has the state out at its loss (forward_begins): a read between
 steps leaves the copies out going, and after a write (a load), a failed backward pass, or in
 a later micro-batch of gradient accumulation, the state in HBM at a forward pass's start
-leaves again, copied only where the host copies are not current.
+leaves again, copied only where the host copies are not current. In a later micro-batch
+with the copies back still under way (the last backward pass began them), the groups back
+are freed and the rest stay on the host: nothing wrote the state since it left.
 
 The values never change on the way: the update reads exactly the tensors it wrote (the same
 objects, only their memory moves), so training is bit for bit what it is without paging.
@@ -583,11 +585,18 @@ class StatePager:
         model, model.forward called directly) the state leaves in every forward pass, not
         only in the one after a step: in HBM still, it is paged out again (a write cancelled
         the step's page-out, a failed backward pass left it in, a later micro-batch of
-        gradient accumulation), so that the loss's peak is the same in every forward pass."""
+        gradient accumulation; there, with the copies back under way, what came back is freed
+        and the rest not brought in), so that the loss's peak is the same in every forward
+        pass."""
         if index is None or index == 0:
             # Both points (the model's hook may not run, or may have run for a forward pass
             # that failed before its first block): paging out again is idempotent.
-            if self.state in ("coming", "in") and self.active and self.has_paged:
+            if self.state == "coming" and self.current and self.active:
+                # Part of it back (a later micro-batch of gradient accumulation: the last
+                # backward pass began the copies back, nothing wrote the state since): what
+                # came back goes, the rest stays on the host.
+                self._drop_coming()
+            elif self.state in ("coming", "in") and self.active and self.has_paged:
                 # In, and the copies back done on the current stream: the memory they write
                 # may be freed at this forward pass's last block.
                 self.bring_in(writes=False)
@@ -609,6 +618,25 @@ class StatePager:
         self._free_departed(point)
         self.point = point
         self._send((point + 1) / (resident + streamed))
+
+    @torch.no_grad()
+    def _drop_coming(self):
+        """The copies back are under way and the host copies current: free the groups already
+        back (their flat buffers, from the current stream's pool, after their copies in stream
+        order) and leave the rest on the host; the state is out, as after release(). Bringing
+        every group in only to free it again cost the forward pass's start a wait for the
+        copies and the link their bytes."""
+        if self.arrived is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.arrived)
+            self.arrived = None
+        waiting = {g for g, _ in self.coming}
+        for g, _ in self.pieces:
+            flat = self.flats.get(g)
+            if g not in waiting and flat is not None:
+                flat.untyped_storage().resize_(0)
+        self.coming, self.departing = [], []
+        self.freed = set(g for g, _ in self.pieces)
+        self.state = "out"
 
     def backward_begins(self, index, last):
         """Streamed block `index` of 0..`last` begins its backward pass: the copies back keep
