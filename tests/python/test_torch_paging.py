@@ -723,19 +723,6 @@ def test_a_later_micro_batch_frees_what_came_back_without_the_rest(sessions, mon
         assert torch.equal(weights[key], expected_weights[key]), key
 
 
-def test_the_optimizers_setup_is_timed_per_phase(sessions, monkeypatch):
-    """The optimizer's part of the setup shows in model.strata.setup_seconds: the resident
-    parameters' masters and torch optimizer, and the paged state's host buffers (page-locked
-    on CUDA, seconds for an 8B's 31 GB, outside every phase before)."""
-    model = offloaded(build("llama", layers=4), sessions, dtype=torch.bfloat16)
-    before = dict(model.strata.setup_seconds)
-    assert "paged_state" not in before and "resident_optimizer" not in before
-    opt, _, _ = strata_steps(model, [], None, monkeypatch)
-    assert opt._pager is not None
-    phases = model.strata.setup_seconds
-    assert phases["resident_optimizer"] >= 0 and phases["paged_state"] >= 0, phases
-
-
 def test_a_share_of_the_copies_back_counts_the_bytes_copied():
     """page_in(share) queues copies back until `share` of the paged bytes are queued, counted
     as the copies out count them (the bytes copied), not in the device memory their buffers

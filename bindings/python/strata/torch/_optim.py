@@ -12,7 +12,6 @@ LR schedulers, state_dict()/load_state_dict() and zero_grad(set_to_none=...) wor
 One base class (_Optimizer) holds all of that; each optimizer is a small subclass naming its
 Strata kind, its torch counterpart, its state and how its groups reach Strata's."""
 
-import time
 import weakref
 
 import torch
@@ -221,7 +220,6 @@ class _Optimizer(torch.optim.Optimizer):
                     self._init_streamed_state()
         # Resident parameters: torch's optimizer on fp32 masters (the parameter itself when
         # fp32).
-        started = time.perf_counter()
         self._resident = []  # (param, master, our group index)
         inner_groups, self._inner_of = [], {}
         kept = _kept_fp32_values(
@@ -250,8 +248,6 @@ class _Optimizer(torch.optim.Optimizer):
         self._inner = self._make_resident(inner_groups) if inner_groups else None
         if self._session is not None:  # its masters took offload's fp32 copies: they go
             self._session.optimizer_created()
-            # Setup phases, as offload's (model.strata.setup_seconds).
-            started = self._session.timed("resident_optimizer", started)
         self._pager = self._make_pager()
         # Each resident parameter's version (torch's in-place write counter) when its master
         # and it last agreed: a write since (model.load_state_dict, st.load_checkpoint, an
@@ -262,11 +258,7 @@ class _Optimizer(torch.optim.Optimizer):
             self._mark_synced(p, master)
         self._ready = True
         if self._pager is not None:
-            # The masters, from the first forward pass on; the host buffers made and
-            # page-locked here (cudaHostRegister, ~6 GB/s on cold memory).
-            self._pager.page_out(timed=False)
-            if self._session is not None:
-                self._session.timed("paged_state", started)
+            self._pager.page_out(timed=False)  # the masters, from the first forward pass on
 
     def _init_streamed_state(self):
         """The streamed parameters' state where torch's does not start at zero (Adagrad's
