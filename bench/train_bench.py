@@ -384,6 +384,9 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
     if mode == "strata":
         import strata.torch as st
         model = build_model(config, impl, "meta")  # the README's road: built on meta
+        # The setup in three parts (setup_split): the model on meta (transformers' import
+        # included), st.offload, st.AdamW; setup_phases splits the last two further.
+        t_offload = time.perf_counter()
         model = st.offload(model, device=device, dtype=torch.bfloat16,
                            resident_blocks=resident_blocks, nvme=nvme,
                            host_budget=int(host_budget * (1 << 30)) if host_budget else None,
@@ -400,8 +403,11 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         if paged is not None:  # --paged-state: an A/B of strata.torch.paging
             st.AdamW.PAGED_STATE = {"all": None, "auto": "auto"}.get(paged) if \
                 paged in ("all", "auto") else int(paged)
+        t_optimizer = time.perf_counter()
         opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
                        threads=int(os.environ.get("STRATA_BENCH_OPTIMIZER_THREADS", "0")))
+        out["setup_split"] = {"build": t_offload - t_setup, "offload": t_optimizer - t_offload,
+                              "optimizer": time.perf_counter() - t_optimizer}
         if nvme:
             out["placement"] = model.strata.placement()
         info = model.strata.executor.plan_info()
@@ -886,7 +892,11 @@ def main():
                          if "arena_huge_pages_gb" in r else "") +
                         ("; update rate at start %.2f G/s" %
                          (r["update_rate_measured_at_start"] / 1e9)
-                         if "update_rate_measured_at_start" in r else ""), flush=True)
+                         if "update_rate_measured_at_start" in r else "") +
+                        ("; model on meta %.1f, offload %.1f, optimizer %.1f" % (
+                            r["setup_split"]["build"], r["setup_split"]["offload"],
+                            r["setup_split"]["optimizer"]) if "setup_split" in r else ""),
+                        flush=True)
                 if r.get("phases"):
                     print("     phases (host s / device s since the step's start): %s" % "  ".join(
                         "%s %.3f/%.3f" % (k, h, d) for k, (h, d) in r["phases"].items()),

@@ -723,6 +723,66 @@ def test_a_later_micro_batch_frees_what_came_back_without_the_rest(sessions, mon
         assert torch.equal(weights[key], expected_weights[key]), key
 
 
+def test_a_read_mid_forward_in_a_later_micro_batch_leaves_the_state_out_at_the_loss(
+        sessions, monkeypatch):
+    """A later micro-batch's forward pass begins with the state out (what came back in the
+    last backward pass freed, the rest on the host): a read in the middle of it (a
+    state_dict from a hook) brings it in and must have it leave again before the loss, as a
+    read does in the middle of any forward pass (the review of the change found it in HBM at
+    the loss, where the activation keeper planned without it)."""
+    base = build("llama", layers=8)
+    data = batches(3)
+    model = offloaded(base, sessions, dtype=torch.bfloat16, resident=4)
+    opt, _, _ = strata_steps(model, data[:1], None, monkeypatch)
+    pager = opt._pager
+    monkeypatch.setattr(pager, "_room", lambda: 0)  # nothing comes back in the backward pass
+    ids = data[1].to(DEVICE)
+    (model(ids, labels=ids).loss / 2).backward()
+    read = []
+
+    def hook(index):
+        if not read and index == 1:
+            read.append((pager.state, opt.state_dict()))
+    model.strata.on_resident_forward_begin.append(hook)
+    ids = data[2].to(DEVICE)
+    loss = model(ids, labels=ids).loss
+    model.strata.on_resident_forward_begin.remove(hook)
+    assert read and read[0][0] == "out"
+    assert pager.state == "out" and _device_bytes(pager) == 0, (pager.state,
+                                                                _device_bytes(pager))
+    (loss / 2).backward()
+    opt.step()
+
+
+def test_a_copy_back_that_cannot_allocate_leaves_its_group_to_come():
+    """page_in queues a group once its device memory is there: an allocation that fails (out
+    of memory in a backward pass) leaves the group to come, and the next page_in brings it
+    with its values; it was dropped from the queue first, so the step's bring_in found every
+    group "in" but that one empty."""
+    import types
+    from strata.torch import _paging
+    masters = [torch.full((3,), float(i)) for i in range(3)]
+    pager = _paging.StatePager(types.SimpleNamespace(state={}), [[m] for m in masters],
+                               torch.device("cpu"))
+    pager.page_out(timed=False)
+    pager.release()
+    allocate, failed = pager._allocate, []
+
+    def failing(g, pairs):
+        if g == 1 and not failed:
+            failed.append(g)
+            raise torch.OutOfMemoryError("injected")
+        return allocate(g, pairs)
+    pager._allocate = failing
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        pager.page_in(1.0)
+    assert _group_in(pager) == [True, False, False]
+    pager.page_in(1.0)
+    assert pager.state == "in" and _group_in(pager) == [True] * 3
+    for i, m in enumerate(masters):
+        assert torch.equal(m, torch.full((3,), float(i)))
+
+
 def test_a_share_of_the_copies_back_counts_the_bytes_copied():
     """page_in(share) queues copies back until `share` of the paged bytes are queued, counted
     as the copies out count them (the bytes copied), not in the device memory their buffers

@@ -107,6 +107,11 @@ def test_strata_one_batch_and_megatrain_peer(one_batch):
     assert (strata["mode"], strata["impl"]) == ("strata", "hf")
     check_measured(strata, 1)
     assert "optimizer state" in strata["placement"]  # model.strata.placement()
+    # The setup in its three parts, each within the whole.
+    split = strata["setup_split"]
+    assert set(split) == {"build", "offload", "optimizer"} and min(split.values()) >= 0
+    assert sum(split.values()) <= strata["setup_seconds"]
+    assert "model on meta" in stdout
     assert (peer["mode"], peer["impl"]) == ("megatrain", "megatrain")
     check_measured(peer, 1)
     assert peer["optimizer"].startswith(("DeepSpeedCPUAdam", "torch.optim.AdamW"))

@@ -432,7 +432,10 @@ class ActivationKeeper:
 
     def max_allocated(self):
         """torch.cuda.max_memory_allocated as it would read had the keeper not reset the peaks
-        at each block start while measuring (what a user's "peak memory" print expects)."""
+        at each block start while measuring (what a user's "peak memory" print expects); 0
+        off CUDA."""
+        if self.device.type != "cuda":
+            return 0
         return max(torch.cuda.max_memory_allocated(self.device), self.allocated_seen)
 
     def oom_since_plan(self):

@@ -467,20 +467,30 @@ class StatePager:
         left = sum(_nbytes(h) for _, pairs in self.coming for _, h in pairs)
         quota = None if share >= 1.0 else left - self.paged_bytes * (1.0 - max(0.0, share))
         batch = []
-        while self.coming and (quota is None or quota > 0):
-            g, pairs = self.coming[0]
-            size = sum(_aligned(_nbytes(h)) for _, h in pairs)
-            if room is not None and size > room:
-                break
-            self.coming.pop(0)
-            self._allocate(g, pairs)
-            batch.extend(pairs)
-            if room is not None:
-                room -= size
-            if quota is not None:
-                quota -= sum(_nbytes(h) for _, h in pairs)
-        if not self.coming:
-            self.state = "in"
+        try:
+            while self.coming and (quota is None or quota > 0):
+                g, pairs = self.coming[0]
+                size = sum(_aligned(_nbytes(h)) for _, h in pairs)
+                if room is not None and size > room:
+                    break
+                # Queued once its memory is there: an allocation that fails (out of memory,
+                # in a backward pass) leaves the group to come, and the groups allocated
+                # before it are copied all the same (finally), not lost to the step.
+                self._allocate(g, pairs)
+                self.coming.pop(0)
+                batch.extend(pairs)
+                if room is not None:
+                    room -= size
+                if quota is not None:
+                    quota -= sum(_nbytes(h) for _, h in pairs)
+        finally:
+            if not self.coming:
+                self.state = "in"
+            self._copy_in(batch)
+
+    def _copy_in(self, batch):
+        """Queue the copies back of `batch` [(device tensor, host copy)] (their memory
+        allocated on the current stream) on the pager's stream; `arrived` follows them."""
         if not batch:
             return
         if self.stream is None:
@@ -547,6 +557,10 @@ class StatePager:
             # freed at the next point), so the loss still runs without them.
             again = not writes and self.last_point != "end"
             self.release()
+        elif self.state == "out" and not writes and self.last_point != "end":
+            # Out since a later micro-batch's start (_drop_coming), in the middle of its
+            # forward pass: back for the read, then out again before the loss, as above.
+            again = True
         if self.state == "leaving":
             if not writes:
                 return
