@@ -61,6 +61,7 @@ except Exception as e:
     out["error"] = "DeepSpeed not importable: %s: %s" % (type(e).__name__, str(e)[:200])
     print(json.dumps(out)); sys.exit(0)
 build = sys.argv[1] == "1"
+build_aio = build and sys.argv[2] == "1"
 from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 t = time.perf_counter()
 try:
@@ -76,7 +77,7 @@ try:
 except Exception as e:
     ok, out["aio_error"] = False, first_line(e)
 out["aio"] = bool(ok)
-if ok and build:
+if ok and build_aio:
     t = time.perf_counter()
     try:
         AsyncIOBuilder().load()
@@ -88,14 +89,17 @@ print(json.dumps(out))
 """
 
 
-def status(build, timeout=420):
+def status(build, timeout=420, aio=True):
     """What DeepSpeed can do on this machine, as a dict: "version" (or "error": not
     importable), "aio" (whether its async I/O op compiles and links against libaio here) and,
-    with build, the seconds its CPU Adam and async I/O ops took to compile (both cached in
-    torch's extension directory for the runs that follow), or why they failed."""
+    with build, the seconds its CPU Adam and (with aio) async I/O ops took to compile (cached
+    in torch's extension directory for the runs that follow), or why they failed. aio=False
+    where no ZeRO-Infinity run follows: its op took about 65 s of every device call on the
+    4-GPU host to compile (2026-11-28), for runs that never load it."""
     t = time.perf_counter()
     # In a session of its own: on timeout the compilers it started go with it.
-    proc = subprocess.Popen([sys.executable, "-c", _PROBE, "1" if build else "0"],
+    proc = subprocess.Popen([sys.executable, "-c", _PROBE, "1" if build else "0",
+                             "1" if aio else "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

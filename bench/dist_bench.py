@@ -732,7 +732,8 @@ def main(argv=None):
         # DeepSpeed's ops built once, before any run (MegaTrain steps DeepSpeedCPUAdam too).
         import deepspeed_peer
         ds = deepspeed_peer.status(build=True, timeout=int(min(300, args.budget / 2))
-                                   if args.budget else 300)
+                                   if args.budget else 300,
+                                   aio=any(m == "deepspeed-nvme" for m, _, _ in runs))
         print("deepspeed: %s" % json.dumps(ds), flush=True)
     if any(m == "deepspeed-nvme" for m, _, _ in runs) and not args.plan \
             and unavailable("deepspeed-nvme", args, ds):
