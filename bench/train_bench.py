@@ -592,7 +592,7 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
             "" if spill is None else ", checkpoints spilled %d (predicted to fit: %s, %d "
             "decisions, device memory at the forward's start %.1f GB, peak %.1f GB)" % (
                 spill.count, spill.fits, spill.decisions, spill.base / 1e9,
-                model.strata.activations.max_allocated() / 1e9 if cuda else 0.0)),
+                model.strata.activations.max_allocated() / 1e9)),
               file=sys.stderr, flush=True)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
