@@ -69,6 +69,12 @@ CONFIGS = {
     "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                rope_theta=500000.0),
+    # Issue 39 item 2a: the largest Llama a 4 x H200 host's DRAM and disk hold under data
+    # parallelism (41.4B: Llama-3-70B's block shape, 46 of them; docs/benchmarks.md, "The
+    # largest models on one GPU", for the arithmetic).
+    "40b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                num_hidden_layers=46, num_attention_heads=64, num_key_value_heads=8,
+                rope_theta=500000.0),
 }
 
 
@@ -163,7 +169,7 @@ def set_threads(threads):
 
 
 def run_job(mode, model_name, rows_per_gpu, seq, steps, warmup, clip, device_kind,
-            resident_blocks=None, threads=1, nvme_dir=None):
+            resident_blocks=None, threads=1, nvme_dir=None, accum=1, strata_nvme=None):
     import torch
     import torch.distributed as dist
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -180,10 +186,12 @@ def run_job(mode, model_name, rows_per_gpu, seq, steps, warmup, clip, device_kin
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     config = hf_config(model_name)
-    batches = data(config, rows_per_gpu * world, seq)
-    mine = [b[rank * rows_per_gpu:(rank + 1) * rows_per_gpu] for b in batches]
+    per_step = rows_per_gpu * accum  # rows a GPU takes in one optimizer step
+    batches = data(config, per_step * world, seq)
+    mine = [b[rank * per_step:(rank + 1) * per_step] for b in batches]
     out = {"mode": mode, "model": model_name, "params": parameters(config), "gpus": world,
-           "rows_per_gpu": rows_per_gpu, "seq": seq, "clip": clip, "cpu_threads": threads,
+           "rows_per_gpu": per_step, "micro_batches": accum, "seq": seq, "clip": clip,
+           "cpu_threads": threads,
            "process_group": "cuda:nccl,cpu:gloo" if mode == "fsdp2" and device_kind == "cuda"
            else dist.get_backend()}
     if rank == 0:
@@ -192,7 +200,8 @@ def run_job(mode, model_name, rows_per_gpu, seq, steps, warmup, clip, device_kin
               flush=True)
     t_setup = time.perf_counter()
     step, extra = SETUPS[mode](config, device, clip, rows_per_gpu, world,
-                               resident_blocks=resident_blocks, nvme_dir=nvme_dir)
+                               resident_blocks=resident_blocks, nvme_dir=nvme_dir, accum=accum,
+                               strata_nvme=strata_nvme)
     out["setup_seconds"] = time.perf_counter() - t_setup
     times, losses = [], []
     for i in range(warmup + steps):
@@ -208,8 +217,8 @@ def run_job(mode, model_name, rows_per_gpu, seq, steps, warmup, clip, device_kin
         if i >= warmup:
             times.append(elapsed)
         if rank == 0:
-            progress(i, warmup, elapsed, losses[-1], rows_per_gpu * world * seq)
-    measured(out, times, losses, rows_per_gpu * world * seq, world)
+            progress(i, warmup, elapsed, losses[-1], per_step * world * seq)
+    measured(out, times, losses, per_step * world * seq, world)
     device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     out["peak_device_gb"] = (device_peak + extra.get("arena", 0)) / 1e9
     out.update({k: v for k, v in extra.items() if k not in ("arena", "close")})
@@ -307,14 +316,24 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def plain_step(model, opt, clip):
-    """The ordinary PyTorch step both strata.torch and FSDP2 run: forward, backward, optional
-    clip_grad_norm_, opt.step(), opt.zero_grad() (set_to_none, torch's default)."""
+def plain_step(model, opt, clip, accum=1):
+    """The ordinary PyTorch step both strata.torch and FSDP2 run: forward, backward (with accum
+    > 1, gradient accumulation as users write it: the step's rows in accum equal micro-batches,
+    each loss divided by accum before its backward), optional clip_grad_norm_, opt.step(),
+    opt.zero_grad() (set_to_none, torch's default). Returns the step's mean loss."""
     import torch
 
     def step(ids):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
+        if accum > 1:
+            total = 0.0
+            for micro in ids.chunk(accum):
+                loss = model(micro, labels=micro).loss / accum
+                loss.backward()
+                total = total + loss.detach()
+            loss = total
+        else:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -332,11 +351,17 @@ def meta_model(config):
     return model
 
 
-def setup_strata(config, device, clip, rows, world, resident_blocks=None, **_):
+def setup_strata(config, device, clip, rows, world, resident_blocks=None, accum=1,
+                 strata_nvme=None, **_):
     import torch
     import strata.torch as st
+    nvme = None
+    if strata_nvme:  # one file a rank: the ranks of a host share the disk, not a file
+        rank = int(os.environ.get("RANK", 0))
+        os.makedirs(strata_nvme, exist_ok=True)
+        nvme = os.path.join(strata_nvme, "strata.rank%d.%d" % (rank, os.getpid()))
     model = st.offload(meta_model(config), device=device, dtype=torch.bfloat16,
-                       resident_blocks=resident_blocks,
+                       resident_blocks=resident_blocks, nvme=nvme,
                        data_parallel=st.DataParallel(broadcast=False) if world > 1 else None)
     opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     info = model.strata.executor.plan_info()
@@ -347,12 +372,19 @@ def setup_strata(config, device, clip, rows, world, resident_blocks=None, **_):
              if device.type == "cuda" else 0}
     if world > 1:
         extra["layout"] = model.strata.mesh.describe()
-    extra["close"] = model.strata.close
+    if nvme:
+        extra["nvme"] = nvme
 
-    return plain_step(model, opt, clip), extra
+    def close():
+        model.strata.close()
+        if nvme and os.path.exists(nvme):
+            os.remove(nvme)
+    extra["close"] = close
+
+    return plain_step(model, opt, clip, accum), extra
 
 
-def setup_fsdp2(config, device, clip, rows, world, **_):
+def setup_fsdp2(config, device, clip, rows, world, accum=1, **_):
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from train_bench import checkpoint_blocks
@@ -372,7 +404,7 @@ def setup_fsdp2(config, device, clip, rows, world, **_):
     model.model.rotary_emb = type(rotary)(config=config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
-    return plain_step(model, opt, clip), {
+    return plain_step(model, opt, clip, accum), {
         "plan": "FSDP2 fully_shard per block and the model, CPUOffloadPolicy(pin_memory=True), "
                 "bf16 params, fp32 reduce, blocks checkpointed; torch.optim.AdamW on the CPU"
         if device.type == "cuda" else "FSDP2 fully_shard on the CPU (no offload)"}
@@ -476,6 +508,10 @@ def job_command(args, mode, gpus, mult, model_name, threads, nvme_dir=None):
            "--clip", str(args.clip), "--device", args.device, "--threads", str(threads)]
     if args.resident_blocks is not None and mode == "strata":
         one += ["--resident-blocks", str(args.resident_blocks)]
+    if args.accum > 1:
+        one += ["--accum", str(args.accum)]
+    if args.strata_nvme and mode == "strata":
+        one += ["--strata-nvme", os.path.abspath(args.strata_nvme)]
     if mode == "megatrain":
         return [sys.executable] + one + ["--gpus", str(gpus), "--megatrain-dir",
                                          os.path.abspath(args.megatrain_dir)]
@@ -557,12 +593,14 @@ def launch(args, mode, gpus, mult, model_name, threads, timeout, log=None):
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if timed_out:
         result = {"error": "timed out after %d s" % timeout}
-        times, losses = from_progress(stderr, args.warmup, args.batch * mult * gpus * args.seq)
+        times, losses = from_progress(stderr, args.warmup,
+                                      args.batch * args.accum * mult * gpus * args.seq)
         if times:  # what it measured before the limit: reported as such
             params = parameters(hf_config(model_name))
             result.update(params=params, partial="%d measured steps before the time limit"
                           % len(times))
-            measured(result, times, losses, args.batch * mult * gpus * args.seq, gpus)
+            measured(result, times, losses, args.batch * args.accum * mult * gpus * args.seq,
+                     gpus)
         elif losses:
             result["losses"] = losses
         result["last_output"] = stderr.strip().splitlines()[-1][:300] if stderr.strip() else ""
@@ -679,6 +717,12 @@ def main(argv=None):
     add_step_options(p)
     p.add_argument("--resident-blocks", type=int, default=None,
                    help="strata: blocks kept in HBM (default: strata.torch.offload's choice)")
+    p.add_argument("--accum", type=int, default=1,
+                   help="micro-batches of --batch rows per GPU in each optimizer step "
+                        "(strata, fsdp2; gradient accumulation as users write it)")
+    p.add_argument("--strata-nvme", default=None,
+                   help="strata: a directory for an NVMe tier, one file a rank "
+                        "(st.offload(nvme=...): the state DRAM cannot hold goes there)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads of each rank (default: the host's cores over its GPUs)")
     p.add_argument("--host-gpus", type=int, default=0,
@@ -711,7 +755,8 @@ def main(argv=None):
         else:
             run_job(args.one[0], args.one[1], args.batch, args.seq, args.steps, args.warmup,
                     args.clip, args.device, args.resident_blocks, max(1, args.threads),
-                    args.nvme_dir if args.one[0] == "deepspeed-nvme" else None)
+                    args.nvme_dir if args.one[0] == "deepspeed-nvme" else None,
+                    args.accum, args.strata_nvme)
         return
     t_start = time.perf_counter()
     n = args.gpus
@@ -719,6 +764,13 @@ def main(argv=None):
         runs = [parse_run(s) for s in (args.runs or default_runs(n)).split(",")]
     except ValueError as e:
         p.error(str(e))
+    if args.accum < 1:
+        p.error("--accum %d: at least 1 micro-batch a step" % args.accum)
+    if args.accum > 1 and any(m not in ("strata", "fsdp2") for m, _, _ in runs):
+        # DeepSpeed takes accumulation in its config and MegaTrain in its own; neither is wired
+        # here, and one batch of batch x accum rows would measure another step.
+        p.error("--accum %d: only strata and fsdp2 runs accumulate here (runs: %s)"
+                % (args.accum, ",".join(m for m, _, _ in runs)))
     if args.megatrain_dir:
         import megatrain_peer
         megatrain_peer.load(args.megatrain_dir)  # a wrong tree refused before anything runs
@@ -784,8 +836,10 @@ def main(argv=None):
              "results": results, "summary": summary}, indent=1))
     if args.markdown:
         pathlib.Path(args.markdown).write_text(markdown(results, summary, [
-            "# bench/dist_bench.py: %s, %d x %d tokens per GPU, clip %g, %d CPU threads a rank"
-            % (",".join(models), args.batch, args.seq, args.clip, threads)]))
+            "# bench/dist_bench.py: %s, %d x %d tokens per GPU%s, clip %g, %d CPU threads a rank"
+            % (",".join(models), args.batch * args.accum, args.seq,
+               " (%d micro-batches of %d rows)" % (args.accum, args.batch) if args.accum > 1
+               else "", args.clip, threads)]))
 
 
 if __name__ == "__main__":

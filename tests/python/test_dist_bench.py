@@ -256,3 +256,37 @@ def test_megatrain_data_parallel_step_trains_every_step(tmp_path, monkeypatch):
         assert not torch.equal(before, weight.detach())
     for name in [m for m in sys.modules if m == "infinity" or m.startswith("infinity.")]:
         del sys.modules[name]
+
+
+def test_accumulation_and_nvme_under_data_parallel(tmp_path):
+    """Issue 39 item 2a's run on the CPU: strata on 2 ranks with 2 micro-batches a step and an
+    NVMe tier (one file a rank, removed after the run) reports 2 x 1 rows per GPU a step and
+    its tokens over them, and its losses equal one rank's with twice the rows in 2
+    micro-batches; a peer that does not accumulate here is refused before anything runs."""
+    if not os.environ.get("STRATA_LIBRARY"):
+        pytest.skip("needs a built libstrata (STRATA_LIBRARY)")
+    report = tmp_path / "r.json"
+    nvme = tmp_path / "nv"
+    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--models", "tiny",
+           "--runs", "strata:2,strata:1:2", "--batch", "1", "--accum", "2", "--seq", "16",
+           "--steps", "2", "--warmup", "1", "--threads", "1", "--strata-nvme", str(nvme),
+           "--json", str(report), "--run-timeout", "240"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    by = {(r["gpus"], r.get("mult", 1)): r for r in json.loads(report.read_text())["results"]}
+    two, one = by[(2, 1)], by[(1, 2)]
+    for r in (two, one):
+        assert "error" not in r, r
+        assert r["micro_batches"] == 2 and len(r["losses"]) == 3
+        assert r["nvme"].startswith(str(nvme))
+        # tokens a step: rows per GPU a step x GPUs x sequence
+        tokens = r["rows_per_gpu"] * r["gpus"] * 16
+        assert r["tokens_per_second"] == pytest.approx(tokens / r["step_seconds"])
+    assert two["rows_per_gpu"] == 2 and one["rows_per_gpu"] == 4
+    assert dist_bench.max_relative(two["losses"], one["losses"]) <= dist_bench.BF16_TOLERANCE
+    assert "within bf16" in out.stdout
+    assert list(nvme.iterdir()) == []  # every rank's tier file removed with its run
+    refused = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--models", "tiny",
+                              "--runs", "strata:2,deepspeed:2", "--accum", "2", "--plan"],
+                             capture_output=True, text=True, env=_env(), timeout=60)
+    assert refused.returncode == 2 and "only strata and fsdp2 runs accumulate" in refused.stderr
