@@ -83,7 +83,8 @@ Status measure_update_rate(Runtime& runtime, double* elements_per_second) {
   spec.name = "strata.update_probe";
   spec.dtype = DType::kU8;
   spec.shape = {static_cast<int64_t>(count * kElementBytes)};
-  spec.role = Role::kOther;
+  // The optimizer's state's role: measured in the part of the arena the state lives in.
+  spec.role = Role::kOptimizerState;
   spec.home = Tier::kDram;
   TensorId id = 0;
   Status s = runtime.register_tensor(spec, &id);
