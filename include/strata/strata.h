@@ -307,9 +307,10 @@ typedef struct strata_runtime_config {
    * memory: HBM and DRAM budgets together beyond the host's available memory fail at create
    * with STRATA_ERROR_OUT_OF_MEMORY. */
   uint64_t hbm_budget_bytes;
-  /* DRAM tier budget: one host arena of this size, made resident and pinned once at start-up,
-   * a hard cap: tensors beyond it fail with STRATA_ERROR_OUT_OF_MEMORY, and a budget larger
-   * than the host's available memory fails at create, never with an OOM kill. 0 = 1 GiB. */
+  /* DRAM tier budget: one host arena of this size, made resident and pinned (all of it, or
+   * the part dram_pinned_bytes says) once at start-up, a hard cap: tensors beyond it fail with
+   * STRATA_ERROR_OUT_OF_MEMORY, and a budget larger than the host's available memory fails at
+   * create, never with an OOM kill. 0 = 1 GiB. */
   uint64_t dram_budget_bytes;
   /* NVMe tier budget over all nvme_paths together, rounded up to 4 KiB (a budget that
    * overflows when rounded is INVALID_ARGUMENT); 0 = no NVMe tier. */
@@ -373,20 +374,20 @@ typedef struct strata_runtime_config {
  * Errors: INVALID_ARGUMENT if config is NULL. Thread-safe. */
 STRATA_API strata_status_t strata_runtime_config_init(strata_runtime_config_t* config);
 
-/* Create a runtime: pick the device backend, make the HBM arena and the pinned DRAM arena of
- * the configured budgets, start the copy engines. This is the slow call (it pins memory);
- * nothing later allocates device or pinned memory.
+/* Create a runtime: pick the device backend, make the HBM arena and the DRAM arena (pinned:
+ * all of it, or its first dram_pinned_bytes) of the configured budgets, start the copy engines.
+ * This is the slow call (it pins memory); nothing later allocates device or pinned memory.
  * config: borrowed; NULL means all defaults. out_runtime: on success receives a new runtime,
  * owned by the caller, released with strata_runtime_destroy().
  * Errors: INVALID_ARGUMENT (NULL out_runtime, bad struct_size, unknown backend, negative or
  * out-of-range ordinal or NUMA node, a field that does not apply to the chosen backend, NVMe
- * paths without a budget or the reverse, a bad block size or queue depth), NO_DEVICE (cuda
- * asked for and no usable GPU, the CUDA error in the message), OUT_OF_MEMORY (a budget that
- * cannot be allocated or pinned, or exceeds available host memory; or a copy, NVMe transfer
- * or storage engine thread the OS refuses to start: the thread and errno in the message), IO
- * (an NVMe path cannot
- * be opened with O_DIRECT or preallocated: path and errno in the message), UNSUPPORTED
- * (io_engine URING where the kernel refuses io_uring). Thread-safe. */
+ * paths without a budget or the reverse, a bad block size or queue depth, dram_pinned_bytes
+ * above the DRAM budget), NO_DEVICE (cuda asked for and no usable GPU, the CUDA error in the
+ * message), OUT_OF_MEMORY (a budget that cannot be allocated or pinned, or exceeds available
+ * host memory; or a copy, NVMe transfer or storage engine thread the OS refuses to start: the
+ * thread and errno in the message), IO (an NVMe path cannot be opened with O_DIRECT or
+ * preallocated: path and errno in the message), UNSUPPORTED (io_engine URING where the kernel
+ * refuses io_uring). Thread-safe. */
 STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* config,
                                                  strata_runtime_t** out_runtime);
 
