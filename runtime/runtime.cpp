@@ -178,6 +178,12 @@ Status Runtime::allocate_block(Tier tier, Role role, uint64_t bytes, std::string
   return t;
 }
 
+uint64_t Runtime::dram_largest_free_for(Role role) {
+  std::lock_guard lock(mutex_);
+  const bool unpinned = dram_unpinned_ != nullptr && prefers_unpinned(role);
+  return (unpinned ? *dram_unpinned_ : *arena(Tier::kDram)).largest_free();
+}
+
 Status Runtime::free_block(Tier tier, uint64_t offset) {
   if (tier == Tier::kDram && dram_unpinned_ != nullptr && offset >= dram_pinned_size_) {
     return dram_unpinned_->free(offset - dram_pinned_size_);

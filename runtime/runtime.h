@@ -130,6 +130,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   // range spans a registered and an unregistered range.
   uint64_t dram_pinned_size() const { return dram_pinned_size_; }
   static bool prefers_unpinned(Role role) { return role == Role::kOptimizerState; }
+  // The largest DRAM block a tensor of `role` gets in its own part, without falling back.
+  uint64_t dram_largest_free_for(Role role);
   // Keeps a tensor where it is (moves and unregistration answer kBusy) while an executor
   // streams it; writes are still allowed (the optimizer updates masters in place).
   Status pin_in_place(TensorId id, const char* holder);

@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "runtime/optimizer/update_probe.h"
 #include "runtime/runtime.h"
 
 namespace {
@@ -113,4 +114,19 @@ TEST_CASE("no dram_pinned: one part, every role in it, as before", "[dram_parts]
   REQUIRE(u.pinned_budget == 4 * kMiB);
   REQUIRE(u.pinned_used == 2 * 4096);
   REQUIRE(u.fallbacks == 0);
+}
+
+TEST_CASE("the update-rate probe measures in the state's part, not falling back into the pinned",
+          "[dram_parts]") {
+  // The pinned part is the larger: a probe sized by the tier's largest free block would not
+  // fit the unpinned part and would be counted as a fallback.
+  auto rt = make(64 * kMiB, 40 * kMiB);
+  REQUIRE(rt->dram_largest_free_for(strata::Role::kOptimizerState) == 24 * kMiB);
+  REQUIRE(rt->dram_largest_free_for(strata::Role::kWeight) == 40 * kMiB);
+  double rate = 0;
+  REQUIRE(strata::optim::measure_update_rate(*rt, &rate).is_ok());
+  REQUIRE(rate > 0);
+  const strata::TierUsage u = rt->tier_usage(strata::Tier::kDram);
+  REQUIRE(u.fallbacks == 0);
+  REQUIRE(u.used == 0);
 }
