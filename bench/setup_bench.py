@@ -8,6 +8,14 @@ of st.offload's setup (model.strata.setup_seconds), most of a large model's.
     python bench/setup_bench.py --gb 68 --threads 16                 # the 8B's arena
     python bench/setup_bench.py --gb 20 --threads 8,16,32,64 --keep  # cold pages per count
     python bench/setup_bench.py --gb 2 --backend host --threads 1,2  # no GPU: fault-in only
+    python bench/setup_bench.py --gb 100 --threads 0 --pinned 1,0.25 --keep  # pin a quarter
+
+--pinned (fractions of the arena, comma-separated; default 1, the whole arena as before) sets
+strata_runtime_config_t.dram_pinned_bytes: only that first part is registered with the device,
+the rest faulted in and never registered (what strata.torch does, the weights' and grads' part
+pinned and the optimizer's state not). Where pinning is the longer pass (pin_added_seconds >
+0) the registration of pinned_gb took the whole arena_seconds, and pin_gb_per_second is its
+rate; where it ends first, the arena is bound by the fault-in and the rate is not seen.
 
 On the GPU servers (virtual machines) the first touch of guest memory the host has not backed
 yet is what costs: a second runtime of the same size in the same process reuses memory the
@@ -55,17 +63,22 @@ def memory_zones():
     return zones
 
 
-def run_one(gb, threads, backend, hbm_budget):
+def run_one(gb, threads, backend, hbm_budget, pinned=1.0):
     budget = max(HUGE_PAGE, int(gb * 1e9) // HUGE_PAGE * HUGE_PAGE)
+    # A fraction of 1 is 0, the library's "all of it": exactly what ran before --pinned.
+    pinned_bytes = 0 if pinned >= 1 else max(4096, int(budget * pinned))
     huge_before = huge_page_bytes()
     started = time.perf_counter()
     rt = core.Runtime(backend=backend, hbm_budget=hbm_budget, dram_budget=budget,
-                      dram_fault_threads=threads)
+                      dram_fault_threads=threads, dram_pinned=pinned_bytes)
     wall = time.perf_counter() - started
     caps = rt.capabilities()
     fault, pin = caps.dram_fault_seconds, caps.dram_pin_seconds
     gbytes = budget / 1e9
+    pinned_gb = caps.dram_pinned_bytes / 1e9
     return rt, {
+        "pinned_fraction": pinned, "pinned_gb": pinned_gb,
+        "pin_gb_per_second": pinned_gb / (fault + pin) if pin > 0 else None,
         "backend": rt.backend, "arena_gb": gbytes, "threads_asked": threads,
         "threads": caps.dram_fault_threads, "placement": caps.dram_placement.decode(),
         "huge_pages": bool(caps.dram_huge_pages),
@@ -93,6 +106,9 @@ def main():
                     help="GB of MemAvailable to make sure of first, touching memory where the "
                          "VM grows its RAM on demand (dist_bench.grow_host_memory, as "
                          "train_bench.py --host-memory): its time is reported, not counted")
+    ap.add_argument("--pinned", default="1",
+                    help="comma-separated fractions of the arena to pin (dram_pinned_bytes; 1, "
+                         "the default: all of it), each run per thread count")
     ap.add_argument("--json", help="write every run's numbers to this file")
     args = ap.parse_args()
     if args.host_memory:
@@ -101,7 +117,10 @@ def main():
         print("host memory: %.0f GB available (%.0f s to grow it; %.0f GB asked for)"
               % (mem_available() / 1e9, seconds, args.host_memory), flush=True)
     counts = [int(t) for t in args.threads.split(",")]
-    runs = len(counts) * args.repeat
+    fractions = [float(f) for f in args.pinned.split(",")]
+    if any(not 0 < f <= 1 for f in fractions):
+        sys.exit("--pinned: fractions of the arena in (0, 1], got %s" % args.pinned)
+    runs = len(counts) * len(fractions) * args.repeat
     if args.keep and runs * args.gb * 1e9 > mem_available():
         sys.exit("--keep: %d runs of %.1f GB exceed MemAvailable (%.1f GB)"
                  % (runs, args.gb, mem_available() / 1e9))
@@ -109,19 +128,23 @@ def main():
     kept, results = [], []
     for _ in range(args.repeat):
         for threads in counts:
-            rt, r = run_one(args.gb, threads, args.backend, args.hbm_mb << 20)
-            results.append(r)
-            print("%-5s %6.1f GB  threads %3d (asked %d)  create %6.2f s = %.3f s/GB  "
-                  "fault %6.2f s (%5.1f GB/s)  +pin %5.2f s  arena %5.1f GB/s  huge %.1f GB  %s"
-                  % (r["backend"], r["arena_gb"], r["threads"], threads, r["create_seconds"],
-                     r["create_seconds_per_gb"], r["fault_seconds"],
-                     r["fault_gb_per_second"] or 0, r["pin_added_seconds"],
-                     r["arena_gb_per_second"] or 0, r["huge_page_gb"], r["placement"]),
-                  flush=True)
-            if args.keep:
-                kept.append(rt)
-            else:
-                rt.close()
+            for fraction in fractions:
+                rt, r = run_one(args.gb, threads, args.backend, args.hbm_mb << 20, fraction)
+                results.append(r)
+                print("%-5s %6.1f GB  pinned %6.1f GB  threads %3d (asked %d)  create %6.2f s "
+                      "= %.3f s/GB  fault %6.2f s (%5.1f GB/s)  +pin %5.2f s%s  arena %5.1f "
+                      "GB/s  huge %.1f GB  %s"
+                      % (r["backend"], r["arena_gb"], r["pinned_gb"], r["threads"], threads,
+                         r["create_seconds"], r["create_seconds_per_gb"], r["fault_seconds"],
+                         r["fault_gb_per_second"] or 0, r["pin_added_seconds"],
+                         " (pin %.1f GB/s)" % r["pin_gb_per_second"]
+                         if r["pin_gb_per_second"] else "",
+                         r["arena_gb_per_second"] or 0, r["huge_page_gb"], r["placement"]),
+                      flush=True)
+                if args.keep:
+                    kept.append(rt)
+                else:
+                    rt.close()
     for rt in kept:
         rt.close()
     if args.json:

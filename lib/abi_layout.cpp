@@ -180,6 +180,7 @@ STRATA_API strata_status_t strata_layout_query(const strata_layout_request_t* re
       out.nvme_bytes = t.nvme_bytes;
       out.nvme_placeable_bytes = t.nvme_placeable_bytes;
       out.accum_bytes = t.accum_bytes;
+      out.dram_gpu_bytes = t.dram_gpu_bytes;
       write_struct(totals, out);
     }
     return Status::ok();

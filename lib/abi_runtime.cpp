@@ -11,19 +11,44 @@ Status runtime_from(strata_runtime_t* runtime) {
   return require(runtime, "runtime");
 }
 
+// Sizes before 1.5 appended dram_pinned_bytes (config, capabilities) and the pinned arena's
+// usage (tier usage): a 1.4 caller's struct ends at these and is still accepted.
+constexpr std::size_t kRuntimeConfigV1Size =
+    STRATA_STRUCT_SIZE(strata_runtime_config_t, io_dram_direct);
+constexpr std::size_t kCapabilitiesV1Size =
+    STRATA_STRUCT_SIZE(strata_capabilities_t, io_engine_reason);
+constexpr std::size_t kTierUsageV1Size = STRATA_STRUCT_SIZE(strata_tier_usage_t, tensor_count);
+static_assert(sizeof(strata_runtime_config_t) > kRuntimeConfigV1Size);
+
+// Fill the first `bytes` bytes of *config with the defaults and set struct_size.
+strata_status_t runtime_config_init(strata_runtime_config_t* config, std::size_t bytes,
+                                    std::size_t struct_size) {
+  return guarded("strata_runtime_config_init", [&] {
+    STRATA_RETURN_IF_ERROR(require(config, "config"));
+    strata_runtime_config_t c{};
+    c.device_backend = STRATA_DEVICE_BACKEND_AUTO;
+    c.nvme_checksums = 1;  // integrity by default
+    std::memcpy(static_cast<void*>(config), &c, bytes);
+    config->struct_size = struct_size;
+    return Status::ok();
+  });
+}
+
 }  // namespace
 
 extern "C" {
 
-STRATA_API strata_status_t strata_runtime_config_init(strata_runtime_config_t* config) {
-  return guarded(__func__, [&] {
-    STRATA_RETURN_IF_ERROR(require(config, "config"));
-    *config = strata_runtime_config_t{};
-    config->struct_size = STRATA_RUNTIME_CONFIG_STRUCT_SIZE;
-    config->device_backend = STRATA_DEVICE_BACKEND_AUTO;
-    config->nvme_checksums = 1;  // integrity by default
-    return Status::ok();
-  });
+// strata_runtime_config_init writes the whole struct it knows, and 1.5's dram_pinned_bytes made
+// it grow from 96 to 104 bytes: programs linked against 1.0 .. 1.4 keep an init that writes only
+// their 96, the compat symbol strata_runtime_config_init@STRATA_1.0; programs built against this
+// header get the default, @@STRATA_1.5 (docs/abi.md, "*_config_init and growing structs").
+STRATA_API strata_status_t strata_runtime_config_init_v1_5(strata_runtime_config_t* config) {
+  return runtime_config_init(config, sizeof *config, STRATA_RUNTIME_CONFIG_STRUCT_SIZE);
+}
+
+// strata_runtime_config_init@STRATA_1.0, for programs linked against 1.0 .. 1.4.
+STRATA_API strata_status_t strata_runtime_config_init_v1_0(strata_runtime_config_t* config) {
+  return runtime_config_init(config, kRuntimeConfigV1Size, kRuntimeConfigV1Size);
 }
 
 STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* config,
@@ -32,10 +57,10 @@ STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* 
     STRATA_RETURN_IF_ERROR(require(out_runtime, "out_runtime"));
     // NULL means strata_runtime_config_init's defaults; a short config keeps them for the rest.
     strata_runtime_config_t c{};
-    (void)strata_runtime_config_init(&c);
+    (void)strata_runtime_config_init_v1_5(&c);
     if (config != nullptr) {
       STRATA_RETURN_IF_ERROR(
-          read_struct(config, STRATA_RUNTIME_CONFIG_STRUCT_SIZE, "strata_runtime_config_t", &c));
+          read_struct(config, kRuntimeConfigV1Size, "strata_runtime_config_t", &c));
     }
     if (c.device_backend < STRATA_DEVICE_BACKEND_AUTO ||
         c.device_backend > STRATA_DEVICE_BACKEND_HOST) {
@@ -62,6 +87,7 @@ STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* 
     options.dram.policy = static_cast<NumaPolicy>(c.dram_numa_policy);
     options.dram.node = c.dram_numa_node;
     options.dram.threads = c.dram_fault_threads;
+    options.dram_pinned = c.dram_pinned_bytes;
     for (uint32_t i = 0; i < c.nvme_path_count; ++i) {
       if (c.nvme_paths[i] == nullptr || c.nvme_paths[i][0] == '\0') {
         return error(Code::kInvalidArgument, "nvme_paths[", i, "] is NULL or empty");
@@ -98,8 +124,7 @@ STRATA_API strata_status_t strata_runtime_capabilities(strata_runtime_t* runtime
                                                        strata_capabilities_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(runtime_from(runtime));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, STRATA_CAPABILITIES_STRUCT_SIZE, "strata_capabilities_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out, kCapabilitiesV1Size, "strata_capabilities_t"));
     const Runtime& rt = *runtime->impl;
     strata_capabilities_t caps{};
     caps.device_backend = static_cast<strata_device_backend_t>(rt.device().kind);
@@ -120,6 +145,7 @@ STRATA_API strata_status_t strata_runtime_capabilities(strata_runtime_t* runtime
     caps.dram_fault_threads = dram.host_report().threads;
     caps.dram_fault_seconds = dram.host_report().fault_seconds;
     caps.dram_pin_seconds = dram.pin_seconds();
+    caps.dram_pinned_bytes = dram.pinned_bytes();
     if (const NvmeTier* nvme = rt.nvme()) {
       copy_string(caps.io_engine, sizeof caps.io_engine, nvme->engine_name());
       copy_string(caps.io_engine_reason, sizeof caps.io_engine_reason, nvme->engine_reason());
@@ -133,8 +159,7 @@ STRATA_API strata_status_t strata_runtime_tier_usage(strata_runtime_t* runtime, 
                                                      strata_tier_usage_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(runtime_from(runtime));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, STRATA_TIER_USAGE_STRUCT_SIZE, "strata_tier_usage_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out, kTierUsageV1Size, "strata_tier_usage_t"));
     if (!valid_tier(tier)) return error(Code::kInvalidArgument, "unknown tier ", tier);
     const TierUsage u = runtime->impl->tier_usage(static_cast<Tier>(tier));
     strata_tier_usage_t usage{};
@@ -142,6 +167,9 @@ STRATA_API strata_status_t strata_runtime_tier_usage(strata_runtime_t* runtime, 
     usage.used_bytes = u.used;
     usage.largest_free_bytes = u.largest_free;
     usage.tensor_count = u.tensors;
+    usage.pinned_budget_bytes = u.pinned_budget;
+    usage.pinned_used_bytes = u.pinned_used;
+    usage.dram_fallbacks = u.fallbacks;
     write_struct(out, usage);
     return Status::ok();
   });
@@ -181,3 +209,8 @@ STRATA_API strata_status_t strata_runtime_synchronize(strata_runtime_t* runtime)
 }
 
 }  // extern "C"
+
+// The two definitions of strata_runtime_config_init: their names stay local (lib/strata.map's
+// `local: *`), the versioned aliases are exported.
+asm(".symver strata_runtime_config_init_v1_5, strata_runtime_config_init@@STRATA_1.5");
+asm(".symver strata_runtime_config_init_v1_0, strata_runtime_config_init@STRATA_1.0");

@@ -56,8 +56,10 @@ DLManagedTensorVersioned* make_dlpack(ExportLease lease, const DeviceDescription
     t.device = DLDevice{kDLCPU, 0};  // the host backend's "device" memory is host memory
   } else if (ctx->lease.tier == Tier::kHbm) {
     t.device = DLDevice{kDLCUDA, device.ordinal};
-  } else {
+  } else if (ctx->lease.pinned) {
     t.device = DLDevice{kDLCUDAHost, 0};
+  } else {
+    t.device = DLDevice{kDLCPU, 0};  // the DRAM arena's unpinned part: plain host memory
   }
   t.ndim = static_cast<int32_t>(ctx->shape.size());
   t.dtype = dl_dtype(ctx->lease.dtype);

@@ -54,13 +54,30 @@ Status Runtime::create(const RuntimeOptions& options, std::shared_ptr<Runtime>* 
   if (hbm_size == 0 || dram_size == 0) {
     return error(Code::kInvalidArgument, "a tier budget overflows when rounded to its alignment");
   }
+  // The pinned part of the DRAM arena (all of it by default): whole 4 KiB blocks, so the
+  // boundary between the two arenas is a block boundary of both.
+  uint64_t pinned = dram_size;
+  if (options.dram_pinned != 0) {
+    pinned = Arena::round_up(options.dram_pinned, NvmeTier::kAlignment);
+    if (pinned == 0 || pinned > dram_size) {
+      return error(Code::kInvalidArgument, "dram_pinned_bytes ", options.dram_pinned,
+                   " (rounded up to 4 KiB) exceeds dram_budget_bytes ", dram,
+                   " (the arena: ", dram_size, " bytes)");
+    }
+  }
   auto& regions = runtime->regions_;
   STRATA_RETURN_IF_ERROR(MemoryRegion::allocate_device(backend, hbm_size, &regions[0]));
   HostMemoryOptions dram_memory = options.dram;
   dram_memory.preferred_node = runtime->device_numa_node_;
-  STRATA_RETURN_IF_ERROR(MemoryRegion::allocate_host(backend, dram_size, dram_memory, &regions[1]));
+  STRATA_RETURN_IF_ERROR(
+      MemoryRegion::allocate_host(backend, dram_size, pinned, dram_memory, &regions[1]));
   runtime->arenas_[0] = std::make_unique<Arena>("hbm", hbm_size, Arena::kDefaultAlignment);
-  runtime->arenas_[1] = std::make_unique<Arena>("dram", dram_size, NvmeTier::kAlignment);
+  runtime->arenas_[1] = std::make_unique<Arena>("dram", pinned, NvmeTier::kAlignment);
+  runtime->dram_pinned_size_ = pinned;
+  if (pinned < dram_size) {
+    runtime->dram_unpinned_ =
+        std::make_unique<Arena>("dram (unpinned)", dram_size - pinned, NvmeTier::kAlignment);
+  }
 
   if (nvme_budget != 0) {
     NvmeOptions nvme = options.nvme;
@@ -121,7 +138,57 @@ Arena* Runtime::arena(Tier tier) const {
 
 uint64_t Runtime::tier_budget(Tier tier) const {
   const Arena* a = arena(tier);
-  return a != nullptr ? a->capacity() : 0;
+  if (a == nullptr) return 0;
+  const bool split = tier == Tier::kDram && dram_unpinned_ != nullptr;
+  return a->capacity() + (split ? dram_unpinned_->capacity() : 0);
+}
+
+Status Runtime::allocate_block(Tier tier, Role role, uint64_t bytes, std::string_view what,
+                               uint64_t* offset, bool* untouched) {
+  Arena& main = *arena(tier);
+  if (tier != Tier::kDram || dram_unpinned_ == nullptr) {
+    return main.allocate(bytes, what, offset, untouched);
+  }
+  // Each arena keeps its own high-water mark (Arena::allocate's `untouched`): both lie over
+  // memory that was zero when mapped, so either one's mark tells for its blocks.
+  Arena& unpinned = *dram_unpinned_;
+  const bool unpinned_first = prefers_unpinned(role);
+  Arena& first = unpinned_first ? unpinned : main;
+  Arena& second = unpinned_first ? main : unpinned;
+  // The other arena rather than a failure (a tier never fails while it has room): the
+  // optimizer's state in the pinned part only costs pinned room, any other role in the
+  // unpinned part has its transfers made as pageable copies, slower but correct.
+  const uint64_t base_first = unpinned_first ? dram_pinned_size_ : 0;
+  const uint64_t base_second = unpinned_first ? 0 : dram_pinned_size_;
+  uint64_t at = 0;
+  Status s = first.allocate(bytes, what, &at, untouched);
+  if (s.is_ok()) {
+    *offset = base_first + at;
+    return s;
+  }
+  if (s.code() != Code::kOutOfMemory) return s;
+  Status t = second.allocate(bytes, what, &at, untouched);
+  if (!t.is_ok()) {
+    return error(t.code(), "dram has no room for '", what, "' in its ",
+                 unpinned_first ? "unpinned" : "pinned", " part (", s.message(), ") nor its ",
+                 unpinned_first ? "pinned" : "unpinned", " part (", t.message(), ")");
+  }
+  ++dram_fallbacks_;
+  *offset = base_second + at;
+  return t;
+}
+
+uint64_t Runtime::dram_largest_free_for(Role role) {
+  std::lock_guard lock(mutex_);
+  const bool unpinned = dram_unpinned_ != nullptr && prefers_unpinned(role);
+  return (unpinned ? *dram_unpinned_ : *arena(Tier::kDram)).largest_free();
+}
+
+Status Runtime::free_block(Tier tier, uint64_t offset) {
+  if (tier == Tier::kDram && dram_unpinned_ != nullptr && offset >= dram_pinned_size_) {
+    return dram_unpinned_->free(offset - dram_pinned_size_);
+  }
+  return arena(tier)->free(offset);
 }
 
 std::string Runtime::busy_reason(const TensorRecord& t) {
@@ -171,13 +238,13 @@ Status Runtime::register_tensor(TensorSpec spec, TensorId* id, uint64_t skew, bo
     return error(Code::kAlreadyExists, "a tensor named '", spec.name, "' is already registered");
   }
   const Tier home = spec.home;
-  Arena& home_arena = *arena(home);
   uint64_t offset = 0;
   bool untouched = false;
-  STRATA_RETURN_IF_ERROR(home_arena.allocate(nbytes + skew, spec.name, &offset, &untouched));
+  STRATA_RETURN_IF_ERROR(
+      allocate_block(home, spec.role, nbytes + skew, spec.name, &offset, &untouched));
   Status added = registry_.add(std::move(spec), nbytes, home, offset + skew, id);
   if (!added.is_ok()) {
-    (void)home_arena.free(offset);
+    (void)free_block(home, offset);
     return added;
   }
   if (zeroed != nullptr) *zeroed = home == Tier::kDram && untouched;
@@ -207,7 +274,7 @@ Status Runtime::unregister(TensorId id) {
   if (t->pinned_in_place()) {
     return error(Code::kBusy, "cannot unregister tensor '", t->spec.name, "': ", busy_reason(*t));
   }
-  STRATA_RETURN_IF_ERROR(arena(t->tier)->free(t->offset - t->skew));
+  STRATA_RETURN_IF_ERROR(free_block(t->tier, t->offset - t->skew));
   --tensors_in_tier_[static_cast<int>(t->tier)];
   return registry_.remove(id);
 }
@@ -287,8 +354,8 @@ Status Runtime::move(TensorId id, Tier dst, void* stream, std::shared_ptr<Comple
     return Status::ok();
   }
   uint64_t dst_offset = 0;
-  Arena& dst_arena = *arena(dst);
-  STRATA_RETURN_IF_ERROR(dst_arena.allocate(t->nbytes, t->spec.name, &dst_offset));
+  // Into DRAM, the tensor's role's arena again (allocate_block).
+  STRATA_RETURN_IF_ERROR(allocate_block(dst, t->spec.role, t->nbytes, t->spec.name, &dst_offset));
 
   auto done = std::make_shared<Completion>();
   const uint64_t queued = tracer_.enabled() ? tracer_.now() : 0;
@@ -299,7 +366,7 @@ Status Runtime::move(TensorId id, Tier dst, void* stream, std::shared_ptr<Comple
   std::shared_ptr<DeviceFence> fence;
   Status started = start_transfer(*t, dst, dst_offset, stream, std::move(finish), &fence);
   if (!started.is_ok()) {
-    (void)dst_arena.free(dst_offset);
+    (void)free_block(dst, dst_offset);
     return error(started.code(), "cannot move tensor '", t->spec.name, "' to ", tier_name(dst),
                  ": ", started.message());
   }
@@ -379,7 +446,7 @@ void Runtime::finish_move(TensorId id, Tier dst, uint64_t dst_offset, Status sta
     if (status.is_ok()) tracer_.record_migration(id, t->tier, dst, t->nbytes, queued_ns);
     if (status.is_ok()) {
       // The data has landed: only now is the source given up.
-      (void)arena(t->tier)->free(t->offset - t->skew);
+      (void)free_block(t->tier, t->offset - t->skew);
       t->skew = 0;
       --tensors_in_tier_[static_cast<int>(t->tier)];
       ++tensors_in_tier_[static_cast<int>(dst)];
@@ -388,7 +455,7 @@ void Runtime::finish_move(TensorId id, Tier dst, uint64_t dst_offset, Status sta
       t->nvme_crcs = dst == Tier::kNvme ? std::move(crcs) : nullptr;
     } else {
       // The source copy is untouched; drop the reservation and report.
-      (void)arena(dst)->free(dst_offset);
+      (void)free_block(dst, dst_offset);
       outcome = error(status.code(), "move of tensor '", t->spec.name, "' to ", tier_name(dst),
                       " failed: ", status.message());
     }
@@ -445,6 +512,7 @@ Status Runtime::export_lease(TensorId id, ExportLease* out) {
   ++t->export_count;
   out->data = address(*t);
   out->tier = t->tier;
+  out->pinned = t->tier == Tier::kDram && t->offset < dram_pinned_size_;
   out->dtype = t->spec.dtype;
   out->shape = t->spec.shape;
   // The lease holds the memory region (so the data outlives the runtime) and, weakly, the
@@ -472,6 +540,16 @@ TierUsage Runtime::tier_usage(Tier tier) {
   usage.used = a->used();
   usage.largest_free = a->largest_free();
   usage.tensors = tensors_in_tier_[static_cast<int>(tier)];
+  if (tier == Tier::kDram) {
+    usage.pinned_budget = a->capacity();
+    usage.pinned_used = a->used();
+    usage.fallbacks = dram_fallbacks_;
+    if (dram_unpinned_ != nullptr) {  // either part takes any role's block (allocate_block)
+      usage.budget += dram_unpinned_->capacity();
+      usage.used += dram_unpinned_->used();
+      usage.largest_free = std::max(usage.largest_free, dram_unpinned_->largest_free());
+    }
+  }
   return usage;
 }
 

@@ -31,7 +31,10 @@ struct RuntimeOptions {
   DeviceOptions device;
   std::array<uint64_t, kTierCount> budgets{};  // 0 = the tier's default (NVMe: no tier)
   HostMemoryOptions dram;                      // NUMA placement and fault-in threads
-  NvmeOptions nvme;                            // paths, engine, block size, queue depth...
+  // The DRAM arena's pinned part from its start (rounded up to 4 KiB); 0 = all of it. The rest
+  // is the unpinned arena, for the optimizer's state (Runtime::allocate_block).
+  uint64_t dram_pinned = 0;
+  NvmeOptions nvme;  // paths, engine, block size, queue depth...
 };
 
 struct LinkCounters {
@@ -45,12 +48,18 @@ struct TierUsage {
   uint64_t used = 0;
   uint64_t largest_free = 0;
   uint64_t tensors = 0;
+  // DRAM only: the pinned arena's budget and use, and the blocks that went to the other arena
+  // than their role's (Runtime::allocate_block) because it had no room.
+  uint64_t pinned_budget = 0;
+  uint64_t pinned_used = 0;
+  uint64_t fallbacks = 0;
 };
 
 // What a DLPack export needs: the data, and a lease that keeps it in place and alive.
 struct ExportLease {
   void* data = nullptr;
   Tier tier = Tier::kDram;
+  bool pinned = false;  // DRAM: in the arena's pinned part (a DLPack export says kDLCUDAHost)
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;
   // Releases the lease when destroyed: the export count drops (if the runtime still exists)
@@ -114,6 +123,15 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   const std::shared_ptr<DeviceBackend>& backend() const { return backend_; }
   NvmeTier* nvme_tier() { return nvme_.get(); }
   unsigned char* tier_base(Tier tier) const { return regions_[static_cast<int>(tier)]->base(); }
+  // The DRAM arena's two parts over the one mapping: offsets below dram_pinned_size() are the
+  // pinned arena's, the rest the unpinned one's. The optimizer's state (read and written by the
+  // CPU's update only) prefers the unpinned part; every other role (what the GPU's copies read
+  // or write) the pinned one. No block straddles the boundary: CUDA refuses a copy whose host
+  // range spans a registered and an unregistered range.
+  uint64_t dram_pinned_size() const { return dram_pinned_size_; }
+  static bool prefers_unpinned(Role role) { return role == Role::kOptimizerState; }
+  // The largest DRAM block a tensor of `role` gets in its own part, without falling back.
+  uint64_t dram_largest_free_for(Role role);
   // Keeps a tensor where it is (moves and unregistration answer kBusy) while an executor
   // streams it; writes are still allowed (the optimizer updates masters in place).
   Status pin_in_place(TensorId id, const char* holder);
@@ -145,7 +163,12 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
  private:
   explicit Runtime(std::shared_ptr<DeviceBackend> backend) : backend_(std::move(backend)) {}
 
-  Arena* arena(Tier tier) const;
+  Arena* arena(Tier tier) const;  // DRAM: the pinned arena
+  // A block of `tier` for a tensor of `role` (DRAM: in its role's arena, else the other one,
+  // counted in dram_fallbacks_), its offset from the tier's base; and its release. Under mutex_.
+  Status allocate_block(Tier tier, Role role, uint64_t bytes, std::string_view what,
+                        uint64_t* offset, bool* untouched = nullptr);
+  Status free_block(Tier tier, uint64_t offset);
   static std::string busy_reason(const TensorRecord& t);
   Status check_tier(Tier tier) const;
   Status lookup(TensorId id, TensorRecord** out);  // under mutex_
@@ -168,6 +191,10 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   int device_numa_node_ = -1;
   std::array<std::shared_ptr<MemoryRegion>, kTierCount> regions_;
   std::array<std::unique_ptr<Arena>, 2> arenas_;  // HBM and DRAM; NVMe's is the tier's own
+  // The DRAM arena's unpinned part, its offsets from dram_pinned_size_ (null when all pinned).
+  std::unique_ptr<Arena> dram_unpinned_;
+  uint64_t dram_pinned_size_ = 0;
+  uint64_t dram_fallbacks_ = 0;  // under mutex_
   std::unique_ptr<NvmeTier> nvme_;
 
   std::mutex mutex_;

@@ -62,7 +62,7 @@
 #define STRATA_API_SINCE(major, minor) STRATA_API
 
 #define STRATA_VERSION_MAJOR 1
-#define STRATA_VERSION_MINOR 4
+#define STRATA_VERSION_MINOR 5
 #define STRATA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, as zstd does: comparable with < and >. */
 #define STRATA_VERSION_NUMBER \
@@ -307,9 +307,10 @@ typedef struct strata_runtime_config {
    * memory: HBM and DRAM budgets together beyond the host's available memory fail at create
    * with STRATA_ERROR_OUT_OF_MEMORY. */
   uint64_t hbm_budget_bytes;
-  /* DRAM tier budget: one host arena of this size, made resident and pinned once at start-up,
-   * a hard cap: tensors beyond it fail with STRATA_ERROR_OUT_OF_MEMORY, and a budget larger
-   * than the host's available memory fails at create, never with an OOM kill. 0 = 1 GiB. */
+  /* DRAM tier budget: one host arena of this size, made resident and pinned (all of it, or
+   * the part dram_pinned_bytes says) once at start-up, a hard cap: tensors beyond it fail with
+   * STRATA_ERROR_OUT_OF_MEMORY, and a budget larger than the host's available memory fails at
+   * create, never with an OOM kill. 0 = 1 GiB. */
   uint64_t dram_budget_bytes;
   /* NVMe tier budget over all nvme_paths together, rounded up to 4 KiB (a budget that
    * overflows when rounded is INVALID_ARGUMENT); 0 = no NVMe tier. */
@@ -348,29 +349,45 @@ typedef struct strata_runtime_config {
    * numbers); on bare-metal NVMe, direct may be faster: measure with
    * strata-bench io --dram-direct. */
   int32_t io_dram_direct;
+  /* Since 1.5 (a 1.4 caller's struct_size ends before it: 0, everything pinned). How much of
+   * the DRAM arena is pinned (registered with the device for DMA). 0 (the default): all of it,
+   * as before 1.5. Otherwise the first dram_pinned_bytes, rounded up to the arena's 4 KiB
+   * alignment, of the one mapping are registered and the rest is faulted in (same threads, NUMA
+   * placement and huge pages) but never registered: the arena's set-up is then bound by the
+   * fault-in rather than by the driver's registration. The arena is two arenas over the mapping,
+   * the pinned one below (no tensor straddles the boundary: CUDA refuses a copy spanning a
+   * registered and an unregistered range). A DRAM tensor of role STRATA_ROLE_OPTIMIZER_STATE
+   * (read and written by the CPU's update only) goes to the unpinned arena, every other role to
+   * the pinned one; registration and moves into DRAM use the other arena when the preferred
+   * one has no room (a tier never fails while it has room; a transfer from the unpinned arena
+   * is then a pageable copy, slower but correct), counted in strata_tier_usage_t's
+   * dram_fallbacks. Size it with strata_layout_totals_t.dram_gpu_bytes. A value above the
+   * (rounded) dram_budget_bytes is INVALID_ARGUMENT naming both; equal to it is everything
+   * pinned. strata_capabilities_t.dram_pinned_bytes reports what was registered. */
+  uint64_t dram_pinned_bytes;
 } strata_runtime_config_t;
 #define STRATA_RUNTIME_CONFIG_STRUCT_SIZE \
-  STRATA_STRUCT_SIZE(strata_runtime_config_t, io_dram_direct)
+  STRATA_STRUCT_SIZE(strata_runtime_config_t, dram_pinned_bytes)
 
 /* Fill *config with defaults (AUTO backend, ordinal 0, default budgets) and set its
  * struct_size to STRATA_RUNTIME_CONFIG_STRUCT_SIZE. config: borrowed.
  * Errors: INVALID_ARGUMENT if config is NULL. Thread-safe. */
 STRATA_API strata_status_t strata_runtime_config_init(strata_runtime_config_t* config);
 
-/* Create a runtime: pick the device backend, make the HBM arena and the pinned DRAM arena of
- * the configured budgets, start the copy engines. This is the slow call (it pins memory);
- * nothing later allocates device or pinned memory.
+/* Create a runtime: pick the device backend, make the HBM arena and the DRAM arena (pinned:
+ * all of it, or its first dram_pinned_bytes) of the configured budgets, start the copy engines.
+ * This is the slow call (it pins memory); nothing later allocates device or pinned memory.
  * config: borrowed; NULL means all defaults. out_runtime: on success receives a new runtime,
  * owned by the caller, released with strata_runtime_destroy().
  * Errors: INVALID_ARGUMENT (NULL out_runtime, bad struct_size, unknown backend, negative or
  * out-of-range ordinal or NUMA node, a field that does not apply to the chosen backend, NVMe
- * paths without a budget or the reverse, a bad block size or queue depth), NO_DEVICE (cuda
- * asked for and no usable GPU, the CUDA error in the message), OUT_OF_MEMORY (a budget that
- * cannot be allocated or pinned, or exceeds available host memory; or a copy, NVMe transfer
- * or storage engine thread the OS refuses to start: the thread and errno in the message), IO
- * (an NVMe path cannot
- * be opened with O_DIRECT or preallocated: path and errno in the message), UNSUPPORTED
- * (io_engine URING where the kernel refuses io_uring). Thread-safe. */
+ * paths without a budget or the reverse, a bad block size or queue depth, dram_pinned_bytes
+ * above the DRAM budget), NO_DEVICE (cuda asked for and no usable GPU, the CUDA error in the
+ * message), OUT_OF_MEMORY (a budget that cannot be allocated or pinned, or exceeds available
+ * host memory; or a copy, NVMe transfer or storage engine thread the OS refuses to start: the
+ * thread and errno in the message), IO (an NVMe path cannot be opened with O_DIRECT or
+ * preallocated: path and errno in the message), UNSUPPORTED (io_engine URING where the kernel
+ * refuses io_uring). Thread-safe. */
 STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* config,
                                                  strata_runtime_t** out_runtime);
 
@@ -415,8 +432,12 @@ typedef struct strata_capabilities {
    * (diagnostic). */
   char io_engine[16];
   char io_engine_reason[256];
+  /* Since 1.5 (not written for a 1.4 caller's struct_size): the bytes of the DRAM arena
+   * registered with the device, from its start: the whole arena unless dram_pinned_bytes asked
+   * for less (rounded up to 4 KiB). dram_pin_seconds is the time pinning this part added. */
+  uint64_t dram_pinned_bytes;
 } strata_capabilities_t;
-#define STRATA_CAPABILITIES_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_capabilities_t, io_engine_reason)
+#define STRATA_CAPABILITIES_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_capabilities_t, dram_pinned_bytes)
 
 /* Describe the runtime. runtime: borrowed. out: borrowed; the caller sets out->struct_size and
  * the library fills the fields that size covers.
@@ -430,8 +451,17 @@ typedef struct strata_tier_usage {
   uint64_t used_bytes;         /* allocated to tensors, alignment padding included */
   uint64_t largest_free_bytes; /* the largest single allocation that would succeed now */
   uint64_t tensor_count;       /* tensors whose data lives in this tier now */
+  /* Since 1.5 (not written for a 1.4 caller's struct_size); DRAM only, 0 for the other tiers.
+   * The pinned arena's part of budget_bytes and used_bytes (with strata_runtime_config_t's
+   * dram_pinned_bytes at 0, all of them), and how many DRAM blocks (registrations and moves in)
+   * went to the other arena than their role's because it had no room: optimizer state into the
+   * pinned arena, or any other role into the unpinned one (whose transfers are then pageable
+   * copies). Cumulative over the runtime's life. */
+  uint64_t pinned_budget_bytes;
+  uint64_t pinned_used_bytes;
+  uint64_t dram_fallbacks;
 } strata_tier_usage_t;
-#define STRATA_TIER_USAGE_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_tier_usage_t, tensor_count)
+#define STRATA_TIER_USAGE_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_tier_usage_t, dram_fallbacks)
 
 /* How full a tier is. runtime, out: borrowed. Errors: INVALID_ARGUMENT (NULL, bad tier, bad
  * struct_size). A tier that is not available reports zeros. Thread-safe. */
@@ -1651,8 +1681,14 @@ typedef struct strata_layout_totals {
    * slots like NVMe-homed state: a DRAM budget of dram_bytes (or streaming_dram_bytes) plus
    * accum_bytes accumulates without touching the disk. nvme_bytes has room for them. */
   uint64_t accum_bytes;
+  /* Since 1.5 (not written for a 1.4 caller's struct_size). Of dram_bytes, what the GPU's
+   * copies read or write (weights, DRAM-homed grads or the grad fetch buffer) and
+   * dram_margin_bytes: the strata_runtime_config_t.dram_pinned_bytes that pins all of it and
+   * leaves the optimizer's state, staging slots and accumulators (read by the CPU only)
+   * unpinned. */
+  uint64_t dram_gpu_bytes;
 } strata_layout_totals_t;
-#define STRATA_LAYOUT_TOTALS_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_layout_totals_t, accum_bytes)
+#define STRATA_LAYOUT_TOTALS_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_layout_totals_t, dram_gpu_bytes)
 
 /* Defaults (BF16, AdamW, separate masters, grads in DRAM, 4 staging slots, no layers), and
  * struct_size set. Errors: INVALID_ARGUMENT (NULL). Thread-safe. */

@@ -17,10 +17,12 @@ class MemoryRegion {
   // The HBM arena: one device allocation.
   static Status allocate_device(std::shared_ptr<DeviceBackend> backend, uint64_t bytes,
                                 std::shared_ptr<MemoryRegion>* out);
-  // The DRAM arena: host memory mapped, NUMA-placed and faulted in, pinned by the backend while
-  // it is faulted in.
+  // The DRAM arena: host memory mapped, NUMA-placed and faulted in, its first `pinned` bytes
+  // (at most `bytes`, a multiple of the page size) pinned by the backend while it is faulted in;
+  // the rest is resident but never registered.
   static Status allocate_host(std::shared_ptr<DeviceBackend> backend, uint64_t bytes,
-                              const HostMemoryOptions& options, std::shared_ptr<MemoryRegion>* out);
+                              uint64_t pinned, const HostMemoryOptions& options,
+                              std::shared_ptr<MemoryRegion>* out);
   ~MemoryRegion();
   MemoryRegion(const MemoryRegion&) = delete;
   MemoryRegion& operator=(const MemoryRegion&) = delete;
@@ -32,6 +34,9 @@ class MemoryRegion {
   // Seconds pinning the DRAM arena added after its fault-in ended (0 for HBM): the arena's
   // set-up took host_report().fault_seconds + pin_seconds().
   double pin_seconds() const { return host_report_.pin_seconds; }
+  // The bytes registered with the device from base(): size() unless the DRAM arena was asked to
+  // pin less (0 for HBM).
+  uint64_t pinned_bytes() const { return pinned_; }
 
  private:
   MemoryRegion(std::shared_ptr<DeviceBackend> backend, Tier tier, void* base, uint64_t size)
@@ -41,6 +46,7 @@ class MemoryRegion {
   Tier tier_;
   void* base_;
   uint64_t size_;
+  uint64_t pinned_ = 0;
   HostMemoryReport host_report_;
 };
 

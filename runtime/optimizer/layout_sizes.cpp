@@ -150,6 +150,10 @@ Status compute_layout(const LayoutRequest& r, std::vector<LayoutLayer>* layers,
   t.dram_margin_bytes = kDramMargin;
   t.dram_bytes = t.weight_bytes + t.state_bytes + t.grad_dram_bytes + t.grad_fetch_bytes +
                  uint64_t{r.staging_slots} * t.slot_bytes + kDramMargin;
+  // The pinned arena holds every role but the optimizer's state (Runtime::allocate_block): the
+  // weights and grads the GPU copies; the state, its staging slots and the accumulators are
+  // the CPU's and go unpinned. The margin covers the pinned side's page rounding too.
+  t.dram_gpu_bytes = t.weight_bytes + t.grad_dram_bytes + t.grad_fetch_bytes + kDramMargin;
   const uint64_t tensor_bytes = streamed_bytes + trained_bytes;
   t.streaming_dram_bytes = tensor_bytes + tensor_bytes / 50 + kStreamingDramHeadroom;
   t.streaming_hbm_bytes = 2 * kStreamingSlots * es * largest_layer + kStreamingHbmHeadroom;

@@ -78,6 +78,9 @@ struct LayoutTotals {
   uint64_t streaming_dram_bytes = 0, streaming_hbm_bytes = 0;
   uint64_t nvme_margin_bytes = 0, nvme_bytes = 0, nvme_placeable_bytes = 0;
   uint64_t accum_bytes = 0;  // every trainable tensor's accumulator in DRAM (accum_dram_bytes)
+  // What the GPU's copies touch of dram_bytes (weights, DRAM grads or the fetch buffer) and the
+  // margin: the DRAM arena's pinned part (RuntimeOptions::dram_pinned) for this layout.
+  uint64_t dram_gpu_bytes = 0;
 };
 
 // Errors: kInvalidArgument (no layers or more than kMaxLayoutLayers, frozen given for another

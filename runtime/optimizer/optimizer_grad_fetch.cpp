@@ -35,8 +35,9 @@ Status Optimizer::layout_grad_fetch() {
     }
     largest = std::max(largest, offset);
   }
-  Status s = make_buffer("grad_fetch", largest, "optimizer grad fetch", &grad_fetch_id_,
-                         &grad_fetch_base_);
+  // Role kGrad: the GPU's copies write it, so it belongs in the arena's pinned part.
+  Status s = make_buffer("grad_fetch", largest, "optimizer grad fetch", Role::kGrad,
+                         &grad_fetch_id_, &grad_fetch_base_);
   if (!s.is_ok()) {
     return error(s.code(), "optimizer: a DRAM buffer to read HBM-homed grads through (", largest,
                  " bytes, the largest layer's grads): ", s.message());

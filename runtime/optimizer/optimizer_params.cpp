@@ -66,14 +66,14 @@ void Optimizer::unregister_state() {
   owned_.clear();
 }
 
-Status Optimizer::make_buffer(const char* suffix, uint64_t bytes, const char* pin_reason,
+Status Optimizer::make_buffer(const char* suffix, uint64_t bytes, const char* pin_reason, Role role,
                               TensorId* id, unsigned char** base) {
   static std::atomic<uint64_t> serial{0};
   TensorSpec spec;
   spec.name = "strata.optimizer." + std::to_string(serial.fetch_add(1)) + "." + suffix;
   spec.dtype = DType::kU8;
   spec.shape = {static_cast<int64_t>(bytes)};
-  spec.role = Role::kOptimizerState;
+  spec.role = role;
   spec.home = Tier::kDram;
   Status s = runtime_->register_tensor(spec, id);
   if (!s.is_ok()) {

@@ -80,8 +80,8 @@ Status Optimizer::layout_stages(uint64_t room, std::size_t max_slots) {
                  ", nvme_staging_bytes ", config_.nvme_staging_bytes,
                  "): raise the DRAM budget or nvme_staging_bytes");
   }
-  Status s = make_buffer("nvme_staging", slots * largest, "optimizer staging", &staging_id_,
-                         &staging_base_);
+  Status s = make_buffer("nvme_staging", slots * largest, "optimizer staging",
+                         Role::kOptimizerState, &staging_id_, &staging_base_);
   if (!s.is_ok()) {
     return error(s.code(), "optimizer: staging for NVMe-homed state (", slots, " x ", largest,
                  " bytes): ", s.message());

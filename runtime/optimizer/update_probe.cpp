@@ -75,7 +75,9 @@ Status measure_update_rate(unsigned threads, int numa_node, double* elements_per
 
 Status measure_update_rate(Runtime& runtime, double* elements_per_second) {
   const int node = runtime.device_numa_node();
-  const uint64_t free = runtime.tier_usage(Tier::kDram).largest_free;
+  // In the part of the arena the state lives in (the unpinned one, if the arena is split):
+  // a probe is no fallback into the pinned part.
+  const uint64_t free = runtime.dram_largest_free_for(Role::kOptimizerState);
   // Whole chunks, as many as the arena's largest free block holds, at most kCount.
   const std::size_t count = std::min<uint64_t>(kCount, free / kElementBytes / kChunk * kChunk);
   if (count < kLeastCount) return measure_on_heap(0, node, kLeastCount, elements_per_second);
@@ -83,7 +85,8 @@ Status measure_update_rate(Runtime& runtime, double* elements_per_second) {
   spec.name = "strata.update_probe";
   spec.dtype = DType::kU8;
   spec.shape = {static_cast<int64_t>(count * kElementBytes)};
-  spec.role = Role::kOther;
+  // The optimizer's state's role: measured in the part of the arena the state lives in.
+  spec.role = Role::kOptimizerState;
   spec.home = Tier::kDram;
   TensorId id = 0;
   Status s = runtime.register_tensor(spec, &id);

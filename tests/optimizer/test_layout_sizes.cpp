@@ -118,7 +118,14 @@ TEST_CASE("the layout query is what the arena and the optimizer take", "[layout]
         request_for(model, c.dtype, c.grad_tier, c.kind, c.momentum, c.layout, &counts, &elements,
                     &frozen_counts, &frozen_elements);
     const Query got = query(q);
-    RuntimePtr rt = make_runtime(config_for(STRATA_DEVICE_BACKEND_HOST, 64 * kMiB, 64 * kMiB));
+    // Since 1.5: the pinned part the query sizes holds what the GPU's copies touch, exactly.
+    REQUIRE(got.totals.dram_gpu_bytes == got.totals.weight_bytes + got.totals.grad_dram_bytes +
+                                             got.totals.grad_fetch_bytes +
+                                             got.totals.dram_margin_bytes);
+    strata_runtime_config_t rc = config_for(STRATA_DEVICE_BACKEND_HOST, 64 * kMiB, 64 * kMiB);
+    rc.dram_pinned_bytes = got.totals.dram_gpu_bytes;
+    RuntimePtr rt = make_runtime(rc);
+    uint64_t gpu_blocks = 0, state_blocks = 0;  // what the arena's parts should hold
     strata_optimizer_config_t oc;
     STRATA_REQUIRE_OK(strata_optimizer_config_init(c.kind, &oc));
     if (c.kind == STRATA_OPTIMIZER_SGD) oc.momentum = c.momentum ? 0.9f : 0.f;
@@ -145,6 +152,7 @@ TEST_CASE("the layout query is what the arena and the optimizer take", "[layout]
       // The arena's blocks, and the page a layout adds to each tensor.
       REQUIRE(got.layers[i].weight_bytes ==
               used(rt.get(), STRATA_TIER_DRAM) - before + tensors * kPage);
+      gpu_blocks += used(rt.get(), STRATA_TIER_DRAM) - before;
       weight_total += got.layers[i].weight_bytes;
       before = used(rt.get(), STRATA_TIER_DRAM);
       const uint64_t hbm_before = used(rt.get(), STRATA_TIER_HBM);
@@ -154,6 +162,7 @@ TEST_CASE("the layout query is what the arena and the optimizer take", "[layout]
                                c.dtype, STRATA_ROLE_GRAD, c.grad_tier));
         grad_bytes += l.trainable[k] * strata_dtype_size(c.dtype);
       }
+      gpu_blocks += used(rt.get(), STRATA_TIER_DRAM) - before;
       if (c.grad_tier == STRATA_TIER_DRAM) {
         REQUIRE(got.layers[i].grad_bytes ==
                 used(rt.get(), STRATA_TIER_DRAM) - before + grads.size() * kPage);
@@ -185,6 +194,7 @@ TEST_CASE("the layout query is what the arena and the optimizer take", "[layout]
         const uint64_t counted = query(single).layers[0].state_bytes;
         const uint64_t took = used(rt.get(), STRATA_TIER_DRAM) - state_before;
         REQUIRE(took <= counted);
+        state_blocks += took;
         REQUIRE((took == 0) == (got.totals.state_bytes_per_element == 0));
         planned += counted;
         trained += l.trainable[k];
@@ -214,6 +224,15 @@ TEST_CASE("the layout query is what the arena and the optimizer take", "[layout]
     const uint64_t before_attach = used(rt.get(), STRATA_TIER_DRAM);
     STRATA_REQUIRE_OK(strata_optimizer_attach(opt.get(), ex));
     const uint64_t fetch = used(rt.get(), STRATA_TIER_DRAM) - before_attach;
+    // Weights, grads and the fetch buffer in the pinned part, the state in the other, none
+    // displaced: the query's size is enough.
+    strata_tier_usage_t parts{};
+    parts.struct_size = STRATA_TIER_USAGE_STRUCT_SIZE;
+    STRATA_REQUIRE_OK(strata_runtime_tier_usage(rt.get(), STRATA_TIER_DRAM, &parts));
+    REQUIRE(parts.pinned_budget_bytes == got.totals.dram_gpu_bytes);
+    REQUIRE(parts.pinned_used_bytes == gpu_blocks + fetch);
+    REQUIRE(parts.used_bytes - parts.pinned_used_bytes == state_blocks);
+    REQUIRE(parts.dram_fallbacks == 0);
     if (c.grad_tier == STRATA_TIER_HBM) {
       REQUIRE(fetch > 0);
       REQUIRE(got.totals.grad_fetch_bytes == fetch + kPage);

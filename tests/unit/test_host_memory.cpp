@@ -225,7 +225,8 @@ TEST_CASE("a DRAM memory region is pinned and unpinned once through its backend"
     std::shared_ptr<strata::MemoryRegion> region;
     strata::HostMemoryOptions options;
     options.threads = 3;
-    REQUIRE(strata::MemoryRegion::allocate_host(backend, bytes, options, &region).is_ok());
+    REQUIRE(strata::MemoryRegion::allocate_host(backend, bytes, bytes, options, &region).is_ok());
+    REQUIRE(region->pinned_bytes() == bytes);
     base = region->base();
     REQUIRE(backend->pins == std::vector<std::pair<void*, uint64_t>>{{base, bytes}});
     REQUIRE(backend->unpins.empty());
@@ -235,4 +236,33 @@ TEST_CASE("a DRAM memory region is pinned and unpinned once through its backend"
   }
   REQUIRE(backend->pins.size() == 1);
   REQUIRE(backend->unpins == std::vector<std::pair<void*, uint64_t>>{{base, bytes}});
+}
+
+TEST_CASE("a DRAM memory region pins only its first part, faults in all of it, unpins that part",
+          "[host_memory]") {
+  std::shared_ptr<strata::DeviceBackend> host;
+  std::string reason;
+  strata::DeviceOptions device;
+  device.kind = strata::DeviceKind::kHost;
+  REQUIRE(strata::create_device_backend(device, &host, &reason).is_ok());
+  auto backend = std::make_shared<CountingBackend>(host);
+  const uint64_t bytes = 3 * strata::kFaultChunkBytes;
+  const uint64_t pinned = strata::kFaultChunkBytes + 5 * 4096;
+  void* base = nullptr;
+  {
+    std::shared_ptr<strata::MemoryRegion> region;
+    strata::HostMemoryOptions options;
+    options.threads = 2;
+    REQUIRE(strata::MemoryRegion::allocate_host(backend, bytes, pinned, options, &region).is_ok());
+    base = region->base();
+    REQUIRE(region->size() == bytes);
+    REQUIRE(region->pinned_bytes() == pinned);
+    REQUIRE(backend->pins == std::vector<std::pair<void*, uint64_t>>{{base, pinned}});
+    check_zero_and_usable(region->base(), bytes);  // the unpinned rest is resident and zero
+  }
+  REQUIRE(backend->unpins == std::vector<std::pair<void*, uint64_t>>{{base, pinned}});
+  std::shared_ptr<strata::MemoryRegion> region;
+  strata::HostMemoryOptions options;
+  REQUIRE(strata::MemoryRegion::allocate_host(backend, 4096, 8192, options, &region).code() ==
+          strata::Code::kInternal);
 }

@@ -22,7 +22,7 @@ c_void_p = ctypes.c_void_p
 
 # The ABI these declarations are written against: the library must have this major version and
 # at least this minor one (the test abi_layout checks it is strata.h's version).
-ABI_VERSION = (1, 4)
+ABI_VERSION = (1, 5)
 
 MAX_NAME_LENGTH = 255
 MAX_NDIM = 8
@@ -96,7 +96,7 @@ class RuntimeConfig(Struct):
                 ("dram_fault_threads", c_uint32), ("nvme_paths", ctypes.POINTER(c_char_p)),
                 ("nvme_path_count", c_uint32), ("io_engine", c_int32), ("io_block_size", c_uint32),
                 ("io_queue_depth", c_uint32), ("nvme_checksums", c_int32),
-                ("io_dram_direct", c_int32)]
+                ("io_dram_direct", c_int32), ("dram_pinned_bytes", c_uint64)]
 
 
 class Capabilities(Struct):
@@ -108,12 +108,15 @@ class Capabilities(Struct):
                 ("dram_placement", ctypes.c_char * 64), ("dram_numa_node", c_int32),
                 ("dram_huge_pages", c_int32), ("dram_fault_threads", c_uint32),
                 ("dram_fault_seconds", c_double), ("dram_pin_seconds", c_double),
-                ("io_engine", ctypes.c_char * 16), ("io_engine_reason", ctypes.c_char * 256)]
+                ("io_engine", ctypes.c_char * 16), ("io_engine_reason", ctypes.c_char * 256),
+                ("dram_pinned_bytes", c_uint64)]
 
 
 class TierUsage(Struct):
     _fields_ = [("struct_size", c_size_t), ("budget_bytes", c_uint64), ("used_bytes", c_uint64),
-                ("largest_free_bytes", c_uint64), ("tensor_count", c_uint64)]
+                ("largest_free_bytes", c_uint64), ("tensor_count", c_uint64),
+                ("pinned_budget_bytes", c_uint64), ("pinned_used_bytes", c_uint64),
+                ("dram_fallbacks", c_uint64)]
 
 
 class LinkStats(Struct):
@@ -221,7 +224,8 @@ class LayoutTotals(Struct):
                 ("dram_bytes", c_uint64), ("dram_margin_bytes", c_uint64),
                 ("streaming_dram_bytes", c_uint64), ("streaming_hbm_bytes", c_uint64),
                 ("nvme_margin_bytes", c_uint64), ("nvme_bytes", c_uint64),
-                ("nvme_placeable_bytes", c_uint64), ("accum_bytes", c_uint64)]
+                ("nvme_placeable_bytes", c_uint64), ("accum_bytes", c_uint64),
+                ("dram_gpu_bytes", c_uint64)]
 
 
 class LayerViews(Struct):

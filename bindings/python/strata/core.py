@@ -154,6 +154,24 @@ def streaming_budgets(block_params, element_size, master_layout="separate", grad
     return t["streaming_hbm_bytes"], t["streaming_dram_bytes"]
 
 
+def pinned_dram(blocks, element_size, dram_budget, frozen=None, master_layout="separate",
+                grads="dram"):
+    """The DRAM arena's part to pin (Runtime(dram_pinned=...),
+    strata_runtime_config_t.dram_pinned_bytes) for streaming `blocks` (per block, its trainable
+    tensors' element counts; `frozen`: its frozen ones'), each tensor registered on its own:
+    what the GPU's copies read or write (strata_layout_totals_t.dram_gpu_bytes: the weights,
+    the grads in DRAM or HBM-homed grads' fetch buffer, the arena's margin). The optimizer's
+    state, staging and accumulators (the CPU's only) stay unpinned, so the arena's set-up is
+    bound by its fault-in rather than the driver's registration. 0 (all pinned) when that is
+    `dram_budget` or more, or there are no blocks. No margin beyond the library's: a block the
+    pinned part has no room for goes to the unpinned one (a pageable copy, counted in
+    tier_usage("dram")["dram_fallbacks"]), never fails."""
+    if not blocks:
+        return 0
+    gpu = layout_sizes(blocks, element_size, frozen, master_layout, grads)["dram_gpu_bytes"]
+    return 0 if gpu >= dram_budget else gpu
+
+
 def grads_hbm_bytes(block_params, element_size):
     """HBM the streamed blocks' grads take when they live there: their bytes, 1% and 64 KiB a
     block for the HBM arena's per-tensor alignment (strata_layout_totals_t.grad_hbm_bytes)."""
@@ -349,9 +367,12 @@ class Runtime:
     cap)."""
 
     def __init__(self, backend="auto", hbm_budget=0, dram_budget=0, nvme=None, nvme_budget=0,
-                 device=0, dram_fault_threads=0):
+                 device=0, dram_fault_threads=0, dram_pinned=0):
+        # dram_pinned: the DRAM arena's pinned part (strata_runtime_config_t.dram_pinned_bytes),
+        # 0 = all of it.
         config = _lib.RuntimeConfig()
         check(L.strata_runtime_config_init(ctypes.byref(config)))
+        config.dram_pinned_bytes = int(dram_pinned)
         config.device_backend = BACKENDS[backend]
         config.device_ordinal = device
         config.dram_fault_threads = int(dram_fault_threads)
@@ -389,7 +410,8 @@ class Runtime:
         u = _lib.TierUsage()
         check(L.strata_runtime_tier_usage(self.handle, TIERS[tier], ctypes.byref(u)))
         return {"budget": u.budget_bytes, "used": u.used_bytes, "largest_free": u.largest_free_bytes,
-                "tensors": u.tensor_count}
+                "tensors": u.tensor_count, "pinned_budget": u.pinned_budget_bytes,
+                "pinned_used": u.pinned_used_bytes, "dram_fallbacks": u.dram_fallbacks}
 
     def link_stats(self):
         out = {}

@@ -231,10 +231,14 @@ class Trainer:
         self.scan = scan if scan is not None else all(s == self.shapes[0] for s in self.shapes)
         if self.scan and any(s != self.shapes[0] for s in self.shapes):
             raise ValueError("strata.jax: scan=True needs every block of one shape")
+        dram = dram if host_budget is None else host_budget
+        # Only what the GPU's copies touch of the arena is pinned (core.pinned_dram): each
+        # leaf's weight and grad, not the optimizer's state.
+        pinned = core.pinned_dram([[int(np.prod(s)) for s in shapes] for shapes in self.shapes],
+                                  itemsize, dram)
         self.runtime = core.Runtime(backend=backend,
                                     hbm_budget=hbm if gpu_budget is None else gpu_budget,
-                                    dram_budget=dram if host_budget is None else host_budget,
-                                    nvme=nvme)
+                                    dram_budget=dram, nvme=nvme, dram_pinned=pinned)
         started = self._timed("runtime", started)
         try:
             self._ffi = self._open_ffi(ffi)  # waits for the library's compile, if still running

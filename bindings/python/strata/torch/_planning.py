@@ -122,6 +122,19 @@ def session_budgets(counts, dtype, grads, gpu_budget, host_budget, mesh=None, be
             dram if host_budget is None else host_budget)
 
 
+def pinned_dram(blocks, dtype, grads, dram_budget, mesh=None):
+    """The part of the session runtime's DRAM arena to pin (core.pinned_dram, the library's
+    rule) for the streamed blocks' tensors as this process registers them (kept_elements),
+    each in its own arena blocks: their weights and grads (or the grads' fetch buffer), not the
+    optimizer's state (issue 39: the arena's set-up is then bound by its fault-in)."""
+    trainable = [[kept_elements(p.numel(), mesh) for p in b.parameters() if p.requires_grad]
+                 for b in blocks]
+    frozen = [[kept_elements(p.numel(), mesh) for p in b.parameters() if not p.requires_grad]
+              for b in blocks]
+    return core.pinned_dram(trainable, element_bytes(dtype), dram_budget, frozen,
+                            master_layout(dtype), grads)
+
+
 def estimate_dram(blocks, dtype, mesh=None, grads="dram"):
     """The pinned DRAM the streamed blocks need without NVMe (weights, grads, masters and
     moments, alignment and headroom)."""

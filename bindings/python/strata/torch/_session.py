@@ -210,11 +210,16 @@ class StrataSession:
                     _planning.replica_bytes(self.blocks, self.dtype, self.mesh))
                 # The runtime computes on the model's GPU (cuda:1 is ordinal 1), not always
                 # the first.
+                # Only what the GPU's copies touch of the arena is pinned (the library sizes
+                # it, strata_layout_totals_t.dram_gpu_bytes): the state stays unpinned.
+                pinned = _planning.pinned_dram(self.blocks, self.dtype, self.grads_home,
+                                               host_budget, self.mesh)
                 self.runtime = core.Runtime(backend=choices.backend, hbm_budget=gpu_budget,
                                             dram_budget=host_budget, nvme=choices.nvme,
                                             nvme_budget=choices.nvme_budget,
                                             device=(self.device.index or 0) if self.cuda else 0,
-                                            dram_fault_threads=_host.fault_threads(self.mesh))
+                                            dram_fault_threads=_host.fault_threads(self.mesh),
+                                            dram_pinned=pinned)
         except BaseException:
             if self.runtime is not None:
                 self.runtime.close()
