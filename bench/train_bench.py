@@ -697,8 +697,14 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
         # What Strata's pinned DRAM holds per streamed parameter (grads, weights left in DRAM,
         # state, staging, buffers), against the 16 bytes of DRAM-only training.
         streamed = sum(p.numel() for b in model.strata.blocks for p in b.parameters())
-        used = model.strata.runtime.tier_usage("dram")["used"]
+        dram = model.strata.runtime.tier_usage("dram")
+        used = dram["used"]
         out.update(dram_used_gb=used / 1e9, dram_bytes_per_streamed_param=used / streamed)
+        # The arena's pinned part (C ABI 1.5: only what the GPU's copies touch is registered)
+        # and its use, and the blocks that went to the other part for want of room (> 0: some
+        # transfers are pageable copies, or the pinned part holds state it need not).
+        out.update(dram_pinned_gb=[dram["pinned_used"] / 1e9, dram["pinned_budget"] / 1e9],
+                   dram_fallbacks=dram["dram_fallbacks"])
     return out
 
 
