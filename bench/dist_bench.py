@@ -372,6 +372,12 @@ def setup_strata(config, device, clip, rows, world, resident_blocks=None, accum=
              if device.type == "cuda" else 0}
     if world > 1:
         extra["layout"] = model.strata.mesh.describe()
+    # The arena's pinned part (what the GPU's copies touch), its use, and the blocks that went
+    # to the other part for want of room (> 0: some of this rank's copies are pageable).
+    dram = model.strata.runtime.tier_usage("dram")
+    extra["dram_pinned_gb"] = [dram["pinned_used"] / 1e9, dram["pinned_budget"] / 1e9,
+                               dram["budget"] / 1e9]
+    extra["dram_fallbacks"] = dram["dram_fallbacks"]
     if nvme:
         extra["nvme"] = nvme
 

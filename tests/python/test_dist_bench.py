@@ -279,6 +279,10 @@ def test_accumulation_and_nvme_under_data_parallel(tmp_path):
         assert "error" not in r, r
         assert r["micro_batches"] == 2 and len(r["losses"]) == 3
         assert r["nvme"].startswith(str(nvme))
+        # the arena's pinned part (sized by the library) holds every block the GPU's copies
+        # touch: nothing fell back to the unpinned part
+        assert r["dram_fallbacks"] == 0 and 0 < r["dram_pinned_gb"][0] <= r["dram_pinned_gb"][1]
+        assert r["dram_pinned_gb"][1] < r["dram_pinned_gb"][2]
         # tokens a step: rows per GPU a step x GPUs x sequence
         tokens = r["rows_per_gpu"] * r["gpus"] * 16
         assert r["tokens_per_second"] == pytest.approx(tokens / r["step_seconds"])
