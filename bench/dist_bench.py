@@ -355,11 +355,13 @@ def setup_strata(config, device, clip, rows, world, resident_blocks=None, accum=
                  strata_nvme=None, **_):
     import torch
     import strata.torch as st
+    # The tier's file in the run's own directory (dist_bench's launch removes it after the run,
+    # with whatever the ranks' files are named: under data parallelism the library names one
+    # per rank after this path).
     nvme = None
-    if strata_nvme:  # one file a rank: the ranks of a host share the disk, not a file
-        rank = int(os.environ.get("RANK", 0))
+    if strata_nvme:
         os.makedirs(strata_nvme, exist_ok=True)
-        nvme = os.path.join(strata_nvme, "strata.rank%d.%d" % (rank, os.getpid()))
+        nvme = os.path.join(strata_nvme, "strata.tier")
     model = st.offload(meta_model(config), device=device, dtype=torch.bfloat16,
                        resident_blocks=resident_blocks, nvme=nvme,
                        data_parallel=st.DataParallel(broadcast=False) if world > 1 else None)
@@ -381,11 +383,7 @@ def setup_strata(config, device, clip, rows, world, resident_blocks=None, accum=
     if nvme:
         extra["nvme"] = nvme
 
-    def close():
-        model.strata.close()
-        if nvme and os.path.exists(nvme):
-            os.remove(nvme)
-    extra["close"] = close
+    extra["close"] = model.strata.close
 
     return plain_step(model, opt, clip, accum), extra
 
@@ -516,12 +514,12 @@ def job_command(args, mode, gpus, mult, model_name, threads, nvme_dir=None):
         one += ["--resident-blocks", str(args.resident_blocks)]
     if args.accum > 1:
         one += ["--accum", str(args.accum)]
-    if args.strata_nvme and mode == "strata":
-        one += ["--strata-nvme", os.path.abspath(args.strata_nvme)]
+    if nvme_dir and mode == "strata":
+        one += ["--strata-nvme", nvme_dir]
     if mode == "megatrain":
         return [sys.executable] + one + ["--gpus", str(gpus), "--megatrain-dir",
                                          os.path.abspath(args.megatrain_dir)]
-    if nvme_dir:
+    if nvme_dir and mode == "deepspeed-nvme":
         one += ["--nvme-dir", nvme_dir]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(gpus)] + one
@@ -575,8 +573,12 @@ def from_progress(stderr, warmup, tokens):
 
 def launch(args, mode, gpus, mult, model_name, threads, timeout, log=None):
     nvme_dir = None
-    if mode == "deepspeed-nvme":
-        nvme_dir = os.path.join(os.path.abspath(args.nvme_dir), "dist_bench.%d" % os.getpid())
+    if mode == "deepspeed-nvme" or (mode == "strata" and args.strata_nvme):
+        # A directory of this run's own under the one given, removed after it however it ends
+        # (strata's tier files are per rank, named by the library under data parallelism).
+        root = args.nvme_dir if mode == "deepspeed-nvme" else args.strata_nvme
+        nvme_dir = os.path.join(os.path.abspath(root), "dist_bench.%d.%s-%d" % (
+            os.getpid(), mode, gpus))
         os.makedirs(nvme_dir, exist_ok=True)
     cmd = job_command(args, mode, gpus, mult, model_name, threads, nvme_dir)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -753,6 +755,10 @@ def main(argv=None):
                    help="print the runs, their threads and what is unavailable; run nothing")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.accum < 1:
+        p.error("--accum %d: at least 1 micro-batch a step" % args.accum)
+    if args.one and args.accum > 1 and args.one[0] not in ("strata", "fsdp2"):
+        p.error("--accum %d: only strata and fsdp2 runs accumulate here" % args.accum)
     if args.one:
         if args.one[0] == "megatrain":
             run_megatrain_job(args.one[1], args.batch, args.gpus, args.seq, args.steps,
@@ -770,8 +776,6 @@ def main(argv=None):
         runs = [parse_run(s) for s in (args.runs or default_runs(n)).split(",")]
     except ValueError as e:
         p.error(str(e))
-    if args.accum < 1:
-        p.error("--accum %d: at least 1 micro-batch a step" % args.accum)
     if args.accum > 1 and any(m not in ("strata", "fsdp2") for m, _, _ in runs):
         # DeepSpeed takes accumulation in its config and MegaTrain in its own; neither is wired
         # here, and one batch of batch x accum rows would measure another step.

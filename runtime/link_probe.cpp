@@ -71,13 +71,13 @@ Status Runtime::measure_nvme_read(double* rate) {
   uint64_t extent = 0, dram_offset = 0, bytes = 256ull << 20;
   {
     std::lock_guard lock(mutex_);
-    bytes = std::min({bytes, nvme_->extents().largest_free(), arena(Tier::kDram)->largest_free()});
+    bytes = std::min({bytes, nvme_->extents().largest_free(), dram_state_part().largest_free()});
     bytes = bytes / NvmeTier::kAlignment * NvmeTier::kAlignment;
     if (bytes < NvmeTier::kAlignment) {
       return error(Code::kOutOfMemory, "no free NVMe or DRAM space to measure NVMe reads with");
     }
     STRATA_RETURN_IF_ERROR(nvme_->extents().allocate(bytes, "nvme measurement", &extent));
-    Status s = arena(Tier::kDram)->allocate(bytes, "nvme measurement", &dram_offset);
+    Status s = dram_state_part().allocate(bytes, "nvme measurement", &dram_offset);
     if (!s.is_ok()) {
       (void)nvme_->extents().free(extent);
       return s;
@@ -85,14 +85,15 @@ Status Runtime::measure_nvme_read(double* rate) {
   }
   auto done = std::make_shared<Completion>();
   const auto start = std::chrono::steady_clock::now();
-  nvme_->read_to_host("(nvme measurement)", tier_base(Tier::kDram) + dram_offset, extent, bytes,
+  nvme_->read_to_host("(nvme measurement)",
+                      tier_base(Tier::kDram) + dram_state_part_base() + dram_offset, extent, bytes,
                       nullptr, [done](Status st) { done->complete(std::move(st)); });
   Status s = done->wait(-1);
   const double seconds = seconds_since(start);
   *rate = seconds > 0 ? static_cast<double>(bytes) / seconds : 0;
   std::lock_guard lock(mutex_);
   (void)nvme_->extents().free(extent);
-  (void)arena(Tier::kDram)->free(dram_offset);
+  (void)dram_state_part().free(dram_offset);
   return s;
 }
 
@@ -108,20 +109,20 @@ Status Runtime::measure_nvme(double* read, double* write, double* mixed) {
   {
     std::lock_guard lock(mutex_);
     span = std::min(span, nvme_->extents().largest_free() / 2);
-    chunk = std::min(chunk, arena(Tier::kDram)->largest_free() / 2);
+    chunk = std::min(chunk, dram_state_part().largest_free() / 2);
     chunk = chunk / NvmeTier::kAlignment * NvmeTier::kAlignment;
     span = chunk == 0 ? 0 : span / chunk * chunk;
     if (chunk == 0 || span == 0) {
       return error(Code::kOutOfMemory, "no free NVMe or DRAM space to measure the disk with");
     }
     STRATA_RETURN_IF_ERROR(nvme_->extents().allocate(2 * span, "nvme measurement", &extent));
-    Status s = arena(Tier::kDram)->allocate(2 * chunk, "nvme measurement", &dram_offset);
+    Status s = dram_state_part().allocate(2 * chunk, "nvme measurement", &dram_offset);
     if (!s.is_ok()) {
       (void)nvme_->extents().free(extent);
       return s;
     }
   }
-  unsigned char* host = tier_base(Tier::kDram) + dram_offset;
+  unsigned char* host = tier_base(Tier::kDram) + dram_state_part_base() + dram_offset;
   // Chunk `at` of region `half`, written from (or read into) DRAM buffer `half`.
   auto submit = [&](bool writing, uint64_t half, uint64_t at,
                     std::vector<std::shared_ptr<Completion>>* out) {
@@ -180,7 +181,7 @@ Status Runtime::measure_nvme(double* read, double* write, double* mixed) {
   }
   std::lock_guard lock(mutex_);
   (void)nvme_->extents().free(extent);
-  (void)arena(Tier::kDram)->free(dram_offset);
+  (void)dram_state_part().free(dram_offset);
   return s;
 }
 

@@ -173,7 +173,9 @@ Status Runtime::allocate_block(Tier tier, Role role, uint64_t bytes, std::string
                  unpinned_first ? "unpinned" : "pinned", " part (", s.message(), ") nor its ",
                  unpinned_first ? "pinned" : "unpinned", " part (", t.message(), ")");
   }
-  ++dram_fallbacks_;
+  // Counted only where it costs: a block the GPU's copies touch in the unpinned part (its
+  // transfers are pageable copies). State in the pinned part only takes pinned room.
+  if (!unpinned_first) ++dram_fallbacks_;
   *offset = base_second + at;
   return t;
 }

@@ -48,8 +48,8 @@ struct TierUsage {
   uint64_t used = 0;
   uint64_t largest_free = 0;
   uint64_t tensors = 0;
-  // DRAM only: the pinned arena's budget and use, and the blocks that went to the other arena
-  // than their role's (Runtime::allocate_block) because it had no room.
+  // DRAM only: the pinned arena's budget and use, and the blocks of a role the GPU's copies
+  // touch that went to the unpinned arena (Runtime::allocate_block) for want of pinned room.
   uint64_t pinned_budget = 0;
   uint64_t pinned_used = 0;
   uint64_t fallbacks = 0;
@@ -164,8 +164,14 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   explicit Runtime(std::shared_ptr<DeviceBackend> backend) : backend_(std::move(backend)) {}
 
   Arena* arena(Tier tier) const;  // DRAM: the pinned arena
-  // A block of `tier` for a tensor of `role` (DRAM: in its role's arena, else the other one,
-  // counted in dram_fallbacks_), its offset from the tier's base; and its release. Under mutex_.
+  // The DRAM arena's part the optimizer's state lives in (the unpinned one, else the whole
+  // pinned arena) and its offset from the tier's base: what the disk probes move data through,
+  // as the state does (the pinned part is sized for the GPU's blocks, with little slack).
+  Arena& dram_state_part() const { return dram_unpinned_ ? *dram_unpinned_ : *arenas_[1]; }
+  uint64_t dram_state_part_base() const { return dram_unpinned_ ? dram_pinned_size_ : 0; }
+  // A block of `tier` for a tensor of `role` (DRAM: in its role's arena, else the other one;
+  // a GPU-touched role in the unpinned one is counted in dram_fallbacks_), its offset from the
+  // tier's base; and its release. Under mutex_.
   Status allocate_block(Tier tier, Role role, uint64_t bytes, std::string_view what,
                         uint64_t* offset, bool* untouched = nullptr);
   Status free_block(Tier tier, uint64_t offset);

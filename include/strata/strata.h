@@ -360,8 +360,8 @@ typedef struct strata_runtime_config {
    * (read and written by the CPU's update only) goes to the unpinned arena, every other role to
    * the pinned one; registration and moves into DRAM use the other arena when the preferred
    * one has no room (a tier never fails while it has room; a transfer from the unpinned arena
-   * is then a pageable copy, slower but correct), counted in strata_tier_usage_t's
-   * dram_fallbacks. Size it with strata_layout_totals_t.dram_gpu_bytes. A value above the
+   * is then a pageable copy, slower but correct; each such block of a role other than
+   * optimizer state is counted in strata_tier_usage_t's dram_fallbacks). Size it with strata_layout_totals_t.dram_gpu_bytes. A value above the
    * (rounded) dram_budget_bytes is INVALID_ARGUMENT naming both; equal to it is everything
    * pinned. strata_capabilities_t.dram_pinned_bytes reports what was registered. */
   uint64_t dram_pinned_bytes;
@@ -454,9 +454,10 @@ typedef struct strata_tier_usage {
   /* Since 1.5 (not written for a 1.4 caller's struct_size); DRAM only, 0 for the other tiers.
    * The pinned arena's part of budget_bytes and used_bytes (with strata_runtime_config_t's
    * dram_pinned_bytes at 0, all of them), and how many DRAM blocks (registrations and moves in)
-   * went to the other arena than their role's because it had no room: optimizer state into the
-   * pinned arena, or any other role into the unpinned one (whose transfers are then pageable
-   * copies). Cumulative over the runtime's life. */
+   * of a role the GPU's copies touch (every role but optimizer state) went to the unpinned
+   * arena because the pinned one had no room: their transfers are pageable copies, slower.
+   * Optimizer state placed in the pinned arena for want of unpinned room is not counted (it
+   * only takes pinned room). Cumulative over the runtime's life. */
   uint64_t pinned_budget_bytes;
   uint64_t pinned_used_bytes;
   uint64_t dram_fallbacks;

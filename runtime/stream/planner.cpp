@@ -77,7 +77,12 @@ Status lay_out_layer(Lookup& lookup, const LayerSpec& spec, uint32_t index,
     const uint64_t first = sorted.front().offset;
     const uint64_t span =
         sorted.back().offset + align_up(std::max<uint64_t>(sorted.back().nbytes, 1), kPage) - first;
-    if (span <= packed + packed / 8) {
+    // Never one span across the DRAM arena's pinned part and its unpinned one (a weight that
+    // fell back there: Runtime::allocate_block): CUDA refuses a copy whose host range spans a
+    // registered and an unregistered range. Such a layer's weights go one copy each.
+    const uint64_t boundary = lookup.runtime.dram_pinned_size();
+    const bool one_part = (first < boundary) == (sorted.back().offset < boundary);
+    if (one_part && span <= packed + packed / 8) {
       out->weights_as_span = true;
       out->span_dram_offset = first;
       out->span_bytes = span;

@@ -289,8 +289,12 @@ def test_accumulation_and_nvme_under_data_parallel(tmp_path):
     assert two["rows_per_gpu"] == 2 and one["rows_per_gpu"] == 4
     assert dist_bench.max_relative(two["losses"], one["losses"]) <= dist_bench.BF16_TOLERANCE
     assert "within bf16" in out.stdout
-    assert list(nvme.iterdir()) == []  # every rank's tier file removed with its run
+    assert list(nvme.iterdir()) == []  # each run's directory, every rank's file in it, removed
     refused = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--models", "tiny",
                               "--runs", "strata:2,deepspeed:2", "--accum", "2", "--plan"],
                              capture_output=True, text=True, env=_env(), timeout=60)
     assert refused.returncode == 2 and "only strata and fsdp2 runs accumulate" in refused.stderr
+    one = subprocess.run([sys.executable, str(BENCH), "--one", "deepspeed", "tiny", "--device",
+                          "cpu", "--accum", "2"], capture_output=True, text=True, env=_env(),
+                         timeout=60)
+    assert one.returncode == 2 and "only strata and fsdp2 runs accumulate" in one.stderr

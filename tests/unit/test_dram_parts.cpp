@@ -97,7 +97,8 @@ TEST_CASE("state falling back into the pinned part is known zero only above its 
   const strata::TensorId s2 = add(*rt, "s2", 4096, strata::Role::kOptimizerState, &zeroed);
   REQUIRE(offset_of(*rt, s2) == 4096);
   REQUIRE(zeroed);
-  REQUIRE(rt->tier_usage(strata::Tier::kDram).fallbacks == 2);
+  // State in the pinned part only takes pinned room: no fallback counted.
+  REQUIRE(rt->tier_usage(strata::Tier::kDram).fallbacks == 0);
 }
 
 TEST_CASE("no dram_pinned: one part, every role in it, as before", "[dram_parts]") {
@@ -116,10 +117,12 @@ TEST_CASE("no dram_pinned: one part, every role in it, as before", "[dram_parts]
   REQUIRE(u.fallbacks == 0);
 }
 
-TEST_CASE("the update-rate probe measures in the state's part, not falling back into the pinned",
-          "[dram_parts]") {
+TEST_CASE(
+    "the update-rate probe is sized by the state's part, the memory the state it stands "
+    "for lives in",
+    "[dram_parts]") {
   // The pinned part is the larger: a probe sized by the tier's largest free block would not
-  // fit the unpinned part and would be counted as a fallback.
+  // fit the unpinned part and would take pinned room instead.
   auto rt = make(64 * kMiB, 40 * kMiB);
   REQUIRE(rt->dram_largest_free_for(strata::Role::kOptimizerState) == 24 * kMiB);
   REQUIRE(rt->dram_largest_free_for(strata::Role::kWeight) == 40 * kMiB);

@@ -126,12 +126,14 @@ def pinned_dram(blocks, dtype, grads, dram_budget, mesh=None):
     """The part of the session runtime's DRAM arena to pin (core.pinned_dram, the library's
     rule) for the streamed blocks' tensors as this process registers them (kept_elements),
     each in its own arena blocks: their weights and grads (or the grads' fetch buffer), not the
-    optimizer's state (issue 39: the arena's set-up is then bound by its fault-in)."""
-    trainable = [[kept_elements(p.numel(), mesh) for p in b.parameters() if p.requires_grad]
-                 for b in blocks]
-    frozen = [[kept_elements(p.numel(), mesh) for p in b.parameters() if not p.requires_grad]
-              for b in blocks]
-    return core.pinned_dram(trainable, element_bytes(dtype), dram_budget, frozen,
+    optimizer's state (issue 39: the arena's set-up is then bound by its fault-in). Every block
+    parameter is counted as trainable: the runtime exists from st.offload on, while which
+    parameters train is fixed only at st.AdamW (check_trainable), so one unfrozen in between
+    must still find pinned room for its grad (else its copies are pageable: counted in
+    tier_usage("dram")["dram_fallbacks"]). A frozen parameter's grad room is pinned for
+    nothing; where that reaches the budget, everything is pinned, as before 1.5."""
+    every = [[kept_elements(p.numel(), mesh) for p in b.parameters()] for b in blocks]
+    return core.pinned_dram(every, element_bytes(dtype), dram_budget, None,
                             master_layout(dtype), grads)
 
 
