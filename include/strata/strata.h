@@ -361,9 +361,10 @@ typedef struct strata_runtime_config {
    * the pinned one; registration and moves into DRAM use the other arena when the preferred
    * one has no room (a tier never fails while it has room; a transfer from the unpinned arena
    * is then a pageable copy, slower but correct; each such block of a role other than
-   * optimizer state is counted in strata_tier_usage_t's dram_fallbacks). Size it with strata_layout_totals_t.dram_gpu_bytes. A value above the
-   * (rounded) dram_budget_bytes is INVALID_ARGUMENT naming both; equal to it is everything
-   * pinned. strata_capabilities_t.dram_pinned_bytes reports what was registered. */
+   * optimizer state is counted in strata_tier_usage_t's dram_fallbacks). Size it with
+   * strata_layout_totals_t.dram_gpu_bytes. A value above the (rounded) dram_budget_bytes is
+   * INVALID_ARGUMENT naming both; equal to it is everything pinned.
+   * strata_capabilities_t.dram_pinned_bytes reports what was registered. */
   uint64_t dram_pinned_bytes;
 } strata_runtime_config_t;
 #define STRATA_RUNTIME_CONFIG_STRUCT_SIZE \

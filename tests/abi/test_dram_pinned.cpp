@@ -139,9 +139,10 @@ TEST_CASE("optimizer state lands in the unpinned part, every other role in the p
   REQUIRE(u.largest_free_bytes == 6 * kMiB - 3 * 4096);  // the unpinned part's rest
 }
 
-TEST_CASE("a full part lends the other room, both ways, a GPU-touched block in the unpinned part "
-          "counted; no room is an error naming both",
-          "[abi][dram_pinned]") {
+TEST_CASE(
+    "a full part lends the other room, both ways, a GPU-touched block in the unpinned part "
+    "counted; no room is an error naming both",
+    "[abi][dram_pinned]") {
   RuntimePtr rt = make_runtime(pinned_config(4 * kMiB, kMiB));
   strata_runtime_t* r = rt.get();
   strata_tensor_t* weights = register_role(r, "weights", kMiB, STRATA_ROLE_WEIGHT);
