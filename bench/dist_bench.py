@@ -324,16 +324,11 @@ def plain_step(model, opt, clip, accum=1):
     import torch
 
     def step(ids):
-        if accum > 1:
-            total = 0.0
-            for micro in ids.chunk(accum):
-                loss = model(micro, labels=micro).loss / accum
-                loss.backward()
-                total = total + loss.detach()
-            loss = total
-        else:
-            loss = model(ids, labels=ids).loss
-            loss.backward()
+        loss = 0.0
+        for micro in ids.chunk(accum):  # accum 1: the whole batch (a division by 1 is exact)
+            part = model(micro, labels=micro).loss / accum
+            part.backward()
+            loss = loss + part.detach()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -715,6 +710,21 @@ def add_step_options(p):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
 
 
+# The modes whose step (plain_step) accumulates --accum micro-batches. DeepSpeed takes
+# accumulation in its config and MegaTrain in its own; neither is wired here, and one batch of
+# batch x accum rows would measure another step.
+ACCUMULATES = ("strata", "fsdp2")
+
+
+def check_accum(p, args, modes):
+    """--accum's rules for the runs of `modes`, refused through the parser p."""
+    if args.accum < 1:
+        p.error("--accum %d: at least 1 micro-batch a step" % args.accum)
+    if args.accum > 1 and any(m not in ACCUMULATES for m in modes):
+        p.error("--accum %d: only strata and fsdp2 runs accumulate here (runs: %s)"
+                % (args.accum, ",".join(modes)))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="3.6b,8b")
@@ -755,11 +765,8 @@ def main(argv=None):
                    help="print the runs, their threads and what is unavailable; run nothing")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.accum < 1:
-        p.error("--accum %d: at least 1 micro-batch a step" % args.accum)
-    if args.one and args.accum > 1 and args.one[0] not in ("strata", "fsdp2"):
-        p.error("--accum %d: only strata and fsdp2 runs accumulate here" % args.accum)
     if args.one:
+        check_accum(p, args, [args.one[0]])
         if args.one[0] == "megatrain":
             run_megatrain_job(args.one[1], args.batch, args.gpus, args.seq, args.steps,
                               args.warmup, args.clip, args.device, args.threads,
@@ -776,11 +783,7 @@ def main(argv=None):
         runs = [parse_run(s) for s in (args.runs or default_runs(n)).split(",")]
     except ValueError as e:
         p.error(str(e))
-    if args.accum > 1 and any(m not in ("strata", "fsdp2") for m, _, _ in runs):
-        # DeepSpeed takes accumulation in its config and MegaTrain in its own; neither is wired
-        # here, and one batch of batch x accum rows would measure another step.
-        p.error("--accum %d: only strata and fsdp2 runs accumulate here (runs: %s)"
-                % (args.accum, ",".join(m for m, _, _ in runs)))
+    check_accum(p, args, [m for m, _, _ in runs])
     if args.megatrain_dir:
         import megatrain_peer
         megatrain_peer.load(args.megatrain_dir)  # a wrong tree refused before anything runs
