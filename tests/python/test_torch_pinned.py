@@ -5,6 +5,7 @@ arena pinned: the weights and grads in the pinned part, the optimizer's state in
 nothing displaced. On the CPU (the host backend) pinning is a no-op; the parts and the
 routing are the library's all the same."""
 import copy
+import dataclasses
 
 import pytest
 
@@ -88,3 +89,30 @@ def test_a_session_pins_what_the_gpu_touches_and_trains_bit_for_bit(monkeypatch)
     assert la[-1] < la[0]
     for key in wa:
         assert torch.equal(wa[key], wb[key]), key
+
+
+def test_parameters_unfrozen_after_offload_find_pinned_room():
+    """Which parameters train is fixed at st.AdamW, not at st.offload, where the runtime and
+    its pinned part are made: a model offloaded frozen (loaded for evaluation, say) and
+    unfrozen before its optimizer, as strata.torch allows, must find pinned room for every
+    grad. Sized from requires_grad at offload, 14 blocks went to the unpinned part (their
+    copies pageable on a GPU)."""
+    torch.manual_seed(0)
+    # Blocks whose grads outgrow the library's margin (tiny's fit in it either way).
+    config = dataclasses.replace(PRESETS["tiny"], hidden_size=512, intermediate_size=2048,
+                                 num_attention_heads=8, num_key_value_heads=8)
+    model = LlamaForCausalLM(config)
+    model.requires_grad_(False)
+    model = st.offload(model, device="cpu", dtype=torch.bfloat16, resident_blocks=0)
+    try:
+        model.requires_grad_(True)
+        opt = st.AdamW(model, lr=1e-3)
+        ids = batches(config, 1)[0]
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.synchronize()
+        usage = model.strata.runtime.tier_usage("dram")
+        assert usage["pinned_used"] > 0
+        assert usage["dram_fallbacks"] == 0
+    finally:
+        model.strata.close()
