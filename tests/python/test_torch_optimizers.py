@@ -254,3 +254,26 @@ def test_checkpoint_of_another_kind_is_refused(offload, tmp_path):
     fresh = offload(build("llama"))
     with pytest.raises(Exception, match="lion"):
         st.load_checkpoint(path, fresh, st.Adam(fresh.parameters()))
+
+
+def test_zero_initial_state_is_not_built(offload):
+    """Creating an optimizer whose state starts at zero (AdamW's moments) writes nothing and
+    builds no initial tensor per streamed parameter: the library's state starts zeroed. It
+    used to build a zero tensor per parameter and state to test it with any(): for a 30B's
+    AdamW 232 GB written and read, 49 s of an H200 host's 109 s setup (22nd session).
+    Adagrad's nonzero initial_accumulator_value is written: "Adagrad-all" above checks it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model = offload(build("llama"))
+    with Ops() as ops:
+        st.AdamW(model.parameters(), lr=1e-3)
+    assert not ops.seen & {"zeros", "any"}, sorted(ops.seen)

@@ -12,6 +12,7 @@ LR schedulers, state_dict()/load_state_dict() and zero_grad(set_to_none=...) wor
 One base class (_Optimizer) holds all of that; each optimizer is a small subclass naming its
 Strata kind, its torch counterpart, its state and how its groups reach Strata's."""
 
+import time
 import weakref
 
 import torch
@@ -137,9 +138,14 @@ class _Optimizer(torch.optim.Optimizer):
     def _state_kinds(self):
         return self.STATE
 
+    def _initial_value(self, key):
+        """The constant a state tensor holds before any update, as torch's optimizer starts it
+        (zeros, Adagrad's initial_accumulator_value)."""
+        return 0.0
+
     def _initial_state(self, key, shape, device):
         """A state tensor before any update (torch's initial value)."""
-        return torch.zeros(shape, device=device)
+        return torch.full(shape, self._initial_value(key), device=device)
 
     def _fresh_resident_state(self, master):
         """A resident parameter's torch state when it has none (None: torch makes it)."""
@@ -217,7 +223,10 @@ class _Optimizer(torch.optim.Optimizer):
             if session.executor is None:  # (frozen blocks built before: nothing to lay out)
                 session.build(dict(self._settings(), kind=self.KIND, threads=threads), group_of)
                 if session.optimizer is not None:
+                    started = time.perf_counter()
                     self._init_streamed_state()
+                    session.timed("initial_state", started)
+        started = time.perf_counter()  # the resident parameters' masters and torch optimizer
         # Resident parameters: torch's optimizer on fp32 masters (the parameter itself when
         # fp32).
         self._resident = []  # (param, master, our group index)
@@ -259,15 +268,19 @@ class _Optimizer(torch.optim.Optimizer):
         self._ready = True
         if self._pager is not None:
             self._pager.page_out(timed=False)  # the masters, from the first forward pass on
+        if self._session is not None:
+            self._session.timed("resident_optimizer", started)
 
     def _init_streamed_state(self):
         """The streamed parameters' state where torch's does not start at zero (Adagrad's
-        initial_accumulator_value): Strata's starts zeroed."""
-        for sp in self._streamed():
-            for key, kind in self._state_kinds().items():
-                value = self._initial_state(key, sp.shape, "cpu")
-                if bool(value.any()):
-                    self._write_state(sp, kind, value)
+        initial_accumulator_value): Strata's starts zeroed. Decided from the constant, not by
+        building each parameter's initial tensor to test it: that was a tensor per parameter
+        and state, 232 GB written and read for a 30B's AdamW (49 s of its setup)."""
+        for key, kind in self._state_kinds().items():
+            if self._initial_value(key) == 0.0:
+                continue
+            for sp in self._streamed():
+                self._write_state(sp, kind, self._initial_state(key, sp.shape, "cpu"))
 
     # The resident parameters' optimizer state paged to host memory between a step and the
     # next backward pass (strata.torch._paging; docs/python-reference.md, Performance): "auto" (on CUDA,
@@ -771,13 +784,12 @@ class Adagrad(_Optimizer):
     def _state_from_start(self):
         return True
 
-    def _initial_state(self, key, shape, device):
-        return torch.full(shape, float(self.defaults["initial_accumulator_value"]),
-                          device=device)
+    def _initial_value(self, key):
+        return float(self.defaults["initial_accumulator_value"])
 
     def _fresh_resident_state(self, master):
         return {"step": torch.tensor(0.0),
-                "sum": torch.full_like(master, float(self.defaults["initial_accumulator_value"]),
+                "sum": torch.full_like(master, self._initial_value("sum"),
                                        memory_format=torch.preserve_format)}
 
     def _settings(self):
