@@ -40,8 +40,8 @@ attention-mask patch it needs for sdpa on the CPU instead of training.
 --nvme PATH (strata only) gives the runtime an NVMe tier there: optimizer state that does not
 fit in --host-budget GiB (default: 85% of MemAvailable) goes to NVMe, staged through DRAM
 (docs/optimizer.md), and so do the last blocks' weights when the budget cannot hold them; the
-result reports the placement, the NVMe traffic per step and the pinned DRAM per streamed
-parameter.
+result reports the placement, the NVMe traffic per step and the DRAM arena per streamed
+parameter (and its pinned part).
 A model is a preset name or a spec "h4096-l40-i14336-kv8-v32000" (hidden, layers, FFN,
 KV heads, vocabulary; 32 heads of 128).
 
@@ -694,7 +694,7 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
                        nvme_read_gb_per_step=stats["nvme_read_bytes"] / n / 1e9,
                        nvme_write_gb_per_step=stats["nvme_write_bytes"] / n / 1e9,
                        stage_wait_seconds_per_step=stats["stage_wait_seconds"] / n)
-        # What Strata's pinned DRAM holds per streamed parameter (grads, weights left in DRAM,
+        # What Strata's DRAM arena holds per streamed parameter (grads, weights left in DRAM,
         # state, staging, buffers), against the 16 bytes of DRAM-only training.
         streamed = sum(p.numel() for b in model.strata.blocks for p in b.parameters())
         dram = model.strata.runtime.tier_usage("dram")
@@ -749,7 +749,8 @@ def main():
                    help="strata: an NVMe tier file for optimizer state and weights; "
                         "deepspeed-nvme: its files go to the directory PATH.deepspeed")
     p.add_argument("--host-budget", type=float, default=None,
-                   help="strata: GiB of pinned DRAM (with --nvme: the rest of the state spills)")
+                   help="strata: GiB of host memory (st.offload(host_budget=); with --nvme: the "
+                        "rest of the state spills)")
     p.add_argument("--weights", default=None,
                    help="strata: load the model from this safetensors checkpoint "
                         "(st.offload(weights=)) instead of initializing it")
@@ -887,8 +888,10 @@ def main():
                          r.get("peak_reserved_device_gb", 0.0), r.get("alloc_retries", 0),
                          r["setup_seconds"], r.get("plan", "")), flush=True)
                 if "dram_bytes_per_streamed_param" in r:
-                    print("     pinned DRAM %.1f GB: %.2f bytes per streamed parameter"
-                          % (r["dram_used_gb"], r["dram_bytes_per_streamed_param"]), flush=True)
+                    print("     DRAM arena %.1f GB used (%.1f GB of it pinned, %d fallbacks): "
+                          "%.2f bytes per streamed parameter"
+                          % (r["dram_used_gb"], r["dram_pinned_gb"][0], r["dram_fallbacks"],
+                             r["dram_bytes_per_streamed_param"]), flush=True)
                 if r.get("setup_phases"):
                     print("     setup (s): %s" % "  ".join(
                         "%s %.1f" % kv for kv in r["setup_phases"].items()) +
