@@ -18,6 +18,7 @@ if not dist.is_available():
 
 import strata.torch as st  # noqa: E402
 from torch_parity_models import DEVICE, LR, WD, batches, build  # noqa: E402
+from torch_parity_models import train as parity_train  # noqa: E402
 
 if DEVICE.type != "cpu":
     pytest.skip("these run on the CPU over gloo (STRATA_PARITY_DEVICE is %s)" % DEVICE,
@@ -42,14 +43,8 @@ def group():
 
 
 def train(model, opt, data):
-    losses = []
-    for ids in data:
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    """The ordinary loop (torch_parity_models.train): the per-step losses."""
+    return parity_train(model, opt, data)[0]
 
 
 def reference_losses(offload):

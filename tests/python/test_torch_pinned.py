@@ -14,6 +14,7 @@ import strata.core as core  # noqa: E402
 import strata.torch as st  # noqa: E402
 import strata.torch._planning as planning  # noqa: E402
 from llama_zoo.torch_llama import LlamaForCausalLM, PRESETS  # noqa: E402
+from torch_parity_models import train  # noqa: E402
 
 
 def batches(config, n, batch=4, seq=32, seed=0):
@@ -63,13 +64,7 @@ def test_a_session_pins_what_the_gpu_touches_and_trains_bit_for_bit(monkeypatch)
             assert caps.dram_pinned_bytes == gpu
         else:
             assert caps.dram_pinned_bytes == budget
-        losses = []
-        for ids in data:
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses, _ = train(model, opt, data)  # the ordinary loop
         opt.synchronize()
         usage = s.runtime.tier_usage("dram")
         assert usage["pinned_budget"] == caps.dram_pinned_bytes
