@@ -68,16 +68,21 @@ Status Runtime::measure_links(double* h2d, double* d2h) {
 
 Status Runtime::measure_nvme_read(double* rate) {
   if (!nvme_) return error(Code::kUnsupported, "no nvme tier");
+  // The buffer is in the DRAM part the optimizer's state lives in (the unpinned one if the
+  // arena is split), as the state's NVMe staging slots are: that is where a split arena has its
+  // room, the pinned part being sized for what the GPU's copies touch, with little slack (a
+  // probe there would shrink to what is left, or fail).
+  const DramPart dram = dram_parts_for(Role::kOptimizerState).preferred;
   uint64_t extent = 0, dram_offset = 0, bytes = 256ull << 20;
   {
     std::lock_guard lock(mutex_);
-    bytes = std::min({bytes, nvme_->extents().largest_free(), dram_state_part().largest_free()});
+    bytes = std::min({bytes, nvme_->extents().largest_free(), dram.arena.largest_free()});
     bytes = bytes / NvmeTier::kAlignment * NvmeTier::kAlignment;
     if (bytes < NvmeTier::kAlignment) {
       return error(Code::kOutOfMemory, "no free NVMe or DRAM space to measure NVMe reads with");
     }
     STRATA_RETURN_IF_ERROR(nvme_->extents().allocate(bytes, "nvme measurement", &extent));
-    Status s = dram_state_part().allocate(bytes, "nvme measurement", &dram_offset);
+    Status s = dram.arena.allocate(bytes, "nvme measurement", &dram_offset);
     if (!s.is_ok()) {
       (void)nvme_->extents().free(extent);
       return s;
@@ -85,15 +90,14 @@ Status Runtime::measure_nvme_read(double* rate) {
   }
   auto done = std::make_shared<Completion>();
   const auto start = std::chrono::steady_clock::now();
-  nvme_->read_to_host("(nvme measurement)",
-                      tier_base(Tier::kDram) + dram_state_part_base() + dram_offset, extent, bytes,
-                      nullptr, [done](Status st) { done->complete(std::move(st)); });
+  nvme_->read_to_host("(nvme measurement)", tier_base(Tier::kDram) + dram.base + dram_offset,
+                      extent, bytes, nullptr, [done](Status st) { done->complete(std::move(st)); });
   Status s = done->wait(-1);
   const double seconds = seconds_since(start);
   *rate = seconds > 0 ? static_cast<double>(bytes) / seconds : 0;
   std::lock_guard lock(mutex_);
   (void)nvme_->extents().free(extent);
-  (void)dram_state_part().free(dram_offset);
+  (void)dram.arena.free(dram_offset);
   return s;
 }
 
@@ -104,25 +108,27 @@ Status Runtime::measure_nvme(double* read, double* write, double* mixed) {
   // land in one buffer at once): one region written, then read alone, then read while the
   // other is written. A virtual disk's first GiB can run well above what it sustains (1 GiB
   // probes read 1.5-2.7 GB/s on one machine within minutes, while steps moving 40 GB sustained
-  // 2.0-2.1), so the span is 4 GiB where the tier has it, and DRAM holds only the chunks.
+  // 2.0-2.1), so the span is 4 GiB where the tier has it, and DRAM holds only the chunks, in
+  // the part the optimizer's state lives in (measure_nvme_read says why).
+  const DramPart dram = dram_parts_for(Role::kOptimizerState).preferred;
   uint64_t extent = 0, dram_offset = 0, span = 4ull << 30, chunk = 256ull << 20;
   {
     std::lock_guard lock(mutex_);
     span = std::min(span, nvme_->extents().largest_free() / 2);
-    chunk = std::min(chunk, dram_state_part().largest_free() / 2);
+    chunk = std::min(chunk, dram.arena.largest_free() / 2);
     chunk = chunk / NvmeTier::kAlignment * NvmeTier::kAlignment;
     span = chunk == 0 ? 0 : span / chunk * chunk;
     if (chunk == 0 || span == 0) {
       return error(Code::kOutOfMemory, "no free NVMe or DRAM space to measure the disk with");
     }
     STRATA_RETURN_IF_ERROR(nvme_->extents().allocate(2 * span, "nvme measurement", &extent));
-    Status s = dram_state_part().allocate(2 * chunk, "nvme measurement", &dram_offset);
+    Status s = dram.arena.allocate(2 * chunk, "nvme measurement", &dram_offset);
     if (!s.is_ok()) {
       (void)nvme_->extents().free(extent);
       return s;
     }
   }
-  unsigned char* host = tier_base(Tier::kDram) + dram_state_part_base() + dram_offset;
+  unsigned char* host = tier_base(Tier::kDram) + dram.base + dram_offset;
   // Chunk `at` of region `half`, written from (or read into) DRAM buffer `half`.
   auto submit = [&](bool writing, uint64_t half, uint64_t at,
                     std::vector<std::shared_ptr<Completion>>* out) {
@@ -181,7 +187,7 @@ Status Runtime::measure_nvme(double* read, double* write, double* mixed) {
   }
   std::lock_guard lock(mutex_);
   (void)nvme_->extents().free(extent);
-  (void)dram_state_part().free(dram_offset);
+  (void)dram.arena.free(dram_offset);
   return s;
 }
 

@@ -143,47 +143,48 @@ uint64_t Runtime::tier_budget(Tier tier) const {
   return a->capacity() + (split ? dram_unpinned_->capacity() : 0);
 }
 
-Status Runtime::allocate_block(Tier tier, Role role, uint64_t bytes, std::string_view what,
-                               uint64_t* offset, bool* untouched) {
-  Arena& main = *arena(tier);
-  if (tier != Tier::kDram || dram_unpinned_ == nullptr) {
-    return main.allocate(bytes, what, offset, untouched);
-  }
-  // Each arena keeps its own high-water mark (Arena::allocate's `untouched`): both lie over
-  // memory that was zero when mapped, so either one's mark tells for its blocks.
-  Arena& unpinned = *dram_unpinned_;
-  const bool unpinned_first = prefers_unpinned(role);
-  Arena& first = unpinned_first ? unpinned : main;
-  Arena& second = unpinned_first ? main : unpinned;
-  // The other arena rather than a failure (a tier never fails while it has room): the
+Runtime::DramParts Runtime::dram_parts_for(Role role) const {
+  Arena& pinned = *arenas_[static_cast<int>(Tier::kDram)];
+  const DramPart pinned_part{pinned, 0, false};
+  if (dram_unpinned_ == nullptr) return {pinned_part, std::nullopt};
+  const DramPart unpinned_part{*dram_unpinned_, dram_pinned_size_, true};
+  // The other part rather than a failure (a tier never fails while it has room): the
   // optimizer's state in the pinned part only costs pinned room, any other role in the
   // unpinned part has its transfers made as pageable copies, slower but correct.
-  const uint64_t base_first = unpinned_first ? dram_pinned_size_ : 0;
-  const uint64_t base_second = unpinned_first ? 0 : dram_pinned_size_;
+  if (role == Role::kOptimizerState) return {unpinned_part, pinned_part};
+  return {pinned_part, unpinned_part};
+}
+
+Status Runtime::allocate_block(Tier tier, Role role, uint64_t bytes, std::string_view what,
+                               uint64_t* offset, bool* untouched) {
+  if (tier != Tier::kDram) return arena(tier)->allocate(bytes, what, offset, untouched);
+  // Each part keeps its own high-water mark (Arena::allocate's `untouched`): both lie over
+  // memory that was zero when mapped, so either one's mark tells for its blocks.
+  const DramParts parts = dram_parts_for(role);
   uint64_t at = 0;
-  Status s = first.allocate(bytes, what, &at, untouched);
+  Status s = parts.preferred.arena.allocate(bytes, what, &at, untouched);
   if (s.is_ok()) {
-    *offset = base_first + at;
+    *offset = parts.preferred.base + at;
     return s;
   }
-  if (s.code() != Code::kOutOfMemory) return s;
-  Status t = second.allocate(bytes, what, &at, untouched);
+  if (s.code() != Code::kOutOfMemory || !parts.fallback) return s;
+  const DramPart& fallback = *parts.fallback;
+  Status t = fallback.arena.allocate(bytes, what, &at, untouched);
   if (!t.is_ok()) {
-    return error(t.code(), "dram has no room for '", what, "' in its ",
-                 unpinned_first ? "unpinned" : "pinned", " part (", s.message(), ") nor its ",
-                 unpinned_first ? "pinned" : "unpinned", " part (", t.message(), ")");
+    return error(t.code(), "dram has no room for '", what, "' in its ", parts.preferred.name(),
+                 " part (", s.message(), ") nor its ", fallback.name(), " part (", t.message(),
+                 ")");
   }
   // Counted only where it costs: a block the GPU's copies touch in the unpinned part (its
   // transfers are pageable copies). State in the pinned part only takes pinned room.
-  if (!unpinned_first) ++dram_fallbacks_;
-  *offset = base_second + at;
+  if (fallback.unpinned) ++dram_fallbacks_;
+  *offset = fallback.base + at;
   return t;
 }
 
 uint64_t Runtime::dram_largest_free_for(Role role) {
   std::lock_guard lock(mutex_);
-  const bool unpinned = dram_unpinned_ != nullptr && prefers_unpinned(role);
-  return (unpinned ? *dram_unpinned_ : *arena(Tier::kDram)).largest_free();
+  return dram_parts_for(role).preferred.arena.largest_free();
 }
 
 Status Runtime::free_block(Tier tier, uint64_t offset) {

@@ -124,13 +124,11 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   NvmeTier* nvme_tier() { return nvme_.get(); }
   unsigned char* tier_base(Tier tier) const { return regions_[static_cast<int>(tier)]->base(); }
   // The DRAM arena's two parts over the one mapping: offsets below dram_pinned_size() are the
-  // pinned arena's, the rest the unpinned one's. The optimizer's state (read and written by the
-  // CPU's update only) prefers the unpinned part; every other role (what the GPU's copies read
-  // or write) the pinned one. No block straddles the boundary: CUDA refuses a copy whose host
+  // pinned arena's, the rest the unpinned one's. Which part a role's blocks go to is
+  // dram_parts_for's rule. No block straddles the boundary: CUDA refuses a copy whose host
   // range spans a registered and an unregistered range.
   uint64_t dram_pinned_size() const { return dram_pinned_size_; }
-  static bool prefers_unpinned(Role role) { return role == Role::kOptimizerState; }
-  // The largest DRAM block a tensor of `role` gets in its own part, without falling back.
+  // The largest DRAM block a tensor of `role` gets in its preferred part, without falling back.
   uint64_t dram_largest_free_for(Role role);
   // Keeps a tensor where it is (moves and unregistration answer kBusy) while an executor
   // streams it; writes are still allowed (the optimizer updates masters in place).
@@ -164,14 +162,28 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   explicit Runtime(std::shared_ptr<DeviceBackend> backend) : backend_(std::move(backend)) {}
 
   Arena* arena(Tier tier) const;  // DRAM: the pinned arena
-  // The DRAM arena's part the optimizer's state lives in (the unpinned one, else the whole
-  // pinned arena) and its offset from the tier's base: what the disk probes move data through,
-  // as the state does (the pinned part is sized for the GPU's blocks, with little slack).
-  Arena& dram_state_part() const { return dram_unpinned_ ? *dram_unpinned_ : *arenas_[1]; }
-  uint64_t dram_state_part_base() const { return dram_unpinned_ ? dram_pinned_size_ : 0; }
-  // A block of `tier` for a tensor of `role` (DRAM: in its role's arena, else the other one;
-  // a GPU-touched role in the unpinned one is counted in dram_fallbacks_), its offset from the
-  // tier's base; and its release. Under mutex_.
+  // One part of the DRAM arena: its arena, the offset of its first byte from the tier's base,
+  // and whether it is the unpinned part.
+  struct DramPart {
+    Arena& arena;
+    uint64_t base;
+    bool unpinned;
+    const char* name() const { return unpinned ? "unpinned" : "pinned"; }
+  };
+  struct DramParts {
+    DramPart preferred;
+    std::optional<DramPart> fallback;  // none when the arena is not split
+  };
+  // The one rule for where a tensor of `role` lives in DRAM: the part its blocks go to first,
+  // and the part they fall back to when that one is full. The optimizer's state (read and
+  // written by the CPU's update only) prefers the unpinned part, every other role (what the
+  // GPU's copies read or write) the pinned one. With no unpinned part (dram_pinned_bytes 0 or
+  // the whole budget), every role is in the one pinned arena, with no fallback. Fixed at
+  // create, so callable without mutex_ (the arenas themselves are used under it).
+  DramParts dram_parts_for(Role role) const;
+  // A block of `tier` for a tensor of `role` (DRAM: in dram_parts_for's preferred part, else
+  // its fallback; a block falling back into the unpinned part is counted in dram_fallbacks_),
+  // its offset from the tier's base; and its release. Under mutex_.
   Status allocate_block(Tier tier, Role role, uint64_t bytes, std::string_view what,
                         uint64_t* offset, bool* untouched = nullptr);
   Status free_block(Tier tier, uint64_t offset);

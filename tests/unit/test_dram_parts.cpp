@@ -1,22 +1,27 @@
 // The DRAM arena's two parts (RuntimeOptions::dram_pinned): new optimizer state is known zero
 // in the unpinned part as it was in the one arena (Runtime::register_tensor's `zeroed`), each
-// part keeping its own mark, and a block in a hole is not.
+// part keeping its own mark, and a block in a hole is not. The probes standing for the state
+// (the update rate, the disk's) measure in the state's part.
 #include <catch2/catch.hpp>
 
 #include <cstring>
 
 #include "runtime/optimizer/update_probe.h"
 #include "runtime/runtime.h"
+#include "tests/support/scratch_dir.h"
 
 namespace {
 
 constexpr uint64_t kMiB = 1ull << 20;
 
-std::shared_ptr<strata::Runtime> make(uint64_t dram, uint64_t pinned) {
+// `nvme_file`: an NVMe tier of 8 MiB in that file.
+std::shared_ptr<strata::Runtime> make(uint64_t dram, uint64_t pinned,
+                                      const std::string& nvme_file = "") {
   strata::RuntimeOptions options;
   options.device.kind = strata::DeviceKind::kHost;
-  options.budgets = {4 * kMiB, dram, 0};
+  options.budgets = {4 * kMiB, dram, nvme_file.empty() ? 0 : 8 * kMiB};
   options.dram_pinned = pinned;
+  if (!nvme_file.empty()) options.nvme.paths = {nvme_file};
   std::shared_ptr<strata::Runtime> rt;
   const strata::Status s = strata::Runtime::create(options, &rt);
   INFO(s.message());
@@ -132,4 +137,42 @@ TEST_CASE(
   const strata::TierUsage u = rt->tier_usage(strata::Tier::kDram);
   REQUIRE(u.fallbacks == 0);
   REQUIRE(u.used == 0);
+}
+
+TEST_CASE("the disk probes move data through the state's part, at its offset in the tier",
+          "[dram_parts]") {
+  strata_test::ScratchDir scratch;
+  auto rt = make(4 * kMiB, kMiB, scratch.file("nvme"));
+  // The pinned part full of a weight: a probe buffer there would be no room at all
+  // (OUT_OF_MEMORY), and one placed at the unpinned arena's own offset rather than the tier's
+  // would land on the weight's bytes.
+  bool zeroed = false;
+  const strata::TensorId w = add(*rt, "w", kMiB, strata::Role::kWeight, &zeroed);
+  REQUIRE(offset_of(*rt, w) == 0);
+  const std::vector<unsigned char> pattern(kMiB, 0xA5);
+  REQUIRE(rt->write(w, 0, pattern.data(), pattern.size()).is_ok());
+  REQUIRE(rt->dram_largest_free_for(strata::Role::kWeight) == 0);
+  REQUIRE(rt->dram_largest_free_for(strata::Role::kOptimizerState) == 3 * kMiB);
+
+  double read_rate = 0;
+  strata::Status s = rt->measure_nvme_read(&read_rate);
+  INFO(s.message());
+  REQUIRE(s.is_ok());
+  REQUIRE(read_rate > 0);
+  double read = 0, write = 0, mixed = 0;
+  s = rt->measure_nvme(&read, &write, &mixed);
+  INFO(s.message());
+  REQUIRE(s.is_ok());
+  REQUIRE(read > 0);
+  REQUIRE(write > 0);
+
+  // The buffers went back to the part they came from, and the weight is untouched.
+  const strata::TierUsage u = rt->tier_usage(strata::Tier::kDram);
+  REQUIRE(u.used == kMiB);
+  REQUIRE(u.pinned_used == kMiB);
+  REQUIRE(u.fallbacks == 0);
+  REQUIRE(rt->dram_largest_free_for(strata::Role::kOptimizerState) == 3 * kMiB);
+  std::vector<unsigned char> back(kMiB, 0);
+  REQUIRE(rt->read(w, 0, back.data(), back.size()).is_ok());
+  REQUIRE(back == pattern);
 }
