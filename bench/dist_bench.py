@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -545,11 +546,18 @@ def kill_group(proc):
             pass
 
 
+# A traceback's last line, "[rankN]: " prefix allowed: an exception's (dotted) class name, then
+# its message. Strata's exceptions are named for their status (strata.errors.OutOfMemory), not
+# ...Error, so the class is matched by its shape, not by its name's ending.
+_RAISED = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Z]\w*: \S.*)$")
+
+
 def first_error(stderr, returncode):
-    """The first exception a rank raised, rather than torchrun's summary of it."""
+    """The first exception a rank raised, rather than torchrun's summary of it (or its own
+    progress lines)."""
     err = stderr.strip().splitlines()
-    raised = [line for line in err if ("Error:" in line or "Exception:" in line)
-              and "elastic" not in line and "ChildFailedError" not in line]
+    raised = [m.group(1) for m in map(_RAISED.match, err)
+              if m and "elastic" not in m.group(1) and "ChildFailedError" not in m.group(1)]
     return (raised or err or ["exit %d" % returncode])[0][:400]
 
 

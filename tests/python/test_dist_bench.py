@@ -298,3 +298,29 @@ def test_accumulation_and_nvme_under_data_parallel(tmp_path):
                           "cpu", "--accum", "2"], capture_output=True, text=True, env=_env(),
                          timeout=60)
     assert one.returncode == 2 and "only strata and fsdp2 runs accumulate" in one.stderr
+
+
+def test_first_error_names_the_exception_a_rank_raised():
+    """The run's error is the exception, not the progress line before it nor torchrun's summary;
+    Strata's exceptions are named for their status (no "Error" in the name): the 40B run of the
+    22nd session was reported as its progress line."""
+    stderr = "\n".join([
+        "progress: strata: 4 ranks, 16 CPU threads each, process group nccl",
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/work/main/bench/dist_bench.py", line 212, in run_job',
+        "[rank0]:     loss = step(ids).detach().float().reshape(())",
+        "[rank0]: strata.errors.OutOfMemory: OUT_OF_MEMORY: strata_step_begin: gradient "
+        "accumulation needs an fp32 sum per parameter",
+        "W1128 07:50:11.133000 1733 torch/distributed/elastic/multiprocessing/api.py:1012] "
+        "Sending process 1768 closing signal SIGTERM",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "Root Cause (first observed failure):",
+    ])
+    assert dist_bench.first_error(stderr, 1) == (
+        "strata.errors.OutOfMemory: OUT_OF_MEMORY: strata_step_begin: gradient accumulation "
+        "needs an fp32 sum per parameter")
+    assert dist_bench.first_error("[rank1]: ValueError: bad rows\n", 1) == "ValueError: bad rows"
+    # Nothing raised: the first line, or the exit status.
+    assert dist_bench.first_error("progress: strata: 2 ranks\n", 1) == \
+        "progress: strata: 2 ranks"
+    assert dist_bench.first_error("", 9) == "exit 9"
