@@ -701,8 +701,9 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
         used = dram["used"]
         out.update(dram_used_gb=used / 1e9, dram_bytes_per_streamed_param=used / streamed)
         # The arena's pinned part (C ABI 1.5: only what the GPU's copies touch is registered)
-        # and its use, and the blocks that went to the other part for want of room (> 0: some
-        # transfers are pageable copies, or the pinned part holds state it need not).
+        # and its use, and the GPU-touched blocks that went to the unpinned part for want of
+        # pinned room (> 0: some transfers are pageable copies; state that went the other way
+        # only takes pinned room and is not counted).
         out.update(dram_pinned_gb=[dram["pinned_used"] / 1e9, dram["pinned_budget"] / 1e9],
                    dram_fallbacks=dram["dram_fallbacks"])
     return out

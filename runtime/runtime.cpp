@@ -357,7 +357,7 @@ Status Runtime::move(TensorId id, Tier dst, void* stream, std::shared_ptr<Comple
     return Status::ok();
   }
   uint64_t dst_offset = 0;
-  // Into DRAM, the tensor's role's arena again (allocate_block).
+  // Into DRAM, the tensor's role's part again (dram_parts_for).
   STRATA_RETURN_IF_ERROR(allocate_block(dst, t->spec.role, t->nbytes, t->spec.name, &dst_offset));
 
   auto done = std::make_shared<Completion>();
@@ -547,7 +547,7 @@ TierUsage Runtime::tier_usage(Tier tier) {
     usage.pinned_budget = a->capacity();
     usage.pinned_used = a->used();
     usage.fallbacks = dram_fallbacks_;
-    if (dram_unpinned_ != nullptr) {  // either part takes any role's block (allocate_block)
+    if (dram_unpinned_ != nullptr) {  // either part takes any role's block (dram_parts_for)
       usage.budget += dram_unpinned_->capacity();
       usage.used += dram_unpinned_->used();
       usage.largest_free = std::max(usage.largest_free, dram_unpinned_->largest_free());

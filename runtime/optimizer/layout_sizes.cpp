@@ -150,7 +150,7 @@ Status compute_layout(const LayoutRequest& r, std::vector<LayoutLayer>* layers,
   t.dram_margin_bytes = kDramMargin;
   t.dram_bytes = t.weight_bytes + t.state_bytes + t.grad_dram_bytes + t.grad_fetch_bytes +
                  uint64_t{r.staging_slots} * t.slot_bytes + kDramMargin;
-  // The pinned arena holds every role but the optimizer's state (Runtime::allocate_block): the
+  // The pinned arena holds every role but the optimizer's state (Runtime::dram_parts_for): the
   // weights and grads the GPU copies; the state, its staging slots and the accumulators are
   // the CPU's and go unpinned. The margin covers the pinned side's page rounding too.
   t.dram_gpu_bytes = t.weight_bytes + t.grad_dram_bytes + t.grad_fetch_bytes + kDramMargin;

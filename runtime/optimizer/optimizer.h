@@ -347,7 +347,7 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   Optimizer(std::shared_ptr<Runtime> runtime, const OptimizerConfig& config);
   // A DRAM byte buffer of the optimizer's own, "strata.optimizer.N.<suffix>" (staging,
   // the grads' fetch buffer): *id and *base, or *id 0 and the runtime's error. `role` picks its
-  // part of the arena (Runtime::allocate_block): kGrad for the fetch buffer the GPU's copies
+  // part of the arena (Runtime::dram_parts_for): kGrad for the fetch buffer the GPU's copies
   // write (pinned), kOptimizerState for the staging slots only the CPU touches (unpinned).
   // drop_buffer gives it back (a no-op for 0) and zeroes *id.
   Status make_buffer(const char* suffix, uint64_t bytes, const char* pin_reason, Role role,

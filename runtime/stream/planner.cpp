@@ -78,7 +78,7 @@ Status lay_out_layer(Lookup& lookup, const LayerSpec& spec, uint32_t index,
     const uint64_t span =
         sorted.back().offset + align_up(std::max<uint64_t>(sorted.back().nbytes, 1), kPage) - first;
     // Never one span across the DRAM arena's pinned part and its unpinned one (a weight that
-    // fell back there: Runtime::allocate_block): CUDA refuses a copy whose host range spans a
+    // fell back there: Runtime::dram_parts_for): CUDA refuses a copy whose host range spans a
     // registered and an unregistered range. Such a layer's weights go one copy each.
     const uint64_t boundary = lookup.runtime.dram_pinned_size();
     const bool one_part = (first < boundary) == (sorted.back().offset < boundary);

@@ -260,7 +260,7 @@ def test_zero_initial_state_is_not_built(offload):
     """Creating an optimizer whose state starts at zero (AdamW's moments) writes nothing and
     builds no initial tensor per streamed parameter: the library's state starts zeroed. It
     used to build a zero tensor per parameter and state to test it with any(): for a 30B's
-    AdamW 232 GB written and read, 49 s of an H200 host's 109 s setup (22nd session).
+    AdamW about 210 GB written and read, 49 s of an H200 host's 109 s setup (22nd session).
     Adagrad's nonzero initial_accumulator_value is written: "Adagrad-all" above checks it."""
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -144,8 +144,10 @@ TEST_CASE("the disk probes move data through the state's part, at its offset in 
   strata_test::ScratchDir scratch;
   auto rt = make(4 * kMiB, kMiB, scratch.file("nvme"));
   // The pinned part full of a weight: a probe buffer there would be no room at all
-  // (OUT_OF_MEMORY), and one placed at the unpinned arena's own offset rather than the tier's
-  // would land on the weight's bytes.
+  // (OUT_OF_MEMORY), and the read probe's buffer placed at the unpinned arena's own offset
+  // rather than the tier's would land on the weight's bytes. (The write probe reads back the
+  // bytes it wrote from the same buffers, so a wrong offset there leaves the weight as it was:
+  // only its use of the state's part is checked.)
   bool zeroed = false;
   const strata::TensorId w = add(*rt, "w", kMiB, strata::Role::kWeight, &zeroed);
   REQUIRE(offset_of(*rt, w) == 0);
