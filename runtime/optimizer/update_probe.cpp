@@ -75,12 +75,10 @@ Status measure_update_rate(unsigned threads, int numa_node, double* elements_per
 
 Status measure_update_rate(Runtime& runtime, double* elements_per_second) {
   const int node = runtime.device_numa_node();
-  // Sized by the largest free block of the part of the arena the state lives in (the unpinned
-  // one, if the arena is split), so the probe is registered there as the state is, and times
-  // the memory the state's updates run over. Sized by a larger block of the pinned part, it
-  // would not fit and fall back into the pinned part: not counted in dram_fallbacks (which
-  // counts only GPU-touched blocks in the unpinned part), but timing other memory, in room
-  // sized for the GPU's blocks.
+  // Sized by the largest free block of the part the state lives in (Runtime::dram_parts_for:
+  // the unpinned one when the arena is split), so that its arrays are allocated there and it
+  // times the memory the state's updates run over, not the pinned room kept for the GPU's
+  // blocks.
   const uint64_t free = runtime.dram_largest_free_for(Role::kOptimizerState);
   // Whole chunks, as many as the arena's largest free block holds, at most kCount.
   const std::size_t count = std::min<uint64_t>(kCount, free / kElementBytes / kChunk * kChunk);
