@@ -76,6 +76,13 @@ CONFIGS = {
     "40b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                 num_hidden_layers=46, num_attention_heads=64, num_key_value_heads=8,
                 rope_theta=500000.0),
+    # The 2 x H200 host's analogue of "40b" (the 4-GPU kind is withheld at times): 15.8B,
+    # Llama-3-70B's block shape, 16 of them. With accumulation its state needs 18 B/param of
+    # DRAM (284 GB, more than the host's 256 GiB) with grads="host", and 12 B/param (190 GB)
+    # with the gradient sums in HBM (--strata-grads device).
+    "16b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                num_hidden_layers=16, num_attention_heads=64, num_key_value_heads=8,
+                rope_theta=500000.0),
 }
 
 
@@ -170,7 +177,8 @@ def set_threads(threads):
 
 
 def run_job(mode, model_name, rows_per_gpu, seq, steps, warmup, clip, device_kind,
-            resident_blocks=None, threads=1, nvme_dir=None, accum=1, strata_nvme=None):
+            resident_blocks=None, threads=1, nvme_dir=None, accum=1, strata_nvme=None,
+            strata_grads="host"):
     import torch
     import torch.distributed as dist
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -202,7 +210,7 @@ def run_job(mode, model_name, rows_per_gpu, seq, steps, warmup, clip, device_kin
     t_setup = time.perf_counter()
     step, extra = SETUPS[mode](config, device, clip, rows_per_gpu, world,
                                resident_blocks=resident_blocks, nvme_dir=nvme_dir, accum=accum,
-                               strata_nvme=strata_nvme)
+                               strata_nvme=strata_nvme, strata_grads=strata_grads)
     out["setup_seconds"] = time.perf_counter() - t_setup
     times, losses = [], []
     for i in range(warmup + steps):
@@ -348,7 +356,7 @@ def meta_model(config):
 
 
 def setup_strata(config, device, clip, rows, world, resident_blocks=None, accum=1,
-                 strata_nvme=None, **_):
+                 strata_nvme=None, strata_grads="host", **_):
     import torch
     import strata.torch as st
     # The tier's file in the run's own directory (dist_bench's launch removes it after the run,
@@ -359,7 +367,7 @@ def setup_strata(config, device, clip, rows, world, resident_blocks=None, accum=
         os.makedirs(strata_nvme, exist_ok=True)
         nvme = os.path.join(strata_nvme, "strata.tier")
     model = st.offload(meta_model(config), device=device, dtype=torch.bfloat16,
-                       resident_blocks=resident_blocks, nvme=nvme,
+                       resident_blocks=resident_blocks, nvme=nvme, grads=strata_grads,
                        data_parallel=st.DataParallel(broadcast=False) if world > 1 else None)
     opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     info = model.strata.executor.plan_info()
@@ -512,6 +520,8 @@ def job_command(args, mode, gpus, mult, model_name, threads, nvme_dir=None):
         one += ["--accum", str(args.accum)]
     if nvme_dir and mode == "strata":
         one += ["--strata-nvme", nvme_dir]
+    if args.strata_grads != "host" and mode == "strata":
+        one += ["--strata-grads", args.strata_grads]
     if mode == "megatrain":
         return [sys.executable] + one + ["--gpus", str(gpus), "--megatrain-dir",
                                          os.path.abspath(args.megatrain_dir)]
@@ -749,6 +759,10 @@ def main(argv=None):
     p.add_argument("--strata-nvme", default=None,
                    help="strata: a directory for an NVMe tier, one file a rank "
                         "(st.offload(nvme=...): the state DRAM cannot hold goes there)")
+    p.add_argument("--strata-grads", choices=["host", "device"], default="host",
+                   help="strata: where the streamed blocks' grads live (st.offload(grads=...)); "
+                        "under data parallelism 'device' keeps each rank's fp32 gradient sums "
+                        "in HBM, added to in place (no DRAM grads, no accumulators)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads of each rank (default: the host's cores over its GPUs)")
     p.add_argument("--host-gpus", type=int, default=0,
@@ -783,7 +797,7 @@ def main(argv=None):
             run_job(args.one[0], args.one[1], args.batch, args.seq, args.steps, args.warmup,
                     args.clip, args.device, args.resident_blocks, max(1, args.threads),
                     args.nvme_dir if args.one[0] == "deepspeed-nvme" else None,
-                    args.accum, args.strata_nvme)
+                    args.accum, args.strata_nvme, args.strata_grads)
         return
     t_start = time.perf_counter()
     n = args.gpus
