@@ -527,7 +527,8 @@ TEST_CASE("a weight whose name leaves no room for a state suffix is trainable",
   strata_optimizer_t* raw = nullptr;
   STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &c, &raw));
   OptimizerPtr o(raw);
-  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE};
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE,
+                        STRATA_GRAD_SUM_ACCUMULATOR};
   STRATA_REQUIRE_OK(strata_optimizer_add_param(o.get(), &p));
   std::vector<std::string> names;
   for (strata_state_kind_t kind :
