@@ -67,10 +67,12 @@ struct Fixture {
     o.device.kind = DeviceKind::kHost;
     o.budgets = {16ull << 20, 64ull << 20, 0};
     o.dram.threads = 1;
-    // A copy out of the sum named by *fail_src fails, as a device fault would.
-    o.device.copy_fault = [f = fail_src](const void*, const void* src, uint64_t) {
-      return src != nullptr && src == f->load() ? error(Code::kBackend, "injected copy fault")
-                                                : Status::ok();
+    // A copy from or to the memory *fail_src names fails, as a device fault would.
+    o.device.copy_fault = [f = fail_src](const void* dst, const void* src, uint64_t) {
+      const void* bad = f->load();
+      return bad != nullptr && (src == bad || dst == bad)
+                 ? error(Code::kBackend, "injected copy fault")
+                 : Status::ok();
     };
     REQUIRE_OK(Runtime::create(o, &rt));
     OptimizerConfig c;
@@ -112,36 +114,44 @@ struct Fixture {
     return rt->tier_base(Tier::kHbm) + r.offset;
   }
 
+  // A step's begin and forward pass.
+  Status forward() {
+    STRATA_RETURN_IF_ERROR(ex->step_begin());
+    LayerViews v;
+    for (uint32_t l = 0; l < 2; ++l) {
+      STRATA_RETURN_IF_ERROR(ex->acquire(l, Phase::kForward, nullptr, Executor::Wait::kHost, &v));
+      STRATA_RETURN_IF_ERROR(ex->release(l, Phase::kForward, nullptr));
+    }
+    return Status::ok();
+  }
+
   // One step whose backward pass adds (in-place sums) or writes (the bf16 grad) pass `pass`'s
   // grads; the first error, the step then abandoned.
   Status step(int pass) {
-    auto run = [&]() -> Status {
-      STRATA_RETURN_IF_ERROR(ex->step_begin());
-      LayerViews v;
-      for (uint32_t l = 0; l < 2; ++l) {
-        STRATA_RETURN_IF_ERROR(ex->acquire(l, Phase::kForward, nullptr, Executor::Wait::kHost, &v));
-        STRATA_RETURN_IF_ERROR(ex->release(l, Phase::kForward, nullptr));
-      }
-      for (uint32_t l = 2; l-- > 0;) {
-        STRATA_RETURN_IF_ERROR(
-            ex->acquire(l, Phase::kBackward, nullptr, Executor::Wait::kHost, &v));
-        for (std::size_t i = 0; i < v.grads.size(); ++i) {
-          const int k = l == 0 ? static_cast<int>(i) : 4;
-          const auto g = grad_of(k, pass);
-          if (k == 3) {
-            std::memcpy(v.grads[i], g.data(), kN * 2);
-            continue;
-          }
-          auto* sum = static_cast<float*>(v.grads[i]);
-          for (std::size_t e = 0; e < kN; ++e) sum[e] += bf16_value(g[e]);
-        }
-        STRATA_RETURN_IF_ERROR(ex->release(l, Phase::kBackward, nullptr));
-      }
-      return ex->step_end();
-    };
-    Status s = run();
+    Status s = forward();
+    if (s.is_ok()) s = backward(pass);
     if (!s.is_ok()) REQUIRE_OK(ex->step_abort(nullptr));
     return s;
+  }
+
+  // The backward pass of a step whose forward pass ran, and its end.
+  Status backward(int pass) {
+    LayerViews v;
+    for (uint32_t l = 2; l-- > 0;) {
+      STRATA_RETURN_IF_ERROR(ex->acquire(l, Phase::kBackward, nullptr, Executor::Wait::kHost, &v));
+      for (std::size_t i = 0; i < v.grads.size(); ++i) {
+        const int k = l == 0 ? static_cast<int>(i) : 4;
+        const auto g = grad_of(k, pass);
+        if (k == 3) {
+          std::memcpy(v.grads[i], g.data(), kN * 2);
+          continue;
+        }
+        auto* sum = static_cast<float*>(v.grads[i]);
+        for (std::size_t e = 0; e < kN; ++e) sum[e] += bf16_value(g[e]);
+      }
+      STRATA_RETURN_IF_ERROR(ex->release(l, Phase::kBackward, nullptr));
+    }
+    return ex->step_end();
   }
 
   std::vector<float> read(std::size_t k) {
@@ -224,4 +234,50 @@ TEST_CASE("a failed zero fill or write of an in-place sum keeps it held, its val
   REQUIRE(f.read(1) == values);
   REQUIRE_OK(f.opt->grad_info(f.weights[1], &info));
   REQUIRE(info.sum_squares == Approx(0.0625 * kN));
+}
+
+TEST_CASE("an in-place sum is measured once after it changes, and a failed zero keeps it held",
+          "[optimizer][grad_sum]") {
+  Fixture f;
+  REQUIRE_OK(f.step(0));
+  // Unmeasured after its landing: grad_info copies the sum out (and fails with that copy).
+  f.fail_src->store(f.home(1));
+  GradInfo info;
+  REQUIRE(f.opt->grad_info(f.weights[1], &info).code() == Code::kBackend);
+  f.fail_src->store(nullptr);
+  REQUIRE_OK(f.opt->grad_info(f.weights[1], &info));
+  const double measured = info.sum_squares;
+  // Measured: kept, no copy (the fault would fail one), a factor applied to the figure.
+  f.fail_src->store(f.home(1));
+  REQUIRE_OK(f.opt->grad_info(f.weights[1], &info));
+  REQUIRE(info.sum_squares == measured);
+  REQUIRE_OK(f.opt->grad_scale(f.weights[1], 2.f));
+  REQUIRE_OK(f.opt->grad_info(f.weights[1], &info));
+  REQUIRE(info.sum_squares == 4 * measured);
+  f.fail_src->store(nullptr);
+  // grad_read measures on its way: grad_info needs no copy after it.
+  REQUIRE_OK(f.step(1));
+  (void)f.read(2);
+  f.fail_src->store(f.home(2));
+  REQUIRE_OK(f.opt->grad_info(f.weights[2], &info));
+  double squares = 0;
+  for (float x : widened(grad_of(2, 0))) squares += double{x} * x;
+  REQUIRE(info.sum_squares > squares);  // the sum of both passes, not the first's figure
+  f.fail_src->store(nullptr);
+
+  // Zeroed between its backward load (which kept it) and the acquire: the zero fill fails; the
+  // grad is still held, with unknown values (NaN), and the framework's adds go on from there.
+  REQUIRE_OK(f.forward());
+  f.fail_src->store(f.home(1));
+  const Status s = f.opt->grad_zero(f.weights[1], true);
+  REQUIRE(s.code() == Code::kBackend);
+  REQUIRE_THAT(s.message(), Catch::Contains("zeroing an in-place gradient sum"));
+  f.fail_src->store(nullptr);
+  REQUIRE_OK(f.opt->grad_info(f.weights[1], &info));
+  REQUIRE(info.has_grad);
+  REQUIRE(std::isnan(info.sum_squares));
+  // Zeroed again, now it can be: the backward pass adds to zeros.
+  REQUIRE_OK(f.opt->grad_zero(f.weights[1], true));
+  REQUIRE_OK(f.backward(2));
+  REQUIRE(f.read(1) == widened(grad_of(1, 2)));
 }

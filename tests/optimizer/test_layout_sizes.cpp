@@ -438,6 +438,11 @@ TEST_CASE("in-place sums: the query counts f32 grads in HBM and no accumulators,
     STRATA_REQUIRE_OK(strata_step_end(ex));
   }
   REQUIRE(used(rt.get(), STRATA_TIER_DRAM) == before_steps);
+  // And nothing was copied out of HBM: a landing marks a sum unmeasured instead of fetching it.
+  strata_link_stats_t d2h{};
+  d2h.struct_size = STRATA_LINK_STATS_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_runtime_link_stats(rt.get(), STRATA_LINK_D2H, &d2h));
+  REQUIRE(d2h.bytes == 0);
   opt.reset();
   REQUIRE(strata_executor_destroy(ex) == STRATA_OK);
   REQUIRE(strata_plan_destroy(plan) == STRATA_OK);
