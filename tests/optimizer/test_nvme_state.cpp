@@ -707,6 +707,10 @@ TEST_CASE("accumulating with no tier that holds the sums fails at the backward, 
   REQUIRE(message.find("no NVMe tier") != std::string::npos);
   REQUIRE(message.find("host_budget") != std::string::npos);
   REQUIRE(message.find("nvme=") != std::string::npos);
+  // The sums in place on the GPU, and the HBM they would take: 3 layers x 4100 x 4 bytes.
+  REQUIRE(message.find("grads=\"device\", grad_dtype=torch.float32") != std::string::npos);
+  REQUIRE(message.find("49200 bytes") != std::string::npos);
+  REQUIRE(message.find("grads='device'") == std::string::npos);  // that alone keeps them here
   // Nothing was left half done: the held grads are the one backward's, and a step updates.
   strata_grad_info_t info{};
   info.struct_size = STRATA_GRAD_INFO_STRUCT_SIZE;
