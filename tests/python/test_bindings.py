@@ -114,6 +114,11 @@ def test_grad_sums_in_place(rt):
     opt = strata.Optimizer(rt, "sgd", update_mode="explicit", lr=0.5)
     with pytest.raises(ValueError, match="grad_sum must be one of"):
         opt.add_param(w, g, grad_sum="inplace")
+    for name, dtype, tier in (("bf16", "bfloat16", "hbm"), ("dram", "float32", "dram")):
+        w2 = rt.register("w." + name, [8], dtype, "weight")
+        g2 = rt.register("w.%s.grad" % name, [8], dtype, "grad", tier)
+        with pytest.raises(strata.InvalidArgument):
+            opt.add_param(w2, g2, grad_sum="in_place")
     opt.add_param(w, g, grad_sum="in_place")
     ex = strata.Executor(rt, [{"weights": [w], "grads": [g]}])
     opt.attach(ex)
@@ -131,11 +136,6 @@ def test_grad_sums_in_place(rt):
     opt.grad_read(w, got.data_ptr(), 8)
     assert got.tolist() == [3.0] * 8
     assert opt.grad_info(w)[:2] == (True, 8 * 9.0)
-    for name, dtype, tier in (("bf16", "bfloat16", "hbm"), ("dram", "float32", "dram")):
-        w2 = rt.register("w." + name, [8], dtype, "weight")
-        g2 = rt.register("w.%s.grad" % name, [8], dtype, "grad", tier)
-        with pytest.raises(strata.InvalidArgument):
-            opt.add_param(w2, g2, grad_sum="in_place")
 
 
 def test_optimizer_settings_are_checked(rt):
