@@ -65,7 +65,9 @@ def test_paged_state_trains_as_plain_pytorch(paged, sessions, monkeypatch):
     assert opt._pager.paged_bytes > 0
     assert_losses_close(got, expected)
     assert norms == pytest.approx(expected_norms, rel=1e-6)
-    assert_state_close(snapshot(model), snapshot(plain))
+    # AdamW near eps rounds an element or two apart (issue 12's tolerance, as in the parity
+    # suite): seen with MKL's AVX-512 kernels on the resident blocks.
+    assert_state_close(snapshot(model), snapshot(plain), outliers=2, outlier_atol=1e-4)
 
 
 def test_paged_state_is_bit_identical_and_comes_back(sessions, monkeypatch):

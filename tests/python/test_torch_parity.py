@@ -1754,7 +1754,10 @@ def test_resident_blocks(arch, chunk, keep, offload, monkeypatch):
         assert len(sessions[1]) == 2 * len(data), sessions[1]
     assert_losses_close(got, expected)
     assert got_norms == pytest.approx(expected_norms, rel=1e-6)
-    assert_state_close(got_state, expected_state)
+    # The streamed blocks' C++ AdamW rounds an ulp from torch's; the resident block's torch
+    # AdamW then meets a slightly different grad, and an element whose v is near eps moves it
+    # by up to ~1.5e-6 (seen with MKL's AVX-512 kernels; issue 12's tolerance, as elsewhere).
+    assert_state_close(got_state, expected_state, outliers=2, outlier_atol=1e-4)
 
 
 @pytest.mark.parametrize("kwargs,fused,foreach", [({}, True, None),
