@@ -102,7 +102,7 @@ def grad_memory(model):
             "hbm_used": session.runtime.tier_usage("hbm")["used"],
             "grad_tiers": sorted({sp.grad.info().tier for sp in trained}),
             "grad_dtypes": sorted({sp.grad.info().dtype for sp in trained}),
-            "grad_bytes": sum(sp.grad.nbytes for sp in trained),
+            "grad_bytes": sum(sp.grad.nbytes for sp in trained), "grad_tensors": len(trained),
             "accum_bytes": accum,
             "fetch_bytes": strata.core.grad_fetch_bytes(counts, element, "in_place"),
             "placement": session.placement()}
