@@ -185,7 +185,8 @@ Run time_strata(uint64_t n, uint64_t chunk, strata_dtype_t dtype, unsigned threa
       }
       check(strata_tensor_write(rt, t[k], 0, fill.data(), fill.size()), "write");
     }
-    strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, t[0], t[1], 0, master_layout};
+    strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, t[0], t[1], 0, master_layout,
+                          STRATA_GRAD_SUM_ACCUMULATOR};
     check(strata_optimizer_add_param(opt, &p), "add_param");
   }
   check(strata_optimizer_step(opt), "warm-up step");

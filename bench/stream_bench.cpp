@@ -92,8 +92,9 @@ GraphResult run_graph(strata_runtime_t* rt, bool cuda, int layers, uint64_t laye
     check(strata_optimizer_create(rt, nullptr, &opt), "optimizer");
     for (std::size_t i = 0; i + 1 < all.size(); i += 8) {
       for (std::size_t k = 0; k < 4; ++k) {
-        strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, all[i + k], all[i + 4 + k], 0,
-                              STRATA_MASTER_SEPARATE};
+        strata_param_desc_t p{
+            STRATA_PARAM_DESC_STRUCT_SIZE, all[i + k], all[i + 4 + k], 0, STRATA_MASTER_SEPARATE,
+            STRATA_GRAD_SUM_ACCUMULATOR};
         check(strata_optimizer_add_param(opt, &p), "add_param");
       }
     }

@@ -1,5 +1,7 @@
 // C ABI: layout sizes (what a streamed model's tensors take of each tier), over
 // runtime/optimizer/layout_sizes.h, the one copy of those rules.
+#include <cstring>
+
 #include "lib/abi_support.h"
 #include "runtime/optimizer/layout_sizes.h"
 
@@ -13,9 +15,12 @@ static_assert(sizeof(uint64_t) == sizeof(size_t));
 
 namespace {
 
-// The sizes 1.3 introduced the structs with: a smaller struct_size is refused.
-constexpr std::size_t kLayoutRequestV1_3Size = STRATA_LAYOUT_REQUEST_STRUCT_SIZE;
+// The sizes 1.3 introduced the structs with: a smaller struct_size is refused. 1.5 appended the
+// request's grad_sum: a 1.3 or 1.4 caller's request ends at nvme_budget_bytes.
+constexpr std::size_t kLayoutRequestV1_3Size =
+    STRATA_STRUCT_SIZE(strata_layout_request_t, nvme_budget_bytes);
 constexpr std::size_t kLayoutLayerV1_3Size = STRATA_LAYOUT_LAYER_STRUCT_SIZE;
+static_assert(sizeof(strata_layout_request_t) > kLayoutRequestV1_3Size);
 // 1.4 appended accum_bytes: a 1.3 caller's totals end at nvme_placeable_bytes.
 constexpr std::size_t kLayoutTotalsV1_3Size =
     STRATA_STRUCT_SIZE(strata_layout_totals_t, nvme_placeable_bytes);
@@ -70,6 +75,11 @@ Status to_request(const strata_layout_request_t& q, LayoutRequest* r) {
                  " is not STRATA_TIER_DRAM (1) or STRATA_TIER_HBM (0)");
   }
   r->grads_in_hbm = q.grad_tier == STRATA_TIER_HBM;
+  if (q.grad_sum != STRATA_GRAD_SUM_ACCUMULATOR && q.grad_sum != STRATA_GRAD_SUM_IN_PLACE) {
+    return error(Code::kInvalidArgument, "unknown grad_sum ", q.grad_sum,
+                 " (STRATA_GRAD_SUM_ACCUMULATOR 0, STRATA_GRAD_SUM_IN_PLACE 1)");
+  }
+  r->grad_sums_in_place = q.grad_sum == STRATA_GRAD_SUM_IN_PLACE;
   r->staging_slots = q.staging_slots;
   r->nvme_budget = q.nvme_budget_bytes;
   r->trainable.resize(q.layer_count);
@@ -90,23 +100,42 @@ Status to_request(const strata_layout_request_t& q, LayoutRequest* r) {
   return Status::ok();
 }
 
+// Fill the first `bytes` bytes of *request with the defaults (LayoutRequest's, the one copy of
+// them) and set struct_size.
+strata_status_t layout_request_init(strata_layout_request_t* request, std::size_t bytes,
+                                    std::size_t struct_size) {
+  return guarded("strata_layout_request_init", [&] {
+    STRATA_RETURN_IF_ERROR(require(request, "request"));
+    const LayoutRequest defaults;
+    strata_layout_request_t q{};
+    q.dtype = static_cast<strata_dtype_t>(defaults.dtype);
+    q.optimizer = defaults.adamw ? STRATA_OPTIMIZER_ADAMW : STRATA_OPTIMIZER_SGD;
+    q.master_layout = defaults.split_master ? STRATA_MASTER_SPLIT : STRATA_MASTER_SEPARATE;
+    q.grad_tier = defaults.grads_in_hbm ? STRATA_TIER_HBM : STRATA_TIER_DRAM;
+    q.staging_slots = defaults.staging_slots;
+    q.grad_sum =
+        defaults.grad_sums_in_place ? STRATA_GRAD_SUM_IN_PLACE : STRATA_GRAD_SUM_ACCUMULATOR;
+    std::memcpy(static_cast<void*>(request), &q, bytes);
+    request->struct_size = struct_size;
+    return Status::ok();
+  });
+}
+
 }  // namespace
 
 extern "C" {
 
-STRATA_API strata_status_t strata_layout_request_init(strata_layout_request_t* request) {
-  return guarded(__func__, [&] {
-    STRATA_RETURN_IF_ERROR(require(request, "request"));
-    const LayoutRequest defaults;
-    *request = strata_layout_request_t{};
-    request->struct_size = STRATA_LAYOUT_REQUEST_STRUCT_SIZE;
-    request->dtype = static_cast<strata_dtype_t>(defaults.dtype);
-    request->optimizer = defaults.adamw ? STRATA_OPTIMIZER_ADAMW : STRATA_OPTIMIZER_SGD;
-    request->master_layout = defaults.split_master ? STRATA_MASTER_SPLIT : STRATA_MASTER_SEPARATE;
-    request->grad_tier = defaults.grads_in_hbm ? STRATA_TIER_HBM : STRATA_TIER_DRAM;
-    request->staging_slots = defaults.staging_slots;
-    return Status::ok();
-  });
+// strata_layout_request_init writes the whole struct it knows, and 1.5's grad_sum made it grow
+// from 80 to 88 bytes: programs linked against 1.3 or 1.4 keep an init that writes only their
+// 80, the compat symbol strata_layout_request_init@STRATA_1.3; programs built against this
+// header get the default, @@STRATA_1.5 (docs/abi.md, "*_config_init and growing structs").
+STRATA_API strata_status_t strata_layout_request_init_v1_5(strata_layout_request_t* request) {
+  return layout_request_init(request, sizeof *request, STRATA_LAYOUT_REQUEST_STRUCT_SIZE);
+}
+
+// strata_layout_request_init@STRATA_1.3, for programs linked against 1.3 or 1.4.
+STRATA_API strata_status_t strata_layout_request_init_v1_3(strata_layout_request_t* request) {
+  return layout_request_init(request, kLayoutRequestV1_3Size, kLayoutRequestV1_3Size);
 }
 
 STRATA_API strata_status_t strata_layout_query(const strata_layout_request_t* request,
@@ -114,7 +143,7 @@ STRATA_API strata_status_t strata_layout_query(const strata_layout_request_t* re
                                                strata_layout_totals_t* totals) {
   return guarded(__func__, [&] {
     strata_layout_request_t q{};
-    (void)strata_layout_request_init(&q);
+    (void)strata_layout_request_init_v1_5(&q);
     STRATA_RETURN_IF_ERROR(
         read_struct(request, kLayoutRequestV1_3Size, "strata_layout_request_t", &q));
     // Every output struct is checked before anything is computed or written.
@@ -188,3 +217,8 @@ STRATA_API strata_status_t strata_layout_query(const strata_layout_request_t* re
 }
 
 }  // extern "C"
+
+// The two definitions of strata_layout_request_init: their names stay local (lib/strata.map's
+// `local: *`), the versioned aliases are exported.
+asm(".symver strata_layout_request_init_v1_5, strata_layout_request_init@@STRATA_1.5");
+asm(".symver strata_layout_request_init_v1_3, strata_layout_request_init@STRATA_1.3");

@@ -90,6 +90,12 @@ static_assert(is(StateKind::kExpAvg, STRATA_STATE_EXP_AVG));
 static_assert(is(StateKind::kExpAvgSq, STRATA_STATE_EXP_AVG_SQ));
 static_assert(is(StateKind::kGradAccum, STRATA_STATE_GRAD_ACCUM));
 
+static_assert(is(MasterLayout::kSeparate, STRATA_MASTER_SEPARATE));
+static_assert(is(MasterLayout::kSplit, STRATA_MASTER_SPLIT));
+
+static_assert(is(GradSum::kAccumulator, STRATA_GRAD_SUM_ACCUMULATOR));
+static_assert(is(GradSum::kInPlace, STRATA_GRAD_SUM_IN_PLACE));
+
 static_assert(is(StatePlacement::kInDram, STRATA_STATE_PLACEMENT_DRAM));
 static_assert(is(StatePlacement::kPlanned, STRATA_STATE_PLACEMENT_PLANNED));
 static_assert(is(StatePlacement::kOnNvme, STRATA_STATE_PLACEMENT_NVME));

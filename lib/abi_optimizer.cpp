@@ -157,12 +157,14 @@ STRATA_API strata_status_t strata_optimizer_add_param(strata_optimizer_t* optimi
                                                       const strata_param_desc_t* desc) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
-    strata_param_desc_t d{};  // a 1.0/1.1-sized desc: master_layout SEPARATE (0)
+    strata_param_desc_t d{};  // a 1.0/1.1-sized desc: master_layout SEPARATE (0), and so on
     STRATA_RETURN_IF_ERROR(read_struct(desc, kParamDescV1_0Size, "strata_param_desc_t", &d));
     STRATA_RETURN_IF_ERROR(require(d.weight, "desc->weight"));
     STRATA_RETURN_IF_ERROR(require(d.grad, "desc->grad"));
+    // A 1.4-sized desc ends before grad_sum: STRATA_GRAD_SUM_ACCUMULATOR (0), as before.
     return optimizer->impl->add_param(tensor_id(d.weight), tensor_id(d.grad), d.group,
-                                      static_cast<MasterLayout>(d.master_layout));
+                                      static_cast<MasterLayout>(d.master_layout),
+                                      static_cast<GradSum>(d.grad_sum));
   });
 }
 

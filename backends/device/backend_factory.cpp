@@ -31,7 +31,7 @@ Status create_device_backend(const DeviceOptions& options, std::shared_ptr<Devic
 #endif
     case DeviceKind::kAuto: {
 #ifdef STRATA_WITH_CUDA
-      if (options.host_link_bytes_per_second == 0) {
+      if (options.host_link_bytes_per_second == 0 && !options.copy_fault) {
         Status cuda = create_cuda_backend(options, out);
         if (cuda.is_ok()) {
           *reason = "auto: found a CUDA device";

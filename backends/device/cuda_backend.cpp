@@ -331,6 +331,10 @@ Status create_cuda_backend(const DeviceOptions& options, std::shared_ptr<DeviceB
     return error(Code::kInvalidArgument,
                  "cuda backend: host_link_bytes_per_second applies to the host backend only");
   }
+  if (options.copy_fault) {
+    return error(Code::kInvalidArgument,
+                 "cuda backend: copy_fault applies to the host backend only");
+  }
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {

@@ -103,6 +103,10 @@ struct DeviceOptions {
   DeviceKind kind = DeviceKind::kAuto;
   int32_t ordinal = 0;
   uint64_t host_link_bytes_per_second = 0;  // host backend only
+  // Tests only, host backend only: asked before each copy (submitted or synchronous) with its
+  // destination, source (null: a zero fill) and size; a status other than OK fails the copy
+  // with it (submit_copy or copy_sync returns it, nothing is copied), as a device fault would.
+  std::function<Status(const void* dst, const void* src, uint64_t bytes)> copy_fault;
 };
 
 // Create the backend `options.kind` names; for kAuto, cuda where a usable GPU is present and

@@ -173,7 +173,8 @@ class HostBackend final : public DeviceBackend {
  public:
   explicit HostBackend(const DeviceOptions& options)
       : queues_{std::make_unique<CopyQueue>(options.host_link_bytes_per_second),
-                std::make_unique<CopyQueue>(options.host_link_bytes_per_second)} {
+                std::make_unique<CopyQueue>(options.host_link_bytes_per_second)},
+        copy_fault_(options.copy_fault) {
     description_.kind = DeviceKind::kHost;
     description_.ordinal = 0;
     description_.name = "host (simulated device)";
@@ -197,6 +198,7 @@ class HostBackend final : public DeviceBackend {
   void unpin_host(void* /*ptr*/, uint64_t /*bytes*/) override {}
 
   Status submit_copy(CopyRequest request, std::shared_ptr<DeviceFence>* fence) override {
+    if (copy_fault_) STRATA_RETURN_IF_ERROR(copy_fault_(request.dst, request.src, request.bytes));
     auto state = std::make_shared<HostCopyState>();
     auto& queue = *queues_[static_cast<int>(request.direction)];
     STRATA_RETURN_IF_ERROR(queue.push(std::move(request), state));
@@ -205,6 +207,7 @@ class HostBackend final : public DeviceBackend {
   }
 
   Status copy_sync(void* dst, const void* src, uint64_t bytes) override {
+    if (copy_fault_) STRATA_RETURN_IF_ERROR(copy_fault_(dst, src, bytes));
     std::memcpy(dst, src, bytes);
     return Status::ok();
   }
@@ -237,6 +240,7 @@ class HostBackend final : public DeviceBackend {
 
   DeviceDescription description_;
   std::array<std::unique_ptr<CopyQueue>, kCopyDirectionCount> queues_;
+  const std::function<Status(const void*, const void*, uint64_t)> copy_fault_;
 };
 
 }  // namespace

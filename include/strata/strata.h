@@ -660,7 +660,9 @@ STRATA_API strata_status_t strata_event_destroy(strata_event_t* event);
  *   for layer in L-1..0:  strata_layer_acquire(BACKWARD) -> views; compute; strata_layer_release
  *   strata_step_end
  * Micro-batches are layer-major: run all of a step's micro-batches between one acquire and its
- * release, so weights cross PCIe once per step; grad buffers start at zero and accumulate.
+ * release, so weights cross PCIe once per step; grad buffers start at zero and accumulate
+ * (except an optimizer's in-place gradient sums, STRATA_GRAD_SUM_IN_PLACE: zeroed only when the
+ * param holds no grad, else holding the running sum the framework adds to).
  * ------------------------------------------------------------------------------------------- */
 typedef struct strata_graph strata_graph_t;
 typedef struct strata_plan strata_plan_t;
@@ -694,7 +696,9 @@ typedef struct strata_layer_desc {
   /* Tensor handle arrays, borrowed (copied during the call). Weights (required, in DRAM or all
    * on NVMe) are streamed into HBM for both passes; grads (in DRAM) are HBM buffers the
    * backward pass fills, sent to the grad tensors afterwards (since 1.2 a grad may live in HBM:
-   * then its view is the grad tensor itself, zeroed at the backward load); activation checkpoints
+   * then its view is the grad tensor itself, zeroed at the backward load, unless it is an
+   * in-place gradient sum of an attached optimizer, STRATA_GRAD_SUM_IN_PLACE, which is zeroed
+   * only when its param holds no grad); activation checkpoints
    * (in DRAM) are HBM buffers the forward pass fills, parked in the tensors and brought back for
    * the backward pass; optimizer state is declared for placement only. A tensor may appear once in
    * the whole graph. */
@@ -819,8 +823,9 @@ typedef struct strata_layer_views {
   size_t struct_size; /* caller sets STRATA_LAYER_VIEWS_STRUCT_SIZE */
   /* Device addresses in the layer's slot, in declared order, valid until the matching
    * release: weights (both passes), grads (backward only, zeroed at the start of the backward
-   * pass; count 0 in forward), activation checkpoints (forward: buffers to fill; backward:
-   * restored). The arrays are owned by the executor. */
+   * pass, except in-place gradient sums holding a grad, STRATA_GRAD_SUM_IN_PLACE, which keep it
+   * for the framework to add to; count 0 in forward), activation checkpoints (forward: buffers to
+   * fill; backward: restored). The arrays are owned by the executor. */
   uint32_t weight_count;
   void* const* weights;
   uint32_t grad_count;
@@ -843,7 +848,8 @@ typedef struct strata_layer_views {
  * run are dropped, and the call blocks until the step's copies are done; the next
  * strata_step_begin starts a fresh step. Grads already queued (layers whose backward pass was
  * released) still land and reach an attached optimizer, as a framework's autograd would have
- * accumulated them: in STRATA_UPDATE_EXPLICIT mode they are held like any others; in
+ * accumulated them: in STRATA_UPDATE_EXPLICIT mode they are held like any others (an in-place
+ * gradient sum keeps what the framework added to it before the abort, STRATA_GRAD_SUM_IN_PLACE); in
  * STRATA_UPDATE_AUTO mode what they started (accumulation, or updates of those layers) runs to
  * its end, the step counter does not advance, and the next step starts a fresh accumulation.
  * Without a running step it does nothing. A load that failed (IO, DATA_CORRUPTION) is not the
@@ -890,8 +896,9 @@ STRATA_API strata_status_t strata_layer_export_dlpack(strata_executor_t* executo
  * synchronously (the copy is done when the call returns): for frameworks whose arrays are
  * immutable and cannot be written in place (JAX hands grads back this way). `bytes` must be
  * the tensor's size. Errors: INVALID_ARGUMENT (NULL, unknown phase or role, index out of range,
- * a size that is not the tensor's), INVALID_STATE (not the acquired layer), BACKEND.
- * Thread-safe. */
+ * a size that is not the tensor's), INVALID_STATE (not the acquired layer; since 1.5 a grad that
+ * is an in-place gradient sum, STRATA_GRAD_SUM_IN_PLACE: a copy would drop the sum, so add into
+ * the view instead), BACKEND. Thread-safe. */
 STRATA_API strata_status_t strata_layer_write_view(strata_executor_t* executor, uint32_t layer,
                                                    strata_phase_t phase, strata_view_role_t role,
                                                    uint32_t index, const void* src, uint64_t bytes);
@@ -1029,7 +1036,8 @@ typedef struct strata_optimizer_config {
  * sums of accumulation (STRATA_STATE_GRAD_ACCUM) are placed at the first accumulation: in DRAM
  * when its free space holds them all (strata_layout_totals_t.accum_bytes), else, with an NVMe
  * tier, some layers' on NVMe, staged through the staging slots like NVMe-homed state; with
- * neither, that strata_step_begin fails with OUT_OF_MEMORY naming the bytes and the remedies. */
+ * neither, that strata_step_begin fails with OUT_OF_MEMORY naming the bytes and the remedies.
+ * Params whose HBM grad is their sum (STRATA_GRAD_SUM_IN_PLACE, since 1.5) need none. */
 #define STRATA_UPDATE_EXPLICIT 1u
 
 /* PyTorch's defaults for `kind`, and struct_size set. Errors: INVALID_ARGUMENT (NULL, unknown
@@ -1062,8 +1070,11 @@ typedef struct strata_param_desc {
                               0 = default */
   uint32_t master_layout;  /* since 1.2: how a bf16 weight's fp32 master is kept
                               (STRATA_MASTER_*); default STRATA_MASTER_SEPARATE */
+  uint32_t grad_sum;       /* since 1.5: where several backward passes' grads are summed
+                              (STRATA_GRAD_SUM_*); default STRATA_GRAD_SUM_ACCUMULATOR, what a
+                              1.4 caller's struct_size means */
 } strata_param_desc_t;
-#define STRATA_PARAM_DESC_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_param_desc_t, master_layout)
+#define STRATA_PARAM_DESC_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_param_desc_t, grad_sum)
 
 /* Master layouts (since 1.2). SEPARATE: the master is an fp32 tensor "<weight>.master" (4 bytes
  * per parameter) and every update also writes the weight, rounded from it. SPLIT (bf16 weights
@@ -1081,6 +1092,51 @@ typedef struct strata_param_desc {
 #define STRATA_MASTER_SEPARATE 0u
 #define STRATA_MASTER_SPLIT 1u
 
+/* Gradient sums (since 1.5; strata_param_desc_t.grad_sum): where an explicit-mode param's grads
+ * of several backward passes are summed.
+ * ACCUMULATOR (the default, as before 1.5): each backward pass's grad lands in the grad tensor
+ * (DRAM, or an HBM home zeroed at every backward load), and one landing onto a grad not zeroed
+ * since the last is added to an fp32 accumulator, "<weight>.grad_accum"
+ * (STRATA_STATE_GRAD_ACCUM, 4 bytes per parameter in DRAM or staged on NVMe, placed at the
+ * first accumulation for every such param at once).
+ * IN_PLACE: the grad tensor, in HBM and F32, is the sum itself. The backward load zero-fills it
+ * only when the param holds no grad (none, or zeros: never computed, or zeroed since); else it
+ * keeps the running sum, and the framework ADDS each backward pass's grad into the view. Nothing
+ * is copied out at the release, no accumulator exists, and the optimizer reads the sum through
+ * its grad fetch buffer (strata_layout_request_t.grad_sum counts it). A model whose sums do not
+ * fit the host this way takes 4 bytes per parameter of HBM instead of 6 of DRAM (a bf16 grad and
+ * its fp32 sum). Needs STRATA_UPDATE_EXPLICIT and a grad in STRATA_TIER_HBM of dtype F32
+ * (INVALID_ARGUMENT naming the problem otherwise). What holds for such a param, beyond
+ * STRATA_UPDATE_EXPLICIT's rules:
+ *  - The view's data must be added to, never copied over: strata_layer_write_view on it is
+ *    INVALID_STATE.
+ *  - From its layer's backward load (issued up to the plan's prefetch depth ahead of the
+ *    acquire) to its backward release, strata_optimizer_grad_scale is INVALID_STATE: a factor
+ *    would have to apply to the sum the backward pass is adding to and not to what it adds.
+ *    While the layer is acquired for its backward pass, strata_optimizer_grad_info, _read,
+ *    _write and _zero are INVALID_STATE too (the framework's adds are in flight).
+ *  - Elsewhere strata_optimizer_grad_scale stays lazy (no data moves); a factor still pending at
+ *    the layer's next backward load is applied to the sum there (a synchronous copy out of HBM,
+ *    the product, a copy back), so later backward passes add to the scaled sum.
+ *  - strata_optimizer_grad_zero after the backward load and before the acquire zeroes the sum at
+ *    once, on the device queue the load's fills use (a zero fill queued earlier cannot land after
+ *    it); elsewhere the next backward load zero-fills it.
+ *  - strata_optimizer_grad_write stores the fp32 values exactly, in the sum (through the same
+ *    queue, waited for).
+ *  - A backward pass's landing copies nothing: strata_optimizer_grad_info measures the sum when
+ *    first asked after it changed (one copy out of HBM) and keeps the figure until it changes
+ *    again; strata_optimizer_grad_read measures it too. The update reads it once more.
+ *  - strata_step_abort with the layer acquired leaves what the framework had added in the sum
+ *    (it cannot be taken out, as PyTorch's autograd leaves what it had accumulated into p.grad):
+ *    a held sum stays held with those adds, and strata_optimizer_grad_info measures it anew; a
+ *    param that held no grad still holds none (its next backward load zero-fills the home).
+ * Results equal an ACCUMULATOR param's (a DRAM or HBM grad of the weight's dtype) bit for bit
+ * when the framework adds what it would have written, except where an ACCUMULATOR param's grad
+ * tensor rounds: a grad_write of one backward pass's grad between steps is stored in that
+ * tensor's dtype there, exactly here; and an abort's partial adds, above. */
+#define STRATA_GRAD_SUM_ACCUMULATOR 0u
+#define STRATA_GRAD_SUM_IN_PLACE 1u
+
 /* Make a weight trainable: allocates its state where the config's state_placement says
  * (zeroed; the master copied from the weight) and pins weight and grad in place while the
  * optimizer lives. To start from fp32 values a bf16 weight cannot hold, write them to the
@@ -1092,10 +1148,12 @@ typedef struct strata_param_desc {
  * grads (norm, accumulation, update, explicit mode's landing) first copies them into one DRAM
  * buffer the size of the largest layer's HBM-homed grads, allocated at attach and counted in
  * state_bytes; strata_optimizer_grad_read copies the one it reads. Results are bit for bit
- * those of the same grads in DRAM.
+ * those of the same grads in DRAM. With grad_sum STRATA_GRAD_SUM_IN_PLACE (since 1.5) that HBM
+ * grad is the param's fp32 sum of backward passes (see STRATA_GRAD_SUM_IN_PLACE).
  * Errors: INVALID_ARGUMENT (NULL, bad struct_size, dtypes, element counts differ, weight given
  * as its own grad, group above 65535, unknown master_layout, STRATA_MASTER_SPLIT with an f16
- * weight), NOT_FOUND, ALREADY_EXISTS (already a param, or a state
+ * weight, unknown grad_sum, STRATA_GRAD_SUM_IN_PLACE with a grad not in HBM or not F32 or in
+ * STRATA_UPDATE_AUTO mode), NOT_FOUND, ALREADY_EXISTS (already a param, or a state
  * tensor's name is taken), UNSUPPORTED (weight not in DRAM or NVMe, grad not in DRAM or HBM),
  * OUT_OF_MEMORY (DRAM budget: nothing is left allocated), BUSY (moving), INVALID_STATE
  * (already attached). Thread-safe. */
@@ -1184,8 +1242,9 @@ typedef struct strata_grad_info {
 /* The four calls below (since 1.1) work on an optimizer attached in STRATA_UPDATE_EXPLICIT mode,
  * between or inside executor steps; each first waits for grads of the param's layer still
  * landing or being summed. Errors (all four): INVALID_ARGUMENT (NULL, bad struct_size),
- * NOT_FOUND (not a param), INVALID_STATE (AUTO mode, not attached), BACKEND (grads failed to
- * land). Thread-safe. */
+ * NOT_FOUND (not a param), INVALID_STATE (AUTO mode, not attached; an in-place gradient sum
+ * whose layer is acquired for its backward pass, STRATA_GRAD_SUM_IN_PLACE), BACKEND (grads
+ * failed to land, or an in-place sum's copy out of HBM failed). Thread-safe. */
 
 /* The param's grad: whether it has one, its squared norm, its update count. */
 STRATA_API_SINCE(1, 1)
@@ -1199,15 +1258,22 @@ strata_status_t strata_optimizer_grad_read(strata_optimizer_t* optimizer, strata
                                            float* dst, uint64_t count);
 
 /* Multiply the param's grad by `factor` (clipping: torch's p.grad.mul_(clip_coef)). No data moves:
- * the factor applies when the grad is next read, summed or used. Errors also: INVALID_STATE (no
- * grad). */
+ * the factor applies when the grad is next read, summed or used; inside an executor step too,
+ * where the next backward pass's grad is added to the scaled grad. An in-place gradient sum
+ * (STRATA_GRAD_SUM_IN_PLACE) takes a factor between its layer's backward release and its next
+ * backward load, where a pending factor is applied to the sum in HBM (a copy out and back).
+ * Errors also: INVALID_STATE (no grad; an in-place sum from its layer's backward load to its
+ * release: the message says so, and the grad is unchanged). */
 STRATA_API_SINCE(1, 1)
 strata_status_t strata_optimizer_grad_scale(strata_optimizer_t* optimizer, strata_tensor_t* weight,
                                             float factor);
 
 /* Zero the param's grad: to none (keep_zeros 0: the next backward's grad replaces it, and a step
  * before that skips the param) or to zeros (keep_zeros 1: a step before the next backward updates
- * it with a zero grad, as torch's zero_grad(set_to_none=False)). */
+ * it with a zero grad, as torch's zero_grad(set_to_none=False)). An in-place gradient sum
+ * (STRATA_GRAD_SUM_IN_PLACE) whose backward load was issued is zeroed in HBM at once (its next
+ * backward load does it otherwise). Errors also: BACKEND (that zero fill failed: the grad is
+ * still held, its values unspecified, its sum of squares NaN). */
 STRATA_API_SINCE(1, 1)
 strata_status_t strata_optimizer_grad_zero(strata_optimizer_t* optimizer, strata_tensor_t* weight,
                                            int32_t keep_zeros);
@@ -1220,14 +1286,15 @@ strata_status_t strata_optimizer_grad_zero(strata_optimizer_t* optimizer, strata
  * (DRAM or HBM; the grad of one backward pass, or zeros) in that tensor's dtype, rounded to
  * nearest even as an update rounds the working copy; in the fp32 accumulator (after
  * accumulation, or a zeroed grad written inside an executor step, whose backward will add to
- * it) exactly. A factor from strata_optimizer_grad_scale is replaced: the values are the
- * grad's. strata_optimizer_grad_read then returns the stored values and
- * strata_optimizer_grad_info their sum of squares. First waits for the param's layer's queued
- * updates and landing grads (an update queued by strata_optimizer_step reads the grad in the
- * background). Errors also: INVALID_ARGUMENT (count), INVALID_STATE (no grad: zeroed to none;
- * the grad is then unchanged), OUT_OF_MEMORY (the accumulator could not be allocated; the
- * grad is unchanged), BACKEND (the copy into HBM failed: the grad is still held, its values
- * unspecified). Thread-safe. */
+ * it) exactly; an in-place gradient sum's F32 tensor (STRATA_GRAD_SUM_IN_PLACE) always, exactly,
+ * through the device queue its backward loads' zero fills use, waited for. A factor from
+ * strata_optimizer_grad_scale is replaced: the values are the grad's. strata_optimizer_grad_read
+ * then returns the stored values and strata_optimizer_grad_info their sum of squares. First waits
+ * for the param's layer's queued updates and landing grads (an update queued by
+ * strata_optimizer_step reads the grad in the background). Errors also: INVALID_ARGUMENT (count),
+ * INVALID_STATE (no grad: zeroed to none; the grad is then unchanged), OUT_OF_MEMORY (the
+ * accumulator could not be allocated; the grad is unchanged), BACKEND (the copy into HBM failed:
+ * the grad is still held, its values unspecified). Thread-safe. */
 STRATA_API_SINCE(1, 3)
 strata_status_t strata_optimizer_grad_write(strata_optimizer_t* optimizer, strata_tensor_t* weight,
                                             const float* src, uint64_t count);
@@ -1616,9 +1683,13 @@ typedef struct strata_layout_request {
   const uint64_t* frozen_elements;
   /* An NVMe tier's budget to size nvme_placeable_bytes for; 0 (the default): nvme_bytes. */
   uint64_t nvme_budget_bytes;
+  /* Since 1.5: the params' gradient sums (STRATA_GRAD_SUM_*; default ACCUMULATOR, what a 1.4
+   * caller's struct_size means). IN_PLACE needs grad_tier STRATA_TIER_HBM: the grads are then
+   * F32 whatever dtype says (grad_hbm_bytes, grad_bytes and grad_fetch_bytes count 4 bytes an
+   * element) and accum_bytes is 0. */
+  uint32_t grad_sum;
 } strata_layout_request_t;
-#define STRATA_LAYOUT_REQUEST_STRUCT_SIZE \
-  STRATA_STRUCT_SIZE(strata_layout_request_t, nvme_budget_bytes)
+#define STRATA_LAYOUT_REQUEST_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_layout_request_t, grad_sum)
 
 /* One layer's needs. Every field is 8 bytes wide, and fields appended later will be too, so
  * sizeof equals STRATA_LAYOUT_LAYER_STRUCT_SIZE and an array of them is struct_size apart. */
@@ -1692,8 +1763,8 @@ typedef struct strata_layout_totals {
 } strata_layout_totals_t;
 #define STRATA_LAYOUT_TOTALS_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_layout_totals_t, dram_gpu_bytes)
 
-/* Defaults (BF16, AdamW, separate masters, grads in DRAM, 4 staging slots, no layers), and
- * struct_size set. Errors: INVALID_ARGUMENT (NULL). Thread-safe. */
+/* Defaults (BF16, AdamW, separate masters, grads in DRAM, 4 staging slots, no layers, gradient
+ * sums in accumulators), and struct_size set. Errors: INVALID_ARGUMENT (NULL). Thread-safe. */
 STRATA_API_SINCE(1, 3)
 strata_status_t strata_layout_request_init(strata_layout_request_t* request);
 
@@ -1704,8 +1775,9 @@ strata_status_t strata_layout_request_init(strata_layout_request_t* request);
  * struct_size's bytes. Errors: INVALID_ARGUMENT (NULL request, bad struct_size, layers whose
  * struct_sizes differ, no layers or more than 16384, a NULL count or element array with
  * tensors to read, a dtype other than F32, BF16 or F16, an unknown optimizer, master layout or
- * grad tier, a split master with F16, more than 2^24 tensors or 2^44 elements); nothing is
- * written then. Thread-safe; touches no runtime. */
+ * grad tier, a split master with F16, more than 2^24 tensors or 2^44 elements, an unknown
+ * grad_sum, STRATA_GRAD_SUM_IN_PLACE with grads in DRAM); nothing is written then. Thread-safe;
+ * touches no runtime. */
 STRATA_API_SINCE(1, 3)
 strata_status_t strata_layout_query(const strata_layout_request_t* request,
                                     strata_layout_layer_t* layers, strata_layout_totals_t* totals);

@@ -85,6 +85,11 @@ Status compute_layout(const LayoutRequest& r, std::vector<LayoutLayer>* layers,
     return error(Code::kInvalidArgument,
                  "a split master needs bf16 weights (the upper half of an fp32), not f16");
   }
+  if (r.grad_sums_in_place && !r.grads_in_hbm) {
+    return error(Code::kInvalidArgument,
+                 "in-place gradient sums (STRATA_GRAD_SUM_IN_PLACE) are the grads' HBM homes: "
+                 "they need grad_tier STRATA_TIER_HBM, not DRAM");
+  }
   uint64_t tensors = 0, elements = 0;
   for (std::size_t i = 0; i < n; ++i) {
     for (const auto* list : {&r.trainable[i], r.frozen.empty() ? nullptr : &r.frozen[i]}) {
@@ -104,6 +109,9 @@ Status compute_layout(const LayoutRequest& r, std::vector<LayoutLayer>* layers,
     }
   }
   const uint64_t es = dtype_size(r.dtype);
+  // In-place sums: the HBM grad is the fp32 sum (what the optimizer's fetch buffer then holds
+  // too), and no accumulator exists.
+  const uint64_t gs = r.grad_sums_in_place ? sizeof(float) : es;
   const uint64_t per =
       state_bytes_per_element(r.adamw || r.momentum, r.adamw, r.dtype, r.split_master);
   LayoutTotals t;
@@ -115,12 +123,12 @@ Status compute_layout(const LayoutRequest& r, std::vector<LayoutLayer>* layers,
     uint64_t all = 0, fetch = 0, grads = 0;
     for (uint64_t e : r.trainable[i]) {
       all += e;
-      grads += e * es;
+      grads += e * gs;
       l.update_elements += e;
-      t.accum_bytes += accum_dram_bytes(e);
+      if (!r.grad_sums_in_place) t.accum_bytes += accum_dram_bytes(e);
       l.weight_bytes += dram_tensor_bytes(e * es);
       if (!r.grads_in_hbm) l.grad_bytes += dram_tensor_bytes(e * es);
-      fetch += grad_fetch_span(e, es);
+      fetch += grad_fetch_span(e, gs);
       if (per != 0) l.state_bytes += planned_state_bytes(e * per);
     }
     if (!r.frozen.empty()) {

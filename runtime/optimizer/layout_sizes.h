@@ -58,6 +58,9 @@ struct LayoutRequest {
   bool momentum = false;       // not adamw: one moment (SGD's momentum buffer, Lion, Adagrad)
   bool split_master = false;   // bf16 weights: STRATA_MASTER_SPLIT
   bool grads_in_hbm = false;
+  // GradSum::kInPlace (needs grads_in_hbm): the grads are fp32 (their HBM and fetch buffer),
+  // with no accumulators.
+  bool grad_sums_in_place = false;
   uint32_t staging_slots = 4;  // slots the default DRAM budget keeps room for
   uint64_t nvme_budget = 0;    // an NVMe budget to size placeable bytes for; 0 = the default
   std::vector<std::vector<uint64_t>> trainable, frozen;  // per layer; frozen may be empty
@@ -85,7 +88,8 @@ struct LayoutTotals {
 
 // Errors: kInvalidArgument (no layers or more than kMaxLayoutLayers, frozen given for another
 // number of layers, a dtype the optimizer does not take, a split master of a non-bf16 weight,
-// more than kMaxLayoutTensors tensors or kMaxLayoutElements elements in all).
+// in-place sums with grads in DRAM, more than kMaxLayoutTensors tensors or kMaxLayoutElements
+// elements in all).
 Status compute_layout(const LayoutRequest& request, std::vector<LayoutLayer>* layers,
                       LayoutTotals* totals);
 

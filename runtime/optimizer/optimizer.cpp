@@ -218,6 +218,7 @@ Status Optimizer::attach(Executor* executor) {
     }
     pending_.assign(plan.layer_count, 0);
     landing_.assign(plan.layer_count, 0);
+    backward_.assign(plan.layer_count, Backward::kIdle);
     grads_in_ = 0;
     // The grads' fetch buffer first: a PLANNED state placement kept nvme_staging_bytes free
     // for both, and the staging takes what is left of it.

@@ -115,6 +115,13 @@ enum class StateKind : int32_t {
 // separate working copy (kernels_impl.h's store_split says what is exact and what is not).
 enum class MasterLayout : uint32_t { kSeparate = 0, kSplit = 1 };
 
+// Where explicit mode sums a param's grads of several backward passes (strata.h
+// STRATA_GRAD_SUM_*). kAccumulator: in an fp32 `<w>.grad_accum` (plan_accumulators), the grad
+// tensor taking each pass's grad. kInPlace: the grad tensor, fp32 in HBM, is the sum: the
+// backward load zero-fills it only when the param holds no grad, and the framework adds each
+// pass's grad into it (optimizer_sums.cpp).
+enum class GradSum : uint32_t { kAccumulator = 0, kInPlace = 1 };
+
 struct OptimizerStats {
   uint64_t step = 0;           // updates applied (AdamW's t)
   uint64_t skipped_steps = 0;  // non-finite grads
@@ -158,8 +165,10 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // update (attached only) and written back before the executor loads the layer again. An
   // HBM-homed grad is copied into a DRAM buffer of the largest layer's grads by each job that
   // reads it (attached only).
+  // kInPlace needs explicit mode and an fp32 grad in HBM (kInvalidArgument otherwise).
   Status add_param(TensorId weight, TensorId grad, uint32_t group,
-                   MasterLayout layout = MasterLayout::kSeparate);
+                   MasterLayout layout = MasterLayout::kSeparate,
+                   GradSum grad_sum = GradSum::kAccumulator);
   // lr and weight_decay of `group` (creating it as a copy of group 0); its betas and eps stay.
   Status set_group(uint32_t group, float lr, float weight_decay);
   // Every hyperparameter of `group` (creating it); checked as the config's are.
@@ -183,7 +192,8 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   Status grad_read(TensorId weight, float* dst, uint64_t count);
   Status grad_scale(TensorId weight, float factor);
   // Sets the held grad's values (fp32): stored in the grad tensor's dtype (DRAM or HBM) or in
-  // the fp32 accumulator, wherever it is held; replaces any pending factor.
+  // the fp32 accumulator, wherever it is held (an in-place sum: exactly, in HBM); replaces any
+  // pending factor.
   Status grad_write(TensorId weight, const float* src, uint64_t count);
   Status grad_zero(TensorId weight, bool keep_zeros);
   // Explicit mode: a param's update count (restoring a framework's optimizer state).
@@ -213,6 +223,9 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
 
   // ExecutorHooks
   Status on_step_begin() override;
+  Status on_backward_load(uint32_t layer, const std::vector<TensorId>& grads,
+                          std::vector<HomeGrad>* modes) override;
+  void on_backward_acquired(uint32_t layer) override;
   void on_step_end() override;
   void on_step_aborted() override;
   Status on_grads_queued(uint32_t layer, std::vector<std::shared_ptr<DeviceFence>> landed) override;
@@ -255,7 +268,16 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     bool hbm_grad = false;
     const unsigned char* grad_device = nullptr;
     uint64_t fetch_offset = 0;
+    // GradSum::kInPlace (an fp32 hbm_grad; explicit mode): the grad tensor is the sum, held as
+    // kGrad (never kAccum). A landing copies nothing, so grad_sq is measured lazily, when
+    // `measured` is false (grad_info, grad_read), and kept until the sum changes.
+    bool in_place = false;
+    bool measured = true;
   };
+  // Explicit mode, per layer: where its backward pass is in the executor's step, which decides
+  // what may touch its in-place sums: kLoaded from its backward load (the home zero-filled or
+  // kept) to its acquire, kAcquired until its release (the framework's adds in flight).
+  enum class Backward : uint8_t { kIdle, kLoaded, kAcquired };
   // NVMe-homed state (and weights) of one executor layer: laid out in one staging slot, read
   // in before the layer's update, written back after it.
   enum class StagePhase : uint8_t { kIdle, kReading, kStaged, kWriting };
@@ -443,7 +465,24 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     return p.nvme_accum ? static_cast<float*>(p.staged[4]) : p.accum_data;
   }
   // Explicit mode: the param of `weight`, attached, its grads landed. Under mutex_ (waits).
-  Status held_grad(TensorId weight, std::unique_lock<std::mutex>& lock, Param** out);
+  // `what` (a call's name): an in-place sum whose layer is acquired for its backward pass
+  // (its adds in flight) is refused with kInvalidState.
+  Status held_grad(TensorId weight, std::unique_lock<std::mutex>& lock, Param** out,
+                   const char* what);
+  // In-place sums (optimizer_sums.cpp), under mutex_. The sum's fp32 values, copied out of HBM.
+  Status fetch_sum(const Param& p, std::vector<float>* values) const;
+  // grad_sq from the sum's `values`, per task of its layer as a landing measures a grad (so
+  // the figure is bit for bit the accumulator's); `measured` set.
+  void measure_sum(Param& p, const float* values);
+  // Measures the sum if it is not (one copy out of HBM).
+  Status ensure_measured(Param& p);
+  // Writes `src` (fp32, the param's count; null: zeros) into the sum through the H2D queue,
+  // the one the executor's zero fills go through, and waits for it: a fill queued before it
+  // cannot land after it. On failure the values are unspecified.
+  Status write_sum(const Param& p, const float* src);
+  // A held sum's pending grad_mult applied in HBM (copied out, scaled, written back): at its
+  // layer's backward load, before the framework adds to it.
+  Status apply_sum_factor(Param& p);
   Status step_explicit();  // under step_mutex_
   // Runs one kind of work over `tasks` on the pool; kNorm returns the sum of squares.
   // `arrivals` (may be null): task k waits for arrivals->wait(offset + k) first.
@@ -510,8 +549,10 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   Executor* executor_ = nullptr;
   std::vector<std::vector<std::size_t>> layer_params_;  // per executor layer
   std::vector<std::vector<Task>> layer_tasks_;
-  std::vector<int> pending_;  // per layer: queued jobs that write its weights
-  std::vector<int> landing_;  // per layer: queued kLand / kStash jobs (explicit mode)
+  std::vector<int> pending_;        // per layer: queued jobs that write its weights
+  std::vector<int> landing_;        // per layer: queued kLand / kStash jobs (explicit mode)
+  std::vector<Backward> backward_;  // per layer (explicit mode)
+  std::size_t in_place_params_ = 0;
   bool in_executor_step_ = false;
   std::size_t layers_with_params_ = 0;
   std::deque<Job> queue_;

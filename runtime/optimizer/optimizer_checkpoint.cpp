@@ -15,12 +15,15 @@ void Optimizer::drop_failed_step(std::unique_lock<std::mutex>& lock) {
   micro_ = 0;
   final_micro_ = false;
   current_.reset();
-  // Explicit mode: the held grads may not all have landed; none is held any more.
+  // Explicit mode: the held grads may not all have landed; none is held any more (an
+  // in-place sum's home is then zero-filled by its next backward load, as a grad tensor's is).
   for (Param& p : params_) {
     p.hold = GradHold::kNone;
     p.grad_mult = 1.f;
     p.grad_sq = 0;
+    p.measured = true;
   }
+  std::fill(backward_.begin(), backward_.end(), Backward::kIdle);
   cv_.notify_all();
 }
 

@@ -27,8 +27,10 @@ Status Optimizer::on_step_begin() {
   if (!failure_.is_ok()) return failure_;
   in_executor_step_ = true;
   if (config_.explicit_updates) {
+    std::fill(backward_.begin(), backward_.end(), Backward::kIdle);
     // Grads held in the grad tensors would be overwritten by this step's: move them to the
-    // fp32 accumulators first (the layer's load, and so its backward, waits for that).
+    // fp32 accumulators first (the layer's load, and so its backward, waits for that). An
+    // in-place sum stays where it is: this step's backward adds to it.
     for (std::size_t l = 0; l < layer_params_.size(); ++l) {
       Job job;
       job.kind = JobKind::kStash;
@@ -36,7 +38,7 @@ Status Optimizer::on_step_begin() {
       bool any = false;
       for (std::size_t i : layer_params_[l]) {
         Param& p = params_[i];
-        const bool move = p.hold == GradHold::kGrad;
+        const bool move = p.hold == GradHold::kGrad && !p.in_place;
         if (move) {
           // The first accumulation places every accumulator (plan_accumulators) before this
           // step's first stash is queued: laying the slots out again waits only for the
@@ -95,8 +97,19 @@ Status Optimizer::on_grads_queued(uint32_t layer,
     job.scalars = current_;
     if (config_.explicit_updates) {
       job.kind = JobKind::kLand;
+      backward_[layer] = Backward::kIdle;
       for (std::size_t i : layer_params_[layer]) {
         Param& p = params_[i];
+        if (p.in_place) {
+          // The framework added this pass's grads to the sum in HBM: held, measured when asked
+          // (the job only waits for the release's fence). Its factor was applied at the
+          // backward load and grad_scale refused since, so grad_mult is 1 and nothing is lost.
+          p.hold = GradHold::kGrad;
+          p.measured = false;
+          job.add.push_back(0);
+          job.mult.push_back(1.f);
+          continue;
+        }
         if (p.hold == GradHold::kGrad) {
           return error(Code::kInvalidState, "optimizer: layer ", layer,
                        "'s grads landed twice without a step_begin between");
@@ -146,6 +159,16 @@ void Optimizer::on_step_aborted() {
   {
     std::lock_guard lock(mutex_);
     in_executor_step_ = false;
+    // A layer abandoned while acquired for its backward pass: the framework's adds into its
+    // in-place sums stay there (the abort waited for its stream), so a held sum's figure is
+    // stale; a sum holding none or zeros is zero-filled again by its next backward load.
+    for (std::size_t l = 0; l < backward_.size(); ++l) {
+      if (backward_[l] != Backward::kAcquired) continue;
+      for (std::size_t i : layer_params_[l]) {
+        if (params_[i].in_place) params_[i].measured = false;
+      }
+    }
+    std::fill(backward_.begin(), backward_.end(), Backward::kIdle);
     if (!config_.explicit_updates && grads_in_ > 0 && grads_in_ < layers_with_params_) {
       // Part of an automatic step's grads came: what they started (accumulation, updates,
       // norms) runs to its end, and the next step starts afresh. A deferred step's norms
@@ -427,7 +450,9 @@ void Optimizer::dispatcher_main() {
         const auto l = static_cast<std::size_t>(job.layer);
         for (std::size_t k = 0; k < layer_params_[l].size(); ++k) {
           Param& p = params_[layer_params_[l][k]];
-          // A kStash entry that moved nothing leaves the param's sum as it was.
+          // A kStash entry that moved nothing leaves the param's sum as it was; an in-place
+          // sum is measured when asked (its landing copied nothing).
+          if (p.in_place) continue;
           if (job.kind == JobKind::kLand || job.add[k] != 0) p.grad_sq = job.sums[k];
         }
         --landing_[l];

@@ -62,8 +62,9 @@ bool Optimizer::reads_grad(const Job& job, const Param& p) {
   switch (job.kind) {
     case JobKind::kAccumulate:
     case JobKind::kNorm:
-    case JobKind::kLand:
       return true;
+    case JobKind::kLand:
+      return !p.in_place;  // an in-place sum is measured when asked, not at each landing
     case JobKind::kStash:
       return job.add[p.in_layer] != 0;
     case JobKind::kUpdate:

@@ -65,9 +65,11 @@ Status Optimizer::plan_accumulators(std::unique_lock<std::mutex>& lock) {
   STRATA_RETURN_IF_ERROR(drain(lock));
   const std::size_t layers = layer_params_.size();
   std::vector<uint64_t> dram_need(layers, 0), nvme_need(layers, 0);
-  uint64_t total = 0;
+  uint64_t total = 0, summed_elements = 0;
   for (std::size_t l = 0; l < layers; ++l) {
     for (std::size_t i : layer_params_[l]) {
+      if (params_[i].in_place) continue;  // its HBM grad is its sum
+      summed_elements += params_[i].arrays.count;
       dram_need[l] += accum_dram_bytes(params_[i].arrays.count);
       nvme_need[l] += accum_nvme_bytes(params_[i].arrays.count);
     }
@@ -82,6 +84,7 @@ Status Optimizer::plan_accumulators(std::unique_lock<std::mutex>& lock) {
       if ((on_nvme[l] != 0) != (home == Tier::kNvme)) continue;
       for (std::size_t i : layer_params_[l]) {
         Param& p = params_[i];
+        if (p.in_place) continue;
         TensorRecord w;
         STRATA_RETURN_IF_ERROR(runtime_->info(p.weight, &w));
         void* data = nullptr;
@@ -121,14 +124,18 @@ Status Optimizer::plan_accumulators(std::unique_lock<std::mutex>& lock) {
         Code::kOutOfMemory,
         "gradient accumulation (a backward pass onto grads not zeroed since the last "
         "one) needs an fp32 sum per parameter: ",
-        total, " bytes (", mib(total), ") for ", params_.size(), " params, and the DRAM tier has ",
-        free, " of its ", dram.budget, " bytes free (largest block ", dram.largest_free, ")", why,
+        total, " bytes (", mib(total), ") for ", params_.size() - in_place_params_,
+        " params, and the DRAM tier has ", free, " of its ", dram.budget,
+        " bytes free (largest block ", dram.largest_free, ")", why,
         ". Raise the DRAM budget by at least ", mib(short_by),
         " (strata.torch: host_budget=, which defaults to room for the sums when the "
         "host's available memory allows it), give the runtime an NVMe tier, where the "
-        "last layers' sums are staged through DRAM (strata.torch: nvme=), or leave "
-        "more DRAM free (grads in HBM: strata.torch grads='device'; more resident "
-        "blocks, which torch accumulates on the device)",
+        "last layers' sums are staged through DRAM (strata.torch: nvme=), keep the sums in "
+        "place on the GPU instead, in the grads' HBM homes (STRATA_GRAD_SUM_IN_PLACE; "
+        "strata.torch: offload(grads=\"device\", grad_dtype=torch.float32)), which takes ",
+        summed_elements * 4, " bytes (", mib(summed_elements * 4),
+        ") of HBM and frees these sums and the grads' DRAM, or leave more DRAM free (more "
+        "resident blocks, which torch accumulates on the device)",
         first_error.is_ok() ? "" : "; DRAM: ", first_error.is_ok() ? "" : first_error.message());
   };
   if (!nvme) return no_room(": no NVMe tier to put them on");
@@ -214,7 +221,8 @@ Status Optimizer::plan_accumulators(std::unique_lock<std::mutex>& lock) {
   return Status::ok();
 }
 
-Status Optimizer::held_grad(TensorId weight, std::unique_lock<std::mutex>& lock, Param** out) {
+Status Optimizer::held_grad(TensorId weight, std::unique_lock<std::mutex>& lock, Param** out,
+                            const char* what) {
   if (!config_.explicit_updates) {
     return error(Code::kInvalidState,
                  "per-parameter grads exist in explicit update mode only (update_mode "
@@ -238,6 +246,14 @@ Status Optimizer::held_grad(TensorId weight, std::unique_lock<std::mutex>& lock,
                                      stages_[layer].phase != StagePhase::kWriting));
   });
   STRATA_RETURN_IF_ERROR(failure_);
+  if (param->in_place && backward_[layer] == Backward::kAcquired) {
+    TensorRecord g;
+    (void)runtime_->info(param->grad, &g);
+    return error(Code::kInvalidState, what, ": grad '", g.spec.name,
+                 "' is an in-place gradient sum (STRATA_GRAD_SUM_IN_PLACE) and layer ", layer,
+                 " is acquired for its backward pass: the framework's adds into it are in flight; "
+                 "call it after the layer's release (or strata_step_abort)");
+  }
   *out = param;
   return Status::ok();
 }
@@ -245,7 +261,8 @@ Status Optimizer::held_grad(TensorId weight, std::unique_lock<std::mutex>& lock,
 Status Optimizer::grad_info(TensorId weight, GradInfo* out) {
   std::unique_lock lock(mutex_);
   Param* p = nullptr;
-  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p));
+  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p, "grad_info"));
+  STRATA_RETURN_IF_ERROR(ensure_measured(*p));  // an in-place sum since changed: one copy out
   out->has_grad = p->hold != GradHold::kNone;
   const double m = p->grad_mult;
   out->sum_squares =
@@ -257,7 +274,7 @@ Status Optimizer::grad_info(TensorId weight, GradInfo* out) {
 Status Optimizer::grad_read(TensorId weight, float* dst, uint64_t count) {
   std::unique_lock lock(mutex_);
   Param* p = nullptr;
-  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p));
+  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p, "grad_read"));
   if (count != p->arrays.count) {
     return error(Code::kInvalidArgument, "grad_read: ", count,
                  " elements asked, the parameter has ", p->arrays.count);
@@ -283,6 +300,9 @@ Status Optimizer::grad_read(TensorId weight, float* dst, uint64_t count) {
     Status s = runtime_->backend()->copy_sync(fetched.data(), p->grad_device, fetched.size());
     if (!s.is_ok()) return error(s.code(), "grad_read: fetching the grad from HBM: ", s.message());
     a.grad = fetched.data();
+    // An in-place sum read is measured on the way (a clip that reads p.grad first then needs
+    // no second copy out of HBM).
+    if (p->in_place && !p->measured) measure_sum(*p, reinterpret_cast<const float*>(a.grad));
   }
   a.grad_dtype = p->hold == GradHold::kAccum ? DType::kF32 : p->arrays.grad_dtype;
   a.grad_accum = dst;
@@ -297,9 +317,20 @@ Status Optimizer::grad_read(TensorId weight, float* dst, uint64_t count) {
 Status Optimizer::grad_scale(TensorId weight, float factor) {
   std::unique_lock lock(mutex_);
   Param* p = nullptr;
-  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p));
+  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p, "grad_scale"));
   if (p->hold == GradHold::kNone) {
     return error(Code::kInvalidState, "grad_scale: the parameter holds no grad");
+  }
+  if (p->in_place && backward_[static_cast<std::size_t>(p->layer)] != Backward::kIdle) {
+    // The factor applies lazily, to the sum; the landing of this backward pass will have added
+    // grads it must not apply to, and nothing reads the sum in between to apply it first.
+    TensorRecord g;
+    (void)runtime_->info(p->grad, &g);
+    return error(Code::kInvalidState, "grad_scale: grad '", g.spec.name,
+                 "' is an in-place gradient sum (STRATA_GRAD_SUM_IN_PLACE) whose layer ", p->layer,
+                 " has its backward pass loaded and not yet released: that pass adds its grads to "
+                 "the sum, which the factor would then scale too; scale before the layer's "
+                 "backward load or after its release");
   }
   p->grad_mult *= factor;
   return Status::ok();
@@ -308,7 +339,7 @@ Status Optimizer::grad_scale(TensorId weight, float factor) {
 Status Optimizer::grad_write(TensorId weight, const float* src, uint64_t count) {
   std::unique_lock lock(mutex_);
   Param* p = nullptr;
-  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p));
+  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p, "grad_write"));
   if (count != p->arrays.count) {
     return error(Code::kInvalidArgument, "grad_write: ", count,
                  " elements given, the parameter has ", p->arrays.count);
@@ -324,6 +355,22 @@ Status Optimizer::grad_write(TensorId weight, const float* src, uint64_t count) 
   optim::ParamArrays stored;  // what now holds the grad, for its sum of squares
   stored.count = count;
   std::vector<unsigned char> narrowed;  // an HBM-homed grad's values, on their way there
+  if (p->in_place) {
+    // The sum itself, exactly (the backward adds to it; an accumulator never holds it), through
+    // the queue a zero fill of this step's backward load may still wait in.
+    p->hold = GradHold::kGrad;
+    p->grad_mult = 1.f;
+    p->measured = true;
+    Status s = write_sum(*p, src);
+    if (!s.is_ok()) {
+      p->grad_sq = std::numeric_limits<double>::quiet_NaN();  // its values are unspecified
+      return error(s.code(), "grad_write: ", s.message());
+    }
+    stored.grad = src;
+    stored.grad_dtype = DType::kF32;
+    p->grad_sq = kernels_->sum_squares(stored, 0, count);
+    return Status::ok();
+  }
   // Inside an executor step a zeroed grad's tensor is about to receive this step's backward
   // (which would replace what is written there): the accumulator takes it, and the landing adds.
   if (p->hold == GradHold::kAccum || (p->hold == GradHold::kZero && in_executor_step_)) {
@@ -386,10 +433,23 @@ Status Optimizer::grad_write(TensorId weight, const float* src, uint64_t count) 
 Status Optimizer::grad_zero(TensorId weight, bool keep_zeros) {
   std::unique_lock lock(mutex_);
   Param* p = nullptr;
-  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p));
+  STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p, "grad_zero"));
+  if (p->in_place && p->hold == GradHold::kGrad &&
+      backward_[static_cast<std::size_t>(p->layer)] == Backward::kLoaded) {
+    // Its backward load kept the sum for the framework to add to (the load of a param holding
+    // none or zeros zero-fills it): zeroed now, through the load's queue.
+    p->grad_mult = 1.f;
+    Status s = write_sum(*p, nullptr);
+    if (!s.is_ok()) {
+      p->grad_sq = std::numeric_limits<double>::quiet_NaN();  // still held, values unspecified
+      p->measured = true;
+      return error(s.code(), "grad_zero: ", s.message());
+    }
+  }
   p->hold = keep_zeros ? GradHold::kZero : GradHold::kNone;
   p->grad_mult = 1.f;
   p->grad_sq = 0;
+  p->measured = true;
   return Status::ok();
 }
 

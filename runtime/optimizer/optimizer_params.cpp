@@ -150,11 +150,24 @@ void Optimizer::init_on_pool(std::size_t n,
   });
 }
 
-Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, MasterLayout layout) {
+Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, MasterLayout layout,
+                            GradSum grad_sum) {
   STRATA_RETURN_IF_ERROR(check_group(group));
   if (layout != MasterLayout::kSeparate && layout != MasterLayout::kSplit) {
     return error(Code::kInvalidArgument, "unknown master_layout ", static_cast<uint32_t>(layout),
                  " (STRATA_MASTER_SEPARATE 0, STRATA_MASTER_SPLIT 1)");
+  }
+  if (grad_sum != GradSum::kAccumulator && grad_sum != GradSum::kInPlace) {
+    return error(Code::kInvalidArgument, "unknown grad_sum ", static_cast<uint32_t>(grad_sum),
+                 " (STRATA_GRAD_SUM_ACCUMULATOR 0, STRATA_GRAD_SUM_IN_PLACE 1)");
+  }
+  const bool in_place = grad_sum == GradSum::kInPlace;
+  if (in_place && !config_.explicit_updates) {
+    // AUTO mode sums micro-steps in its own accumulators (accumulation_steps), on the CPU.
+    return error(Code::kInvalidArgument,
+                 "grad_sum STRATA_GRAD_SUM_IN_PLACE needs update_mode STRATA_UPDATE_EXPLICIT, "
+                 "where the framework adds each backward pass's grad into the sum; this "
+                 "optimizer's AUTO mode sums accumulation_steps in its fp32 accumulators");
   }
   // The new state is initialized on the pool, which runs one job at a time: a manual step()
   // (the only other user while unattached) holds step_mutex_ while it runs.
@@ -203,6 +216,13 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, Mast
     return error(Code::kInvalidArgument, "grad '", g.spec.name, "' has ", element_count(g),
                  " elements, weight '", w.spec.name, "' has ", element_count(w));
   }
+  if (in_place && (g.tier != Tier::kHbm || g.spec.dtype != DType::kF32)) {
+    return error(Code::kInvalidArgument, "grad '", g.spec.name, "' is ", dtype_name(g.spec.dtype),
+                 " in ", tier_name(g.tier),
+                 ": an in-place gradient sum (STRATA_GRAD_SUM_IN_PLACE) is the grad tensor "
+                 "itself, which must be F32 (the sum of several backward passes) in HBM (where "
+                 "the framework adds to it)");
+  }
   const std::size_t owned_before = owned_.size(), pinned_before = pinned_.size();
   const uint64_t bytes_before = state_bytes_;
   auto roll_back = [&](Status s) {
@@ -232,6 +252,7 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, Mast
   a.count = n;
   // An HBM-homed grad is read through the fetch buffer attach lays out (arrays.grad set there).
   p.hbm_grad = g.tier == Tier::kHbm;
+  p.in_place = in_place;
   if (p.hbm_grad) {
     p.grad_device = runtime_->tier_base(Tier::kHbm) + g.offset;
   } else {
@@ -332,6 +353,7 @@ Status Optimizer::add_param(TensorId weight, TensorId grad, uint32_t group, Mast
   if (p.nvme_state) ++nvme_state_params_;
   if (p.nvme_weight) ++nvme_weight_params_;
   if (p.hbm_grad) ++hbm_grad_params_;
+  if (p.in_place) ++in_place_params_;
   if (group >= groups_.size()) groups_.resize(group + 1, groups_.front());
   params_.push_back(std::move(p));
   return Status::ok();

@@ -174,6 +174,7 @@ void Optimizer::run_explicit(std::span<const Task> tasks, Job& job, Arrivals* ar
     };
     switch (job.kind) {
       case JobKind::kLand:
+        if (p.in_place) break;  // nothing to take: the sum is in HBM, measured when asked
         if (job.add[slot] != 0) {
           float* const accum = accum_ptr(p);
           accum_view.grad = accum;

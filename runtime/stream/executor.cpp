@@ -244,7 +244,9 @@ Status Executor::step_abort(void* stream) {
     // Loads issued for positions that will not run now.
     for (std::size_t p = cursor_; p < issued_ && p < ready_.size(); ++p) {
       for (const auto* list : {&ready_[p].weights, &ready_[p].grads, &ready_[p].activations}) {
-        abandoned.insert(abandoned.end(), list->begin(), list->end());
+        for (const auto& f : *list) {
+          if (f) abandoned.push_back(f);  // null: an in-place sum kept, nothing queued
+        }
       }
     }
     in_step_ = false;
@@ -448,13 +450,19 @@ Status Executor::acquire(uint32_t layer, Phase phase, void* stream, Wait wait, L
   Status waited = wait_for_layer(layer, phase, stream, wait, std::move(waits));
   std::lock_guard lock(mutex_);
   acquiring_ = false;
-  if (waited.is_ok()) acquired_ = true;
+  if (waited.is_ok()) {
+    acquired_ = true;
+    // From here the framework adds into the grad views (an optimizer's in-place sums).
+    if (phase == Phase::kBackward && hooks_) hooks_->on_backward_acquired(layer);
+  }
   return waited;
 }
 
 Status Executor::wait_for_layer(uint32_t layer, Phase phase, void* stream, Wait wait,
                                 std::vector<std::shared_ptr<DeviceFence>> waits) {
   // Duplicates (tensors sharing a chunk) cost one cudaStreamWaitEvent each: cheap, but skip.
+  // Null: nothing to wait for (an in-place gradient sum kept as it is).
+  waits.erase(std::remove(waits.begin(), waits.end(), nullptr), waits.end());
   std::sort(waits.begin(), waits.end());
   waits.erase(std::unique(waits.begin(), waits.end()), waits.end());
   Tracer& tracer = runtime_->tracer();
@@ -511,11 +519,24 @@ unsigned char* Executor::grad_view(const LayerPlan& lp, const LayerHomes& homes,
 
 Status Executor::write_view(uint32_t layer, Phase phase, ViewRole role, uint32_t index,
                             const void* src, uint64_t bytes) {
+  bool sum = false;  // the view is an optimizer's in-place gradient sum
+  {
+    std::lock_guard lock(mutex_);
+    STRATA_RETURN_IF_ERROR(check_acquired(layer, phase, "write_view"));
+    const std::vector<uint8_t>& sums = ready_[cursor_].grad_sums;
+    sum = role == ViewRole::kGrad && index < sums.size() && sums[index] != 0;
+  }
   void* dst = nullptr;
   TensorId id = 0;
   STRATA_RETURN_IF_ERROR(view(layer, phase, role, index, &dst, &id));
   TensorRecord r;
   STRATA_RETURN_IF_ERROR(runtime_->info(id, &r));
+  if (sum) {
+    return error(Code::kInvalidState, "write_view: grad '", r.spec.name, "' of layer ", layer,
+                 " is an in-place gradient sum (STRATA_GRAD_SUM_IN_PLACE): the backward pass "
+                 "adds to it, and a copy would replace the sum of the passes before; add into "
+                 "the view instead (strata_layer_export_dlpack)");
+  }
   if (bytes != r.nbytes) {
     return error(Code::kInvalidArgument, "write_view: tensor '", r.spec.name, "' is ", r.nbytes,
                  " bytes, not ", bytes);
@@ -537,7 +558,8 @@ Status Executor::wait_tensor(uint32_t layer, Phase phase, ViewRole role, uint32_
     }
     fence = list[index];
   }
-  return fence->enqueue_wait(stream);
+  // Null: the tensor needs no copy (an in-place gradient sum kept as it is).
+  return fence ? fence->enqueue_wait(stream) : Status::ok();
 }
 
 Status Executor::release(uint32_t layer, Phase phase, void* stream) {

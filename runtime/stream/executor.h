@@ -80,7 +80,11 @@ class Executor {
     std::vector<std::shared_ptr<DeviceFence>> weight_ready, activation_ready;
   };
   struct Ready {
+    // Null where nothing is waited for (an in-place gradient sum kept as it is).
     std::vector<std::shared_ptr<DeviceFence>> weights, grads, activations;
+    // Backward: per grad, whether its view is an in-place gradient sum (HomeGrad), which the
+    // framework adds to and write_view refuses to copy over.
+    std::vector<uint8_t> grad_sums;
   };
 
   Executor(std::shared_ptr<Runtime> runtime, Plan plan);

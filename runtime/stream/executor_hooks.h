@@ -1,6 +1,7 @@
 // ExecutorHooks: how a service working beside the executor (the optimizer) sees a step. The
 // executor calls them under its own lock, so they must not call back into the executor; only
-// wait_layer() may block, and only on work that needs nothing from the executor.
+// wait_layer() and on_backward_load() may block, and only on work that needs nothing from the
+// executor.
 #pragma once
 
 #include <cstdint>
@@ -9,14 +10,31 @@
 
 #include "backends/device/device_backend.h"
 #include "common/status.h"
+#include "runtime/memory/tensor_registry.h"  // TensorId
 
 namespace strata {
+
+// What a backward load does with a grad kept in its HBM home (SlotTensor::in_home).
+enum class HomeGrad : uint8_t {
+  kBuffer = 0,    // a grad buffer: zero-filled, the backward pass writes the grad
+  kEmptySum = 1,  // an in-place sum that holds nothing yet: zero-filled, then added to
+  kHeldSum = 2,   // an in-place sum holding the grads so far: kept as it is, added to
+};
 
 class ExecutorHooks {
  public:
   virtual ~ExecutorHooks() = default;
   // A step begins (before any load is issued); an error fails strata_step_begin.
   virtual Status on_step_begin() = 0;
+  // The backward load of `layer` is being queued: for each of `grads` (its grads kept in their
+  // HBM homes, in declared order) what the load does with it (*modes, one entry each). May block
+  // on copies of those homes (a scale pending on a held sum is applied first); an error fails
+  // the load.
+  virtual Status on_backward_load(uint32_t layer, const std::vector<TensorId>& grads,
+                                  std::vector<HomeGrad>* modes) = 0;
+  // The layer's backward acquire succeeded: the framework adds into its grad views from now on,
+  // until the release (on_grads_queued) or an abort (on_step_aborted).
+  virtual void on_backward_acquired(uint32_t layer) = 0;
   // A layer's backward release queued its grads to DRAM; `landed` fences their copies.
   virtual Status on_grads_queued(uint32_t layer,
                                  std::vector<std::shared_ptr<DeviceFence>> landed) = 0;

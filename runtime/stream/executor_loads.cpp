@@ -48,6 +48,19 @@ Status Executor::issue_load(std::size_t p) {
   unsigned char* base = slot_base(sched.slot);
   Ready& ready = ready_[p];
   const bool backward = pos.phase == Phase::kBackward;
+  // What the load does with the grads kept in their HBM homes, asked before anything is queued
+  // (an error leaves the position unissued, to be retried whole).
+  std::vector<HomeGrad> modes;
+  if (backward) {
+    std::vector<TensorId> in_home;
+    for (const SlotTensor& g : layer.grads) {
+      if (g.in_home) in_home.push_back(g.id);
+    }
+    modes.assign(in_home.size(), HomeGrad::kBuffer);
+    if (hooks_ && !in_home.empty()) {
+      STRATA_RETURN_IF_ERROR(hooks_->on_backward_load(pos.layer, in_home, &modes));
+    }
+  }
   ++stats_.loads;
 
   // Before anything lands in the slot: its previous user is done with it, and what it sent out
@@ -87,12 +100,18 @@ Status Executor::issue_load(std::size_t p) {
     // Grad buffers start at zero, so the framework can accumulate micro-batches into them: the
     // slot's grad range in one fill, each grad kept in its HBM home on its own (its last
     // reader, the optimizer's update of the step before, was done before this load: the
-    // hooks gate it).
+    // hooks gate it). An HBM home that is an optimizer's in-place gradient sum holding grads
+    // is not filled (modes, asked above): the framework adds this backward pass's grad to it.
     ready.grads.assign(layer.grads.size(), nullptr);
+    ready.grad_sums.assign(layer.grads.size(), 0);
     uint64_t first = UINT64_MAX, end = 0;
+    std::size_t home = 0;
     for (std::size_t i = 0; i < layer.grads.size(); ++i) {
       const SlotTensor& g = layer.grads[i];
       if (g.in_home) {
+        const HomeGrad mode = modes[home++];
+        ready.grad_sums[i] = mode == HomeGrad::kBuffer ? 0 : 1;
+        if (mode == HomeGrad::kHeldSum) continue;  // nothing to wait for: ready.grads[i] null
         STRATA_RETURN_IF_ERROR(queue_copy(CopyDirection::kHostToDevice, homes.grads[i], nullptr,
                                           g.bytes, slot_free, &ready.grads[i]));
         continue;

@@ -67,3 +67,42 @@ TEST_CASE("strata_optimizer_config_init@STRATA_1.0 writes only a 1.0 or 1.1 prog
   REQUIRE(new_init(STRATA_OPTIMIZER_SGD, same.config()) == STRATA_OK);
   CHECK(std::memcmp(same.bytes, config.bytes, sizeof same.bytes) == 0);
 }
+
+TEST_CASE("strata_layout_request_init@STRATA_1.3 writes only a 1.3 or 1.4 program's 80 bytes",
+          "[abi]") {
+  using Init = strata_status_t (*)(strata_layout_request_t*);
+  const auto old_init =
+      reinterpret_cast<Init>(dlvsym(RTLD_DEFAULT, "strata_layout_request_init", "STRATA_1.3"));
+  const auto new_init =
+      reinterpret_cast<Init>(dlvsym(RTLD_DEFAULT, "strata_layout_request_init", "STRATA_1.5"));
+  REQUIRE(old_init != nullptr);
+  REQUIRE(new_init != nullptr);
+  REQUIRE(old_init != new_init);
+  // 1.5 appended grad_sum after nvme_budget_bytes.
+  constexpr size_t kOldSize = STRATA_STRUCT_SIZE(strata_layout_request_t, nvme_budget_bytes);
+  static_assert(kOldSize == 80);
+  static_assert(sizeof(strata_layout_request_t) == 88);
+  alignas(strata_layout_request_t) unsigned char bytes[sizeof(strata_layout_request_t) + 16];
+  std::memset(bytes, 0xAB, sizeof bytes);
+  auto* request = reinterpret_cast<strata_layout_request_t*>(bytes);
+  REQUIRE(old_init(request) == STRATA_OK);
+  CHECK(request->struct_size == kOldSize);
+  CHECK(request->dtype == STRATA_DTYPE_BF16);
+  CHECK(request->staging_slots == 4);
+  for (size_t i = kOldSize; i < sizeof bytes; ++i) REQUIRE(bytes[i] == 0xAB);
+  CHECK(old_init(nullptr) == STRATA_ERROR_INVALID_ARGUMENT);
+
+  // What a program built against this header calls: the whole struct, defaults everywhere.
+  std::memset(bytes, 0xAB, sizeof bytes);
+  REQUIRE(strata_layout_request_init(request) == STRATA_OK);
+  CHECK(request->struct_size == STRATA_LAYOUT_REQUEST_STRUCT_SIZE);
+  CHECK(request->grad_sum == STRATA_GRAD_SUM_ACCUMULATOR);
+  CHECK(request->nvme_budget_bytes == 0);
+  for (size_t i = sizeof(strata_layout_request_t); i < sizeof bytes; ++i) {
+    REQUIRE(bytes[i] == 0xAB);
+  }
+  unsigned char same[sizeof bytes];
+  std::memset(same, 0xAB, sizeof same);
+  REQUIRE(new_init(reinterpret_cast<strata_layout_request_t*>(same)) == STRATA_OK);
+  CHECK(std::memcmp(same, bytes, sizeof bytes) == 0);
+}

@@ -73,7 +73,8 @@ TEST_CASE("optimizer groups are range-checked, never wrapped", "[abi][optimizer]
   strata_tensor_t *w = nullptr, *g = nullptr;
   STRATA_REQUIRE_OK(strata_tensor_register(rt.get(), &wd, &w));
   STRATA_REQUIRE_OK(strata_tensor_register(rt.get(), &gd, &g));
-  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, UINT32_MAX, STRATA_MASTER_SEPARATE};
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, UINT32_MAX, STRATA_MASTER_SEPARATE,
+                        STRATA_GRAD_SUM_ACCUMULATOR};
   STRATA_REQUIRE_ERROR(strata_optimizer_add_param(opt.get(), &p), STRATA_ERROR_INVALID_ARGUMENT,
                        "group 4294967295");
   // Nothing was left behind: the same weight is accepted in a valid group, and steps.

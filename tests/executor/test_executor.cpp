@@ -480,6 +480,110 @@ TEST_CASE("misuse gets a clear error, never a hang", "[executor]") {
   });
 }
 
+TEST_CASE("a backward load zeroes grad homes, and keeps an optimizer's in-place sums it holds",
+          "[executor][grad_sum]") {
+  // One layer, two f32 grads in HBM homes: g0 an explicit-mode optimizer's in-place gradient
+  // sum (STRATA_GRAD_SUM_IN_PLACE), g1 a plain grad home (summed in an accumulator). A slowed
+  // link: an acquire that did not wait for a home's zero fill would see the pattern still there.
+  with_watchdog(60, [&] {
+    RuntimePtr rt =
+        make_runtime(config_for(backend_under_test(), 16 * kMiB, 64 * kMiB,
+                                backend_under_test() == STRATA_DEVICE_BACKEND_HOST ? 4 * kMiB : 0));
+    constexpr std::size_t n = 4096;
+    auto reg = [&](const char* name, strata_tier_t tier, strata_dtype_t dtype, strata_role_t role) {
+      const int64_t shape[1] = {static_cast<int64_t>(n)};
+      const strata_tensor_desc_t d = desc(name, shape, 1, tier, dtype, role);
+      strata_tensor_t* t = nullptr;
+      STRATA_REQUIRE_OK(strata_tensor_register(rt.get(), &d, &t));
+      return t;
+    };
+    strata_tensor_t* w[2] = {reg("w0", STRATA_TIER_DRAM, STRATA_DTYPE_BF16, STRATA_ROLE_WEIGHT),
+                             reg("w1", STRATA_TIER_DRAM, STRATA_DTYPE_BF16, STRATA_ROLE_WEIGHT)};
+    strata_tensor_t* g[2] = {reg("g0", STRATA_TIER_HBM, STRATA_DTYPE_F32, STRATA_ROLE_GRAD),
+                             reg("g1", STRATA_TIER_HBM, STRATA_DTYPE_F32, STRATA_ROLE_GRAD)};
+    strata_graph_t* graph = nullptr;
+    STRATA_REQUIRE_OK(strata_graph_create(rt.get(), &graph));
+    strata_layer_desc_t d{};
+    d.struct_size = STRATA_LAYER_DESC_STRUCT_SIZE;
+    d.weights = w;
+    d.weight_count = 2;
+    d.grads = g;
+    d.grad_count = 2;
+    STRATA_REQUIRE_OK(strata_graph_add_layer(graph, &d, nullptr));
+    strata_plan_config_t pc;
+    STRATA_REQUIRE_OK(strata_plan_config_init(&pc));
+    pc.h2d_bytes_per_second = 1e9;
+    pc.d2h_bytes_per_second = 1e9;
+    strata_plan_t* plan = nullptr;
+    STRATA_REQUIRE_OK(strata_plan_create(graph, &pc, &plan));
+    strata_executor_t* ex = nullptr;
+    STRATA_REQUIRE_OK(strata_executor_create(plan, &ex));
+    strata_optimizer_config_t oc;
+    STRATA_REQUIRE_OK(strata_optimizer_config_init(STRATA_OPTIMIZER_SGD, &oc));
+    oc.update_mode = STRATA_UPDATE_EXPLICIT;
+    oc.threads = 1;
+    strata_optimizer_t* opt = nullptr;
+    STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &oc, &opt));
+    for (int k = 0; k < 2; ++k) {
+      strata_param_desc_t p{};
+      p.struct_size = STRATA_PARAM_DESC_STRUCT_SIZE;
+      p.weight = w[k];
+      p.grad = g[k];
+      p.grad_sum = k == 0 ? STRATA_GRAD_SUM_IN_PLACE : STRATA_GRAD_SUM_ACCUMULATOR;
+      STRATA_REQUIRE_OK(strata_optimizer_add_param(opt, &p));
+    }
+    STRATA_REQUIRE_OK(strata_optimizer_attach(opt, ex));
+
+    std::vector<float> pattern[2], zeros(n, 0.f), seen(n);
+    for (int k = 0; k < 2; ++k) {
+      for (std::size_t i = 0; i < n; ++i) pattern[k].push_back(static_cast<float>(k * n + i + 1));
+    }
+    strata_layer_views_t v{};
+    v.struct_size = STRATA_LAYER_VIEWS_STRUCT_SIZE;
+    // One step; `check` sees the grad views at the backward acquire.
+    auto step = [&](const std::function<void()>& check) {
+      STRATA_REQUIRE_OK(strata_step_begin(ex));
+      STRATA_REQUIRE_OK(strata_layer_acquire(ex, 0, STRATA_PHASE_FORWARD, nullptr, 0, &v));
+      STRATA_REQUIRE_OK(strata_layer_release(ex, 0, STRATA_PHASE_FORWARD, nullptr));
+      STRATA_REQUIRE_OK(strata_layer_acquire(ex, 0, STRATA_PHASE_BACKWARD, nullptr, 0, &v));
+      check();
+      STRATA_REQUIRE_OK(strata_layer_release(ex, 0, STRATA_PHASE_BACKWARD, nullptr));
+      STRATA_REQUIRE_OK(strata_step_end(ex));
+    };
+    auto view_is = [&](int k, const std::vector<float>& want) {
+      view_to_host(seen.data(), v.grads[k], n * sizeof(float));
+      return seen == want;
+    };
+    step([&] {  // nothing held: both zeroed; the framework writes the patterns
+      REQUIRE(view_is(0, zeros));
+      REQUIRE(view_is(1, zeros));
+      for (int k = 0; k < 2; ++k) host_to_view(v.grads[k], pattern[k].data(), n * sizeof(float));
+    });
+    step([&] {  // the sum holds its pattern; the grad buffer home was zeroed
+      REQUIRE(view_is(0, pattern[0]));
+      REQUIRE(view_is(1, zeros));
+      // A copy would replace the sum: refused; the plain home takes one.
+      STRATA_REQUIRE_ERROR(strata_layer_write_view(ex, 0, STRATA_PHASE_BACKWARD, STRATA_VIEW_GRAD,
+                                                   0, zeros.data(), n * sizeof(float)),
+                           STRATA_ERROR_INVALID_STATE, "'g0' of layer 0 is an in-place");
+      STRATA_REQUIRE_OK(strata_layer_write_view(ex, 0, STRATA_PHASE_BACKWARD, STRATA_VIEW_GRAD, 1,
+                                                pattern[1].data(), n * sizeof(float)));
+      // No copy into the kept sum: nothing to wait for, and waiting says so.
+      STRATA_REQUIRE_OK(
+          strata_layer_wait_tensor(ex, 0, STRATA_PHASE_BACKWARD, STRATA_VIEW_GRAD, 0, nullptr));
+    });
+    STRATA_REQUIRE_OK(strata_optimizer_grad_zero(opt, w[0], 1));  // zeros: not held any more
+    step([&] {
+      REQUIRE(view_is(0, zeros));
+      REQUIRE(view_is(1, zeros));
+    });
+    STRATA_REQUIRE_OK(strata_optimizer_destroy(opt));
+    STRATA_REQUIRE_OK(strata_executor_destroy(ex));
+    STRATA_REQUIRE_OK(strata_plan_destroy(plan));
+    STRATA_REQUIRE_OK(strata_graph_destroy(graph));
+  });
+}
+
 int main(int argc, char** argv) {
   return run_on_backend_under_test(argc, argv);
 }

@@ -144,9 +144,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       case 10:
         if (opt != nullptr) {
-          strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, tensor(), tensor(),
+          strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE,
+                                tensor(),
+                                tensor(),
                                 in.get<uint8_t>() % 2 ? in.get<uint32_t>() : 0,
-                                in.get<uint8_t>() % 2 ? in.get<uint32_t>() : 0};
+                                in.get<uint8_t>() % 2 ? in.get<uint32_t>() : 0,
+                                in.get<uint8_t>() % 3 ? in.get<uint8_t>() % 2u : 7u};
           (void)strata_optimizer_add_param(opt, &p);
         }
         break;

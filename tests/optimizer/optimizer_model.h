@@ -61,12 +61,13 @@ inline strata_tensor_t* register_tensor(strata_runtime_t* rt, const std::string&
 }
 
 // weight_tier: where the weights live (NVMe needs an NVMe tier in `config`); grad_tier: where
-// the grads do (DRAM, or HBM).
+// the grads do (DRAM, or HBM), in grad_dtype.
 inline Model make_model(int layers, uint64_t seed, strata_device_backend_t backend,
                         std::vector<int64_t> sizes = {3000, 1100},
                         const strata_runtime_config_t* config = nullptr,
                         strata_tier_t weight_tier = STRATA_TIER_DRAM,
-                        strata_tier_t grad_tier = STRATA_TIER_DRAM) {
+                        strata_tier_t grad_tier = STRATA_TIER_DRAM,
+                        strata_dtype_t grad_dtype = STRATA_DTYPE_BF16) {
   Model m;
   m.sizes = std::move(sizes);
   m.rt = make_runtime(config != nullptr ? *config : config_for(backend, 64 * kMiB, 256 * kMiB));
@@ -83,15 +84,16 @@ inline Model make_model(int layers, uint64_t seed, strata_device_backend_t backe
       for (auto& x : init) x = to_bf16(dist(rng));
       STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), w, 0, init.data(), init.size() * 2));
       m.weights.back().push_back(w);
-      m.grads.back().push_back(register_tensor(m.rt.get(), base + ".grad", m.sizes[k],
-                                               STRATA_DTYPE_BF16, STRATA_ROLE_GRAD, grad_tier));
+      m.grads.back().push_back(register_tensor(m.rt.get(), base + ".grad", m.sizes[k], grad_dtype,
+                                               STRATA_ROLE_GRAD, grad_tier));
     }
   }
   return m;
 }
 
 inline OptimizerPtr make_optimizer(Model& m, const strata_optimizer_config_t& c,
-                                   uint32_t master_layout = STRATA_MASTER_SEPARATE) {
+                                   uint32_t master_layout = STRATA_MASTER_SEPARATE,
+                                   uint32_t grad_sum = STRATA_GRAD_SUM_ACCUMULATOR) {
   strata_optimizer_t* o = nullptr;
   STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
   OptimizerPtr opt(o);
@@ -103,6 +105,7 @@ inline OptimizerPtr make_optimizer(Model& m, const strata_optimizer_config_t& c,
       p.grad = m.grads[l][k];
       p.group = k == 1 ? 1 : 0;  // the second weight of each layer: no weight decay
       p.master_layout = master_layout;
+      p.grad_sum = grad_sum;
       STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
     }
   }
@@ -183,7 +186,8 @@ struct Streamed {
   }
 };
 
-inline void make_streamed(Model& m, Streamed* st, uint64_t slot_budget) {
+// max_depth: the plan's max_prefetch_depth (0: as deep as the slots allow).
+inline void make_streamed(Model& m, Streamed* st, uint64_t slot_budget, uint32_t max_depth = 0) {
   STRATA_REQUIRE_OK(strata_graph_create(m.rt.get(), &st->graph));
   for (std::size_t l = 0; l < m.weights.size(); ++l) {
     strata_layer_desc_t d{};
@@ -197,6 +201,7 @@ inline void make_streamed(Model& m, Streamed* st, uint64_t slot_budget) {
   strata_plan_config_t pc;
   STRATA_REQUIRE_OK(strata_plan_config_init(&pc));
   pc.hbm_slot_budget_bytes = slot_budget;
+  pc.max_prefetch_depth = max_depth;
   pc.h2d_bytes_per_second = 1e9;
   pc.d2h_bytes_per_second = 1e9;
   STRATA_REQUIRE_OK(strata_plan_create(st->graph, &pc, &st->plan));

@@ -347,3 +347,123 @@ TEST_CASE("the layout query's accum_bytes holds what the accumulators take",
   REQUIRE(accumulators >= 4 * trained);
   REQUIRE(accumulators <= got.totals.accum_bytes);
 }
+
+TEST_CASE("in-place sums: the query counts f32 grads in HBM and no accumulators, as allocated",
+          "[layout][optimizer][grad_sum]") {
+  const std::vector<Layer> model = {{{1000, 5000, 70001}, {3000}}, {{12345}, {}}};
+  std::vector<uint32_t> counts, frozen_counts;
+  std::vector<uint64_t> elements, frozen_elements;
+  strata_layout_request_t q =
+      request_for(model, STRATA_DTYPE_BF16, STRATA_TIER_HBM, STRATA_OPTIMIZER_ADAMW, 0,
+                  STRATA_MASTER_SEPARATE, &counts, &elements, &frozen_counts, &frozen_elements);
+  REQUIRE(q.grad_sum == STRATA_GRAD_SUM_ACCUMULATOR);  // the default
+  const Query accumulated = query(q);
+  q.grad_sum = STRATA_GRAD_SUM_IN_PLACE;
+  const Query got = query(q);
+  REQUIRE(accumulated.totals.accum_bytes > 0);
+  REQUIRE(got.totals.accum_bytes == 0);
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    uint64_t n = 0;
+    for (uint64_t e : model[i].trainable) n += e;
+    // fp32 grads: 4 bytes an element, with the HBM arena's 1% and 64 KiB.
+    REQUIRE(got.layers[i].grad_hbm_bytes == 4 * n + 4 * n / 100 + 64 * 1024);
+    REQUIRE(got.layers[i].grad_bytes > accumulated.layers[i].grad_bytes);
+  }
+  REQUIRE(got.totals.grad_hbm_bytes == got.layers[0].grad_hbm_bytes + got.layers[1].grad_hbm_bytes);
+  REQUIRE(got.totals.grad_fetch_bytes > accumulated.totals.grad_fetch_bytes);
+  REQUIRE(got.totals.grad_fetch_bytes >= 4 * (1000 + 5000 + 70001));
+  REQUIRE(got.totals.streaming_hbm_bytes - accumulated.totals.streaming_hbm_bytes ==
+          got.totals.grad_hbm_bytes - accumulated.totals.grad_hbm_bytes);
+  REQUIRE(got.totals.nvme_bytes < accumulated.totals.nvme_bytes);  // no accumulators to spill
+
+  // What an explicit optimizer with in-place params takes: the f32 grads' HBM within the
+  // query's figure, the fetch buffer its figure exactly, and no accumulator after accumulating.
+  RuntimePtr rt = make_runtime(config_for(STRATA_DEVICE_BACKEND_HOST, 64 * kMiB, 64 * kMiB));
+  strata_optimizer_config_t oc;
+  STRATA_REQUIRE_OK(strata_optimizer_config_init(STRATA_OPTIMIZER_ADAMW, &oc));
+  oc.threads = 1;
+  oc.update_mode = STRATA_UPDATE_EXPLICIT;
+  strata_optimizer_t* raw = nullptr;
+  STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &oc, &raw));
+  OptimizerPtr opt(raw);
+  strata_graph_t* graph = nullptr;
+  STRATA_REQUIRE_OK(strata_graph_create(rt.get(), &graph));
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    std::vector<strata_tensor_t*> weights, grads;
+    const uint64_t hbm_before = used(rt.get(), STRATA_TIER_HBM);
+    for (std::size_t k = 0; k < model[i].trainable.size(); ++k) {
+      const std::string name = "layers." + std::to_string(i) + "." + std::to_string(k);
+      const uint64_t n = model[i].trainable[k];
+      weights.push_back(
+          tensor(rt.get(), name, n, STRATA_DTYPE_BF16, STRATA_ROLE_WEIGHT, STRATA_TIER_DRAM));
+      grads.push_back(
+          tensor(rt.get(), name + ".grad", n, STRATA_DTYPE_F32, STRATA_ROLE_GRAD, STRATA_TIER_HBM));
+      strata_param_desc_t p{};
+      p.struct_size = STRATA_PARAM_DESC_STRUCT_SIZE;
+      p.weight = weights.back();
+      p.grad = grads.back();
+      p.grad_sum = STRATA_GRAD_SUM_IN_PLACE;
+      STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
+    }
+    REQUIRE(used(rt.get(), STRATA_TIER_HBM) - hbm_before <= got.layers[i].grad_hbm_bytes);
+    strata_layer_desc_t d{};
+    d.struct_size = STRATA_LAYER_DESC_STRUCT_SIZE;
+    d.weights = weights.data();
+    d.weight_count = static_cast<uint32_t>(weights.size());
+    d.grads = grads.data();
+    d.grad_count = static_cast<uint32_t>(grads.size());
+    STRATA_REQUIRE_OK(strata_graph_add_layer(graph, &d, nullptr));
+  }
+  strata_plan_t* plan = nullptr;
+  STRATA_REQUIRE_OK(strata_plan_create(graph, nullptr, &plan));
+  strata_executor_t* ex = nullptr;
+  STRATA_REQUIRE_OK(strata_executor_create(plan, &ex));
+  const uint64_t before_attach = used(rt.get(), STRATA_TIER_DRAM);
+  STRATA_REQUIRE_OK(strata_optimizer_attach(opt.get(), ex));
+  REQUIRE(got.totals.grad_fetch_bytes == used(rt.get(), STRATA_TIER_DRAM) - before_attach + kPage);
+  // Two backward passes onto grads never zeroed: an accumulation, with nothing placed for it.
+  const uint64_t before_steps = used(rt.get(), STRATA_TIER_DRAM);
+  for (int pass = 0; pass < 2; ++pass) {
+    STRATA_REQUIRE_OK(strata_step_begin(ex));
+    strata_layer_views_t v{};
+    v.struct_size = STRATA_LAYER_VIEWS_STRUCT_SIZE;
+    for (uint32_t l = 0; l < model.size(); ++l) {
+      STRATA_REQUIRE_OK(strata_layer_acquire(ex, l, STRATA_PHASE_FORWARD, nullptr, 0, &v));
+      STRATA_REQUIRE_OK(strata_layer_release(ex, l, STRATA_PHASE_FORWARD, nullptr));
+    }
+    for (uint32_t l = static_cast<uint32_t>(model.size()); l-- > 0;) {
+      STRATA_REQUIRE_OK(strata_layer_acquire(ex, l, STRATA_PHASE_BACKWARD, nullptr, 0, &v));
+      STRATA_REQUIRE_OK(strata_layer_release(ex, l, STRATA_PHASE_BACKWARD, nullptr));
+    }
+    STRATA_REQUIRE_OK(strata_step_end(ex));
+  }
+  REQUIRE(used(rt.get(), STRATA_TIER_DRAM) == before_steps);
+  // And nothing was copied out of HBM: a landing marks a sum unmeasured instead of fetching it.
+  strata_link_stats_t d2h{};
+  d2h.struct_size = STRATA_LINK_STATS_STRUCT_SIZE;
+  STRATA_REQUIRE_OK(strata_runtime_link_stats(rt.get(), STRATA_LINK_D2H, &d2h));
+  REQUIRE(d2h.bytes == 0);
+  opt.reset();
+  REQUIRE(strata_executor_destroy(ex) == STRATA_OK);
+  REQUIRE(strata_plan_destroy(plan) == STRATA_OK);
+  REQUIRE(strata_graph_destroy(graph) == STRATA_OK);
+
+  // Refused: in-place sums of grads in DRAM, an unknown grad_sum; nothing written.
+  strata_layout_totals_t totals{};
+  totals.struct_size = STRATA_LAYOUT_TOTALS_STRUCT_SIZE;
+  q.grad_tier = STRATA_TIER_DRAM;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&q, nullptr, &totals), STRATA_ERROR_INVALID_ARGUMENT,
+                       "need grad_tier STRATA_TIER_HBM");
+  q.grad_tier = STRATA_TIER_HBM;
+  q.grad_sum = 5;
+  STRATA_REQUIRE_ERROR(strata_layout_query(&q, nullptr, &totals), STRATA_ERROR_INVALID_ARGUMENT,
+                       "unknown grad_sum 5");
+  REQUIRE(totals.accum_bytes == 0);
+  REQUIRE(totals.grad_hbm_bytes == 0);
+  // A 1.4 caller's request ends before grad_sum: accumulators, whatever lies beyond.
+  q.grad_sum = STRATA_GRAD_SUM_IN_PLACE;
+  q.struct_size = offsetof(strata_layout_request_t, grad_sum);
+  STRATA_REQUIRE_OK(strata_layout_query(&q, nullptr, &totals));
+  REQUIRE(totals.accum_bytes == accumulated.totals.accum_bytes);
+  REQUIRE(totals.grad_hbm_bytes == accumulated.totals.grad_hbm_bytes);
+}

@@ -527,7 +527,8 @@ TEST_CASE("a weight whose name leaves no room for a state suffix is trainable",
   strata_optimizer_t* raw = nullptr;
   STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &c, &raw));
   OptimizerPtr o(raw);
-  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE};
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE,
+                        STRATA_GRAD_SUM_ACCUMULATOR};
   STRATA_REQUIRE_OK(strata_optimizer_add_param(o.get(), &p));
   std::vector<std::string> names;
   for (strata_state_kind_t kind :
@@ -706,6 +707,10 @@ TEST_CASE("accumulating with no tier that holds the sums fails at the backward, 
   REQUIRE(message.find("no NVMe tier") != std::string::npos);
   REQUIRE(message.find("host_budget") != std::string::npos);
   REQUIRE(message.find("nvme=") != std::string::npos);
+  // The sums in place on the GPU, and the HBM they would take: 3 layers x 4100 x 4 bytes.
+  REQUIRE(message.find("grads=\"device\", grad_dtype=torch.float32") != std::string::npos);
+  REQUIRE(message.find("49200 bytes") != std::string::npos);
+  REQUIRE(message.find("grads='device'") == std::string::npos);  // that alone keeps them here
   // Nothing was left half done: the held grads are the one backward's, and a step updates.
   strata_grad_info_t info{};
   info.struct_size = STRATA_GRAD_INFO_STRUCT_SIZE;

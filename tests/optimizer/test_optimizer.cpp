@@ -95,7 +95,8 @@ TEST_CASE("clipping scales by max_norm / (norm + 1e-6), as clip_grad_norm_", "[o
   }
   STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), w, 0, w0.data(), 4000));
   STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), g, 0, g0.data(), 4000));
-  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE};
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE,
+                        STRATA_GRAD_SUM_ACCUMULATOR};
   STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
   strata_tensor_t* master = nullptr;
   STRATA_REQUIRE_OK(strata_optimizer_get_state(opt.get(), w, STRATA_STATE_MASTER, &master));
@@ -145,7 +146,8 @@ TEST_CASE("Adam, Lion and Adagrad through the C ABI: defaults, state, updates", 
     }
     STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), w, 0, w0.data(), 4 * n));
     STRATA_REQUIRE_OK(strata_tensor_write(m.rt.get(), g, 0, g0.data(), 4 * n));
-    strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE};
+    strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE,
+                          STRATA_GRAD_SUM_ACCUMULATOR};
     STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
     // The state each kind keeps, and none other.
     strata_tensor_t* avg = nullptr;
@@ -264,8 +266,9 @@ TEST_CASE("optimizer misuse gets clear errors", "[optimizer]") {
   STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
   OptimizerPtr opt(o);
   STRATA_REQUIRE_ERROR(strata_optimizer_step(opt.get()), STRATA_ERROR_INVALID_STATE, "no params");
-  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[0][0], m.weights[0][0], 0,
-                        STRATA_MASTER_SEPARATE};
+  strata_param_desc_t p{
+      STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[0][0], m.weights[0][0], 0, STRATA_MASTER_SEPARATE,
+      STRATA_GRAD_SUM_ACCUMULATOR};
   STRATA_REQUIRE_ERROR(strata_optimizer_add_param(opt.get(), &p), STRATA_ERROR_INVALID_ARGUMENT,
                        "its own grad");
   p.grad = m.grads[0][1];  // 1100 elements for 3000
@@ -314,7 +317,8 @@ TEST_CASE("optimizer misuse gets clear errors", "[optimizer]") {
   strata_optimizer_t* to = nullptr;
   STRATA_REQUIRE_OK(strata_optimizer_create(tiny.rt.get(), &c, &to));
   OptimizerPtr topt(to);
-  strata_param_desc_t bp{STRATA_PARAM_DESC_STRUCT_SIZE, big, bigg, 0, STRATA_MASTER_SEPARATE};
+  strata_param_desc_t bp{STRATA_PARAM_DESC_STRUCT_SIZE, big, bigg, 0, STRATA_MASTER_SEPARATE,
+                         STRATA_GRAD_SUM_ACCUMULATOR};
   STRATA_REQUIRE_ERROR(strata_optimizer_add_param(topt.get(), &bp), STRATA_ERROR_OUT_OF_MEMORY,
                        "big");
   strata_tier_usage_t u{};
@@ -774,8 +778,12 @@ TEST_CASE("SIGKILL in the middle of a save leaves the previous checkpoint whole"
       strata_optimizer_t* o = nullptr;
       if (strata_optimizer_create(m.rt.get(), &c, &o) != STRATA_OK) _exit(2);
       for (int k = 0; k < 3; ++k) {
-        strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[k][0], m.grads[k][0], 0,
-                              STRATA_MASTER_SEPARATE};
+        strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE,
+                              m.weights[k][0],
+                              m.grads[k][0],
+                              0,
+                              STRATA_MASTER_SEPARATE,
+                              STRATA_GRAD_SUM_ACCUMULATOR};
         if (strata_optimizer_add_param(o, &p) != STRATA_OK) _exit(2);
       }
       std::vector<float> v(static_cast<std::size_t>(n));
@@ -846,8 +854,9 @@ TEST_CASE("SIGKILL in the middle of a load leaves the checkpoint whole", "[check
     STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
     opt->reset(o);
     for (int k = 0; k < 3; ++k) {
-      strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[k][0], m.grads[k][0], 0,
-                            STRATA_MASTER_SEPARATE};
+      strata_param_desc_t p{
+          STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[k][0], m.grads[k][0], 0, STRATA_MASTER_SEPARATE,
+          STRATA_GRAD_SUM_ACCUMULATOR};
       STRATA_REQUIRE_OK(strata_optimizer_add_param(o, &p));
     }
   };
@@ -927,7 +936,8 @@ TEST_CASE("a checkpoint for the safetensors compatibility test", "[checkpoint]")
   strata_optimizer_t* o = nullptr;
   STRATA_REQUIRE_OK(strata_optimizer_create(rt.get(), &c, &o));
   OptimizerPtr opt(o);
-  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE};
+  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, STRATA_MASTER_SEPARATE,
+                        STRATA_GRAD_SUM_ACCUMULATOR};
   STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
   STRATA_REQUIRE_OK(strata_optimizer_step(opt.get()));
   STRATA_REQUIRE_OK(strata_checkpoint_save(rt.get(), opt.get(), out));
@@ -972,7 +982,8 @@ TEST_CASE("new optimizer state reads zero over fresh DRAM and over DRAM freed te
       std::vector<uint16_t> values(static_cast<std::size_t>(n));
       for (int64_t i = 0; i < n; ++i) values[i] = to_bf16(0.001f * static_cast<float>(i % 977));
       STRATA_REQUIRE_OK(strata_tensor_write(rt.get(), w, 0, values.data(), 2 * values.size()));
-      strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, layout};
+      strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w, g, 0, layout,
+                            STRATA_GRAD_SUM_ACCUMULATOR};
       STRATA_REQUIRE_OK(strata_optimizer_add_param(opt.get(), &p));
       std::vector<strata_state_kind_t> zero_states = {STRATA_STATE_EXP_AVG,
                                                       STRATA_STATE_EXP_AVG_SQ};
@@ -1223,21 +1234,25 @@ TEST_CASE("master_read and master_write, in every layout", "[optimizer]") {
   strata_optimizer_t* o = nullptr;
   STRATA_REQUIRE_OK(strata_optimizer_create(m.rt.get(), &c, &o));
   OptimizerPtr opt(o);
-  strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[0][0], m.grads[0][0], 0,
-                        STRATA_MASTER_SPLIT};
+  strata_param_desc_t p{
+      STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[0][0], m.grads[0][0], 0, STRATA_MASTER_SPLIT,
+      STRATA_GRAD_SUM_ACCUMULATOR};
   STRATA_REQUIRE_OK(strata_optimizer_add_param(o, &p));
-  p = {STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[0][1], m.grads[0][1], 0, STRATA_MASTER_SEPARATE};
+  p = {STRATA_PARAM_DESC_STRUCT_SIZE, m.weights[0][1], m.grads[0][1], 0, STRATA_MASTER_SEPARATE,
+       STRATA_GRAD_SUM_ACCUMULATOR};
   STRATA_REQUIRE_OK(strata_optimizer_add_param(o, &p));
-  p = {STRATA_PARAM_DESC_STRUCT_SIZE, f32w, f32g, 0, STRATA_MASTER_SPLIT};  // its own master
+  p = {STRATA_PARAM_DESC_STRUCT_SIZE, f32w, f32g, 0, STRATA_MASTER_SPLIT,
+       STRATA_GRAD_SUM_ACCUMULATOR};  // its own master
   STRATA_REQUIRE_OK(strata_optimizer_add_param(o, &p));
-  p = {STRATA_PARAM_DESC_STRUCT_SIZE, f16w, f16g, 0, STRATA_MASTER_SPLIT};
+  p = {STRATA_PARAM_DESC_STRUCT_SIZE, f16w, f16g, 0, STRATA_MASTER_SPLIT,
+       STRATA_GRAD_SUM_ACCUMULATOR};
   STRATA_REQUIRE_ERROR(strata_optimizer_add_param(o, &p), STRATA_ERROR_INVALID_ARGUMENT,
                        "f16: a split master needs a bf16 weight");
   p.master_layout = 7;
   STRATA_REQUIRE_ERROR(strata_optimizer_add_param(o, &p), STRATA_ERROR_INVALID_ARGUMENT,
                        "unknown master_layout 7");
   // A 1.0/1.1-sized desc (no master_layout) is SEPARATE.
-  p = {offsetof(strata_param_desc_t, master_layout), m.weights[1][0], m.grads[1][0], 0, 1};
+  p = {offsetof(strata_param_desc_t, master_layout), m.weights[1][0], m.grads[1][0], 0, 1, 1};
   STRATA_REQUIRE_OK(strata_optimizer_add_param(o, &p));
   strata_tensor_t* master = nullptr;
   STRATA_REQUIRE_OK(strata_optimizer_get_state(o, m.weights[1][0], STRATA_STATE_MASTER, &master));
@@ -1321,8 +1336,9 @@ TEST_CASE("each group's betas and eps are read at every update, as torch's AdamW
     ref_p[k].assign(init.begin(), init.end());
     ref_m[k].assign(n, 0.0);
     ref_v[k].assign(n, 0.0);
-    strata_param_desc_t p{STRATA_PARAM_DESC_STRUCT_SIZE, w[k], g[k], static_cast<uint32_t>(k),
-                          STRATA_MASTER_SEPARATE};
+    strata_param_desc_t p{
+        STRATA_PARAM_DESC_STRUCT_SIZE, w[k], g[k], static_cast<uint32_t>(k), STRATA_MASTER_SEPARATE,
+        STRATA_GRAD_SUM_ACCUMULATOR};
     STRATA_REQUIRE_OK(strata_optimizer_add_param(o, &p));
   }
   // A group not created yet reads as group 0, the config's values.

@@ -143,6 +143,7 @@ def _check_table(header, table, prefix):
     ({"WEIGHT": core.VIEW_WEIGHT, "GRAD": core.VIEW_GRAD, "ACTIVATION": core.VIEW_ACTIVATION},
      "STRATA_VIEW_"),
     (core.STATE_PLACEMENTS, "STRATA_STATE_PLACEMENT_"),
+    (core.MASTER_LAYOUTS, "STRATA_MASTER_"), (core.GRAD_SUMS, "STRATA_GRAD_SUM_"),
 ])
 def test_constant_tables_match_the_header(header, table, prefix):
     _check_table(header, table, prefix)

@@ -103,6 +103,41 @@ def test_executor_views_and_misuse(rt):
     assert torch.frombuffer(bytearray(g.read()), dtype=torch.float32).tolist() == [0.0] * 8
 
 
+def test_grad_sums_in_place(rt):
+    """Optimizer.add_param(grad_sum="in_place") (strata_param_desc_t.grad_sum): the param's
+    grad is an fp32 tensor in HBM that the framework adds each backward pass into, zeroed at
+    the backward load only where the param holds no grad; write_view on it is refused (a
+    copy would drop the sum); a bf16 or DRAM grad cannot be one."""
+    torch = pytest.importorskip("torch")
+    w = rt.register("w", [8], "float32", "weight")
+    g = rt.register("w.grad", [8], "float32", "grad", "hbm")
+    opt = strata.Optimizer(rt, "sgd", update_mode="explicit", lr=0.5)
+    with pytest.raises(ValueError, match="grad_sum must be one of"):
+        opt.add_param(w, g, grad_sum="inplace")
+    for name, dtype, tier in (("bf16", "bfloat16", "hbm"), ("dram", "float32", "dram")):
+        w2 = rt.register("w." + name, [8], dtype, "weight")
+        g2 = rt.register("w.%s.grad" % name, [8], dtype, "grad", tier)
+        with pytest.raises(strata.InvalidArgument):
+            opt.add_param(w2, g2, grad_sum="in_place")
+    opt.add_param(w, g, grad_sum="in_place")
+    ex = strata.Executor(rt, [{"weights": [w], "grads": [g]}])
+    opt.attach(ex)
+    for k in (1, 2):  # two backward passes, no zeroing between: the sum of both
+        ex.step_begin()
+        ex.acquire(0, strata.FORWARD)
+        ex.release(0, strata.FORWARD)
+        ex.acquire(0, strata.BACKWARD)
+        torch.from_dlpack(ex.view(0, strata.BACKWARD, strata.VIEW_GRAD, 0)).add_(float(k))
+        with pytest.raises(strata.InvalidState):
+            ex.write_view(0, strata.BACKWARD, strata.VIEW_GRAD, 0, w.data_pointer(), 32)
+        ex.release(0, strata.BACKWARD)
+        ex.step_end()
+    got = torch.empty(8)
+    opt.grad_read(w, got.data_ptr(), 8)
+    assert got.tolist() == [3.0] * 8
+    assert opt.grad_info(w)[:2] == (True, 8 * 9.0)
+
+
 def test_optimizer_settings_are_checked(rt):
     with pytest.raises(ValueError, match="learning_rate"):
         strata.Optimizer(rt, "adamw", learning_rate=1.0)
@@ -213,6 +248,22 @@ def test_core_sizing_is_the_layout_query():
         assert core.layout_totals(layers, nvme_budget=budget)["nvme_placeable_bytes"] == \
             (budget - margin) * 100 // 105
         assert core.layout_totals(layers, nvme_budget=margin)["nvme_placeable_bytes"] == 0
+        # Grads summed in place: fp32 in HBM whatever the weights' dtype, read through a
+        # buffer sized for fp32, and no accumulators.
+        sums = core.layout_sizes(blocks, element, frozen, layout, "hbm", grad_sum="in_place")
+        assert sums["accum_bytes"] == 0 and sums["grad_dram_bytes"] == 0
+        assert sums["grad_hbm_bytes"] == sum(4 * sum(b) + 4 * sum(b) // 100 + (64 << 10)
+                                             for b in blocks)
+        assert sums["grad_fetch_bytes"] == core.grad_fetch_bytes(blocks, element, "in_place") \
+            == max(block(sum(-(-n * 4 // 64) * 64 for n in b)) for b in blocks)
+        assert core.accum_bytes(blocks, element, "hbm", "in_place") == 0
+        sum_layers = core.placement_layers(blocks, element, frozen, master_layout=layout,
+                                           grads="hbm", grad_sum="in_place")
+        assert [l["grad_bytes"] for l in sum_layers] == \
+            [q["grad_bytes"] for q in sums["layers"]]
+        assert core.layout_totals(sum_layers)["accum_bytes"] == 0
+        with pytest.raises(ValueError, match="different element sizes"):
+            core.layout_totals(layers + sum_layers)
     # The default budgets without NVMe, and the grads' HBM.
     counts = [5 << 20, 7 << 20]
     for layout, grads in (("separate", "dram"), ("split", "hbm")):
@@ -227,6 +278,14 @@ def test_core_sizing_is_the_layout_query():
         assert (hbm, dram) == (want_hbm, expected)
     assert core.grads_hbm_bytes(counts, 2) == sum(n * 2 + n * 2 // 100 + (64 << 10)
                                                   for n in counts)
+    hbm, _ = core.streaming_budgets(counts, 2, "split", "hbm", "in_place")
+    assert hbm == 8 * 2 * max(counts) + (64 << 20) + core.grads_hbm_bytes(counts, 2, "in_place")
+    assert core.grads_hbm_bytes(counts, 2, "in_place") == sum(n * 4 + n * 4 // 100 + (64 << 10)
+                                                              for n in counts)
+    with pytest.raises(strata.InvalidArgument):  # in place means in HBM
+        core.layout_sizes([[1]], 2, grads="dram", grad_sum="in_place")
+    with pytest.raises(ValueError, match="grad_sum 'inplace' is not one of"):
+        core.layout_sizes([[1]], 2, grads="hbm", grad_sum="inplace")
     with pytest.raises(ValueError, match="element_size"):
         core.layout_sizes([[1]], 8)
     with pytest.raises(strata.InvalidArgument, match="no layers"):

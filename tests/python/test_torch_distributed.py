@@ -32,6 +32,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch without distributed support", allow_module_level=True)
 import torch_dist_worker as worker  # noqa: E402
+import strata.core  # noqa: E402
 from strata.core import BACKWARD, FORWARD, VIEW_WEIGHT  # noqa: E402
 
 ROWS, STEPS, CLIP = 4, 4, 0.05  # the clip binds: every step scales the grads
@@ -183,6 +184,72 @@ def test_bf16_with_fp32_reduction_trains_like_one_rank(tmp_path):
     got = run_ranks(tmp_path, "bf16.pt", 2, dtype="bfloat16", reduce_dtype="float32")
     expected = run_ranks(tmp_path, "bf16-one.pt", 1, dtype="bfloat16")
     assert_bf16_close(got, expected)
+
+
+@pytest.mark.parametrize("case", ["shards", "pieces", "shards_bf16", "shards_bf16_grads"])
+def test_grads_on_the_device_train_as_grads_on_the_host(tmp_path, case):
+    # offload(grads="device") under data parallelism, 3 micro-batches a step with the clip.
+    # By default there (grad_dtype float32) each rank's grad chunks are fp32 sums on the
+    # device, every micro-batch's reduced grads added in place: 2 ranks sharding every
+    # parameter ("shards"), and 2 ranks as hosts of one GPU with the state across hosts
+    # ("pieces"). The weights, losses and the clip's global norms are grads="host"'s bit for
+    # bit (the same reduction in the compute dtype, the same fp32 sums), and close to plain
+    # PyTorch in one process on the whole batch; each rank's DRAM holds neither the grads nor
+    # accumulators (tier_usage lower by both, less the buffer the sums are read through). In
+    # bf16 ("shards_bf16") the reduction stays bf16, as with grads="host" (fp32, the sums'
+    # dtype, would round otherwise: not bit for bit). grad_dtype=bfloat16
+    # ("shards_bf16_grads"): bf16 grad chunks on the device, accumulated in the optimizer's
+    # fp32 accumulators in DRAM, bit for bit too. Fails if the reduced grads are copied into
+    # the sums (a step would see its last micro-batch only) or reduced in the sums' dtype.
+    args = {"rows": 6, "accumulate": 3}
+    if case == "pieces":
+        args.update(shard_size=1, state_across_hosts=True)
+    if case.startswith("shards_bf16"):
+        args["dtype"] = "bfloat16"
+    device_args = {"grads": "device"}
+    if case == "shards_bf16_grads":
+        device_args["grad_dtype"] = "bfloat16"
+    host = run_ranks(tmp_path, "host.pt", 2, **args)
+    got = run_ranks(tmp_path, "device.pt", 2, **args, **device_args)
+    assert host["losses"][-1] < host["losses"][0] - 0.1  # it learns
+    assert len(host["norms"]) == STEPS and got["norms"] == host["norms"]
+    assert got["losses"] == host["losses"]
+    for name, value in host["state"].items():
+        assert torch.equal(got["state"][name], value), name
+    sums = case != "shards_bf16_grads"
+    dtype = strata.core.DTYPES["float32" if sums else "bfloat16"]
+    for h, d in zip(host["grad_memory"], got["grad_memory"]):
+        assert h["grad_tiers"] == [strata.core.TIERS["dram"]] and h["accum_bytes"] > 0
+        assert d["grad_tiers"] == [strata.core.TIERS["hbm"]] and d["grad_dtypes"] == [dtype]
+        assert d["hbm_used"] >= d["grad_bytes"]
+        saved = h["dram_used"] - d["dram_used"]
+        if sums:
+            assert d["accum_bytes"] == 0 and "gradient sums in place on the GPU" in d["placement"]
+            # fp32 sums: the host's grads' bytes, twice them in bf16.
+            assert d["grad_bytes"] == h["grad_bytes"] * (2 if "bf16" in case else 1)
+            dropped, tensors = h["grad_bytes"] + h["accum_bytes"], 2 * h["grad_tensors"]
+        else:
+            assert d["accum_bytes"] == h["accum_bytes"] and d["grad_bytes"] == h["grad_bytes"]
+            dropped, tensors = h["grad_bytes"], h["grad_tensors"]
+        # The arena rounds each tensor up to 4 KiB pages; the grads on the device are read
+        # through one buffer.
+        assert dropped - d["fetch_bytes"] <= saved <= dropped + 4096 * tensors, (saved, h, d)
+    if not case.startswith("shards_bf16"):
+        plain = run_ranks(tmp_path, "plain.pt", 1, mode="ddp", rows=6)
+        assert_close(got, plain, atol=1e-5)
+
+
+def test_ranks_that_disagree_about_the_grads_home_are_refused_on_every_rank(tmp_path):
+    # Rank 1 passes grads="host", rank 0 grads="device": offload refuses on both, naming each
+    # rank's choice, before anything trains (no rank left waiting in a collective).
+    options = {"--out": str(tmp_path / "disagree"), "--rows": ROWS, "--steps": 1,
+               "--timeout": 20, "--grads": "device", "--grads-fault": "disagree"}
+    codes, texts, _ = launch(2, options, limit=60, grace=5)
+    for code, text in zip(codes, texts):
+        assert code not in (0, None), text[-2000:]
+        assert "ValueError: strata.torch.offload: the data-parallel ranks disagree about where " \
+               "the grads live (grads= and grad_dtype=: rank 0: grads='device' as fp32 sums, " \
+               "rank 1: grads='host')" in text, text[-2000:]
 
 
 def test_two_replicas_of_two_shards_train_like_one_rank_and_resume_exactly(tmp_path):
@@ -547,8 +614,10 @@ def _nccl(timeline):
 
 class _Executor:
     """Strata's executor as the layout sees it: one slot per block (weights, and grads in the
-    backward pass); acquire loads it on the given stream after the slot's last release point;
-    a backward release's grads leave for DRAM from its stream's point."""
+    backward pass); acquire loads it on the given stream after the slot's last release point
+    (the grads zeroed there; grads summed in place on the device: where the param held none);
+    a backward release's grads leave for DRAM (or, summed in place, are read by the
+    optimizer's landing) from its stream's point."""
 
     def __init__(self, timeline, layers):
         self.timeline = timeline
@@ -577,7 +646,7 @@ class _Executor:
             self._on(stream, "the executor's D2H of the grads", reads=self.grads[index])
 
 
-def _model_step(monkeypatch, shard_size, pieces, steps=2, blocks=3):
+def _model_step(monkeypatch, shard_size, pieces, in_place=False, steps=2, blocks=3):
     """The hazards of `steps` training steps of the layout over the modelled streams."""
     from strata.torch import _distributed, _layout
     timeline = _Timeline()
@@ -606,7 +675,8 @@ def _model_step(monkeypatch, shard_size, pieces, steps=2, blocks=3):
     layout = _layout.ShardedLayout(mesh, residents=[])
     session = types.SimpleNamespace(cuda=False, device=torch.device("cpu"), dtype=torch.float32,
                                     step_id=0, delivered=[], host_budget=None, optimizer=None,
-                                    layers=[], unbind=lambda index: None)
+                                    layers=[], unbind=lambda index: None,
+                                    grads_in_place=in_place)
     for i in range(blocks):
         entries = []
         for j, shape in enumerate([(8, 12), (40,)]):
@@ -647,13 +717,17 @@ def _model_step(monkeypatch, shard_size, pieces, steps=2, blocks=3):
     return timeline.hazards
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["grads", "sums_in_place"])
 @pytest.mark.parametrize("shard_size,pieces", [(1, 2), (1, 1), (2, 2), (2, 1)],
                          ids=["pieces_hosts_of_one", "hsdp_hosts_of_one", "pieces_hosts_of_two",
                               "hsdp_hosts_of_two"])
-def test_every_stream_access_of_the_gpu_path_is_ordered(monkeypatch, shard_size, pieces):
+def test_every_stream_access_of_the_gpu_path_is_ordered(monkeypatch, shard_size, pieces,
+                                                        in_place):
     # Found on 2 H200s: hosts of one GPU (no shard group, so no NCCL reduce-scatter issued on
     # the compute stream) left the reduction stream unordered with the compute stream, and the
     # replicas' collectives read the grads before they were written (state across hosts
-    # trained wrongly; HSDP all-reduced the grads' zeroed views).
-    hazards = _model_step(monkeypatch, shard_size, pieces)
+    # trained wrongly; HSDP all-reduced the grads' zeroed views). in_place: the grad views are
+    # the fp32 sums on the device (offload(grads="device")), the reduced grads added into them
+    # on the reduction stream (after the load's zeroing, before the landing's read).
+    hazards = _model_step(monkeypatch, shard_size, pieces, in_place)
     assert not hazards, "\n".join(hazards[:10])

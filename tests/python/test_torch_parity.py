@@ -180,6 +180,158 @@ def test_grads_on_the_device_refusals(offload, tmp_path):
     assert open_runtimes() == 0
 
 
+# offload(grads="device", grad_dtype=torch.float32): the streamed grads' fp32 sums in the device's
+# memory, each backward pass's grad added into them in place (no accumulator).
+GRAD_SUMS = {"grads": "device", "grad_dtype": torch.float32}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "keep_zeros"])
+def test_gradient_sums_on_the_device_equal_grads_on_the_host(dtype, set_to_none, offload):
+    """offload(grads="device", grad_dtype=torch.float32): each streamed parameter's grad is an
+    fp32 sum in the device's memory (on the CPU, the simulated device's) that every backward
+    pass adds its grad into; no gradient accumulator exists. 4 micro-batches a step,
+    clip_grad_norm_, zero_grad both ways and a p.grad read mid-accumulation: bit for bit
+    grads="host" (losses, clip norms, the grads read, weights), with fp32 weights and with
+    bf16 ones (whose grads the sums widen exactly, as the accumulators do); in fp32 plain
+    PyTorch's (fp32 grads accumulate in fp32) within the usual tolerances. Fails if a backward
+    pass copies into the sums instead of adding (a step would see its last micro-batch only)."""
+    base = build("llama")
+    data = batches(8)
+    loop = dict(accumulate=4, clip=1.0, set_to_none=set_to_none)
+    probe = "model.layers.1.mlp.down_proj.weight"  # a streamed parameter
+
+    def run(model, opt):
+        reads = []
+        param = dict(model.named_parameters())[probe]
+
+        def read(i):
+            if i % 4 == 1:  # the sum of two micro-batches
+                reads.append(param.grad.clone())
+
+        losses, norms = train(model, opt, data, after_backward=read, **loop)
+        synchronize(opt)
+        return losses, norms, reads, snapshot(model)
+
+    runs = {}
+    for name, kwargs in (("host", {}), ("sums", GRAD_SUMS)):
+        model = offload(deepcopy(base), dtype=dtype, **kwargs)
+        opt = strata_adamw(model.parameters())
+        runs[name] = run(model, opt)
+        if name == "sums":
+            session = model.strata
+            trained = [sp for layer in session.layers for sp in layer if sp.trainable]
+            assert trained and all(sp.grad.info().tier == strata.core.TIERS["hbm"] and
+                                   sp.grad.info().dtype == strata.core.DTYPES["float32"]
+                                   for sp in trained)
+            for sp in trained:  # nothing was accumulated elsewhere
+                with pytest.raises(LookupError):
+                    session.optimizer.state(sp.weight, "grad_accum")
+            assert "gradient sums in place on the GPU (" in session.placement()
+    host, sums = runs["host"], runs["sums"]
+    assert sums[0] == host[0] and sums[1] == host[1]
+    assert len(sums[2]) == 2 and all(torch.equal(a, b) for a, b in zip(sums[2], host[2]))
+    assert_state_close(sums[3], host[3], exact=True)
+    if dtype == torch.float32:
+        expected_losses, expected_norms, expected_state = plain_run(
+            deepcopy(base), data, **loop)
+        assert_losses_close(sums[0], expected_losses)
+        assert_losses_close(sums[1], expected_norms)
+        assert_state_close(sums[3], expected_state)
+
+
+def test_gradient_sums_dropped_between_forward_and_backward(offload):
+    """opt.zero_grad() after a forward pass and before its backward, mid-accumulation (the
+    block's backward load may be queued already): the fp32 sums on the device drop the
+    micro-batches before, as plain PyTorch's grads do; bit for bit grads="host". Fails if
+    zero_grad leaves the sums (checked with sync_grads' grad_zero skipped for them)."""
+    base = build("llama")
+    data = batches(6)
+
+    def loop(model, opt):
+        losses = []
+        for i, ids in enumerate(data):
+            loss = model(ids, labels=ids).loss
+            if i % 3 == 2:
+                opt.zero_grad()  # the step is this micro-batch's alone
+            (loss / 3).backward()
+            losses.append(loss.item())
+            if i % 3 == 2:
+                opt.step()
+                opt.zero_grad()
+        synchronize(opt)
+        return losses, snapshot(model)
+
+    plain = deepcopy(base)
+    expected = loop(plain, plain_adamw(plain.parameters()))
+    got = {}
+    for name, kwargs in (("host", {}), ("sums", GRAD_SUMS)):
+        model = offload(deepcopy(base), **kwargs)
+        got[name] = loop(model, strata_adamw(model.parameters()))
+    assert got["sums"][0] == got["host"][0]
+    assert_state_close(got["sums"][1], got["host"][1], exact=True)
+    assert_losses_close(got["sums"][0], expected[0])
+    assert_state_close(got["sums"][1], expected[1])
+
+
+def test_gradient_sums_refusals(offload):
+    """grad_dtype is refused, before anything changes, without grads='device', when it is no
+    float dtype, or when it is neither fp32 (the sums) nor the compute dtype; the compute
+    dtype keeps the grads on the device in it (and accumulations in the optimizer's fp32
+    accumulators), as grads='device' does by default on one device."""
+    base = build("llama")
+    with pytest.raises(ValueError, match="grad_dtype=torch.float32 is for grads='device'"):
+        st.offload(deepcopy(base), device=DEVICE, grad_dtype=torch.float32)
+    with pytest.raises(ValueError, match="grad_dtype is torch.int8, not torch.float32"):
+        st.offload(deepcopy(base), device=DEVICE, grads="device", grad_dtype=torch.int8)
+    with pytest.raises(ValueError, match="grad_dtype=torch.float16 with compute dtype "
+                                         "torch.bfloat16"):
+        st.offload(deepcopy(base), device=DEVICE, grads="device", grad_dtype=torch.float16,
+                   dtype=torch.bfloat16)
+    assert open_runtimes() == 0
+    for grad_dtype in (torch.bfloat16, None):
+        model = offload(deepcopy(base), dtype=torch.bfloat16, grads="device",
+                        grad_dtype=grad_dtype)
+        strata_adamw(model.parameters())
+        model.strata.ensure_built()
+        assert model.strata.grads_home == "hbm"
+        assert {sp.grad.info().dtype for layer in model.strata.layers for sp in layer
+                if sp.trainable} == {strata.core.DTYPES["bfloat16"]}
+        assert "gradient accumulators (" in model.strata.placement()
+
+
+def test_gradient_sums_the_device_cannot_hold_are_refused(monkeypatch):
+    """With the sums on a GPU, offload refuses up front (a ValueError naming the bytes) when
+    the HBM tier the runtime would allocate at once, the slots and 4 bytes per parameter for
+    the sums, exceeds the device's free memory; on the host backend there is no such check
+    (its 'HBM' is host memory). Fails without the check."""
+    from strata.torch import _planning
+    blocks = list(blocks_of(build("llama")))
+    counts = _planning.block_elements(blocks)
+    need = _planning.hbm_budget(counts, torch.bfloat16, "hbm_sums", None)
+    sums = strata.core.grads_hbm_bytes(counts, 2, "in_place")
+    assert sums >= 4 * sum(counts) and need > sums  # the sums are fp32, beside the slots
+    free = [need - 1]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 1 << 40))
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="needs an HBM tier of %d bytes on cuda:0, %d of them "
+                                         "the sums .* %d bytes free; pass grads='host'"
+                                         % (need, sums, need - 1)):
+        _planning.check_device_memory(blocks, torch.bfloat16, None, "hbm_sums", None, cuda,
+                                      "cuda")
+    # A given gpu_budget is the slots': the sums come beside it.
+    free[0] = (1 << 20) + sums - 1
+    with pytest.raises(ValueError, match="HBM tier of %d bytes" % ((1 << 20) + sums)):
+        _planning.check_device_memory(blocks, torch.bfloat16, None, "hbm_sums", 1 << 20, cuda,
+                                      "cuda")
+    free[0] = need
+    _planning.check_device_memory(blocks, torch.bfloat16, None, "hbm_sums", None, cuda, "cuda")
+    free[0] = 0  # the host backend, and grads in the compute dtype, are not checked here
+    _planning.check_device_memory(blocks, torch.bfloat16, None, "hbm_sums", None,
+                                  torch.device("cpu"), "host")
+    _planning.check_device_memory(blocks, torch.bfloat16, None, "hbm", None, cuda, "cuda")
+
+
 def test_legacy_model_argument(offload):
     """Idiom (legacy): st.AdamW(model, ...) instead of model.parameters()."""
     base = build("llama")

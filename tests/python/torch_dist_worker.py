@@ -45,30 +45,67 @@ def change_grads(model):
             p.grad.mul_(mask.to(p.grad.device))
 
 
-def loop(model, opt, data, rank, world, clip, fail=None, after=None, grad_ops=False):
+def loop(model, opt, data, rank, world, clip, fail=None, after=None, grad_ops=False,
+         accumulate=1, norms=None):
     """The ordinary training loop on this rank's rows; the losses averaged over the ranks.
-    after(step): called after each step. grad_ops: change_grads after each backward."""
+    after(step): called after each step. grad_ops: change_grads after each backward.
+    accumulate: micro-batches per step (this rank's rows split evenly, each loss divided by
+    their number); a step's loss is their mean. norms: a list that gets each step's
+    clip_grad_norm_ result."""
     losses = []
     for step, ids in enumerate(data):
         rows = ids.shape[0] // world
         mine = ids[rank * rows:(rank + 1) * rows]
         if fail is not None and step == fail[0]:
             fail[1]()
-        loss = model(mine, labels=mine).loss
-        loss.backward()
+        total = None
+        for micro in mine.chunk(accumulate):
+            loss = model(micro, labels=micro).loss
+            (loss / accumulate).backward()
+            part = loss.detach() / accumulate  # (exact for 1)
+            total = part if total is None else total + part
         if grad_ops:
             change_grads(model)
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if norms is not None:
+                norms.append(norm.item())
         opt.step()
         opt.zero_grad()
-        total = loss.detach().clone()
         if world > 1:
             dist.all_reduce(total)
         losses.append(total.item() / world)
         if after is not None:
             after(step + 1)
     return losses
+
+
+def grad_memory(model):
+    """Where this rank's streamed grads and their sums are (collected after the run): the
+    runtime's DRAM and HBM tiers' used bytes, the grad tensors' tier and bytes, the fp32
+    gradient accumulators the optimizer made (their bytes: none with the sums in place), and
+    the DRAM buffer HBM-homed fp32 sums are read through (strata_layout_totals_t's
+    grad_fetch_bytes)."""
+    import strata.core
+    session = model.strata
+    trained = [sp for entries in session.layers for sp in entries if sp.trainable]
+    accum = 0
+    for sp in trained:
+        try:
+            accum += session.optimizer.state(sp.weight, "grad_accum").nbytes
+        except LookupError:
+            pass
+    element = torch.finfo(session.dtype).bits // 8
+    counts = [[sp.weight.nbytes // element for sp in entries if sp.trainable]
+              for entries in session.layers]
+    return {"dram_used": session.runtime.tier_usage("dram")["used"],
+            "hbm_used": session.runtime.tier_usage("hbm")["used"],
+            "grad_tiers": sorted({sp.grad.info().tier for sp in trained}),
+            "grad_dtypes": sorted({sp.grad.info().dtype for sp in trained}),
+            "grad_bytes": sum(sp.grad.nbytes for sp in trained), "grad_tensors": len(trained),
+            "accum_bytes": accum,
+            "fetch_bytes": strata.core.grad_fetch_bytes(counts, element, "in_place"),
+            "placement": session.placement()}
 
 
 def nvme_options(args, model, nvme):
@@ -166,6 +203,15 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="micro-batches per step (each rank's rows split evenly); 'norms' in the "
+                        "output: each step's clip_grad_norm_")
+    p.add_argument("--grads", choices=["host", "device"], default="host",
+                   help="offload(grads=); 'grad_memory' in the output: every rank's grad_memory")
+    p.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="offload(grad_dtype=) with --grads device")
+    p.add_argument("--grads-fault", choices=["disagree"], default=None,
+                   help="the last rank passes grads='host' whatever --grads says")
     p.add_argument("--grad-ops", action="store_true",
                    help="change the grads elementwise after each backward (change_grads)")
     p.add_argument("--shard-size", type=int, default=None)
@@ -236,6 +282,11 @@ def main(argv=None):
         if nvme is not None:
             tier = nvme_options(args, fresh, nvme)
             expected_host_budget.append(tier.pop("expected_host_budget", None))
+        if args.grads != "host" and not (args.grads_fault == "disagree" and
+                                         args.rank == args.world - 1):
+            tier["grads"] = args.grads
+            if args.grad_dtype is not None:
+                tier["grad_dtype"] = getattr(torch, args.grad_dtype)
         fresh = st.offload(fresh, device="cpu", dtype=getattr(torch, args.dtype),
                            data_parallel=st.DataParallel(
                                shard_size=args.shard_size, timeout=args.timeout,
@@ -269,8 +320,9 @@ def main(argv=None):
     fail = None
     if args.fail is not None and args.rank == args.world - 1:
         fail = (args.fail_step, lambda: failure(args.fail)(model))
+    norms = []
     losses = loop(model, opt, data, args.rank, args.world, args.clip, fail, after,
-                  args.grad_ops)
+                  args.grad_ops, args.accumulate, norms)
     refused = None
     if args.gathered:
         import strata.torch as st
@@ -294,7 +346,7 @@ def main(argv=None):
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # collective
     if args.mode == "ddp":
         state = {k[len("module."):]: v for k, v in state.items()}
-    out = {"losses": losses, "state": state}
+    out = {"losses": losses, "state": state, "norms": norms}
     if args.mode == "strata":  # the elements this rank keeps optimizer state for
         stats = model.strata.optimizer.stats()
         out["elements"] = stats["elements"]
@@ -305,6 +357,10 @@ def main(argv=None):
             if args.world > 1 else every.__setitem__(0, (stats["state_bytes"], 0))
         out["state_bytes"] = [b for b, _ in every]
         out["replica_bytes"] = [r for _, r in every]
+        every = [None] * args.world
+        mine = grad_memory(model)
+        dist.all_gather_object(every, mine) if args.world > 1 else every.__setitem__(0, mine)
+        out["grad_memory"] = every
     if args.nvme is not None:  # where every rank's state went, and its files
         session = model.strata
         every = [None] * args.world
@@ -342,7 +398,7 @@ def main(argv=None):
             args.state_across_hosts and args.state_across_hosts_fault != "resume_as_hsdp")
         st.load_checkpoint(checkpoint, resumed, resumed_opt)
         out["resumed"] = loop(resumed, resumed_opt, data[args.resume_at:], args.rank, args.world,
-                              args.clip, grad_ops=args.grad_ops)
+                              args.clip, grad_ops=args.grad_ops, accumulate=args.accumulate)
         out["resumed_state"] = {k: v.clone() for k, v in resumed.state_dict().items()}
         resumed.strata.close()
     if args.rank == 0 and args.out:

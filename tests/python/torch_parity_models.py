@@ -107,15 +107,18 @@ def plain_adamw(params, **kw):
 
 
 def train(model, opt, data, accumulate=1, clip=None, scheduler=None, zero_grad=True,
-          set_to_none=True):
+          set_to_none=True, after_backward=None):
     """The ordinary loop, run verbatim by both sides. Every `accumulate` micro-batches:
     optionally clip_grad_norm_ over model.parameters(), opt.step(), scheduler.step(),
-    opt.zero_grad(). Returns (per-micro-batch losses, clip norms)."""
+    opt.zero_grad(). after_backward(i): called after micro-batch i's backward (a grad read).
+    Returns (per-micro-batch losses, clip norms)."""
     losses, norms = [], []
     for i, ids in enumerate(data):
         loss = model(ids, labels=ids).loss
         (loss / accumulate).backward()
         losses.append(loss.item())
+        if after_backward is not None:
+            after_backward(i)
         if (i + 1) % accumulate == 0:
             if clip is not None:
                 norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())

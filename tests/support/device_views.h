@@ -39,6 +39,7 @@ inline void host_to_view(void* view, const void* src, std::size_t n) {
   std::memcpy(view, src, n);
 }
 
+#ifdef CATCH_CONFIG_RUNNER  // the one file of a test program that defines main()
 // Catch's session, after checking that the backend under test can start.
 inline int run_on_backend_under_test(int argc, char** argv) {
   const strata_device_backend_t backend = backend_under_test();
@@ -56,5 +57,6 @@ inline int run_on_backend_under_test(int argc, char** argv) {
   g_cuda = backend == STRATA_DEVICE_BACKEND_CUDA;
   return Catch::Session().run(argc, argv);
 }
+#endif
 
 }  // namespace strata_test

@@ -207,7 +207,8 @@ class LayoutRequest(Struct):
                 ("trainable_counts", ctypes.POINTER(c_uint32)),
                 ("trainable_elements", ctypes.POINTER(c_uint64)),
                 ("frozen_counts", ctypes.POINTER(c_uint32)),
-                ("frozen_elements", ctypes.POINTER(c_uint64)), ("nvme_budget_bytes", c_uint64)]
+                ("frozen_elements", ctypes.POINTER(c_uint64)), ("nvme_budget_bytes", c_uint64),
+                ("grad_sum", c_uint32)]
 
 
 class LayoutLayer(Struct):
@@ -273,7 +274,7 @@ class GradInfo(Struct):
 
 class ParamDesc(Struct):
     _fields_ = [("struct_size", c_size_t), ("weight", c_void_p), ("grad", c_void_p),
-                ("group", c_uint32), ("master_layout", c_uint32)]
+                ("group", c_uint32), ("master_layout", c_uint32), ("grad_sum", c_uint32)]
 
 
 class OptimizerStats(Struct):

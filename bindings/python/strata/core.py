@@ -28,6 +28,12 @@ MASTER_LAYOUTS = {"separate": 0, "split": 1}
 LINKS = ["h2d", "d2h", "nvme_read", "nvme_write"]
 # Where grads live (strata.h STRATA_TIER_HBM, STRATA_TIER_DRAM).
 _GRAD_TIERS = {"hbm": 0, "dram": 1}
+# How a param's grad sums the backward passes between two zeroings (strata.h
+# STRATA_GRAD_SUM_*): "accumulator" (each pass lands in the grad tensor, zeroed at every backward
+# load; the optimizer adds it into an fp32 accumulator in DRAM or on NVMe) or "in_place" (the
+# grad tensor, fp32 in HBM, is the sum: the framework adds each pass into it, and it is zeroed
+# only at a backward load where the param holds no grad; no accumulator exists).
+GRAD_SUMS = {"accumulator": 0, "in_place": 1}
 
 
 def version():
@@ -89,7 +95,8 @@ _LAYOUT_LAYER_FIELDS = ("weight_bytes", "grad_bytes", "grad_hbm_bytes", "state_b
 
 
 def layout_sizes(blocks, element_size, frozen=None, master_layout="separate", grads="dram",
-                 staging_slots=4, nvme_budget=0, optimizer="adamw", momentum=False):
+                 staging_slots=4, nvme_budget=0, optimizer="adamw", momentum=False,
+                 grad_sum="accumulator"):
     """What streaming `blocks` (per block, the element counts of its trainable tensors;
     `frozen`: of its frozen ones, weights only) in elements of `element_size` bytes takes of
     each tier, by the runtime's own rules (strata_layout_query): a dict of
@@ -97,13 +104,15 @@ def layout_sizes(blocks, element_size, frozen=None, master_layout="separate", gr
     streaming_hbm_bytes and nvme_bytes, the grad fetch buffer, the staging slot, the tiers'
     margins, nvme_placeable_bytes of an NVMe tier of `nvme_budget` bytes or of nvme_bytes) and
     "layers": per block a dict of strata_layout_layer_t's fields. grads: "dram" or "hbm";
-    optimizer: a key of OPTIMIZERS ("sgd" with a momentum buffer if `momentum`); staging_slots: the
-    slots dram_bytes keeps room for."""
+    grad_sum: a key of GRAD_SUMS ("in_place" needs grads "hbm": the grads are counted as fp32
+    sums in HBM and need no accumulators); optimizer: a key of OPTIMIZERS ("sgd" with a momentum
+    buffer if `momentum`); staging_slots: the slots dram_bytes keeps room for."""
     if element_size not in _LAYOUT_DTYPES:
         raise ValueError("element_size %r: streamed weights are 2 (bf16, f16) or 4 (f32) bytes"
                          % (element_size,))
     for name, value, table in (("master_layout", master_layout, MASTER_LAYOUTS),
-                               ("grads", grads, _GRAD_TIERS), ("optimizer", optimizer, OPTIMIZERS)):
+                               ("grads", grads, _GRAD_TIERS), ("optimizer", optimizer, OPTIMIZERS),
+                               ("grad_sum", grad_sum, GRAD_SUMS)):
         if value not in table:
             raise ValueError("%s %r is not one of %s" % (name, value, ", ".join(table)))
     frozen = frozen or [[] for _ in blocks]
@@ -114,6 +123,7 @@ def layout_sizes(blocks, element_size, frozen=None, master_layout="separate", gr
     q.sgd_momentum = 1 if momentum else 0
     q.master_layout = MASTER_LAYOUTS[master_layout]
     q.grad_tier = _GRAD_TIERS[grads]
+    q.grad_sum = GRAD_SUMS[grad_sum]
     q.staging_slots = int(staging_slots)
     q.nvme_budget_bytes = int(nvme_budget)
     q.layer_count = len(blocks)
@@ -139,7 +149,8 @@ def layout_sizes(blocks, element_size, frozen=None, master_layout="separate", gr
     return out
 
 
-def streaming_budgets(block_params, element_size, master_layout="separate", grads="dram"):
+def streaming_budgets(block_params, element_size, master_layout="separate", grads="dram",
+                      grad_sum="accumulator"):
     """Default (HBM, DRAM) budgets in bytes for streaming blocks of `block_params` parameters
     each, stored in elements of `element_size` bytes and trained with AdamW
     (strata_layout_totals_t's streaming_hbm_bytes and streaming_dram_bytes): DRAM holds each
@@ -148,14 +159,15 @@ def streaming_budgets(block_params, element_size, master_layout="separate", grad
     alignment and 256 MiB; HBM holds slots for a few blocks (weights and grad buffers) and the
     planner's margin. grads="hbm": the grads live in HBM instead (docs/optimizer.md, "Grads on
     the device"), and DRAM holds only the buffer the optimizer reads one block's grads
-    through."""
+    through; with grad_sum="in_place" those grads are fp32 sums (4 bytes a parameter of HBM,
+    and the buffer sized for them)."""
     t = layout_sizes([[n] for n in block_params], element_size, master_layout=master_layout,
-                     grads=grads)
+                     grads=grads, grad_sum=grad_sum)
     return t["streaming_hbm_bytes"], t["streaming_dram_bytes"]
 
 
 def pinned_dram(blocks, element_size, dram_budget, frozen=None, master_layout="separate",
-                grads="dram"):
+                grads="dram", grad_sum="accumulator"):
     """The DRAM arena's part to pin (Runtime(dram_pinned=...),
     strata_runtime_config_t.dram_pinned_bytes) for streaming `blocks` (per block, its trainable
     tensors' element counts; `frozen`: its frozen ones'), each tensor registered on its own:
@@ -168,26 +180,30 @@ def pinned_dram(blocks, element_size, dram_budget, frozen=None, master_layout="s
     tier_usage("dram")["dram_fallbacks"]), never fails."""
     if not blocks:
         return 0
-    gpu = layout_sizes(blocks, element_size, frozen, master_layout, grads)["dram_gpu_bytes"]
+    gpu = layout_sizes(blocks, element_size, frozen, master_layout, grads,
+                       grad_sum=grad_sum)["dram_gpu_bytes"]
     return 0 if gpu >= dram_budget else gpu
 
 
-def grads_hbm_bytes(block_params, element_size):
-    """HBM the streamed blocks' grads take when they live there: their bytes, 1% and 64 KiB a
-    block for the HBM arena's per-tensor alignment (strata_layout_totals_t.grad_hbm_bytes)."""
-    return layout_sizes([[n] for n in block_params], element_size, grads="hbm")["grad_hbm_bytes"]
+def grads_hbm_bytes(block_params, element_size, grad_sum="accumulator"):
+    """HBM the streamed blocks' grads take when they live there: their bytes (as fp32 sums with
+    grad_sum="in_place"), 1% and 64 KiB a block for the HBM arena's per-tensor alignment
+    (strata_layout_totals_t.grad_hbm_bytes)."""
+    return layout_sizes([[n] for n in block_params], element_size, grads="hbm",
+                        grad_sum=grad_sum)["grad_hbm_bytes"]
 
 
-def accum_bytes(blocks, element_size):
+def accum_bytes(blocks, element_size, grads="dram", grad_sum="accumulator"):
     """DRAM the optimizer's fp32 gradient accumulators take when a backward pass adds to grads
     not zeroed since the last one (explicit update mode: one per trainable tensor, created at
     the first accumulation): each one's 4 KiB pages and a page, summed
     (strata_layout_totals_t.accum_bytes; `blocks`: per block, its trainable tensors' element
     counts, or one count for the block). The optimizer puts them in DRAM when its free space
     holds them, else the last layers' on NVMe, staged; with neither, the accumulating step
-    fails, naming these numbers."""
+    fails, naming these numbers. Grads summed in place (grads="hbm", grad_sum="in_place") need
+    none: 0."""
     blocks = [b if isinstance(b, (list, tuple)) else [b] for b in blocks]
-    return layout_sizes(blocks, element_size)["accum_bytes"]
+    return layout_sizes(blocks, element_size, grads=grads, grad_sum=grad_sum)["accum_bytes"]
 
 
 def state_bytes_per_param(element_size, master_layout="separate"):
@@ -204,7 +220,7 @@ NVME_DRAM_MARGIN = layout_sizes([[1]], 2)["dram_margin_bytes"]
 
 
 def placement_layers(blocks, element_size, frozen=None, state_tier="choose",
-                     master_layout="separate", grads="dram"):
+                     master_layout="separate", grads="dram", grad_sum="accumulator"):
     """Per block, the sizes a placement (place()) weighs for streaming `blocks` (per block, the
     element counts of its trainable tensors; `frozen`: of its frozen ones, weights only) with
     AdamW, as strata_layout_query counts them: bf16/f16/f32 weights and grads, each at the DRAM
@@ -213,23 +229,24 @@ def placement_layers(blocks, element_size, frozen=None, state_tier="choose",
     more and 24 KiB), so a placement never plans more into DRAM than the optimizer then puts
     there. grads="hbm": the grads live on the device (grad_tier "hbm"), and grad_bytes is what
     one read of them copies to DRAM, as the optimizer lays them out (the placement keeps one
-    buffer of the largest block's: grad_fetch_bytes). Each dict also carries what it was
-    computed from (key "_layout"), for full_dram and layout_totals."""
+    buffer of the largest block's: grad_fetch_bytes; fp32 sums with grad_sum="in_place"). Each
+    dict also carries what it was computed from (key "_layout"), for full_dram and
+    layout_totals."""
     if not blocks:
         return []
     frozen = frozen or [[] for _ in blocks]
-    sizes = layout_sizes(blocks, element_size, frozen, master_layout, grads)
+    sizes = layout_sizes(blocks, element_size, frozen, master_layout, grads, grad_sum=grad_sum)
     return [{"weight_bytes": s["weight_bytes"], "grad_bytes": s["grad_bytes"],
              "state_bytes": s["state_bytes"], "update_elements": s["update_elements"],
              "state_tier": state_tier, "grad_tier": grads,
-             "_layout": (list(b), list(f), element_size, master_layout, grads)}
+             "_layout": (list(b), list(f), element_size, master_layout, grads, grad_sum)}
             for s, b, f in zip(sizes["layers"], blocks, frozen)]
 
 
 def layout_totals(layers, staging_slots=4, nvme_budget=0):
     """strata_layout_query's totals (layout_sizes) for `layers` made by placement_layers (in
-    any order or combination of such lists, made with one element size, master layout and
-    grads): the default DRAM budget for `staging_slots` slots (dram_bytes), the NVMe tier's
+    any order or combination of such lists, made with one element size, master layout, grads
+    and grad sum): the default DRAM budget for `staging_slots` slots (dram_bytes), the NVMe tier's
     margins, its default budget (nvme_bytes) and what a placement may put on a tier of
     `nvme_budget` bytes (nvme_placeable_bytes; of nvme_bytes when 0)."""
     made = [layer.get("_layout") for layer in layers]
@@ -237,18 +254,20 @@ def layout_totals(layers, staging_slots=4, nvme_budget=0):
         raise ValueError("layout_totals and full_dram take the layers placement_layers made")
     kinds = {m[2:] for m in made}
     if len(kinds) != 1:
-        raise ValueError("the layers were made with different element sizes, master layouts or "
-                         "grads: %s" % sorted(kinds))
-    element_size, master_layout, grads = kinds.pop()
+        raise ValueError("the layers were made with different element sizes, master layouts, "
+                         "grads or grad sums: %s" % sorted(kinds))
+    element_size, master_layout, grads, grad_sum = kinds.pop()
     return layout_sizes([m[0] for m in made], element_size, [m[1] for m in made], master_layout,
-                        grads, staging_slots=staging_slots, nvme_budget=nvme_budget)
+                        grads, staging_slots=staging_slots, nvme_budget=nvme_budget,
+                        grad_sum=grad_sum)
 
 
-def grad_fetch_bytes(blocks, element_size):
+def grad_fetch_bytes(blocks, element_size, grad_sum="accumulator"):
     """DRAM the optimizer reads HBM-homed grads through (strata_layout_totals_t's
-    grad_fetch_bytes): the largest block's grads, each 64-byte aligned, rounded to the arena's
-    pages, and a page."""
-    return layout_sizes(blocks, element_size, grads="hbm")["grad_fetch_bytes"]
+    grad_fetch_bytes): the largest block's grads (fp32 sums with grad_sum="in_place"), each
+    64-byte aligned, rounded to the arena's pages, and a page."""
+    return layout_sizes(blocks, element_size, grads="hbm",
+                        grad_sum=grad_sum)["grad_fetch_bytes"]
 
 
 def full_dram(layers, slots=4):
@@ -655,12 +674,18 @@ class Optimizer:
     def handle(self):
         return self._handle
 
-    def add_param(self, weight, grad, group=0, master_layout="separate"):
-        if master_layout not in MASTER_LAYOUTS:
-            raise ValueError("master_layout must be one of %s, not %r"
-                             % (sorted(MASTER_LAYOUTS), master_layout))
+    def add_param(self, weight, grad, group=0, master_layout="separate", grad_sum="accumulator"):
+        """Make `weight` (with its grad tensor `grad`) a param of group `group`. master_layout:
+        a key of MASTER_LAYOUTS; grad_sum: a key of GRAD_SUMS ("in_place": `grad` is an fp32
+        tensor in HBM that the framework adds every backward pass's grad into, and the sum the
+        update reads; strata_param_desc_t.grad_sum)."""
+        for name, value, table in (("master_layout", master_layout, MASTER_LAYOUTS),
+                                   ("grad_sum", grad_sum, GRAD_SUMS)):
+            if value not in table:
+                raise ValueError("%s must be one of %s, not %r" % (name, sorted(table), value))
         desc = _lib.ParamDesc(weight=weight.handle.value, grad=grad.handle.value, group=group,
-                              master_layout=MASTER_LAYOUTS[master_layout])
+                              master_layout=MASTER_LAYOUTS[master_layout],
+                              grad_sum=GRAD_SUMS[grad_sum])
         check(L.strata_optimizer_add_param(self._handle, ctypes.byref(desc)))
 
     def master_read(self, weight, pointer, count):

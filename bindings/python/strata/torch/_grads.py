@@ -1,6 +1,8 @@
-"""StreamedGrad: the .grad of a streamed parameter. Its values live in Strata's host memory (the
-grad of the backward passes since it was last zeroed, summed in fp32), so the tensor has the
-parameter's shape, dtype and device but no storage. What PyTorch code does with grads works:
+"""StreamedGrad: the .grad of a streamed parameter. Its values live in Strata, in host memory or
+with offload(grads="device") in the device's (the grad of the backward passes since it was last
+zeroed, summed in fp32: in the optimizer's accumulator, or in place in the grad itself with
+grad_dtype=torch.float32), so the tensor has the parameter's shape, dtype and device but no
+storage. What PyTorch code does with grads works:
 
 - norms (torch.linalg.vector_norm, Tensor.norm, torch._foreach_norm; the 2-norm comes from
   Strata's running sums of squares without moving data), hence

@@ -21,6 +21,9 @@ pass:
   that on a side stream (which first waits for the compute stream: without a shard group
   nothing else orders the two), so the executor's D2H of the chunk and the optimizer's landing
   follow, while the compute stream goes on with the next block, whose gather is issued at once.
+  With the grads' fp32 sums on the device (offload(grads="device"), grad_dtype float32: the
+  grad views are the sums, in HBM) the reduction still runs in the compute dtype, into a
+  temporary, and the side stream adds it into the view before the release.
 - the resident parameters (embedding, head, resident blocks) are replicas, their grads averaged
   over all ranks when the backward pass ends (as DDP does).
 
@@ -120,13 +123,20 @@ class LocalLayout:
 
     def store_grads(self, index, params, grads):
         """After block `index`'s backward: the grads of its trainable StreamedParams `params`
-        (None where a parameter got none) into the acquired layer's grad views."""
+        (None where a parameter got none) into the acquired layer's grad views: copied, or
+        added to the sums where the views are them (session.grads_in_place)."""
         s = self.session
         for sp, g in zip(params, grads):
-            if g is not None:  # the view was zeroed when the backward pass began
+            if g is not None:
                 view = torch.from_dlpack(s.executor.view(index, BACKWARD, VIEW_GRAD,
                                                          sp.grad_index))
-                view.copy_(g)
+                if s.grads_in_place:
+                    # The fp32 sum: zeroed at the backward load only where the param held no
+                    # grad, else the earlier passes' sum (widened exactly, one fp32 rounding
+                    # per add, as the optimizer's accumulators add).
+                    view.add_(g)
+                else:  # the view was zeroed when the backward pass began
+                    view.copy_(g)
                 del view
                 s.delivered.append(sp)
             elif id(sp.param) not in s.held or sp.param.grad is None:
@@ -519,22 +529,28 @@ class ShardedLayout(LocalLayout):
 
     def store_grads(self, index, params, grads):
         """Reduce-scatter the block's grads (averaged over the shard group) into this rank's grad
-        chunks in the slot; issued on the compute stream, waited for at release."""
+        chunks in the slot; issued on the compute stream, waited for at release. The reduction
+        runs in the DataParallel's reduce_dtype, by default the compute dtype (as DDP does),
+        whatever the grad views' dtype: fp32 sums on the device (session.grads_in_place) must
+        not double the bytes on the wire."""
         self.grad_version += 1
         what = "reducing block %d's grads" % index
         shards = self.mesh.shard_size
+        in_place = self.session.grads_in_place
         works, keep, pairs = [], [], []
         for sp, g in zip(params, grads):
             if g is None:
                 continue
             view = torch.from_dlpack(self.session.executor.view(index, BACKWARD, VIEW_GRAD,
                                                                 sp.grad_index))
-            dtype = self.mesh.reduce_dtype or view.dtype
+            dtype = self.mesh.reduce_dtype or self.session.dtype
             full = g.reshape(-1).to(dtype).contiguous()
             if shards * sp.chunk != sp.numel:
                 full = F.pad(full, (0, shards * sp.chunk - sp.numel))
-            # With pieces the chunk's average goes on to the replicas' reduce-scatter.
-            out = view if dtype == view.dtype and self.pieces == 1 else \
+            # With pieces the chunk's average goes on to the replicas' reduce-scatter; summed in
+            # place, it is added into the view at release (_finish_reduction): never written
+            # there directly.
+            out = view if dtype == view.dtype and self.pieces == 1 and not in_place else \
                 torch.empty(sp.chunk, dtype=dtype, device=view.device)
             works.append(self.mesh.reduce_scatter(out, full, what))
             keep += [g, full, out]
@@ -544,7 +560,10 @@ class ShardedLayout(LocalLayout):
 
     def _finish_reduction(self, index):
         """On the reduce stream: wait for the block's reduce-scatters, average over the
-        replicas, round into the grad views, release the block (its grads leave for DRAM)."""
+        replicas, round into the grad views (or add into them where they are the fp32 sums:
+        session.grads_in_place), release the block (its grads leave for DRAM, or count as
+        landed in HBM)."""
+        in_place = self.session.grads_in_place
         block, works, keep, pairs = self.reduction or (index, [], [], [])
         self.reduction = None
         what = "reducing block %d's grads" % index
@@ -562,7 +581,7 @@ class ShardedLayout(LocalLayout):
             if self.pieces > 1:  # each replica gets the average of its piece of the chunk
                 replicas = []
                 for i, (out, view) in enumerate(pairs):
-                    piece = view if out.dtype == view.dtype else \
+                    piece = view if out.dtype == view.dtype and not in_place else \
                         torch.empty(view.numel(), dtype=out.dtype, device=view.device)
                     replicas.append(self.mesh.scatter_pieces(
                         piece, out, what + " across the replicas"))
@@ -574,7 +593,9 @@ class ShardedLayout(LocalLayout):
             for work in replicas:
                 self.mesh.wait(work, what + " over the replicas")
             for out, view in pairs:
-                if out is not view:
+                if in_place:  # before the release: it fences the sums' landing
+                    view.add_(out)
+                elif out is not view:
                     view.copy_(out)
             del pairs
             self.session.executor.release(index, BACKWARD, self._handle(self.reduce_stream))

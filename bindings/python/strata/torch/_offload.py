@@ -63,7 +63,7 @@ class _Request:
     device: torch.device
     dtype: torch.dtype
     backend: str
-    grads_home: str  # "dram" or "hbm"
+    grads_home: str  # "dram", "hbm" or "hbm_sums" (strata.torch._planning.GRAD_HOMES)
     nvme: list
     nvme_budget: int
     state_placement: str
@@ -96,7 +96,7 @@ class _Plan:
 def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, dtype=None,
             device=None, backend="auto", slot_budget=0, resident_blocks=None,
             state_placement=None, data_parallel=None, weights=None, grads="host",
-            chunked_loss=None, spill_checkpoints=None):
+            chunked_loss=None, spill_checkpoints=None, grad_dtype=None):
     """Stream `model`'s blocks through Strata; returns the model, changed in place.
 
     gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: the host
@@ -141,8 +141,16 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     parameter of DRAM less, 12 instead of 14, and as many more of HBM; the optimizer copies
     each block's grads to the CPU when it reads them: for their sums of squares as they land,
     and for the update). The training is bit for bit the same. With nvme=, DRAM then holds no
-    grads either: down to the staging and one block's grads to read them through. Not yet
-    under data parallelism.
+    grads either: down to the staging and one block's grads to read them through.
+    grad_dtype (with grads="device"): the dtype of the grads on the device. The compute dtype
+    (the default on one GPU): accumulating micro-batches sums them in fp32 accumulators in
+    host memory (4 bytes per parameter of DRAM, or NVMe). torch.float32 (the default under
+    data parallelism): the grads on the device are the fp32 sums themselves, each backward
+    pass's grad added into them in place, so accumulating needs no host memory at all (DRAM
+    12 bytes per bf16 parameter with or without accumulation, for 4 bytes per parameter of
+    HBM, of this rank's shard under data parallelism, reserved whether or not the run
+    accumulates); offload refuses it up front when the device has not that much free. The
+    training is bit for bit grads="host"'s either way.
     spill_checkpoints: whether the blocks' checkpoints (each block's input, kept for its
     backward pass) go to pinned host memory, copied out and back overlapped with compute and
     bit-exact (strata.torch._spill): None (on CUDA when the step predicted from the batch run
@@ -162,7 +170,8 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
         raise ValueError("strata.torch.offload: spill_checkpoints is %r, not None (when the "
                          "device is short), True or False" % (spill_checkpoints,))
     request = _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device,
-                        backend, slot_budget, state_placement, data_parallel, weights, grads)
+                        backend, slot_budget, state_placement, data_parallel, weights, grads,
+                        grad_dtype)
     request.loss_chunk_tokens = loss_chunk_tokens
     request.spill_checkpoints = spill_checkpoints
     rollback = _Rollback()
@@ -215,13 +224,26 @@ def _check_chunked_loss(model, chunked_loss):
     return None
 
 
+# The dtypes grads on the device may have: the compute dtype, or fp32 (the sums, in place).
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, backend,
-              slot_budget, state_placement, data_parallel, weights, grads):
+              slot_budget, state_placement, data_parallel, weights, grads, grad_dtype=None):
     """The arguments checked and resolved; the weights file opened (closed again if a check
     after it fails). Nothing of the model changes."""
     if grads not in ("host", "device"):
         raise ValueError("strata.torch.offload: grads is %r, not 'host' or 'device'" % (grads,))
-    grads_home = "dram" if grads == "host" else "hbm"
+    if grad_dtype is not None:
+        if grads != "device":
+            raise ValueError("strata.torch.offload: grad_dtype=%s is for grads='device' (the "
+                             "grads on the GPU); grads='host' keeps them in the compute dtype "
+                             "in host memory, summed in fp32 when micro-batches accumulate"
+                             % (grad_dtype,))
+        if grad_dtype not in _GRAD_DTYPES:
+            raise ValueError("strata.torch.offload: grad_dtype is %r, not torch.float32 (the "
+                             "grads' fp32 sums on the device) or the compute dtype (bfloat16 or "
+                             "float16)" % (grad_dtype,))
     if isinstance(nvme, (str, bytes, os.PathLike)):
         nvme = [nvme]  # one path, not its characters
     nvme = list(nvme) if nvme else []
@@ -247,7 +269,7 @@ def _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, 
     try:
         return _validate_model(model, gpu_budget, host_budget, nvme, nvme_budget, dtype,
                                device, backend, slot_budget, state_placement, data_parallel,
-                               grads_home, source)
+                               (grads, grad_dtype), source)
     except BaseException:
         if source is not None:
             source[0].close()
@@ -255,7 +277,7 @@ def _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, 
 
 
 def _validate_model(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, backend,
-                    slot_budget, state_placement, data_parallel, grads_home, source):
+                    slot_budget, state_placement, data_parallel, grads, source):
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
@@ -286,13 +308,33 @@ def _validate_model(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, de
             "strata.torch.offload: weights= under data parallelism is not supported yet (each "
             "rank would read its own shards from the file); load the model on each rank, or "
             "train without data_parallel")
-    if grads_home == "hbm" and mesh is not None:
-        # A sharded session reduces the grads into DRAM shards: not from the device yet.
-        raise NotImplementedError(
-            "strata.torch.offload: grads='device' under data parallelism is not supported "
-            "yet; use grads='host'")
+    grads_home = _grads_home(*grads, dtype, mesh)
     return _Request(list(all_blocks), device, dtype, backend, grads_home, nvme, nvme_budget,
                     state_placement, gpu_budget, host_budget, slot_budget, mesh, source)
+
+
+# How offload's arguments spell each grads home, for messages.
+_GRAD_HOME_TEXT = {"dram": "grads='host'", "hbm": "grads='device' in the compute dtype",
+                   "hbm_sums": "grads='device' as fp32 sums"}
+
+
+def _grads_home(grads, grad_dtype, dtype, mesh):
+    """Where the streamed grads live (strata.torch._planning.GRAD_HOMES) for offload's grads=
+    and grad_dtype= (checked by _validate), the compute dtype known and data parallelism
+    (`mesh`) resolved."""
+    if grads == "host":
+        return "dram"
+    if grad_dtype is None:
+        # Under data parallelism the sums on the device are the point of grads='device'
+        # (a sharded 40B accumulating on one host); on one GPU the default is what it was.
+        grad_dtype = torch.float32 if mesh is not None else dtype
+    if grad_dtype == torch.float32:
+        return "hbm_sums"  # an fp32 model's grads too: grad_dtype=torch.float32 asks for sums
+    if grad_dtype != dtype:
+        raise ValueError("strata.torch.offload: grad_dtype=%s with compute dtype %s: grads on "
+                         "the device are kept in the compute dtype, or as torch.float32 sums "
+                         "(added to in place)" % (grad_dtype, dtype))
+    return "hbm"
 
 
 def _plan(model, request, resident_blocks):
@@ -308,7 +350,7 @@ def _plan(model, request, resident_blocks):
         if resident_blocks is None:
             step.value = _planning._auto_resident_blocks(
                 model, all_blocks, request.dtype, request.device, request.gpu_budget,
-                request.grads_home)
+                request.grads_home, mesh)
     resident_blocks = min(step.every)
     if not 0 <= resident_blocks < len(all_blocks):
         raise ValueError("strata.torch.offload: resident_blocks is %d; the model has %d blocks "
@@ -322,6 +364,15 @@ def _plan(model, request, resident_blocks):
         request.nvme = _distributed.rank_files(mesh, request.nvme, {
             "nvme_budget": request.nvme_budget, "host_budget": request.host_budget,
             "state_placement": request.state_placement})
+    with EveryRank(mesh, "checking the device's memory for the gradient sums") as step:
+        step.value = request.grads_home
+        _planning.check_device_memory(plan.blocks, request.dtype, mesh, request.grads_home,
+                                      request.gpu_budget, request.device, request.backend)
+    if len(set(step.every)) > 1:  # every rank raises alike
+        raise ValueError("strata.torch.offload: the data-parallel ranks disagree about where "
+                         "the grads live (grads= and grad_dtype=: %s); every rank must pass the "
+                         "same" % ", ".join("rank %d: %s" % (r, _GRAD_HOME_TEXT[home])
+                                            for r, home in enumerate(step.every)))
     if request.nvme:
         plan.layers, plan.host_budget, plan.nvme_budget, plan.place_nvme = _planning.plan_nvme(
             plan.blocks, request.dtype, request.grads_home, request.state_placement,

@@ -31,6 +31,22 @@ def element_bytes(dtype):
     return torch.finfo(dtype).bits // 8
 
 
+# Where a session's streamed grads live (offload's grads= and grad_dtype=, resolved by
+# strata.torch._offload): "dram"; "hbm" (in the compute dtype, zeroed at every backward load; an
+# accumulation is summed by the optimizer into fp32 accumulators in DRAM or on NVMe); or
+# "hbm_sums" (fp32 in HBM, each backward pass's grad added in place: the tensor is the sum, and
+# no accumulator exists: strata.h STRATA_GRAD_SUM_IN_PLACE).
+GRAD_HOMES = ("dram", "hbm", "hbm_sums")
+
+
+def layout_grads(grads):
+    """strata.core's layout keywords (grads, grad_sum) for a grads home (GRAD_HOMES)."""
+    if grads not in GRAD_HOMES:
+        raise ValueError("internal: grads home %r is not one of %s" % (grads, GRAD_HOMES))
+    return {"grads": "dram" if grads == "dram" else "hbm",
+            "grad_sum": "in_place" if grads == "hbm_sums" else "accumulator"}
+
+
 def kept_elements(numel, mesh=None):
     """Elements of a streamed parameter of `numel` elements that this process's runtime holds
     (its weight, grad and optimizer state): all of them; under data parallelism (`mesh`) this
@@ -64,7 +80,7 @@ def replica_bytes(blocks, dtype, mesh=None):
 HOST_SHARE = 0.85
 
 
-def with_accumulators(dram, counts, element, ranks=1, beside=0):
+def with_accumulators(dram, counts, element, ranks=1, beside=0, grads="dram"):
     """A default DRAM budget of `dram` bytes, with room for the gradient accumulators of the
     streamed blocks (`counts`: per block its trainable tensors' elements, or one count) added
     when the host's available memory holds both: then accumulating (a backward pass onto
@@ -74,8 +90,10 @@ def with_accumulators(dram, counts, element, ranks=1, beside=0):
     accumulators"). A budget is pinned whole when the runtime starts: the room is spent
     whether or not the run accumulates. `ranks`: the processes of this host that each make
     such a budget (data parallelism): each may take its share of the available memory.
-    `beside`: host bytes the process pins beside the arena from that share (replica_bytes)."""
-    accum = core.accum_bytes(counts, element)
+    `beside`: host bytes the process pins beside the arena from that share (replica_bytes).
+    `grads`: the grads home (GRAD_HOMES); summed in place ("hbm_sums") they need no
+    accumulators, and `dram` is returned as it is."""
+    accum = core.accum_bytes(counts, element, **layout_grads(grads))
     available = _host.mem_available()
     if available is not None and dram + accum + beside <= available * HOST_SHARE / ranks:
         return dram + accum
@@ -85,10 +103,11 @@ def with_accumulators(dram, counts, element, ranks=1, beside=0):
 def arena_need(counts, dtype, grads):
     """(the DRAM the streamed blocks of `counts` elements need without NVMe, the room their
     gradient accumulators take): core.streaming_budgets' and core.accum_bytes', the library's
-    figures. The arena never uses more than their sum."""
+    figures (no accumulators for grads summed in place). The arena never uses more than their
+    sum."""
     element = element_bytes(dtype)
-    _, dram = core.streaming_budgets(counts, element, master_layout(dtype), grads)
-    return dram, core.accum_bytes(counts, element)
+    _, dram = core.streaming_budgets(counts, element, master_layout(dtype), **layout_grads(grads))
+    return dram, core.accum_bytes(counts, element, **layout_grads(grads))
 
 
 def arena_budget(blocks, dtype, mesh, grads, host_budget):
@@ -103,23 +122,61 @@ def arena_budget(blocks, dtype, mesh, grads, host_budget):
     return min(host_budget - replica_bytes(blocks, dtype, mesh), dram + accum)
 
 
+def hbm_budget(counts, dtype, grads, gpu_budget):
+    """The HBM tier of a session's runtime (allocated whole when it is created): the given
+    gpu_budget (the slots'), or what the streamed blocks of `counts` elements need
+    (core.streaming_budgets); with grads in HBM (GRAD_HOMES) their bytes beside a given
+    gpu_budget (the default counts them already)."""
+    element = element_bytes(dtype)
+    if gpu_budget is None:
+        hbm, _ = core.streaming_budgets(counts, element, master_layout(dtype),
+                                        **layout_grads(grads))
+        return hbm
+    if grads != "dram":
+        gpu_budget += core.grads_hbm_bytes(counts, element, layout_grads(grads)["grad_sum"])
+    return gpu_budget
+
+
 def session_budgets(counts, dtype, grads, gpu_budget, host_budget, mesh=None, beside=0):
     """The HBM and DRAM budgets of a session's runtime: the given ones (a DRAM one is the
     arena's share of host_budget: arena_budget, plan_nvme), or what the streamed blocks of
     `counts` elements need (core.streaming_budgets), with room for the gradient accumulators
     where the host has it (with_accumulators). With grads in HBM a given gpu_budget is the
-    slots' and the grads come beside it. `mesh`: under data parallelism, the accumulators' room
-    is judged against this rank's share of the host, less `beside` (the host replica this
-    rank pins beside the arena: replica_bytes)."""
+    slots' and the grads come beside it (hbm_budget). `mesh`: under data parallelism, the
+    accumulators' room is judged against this rank's share of the host, less `beside` (the
+    host replica this rank pins beside the arena: replica_bytes)."""
     element = element_bytes(dtype)
-    hbm, dram = core.streaming_budgets(counts, element, master_layout(dtype), grads)
+    _, dram = core.streaming_budgets(counts, element, master_layout(dtype), **layout_grads(grads))
     if host_budget is None:
         dram = with_accumulators(dram, counts, element,
-                                 1 if mesh is None else mesh.ranks_on_host(), beside)
-    if gpu_budget is not None and grads == "hbm":
-        gpu_budget += core.grads_hbm_bytes(counts, element)  # beside the slots' budget
-    return (hbm if gpu_budget is None else gpu_budget,
+                                 1 if mesh is None else mesh.ranks_on_host(), beside, grads)
+    return (hbm_budget(counts, dtype, grads, gpu_budget),
             dram if host_budget is None else host_budget)
+
+
+def check_device_memory(blocks, dtype, mesh, grads, gpu_budget, device, backend):
+    """With the grads' sums on the device (grads "hbm_sums": offload(grads="device",
+    grad_dtype=torch.float32), the default under data parallelism): the HBM tier the runtime
+    allocates whole at its creation (hbm_budget: the slots and 4 bytes per parameter of this
+    rank's chunks for the sums) must fit the device's free memory, else a ValueError naming
+    the bytes and the other ways, before anything is created. Not on the host backend (its
+    "HBM" is host memory) nor for the other grad homes (the runtime's creation refuses a tier
+    the device cannot hold: OutOfMemory)."""
+    if grads != "hbm_sums" or backend != "cuda" or device.type != "cuda":
+        return
+    counts = block_elements(blocks, mesh)
+    need = hbm_budget(counts, dtype, grads, gpu_budget)
+    free, _ = torch.cuda.mem_get_info(device)
+    if need <= free:
+        return
+    sums = core.grads_hbm_bytes(counts, element_bytes(dtype), "in_place")
+    raise ValueError(
+        "strata.torch.offload: grads='device' with fp32 gradient sums (grad_dtype=torch.float32%s) "
+        "needs an HBM tier of %d bytes on %s, %d of them the sums (4 bytes per parameter%s), and "
+        "the device has %d bytes free; pass grads='host' (the grads and their sums in host "
+        "memory), a smaller gpu_budget, or train over more GPUs; nothing was changed"
+        % (", the default under data parallelism" if mesh is not None else "", need, device,
+           sums, " of this rank's shard" if mesh is not None else "", free))
 
 
 def pinned_dram(blocks, dtype, grads, dram_budget, mesh=None):
@@ -134,14 +191,14 @@ def pinned_dram(blocks, dtype, grads, dram_budget, mesh=None):
     nothing; where that reaches the budget, everything is pinned, as before 1.5."""
     every = [[kept_elements(p.numel(), mesh) for p in b.parameters()] for b in blocks]
     return core.pinned_dram(every, element_bytes(dtype), dram_budget, None,
-                            master_layout(dtype), grads)
+                            master_layout(dtype), **layout_grads(grads))
 
 
 def estimate_dram(blocks, dtype, mesh=None, grads="dram"):
     """The pinned DRAM the streamed blocks need without NVMe (weights, grads, masters and
     moments, alignment and headroom)."""
     _, dram = core.streaming_budgets(block_elements(blocks, mesh), element_bytes(dtype),
-                                     master_layout(dtype), grads)
+                                     master_layout(dtype), **layout_grads(grads))
     return dram
 
 
@@ -156,9 +213,9 @@ def check_host_budget(blocks, dtype, mesh, grads_home, host_budget):
     if host_budget >= need:
         return
     hint = ""
-    if grads_home == "dram" and mesh is None:
+    if grads_home == "dram":  # (under data parallelism grads='device' sums them there in fp32)
         hint = ("; grads='device' needs %d (the grads on the GPU)"
-                % estimate_dram(blocks, dtype, mesh, "hbm"))
+                % estimate_dram(blocks, dtype, mesh, "hbm" if mesh is None else "hbm_sums"))
     beside = ""
     if replica:
         beside = (", and beside them %d bytes for the host replica of their weights "
@@ -172,7 +229,7 @@ def check_host_budget(blocks, dtype, mesh, grads_home, host_budget):
                                       "one block's grads, ", beside, hint))
 
 
-def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"):
+def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram", mesh=None):
     """How many of the first blocks to keep resident in HBM: as many as fit in 40% of the device
     memory left beside Strata's own (the rest for activations, logits and the allocator), at 16
     bytes per parameter in bf16 (the compute-dtype weight and grad, an fp32 master unless the
@@ -183,8 +240,9 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"
     first). The free memory counted is what is left once the rest of the model (embeddings,
     head: not yet on the device for a meta model) and its optimizer state are there, at the
     same bytes per parameter (a 128k-vocabulary 8B Llama's embedding and head take 17 GB: left
-    out, 7 blocks were kept on an 80 GB GPU and the first step ran out of memory). 0 on the
-    CPU."""
+    out, 7 blocks were kept on an 80 GB GPU and the first step ran out of memory). With grads
+    in HBM their bytes come out of that share first (under data parallelism, `mesh`, this
+    rank's chunks' grads). 0 on the CPU."""
     if device.type != "cuda":
         return 0
     free, _ = torch.cuda.mem_get_info(device)
@@ -197,16 +255,17 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"
     free = max(0, free - coming * per_param)
     spare = max(0, free - (gpu_budget or 0)) * 2 // 5
     counts = block_elements(blocks)
+    kept = block_elements(blocks, mesh)  # what this rank holds of each block (its grads)
     grad_bytes = 0
-    if grads == "hbm":
+    if grads != "dram":
         # The streamed blocks' grads in HBM come out of the residents' share, not out of what
         # the activations and logits are left: a block kept resident gives its grads' share
-        # back (its own grad is in per_param).
-        grad_bytes = element
-        spare -= core.grads_hbm_bytes(counts, element)
+        # back (its own grad is in per_param), fp32 sums 4 bytes a parameter.
+        grad_bytes = 4 if grads == "hbm_sums" else element
+        spare -= core.grads_hbm_bytes(kept, element, layout_grads(grads)["grad_sum"])
     k = 0
-    for n in counts[:-1]:  # at least one block streams
-        need = n * (per_param - grad_bytes)
+    for n, mine in zip(counts[:-1], kept):  # at least one block streams
+        need = n * per_param - mine * grad_bytes
         if need > spare:
             break
         spare -= need
@@ -242,7 +301,7 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
               for b in blocks]
     layers = core.placement_layers(counts, element, frozen,
                                    "nvme" if state_placement == "nvme" else "choose",
-                                   master_layout=master_layout(dtype), grads=grads_home)
+                                   master_layout=master_layout(dtype), **layout_grads(grads_home))
     for i, layer in enumerate(layers):
         layer["name"] = "blocks.%d" % i
     # Grads on the device: the placement counts the DRAM buffer they are read through.

@@ -36,8 +36,9 @@ class SessionChoices:
     nvme: list  # the NVMe tier's files (none: no tier)
     nvme_budget: int
     slot_budget: int = 0
-    # Where the streamed blocks' grads live: "dram", or "hbm" (the optimizer reads them
-    # through one block's DRAM buffer: 2 bytes per bf16 parameter of DRAM less).
+    # Where the streamed blocks' grads live: "dram", "hbm" (the optimizer reads them through
+    # one block's DRAM buffer: 2 bytes per bf16 parameter of DRAM less) or "hbm_sums" (fp32 in
+    # HBM, each backward pass's grad added in place: no accumulators; _planning.GRAD_HOMES).
     grads_home: str = "dram"
     init: object = None  # the model's _init_weights(module), for blocks built on meta
     resident_blocks: list = dataclasses.field(default_factory=list)  # kept in HBM, in order
@@ -114,6 +115,9 @@ class StrataSession:
         self.blocks = choices.blocks
         self.prefixes = choices.prefixes
         self.grads_home = choices.grads_home
+        # The grad views are the sums (strata.torch._layout adds each backward's grads into
+        # them instead of copying).
+        self.grads_in_place = choices.grads_home == "hbm_sums"
         self.device = choices.device
         self.dtype = choices.dtype
         self.cuda = choices.device.type == "cuda"
@@ -433,7 +437,7 @@ class StrataSession:
                       for layer in core.placement_layers(
                           counts, element, frozen,
                           master_layout=_planning.master_layout(self.dtype),
-                          grads=self.grads_home)]
+                          **_planning.layout_grads(self.grads_home))]
             plan = self.executor.plan_info()
             rates = {"h2d": plan.h2d_bytes_per_second, "d2h": plan.d2h_bytes_per_second}
             runtime = self.runtime  # measures the update's rate (its own scratch memory)
@@ -514,6 +518,9 @@ class StrataSession:
         trained = [sp for layer in self.layers for sp in layer if sp.trainable]
         if not trained:
             return "no gradient accumulators (nothing streamed trains)"
+        if self.grads_in_place:  # the grads on the device are the sums: no accumulator
+            return "gradient sums in place on the GPU (%s)" % size(
+                sum(sp.grad.nbytes for sp in trained))
         homes = []
         for sp in trained:
             try:
@@ -553,8 +560,11 @@ class StrataSession:
         sp.weight = self.runtime.register(name, shape, DTYPE_NAMES[self.dtype], "weight",
                                           self.weight_home(sp.layer))
         if trainable:
-            sp.grad = self.runtime.register(name + ".grad", shape, DTYPE_NAMES[self.dtype], "grad",
-                                            self.grads_home)
+            # Summed in place: fp32 whatever the compute dtype (strata.h
+            # STRATA_GRAD_SUM_IN_PLACE).
+            dtype = "float32" if self.grads_in_place else DTYPE_NAMES[self.dtype]
+            sp.grad = self.runtime.register(name + ".grad", shape, dtype, "grad",
+                                            "dram" if self.grads_home == "dram" else "hbm")
 
     def write_values(self, sp, values, opt, group):
         """`values` (sp.weight's shape) into sp.weight; its optimizer state (the master from
@@ -569,7 +579,8 @@ class StrataSession:
         fill(sp.weight, weight)  # rounded where `values` are
         t = self.timed("weights", t)
         if trains:
-            opt.add_param(sp.weight, sp.grad, group, master_layout=layout)
+            opt.add_param(sp.weight, sp.grad, group, master_layout=layout,
+                          grad_sum=_planning.layout_grads(self.grads_home)["grad_sum"])
             if split:
                 fill(opt.state(sp.weight, "master_low"), rest)
             elif values.dtype == torch.float32 and self.dtype != torch.float32:
