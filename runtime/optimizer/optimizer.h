@@ -469,6 +469,9 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // (its adds in flight) is refused with kInvalidState.
   Status held_grad(TensorId weight, std::unique_lock<std::mutex>& lock, Param** out,
                    const char* what);
+  // kInvalidState naming `what` if `p` is an in-place sum whose layer is acquired for its
+  // backward pass (the framework's adds in flight). Under mutex_.
+  Status sum_at_rest(const Param& p, const char* what);
   // In-place sums (optimizer_sums.cpp), under mutex_. The sum's fp32 values, copied out of HBM.
   Status fetch_sum(const Param& p, std::vector<float>* values) const;
   // grad_sq from the sum's `values`, per task of its layer as a landing measures a grad (so

@@ -246,16 +246,20 @@ Status Optimizer::held_grad(TensorId weight, std::unique_lock<std::mutex>& lock,
                                      stages_[layer].phase != StagePhase::kWriting));
   });
   STRATA_RETURN_IF_ERROR(failure_);
-  if (param->in_place && backward_[layer] == Backward::kAcquired) {
-    TensorRecord g;
-    (void)runtime_->info(param->grad, &g);
-    return error(Code::kInvalidState, what, ": grad '", g.spec.name,
-                 "' is an in-place gradient sum (STRATA_GRAD_SUM_IN_PLACE) and layer ", layer,
-                 " is acquired for its backward pass: the framework's adds into it are in flight; "
-                 "call it after the layer's release (or strata_step_abort)");
-  }
+  STRATA_RETURN_IF_ERROR(sum_at_rest(*param, what));
   *out = param;
   return Status::ok();
+}
+
+Status Optimizer::sum_at_rest(const Param& p, const char* what) {
+  const auto layer = static_cast<std::size_t>(p.layer);
+  if (!p.in_place || backward_[layer] != Backward::kAcquired) return Status::ok();
+  TensorRecord g;
+  (void)runtime_->info(p.grad, &g);
+  return error(Code::kInvalidState, what, ": grad '", g.spec.name,
+               "' is an in-place gradient sum (STRATA_GRAD_SUM_IN_PLACE) and layer ", layer,
+               " is acquired for its backward pass: the framework's adds into it are in flight; "
+               "call it after the layer's release (or strata_step_abort)");
 }
 
 Status Optimizer::grad_info(TensorId weight, GradInfo* out) {
@@ -352,6 +356,7 @@ Status Optimizer::grad_write(TensorId weight, const float* src, uint64_t count) 
   const auto layer = static_cast<std::size_t>(p->layer);
   cv_.wait(lock, [&] { return !failure_.is_ok() || pending_[layer] == 0; });
   STRATA_RETURN_IF_ERROR(failure_);
+  STRATA_RETURN_IF_ERROR(sum_at_rest(*p, "grad_write"));  // the wait let another thread acquire
   optim::ParamArrays stored;  // what now holds the grad, for its sum of squares
   stored.count = count;
   std::vector<unsigned char> narrowed;  // an HBM-homed grad's values, on their way there
