@@ -332,16 +332,36 @@ def plain_step(model, opt, clip, accum=1):
     opt.zero_grad() (set_to_none, torch's default). Returns the step's mean loss."""
     import torch
 
+    # STRATA_BENCH_PHASES=1: rank 0 prints where each step's time went (the device synchronized
+    # at each boundary, so the phases' sum is a little over an unobserved step).
+    phases = os.environ.get("STRATA_BENCH_PHASES") == "1" and \
+        int(os.environ.get("RANK", 0)) == 0
+
+    def mark(times):
+        if phases:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter())
+
     def step(ids):
-        loss = 0.0
+        loss, times = 0.0, []
+        mark(times)
         for micro in ids.chunk(accum):  # accum 1: the whole batch (a division by 1 is exact)
             part = model(micro, labels=micro).loss / accum
             part.backward()
             loss = loss + part.detach()
+        mark(times)
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        mark(times)
         opt.step()
+        mark(times)
         opt.zero_grad()
+        mark(times)
+        if phases:
+            spans = [b - a for a, b in zip(times, times[1:])]
+            print("%sphases: forward+backward %.2f s, clip %.2f s, step %.2f s, zero_grad "
+                  "%.2f s" % ((PROGRESS,) + tuple(spans)), file=sys.stderr, flush=True)
         return loss
     return step
 
