@@ -76,12 +76,15 @@ CONFIGS = {
     "40b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                 num_hidden_layers=46, num_attention_heads=64, num_key_value_heads=8,
                 rope_theta=500000.0),
-    # The 2 x H200 host's analogue of "40b" (the 4-GPU kind is withheld at times): 15.8B,
-    # Llama-3-70B's block shape, 16 of them. With accumulation its state needs 18 B/param of
-    # DRAM (284 GB, more than the host's 256 GiB) with grads="host", and 12 B/param (190 GB)
-    # with the gradient sums in HBM (--strata-grads device).
+    # Llama-3-70B's block shape, 16 and 20 of them (15.8B, 19.2B), for the 2 x H200 host
+    # (256 GiB) what "40b" is for the 4-GPU one: with 4 micro-batches the 16b took 208 GB of
+    # host memory with grads="host" and 166 GB with the gradient sums in HBM
+    # (--strata-grads device); the 20b needs about 250 and 200 (docs/benchmarks.md).
     "16b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                 num_hidden_layers=16, num_attention_heads=64, num_key_value_heads=8,
+                rope_theta=500000.0),
+    "20b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                num_hidden_layers=20, num_attention_heads=64, num_key_value_heads=8,
                 rope_theta=500000.0),
 }
 
