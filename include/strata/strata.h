@@ -1124,8 +1124,11 @@ typedef struct strata_param_desc {
  *  - strata_optimizer_grad_write stores the fp32 values exactly, in the sum (through the same
  *    queue, waited for).
  *  - A backward pass's landing copies nothing: strata_optimizer_grad_info measures the sum when
- *    first asked after it changed (one copy out of HBM) and keeps the figure until it changes
- *    again; strata_optimizer_grad_read measures it too. The update reads it once more.
+ *    first asked after it changed and keeps the figure until it changes again. The first such
+ *    call queues the measurement of every unmeasured sum (the optimizer's threads copy them out
+ *    of HBM through its pinned buffer) and waits for its layer's; the sums' layers' next
+ *    backward loads and acquires wait for them too. strata_optimizer_grad_read measures it on
+ *    the way. The update reads it once more.
  *  - strata_step_abort with the layer acquired leaves what the framework had added in the sum
  *    (it cannot be taken out, as PyTorch's autograd leaves what it had accumulated into p.grad):
  *    a held sum stays held with those adds, and strata_optimizer_grad_info measures it anew; a
@@ -1244,7 +1247,8 @@ typedef struct strata_grad_info {
  * landing or being summed. Errors (all four): INVALID_ARGUMENT (NULL, bad struct_size),
  * NOT_FOUND (not a param), INVALID_STATE (AUTO mode, not attached; an in-place gradient sum
  * whose layer is acquired for its backward pass, STRATA_GRAD_SUM_IN_PLACE), BACKEND (grads
- * failed to land, or an in-place sum's copy out of HBM failed). Thread-safe. */
+ * failed to land, or an in-place sum's copy out of HBM failed: that call's error only, the next
+ * call copies it again). Thread-safe. */
 
 /* The param's grad: whether it has one, its squared norm, its update count. */
 STRATA_API_SINCE(1, 1)

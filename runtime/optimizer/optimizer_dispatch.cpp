@@ -368,9 +368,10 @@ void Optimizer::dispatcher_main() {
     // lower layer whose grads have landed takes over (the rest of this job goes back to the
     // queue). Without that, layer 0's update, which lands last and is needed first, waited for
     // whatever higher layer the pool had just started. Norms are short and run whole.
-    const std::size_t slice = job.kind == JobKind::kNorm ? tasks.size() : pool_->size();
-    const bool explicit_job =
-        !job.sources.empty() || job.kind == JobKind::kLand || job.kind == JobKind::kStash;
+    const bool whole = job.kind == JobKind::kNorm || job.kind == JobKind::kMeasure;
+    const std::size_t slice = whole ? tasks.size() : pool_->size();
+    const bool explicit_job = !job.sources.empty() || job.kind == JobKind::kLand ||
+                              job.kind == JobKind::kStash || job.kind == JobKind::kMeasure;
     // HBM-homed grads: every remaining task's copy starts now, each task waits for its own.
     Arrivals arrivals;
     const std::size_t first_task = job.next_task;
@@ -397,7 +398,7 @@ void Optimizer::dispatcher_main() {
         trace.end(job_bytes(part, job.kind), job.layer, static_cast<int32_t>(job.kind));
       job.next_task += n;
       if (!status.is_ok()) break;
-      if (job.next_task < tasks.size() && job.kind != JobKind::kNorm) {
+      if (job.next_task < tasks.size() && !whole) {
         std::lock_guard lock(mutex_);
         const std::size_t pick = pick_job();
         // A job that runs before this one (by pick_job's order) takes over.
@@ -442,11 +443,15 @@ void Optimizer::dispatcher_main() {
         writes = finish_stage(static_cast<std::size_t>(job.layer), dirty,
                               job.kind == JobKind::kUpdate, &wrote);
       }
-      if (!status.is_ok()) {
+      // A failed measurement is its caller's error (grad_info, grad_read), not the
+      // optimizer's: it only read sums.
+      if (!status.is_ok() && job.kind != JobKind::kMeasure) {
         fail(error(status.code(), "optimizer: grads of layer ", job.layer,
                    " did not land: ", status.message()));
       }
-      if (job.kind == JobKind::kLand || job.kind == JobKind::kStash) {
+      if (job.kind == JobKind::kMeasure) {
+        finish_measure(job, status);
+      } else if (job.kind == JobKind::kLand || job.kind == JobKind::kStash) {
         const auto l = static_cast<std::size_t>(job.layer);
         for (std::size_t k = 0; k < layer_params_[l].size(); ++k) {
           Param& p = params_[layer_params_[l][k]];

@@ -266,7 +266,8 @@ Status Optimizer::grad_info(TensorId weight, GradInfo* out) {
   std::unique_lock lock(mutex_);
   Param* p = nullptr;
   STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p, "grad_info"));
-  STRATA_RETURN_IF_ERROR(ensure_measured(*p));  // an in-place sum since changed: one copy out
+  // An in-place sum since changed: measured on the pool (every unmeasured one with it).
+  STRATA_RETURN_IF_ERROR(ensure_measured(*p, lock));
   out->has_grad = p->hold != GradHold::kNone;
   const double m = p->grad_mult;
   out->sum_squares =
@@ -290,6 +291,11 @@ Status Optimizer::grad_read(TensorId weight, float* dst, uint64_t count) {
     std::fill(dst, dst + count, 0.f);
     return Status::ok();
   }
+  if (p->hold == GradHold::kGrad && p->in_place) {
+    // Through the fetch buffer into dst by a job on the pool (measured on the way: a clip that
+    // reads p.grad first then needs no second copy out of HBM), nothing allocated here.
+    return read_sum(*p, dst, lock);
+  }
   optim::ParamArrays a;
   a.grad = p->hold == GradHold::kAccum ? static_cast<const void*>(p->accum_data) : p->arrays.grad;
   std::vector<unsigned char> fetched;  // an HBM-homed grad: copied here (the fetch buffer is
@@ -304,9 +310,6 @@ Status Optimizer::grad_read(TensorId weight, float* dst, uint64_t count) {
     Status s = runtime_->backend()->copy_sync(fetched.data(), p->grad_device, fetched.size());
     if (!s.is_ok()) return error(s.code(), "grad_read: fetching the grad from HBM: ", s.message());
     a.grad = fetched.data();
-    // An in-place sum read is measured on the way (a clip that reads p.grad first then needs
-    // no second copy out of HBM).
-    if (p->in_place && !p->measured) measure_sum(*p, reinterpret_cast<const float*>(a.grad));
   }
   a.grad_dtype = p->hold == GradHold::kAccum ? DType::kF32 : p->arrays.grad_dtype;
   a.grad_accum = dst;

@@ -281,3 +281,25 @@ TEST_CASE("an in-place sum is measured once after it changes, and a failed zero 
   REQUIRE_OK(f.backward(2));
   REQUIRE(f.read(1) == widened(grad_of(1, 2)));
 }
+
+TEST_CASE("in-place sums are measured by pool jobs through the fetch buffer, every layer's at once",
+          "[optimizer][grad_sum]") {
+  Fixture f;
+  REQUIRE_OK(f.step(0));
+  REQUIRE_OK(f.opt->synchronize());  // the landings done: the link counts only what follows
+  f.rt->reset_link_counters();
+  // One grad_info measures all four sums (both layers): the jobs' copies into the fetch buffer
+  // are counted on the D2H link (a synchronous copy of the caller's, copy_sync, is not).
+  GradInfo info;
+  REQUIRE_OK(f.opt->grad_info(f.weights[1], &info));
+  REQUIRE_OK(f.opt->synchronize());  // layer 1's job may still run
+  const uint64_t sums = 4 * kN * sizeof(float);
+  REQUIRE(f.rt->link_counters(Link::kD2H).bytes == sums);
+  // The others were measured with it: no copy more.
+  for (std::size_t k : {0, 2, 4}) REQUIRE_OK(f.opt->grad_info(f.weights[k], &info));
+  REQUIRE(f.rt->link_counters(Link::kD2H).bytes == sums);
+  // grad_read: one job copies the sum through the buffer into the caller's, scaled.
+  REQUIRE_OK(f.opt->grad_scale(f.weights[4], 0.5f));
+  REQUIRE(f.read(4) == widened(grad_of(4, 0), 0.5f));
+  REQUIRE(f.rt->link_counters(Link::kD2H).bytes == sums + kN * sizeof(float));
+}
