@@ -227,7 +227,7 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
                           std::vector<HomeGrad>* modes) override;
   void on_backward_acquired(uint32_t layer) override;
   void on_step_end() override;
-  void on_step_aborted() override;
+  void on_step_aborted(std::shared_ptr<DeviceFence> adds_done) override;
   Status on_grads_queued(uint32_t layer, std::vector<std::shared_ptr<DeviceFence>> landed) override;
   bool layer_ready(uint32_t layer) override;
   Status wait_layer(uint32_t layer) override;
@@ -484,6 +484,9 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // (its adds in flight) is refused with kInvalidState.
   Status held_grad(TensorId weight, std::unique_lock<std::mutex>& lock, Param** out,
                    const char* what);
+  // Until the adds of an abort with `layer` acquired are done (aborted_adds_), waited for
+  // without the lock. Under mutex_.
+  Status wait_aborted_adds(std::size_t layer, std::unique_lock<std::mutex>& lock);
   // kInvalidState naming `what` if `p` is an in-place sum whose layer is acquired for its
   // backward pass (the framework's adds in flight). Under mutex_.
   Status sum_at_rest(const Param& p, const char* what);
@@ -582,6 +585,11 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   std::vector<int> pending_;  // per layer: queued jobs that write its weights
   std::vector<int> landing_;  // per layer: queued kLand / kStash / kMeasure jobs (explicit mode)
   std::vector<Backward> backward_;  // per layer (explicit mode)
+  // Per layer (explicit mode): an abort with it acquired for its backward pass, the fence of
+  // the framework's work on it (on_step_aborted), until someone waited for it. Its in-place
+  // sums are read or written only after it: held_grad waits for it, a measurement job has it
+  // as its `landed`, the backward load waits for it.
+  std::vector<std::shared_ptr<DeviceFence>> aborted_adds_;
   std::size_t in_place_params_ = 0;
   bool in_executor_step_ = false;
   std::size_t layers_with_params_ = 0;

@@ -31,6 +31,7 @@ void Optimizer::drop_failed_step(std::unique_lock<std::mutex>& lock) {
     p.measuring = false;
   }
   std::fill(backward_.begin(), backward_.end(), Backward::kIdle);
+  std::fill(aborted_adds_.begin(), aborted_adds_.end(), nullptr);  // waited by the abort
   cv_.notify_all();
 }
 

@@ -155,18 +155,20 @@ void Optimizer::on_step_end() {
   in_executor_step_ = false;
 }
 
-void Optimizer::on_step_aborted() {
+void Optimizer::on_step_aborted(std::shared_ptr<DeviceFence> adds_done) {
   {
     std::lock_guard lock(mutex_);
     in_executor_step_ = false;
     // A layer abandoned while acquired for its backward pass: the framework's adds into its
-    // in-place sums stay there (the abort waited for its stream), so a held sum's figure is
-    // stale; a sum holding none or zeros is zero-filled again by its next backward load.
+    // in-place sums stay there, so a held sum's figure is stale; a sum holding none or zeros
+    // is zero-filled again by its next backward load. The adds may still run (the abort waits
+    // for its stream after this call): until adds_done, nothing reads or writes those sums.
     for (std::size_t l = 0; l < backward_.size(); ++l) {
       if (backward_[l] != Backward::kAcquired) continue;
       for (std::size_t i : layer_params_[l]) {
         if (params_[i].in_place) params_[i].measured = false;
       }
+      if (adds_done) aborted_adds_[l] = adds_done;
     }
     std::fill(backward_.begin(), backward_.end(), Backward::kIdle);
     if (!config_.explicit_updates && grads_in_ > 0 && grads_in_ < layers_with_params_) {

@@ -238,6 +238,7 @@ Status Optimizer::held_grad(TensorId weight, std::unique_lock<std::mutex>& lock,
   if (param == nullptr)
     return error(Code::kNotFound, "the tensor is not a parameter of this optimizer");
   const auto layer = static_cast<std::size_t>(param->layer);
+  if (param->in_place) STRATA_RETURN_IF_ERROR(wait_aborted_adds(layer, lock));
   // An accumulator on NVMe is current there once its last landing's write-back is done (no job
   // keeps one in a slot otherwise: read ahead is the state only).
   cv_.wait(lock, [&] {

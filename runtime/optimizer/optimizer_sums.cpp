@@ -71,11 +71,28 @@ void Optimizer::queue_measurements(const Param* reader, std::shared_ptr<SumRead>
     }
     if (!any) continue;
     if (reads) job.read = read;
+    // An abort's adds still running: the job's fetch starts after them.
+    if (aborted_adds_[l]) job.landed.push_back(aborted_adds_[l]);
     job.sums.assign(layer_params_[l].size(), 0.0);
     ++landing_[l];
     queue_.push_back(std::move(job));
   }
   cv_.notify_all();
+}
+
+Status Optimizer::wait_aborted_adds(std::size_t layer, std::unique_lock<std::mutex>& lock) {
+  while (layer < aborted_adds_.size() && aborted_adds_[layer]) {
+    const std::shared_ptr<DeviceFence> adds = aborted_adds_[layer];
+    lock.unlock();
+    Status s = adds->host_wait();  // the framework's stream, which waits on nothing of ours
+    lock.lock();
+    if (aborted_adds_[layer] == adds) aborted_adds_[layer].reset();
+    if (!s.is_ok()) {
+      return error(s.code(), "waiting for the adds into layer ", layer,
+                   "'s in-place gradient sums that its abort left running: ", s.message());
+    }
+  }
+  return Status::ok();
 }
 
 Status Optimizer::ensure_measured(Param& p, std::unique_lock<std::mutex>& lock) {
@@ -166,6 +183,8 @@ Status Optimizer::on_backward_load(uint32_t layer, const std::vector<TensorId>& 
   std::unique_lock lock(mutex_);
   if (!failure_.is_ok()) return failure_;
   if (in_place_params_ == 0 || layer >= layer_params_.size()) return Status::ok();
+  // An abort's adds (its finish_step waited for them before a next step could begin: done).
+  STRATA_RETURN_IF_ERROR(wait_aborted_adds(layer, lock));
   // A measurement queued since layer_ready said yes reads the sums first (a zero fill or a
   // factor written under its fetch would tear what it reads).
   cv_.wait(lock, [&] { return !failure_.is_ok() || landing_[layer] == 0; });

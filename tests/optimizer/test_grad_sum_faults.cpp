@@ -3,9 +3,13 @@
 // layer; every param of it keeps its grad (values and pending factors), and the step run again
 // gives what it would have given.
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "runtime/optimizer/optimizer.h"
@@ -167,6 +171,38 @@ std::vector<float> widened(const std::vector<uint16_t>& g, float m = 1.f) {
   return out;
 }
 
+// A stream's fence that is done when the test says so: the host backend's are done when
+// recorded, so this stands for a framework's work still running on its stream.
+class GateFence : public DeviceFence {
+ public:
+  void open() {
+    {
+      std::lock_guard lock(mutex_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  Status enqueue_wait(void*) override { return host_wait(); }
+  Status host_wait() override {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return open_; });
+    return Status::ok();
+  }
+  bool is_done() const override {
+    std::lock_guard lock(mutex_);
+    return open_;
+  }
+  Status elapsed_since(const DeviceFence&, uint64_t* ns) const override {
+    *ns = 0;
+    return Status::ok();
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
 }  // namespace
 
 TEST_CASE("a factor that fails to apply at a backward load loses no grad of the layer",
@@ -302,4 +338,36 @@ TEST_CASE("in-place sums are measured by pool jobs through the fetch buffer, eve
   REQUIRE_OK(f.opt->grad_scale(f.weights[4], 0.5f));
   REQUIRE(f.read(4) == widened(grad_of(4, 0), 0.5f));
   REQUIRE(f.rt->link_counters(Link::kD2H).bytes == sums + kN * sizeof(float));
+}
+
+TEST_CASE("after an abort with a layer acquired, its sums are read only once its adds are done",
+          "[optimizer][grad_sum]") {
+  Fixture f;
+  REQUIRE_OK(f.step(0));
+  GradInfo info;
+  REQUIRE_OK(f.opt->grad_info(f.weights[4], &info));  // pass 0's figure, measured
+  const double before = info.sum_squares;
+  // The next step's backward pass acquires layer 1 and adds; the abort's hook comes with the
+  // framework's work still running (the gate), as strata_step_abort calls it before it waits.
+  REQUIRE_OK(f.forward());
+  LayerViews v;
+  REQUIRE_OK(f.ex->acquire(1, Phase::kBackward, nullptr, Executor::Wait::kHost, &v));
+  auto* sum = static_cast<float*>(v.grads[0]);
+  auto gate = std::make_shared<GateFence>();
+  f.opt->on_step_aborted(gate);
+  Status asked;
+  GradInfo seen;
+  std::thread other([&] { asked = f.opt->grad_info(f.weights[4], &seen); });
+  // The adds land after the hook: another thread's grad_info must not have measured before.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto g = grad_of(4, 1);
+  for (std::size_t e = 0; e < kN; ++e) sum[e] += bf16_value(g[e]);
+  gate->open();
+  other.join();
+  REQUIRE_OK(asked);
+  double squares = 0;
+  for (float x : f.read(4)) squares += double{x} * x;
+  REQUIRE(seen.sum_squares != before);
+  REQUIRE(seen.sum_squares == Approx(squares).epsilon(1e-9));
+  REQUIRE_OK(f.ex->step_abort(nullptr));  // the executor's side of the abort
 }
