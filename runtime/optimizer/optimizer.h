@@ -273,6 +273,10 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     // `measured` is false (grad_info, grad_read), and kept until the sum changes.
     bool in_place = false;
     bool measured = true;
+    // An in-place sum a write into failed (a factor's write-back, grad_write, grad_zero): its
+    // values are unspecified, grad_sq NaN (measured), through later landings and aborts, until
+    // a grad_zero or grad_write succeeds or a failed step is dropped; a factor on it is dropped.
+    bool unknown = false;
     // A kMeasure job of its layer will measure it (queue_measurements); measure_error: the
     // last one failed (grad_info reports it; the next call queues another).
     bool measuring = false;
@@ -513,6 +517,8 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // the one the executor's zero fills go through, and waits for it: a fill queued before it
   // cannot land after it. On failure the values are unspecified.
   Status write_sum(const Param& p, const float* src);
+  // A write into p's sum failed: its values unspecified from now on (Param::unknown).
+  void mark_unknown(Param& p);
   // A held sum's pending grad_mult applied in HBM (copied out, scaled, written back): at its
   // layer's backward load, before the framework adds to it.
   Status apply_sum_factor(Param& p);

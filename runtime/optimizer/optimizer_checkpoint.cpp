@@ -29,6 +29,7 @@ void Optimizer::drop_failed_step(std::unique_lock<std::mutex>& lock) {
     p.grad_sq = 0;
     p.measured = true;
     p.measuring = false;
+    p.unknown = false;
   }
   std::fill(backward_.begin(), backward_.end(), Backward::kIdle);
   std::fill(aborted_adds_.begin(), aborted_adds_.end(), nullptr);  // waited by the abort

@@ -105,7 +105,7 @@ Status Optimizer::on_grads_queued(uint32_t layer,
           // (the job only waits for the release's fence). Its factor was applied at the
           // backward load and grad_scale refused since, so grad_mult is 1 and nothing is lost.
           p.hold = GradHold::kGrad;
-          p.measured = false;
+          p.measured = p.unknown;  // unknown values plus adds: still unknown (NaN)
           job.add.push_back(0);
           job.mult.push_back(1.f);
           continue;
@@ -166,7 +166,7 @@ void Optimizer::on_step_aborted(std::shared_ptr<DeviceFence> adds_done) {
     for (std::size_t l = 0; l < backward_.size(); ++l) {
       if (backward_[l] != Backward::kAcquired) continue;
       for (std::size_t i : layer_params_[l]) {
-        if (params_[i].in_place) params_[i].measured = false;
+        if (params_[i].in_place) params_[i].measured = params_[i].unknown;
       }
       if (adds_done) aborted_adds_[l] = adds_done;
     }

@@ -368,13 +368,14 @@ Status Optimizer::grad_write(TensorId weight, const float* src, uint64_t count) 
     // The sum itself, exactly (the backward adds to it; an accumulator never holds it), through
     // the queue a zero fill of this step's backward load may still wait in.
     p->hold = GradHold::kGrad;
-    p->grad_mult = 1.f;
-    p->measured = true;
     Status s = write_sum(*p, src);
     if (!s.is_ok()) {
-      p->grad_sq = std::numeric_limits<double>::quiet_NaN();  // its values are unspecified
+      mark_unknown(*p);
       return error(s.code(), "grad_write: ", s.message());
     }
+    p->unknown = false;
+    p->grad_mult = 1.f;
+    p->measured = true;
     stored.grad = src;
     stored.grad_dtype = DType::kF32;
     p->grad_sq = kernels_->sum_squares(stored, 0, count);
@@ -447,14 +448,13 @@ Status Optimizer::grad_zero(TensorId weight, bool keep_zeros) {
       backward_[static_cast<std::size_t>(p->layer)] == Backward::kLoaded) {
     // Its backward load kept the sum for the framework to add to (the load of a param holding
     // none or zeros zero-fills it): zeroed now, through the load's queue.
-    p->grad_mult = 1.f;
     Status s = write_sum(*p, nullptr);
     if (!s.is_ok()) {
-      p->grad_sq = std::numeric_limits<double>::quiet_NaN();  // still held, values unspecified
-      p->measured = true;
+      mark_unknown(*p);  // still held
       return error(s.code(), "grad_zero: ", s.message());
     }
   }
+  p->unknown = false;  // none or zeros: the next backward load zero-fills the home
   p->hold = keep_zeros ? GradHold::kZero : GradHold::kNone;
   p->grad_mult = 1.f;
   p->grad_sq = 0;

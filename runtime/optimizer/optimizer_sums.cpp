@@ -80,6 +80,13 @@ void Optimizer::queue_measurements(const Param* reader, std::shared_ptr<SumRead>
   cv_.notify_all();
 }
 
+void Optimizer::mark_unknown(Param& p) {
+  p.unknown = true;
+  p.grad_mult = 1.f;
+  p.grad_sq = std::numeric_limits<double>::quiet_NaN();
+  p.measured = true;
+}
+
 Status Optimizer::wait_aborted_adds(std::size_t layer, std::unique_lock<std::mutex>& lock) {
   while (layer < aborted_adds_.size() && aborted_adds_[layer]) {
     const std::shared_ptr<DeviceFence> adds = aborted_adds_[layer];
@@ -169,9 +176,9 @@ Status Optimizer::apply_sum_factor(Param& p) {
   Status s = write_sum(p, values.data());
   p.grad_mult = 1.f;
   if (!s.is_ok()) {
-    // Partly written: its values are unspecified, and a NaN norm tells clipping so.
-    p.grad_sq = std::numeric_limits<double>::quiet_NaN();
-    p.measured = true;
+    // Partly written (or, refused whole, unscaled): unspecified, and a NaN norm tells clipping
+    // so, until the framework zeroes or writes it (the adds of later passes do not tell).
+    mark_unknown(p);
     return s;
   }
   measure_sum(p, values.data());
@@ -197,6 +204,10 @@ Status Optimizer::on_backward_load(uint32_t layer, const std::vector<TensorId>& 
   for (std::size_t i : layer_params_[layer]) {
     Param& p = params_[i];
     if (p.in_place && p.hold == GradHold::kGrad && p.grad_mult != 1.f) {
+      if (p.unknown) {
+        p.grad_mult = 1.f;  // a factor on unspecified values is nothing
+        continue;
+      }
       STRATA_RETURN_IF_ERROR(apply_sum_factor(p));
     }
   }

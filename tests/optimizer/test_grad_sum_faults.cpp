@@ -53,6 +53,9 @@ struct Fixture {
   std::vector<TensorId> weights, grads;
   std::shared_ptr<std::atomic<const void*>> fail_src =
       std::make_shared<std::atomic<const void*>>(nullptr);
+  // A copy *into* the memory *fail_dst names fails (a write, not the read of it).
+  std::shared_ptr<std::atomic<const void*>> fail_dst =
+      std::make_shared<std::atomic<const void*>>(nullptr);
 
   TensorId add(const std::string& name, DType dtype, Role role, Tier home) {
     TensorSpec s;
@@ -72,9 +75,11 @@ struct Fixture {
     o.budgets = {16ull << 20, 64ull << 20, 0};
     o.dram.threads = 1;
     // A copy from or to the memory *fail_src names fails, as a device fault would.
-    o.device.copy_fault = [f = fail_src](const void* dst, const void* src, uint64_t) {
+    o.device.copy_fault = [f = fail_src, d = fail_dst](const void* dst, const void* src, uint64_t) {
       const void* bad = f->load();
-      return bad != nullptr && (src == bad || dst == bad)
+      const void* bad_dst = d->load();
+      return (bad != nullptr && (src == bad || dst == bad)) ||
+                     (bad_dst != nullptr && dst == bad_dst)
                  ? error(Code::kBackend, "injected copy fault")
                  : Status::ok();
     };
@@ -370,4 +375,35 @@ TEST_CASE("after an abort with a layer acquired, its sums are read only once its
   REQUIRE(seen.sum_squares != before);
   REQUIRE(seen.sum_squares == Approx(squares).epsilon(1e-9));
   REQUIRE_OK(f.ex->step_abort(nullptr));  // the executor's side of the abort
+}
+
+TEST_CASE("a factor whose write-back fails leaves the sum unknown until it is zeroed",
+          "[optimizer][grad_sum]") {
+  Fixture f;
+  REQUIRE_OK(f.step(0));
+  REQUIRE_OK(f.opt->grad_scale(f.weights[2], 0.25f));
+  // Layer 0's backward load copies b's sum out, scales it, and its write back is refused.
+  f.fail_dst->store(f.home(2));
+  const Status failed = f.step(1);
+  REQUIRE(failed.code() == Code::kBackend);
+  REQUIRE_THAT(failed.message(), Catch::Contains("writing an in-place gradient sum"));
+  f.fail_dst->store(nullptr);
+  GradInfo info;
+  REQUIRE_OK(f.opt->grad_info(f.weights[2], &info));
+  REQUIRE(info.has_grad);
+  REQUIRE(std::isnan(info.sum_squares));
+  // The step again: the framework adds to b's unknown values, and the landing does not make
+  // them known (an earlier version measured them afresh, a finite norm without the factor).
+  REQUIRE_OK(f.step(1));
+  REQUIRE_OK(f.opt->grad_info(f.weights[2], &info));
+  REQUIRE(std::isnan(info.sum_squares));
+  // The others are as they would be: a's sum of both passes, measured.
+  REQUIRE_OK(f.opt->grad_info(f.weights[1], &info));
+  REQUIRE(std::isfinite(info.sum_squares));
+  // Zeroed: known again, from the next backward pass on.
+  REQUIRE_OK(f.opt->grad_zero(f.weights[2], false));
+  REQUIRE_OK(f.step(2));
+  REQUIRE(f.read(2) == widened(grad_of(2, 2)));
+  REQUIRE_OK(f.opt->grad_info(f.weights[2], &info));
+  REQUIRE(std::isfinite(info.sum_squares));
 }
