@@ -810,8 +810,11 @@ STRATA_API strata_status_t strata_executor_create(strata_plan_t* plan,
 STRATA_API strata_status_t strata_executor_destroy(strata_executor_t* executor);
 
 /* Begin a step: loads for the first layers start at once. Weights are reloaded each step
- * (the optimizer may have changed them). Errors: INVALID_ARGUMENT (NULL), INVALID_STATE (a
- * step is already running). Thread-safe. */
+ * (the optimizer may have changed them). A backward load it issues may wait for a device round
+ * trip of an in-place gradient sum holding a factor (STRATA_GRAD_SUM_IN_PLACE) and fail with
+ * BACKEND after the step has begun: the load is tried again by the next acquire, or
+ * strata_step_abort. Errors: INVALID_ARGUMENT (NULL), INVALID_STATE (a step is already
+ * running), BACKEND (since 1.5, as just said). Thread-safe. */
 STRATA_API strata_status_t strata_step_begin(strata_executor_t* executor);
 
 /* End a step: every layer must have been acquired and released in both passes. Blocks until
@@ -848,12 +851,15 @@ typedef struct strata_layer_views {
  * run are dropped, and the call blocks until the step's copies are done; the next
  * strata_step_begin starts a fresh step. Grads already queued (layers whose backward pass was
  * released) still land and reach an attached optimizer, as a framework's autograd would have
- * accumulated them: in STRATA_UPDATE_EXPLICIT mode they are held like any others (an in-place
- * gradient sum keeps what the framework added to it before the abort, STRATA_GRAD_SUM_IN_PLACE); in
+ * accumulated them: in STRATA_UPDATE_EXPLICIT mode they are held like any others; in
  * STRATA_UPDATE_AUTO mode what they started (accumulation, or updates of those layers) runs to
  * its end, the step counter does not advance, and the next step starts a fresh accumulation.
- * Without a running step it does nothing. A load that failed (IO, DATA_CORRUPTION) is not the
- * abort's error: the acquire that needed it reported it, and the next step loads again.
+ * The acquired layer's in-place gradient sums (STRATA_GRAD_SUM_IN_PLACE) that held a grad keep
+ * what the framework added to them before the abort, measured anew (the optimizer's grad calls
+ * on them wait for `stream` to get past the abort); those that held none or zeros drop those
+ * adds (their next backward load zero-fills them). Without a running step it does nothing. A
+ * load that failed (IO, DATA_CORRUPTION) is not the abort's error: the acquire that needed it
+ * reported it, and the next step loads again.
  * Errors: INVALID_ARGUMENT (NULL), INVALID_STATE (another thread is inside
  * strata_layer_acquire), BACKEND. Thread-safe. */
 STRATA_API_SINCE(1, 1) strata_status_t strata_step_abort(strata_executor_t* executor, void* stream);
@@ -861,7 +867,11 @@ STRATA_API_SINCE(1, 1) strata_status_t strata_step_abort(strata_executor_t* exec
 /* Acquire the next layer of the step. Makes `stream` wait (device-side) until the layer's data
  * is in HBM, fills *views, and lets loads further ahead start. The calling thread blocks only
  * when it has run more than the prefetch depth ahead of the device (the layer's slot is still
- * in use there) or for weights homed on NVMe. Layers must come in step order.
+ * in use there), for weights homed on NVMe, or (since 1.5, STRATA_GRAD_SUM_IN_PLACE) when a
+ * backward load it issues applies a pending factor to an in-place gradient sum (a copy of the
+ * param out of HBM and back, behind the weight loads already queued) or when another thread's
+ * strata_optimizer_grad_info or _read is measuring a sum of the layer it acquires for its
+ * backward pass. Layers must come in step order.
  * Errors: INVALID_ARGUMENT (NULL, a layer index the graph does not have, unknown phase or
  * flags, bad struct_size), INVALID_STATE (outside a step, out of order, already acquired),
  * BACKEND, IO, DATA_CORRUPTION (an NVMe-homed weight failed its checksum). After an error the
@@ -905,7 +915,14 @@ STRATA_API strata_status_t strata_layer_write_view(strata_executor_t* executor, 
 
 /* Release the acquired layer once its work is queued on `stream`: the slot is refilled only
  * after the stream gets past this point, and the layer's checkpoints (forward) or grads
- * (backward) leave for DRAM after it. The calling thread does not block.
+ * (backward) leave for DRAM after it. The calling thread does not block, except (since 1.5,
+ * STRATA_GRAD_SUM_IN_PLACE) where a backward load it issues ahead applies a pending factor to
+ * an in-place gradient sum: it then waits for that param's copy out of HBM and back, behind
+ * the weight loads already queued (a framework that calls strata_optimizer_grad_scale and
+ * accumulates again without zeroing pays it at the first release after the next step_begin
+ * that reaches that layer's backward load). A BACKEND error from that load comes after the
+ * release took effect (the layer is released, its grads queued; a retried release is
+ * INVALID_STATE): the next acquire issues the load again, or strata_step_abort.
  * Errors: INVALID_ARGUMENT (NULL, unknown layer or phase), INVALID_STATE (no matching acquire:
  * double release, release without acquire, the wrong layer), BACKEND. Thread-safe. */
 STRATA_API strata_status_t strata_layer_release(strata_executor_t* executor, uint32_t layer,
@@ -1117,15 +1134,23 @@ typedef struct strata_param_desc {
  *    _write and _zero are INVALID_STATE too (the framework's adds are in flight).
  *  - Elsewhere strata_optimizer_grad_scale stays lazy (no data moves); a factor still pending at
  *    the layer's next backward load is applied to the sum there (a synchronous copy out of HBM,
- *    the product, a copy back), so later backward passes add to the scaled sum.
+ *    the product, a copy back), so later backward passes add to the scaled sum. The executor
+ *    call that issues that load (strata_step_begin, strata_layer_acquire or _release) waits
+ *    for it. If the copy out fails, nothing changed and that call returns BACKEND; if the copy
+ *    back fails, the sum stays held with unspecified values and its factor is dropped: its
+ *    strata_optimizer_grad_info sum of squares is NaN from then on, through later backward
+ *    passes, until strata_optimizer_grad_zero or _write succeeds.
  *  - strata_optimizer_grad_zero after the backward load and before the acquire zeroes the sum at
  *    once, on the device queue the load's fills use (a zero fill queued earlier cannot land after
  *    it); elsewhere the next backward load zero-fills it.
  *  - strata_optimizer_grad_write stores the fp32 values exactly, in the sum (through the same
  *    queue, waited for).
  *  - A backward pass's landing copies nothing: strata_optimizer_grad_info measures the sum when
- *    first asked after it changed (one copy out of HBM) and keeps the figure until it changes
- *    again; strata_optimizer_grad_read measures it too. The update reads it once more.
+ *    first asked after it changed and keeps the figure until it changes again. The first such
+ *    call queues the measurement of every unmeasured sum (the optimizer's threads copy them out
+ *    of HBM through its pinned buffer) and waits for its layer's; the sums' layers' next
+ *    backward loads and acquires wait for them too. strata_optimizer_grad_read measures it on
+ *    the way. The update reads it once more.
  *  - strata_step_abort with the layer acquired leaves what the framework had added in the sum
  *    (it cannot be taken out, as PyTorch's autograd leaves what it had accumulated into p.grad):
  *    a held sum stays held with those adds, and strata_optimizer_grad_info measures it anew; a
@@ -1244,7 +1269,8 @@ typedef struct strata_grad_info {
  * landing or being summed. Errors (all four): INVALID_ARGUMENT (NULL, bad struct_size),
  * NOT_FOUND (not a param), INVALID_STATE (AUTO mode, not attached; an in-place gradient sum
  * whose layer is acquired for its backward pass, STRATA_GRAD_SUM_IN_PLACE), BACKEND (grads
- * failed to land, or an in-place sum's copy out of HBM failed). Thread-safe. */
+ * failed to land, or an in-place sum's copy out of HBM failed: that call's error only, the next
+ * call copies it again). Thread-safe. */
 
 /* The param's grad: whether it has one, its squared norm, its update count. */
 STRATA_API_SINCE(1, 1)
@@ -1271,9 +1297,11 @@ strata_status_t strata_optimizer_grad_scale(strata_optimizer_t* optimizer, strat
 /* Zero the param's grad: to none (keep_zeros 0: the next backward's grad replaces it, and a step
  * before that skips the param) or to zeros (keep_zeros 1: a step before the next backward updates
  * it with a zero grad, as torch's zero_grad(set_to_none=False)). An in-place gradient sum
- * (STRATA_GRAD_SUM_IN_PLACE) whose backward load was issued is zeroed in HBM at once (its next
- * backward load does it otherwise). Errors also: BACKEND (that zero fill failed: the grad is
- * still held, its values unspecified, its sum of squares NaN). */
+ * (STRATA_GRAD_SUM_IN_PLACE) holding a grad whose backward load was issued and whose layer is
+ * not yet acquired is zeroed in HBM at once; otherwise no data moves: its next backward load
+ * zero-fills the home (until then the sum is read as none or zeros, whatever the home holds).
+ * Errors also: BACKEND (that zero fill failed: the grad is still held, its values unspecified,
+ * its sum of squares NaN until a zero or write succeeds). */
 STRATA_API_SINCE(1, 1)
 strata_status_t strata_optimizer_grad_zero(strata_optimizer_t* optimizer, strata_tensor_t* weight,
                                            int32_t keep_zeros);
@@ -1294,7 +1322,8 @@ strata_status_t strata_optimizer_grad_zero(strata_optimizer_t* optimizer, strata
  * strata_optimizer_step reads the grad in the background). Errors also: INVALID_ARGUMENT (count),
  * INVALID_STATE (no grad: zeroed to none; the grad is then unchanged), OUT_OF_MEMORY (the
  * accumulator could not be allocated; the grad is unchanged), BACKEND (the copy into HBM failed:
- * the grad is still held, its values unspecified). Thread-safe. */
+ * the grad is still held, its values unspecified, its sum of squares NaN; an in-place gradient
+ * sum's stays NaN through later backward passes until a zero or write succeeds). Thread-safe. */
 STRATA_API_SINCE(1, 3)
 strata_status_t strata_optimizer_grad_write(strata_optimizer_t* optimizer, strata_tensor_t* weight,
                                             const float* src, uint64_t count);

@@ -219,6 +219,7 @@ Status Optimizer::attach(Executor* executor) {
     pending_.assign(plan.layer_count, 0);
     landing_.assign(plan.layer_count, 0);
     backward_.assign(plan.layer_count, Backward::kIdle);
+    aborted_adds_.assign(plan.layer_count, nullptr);
     grads_in_ = 0;
     // The grads' fetch buffer first: a PLANNED state placement kept nvme_staging_bytes free
     // for both, and the staging takes what is left of it.

@@ -227,7 +227,7 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
                           std::vector<HomeGrad>* modes) override;
   void on_backward_acquired(uint32_t layer) override;
   void on_step_end() override;
-  void on_step_aborted() override;
+  void on_step_aborted(std::shared_ptr<DeviceFence> adds_done) override;
   Status on_grads_queued(uint32_t layer, std::vector<std::shared_ptr<DeviceFence>> landed) override;
   bool layer_ready(uint32_t layer) override;
   Status wait_layer(uint32_t layer) override;
@@ -273,6 +273,14 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     // `measured` is false (grad_info, grad_read), and kept until the sum changes.
     bool in_place = false;
     bool measured = true;
+    // An in-place sum a write into failed (a factor's write-back, grad_write, grad_zero): its
+    // values are unspecified, grad_sq NaN (measured), through later landings and aborts, until
+    // a grad_zero or grad_write succeeds or a failed step is dropped; a factor on it is dropped.
+    bool unknown = false;
+    // A kMeasure job of its layer will measure it (queue_measurements); measure_error: the
+    // last one failed (grad_info reports it; the next call queues another).
+    bool measuring = false;
+    Status measure_error;
   };
   // Explicit mode, per layer: where its backward pass is in the executor's step, which decides
   // what may touch its in-place sums: kLoaded from its backward load (the home zero-filled or
@@ -349,8 +357,18 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   };
 
   // kLand (explicit): a backward's grads arrived; kStash (explicit): a held grad moves to the
-  // fp32 accumulator before the next backward overwrites the grad tensor.
-  enum class JobKind { kAccumulate, kNorm, kUpdate, kLand, kStash };
+  // fp32 accumulator before the next backward overwrites the grad tensor; kMeasure (explicit):
+  // in-place sums measured (and one copied out for grad_read) through the fetch buffer.
+  enum class JobKind { kAccumulate, kNorm, kUpdate, kLand, kStash, kMeasure };
+  // grad_read of an in-place sum: the job copies the sum into `dst` (the caller's buffer, which
+  // it waits on until `done`) and says how that went.
+  struct SumRead {
+    float* dst = nullptr;
+    std::size_t slot = 0;  // the param's index in its layer
+    float mult = 1.f;      // the param's grad_mult, applied to what is copied
+    bool done = false;
+    Status status;
+  };
   struct Job {
     JobKind kind;
     int layer;  // -1: every parameter
@@ -365,6 +383,7 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
     std::vector<float> mult;
     std::vector<double> sums;
     std::vector<UpdateSource> sources;
+    std::shared_ptr<SumRead> read;  // kMeasure: a grad_read's copy out, if any
   };
   Optimizer(std::shared_ptr<Runtime> runtime, const OptimizerConfig& config);
   // A DRAM byte buffer of the optimizer's own, "strata.optimizer.N.<suffix>" (staging,
@@ -469,6 +488,9 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // (its adds in flight) is refused with kInvalidState.
   Status held_grad(TensorId weight, std::unique_lock<std::mutex>& lock, Param** out,
                    const char* what);
+  // Until the adds of an abort with `layer` acquired are done (aborted_adds_), waited for
+  // without the lock. Under mutex_.
+  Status wait_aborted_adds(std::size_t layer, std::unique_lock<std::mutex>& lock);
   // kInvalidState naming `what` if `p` is an in-place sum whose layer is acquired for its
   // backward pass (the framework's adds in flight). Under mutex_.
   Status sum_at_rest(const Param& p, const char* what);
@@ -477,12 +499,26 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   // grad_sq from the sum's `values`, per task of its layer as a landing measures a grad (so
   // the figure is bit for bit the accumulator's); `measured` set.
   void measure_sum(Param& p, const float* values);
-  // Measures the sum if it is not (one copy out of HBM).
-  Status ensure_measured(Param& p);
+  // Queues a kMeasure job for every layer not acquired for its backward pass that has an
+  // in-place sum held, unmeasured and not being measured, and (`read`: for grad_read) one for
+  // read->slot's layer that copies that sum out. Counted in landing_, which held_grad, the
+  // backward load and the backward acquire wait for: nothing writes or adds to a sum while it
+  // is read.
+  void queue_measurements(const Param* reader, std::shared_ptr<SumRead> read);
+  // Measures the sum if it is not, as a kMeasure job (with every other unmeasured sum's), and
+  // waits for its layer's.
+  Status ensure_measured(Param& p, std::unique_lock<std::mutex>& lock);
+  // Copies an in-place sum into dst (the param's count), times its grad_mult, measuring it on
+  // the way, as a kMeasure job; waits for it.
+  Status read_sum(Param& p, float* dst, std::unique_lock<std::mutex>& lock);
+  // A kMeasure job done (`status`: how its fetch went): its figures, its read. Under mutex_.
+  void finish_measure(const Job& job, const Status& status);
   // Writes `src` (fp32, the param's count; null: zeros) into the sum through the H2D queue,
   // the one the executor's zero fills go through, and waits for it: a fill queued before it
   // cannot land after it. On failure the values are unspecified.
   Status write_sum(const Param& p, const float* src);
+  // A write into p's sum failed: its values unspecified from now on (Param::unknown).
+  void mark_unknown(Param& p);
   // A held sum's pending grad_mult applied in HBM (copied out, scaled, written back): at its
   // layer's backward load, before the framework adds to it.
   Status apply_sum_factor(Param& p);
@@ -552,9 +588,14 @@ class Optimizer : public ExecutorHooks, public std::enable_shared_from_this<Opti
   Executor* executor_ = nullptr;
   std::vector<std::vector<std::size_t>> layer_params_;  // per executor layer
   std::vector<std::vector<Task>> layer_tasks_;
-  std::vector<int> pending_;        // per layer: queued jobs that write its weights
-  std::vector<int> landing_;        // per layer: queued kLand / kStash jobs (explicit mode)
+  std::vector<int> pending_;  // per layer: queued jobs that write its weights
+  std::vector<int> landing_;  // per layer: queued kLand / kStash / kMeasure jobs (explicit mode)
   std::vector<Backward> backward_;  // per layer (explicit mode)
+  // Per layer (explicit mode): an abort with it acquired for its backward pass, the fence of
+  // the framework's work on it (on_step_aborted), until someone waited for it. Its in-place
+  // sums are read or written only after it: held_grad waits for it, a measurement job has it
+  // as its `landed`, the backward load waits for it.
+  std::vector<std::shared_ptr<DeviceFence>> aborted_adds_;
   std::size_t in_place_params_ = 0;
   bool in_executor_step_ = false;
   std::size_t layers_with_params_ = 0;

@@ -8,6 +8,12 @@ namespace strata {
 
 void Optimizer::drop_failed_step(std::unique_lock<std::mutex>& lock) {
   cv_.wait(lock, [&] { return running_ == 0 && io_in_flight_ == 0; });
+  for (const Job& job : queue_) {
+    if (job.read) {  // a grad_read waits for its job: dropped, it fails with the optimizer
+      job.read->status = failure_;
+      job.read->done = true;
+    }
+  }
   queue_.clear();
   std::fill(pending_.begin(), pending_.end(), 0);
   std::fill(landing_.begin(), landing_.end(), 0);
@@ -22,8 +28,11 @@ void Optimizer::drop_failed_step(std::unique_lock<std::mutex>& lock) {
     p.grad_mult = 1.f;
     p.grad_sq = 0;
     p.measured = true;
+    p.measuring = false;
+    p.unknown = false;
   }
   std::fill(backward_.begin(), backward_.end(), Backward::kIdle);
+  std::fill(aborted_adds_.begin(), aborted_adds_.end(), nullptr);  // waited by the abort
   cv_.notify_all();
 }
 

@@ -105,7 +105,7 @@ Status Optimizer::on_grads_queued(uint32_t layer,
           // (the job only waits for the release's fence). Its factor was applied at the
           // backward load and grad_scale refused since, so grad_mult is 1 and nothing is lost.
           p.hold = GradHold::kGrad;
-          p.measured = false;
+          p.measured = p.unknown;  // unknown values plus adds: still unknown (NaN)
           job.add.push_back(0);
           job.mult.push_back(1.f);
           continue;
@@ -155,18 +155,20 @@ void Optimizer::on_step_end() {
   in_executor_step_ = false;
 }
 
-void Optimizer::on_step_aborted() {
+void Optimizer::on_step_aborted(std::shared_ptr<DeviceFence> adds_done) {
   {
     std::lock_guard lock(mutex_);
     in_executor_step_ = false;
     // A layer abandoned while acquired for its backward pass: the framework's adds into its
-    // in-place sums stay there (the abort waited for its stream), so a held sum's figure is
-    // stale; a sum holding none or zeros is zero-filled again by its next backward load.
+    // in-place sums stay there, so a held sum's figure is stale; a sum holding none or zeros
+    // is zero-filled again by its next backward load. The adds may still run (the abort waits
+    // for its stream after this call): until adds_done, nothing reads or writes those sums.
     for (std::size_t l = 0; l < backward_.size(); ++l) {
       if (backward_[l] != Backward::kAcquired) continue;
       for (std::size_t i : layer_params_[l]) {
-        if (params_[i].in_place) params_[i].measured = false;
+        if (params_[i].in_place) params_[i].measured = params_[i].unknown;
       }
+      if (adds_done) aborted_adds_[l] = adds_done;
     }
     std::fill(backward_.begin(), backward_.end(), Backward::kIdle);
     if (!config_.explicit_updates && grads_in_ > 0 && grads_in_ < layers_with_params_) {
@@ -368,9 +370,10 @@ void Optimizer::dispatcher_main() {
     // lower layer whose grads have landed takes over (the rest of this job goes back to the
     // queue). Without that, layer 0's update, which lands last and is needed first, waited for
     // whatever higher layer the pool had just started. Norms are short and run whole.
-    const std::size_t slice = job.kind == JobKind::kNorm ? tasks.size() : pool_->size();
-    const bool explicit_job =
-        !job.sources.empty() || job.kind == JobKind::kLand || job.kind == JobKind::kStash;
+    const bool whole = job.kind == JobKind::kNorm || job.kind == JobKind::kMeasure;
+    const std::size_t slice = whole ? tasks.size() : pool_->size();
+    const bool explicit_job = !job.sources.empty() || job.kind == JobKind::kLand ||
+                              job.kind == JobKind::kStash || job.kind == JobKind::kMeasure;
     // HBM-homed grads: every remaining task's copy starts now, each task waits for its own.
     Arrivals arrivals;
     const std::size_t first_task = job.next_task;
@@ -397,7 +400,7 @@ void Optimizer::dispatcher_main() {
         trace.end(job_bytes(part, job.kind), job.layer, static_cast<int32_t>(job.kind));
       job.next_task += n;
       if (!status.is_ok()) break;
-      if (job.next_task < tasks.size() && job.kind != JobKind::kNorm) {
+      if (job.next_task < tasks.size() && !whole) {
         std::lock_guard lock(mutex_);
         const std::size_t pick = pick_job();
         // A job that runs before this one (by pick_job's order) takes over.
@@ -442,11 +445,15 @@ void Optimizer::dispatcher_main() {
         writes = finish_stage(static_cast<std::size_t>(job.layer), dirty,
                               job.kind == JobKind::kUpdate, &wrote);
       }
-      if (!status.is_ok()) {
+      // A failed measurement is its caller's error (grad_info, grad_read), not the
+      // optimizer's: it only read sums.
+      if (!status.is_ok() && job.kind != JobKind::kMeasure) {
         fail(error(status.code(), "optimizer: grads of layer ", job.layer,
                    " did not land: ", status.message()));
       }
-      if (job.kind == JobKind::kLand || job.kind == JobKind::kStash) {
+      if (job.kind == JobKind::kMeasure) {
+        finish_measure(job, status);
+      } else if (job.kind == JobKind::kLand || job.kind == JobKind::kStash) {
         const auto l = static_cast<std::size_t>(job.layer);
         for (std::size_t k = 0; k < layer_params_[l].size(); ++k) {
           Param& p = params_[layer_params_[l][k]];

@@ -67,6 +67,8 @@ bool Optimizer::reads_grad(const Job& job, const Param& p) {
       return !p.in_place;  // an in-place sum is measured when asked, not at each landing
     case JobKind::kStash:
       return job.add[p.in_layer] != 0;
+    case JobKind::kMeasure:
+      return job.add[p.in_layer] != 0 || (job.read && job.read->slot == p.in_layer);
     case JobKind::kUpdate:
       if (job.sources.empty()) return true;
       // Explicit mode: the held grad, not the fp32 accumulator or a zero grad.

@@ -238,6 +238,7 @@ Status Optimizer::held_grad(TensorId weight, std::unique_lock<std::mutex>& lock,
   if (param == nullptr)
     return error(Code::kNotFound, "the tensor is not a parameter of this optimizer");
   const auto layer = static_cast<std::size_t>(param->layer);
+  if (param->in_place) STRATA_RETURN_IF_ERROR(wait_aborted_adds(layer, lock));
   // An accumulator on NVMe is current there once its last landing's write-back is done (no job
   // keeps one in a slot otherwise: read ahead is the state only).
   cv_.wait(lock, [&] {
@@ -266,7 +267,8 @@ Status Optimizer::grad_info(TensorId weight, GradInfo* out) {
   std::unique_lock lock(mutex_);
   Param* p = nullptr;
   STRATA_RETURN_IF_ERROR(held_grad(weight, lock, &p, "grad_info"));
-  STRATA_RETURN_IF_ERROR(ensure_measured(*p));  // an in-place sum since changed: one copy out
+  // An in-place sum since changed: measured on the pool (every unmeasured one with it).
+  STRATA_RETURN_IF_ERROR(ensure_measured(*p, lock));
   out->has_grad = p->hold != GradHold::kNone;
   const double m = p->grad_mult;
   out->sum_squares =
@@ -290,6 +292,11 @@ Status Optimizer::grad_read(TensorId weight, float* dst, uint64_t count) {
     std::fill(dst, dst + count, 0.f);
     return Status::ok();
   }
+  if (p->hold == GradHold::kGrad && p->in_place) {
+    // Through the fetch buffer into dst by a job on the pool (measured on the way: a clip that
+    // reads p.grad first then needs no second copy out of HBM), nothing allocated here.
+    return read_sum(*p, dst, lock);
+  }
   optim::ParamArrays a;
   a.grad = p->hold == GradHold::kAccum ? static_cast<const void*>(p->accum_data) : p->arrays.grad;
   std::vector<unsigned char> fetched;  // an HBM-homed grad: copied here (the fetch buffer is
@@ -304,9 +311,6 @@ Status Optimizer::grad_read(TensorId weight, float* dst, uint64_t count) {
     Status s = runtime_->backend()->copy_sync(fetched.data(), p->grad_device, fetched.size());
     if (!s.is_ok()) return error(s.code(), "grad_read: fetching the grad from HBM: ", s.message());
     a.grad = fetched.data();
-    // An in-place sum read is measured on the way (a clip that reads p.grad first then needs
-    // no second copy out of HBM).
-    if (p->in_place && !p->measured) measure_sum(*p, reinterpret_cast<const float*>(a.grad));
   }
   a.grad_dtype = p->hold == GradHold::kAccum ? DType::kF32 : p->arrays.grad_dtype;
   a.grad_accum = dst;
@@ -364,13 +368,14 @@ Status Optimizer::grad_write(TensorId weight, const float* src, uint64_t count) 
     // The sum itself, exactly (the backward adds to it; an accumulator never holds it), through
     // the queue a zero fill of this step's backward load may still wait in.
     p->hold = GradHold::kGrad;
-    p->grad_mult = 1.f;
-    p->measured = true;
     Status s = write_sum(*p, src);
     if (!s.is_ok()) {
-      p->grad_sq = std::numeric_limits<double>::quiet_NaN();  // its values are unspecified
+      mark_unknown(*p);
       return error(s.code(), "grad_write: ", s.message());
     }
+    p->unknown = false;
+    p->grad_mult = 1.f;
+    p->measured = true;
     stored.grad = src;
     stored.grad_dtype = DType::kF32;
     p->grad_sq = kernels_->sum_squares(stored, 0, count);
@@ -443,14 +448,13 @@ Status Optimizer::grad_zero(TensorId weight, bool keep_zeros) {
       backward_[static_cast<std::size_t>(p->layer)] == Backward::kLoaded) {
     // Its backward load kept the sum for the framework to add to (the load of a param holding
     // none or zeros zero-fills it): zeroed now, through the load's queue.
-    p->grad_mult = 1.f;
     Status s = write_sum(*p, nullptr);
     if (!s.is_ok()) {
-      p->grad_sq = std::numeric_limits<double>::quiet_NaN();  // still held, values unspecified
-      p->measured = true;
+      mark_unknown(*p);  // still held
       return error(s.code(), "grad_zero: ", s.message());
     }
   }
+  p->unknown = false;  // none or zeros: the next backward load zero-fills the home
   p->hold = keep_zeros ? GradHold::kZero : GradHold::kNone;
   p->grad_mult = 1.f;
   p->grad_sq = 0;

@@ -12,7 +12,10 @@
 // - every write or zero fill of a home inside a step goes through the H2D queue, the one the
 //   executor's zero fills use, so a fill queued earlier cannot land after it;
 // - the sum of squares is measured when asked (grad_info, grad_read), never at the landing:
-//   a landing or an abort only marks it unmeasured, so a stale figure cannot be reported.
+//   a landing or an abort only marks it unmeasured, so a stale figure cannot be reported. The
+//   first call that finds one unmeasured queues a kMeasure job for every layer holding one
+//   (queue_measurements): the dispatcher copies the sums through the pinned fetch buffer and
+//   reduces them on the pool, as a landing's job does, while the caller waits for its layer's.
 #include <cmath>
 #include <limits>
 
@@ -45,12 +48,109 @@ void Optimizer::measure_sum(Param& p, const float* values) {
   p.measured = true;
 }
 
-Status Optimizer::ensure_measured(Param& p) {
-  if (!p.in_place || p.hold != GradHold::kGrad || p.measured) return Status::ok();
-  std::vector<float> values;
-  STRATA_RETURN_IF_ERROR(fetch_sum(p, &values));
-  measure_sum(p, values.data());
+void Optimizer::queue_measurements(const Param* reader, std::shared_ptr<SumRead> read) {
+  // Every unmeasured sum at once, one job per layer: clipping asks for every param's figure in
+  // turn, and the dispatcher then fetches and reduces them on the pool, layer after layer,
+  // while the caller waits only for the layer it asked about.
+  for (std::size_t l = 0; l < layer_params_.size(); ++l) {
+    const bool reads = reader != nullptr && static_cast<std::size_t>(reader->layer) == l;
+    if (!reads && backward_[l] == Backward::kAcquired) continue;  // its adds are in flight
+    Job job;
+    job.kind = JobKind::kMeasure;
+    job.layer = static_cast<int>(l);
+    bool any = reads;
+    for (std::size_t i : layer_params_[l]) {
+      Param& p = params_[i];
+      const bool measure = p.in_place && p.hold == GradHold::kGrad && !p.measured && !p.measuring;
+      if (measure) {
+        p.measuring = true;
+        p.measure_error = Status::ok();
+      }
+      job.add.push_back(measure ? 1 : 0);
+      any = any || measure;
+    }
+    if (!any) continue;
+    if (reads) job.read = read;
+    // An abort's adds still running: the job's fetch starts after them.
+    if (aborted_adds_[l]) job.landed.push_back(aborted_adds_[l]);
+    job.sums.assign(layer_params_[l].size(), 0.0);
+    ++landing_[l];
+    queue_.push_back(std::move(job));
+  }
+  cv_.notify_all();
+}
+
+void Optimizer::mark_unknown(Param& p) {
+  p.unknown = true;
+  p.grad_mult = 1.f;
+  p.grad_sq = std::numeric_limits<double>::quiet_NaN();
+  p.measured = true;
+}
+
+Status Optimizer::wait_aborted_adds(std::size_t layer, std::unique_lock<std::mutex>& lock) {
+  while (layer < aborted_adds_.size() && aborted_adds_[layer]) {
+    const std::shared_ptr<DeviceFence> adds = aborted_adds_[layer];
+    lock.unlock();
+    Status s = adds->host_wait();  // the framework's stream, which waits on nothing of ours
+    lock.lock();
+    if (aborted_adds_[layer] == adds) aborted_adds_[layer].reset();
+    if (!s.is_ok()) {
+      return error(s.code(), "waiting for the adds into layer ", layer,
+                   "'s in-place gradient sums that its abort left running: ", s.message());
+    }
+  }
   return Status::ok();
+}
+
+Status Optimizer::ensure_measured(Param& p, std::unique_lock<std::mutex>& lock) {
+  const auto layer = static_cast<std::size_t>(p.layer);
+  // Again while another thread's step made it change meanwhile (its layer landed once more).
+  while (p.in_place && p.hold == GradHold::kGrad && !p.measured) {
+    if (!p.measuring) queue_measurements(nullptr, nullptr);
+    cv_.wait(lock, [&] { return !failure_.is_ok() || landing_[layer] == 0; });
+    STRATA_RETURN_IF_ERROR(failure_);
+    if (!p.measured && !p.measure_error.is_ok()) {
+      return error(p.measure_error.code(),
+                   "measuring an in-place gradient sum: ", p.measure_error.message());
+    }
+  }
+  return Status::ok();
+}
+
+Status Optimizer::read_sum(Param& p, float* dst, std::unique_lock<std::mutex>& lock) {
+  auto read = std::make_shared<SumRead>();
+  read->dst = dst;
+  read->slot = p.in_layer;
+  read->mult = p.grad_mult;  // nothing changes it before the job is done (landing_)
+  queue_measurements(&p, read);
+  // Until the job is done or dropped, whatever else fails: it writes into the caller's buffer.
+  cv_.wait(lock, [&] { return read->done; });
+  if (!read->status.is_ok()) {
+    return error(read->status.code(),
+                 "reading an in-place gradient sum out of HBM: ", read->status.message());
+  }
+  return Status::ok();
+}
+
+void Optimizer::finish_measure(const Job& job, const Status& status) {
+  const auto l = static_cast<std::size_t>(job.layer);
+  for (std::size_t k = 0; k < job.add.size(); ++k) {
+    if (job.add[k] == 0) continue;
+    Param& p = params_[layer_params_[l][k]];
+    p.measuring = false;
+    if (!status.is_ok()) {
+      p.measure_error = status;
+      continue;
+    }
+    // Per task in the order a landing's job sums them (run_explicit): the accumulator's figure.
+    p.grad_sq = job.sums[k];
+    p.measured = true;
+  }
+  if (job.read) {
+    job.read->status = status;
+    job.read->done = true;
+  }
+  --landing_[l];
 }
 
 Status Optimizer::write_sum(const Param& p, const float* src) {
@@ -76,9 +176,9 @@ Status Optimizer::apply_sum_factor(Param& p) {
   Status s = write_sum(p, values.data());
   p.grad_mult = 1.f;
   if (!s.is_ok()) {
-    // Partly written: its values are unspecified, and a NaN norm tells clipping so.
-    p.grad_sq = std::numeric_limits<double>::quiet_NaN();
-    p.measured = true;
+    // Partly written (or, refused whole, unscaled): unspecified, and a NaN norm tells clipping
+    // so, until the framework zeroes or writes it (the adds of later passes do not tell).
+    mark_unknown(p);
     return s;
   }
   measure_sum(p, values.data());
@@ -87,9 +187,15 @@ Status Optimizer::apply_sum_factor(Param& p) {
 
 Status Optimizer::on_backward_load(uint32_t layer, const std::vector<TensorId>& grads,
                                    std::vector<HomeGrad>* modes) {
-  std::lock_guard lock(mutex_);
+  std::unique_lock lock(mutex_);
   if (!failure_.is_ok()) return failure_;
   if (in_place_params_ == 0 || layer >= layer_params_.size()) return Status::ok();
+  // An abort's adds (its finish_step waited for them before a next step could begin: done).
+  STRATA_RETURN_IF_ERROR(wait_aborted_adds(layer, lock));
+  // A measurement queued since layer_ready said yes reads the sums first (a zero fill or a
+  // factor written under its fetch would tear what it reads).
+  cv_.wait(lock, [&] { return !failure_.is_ok() || landing_[layer] == 0; });
+  if (!failure_.is_ok()) return failure_;
   // First the factors pending on held sums, before any state of the layer changes: a copy that
   // fails leaves every param as it was (or, the one whose write-back failed, held with
   // unspecified values), and the load, refused, is asked again whole. Its last reader, the
@@ -98,6 +204,10 @@ Status Optimizer::on_backward_load(uint32_t layer, const std::vector<TensorId>& 
   for (std::size_t i : layer_params_[layer]) {
     Param& p = params_[i];
     if (p.in_place && p.hold == GradHold::kGrad && p.grad_mult != 1.f) {
+      if (p.unknown) {
+        p.grad_mult = 1.f;  // a factor on unspecified values is nothing
+        continue;
+      }
       STRATA_RETURN_IF_ERROR(apply_sum_factor(p));
     }
   }
@@ -118,8 +228,12 @@ Status Optimizer::on_backward_load(uint32_t layer, const std::vector<TensorId>& 
 }
 
 void Optimizer::on_backward_acquired(uint32_t layer) {
-  std::lock_guard lock(mutex_);
-  if (layer < backward_.size()) backward_[layer] = Backward::kAcquired;
+  std::unique_lock lock(mutex_);
+  if (layer >= backward_.size()) return;
+  // A measurement of a sum queued between the load and now (grad_info, grad_read) ends before
+  // the framework may add to it. (A failed optimizer's dropped jobs no longer count.)
+  cv_.wait(lock, [&] { return !failure_.is_ok() || landing_[layer] == 0; });
+  backward_[layer] = Backward::kAcquired;
 }
 
 }  // namespace strata

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "common/clock.h"
@@ -137,6 +138,7 @@ double Optimizer::run_tasks(std::span<const Task> tasks, JobKind kind, const Ste
       }
       case JobKind::kLand:
       case JobKind::kStash:
+      case JobKind::kMeasure:
         break;  // explicit mode: run_explicit
     }
   });
@@ -214,6 +216,20 @@ void Optimizer::run_explicit(std::span<const Task> tasks, Job& job, Arrivals* ar
         run_update(*kernels_, config_.kind, src.scalars, a, 0, e - b);
         break;
       }
+      case JobKind::kMeasure:
+        // As a landing measures a grad it takes (kLand above): per task, summed in task order.
+        if (job.add[slot] != 0) sums[k] = kernels_->sum_squares(grad_view, b, e);
+        if (job.read && slot == job.read->slot) {
+          const auto* sum = static_cast<const float*>(p.arrays.grad);
+          float* const dst = job.read->dst;
+          const float m = job.read->mult;
+          if (m == 1.f) {
+            std::memcpy(dst + b, sum + b, (e - b) * sizeof(float));
+          } else {
+            for (std::size_t i = b; i < e; ++i) dst[i] = sum[i] * m;
+          }
+        }
+        break;
       default:
         break;
     }

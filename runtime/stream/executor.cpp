@@ -226,12 +226,12 @@ Status Executor::step_abort(void* stream) {
       return error(Code::kInvalidState,
                    "step_abort while another thread is acquiring a layer: abort after it returns");
     }
+    std::shared_ptr<DeviceFence> adds_done;  // the acquired layer's work on `stream`
     if (acquired_) {
       // The caller's stream may still be computing on the slot: the next load into it waits
       // for this point, exactly as after a release, but nothing leaves the slot.
-      std::shared_ptr<DeviceFence> consumer;
-      STRATA_RETURN_IF_ERROR(backend_->record_fence(stream, &consumer));
-      slots_[schedule_[cursor_].slot].consumer = std::move(consumer);
+      STRATA_RETURN_IF_ERROR(backend_->record_fence(stream, &adds_done));
+      slots_[schedule_[cursor_].slot].consumer = adds_done;
       acquired_ = false;
     }
     for (Slot& s : slots_) {
@@ -252,7 +252,7 @@ Status Executor::step_abort(void* stream) {
     in_step_ = false;
     runtime_->note_step(false);
     cursor_ = sequence_.size();
-    if (hooks_) hooks_->on_step_aborted();
+    if (hooks_) hooks_->on_step_aborted(std::move(adds_done));
   }
   return finish_step(std::move(outbound), std::move(abandoned));
 }

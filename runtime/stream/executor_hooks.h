@@ -41,7 +41,10 @@ class ExecutorHooks {
   // The step ended (after its last release; its grads may still be landing).
   virtual void on_step_end() = 0;
   // The step was abandoned (strata_step_abort): grads queued so far still land; no more come.
-  virtual void on_step_aborted() = 0;
+  // `adds_done` (null if no layer was acquired) fences the acquired layer's work on the
+  // framework's stream: its adds into the grad views may run until it is done (the abort
+  // waits for it only after this call).
+  virtual void on_step_aborted(std::shared_ptr<DeviceFence> adds_done) = 0;
   // Whether the layer's weights in DRAM may be loaded now (no update of them is running).
   virtual bool layer_ready(uint32_t layer) = 0;
   // Blocks until they may; returns the service's error if its work failed.

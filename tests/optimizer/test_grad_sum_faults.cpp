@@ -3,9 +3,13 @@
 // layer; every param of it keeps its grad (values and pending factors), and the step run again
 // gives what it would have given.
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "runtime/optimizer/optimizer.h"
@@ -49,6 +53,9 @@ struct Fixture {
   std::vector<TensorId> weights, grads;
   std::shared_ptr<std::atomic<const void*>> fail_src =
       std::make_shared<std::atomic<const void*>>(nullptr);
+  // A copy *into* the memory *fail_dst names fails (a write, not the read of it).
+  std::shared_ptr<std::atomic<const void*>> fail_dst =
+      std::make_shared<std::atomic<const void*>>(nullptr);
 
   TensorId add(const std::string& name, DType dtype, Role role, Tier home) {
     TensorSpec s;
@@ -68,9 +75,11 @@ struct Fixture {
     o.budgets = {16ull << 20, 64ull << 20, 0};
     o.dram.threads = 1;
     // A copy from or to the memory *fail_src names fails, as a device fault would.
-    o.device.copy_fault = [f = fail_src](const void* dst, const void* src, uint64_t) {
+    o.device.copy_fault = [f = fail_src, d = fail_dst](const void* dst, const void* src, uint64_t) {
       const void* bad = f->load();
-      return bad != nullptr && (src == bad || dst == bad)
+      const void* bad_dst = d->load();
+      return (bad != nullptr && (src == bad || dst == bad)) ||
+                     (bad_dst != nullptr && dst == bad_dst)
                  ? error(Code::kBackend, "injected copy fault")
                  : Status::ok();
     };
@@ -166,6 +175,38 @@ std::vector<float> widened(const std::vector<uint16_t>& g, float m = 1.f) {
   for (std::size_t i = 0; i < kN; ++i) out[i] = bf16_value(g[i]) * m;
   return out;
 }
+
+// A stream's fence that is done when the test says so: the host backend's are done when
+// recorded, so this stands for a framework's work still running on its stream.
+class GateFence : public DeviceFence {
+ public:
+  void open() {
+    {
+      std::lock_guard lock(mutex_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  Status enqueue_wait(void*) override { return host_wait(); }
+  Status host_wait() override {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return open_; });
+    return Status::ok();
+  }
+  bool is_done() const override {
+    std::lock_guard lock(mutex_);
+    return open_;
+  }
+  Status elapsed_since(const DeviceFence&, uint64_t* ns) const override {
+    *ns = 0;
+    return Status::ok();
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
 
 }  // namespace
 
@@ -280,4 +321,89 @@ TEST_CASE("an in-place sum is measured once after it changes, and a failed zero 
   REQUIRE_OK(f.opt->grad_zero(f.weights[1], true));
   REQUIRE_OK(f.backward(2));
   REQUIRE(f.read(1) == widened(grad_of(1, 2)));
+}
+
+TEST_CASE("in-place sums are measured by pool jobs through the fetch buffer, every layer's at once",
+          "[optimizer][grad_sum]") {
+  Fixture f;
+  REQUIRE_OK(f.step(0));
+  REQUIRE_OK(f.opt->synchronize());  // the landings done: the link counts only what follows
+  f.rt->reset_link_counters();
+  // One grad_info measures all four sums (both layers): the jobs' copies into the fetch buffer
+  // are counted on the D2H link (a synchronous copy of the caller's, copy_sync, is not).
+  GradInfo info;
+  REQUIRE_OK(f.opt->grad_info(f.weights[1], &info));
+  REQUIRE_OK(f.opt->synchronize());  // layer 1's job may still run
+  const uint64_t sums = 4 * kN * sizeof(float);
+  REQUIRE(f.rt->link_counters(Link::kD2H).bytes == sums);
+  // The others were measured with it: no copy more.
+  for (std::size_t k : {0, 2, 4}) REQUIRE_OK(f.opt->grad_info(f.weights[k], &info));
+  REQUIRE(f.rt->link_counters(Link::kD2H).bytes == sums);
+  // grad_read: one job copies the sum through the buffer into the caller's, scaled.
+  REQUIRE_OK(f.opt->grad_scale(f.weights[4], 0.5f));
+  REQUIRE(f.read(4) == widened(grad_of(4, 0), 0.5f));
+  REQUIRE(f.rt->link_counters(Link::kD2H).bytes == sums + kN * sizeof(float));
+}
+
+TEST_CASE("after an abort with a layer acquired, its sums are read only once its adds are done",
+          "[optimizer][grad_sum]") {
+  Fixture f;
+  REQUIRE_OK(f.step(0));
+  GradInfo info;
+  REQUIRE_OK(f.opt->grad_info(f.weights[4], &info));  // pass 0's figure, measured
+  const double before = info.sum_squares;
+  // The next step's backward pass acquires layer 1 and adds; the abort's hook comes with the
+  // framework's work still running (the gate), as strata_step_abort calls it before it waits.
+  REQUIRE_OK(f.forward());
+  LayerViews v;
+  REQUIRE_OK(f.ex->acquire(1, Phase::kBackward, nullptr, Executor::Wait::kHost, &v));
+  auto* sum = static_cast<float*>(v.grads[0]);
+  auto gate = std::make_shared<GateFence>();
+  f.opt->on_step_aborted(gate);
+  Status asked;
+  GradInfo seen;
+  std::thread other([&] { asked = f.opt->grad_info(f.weights[4], &seen); });
+  // The adds land after the hook: another thread's grad_info must not have measured before.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto g = grad_of(4, 1);
+  for (std::size_t e = 0; e < kN; ++e) sum[e] += bf16_value(g[e]);
+  gate->open();
+  other.join();
+  REQUIRE_OK(asked);
+  double squares = 0;
+  for (float x : f.read(4)) squares += double{x} * x;
+  REQUIRE(seen.sum_squares != before);
+  REQUIRE(seen.sum_squares == Approx(squares).epsilon(1e-9));
+  REQUIRE_OK(f.ex->step_abort(nullptr));  // the executor's side of the abort
+}
+
+TEST_CASE("a factor whose write-back fails leaves the sum unknown until it is zeroed",
+          "[optimizer][grad_sum]") {
+  Fixture f;
+  REQUIRE_OK(f.step(0));
+  REQUIRE_OK(f.opt->grad_scale(f.weights[2], 0.25f));
+  // Layer 0's backward load copies b's sum out, scales it, and its write back is refused.
+  f.fail_dst->store(f.home(2));
+  const Status failed = f.step(1);
+  REQUIRE(failed.code() == Code::kBackend);
+  REQUIRE_THAT(failed.message(), Catch::Contains("writing an in-place gradient sum"));
+  f.fail_dst->store(nullptr);
+  GradInfo info;
+  REQUIRE_OK(f.opt->grad_info(f.weights[2], &info));
+  REQUIRE(info.has_grad);
+  REQUIRE(std::isnan(info.sum_squares));
+  // The step again: the framework adds to b's unknown values, and the landing does not make
+  // them known (an earlier version measured them afresh, a finite norm without the factor).
+  REQUIRE_OK(f.step(1));
+  REQUIRE_OK(f.opt->grad_info(f.weights[2], &info));
+  REQUIRE(std::isnan(info.sum_squares));
+  // The others are as they would be: a's sum of both passes, measured.
+  REQUIRE_OK(f.opt->grad_info(f.weights[1], &info));
+  REQUIRE(std::isfinite(info.sum_squares));
+  // Zeroed: known again, from the next backward pass on.
+  REQUIRE_OK(f.opt->grad_zero(f.weights[2], false));
+  REQUIRE_OK(f.step(2));
+  REQUIRE(f.read(2) == widened(grad_of(2, 2)));
+  REQUIRE_OK(f.opt->grad_info(f.weights[2], &info));
+  REQUIRE(std::isfinite(info.sum_squares));
 }
