@@ -17,10 +17,28 @@ namespace strata_test {
 
 inline bool g_cuda = false;
 
+// Whether `p` is device memory: decided by the pointer, not by the backend under test, since a
+// test may also run a host-backend runtime beside it (a throttled link, say) whose views are
+// plain host memory even when cuda is under test.
+inline bool is_device_memory(const void* p) {
+#ifdef STRATA_WITH_CUDA
+  if (!g_cuda) return false;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // an unknown pointer: host memory, and the error is not sticky
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+#else
+  (void)p;
+  return false;
+#endif
+}
+
 inline void view_to_host(void* dst, const void* view, std::size_t n) {
 #ifdef STRATA_WITH_CUDA
-  if (g_cuda) {
-    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  if (g_cuda) REQUIRE(cudaDeviceSynchronize() == cudaSuccess);  // pinned views too
+  if (is_device_memory(view)) {
     REQUIRE(cudaMemcpy(dst, view, n, cudaMemcpyDeviceToHost) == cudaSuccess);
     return;
   }
@@ -30,7 +48,8 @@ inline void view_to_host(void* dst, const void* view, std::size_t n) {
 
 inline void host_to_view(void* view, const void* src, std::size_t n) {
 #ifdef STRATA_WITH_CUDA
-  if (g_cuda) {
+  if (g_cuda) REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  if (is_device_memory(view)) {
     REQUIRE(cudaMemcpy(view, src, n, cudaMemcpyHostToDevice) == cudaSuccess);
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     return;

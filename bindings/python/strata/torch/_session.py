@@ -698,6 +698,11 @@ class StrataSession:
                 "(LayerDrop), repeating one or reordering them is not supported (under "
                 "torch.no_grad() any order works)"
                 % (index, self.forward_next if self.in_step else 0))
+        if phase == BACKWARD and index == len(self.layers) - 1 and self.optimizer is not None:
+            # Grads set to None between this pass's forward and its backward
+            # (model.zero_grad(), p.grad = None) are dropped before it lands, as at the forward
+            # pass above; opt.zero_grad() drops them itself.
+            self.sync_grads()
         for call in self.on_forward_begin if phase == FORWARD else self.on_backward_begin:
             call(index)
         self.layout.acquire(index, phase)
