@@ -30,7 +30,9 @@ set(runtime_parts
   "runtime/checkpoint|runtime/memory|runtime/nvme|runtime/trace|runtime|runtime/stream|runtime/optimizer"
   # A model apart: it includes no other part and no other part includes it (lib/ joins it to
   # the probes that measure its rates).
-  "runtime/placement|")
+  "runtime/placement|"
+  # The step-memory plan: a model apart too (it decides from a profile the binding measured).
+  "runtime/step|")
 
 set(source_globs "*.h" "*.hpp" "*.cpp" "*.cu")
 set(violations "")

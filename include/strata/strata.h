@@ -1812,6 +1812,205 @@ strata_status_t strata_layout_query(const strata_layout_request_t* request,
                                     strata_layout_layer_t* layers, strata_layout_totals_t* totals);
 
 /* ---------------------------------------------------------------------------------------------
+ * Step-memory plan (since 1.5): what keeps one training step inside the device's and the host's
+ * memory, decided by the runtime for every binding
+ *
+ * A binding measures and executes; the runtime decides. The binding describes the step in a
+ * profile (its blocks' parameters, what each would keep for its backward pass, the device's and
+ * the host's memory as its allocator sees them, the batch's tokens, a measured step's peaks) and
+ * gets back, per block: resident in HBM or streamed; recompute, keep selectively (only the
+ * outputs of its matrix products and attention) or keep wholly; its checkpoint (its input, kept
+ * from its forward to its backward pass) on the device or in host memory; and for the step: the
+ * loss's chunk of tokens, the host budget as counted, what a backward block may allocate. Each
+ * decision is made when the profile carries what it needs, so a binding plans at each moment
+ * it learns more: residency at set-up (every block STRATA_RESIDENCY_CHOOSE, no tokens);
+ * checkpoint homes at the first forward pass of a batch (tokens > 0); kept activations once a
+ * step's peaks are measured (step_measured 1). The constants (shares, margins,
+ * factors) live in the library only; strata_step_plan_dump says every choice and why.
+ * Nothing is allocated on any tier; no runtime is needed.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct strata_step_plan strata_step_plan_t;
+
+typedef int32_t strata_residency_t;
+#define STRATA_RESIDENCY_CHOOSE 0 /* input only: the plan chooses (all blocks or none) */
+#define STRATA_RESIDENCY_RESIDENT 1
+#define STRATA_RESIDENCY_STREAMED 2
+
+typedef int32_t strata_keep_t;
+#define STRATA_KEEP_RECOMPUTE 0 /* the backward pass recomputes the block's forward */
+#define STRATA_KEEP_SELECTIVE 1 /* only its products' and attention's outputs are kept */
+#define STRATA_KEEP_WHOLE 2     /* everything its backward needs is kept */
+
+typedef int32_t strata_step_point_t;
+#define STRATA_STEP_POINT_FORWARD 0  /* a block begins its forward pass with grad */
+#define STRATA_STEP_POINT_BACKWARD 1 /* a block begins its backward pass */
+#define STRATA_STEP_POINT_END 2      /* the step ends (after the first block's backward) */
+
+typedef struct strata_step_block {
+  size_t struct_size; /* STRATA_STEP_BLOCK_STRUCT_SIZE */
+  uint64_t elements;      /* the block's parameters */
+  uint64_t rank_elements; /* of them, what this process holds (data parallel); 0 = all */
+  /* What the block saves for its backward pass when it does not recompute, at the profile's
+   * batch (0: unmeasured; such a resident block is not kept, nor any before it), and only its
+   * products' and attention's outputs (0: it cannot be kept so). A streamed block is only ever
+   * kept selectively (wholly would keep its weights). */
+  uint64_t keep_whole_bytes;
+  uint64_t keep_selective_bytes;
+  /* Input: RESIDENT and STREAMED fix it (resident blocks first), CHOOSE lets the plan choose
+   * (then for every block). Output (strata_step_plan_get_block): RESIDENT or STREAMED. */
+  strata_residency_t residency;
+  /* Input: how the block keeps now (the checkpoint plan counts what kept blocks hold).
+   * Output: the plan's choice. */
+  strata_keep_t keep;
+  /* Output only: STRATA_TIER_HBM or STRATA_TIER_DRAM, where its checkpoint waits for its
+   * backward pass (ignored as input). */
+  strata_tier_t checkpoint_tier;
+} strata_step_block_t;
+#define STRATA_STEP_BLOCK_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_block_t, checkpoint_tier)
+
+typedef struct strata_step_interval {
+  size_t struct_size; /* STRATA_STEP_INTERVAL_STRUCT_SIZE */
+  strata_step_point_t point; /* the point that ends the interval */
+  uint32_t block;            /* its block (model order; 0 for STRATA_STEP_POINT_END) */
+  uint64_t allocated_peak_bytes; /* the framework's allocator's peaks within the interval */
+  uint64_t reserved_peak_bytes;
+} strata_step_interval_t;
+#define STRATA_STEP_INTERVAL_STRUCT_SIZE \
+  STRATA_STRUCT_SIZE(strata_step_interval_t, reserved_peak_bytes)
+
+typedef struct strata_step_profile {
+  size_t struct_size; /* STRATA_STEP_PROFILE_STRUCT_SIZE */
+  /* Borrowed: block_count pointers (1..16384), model order, each with its own struct_size. */
+  const strata_step_block_t* const* blocks;
+  uint32_t block_count;
+  /* Borrowed: interval_count pointers (NULL with 0), a measured step's intervals between block
+   * starts; with both points of every block the kept blocks are counted only in the intervals
+   * where they are alive, else at the step's peak. */
+  uint32_t interval_count;
+  const strata_step_interval_t* const* intervals;
+  /* The device (bytes; device_total 0: none, nothing is planned on it): its memory, what it has
+   * free now, what the framework's allocator holds (free + held: what it could hold), and
+   * whether that allocator gives its cached memory back where an allocation needs it (torch's
+   * expandable segments: a smaller margin). */
+  uint64_t device_total_bytes;
+  uint64_t device_free_bytes;
+  uint64_t framework_held_bytes;
+  int32_t allocator_returns_cache;
+  /* Residency: the bytes a resident parameter takes on the device (weight, grad, optimizer
+   * state; 0..64), Strata's HBM tier still to be allocated (its slots), the parameters outside
+   * the blocks still coming to the device, and with the streamed grads in HBM their bytes per
+   * parameter (0..8) and in all (0: grads in DRAM). */
+  uint32_t resident_bytes_per_param;
+  uint32_t streamed_grad_bytes_per_param;
+  uint64_t hbm_tier_bytes;
+  uint64_t outside_elements;
+  uint64_t streamed_grads_hbm_bytes;
+  /* Checkpoint homes (planned when tokens > 0; needs a device): the batch's tokens, one
+   * block's checkpoint bytes, what one block saves for its backward at this batch (with
+   * block_saved_measured 0: unmeasured, taken as 16 checkpoints), what the framework holds
+   * allocated as the forward pass begins, the grads its backward pass will allocate, and bytes
+   * that leave the device before the loss (paged optimizer state). */
+  uint64_t tokens;
+  uint64_t checkpoint_bytes;
+  uint64_t block_saved_bytes;
+  int32_t block_saved_measured;
+  /* Loss: whether it runs over chunks (1) or whole (0). */
+  int32_t loss_chunked;
+  uint64_t in_use_bytes;
+  uint64_t backward_grad_bytes;
+  uint64_t leaving_bytes;
+  /* The head's vocabulary and hidden size (0: no head), and a chunk of tokens the user gave
+   * (0: the default, the tokens whose fp32 logits fit in 1 GiB, a multiple of 8). */
+  uint64_t vocab;
+  uint64_t hidden;
+  uint64_t loss_chunk_tokens;
+  /* Kept activations (planned when step_measured is 1): a measured step's peaks. */
+  int32_t step_measured;
+  uint64_t step_allocated_peak_bytes;
+  uint64_t step_reserved_peak_bytes;
+  /* Host (bytes): the user's budget (0: the default: the arena, beside_bytes, and half of this
+   * process's share of host_available_bytes), the DRAM tier's budget, the host's available
+   * memory once the arena is made, the processes of this host each making such a budget (0 =
+   * 1), and pinned bytes the binding holds beside the arena that it cannot do without. */
+  uint64_t host_budget_bytes;
+  uint64_t arena_bytes;
+  uint64_t host_available_bytes;
+  uint32_t ranks_on_host;
+  uint64_t beside_bytes;
+} strata_step_profile_t;
+#define STRATA_STEP_PROFILE_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_profile_t, beside_bytes)
+
+/* Zeroes, and struct_size set (a block CHOOSE, RECOMPUTE, checkpoint in HBM; a profile with one
+ * rank on its host). Errors: INVALID_ARGUMENT (NULL).
+ * Thread-safe. */
+STRATA_API_SINCE(1, 5) strata_status_t strata_step_profile_init(strata_step_profile_t* profile);
+STRATA_API_SINCE(1, 5) strata_status_t strata_step_block_init(strata_step_block_t* block);
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_step_interval_init(strata_step_interval_t* interval);
+
+/* Plan the step `profile` describes. profile and everything it points to: borrowed (read during
+ * the call only). out_plan: owned by the caller (strata_step_plan_destroy). Errors:
+ * INVALID_ARGUMENT (NULL profile or output, a bad struct_size, no blocks or more than 16384, a
+ * NULL block or interval, some blocks CHOOSE and others fixed, a resident block after a
+ * streamed one, an unknown residency, keep or point, an interval's block out of range, a size
+ * above 2^56, rank_elements above elements, free above total, tokens with no device or no
+ * blocks, a measured step with no blocks, intervals without a measured step); nothing is
+ * written then. A step predicted short of device
+ * memory is not an error: strata_step_plan_info_t.fits says so. Thread-safe; touches no
+ * runtime. */
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_step_plan_create(const strata_step_profile_t* profile,
+                                        strata_step_plan_t** out_plan);
+
+/* Destroy a plan; NULL is accepted. */
+STRATA_API_SINCE(1, 5) strata_status_t strata_step_plan_destroy(strata_step_plan_t* plan);
+
+typedef struct strata_step_plan_info {
+  size_t struct_size; /* caller sets STRATA_STEP_PLAN_INFO_STRUCT_SIZE */
+  uint32_t blocks;
+  uint32_t resident_blocks;
+  uint32_t spilled_checkpoints; /* the first blocks' checkpoints go to host memory */
+  uint32_t kept_blocks;         /* blocks keeping their activations (any mode) */
+  /* Which decisions the profile carried what they need for (1) or not (0). */
+  int32_t residency_planned;
+  int32_t checkpoints_planned;
+  int32_t keep_planned;
+  /* With checkpoints planned: 1 when the step is predicted inside the device, 0 when it is
+   * short even with every checkpoint in host memory. 1 otherwise. */
+  int32_t fits;
+  /* What one block's backward pass may allocate beyond what it holds at its start (its working
+   * set, the restores in flight, the margin); 0 when checkpoints were not planned. */
+  uint64_t backward_reserve_bytes;
+  uint64_t usable_bytes; /* device_free + framework_held */
+  uint64_t margin_bytes; /* of the device, kept free by the plan */
+  uint64_t judged_peak_bytes; /* the measured peak as the kept plan counted it */
+  uint64_t host_total_bytes;  /* the host budget (0 with no host figures in the profile) */
+  uint64_t loss_chunk_tokens; /* 0 without a vocabulary */
+  /* Spilled checkpoints the binding restores ahead of the backward pass beyond the block's own
+   * (the plan counts this many + 1 in flight). */
+  uint32_t restore_depth;
+} strata_step_plan_info_t;
+#define STRATA_STEP_PLAN_INFO_STRUCT_SIZE \
+  STRATA_STRUCT_SIZE(strata_step_plan_info_t, restore_depth)
+
+/* The plan's numbers. Errors: INVALID_ARGUMENT (NULL, bad struct_size). Thread-safe. */
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_step_plan_get_info(strata_step_plan_t* plan, strata_step_plan_info_t* out);
+
+/* Block `index`'s plan into `out` (the caller sets its struct_size): residency, keep and
+ * checkpoint_tier; elements and the measured bytes as the profile gave them. Errors:
+ * INVALID_ARGUMENT (NULL, bad struct_size, index out of range). Thread-safe. */
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_step_plan_get_block(strata_step_plan_t* plan, uint32_t index,
+                                           strata_step_block_t* out);
+
+/* The plan, every choice with its reason, as JSON or readable text (STRATA_PLAN_FORMAT_*), with
+ * strata_plan_dump's buffer rules. Errors: INVALID_ARGUMENT. Thread-safe. */
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_step_plan_dump(strata_step_plan_t* plan, strata_plan_format_t format,
+                                      char* buffer, size_t capacity, size_t* out_length);
+
+/* ---------------------------------------------------------------------------------------------
  * Experimental: no stability promise (the rules are at the top of this header). Empty in this
  * release.
  * ------------------------------------------------------------------------------------------- */

@@ -15,10 +15,12 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "bindings" / "python" / 
 MODULE_ORDER = [
     "strata._lib",
     "strata.core",
+    "strata.step_plan",  # the library's step-memory plan (strata_step_plan_*), any framework
     "strata.torch._host",  # host probes: MemAvailable, free disk, a NUMA node's CPUs
-    "strata.torch._chunked_loss",  # the causal-LM loss over chunks of tokens (imports torch only)
+    "strata.torch._chunked_loss",  # the causal-LM loss over chunks of tokens (torch; the plan's chunk)
     "strata.torch._foreign",  # DDP, FSDP, DeepSpeed over an offloaded model refused (torch only)
     "strata.torch._allocator",  # torch's CUDA caching allocator settings
+    "strata.torch._step",  # what torch measures for the step plan (the device as torch sees it)
     "strata.torch._params",  # per-parameter bookkeeping, a table keyed by the parameter
     "strata.torch._surgery",  # model surgery: blocks, shared parameters, meta modules, swap
     "strata.torch._weights",  # offload(weights=): a safetensors checkpoint as the source

@@ -9,8 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from strata.torch._activations import (ActivationKeeper, _last_alive, plan_kept,
-                                      plan_kept_timeline, saved_bytes, saves_output, selective_bytes, selective_context, shape_of, tokens_of,
+from strata.torch import _allocator, _step
+from strata.torch._activations import (ActivationKeeper, saved_bytes, saves_output,
+                                      selective_bytes, selective_context, shape_of, tokens_of,
                                       COSTLY_OPS)
 from torch_parity_models import ARCHS, DEVICE, build
 
@@ -47,20 +48,19 @@ def test_fake_forward_measures_what_autograd_saves(arch):
     assert tokens_of(args) == 32 and shape_of(args) == (32, 16)
 
 
-def modes(plan):
-    """plan_kept's plan as (count, whole)."""
-    return len(plan), plan.count("whole")
+def room_figures(room):
+    """The device figures (strata.torch._step.device_figures' keys) of a device where `room`
+    bytes are usable beyond the library's margin: the plan's rules are the library's (their
+    cases: tests/unit/test_step_plan.cpp), these tests give it a room and check what the keeper
+    measured and does."""
+    total = 2 * room + (1 << 30)
+    return dict(device_total_bytes=total, device_free_bytes=room + _step.margin_bytes(total),
+                framework_held_bytes=0,
+                allocator_returns_cache=int(_allocator.expandable_segments()))
 
 
 def test_plan_and_the_tokens_guard():
-    """Blocks kept wholly: count = (usable - peak - margin) // block bytes, within [0,
-    blocks]; the last blocks keep theirs, and only for inputs no larger than the measured
-    ones."""
-    gb = 1 << 30
-    assert modes(plan_kept(140 * gb, 100 * gb, [(4 * gb, None)] * 28, 14 * gb)) == (6, 6)
-    assert modes(plan_kept(80 * gb, 79 * gb, [(gb, None)] * 10, 8 * gb)) == (0, 0)
-    assert modes(plan_kept(140 * gb, gb, [(gb, None)] * 5, 0)) == (5, 5)
-    assert modes(plan_kept(140 * gb, gb, [(0, None)] * 5, 0)) == (0, 0)
+    """The last blocks keep theirs, and only for inputs no larger than the measured ones."""
     keeper = ActivationKeeper(torch.device("cpu"), [object()] * 4)
     keeper.plan, keeper.tokens, keeper.seq = ["whole", "whole"], 1024, 512
 
@@ -75,23 +75,9 @@ def test_plan_and_the_tokens_guard():
     assert keeper.count == 2  # on the CPU nothing is measured or decided
 
 
-def test_plan_buys_selective_blocks_first_then_upgrades():
-    """Spare memory keeps as many blocks selectively as fit, then upgrades the last ones to
-    whole with what is left; a block that cannot be kept selectively (None), or whose
-    selective bytes are no smaller, is kept wholly or not at all."""
-    gb = 1 << 30
-    # 26 GB spare: 5 blocks of 5 GB wholly, or 9 of 2.8 GB selectively (25.2), 0.8 left: none
-    # upgraded (2.2 each).
-    assert modes(plan_kept(140 * gb, 100 * gb, [(5 * gb, int(2.8 * gb))] * 28, 14 * gb)) \
-        == (9, 0)
-    # 3 blocks only: all three selective (3 GB), 23 left upgrades all three (3 x 3 GB).
-    assert plan_kept(140 * gb, 100 * gb, [(4 * gb, gb)] * 3, 14 * gb) == ["whole"] * 3
-    # 3 blocks, 7 GB spare: three selective (3), 4 left upgrades the last one (3 each).
-    assert plan_kept(140 * gb, 119 * gb, [(4 * gb, gb)] * 3, 14 * gb) == \
-        ["whole", "selective", "selective"]
-    assert modes(plan_kept(140 * gb, 100 * gb, [(4 * gb, None)] * 28, 14 * gb)) == (6, 6)
-    assert modes(plan_kept(140 * gb, 100 * gb, [(4 * gb, 4 * gb)] * 28, 14 * gb)) == (6, 6)
-    assert plan_kept(100 * gb, 100 * gb, [(4 * gb, gb)] * 28, 14 * gb) == []
+def test_a_plan_of_selective_and_whole_blocks():
+    """A plan that keeps some blocks selectively and the last one wholly: the modes by block,
+    and what describe() says; a forced count (tests, tools) likewise."""
     keeper = ActivationKeeper(torch.device("cpu"), [object()] * 5)
     keeper.plan, keeper.tokens, keeper.seq = ["whole", "selective", "selective"], 1024, 512
     x = (torch.empty(2, 512, 8),)
@@ -103,74 +89,6 @@ def test_plan_buys_selective_blocks_first_then_upgrades():
     assert [keeper.mode(i, x) for i in range(5)] == [None, None, None, "selective",
                                                       "selective"]
     assert "2 keep their activations (2 of them only" in keeper.describe()
-
-
-def test_the_timeline_counts_each_kept_block_where_it_is_alive():
-    """A kept block's activations live from its forward pass to its backward pass: a late
-    streamed block's are freed early in the backward pass, before the paged optimizer state
-    comes back and the step peaks (an 8B at 32 x 1024: the peak counted against every block
-    kept no streamed one). Blocks 0-1 resident, 2-4 streamed; each interval's peak in a step
-    that kept nothing, by the point that ends it: 12 through the forward pass and the loss
-    (the last block's backward start), 32 while block 3 goes backward (the state coming),
-    then 42 (the state back): the step's peak."""
-    timeline = {("f", g): 12 for g in range(5)}
-    timeline.update({("b", 4): 12, ("b", 3): 12, ("b", 2): 32, ("b", 1): 42, ("b", 0): 42,
-                     ("end", 0): 42})
-    intervals = [(_last_alive(key, 5), m) for key, m in timeline.items()]
-    blocks = [(50, 20)] * 2 + [(None, 20)] * 3  # residents from the last back, then streamed
-    order = [1, 0, 4, 3, 2]
-    assert plan_kept(100, 42, blocks, 0) == ["selective"] * 2  # 58 spare at the peak
-    # Blocks 1 and 0 where the state is back (42 + 40 <= 100), blocks 4 and 3 where only the
-    # forward pass and the loss hold them (12 + 80 <= 100); block 2 makes 32 + 60 + 20 > 100
-    # while block 3 goes backward (block 2 alive with 0, 1 and itself).
-    assert plan_kept_timeline(100, blocks, 0, intervals, order) == ["selective"] * 4
-    # With more room every block keeps (112 where all are alive); what is left then upgrades
-    # (whole: 30 more) where it fits in every interval it is alive in: block 1 (142 <= 150)
-    # and not block 0 as well (172).
-    assert plan_kept_timeline(130, blocks, 0, intervals, order) == ["selective"] * 5
-    assert plan_kept_timeline(150, blocks, 0, intervals, order) == \
-        ["whole"] + ["selective"] * 4
-    # Every interval at the step's peak is plan_kept.
-    flat = [(last, 42) for last, _ in intervals]
-    for usable in (60, 100, 130, 200):
-        assert plan_kept_timeline(usable, blocks, 0, flat, order) == \
-            plan_kept(usable, 42, blocks, 0)
-
-
-def test_the_loss_counts_every_kept_block():
-    """The loss's transient (its fp32 logits) comes between the last block's forward start
-    and its backward start, where every kept block is alive: planned against, though the
-    step peaks later (a review found a plan that counted the step's peak less the largest
-    point at every point keep two blocks that the loss would not have fit)."""
-    timeline = {("f", 0): 10, ("f", 1): 11, ("f", 2): 12, ("f", 3): 13, ("b", 3): 54,
-                ("b", 2): 14, ("b", 1): 14, ("b", 0): 60, ("end", 0): 64}
-    intervals = [(_last_alive(key, 4), m) for key, m in timeline.items()]
-    blocks = [(40, None)] * 4
-    assert plan_kept(100, 64, blocks, 0) == []
-    # The last block alone fits beside the loss (54 + 40), two do not (134); the unsound
-    # plan (64 - 60 = 4 between points, added to each point) kept two.
-    assert plan_kept_timeline(100, blocks, 0, intervals, [3, 2, 1, 0]) == ["whole"]
-    assert plan_kept_timeline(100, [(40, 20)] * 4, 0, intervals, [3, 2, 1, 0]) == \
-        ["selective"] * 2  # 54 + 2 x 20 <= 100 at the loss
-
-
-def test_the_timeline_never_keeps_less():
-    """No interval's peak is more than the step's: the timeline's plan keeps at least
-    plan_kept's blocks, whatever the memory's shape."""
-    import random
-    rng = random.Random(7)
-    for _ in range(300):
-        n = rng.randint(1, 8)
-        peak = rng.randint(10, 100)
-        timeline = {(kind, g): rng.randint(0, peak) for kind in "fb" for g in range(n)}
-        timeline[("end", 0)] = peak
-        intervals = [(_last_alive(key, n), m) for key, m in timeline.items()]
-        blocks = [(rng.randint(1, 30), rng.choice([None, rng.randint(1, 30)]))
-                  for _ in range(n)]
-        order = list(reversed(range(n)))
-        usable, margin = rng.randint(peak, 250), rng.randint(0, 10)
-        ours = plan_kept_timeline(usable, blocks, margin, intervals, order)
-        assert len(ours) >= len(plan_kept(usable, peak, blocks, margin))
 
 
 def test_the_plan_is_made_from_the_measured_steps_timeline(fake_cuda, monkeypatch):
@@ -204,7 +122,8 @@ def test_the_plan_is_made_from_the_measured_steps_timeline(fake_cuda, monkeypatc
     # Blocks 7..3 alive where 20 GB were used (20 + 50); block 2 in the interval of its own
     # backward pass (ending at block 1's start: 130 + 10 = 140), block 1 with it there:
     # 150 > 140. At the step's peak (plan_kept) one block would fit.
-    assert keeper.decided and keeper.count == 6 and keeper.decision["timeline"]
+    assert keeper.decided and keeper.count == 6 and \
+        "in the intervals where it is alive" in keeper.decision["text"]
     assert keeper.plan == ["whole"] * 6
     keeper.at_point("f", 0, streamed=False)
     assert keeper.timeline == {}  # decided: nothing noted
@@ -214,22 +133,8 @@ def test_the_plan_is_made_from_the_measured_steps_timeline(fake_cuda, monkeypatc
         keeper.at_point("f", 0, streamed=False)  # not every point: plan_kept's plan
         keeper.on_step()
     # The step's peak is the keeper's own (130), 5 GB a block planned: 2 fit in 10.
-    assert keeper.decided and keeper.count == 2 and keeper.decision["timeline"] is None
-
-
-def test_plan_of_blocks_that_differ():
-    """Blocks measured apart: each costs its own bytes; one that cannot be kept selectively is
-    kept wholly; the plan stops at the first block that does not fit or was not measured
-    (None), and the blocks before it recompute."""
-    gb = 1 << 30
-    # From the last back: 1 GB selective, a whole-only block of 3, 2 selective; 10 GB spare.
-    blocks = [(4 * gb, gb), (3 * gb, None), (5 * gb, 2 * gb), (gb, None)]
-    # 1 + 3 + 2 + 1 = 7 selective-first, 3 left upgrades the last (3 more).
-    assert plan_kept(30 * gb, 20 * gb, blocks, 0) == ["whole", "whole", "selective", "whole"]
-    # 6 GB: 1 + 3 + 2 = 6, the fourth (1 GB) does not fit.
-    assert plan_kept(26 * gb, 20 * gb, blocks, 0) == ["selective", "whole", "selective"]
-    # A block too large stops the plan even where a smaller one before it would fit.
-    assert plan_kept(25 * gb, 20 * gb, blocks, 0) == ["selective", "whole"]
+    assert keeper.decided and keeper.count == 2 and \
+        "at the step's peak" in keeper.decision["text"]
 
 
 def captured_block_call(arch, dropout=0.0):
@@ -398,7 +303,7 @@ def resident_run(blocks, plan_from):
     x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1))
     model = torch.nn.Sequential(*blocks)
     model(x.requires_grad_(True)).sum().backward()  # measured, checkpointed
-    keeper.decide(plan_from(keeper), 0, 0)
+    keeper.decide(room_figures(plan_from(keeper)), peaks=(0, 0))
     model.zero_grad(set_to_none=True)
     x.grad = None
     model(x).sum().backward()
@@ -420,7 +325,7 @@ def test_every_resident_block_is_measured():
     def just_selective(keeper):  # room for each block its cheapest way, no upgrade
         cost = 0
         for whole, selective in keeper.measured.values():
-            cost += int((whole if selective is None else selective[0]) * keeper.BLOCK_FACTOR)
+            cost += int((whole if selective is None else selective[0]) * 1.25)  # the plan's factor
         return cost
 
     keeper, grads = resident_run(blocks, just_selective)
@@ -493,13 +398,14 @@ def fake_cuda(monkeypatch):
         k: memory[k] for k in ("num_alloc_retries", "num_ooms")})
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (40 * GB, 140 * GB))
+    # 140 GB usable beyond the library's margin for the allocator (the plan's own rule): 40 free
+    # beside 100 reserved, plus the margin.
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda *_: (40 * GB + _step.margin_bytes(140 * GB), 140 * GB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *_: 100 * GB)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *_: memory["reserved_peak"])
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *_: memory["allocated_peak"])
-    monkeypatch.setattr(ActivationKeeper, "margin", lambda self: 0.0)
-    import strata.torch._allocator as allocator
-    monkeypatch.setattr(allocator, "expandable_segments", lambda: memory["expandable"])
+    monkeypatch.setattr(_allocator, "expandable_segments", lambda: memory["expandable"])
     return memory, calls
 
 
@@ -690,31 +596,39 @@ def test_streamed_blocks_measured_and_planned_after_the_resident_ones(offload):
     assert len(set(selective)) == 1 and selective[0] > resident_selective
     assert keeper.streamed_measured[2][1][1] > keeper.measured[0][1][1]  # every costly op
 
-    factor = keeper.BLOCK_FACTOR
+    factor = 1.25  # the plan's factor on a measured block's bytes
     one, rs = int(selective[0] * factor), int(resident_selective * factor)
     assert int(whole * factor) - rs > one // 2
     room = rs + 2 * one + one // 2
     assert keeper.decision is None
-    keeper.decide(room, 0, 0)  # the resident block selectively, then 2 streamed; no upgrade
+    # the resident block selectively, then 2 streamed; no upgrade
+    keeper.decide(room_figures(room), peaks=(0, 0))
     assert keeper.plan == ["selective"] and keeper.streamed == 2
-    # What the plan was made from, kept for the benchmarks (the bench's kept_decision).
-    assert keeper.decision == dict(usable=room, peak=0, margin=0, resident=1,
-                                   blocks=[(int(whole * factor), rs)] + [(None, one)] * 3,
-                                   plan=["selective"] * 3, timeline=None)
-    keeper.decide(int(whole * factor) + 3 * one, 0, 0)  # streamed blocks before the upgrade
+    # What the plan was made from and chose, kept for the benchmarks (the bench's
+    # kept_decision): the library's plan's numbers and text.
+    assert keeper.decision["kept_blocks"] == 3 and keeper.decision["keep_planned"]
+    assert keeper.decision["usable_bytes"] - keeper.decision["margin_bytes"] == room
+    assert "3 blocks keep them (0 wholly" in keeper.decision["text"]
+    # streamed blocks before the upgrade
+    keeper.decide(room_figures(int(whole * factor) + 3 * one), peaks=(0, 0))
     assert keeper.plan == ["whole"] and keeper.streamed == 3
-    keeper.decide(int(resident_selective * factor) - 1, 0, 0)  # the resident block first
+    # the resident block first
+    keeper.decide(room_figures(int(resident_selective * factor) - 1), peaks=(0, 0))
     assert keeper.plan == [] and keeper.streamed == 0
-    keeper.decide(room, 0, 0)
+    keeper.decide(room_figures(room), peaks=(0, 0))
     x = (torch.empty(2, 16, 8),)
     assert [keeper.streamed_mode(i, x) for i in range(3)] == [None, "selective", "selective"]
     assert keeper.streamed_mode(2, (torch.empty(4, 16, 8),)) is None  # more tokens: recompute
     tokens = keeper.tokens
-    assert keeper.kept_streamed_bytes(tokens) == 2 * int(selective[0] * factor)
-    assert keeper.kept_streamed_bytes(tokens + 1) == 0
-    checkpoints, kept = model.strata.spill._checkpoints(tokens, 1000)
-    assert checkpoints == [0, 1000, 1000, 1000]  # a streamed block's checkpoint stays
-    assert kept == int(resident_selective * factor) + 2 * int(selective[0] * factor)
+    # What the spill's plan is told of how the blocks keep at this batch (a streamed block's
+    # checkpoint stays: the library counts its kept bytes beside it), and at a larger one.
+    blocks = keeper.profile_blocks(tokens)
+    assert [(b.residency, b.keep) for b in blocks] == [
+        ("resident", "selective"), ("streamed", "recompute"), ("streamed", "selective"),
+        ("streamed", "selective")]
+    assert blocks[0].keep_selective_bytes == resident_selective
+    assert [b.keep_selective_bytes for b in blocks[1:]] == selective
+    assert [b.keep for b in keeper.profile_blocks(tokens + 1)][1:] == ["recompute"] * 3
     assert "1 keep their activations (1 of them only" in keeper.describe()
     assert "2 streamed blocks keep only" in keeper.describe()
 

@@ -7,7 +7,7 @@ import torch
 
 import strata.torch as st
 from strata.torch import _allocator as allocator
-from strata.torch._activations import ActivationKeeper
+from strata.torch import _step
 from torch_parity_models import ARCHS, DEVICE, build
 
 CUDA = torch.device("cuda", 0)
@@ -48,13 +48,13 @@ def test_turns_expandable_segments_on_and_undoes(fake_torch):
     assert fake_torch["calls"] == ["expandable_segments:True"]
     assert allocator.expandable_segments()
     assert allocator.user_configured() is None  # its own setting is not the process's
-    keeper = ActivationKeeper(CUDA, [])
-    assert keeper.margin() == ActivationKeeper.MARGIN_EXPANDABLE < ActivationKeeper.MARGIN
+    # The step plan's margin follows the allocator: 4% of the device with expandable segments.
+    assert _step.margin_bytes(1000) == 40
     assert allocator.prefer_expandable_segments(CUDA) is None  # once per process
     undo()
     assert fake_torch["calls"][-1] == "expandable_segments:False"
     assert not allocator.expandable_segments()
-    assert keeper.margin() == ActivationKeeper.MARGIN
+    assert _step.margin_bytes(1000) == 100  # 10% without
     # A later offload (after a failed one) turns them on again: its own undo is not the
     # process's setting.
     assert allocator.prefer_expandable_segments(CUDA) is not None
@@ -83,8 +83,7 @@ def test_leaves_a_configured_process_alone(fake_torch, monkeypatch, name, value,
     assert fake_torch["calls"] == []
     assert allocator.user_configured() == value
     assert allocator.expandable_segments() == expandable
-    margin = ActivationKeeper(CUDA, []).margin()
-    assert margin == (ActivationKeeper.MARGIN_EXPANDABLE if expandable else ActivationKeeper.MARGIN)
+    assert _step.margin_bytes(1000) == (40 if expandable else 100)
 
 
 def test_an_empty_variable_is_unset(fake_torch, monkeypatch):

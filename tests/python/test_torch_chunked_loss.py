@@ -705,9 +705,9 @@ def test_backward_scales_and_retains():
 
 
 def test_default_chunk_tokens():
-    """The fp32 logits of a chunk within LOGITS_CHUNK_BYTES (1 GiB)."""
-    assert cl.default_chunk_tokens(128256) * 128256 * 4 <= cl.LOGITS_CHUNK_BYTES
-    assert (cl.default_chunk_tokens(128256) + 8) * 128256 * 4 > cl.LOGITS_CHUNK_BYTES
+    """The fp32 logits of a chunk within 1 GiB (the library's step plan's chunk)."""
+    assert cl.default_chunk_tokens(128256) * 128256 * 4 <= 1 << 30
+    assert (cl.default_chunk_tokens(128256) + 8) * 128256 * 4 > 1 << 30
     assert cl.default_chunk_tokens(32000) == 8384
     assert cl.default_chunk_tokens(10 ** 9) == 1
     model = hf_model("llama")

@@ -9,7 +9,7 @@ process group running tests/python/torch_dist_setup_worker.py.
   rank's placement counts its share of the measured rates; every rank adopts one placement.
 - Without nvme=, the default DRAM budget's room for gradient accumulators is judged against the
   rank's share of the host's available memory, and so is the default host budget's room for
-  strata.torch's own pools (POOL_SHARE of the share); a given host_budget is each rank's.
+  strata.torch's own pools (half of the share: the library's step plan); a given host_budget is each rank's.
 - Under DataParallel(state_across_hosts=True) the arena is sized for the rank's pieces, with
   the host replica of the weights beside it in the host budget, not as for HSDP."""
 import json
@@ -173,7 +173,7 @@ def test_a_default_host_budget_is_each_rank_share_of_the_host(tmp_path):
     # The host's available memory (patched) is divided among the ranks of the host: the pools
     # (paged optimizer state, spilled checkpoints) of each of 2 ranks get half of what 1 rank
     # alone gets, and each arena is what its chunks need. Before, each of k ranks took
-    # POOL_SHARE of the whole host (2 ranks: all of it).
+    # Half of the whole host (2 ranks: all of it).
     from strata.torch import _planning
     from strata.torch._distributed import chunk_elements
     available = 64 << 30
@@ -188,8 +188,8 @@ def test_a_default_host_budget_is_each_rank_share_of_the_host(tmp_path):
         assert budget["given"] is None, r
         assert budget["arena"] == budget["runtime_dram"] == _pinned(arena), r
         pools.setdefault(world, []).append(budget["total"] - budget["arena"])
-    assert pools[1] == [int(_planning.POOL_SHARE * available)], pools
-    assert pools[2] == [int(_planning.POOL_SHARE * (available // 2))] * 2, pools
+    assert pools[1] == [int(0.5 * available)], pools
+    assert pools[2] == [int(0.5 * (available // 2))] * 2, pools
     assert abs(2 * pools[2][0] - pools[1][0]) <= 1, pools
     # A given host_budget is each rank's, as documented: each of 2 ranks gets all of it.
     given = 1 << 30
@@ -242,10 +242,10 @@ def test_state_across_hosts_sizes_the_arena_for_its_pieces_beside_the_host_repli
         assert "host_budget %d bytes is below the %d bytes" % (tight, hsdp_need) in \
             r["message"], r
     # The default: the arena what the pieces can use; the host budget holds it, the replica
-    # and POOL_SHARE of what the replica leaves of the rank's share of the host.
+    # and half of what the replica leaves of the rank's share of the host.
     for r in launch(tmp_path, 2, hosts=2, state_across_hosts=True, available=available):
         budget = r["budget"]
         assert budget["given"] is None and budget["arena"] == _pinned(pieces), r
         assert budget["total"] == _pinned(pieces) + replica + int(
-            _planning.POOL_SHARE * (available - replica)), r
+            0.5 * (available - replica)), r
         assert budget["held"][held] == replica, r

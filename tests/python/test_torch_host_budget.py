@@ -158,9 +158,9 @@ class _Pool:
 
 def test_budget_arithmetic():
     """Given: the pools get the budget less the arena and what every pool holds, never less
-    than nothing; a pool that is gone no longer counts. Default: the arena and POOL_SHARE of
-    the available memory."""
-    from strata.torch._planning import POOL_SHARE, HostBudget
+    than nothing; a pool that is gone no longer counts. Default: the arena and half of the
+    available memory (the library's step plan's rule)."""
+    from strata.torch._planning import HostBudget
     budget = HostBudget(1000, 600)
     assert (budget.total, budget.arena, budget.room()) == (1000, 600, 400)
     spill, pager = _Pool(150), _Pool()
@@ -174,7 +174,7 @@ def test_budget_arithmetic():
     assert budget.room() == 250
     assert "host budget" in budget.describe() and "(given)" in budget.describe()
     default = HostBudget(None, 600, available=1000)
-    assert default.total == 600 + int(POOL_SHARE * 1000) and default.room() == 500
+    assert default.total == 600 + 500 and default.room() == 500
     assert "(default)" in default.describe()
 
 
@@ -218,14 +218,14 @@ def test_accumulators_room_is_judged_per_rank_of_the_host(monkeypatch):
 
 def test_a_default_budget_is_this_processs_share_of_the_host():
     """Under data parallelism each of the host's ranks makes a default budget: its pools get
-    POOL_SHARE of its share of the available memory (k ranks: POOL_SHARE of the host
-    together); a pool the process cannot do without and has not yet allocated (the host
-    replica of the weights, `beside`) is held by the budget, beside what POOL_SHARE leaves of
-    the share. A given budget is the process's whatever the ranks."""
-    from strata.torch._planning import POOL_SHARE, HostBudget
-    assert HostBudget(None, 600, available=1000, ranks=2).total == 600 + int(POOL_SHARE * 500)
+    half of its share of the available memory (k ranks: half of the host together); a pool
+    the process cannot do without and has not yet allocated (the host replica of the weights,
+    `beside`) is held by the budget, beside half of what it leaves of the share. A given
+    budget is the process's whatever the ranks."""
+    from strata.torch._planning import HostBudget
+    assert HostBudget(None, 600, available=1000, ranks=2).total == 600 + 250
     assert HostBudget(None, 600, available=1000, ranks=2, beside=100).total == \
-        600 + 100 + int(POOL_SHARE * 400)
+        600 + 100 + 200
     assert HostBudget(None, 600, available=1000, ranks=4, beside=300).total == 600 + 300
     assert HostBudget(1000, 600, available=1000, ranks=2, beside=100).total == 1000
 

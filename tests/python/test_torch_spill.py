@@ -7,8 +7,8 @@ grad after each backward, every weight), and plain PyTorch within the parity sui
 tolerances. Models: the tiny Hugging Face Llama and the package's own Llama (bench/llama_zoo);
 idioms: accumulation, Hugging Face gradient checkpointing, resident blocks, the chunked loss,
 the batch's shape changing between steps, a step that raises midway. The automatic decision
-is tested as a function of sizes (spill_count), and on a GPU with the device made to look
-short. The GPU variants run wherever a GPU is (the lead's STRATA_PARITY_DEVICE=cuda runs
+is the library's step plan (its cases: tests/unit/test_step_plan.cpp); here what strata.torch
+gives it and does with its choice, and on a GPU with the device made to look short. The GPU variants run wherever a GPU is (the lead's STRATA_PARITY_DEVICE=cuda runs
 included) and skip without one."""
 
 import pytest
@@ -136,7 +136,9 @@ def assert_close_to_plain(got, plain):
     tpm.assert_losses_close(got[0], plain[0])
     for name, e in plain[1][0].items():
         tpm.assert_grad_close(name, got[1][0][name], e)
-    tpm.assert_state_close(got[2], plain[2])
+    # AdamW near eps (the parity suite's allowance): torch 2.15's CPU kernels left one
+    # element of the shape-changing run 1.28e-6 off after four steps.
+    tpm.assert_state_close(got[2], plain[2], outliers=2, outlier_atol=1e-4)
 
 
 CASES = {
@@ -255,46 +257,25 @@ def test_buffers_are_reused_and_grow_with_the_batch():
 
 
 # ---------------------------------------------------------------------------------------------
-# The automatic decision.
+# The automatic decision: the library's step plan (its rule's cases are C++ unit tests,
+# tests/unit/test_step_plan.cpp); here, what strata.torch measures reaches it and its choice is
+# executed.
 
 GB = 1 << 30
 
 
-def test_nothing_spills_when_everything_fits():
-    assert _spill.spill_count([GB] * 32, 50 * GB, 10 * GB, 140 * GB, 5 * GB) == (0, True)
+def recording_plans(monkeypatch):
+    """Every step plan the spiller asks for: (its blocks, its profile fields, the plan)."""
+    from strata import step_plan
+    real, calls = step_plan.plan_step, []
 
+    def recording(blocks, intervals=(), **fields):
+        plan = real(blocks, intervals, **fields)
+        calls.append((blocks, fields, plan))
+        return plan
 
-def test_the_first_blocks_spill_as_many_as_needed():
-    # 32 x 1.24 GiB of checkpoints, 85 GiB held, 12 GiB working set, 139 GiB usable, 5.6 GiB
-    # margin: 39.7 GiB do not fit in the 36.4 left; each block spilled frees 1.24 GiB, the
-    # three restores in flight cost 3.7 back.
-    ckpt = int(1.24 * GB)
-    count, fits = _spill.spill_count([ckpt] * 32, 85 * GB, 12 * GB, 139 * GB, int(5.6 * GB))
-    assert fits
-    limit = 139 * GB - int(5.6 * GB) - 85 * GB - 12 * GB
-    assert (32 - count) * ckpt + 3 * ckpt <= limit < (32 - count + 1) * ckpt + 3 * ckpt
-    assert count == 6
-
-
-def test_every_block_spills_and_the_step_is_short_when_even_that_does_not_fit():
-    assert _spill.spill_count([GB] * 4, 100 * GB, 50 * GB, 140 * GB, 0) == (4, False)
-
-
-def test_blocks_keeping_their_activations_have_no_checkpoint_to_spill():
-    # The last two (resident blocks keeping their activations) count 0: spilling reaches them
-    # and frees nothing; the restores in flight are the spilled ones'.
-    ckpts = [GB, GB, GB, 0, 0]
-    assert _spill.spill_count(ckpts, 10 * GB, GB, 14 * GB, 0, depth=0) == (0, True)
-    # One spilled frees 1 GiB and its restore (depth 0: the block's own) takes it back.
-    assert _spill.spill_count(ckpts, 10 * GB, GB, int(13.5 * GB), 0, depth=0) == (2, True)
-    assert _spill.spill_count(ckpts, 10 * GB, GB, 12 * GB, 0, depth=0) == (3, True)
-    assert _spill.spill_count(ckpts, 10 * GB, GB, int(11.5 * GB), 0, depth=0) == (5, False)
-
-
-def test_restores_in_flight_are_counted():
-    # Spilling one of two frees 1 GB but its restore takes it back (depth 0: the block's own).
-    assert _spill.spill_count([GB, GB], 0, 0, GB, 0, depth=0) == (2, True)
-    assert _spill.spill_count([GB, GB], 0, 0, GB, 0, depth=1) == (2, False)
+    monkeypatch.setattr(step_plan, "plan_step", recording)
+    return calls
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -397,58 +378,63 @@ def test_the_automatic_decision_follows_the_batch(device_memory):
 
 
 def test_the_automatic_decision_spills_what_the_prediction_needs(device_memory, monkeypatch):
-    """The prediction's parts reach spill_count: what torch holds, the grads to come, every
-    checkpoint, the block's measured working set."""
+    """The prediction's parts reach the step plan: what torch holds, the grads to come, every
+    block, a checkpoint's bytes, the block's measured saved bytes, the device as torch sees
+    it; the plan's choice is what spills. The device made short: 40 GB held, 60 usable, the
+    checkpoints 16 GB each (as the profile says; the tensor itself is small)."""
     block = _Block()
     spiller = automatic_spiller(blocks=4)
     x = torch.zeros(2, 16, 64)
     ckpt = x.numel() * 4
-    calls = []
-
-    def recording(checkpoints, base, working, usable, margin, depth=_spill.PREFETCH_DEPTH):
-        calls.append((checkpoints, base, working, usable, margin))
-        return 3, True
-
-    monkeypatch.setattr(_spill, "spill_count", recording)
+    calls = recording_plans(monkeypatch)
     grad_owner = torch.nn.Parameter(torch.zeros(1000))
     spiller.model_params = [grad_owner]
     spiller.forward_begins(block.forward, block, (x,), {})
-    (checkpoints, base, working, usable, margin), = calls
-    assert checkpoints == [ckpt] * 4
-    assert base == 40 * GB + 4000  # held, and the grad the backward pass will allocate
+    (blocks, fields, plan), = calls
+    assert len(blocks) == 4 and all(b.keep == "recompute" for b in blocks)
+    assert fields["checkpoint_bytes"] == ckpt and fields["tokens"] == 32
+    assert fields["in_use_bytes"] == 40 * GB  # held
+    assert fields["backward_grad_bytes"] == 4000  # the grad the backward pass will allocate
     saved = spiller.measured[32]
-    assert saved and working == int(saved * 1.25) + 2 * ckpt
-    assert usable == 60 * GB and margin in (4 * GB, 10 * GB)
-    assert spiller.count == 3 and sorted(spiller.pool.buffers) == [0, 1, 2]
+    assert saved and fields["block_saved_bytes"] == saved and fields["block_saved_measured"]
+    assert fields["device_free_bytes"] + fields["framework_held_bytes"] == 60 * GB
+    assert plan.checkpoints_planned and plan.spilled_checkpoints == 0  # a few KB each: fits
+    assert spiller.count == 0 and spiller.fits
+    # Short: 58 GB held of 60 usable, less the margin (4 or 10): every block spills and the
+    # step is predicted short even so; the spiller reserves what the plan chose.
+    device_memory["allocated"] = 58 * GB
+    spiller.forward_begins(block.forward, block, (torch.zeros(2, 16, 64),), {})
+    assert len(calls) == 2
+    plan = calls[1][2]
+    assert plan.spilled_checkpoints == 4 and not plan.fits
+    assert spiller.count == 4 and not spiller.fits
+    assert sorted(spiller.pool.buffers) == [0, 1, 2, 3]
     spiller.close()
 
 
 def test_paged_state_leaving_is_counted_once(device_memory, monkeypatch):
     """The resident optimizer state on its way to host memory at the forward pass's start
-    (strata.torch._paging) is gone by the loss and comes back as the backward pass has room
-    for it: it takes the working set's place in the prediction (the larger of the two), not a
-    share beside it (counted in full, an 8B's 31 GB at 148 x 1024 made every block spill and
-    still predicted no fit). The reserve the copies back leave is the working set, the
-    restores in flight and the margin."""
+    (strata.torch._paging) reaches the plan as leaving bytes: gone by the loss, it comes back
+    as the backward pass has room for it, so it takes the working set's place in the
+    prediction (the larger of the two), not a share beside it (counted in full, an 8B's 31 GB
+    at 148 x 1024 made every block spill and still predicted no fit). The reserve the copies
+    back leave is the plan's: the working set, the restores in flight and the margin."""
     block = _Block()
     spiller = automatic_spiller(blocks=4)
     x = torch.zeros(2, 16, 64)
-    ckpt = x.numel() * 4
     assert spiller.backward_reserve() is None  # no decision yet
-    calls = []
-
-    def recording(checkpoints, base, working, usable, margin, depth=_spill.PREFETCH_DEPTH):
-        calls.append((base, working, margin))
-        return 2, True
-
-    monkeypatch.setattr(_spill, "spill_count", recording)
+    calls = recording_plans(monkeypatch)
     spiller.leaving = lambda: 30 * GB
     spiller.forward_begins(block.forward, block, (x,), {})
-    (base, working, margin), = calls
-    assert base == 10 * GB  # 40 held, 30 of them leaving
-    assert working == 30 * GB  # the state coming back is larger than one block's working set
-    block_working = int(spiller.measured[32] * 1.25) + 2 * ckpt
-    assert spiller.backward_reserve() == block_working + 2 * ckpt + margin
+    (_, fields, plan), = calls
+    assert fields["leaving_bytes"] == 30 * GB and fields["in_use_bytes"] == 40 * GB
+    # Nothing spills (40 - 30 held, 30 coming back in the working set's place, 60 usable):
+    # the reserve is one block's working set (its saved bytes x 1.25 and its input's and
+    # output's grads) and the margin; the state's own copies are what it is reserved against.
+    assert plan.spilled_checkpoints == 0 and plan.fits
+    ckpt = x.numel() * 4
+    assert spiller.backward_reserve() == plan.backward_reserve_bytes == \
+        int(spiller.measured[32] * 1.25) + 2 * ckpt + plan.margin_bytes
     spiller.close()
 
 

@@ -184,6 +184,48 @@ class PlacementRequest(Struct):
                 ("update_elements_per_second", c_double), ("updates_after_backward", c_int32)]
 
 
+class StepBlock(Struct):
+    _fields_ = [("struct_size", c_size_t), ("elements", c_uint64), ("rank_elements", c_uint64),
+                ("keep_whole_bytes", c_uint64), ("keep_selective_bytes", c_uint64),
+                ("residency", c_int32), ("keep", c_int32), ("checkpoint_tier", c_int32)]
+
+
+class StepInterval(Struct):
+    _fields_ = [("struct_size", c_size_t), ("point", c_int32), ("block", c_uint32),
+                ("allocated_peak_bytes", c_uint64), ("reserved_peak_bytes", c_uint64)]
+
+
+class StepProfile(Struct):
+    _fields_ = [("struct_size", c_size_t), ("blocks", ctypes.POINTER(ctypes.POINTER(StepBlock))),
+                ("block_count", c_uint32), ("interval_count", c_uint32),
+                ("intervals", ctypes.POINTER(ctypes.POINTER(StepInterval))),
+                ("device_total_bytes", c_uint64), ("device_free_bytes", c_uint64),
+                ("framework_held_bytes", c_uint64), ("allocator_returns_cache", c_int32),
+                ("resident_bytes_per_param", c_uint32),
+                ("streamed_grad_bytes_per_param", c_uint32), ("hbm_tier_bytes", c_uint64),
+                ("outside_elements", c_uint64), ("streamed_grads_hbm_bytes", c_uint64),
+                ("tokens", c_uint64), ("checkpoint_bytes", c_uint64),
+                ("block_saved_bytes", c_uint64), ("block_saved_measured", c_int32),
+                ("loss_chunked", c_int32), ("in_use_bytes", c_uint64),
+                ("backward_grad_bytes", c_uint64), ("leaving_bytes", c_uint64),
+                ("vocab", c_uint64), ("hidden", c_uint64), ("loss_chunk_tokens", c_uint64),
+                ("step_measured", c_int32), ("step_allocated_peak_bytes", c_uint64), ("step_reserved_peak_bytes", c_uint64),
+                ("host_budget_bytes", c_uint64), ("arena_bytes", c_uint64),
+                ("host_available_bytes", c_uint64), ("ranks_on_host", c_uint32),
+                ("beside_bytes", c_uint64)]
+
+
+class StepPlanInfo(Struct):
+    _fields_ = [("struct_size", c_size_t), ("blocks", c_uint32), ("resident_blocks", c_uint32),
+                ("spilled_checkpoints", c_uint32), ("kept_blocks", c_uint32),
+                ("residency_planned", c_int32), ("checkpoints_planned", c_int32),
+                ("keep_planned", c_int32), ("fits", c_int32),
+                ("backward_reserve_bytes", c_uint64), ("usable_bytes", c_uint64),
+                ("margin_bytes", c_uint64), ("judged_peak_bytes", c_uint64),
+                ("host_total_bytes", c_uint64), ("loss_chunk_tokens", c_uint64),
+                ("restore_depth", c_uint32)]
+
+
 class PlacementInfo(Struct):
     _fields_ = [("struct_size", c_size_t), ("layers", c_uint32), ("staging_slots", c_uint32),
                 ("state_nvme_layers", c_uint32), ("weight_nvme_layers", c_uint32),
@@ -356,6 +398,14 @@ _SIGNATURES = {
     "strata_placement_get_info": (c_int32, [c_void_p, P(PlacementInfo)]),
     "strata_placement_get_layer": (c_int32, [c_void_p, c_uint32, P(c_int32), P(c_int32)]),
     "strata_placement_dump": (c_int32, [c_void_p, c_int32, c_char_p, c_size_t, P(c_size_t)]),
+    "strata_step_profile_init": (c_int32, [P(StepProfile)]),
+    "strata_step_block_init": (c_int32, [P(StepBlock)]),
+    "strata_step_interval_init": (c_int32, [P(StepInterval)]),
+    "strata_step_plan_create": (c_int32, [P(StepProfile), P(c_void_p)]),
+    "strata_step_plan_destroy": (c_int32, [c_void_p]),
+    "strata_step_plan_get_info": (c_int32, [c_void_p, P(StepPlanInfo)]),
+    "strata_step_plan_get_block": (c_int32, [c_void_p, c_uint32, P(StepBlock)]),
+    "strata_step_plan_dump": (c_int32, [c_void_p, c_int32, c_char_p, c_size_t, P(c_size_t)]),
     "strata_layout_request_init": (c_int32, [P(LayoutRequest)]),
     "strata_layout_query": (c_int32, [P(LayoutRequest), c_void_p, P(LayoutTotals)]),
     "strata_executor_create": (c_int32, [c_void_p, P(c_void_p)]),

@@ -21,7 +21,7 @@ batch's activations and logits are unknown then), so it is measured:
   planned from the allocated peak ran out of memory asking for 15.6 GiB of logits with 11 GiB
   reserved and unused); with expandable segments (strata.torch._allocator) the allocated peak
   plus 2% of the device when that is less, since that allocator gives back what it caches
-  where an allocation needs it (ActivationKeeper.peak);
+  where an allocation needs it (the library judges the peak: runtime/step/kept.cpp);
 - what torch could hold at most: the device's free memory plus what torch holds now (the CUDA
   context and Strata's own HBM arena are outside it).
 
@@ -40,11 +40,12 @@ with dropout; a block that writes in place into one of those outputs keeps wholl
 all (found when measuring, through any alias: torch's own check at the backward pass misses
 a write through _unsafe_view's tensor, and the grads would be silently wrong).
 
-From the third step on, the last resident blocks skip recompute (plan_kept): from the last
-block back, each kept selectively (wholly when it cannot be) while its bytes x 1.25 fit in
-usable - peak - margin, then upgraded to whole, from the last back, with what that leaves;
-the margin is 4% of the device with expandable segments (strata.torch._allocator), 10%
-without. A forward pass with more tokens, or longer sequences, than the measured steps had
+From the third step on, the last resident blocks skip recompute, as the library's step plan
+decides from these measurements (strata.step_plan; runtime/step/kept.cpp has the rule and its
+constants): from the last block back, each kept selectively (wholly when it cannot be) while
+its bytes x 1.25 fit in usable - peak - margin, then upgraded to whole, from the last back,
+with what that leaves; the margin is 4% of the device with expandable segments
+(strata.torch._allocator), 10% without. A forward pass with more tokens, or longer sequences, than the measured steps had
 runs checkpointed (activations and logits grow with the tokens, attention's with the
 sequence). An out-of-memory error anywhere (the allocator counts them: a forward, a backward,
 a step) turns keeping off for good; a step that made the allocator retry an allocation (free
@@ -69,7 +70,8 @@ import time
 
 import torch
 
-from . import _allocator
+from .. import step_plan
+from . import _step
 from ._replay import ForwardState, without_forward_hooks
 
 
@@ -266,24 +268,8 @@ def shape_of(args):
 class ActivationKeeper:
     """One per offloaded model with resident blocks."""
 
-    # Device memory left unused, as a fraction of the total, and each kept block's bytes taken
-    # this much larger: the fragmentation a new allocation pattern brings, and what the
-    # measured steps did not show.
-    MARGIN = 0.10
-    BLOCK_FACTOR = 1.25
-    # With expandable segments (strata.torch._allocator) a new allocation pattern strands
-    # little: the 8B at 32x1024 reserved 1.7 GB over its allocated peak instead of 17.7. (A
-    # block factor of 1.10 as well kept 2 more 3.6B blocks and 1 more 8B block at 32x1024 for
-    # no faster step: docs/benchmarks.md.)
-    MARGIN_EXPANDABLE = 0.04
-    # With expandable segments, what the allocator reserved beyond what it allocated is cache
-    # it gives back when an allocation needs it (an allocation retry: it unmaps free pages and
-    # maps them where they are needed), not memory lost to fragmentation: the plan counts the
-    # allocated peak plus this fraction of the device (pages partly used, the allocator's
-    # rounding), or the reserved peak when that is less. With paged optimizer state
-    # (strata.torch._paging) the reserved peak ran to the device's size with 91-95 GB allocated
-    # of 139 (an 8B at 32x1024), which left nothing to keep.
-    FRAGMENTATION_EXPANDABLE = 0.02
+    # The plan is made after this many steps (AdamW's moments exist from the first). The
+    # margins, the block factor and how a peak is judged are the library's (runtime/step/).
     DECIDE_AFTER_STEPS = 2
 
     def __init__(self, device, blocks, streamed_blocks=()):
@@ -314,9 +300,8 @@ class ActivationKeeper:
         self.retries = 0  # the allocator's retry count after the last step
         self.retries_at_forward = None  # and when the next forward pass began (forward_begins)
         self.backed_off = 0  # blocks dropped from the plan for allocation retries
-        # The last decide()'s inputs and result, for benchmarks and diagnostics: usable, peak
-        # and margin bytes, each planned block's (whole, selective) bytes from the last
-        # resident block back then the streamed ones, and the plan (None: not decided).
+        # The last decide()'s step plan, for benchmarks and diagnostics: its numbers
+        # (strata_step_plan_info_t's) and its text (None: not decided).
         self.decision = None
         # The step being measured, cut at each block's forward ("f") and backward ("b")
         # start with grad: the allocator's peaks (allocated, reserved) in the interval that
@@ -324,7 +309,7 @@ class ActivationKeeper:
         # streamed), the last interval ("end", 0) ending at the step; the largest over the
         # step's passes. A kept block's activations live from its forward pass to its
         # backward pass: the plan adds each only to the intervals where it is alive
-        # (at_point, plan_kept_timeline), not to the step's peak whatever held it (an 8B at
+        # (at_point; the step plan), not to the step's peak whatever held it (an 8B at
         # 32 x 1024 peaked with the paged optimizer state back in HBM, late in the backward
         # pass, where the streamed blocks' kept outputs are long freed). And the step's peaks
         # over every interval (torch's statistics are reset at each point meanwhile).
@@ -523,26 +508,9 @@ class ActivationKeeper:
         self.decided = True
         self.ooms = stats.get("num_ooms", 0)
         self.retries = stats.get("num_alloc_retries", 0)
-        free, total = torch.cuda.mem_get_info(self.device)
-        usable = free + torch.cuda.memory_reserved(self.device)
         # With intervals noted, torch's peaks count from the last point only: the step's are
         # the keeper's own.
-        peak = self.peak(total, peaks if timeline else None)
-        self.decide(usable, peak, int(total * self.margin()),
-                    {key: self.peak(total, pair) for key, pair in timeline.items()})
-
-    def peak(self, total, peaks=None):
-        """The memory a step needs at its peak: what the allocator reserved, or with
-        expandable segments what it allocated plus FRAGMENTATION_EXPANDABLE of the device
-        (`total`) when that is less. `peaks`: (allocated, reserved) peaks to judge instead of
-        torch's since its last reset."""
-        if peaks is None:
-            peaks = (torch.cuda.max_memory_allocated(self.device),
-                     torch.cuda.max_memory_reserved(self.device))
-        allocated, peak = peaks
-        if _allocator.expandable_segments():
-            peak = min(peak, allocated + int(total * self.FRAGMENTATION_EXPANDABLE))
-        return peak
+        self.decide(_step.device_figures(self.device), peaks if timeline else None, timeline)
 
     def forward_begins(self):
         """A forward pass with grad reaches the first block (resident, or streamed when none
@@ -567,45 +535,65 @@ class ActivationKeeper:
         self.retries = retries
         self.retries_at_forward = None
 
-    def decide(self, usable, peak, margin, timeline=None):
-        """The plan from the measured blocks, for `usable` bytes of which `peak` were in use
-        and `margin` stay free: from the last resident block back, as long as each was
-        measured, then from the last streamed block back, as long as each can keep
-        selectively. `timeline`: the measured step's peak in each interval between block starts
-        (at_point), by the point that ends it; with every block's two points in it, each kept
-        block counts in the intervals where it is alive (plan_kept_timeline), else at the
-        step's peak (plan_kept)."""
-        blocks, order = [], []
-        for index in reversed(range(len(self.blocks))):
-            measured = self.measured.get(index)
-            if not measured or not measured[0]:
+    def profile_blocks(self, tokens=None):
+        """The step plan's blocks (strata.step_plan.Block), the resident ones then the streamed
+        ones, with their measured bytes and, at a batch of `tokens` (None: whatever the batch),
+        how each keeps now: a plan applies to batches of no more tokens than were measured
+        (activations grow with them), a forced count (tests, tools) to any."""
+        blocks = []
+        for i in range(len(self.blocks)):
+            measured = self.measured.get(i)
+            whole = measured[0] if measured else 0
+            selective = measured[1][0] if measured and measured[1] else 0
+            keep = None
+            if self.forced is not None:
+                keep = self.mode(i, ())
+            elif self.plan and (tokens is None or tokens <= self.tokens):
+                keep = _mode_of(len(self.blocks) - 1 - i, self.count, self.whole)
+            blocks.append(step_plan.Block(1, keep_whole_bytes=whole or 0,
+                                          keep_selective_bytes=selective or 0,
+                                          residency="resident", keep=keep or "recompute"))
+        streamed = len(self.streamed_blocks)
+        kept = self.kept_streamed
+        if self.forced_streamed is None and tokens is not None and tokens > self.tokens:
+            kept = 0  # more tokens than measured: they recompute
+        for j in range(streamed):
+            keep = "selective" if j >= streamed - kept else "recompute"
+            blocks.append(step_plan.Block(1, keep_selective_bytes=self.streamed_bytes(j) or 0,
+                                          residency="streamed", keep=keep))
+        return blocks
+
+    def decide(self, figures, peaks=None, timeline=None):
+        """The plan from the measured blocks (the library's step plan: strata.step_plan), with
+        `figures` the device as torch sees it (strata.torch._step.device_figures), `peaks`
+        the measured step's (allocated, reserved) peaks (None: torch's since its last reset)
+        and `timeline` its peaks in each interval between block starts (at_point), by the point
+        that ends it. The plan keeps from the last resident block back, as long as each was
+        measured, then from the last streamed block back, as long as each can keep selectively;
+        with every block's two points in the timeline each kept block counts in the intervals
+        where it is alive, else at the step's peak."""
+        if peaks is None:
+            peaks = (torch.cuda.max_memory_allocated(self.device),
+                     torch.cuda.max_memory_reserved(self.device))
+        blocks = self.profile_blocks()
+        intervals = [(kind, g, allocated, reserved)
+                     for (kind, g), (allocated, reserved) in (timeline or {}).items()]
+        plan = step_plan.plan_step(blocks, intervals, step_measured=1,
+                                   step_allocated_peak_bytes=peaks[0],
+                                   step_reserved_peak_bytes=peaks[1], **figures)
+        keeps = plan.keeps()
+        resident = len(self.blocks)
+        self.plan = []
+        for i in reversed(range(resident)):
+            if keeps[i] is None:
                 break
-            selective = measured[1]
-            blocks.append((int(measured[0] * self.BLOCK_FACTOR),
-                           None if selective is None else int(selective[0] * self.BLOCK_FACTOR)))
-            order.append(index)
-        resident = len(blocks)
-        for index in reversed(range(len(self.streamed_blocks))):
-            selective = self.streamed_bytes(index)
-            if selective is None:
+            self.plan.append(keeps[i])
+        self.streamed = 0
+        for j in reversed(range(resident, len(keeps))):
+            if keeps[j] is None:
                 break
-            blocks.append((None, int(selective * self.BLOCK_FACTOR)))
-            order.append(len(self.blocks) + index)
-        count = len(self.blocks) + len(self.streamed_blocks)
-        timeline = timeline or {}
-        complete = bool(timeline) and all((kind, g) in timeline for kind in "fb"
-                                          for g in range(count))
-        if complete:
-            plan = plan_kept_timeline(usable, blocks, margin,
-                                      [(_last_alive(key, count), m)
-                                       for key, m in timeline.items()], order)
-        else:
-            plan = plan_kept(usable, peak, blocks, margin)
-        self.plan, self.streamed = plan[:resident], len(plan[resident:])
-        self.decision = dict(usable=usable, peak=peak, margin=margin, resident=resident,
-                             blocks=blocks, plan=list(plan),
-                             timeline=sorted([kind, g, n] for (kind, g), n in timeline.items())
-                             if complete else None)
+            self.streamed += 1
+        self.decision = dict(plan.info, text=plan.text)
 
     def streamed_bytes(self, index):
         """Streamed block `index`'s measured bytes kept selectively (None: not measured, or
@@ -614,21 +602,6 @@ class ActivationKeeper:
         if not measured or measured[1] is None or measured[1][0] <= 0:
             return None
         return measured[1][0]
-
-    def kept_streamed_bytes(self, tokens):
-        """What the streamed blocks keeping selectively hold at a batch of `tokens` (x
-        BLOCK_FACTOR, as planned): 0 when none do, or when the batch has more tokens than
-        measured (they recompute then)."""
-        if self.kept_streamed <= 0 or (self.forced_streamed is None and tokens > self.tokens):
-            return 0
-        last = len(self.streamed_blocks) - 1
-        return sum(int((self.streamed_bytes(last - k) or 0) * self.BLOCK_FACTOR)
-                   for k in range(min(self.kept_streamed, len(self.streamed_blocks))))
-
-    def margin(self):
-        """The fraction of the device left unused: smaller when the allocator grows
-        expandable segments."""
-        return self.MARGIN_EXPANDABLE if _allocator.expandable_segments() else self.MARGIN
 
     def describe(self):
         """'N keep their activations (S selectively)', and how many streamed blocks keep
@@ -657,71 +630,3 @@ def _mode_of(from_last, count, whole):
     if from_last >= count:
         return None
     return "whole" if from_last < whole else "selective"
-
-
-def plan_kept(usable, peak, blocks, margin):
-    """The modes of the last resident blocks, the last block's first ("selective" or "whole"):
-    which can skip recompute in the memory between the measured peak and what torch could
-    hold, less `margin` bytes. `blocks`: from the last block back, (bytes kept wholly, bytes
-    kept selectively or None when it cannot be; whole None: a block that can only be kept
-    selectively, a streamed one). As many blocks as fit are kept selectively (a block that
-    cannot be: wholly), from the last back and stopping at the first that does not fit; then
-    what is left upgrades them to whole, from the last back."""
-    # One interval, the step's peak, where every kept block is alive.
-    return plan_kept_timeline(usable, blocks, margin, [(0, peak)], [0] * len(blocks))
-
-
-def _last_alive(key, count):
-    """The last block (in the model's order, of `count`) whose kept activations are alive in
-    the interval that ends at `key`: before block i's forward start, block i-1's forward
-    pass ran (blocks up to i-1 made theirs); before the last block's backward start, its
-    forward pass and the loss (all of them alive); before block i's backward start, block
-    i+1's backward pass (it frees its own as it ends); ("end", 0): block 0's backward pass
-    and the step."""
-    kind, i = key
-    if kind == "f":
-        return i - 1
-    if kind == "b":
-        return count - 1 if i == count - 1 else i + 1
-    return 0
-
-
-def plan_kept_timeline(usable, blocks, margin, intervals, order):
-    """plan_kept's plan (the same `blocks`, in the same order, by the same rules), each kept
-    block counted only in the intervals of the step where its activations are alive:
-    `intervals` is [(last, peak)], an interval's peak in a step that kept nothing and the
-    last block (in the model's order) whose kept activations would be alive in it (blocks
-    0..last: _last_alive); `order[i]` is blocks[i]'s place in the model. Never keeps less
-    than plan_kept at the step's peak, since no interval's peak is more than it."""
-    limit = usable - margin
-    extra = [0] * len(intervals)  # kept bytes alive in each interval
-
-    def fits(g, cost):
-        return all(m + extra[k] + cost <= limit
-                   for k, (last, m) in enumerate(intervals) if g <= last)
-
-    def add(g, cost):
-        for k, (last, _) in enumerate(intervals):
-            if g <= last:
-                extra[k] += cost
-
-    plan = []
-    for (whole, selective), g in zip(blocks, order):
-        if whole is None:
-            cost, mode = selective, "selective"
-            if not selective or selective <= 0:
-                break
-        else:
-            if whole <= 0:
-                break
-            mode = "whole" if selective is None or not 0 < selective < whole else "selective"
-            cost = whole if mode == "whole" else selective
-        if not fits(g, cost):
-            break
-        add(g, cost)
-        plan.append(mode)
-    for i, ((whole, selective), g) in enumerate(zip(blocks[:len(plan)], order)):
-        if plan[i] == "selective" and whole is not None and fits(g, whole - selective):
-            add(g, whole - selective)
-            plan[i] = "whole"
-    return plan

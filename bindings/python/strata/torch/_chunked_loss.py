@@ -61,10 +61,10 @@ Memory between the forward and the backward pass: the hidden states' grad (B x T
 dtype) and the head's weight grad in its dtype (V x H, in fp32 while the chunks run); during the
 forward pass one chunk's logits in the compute dtype and in fp32 and their grad in the compute
 dtype: (2 + 4 + 2) x chunk_tokens x V bytes. Several forward passes before one backward each
-keep their own. The chunk's size defaults to the tokens whose fp32 logits fit in
-LOGITS_CHUNK_BYTES (1 GiB: 2088 tokens at V = 128256).
+keep their own. The chunk's size defaults to the library's step plan's: the tokens whose fp32
+logits fit in 1 GiB (2088 tokens at V = 128256).
 
-Standalone: imports torch only (transformers when a model has it)."""
+Imports torch only (transformers when a model has it); the default chunk asks libstrata."""
 
 import collections
 import functools
@@ -76,14 +76,12 @@ import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
-LOGITS_CHUNK_BYTES = 1 << 30  # the fp32 logits of one chunk
-
-
-def default_chunk_tokens(vocab_size, budget=LOGITS_CHUNK_BYTES):
-    """The most tokens whose fp32 logits (4 x vocab_size bytes each) fit in `budget`, a
-    multiple of 8 when there are at least 8 (the matrix products' row tiles), at least 1."""
-    tokens = max(1, budget // (4 * int(vocab_size)))
-    return tokens - tokens % 8 if tokens >= 8 else tokens
+def default_chunk_tokens(vocab_size):
+    """The library's loss chunk for a head of `vocab_size` (strata.step_plan: the most tokens
+    whose fp32 logits fit in 1 GiB, a multiple of 8 when there are at least 8, at least 1;
+    runtime/step/residency.cpp)."""
+    from .. import step_plan  # (loads libstrata: not at import, the loss runs without it)
+    return step_plan.plan_step([], vocab=int(vocab_size)).loss_chunk_tokens
 
 
 def check_chunk_tokens(chunk_tokens):

@@ -75,6 +75,7 @@ import weakref
 
 import torch
 
+from .. import step_plan
 from . import _planning
 
 
@@ -96,11 +97,6 @@ class StatePager:
     # an 8B's forward pass 0.14 s on an H200). The copies run at ~53 GB/s there, a share (1
     # GB) in less than a block's forward pass at 32 x 1024 (27 ms): the device rarely waits.
     FREE_LAG = 2
-    # Without a budget (a pager made outside strata.torch.AdamW): auto takes at most this
-    # share of the host memory available when it decides (the first groups whose tensors fit;
-    # none: nothing pages), the share a default host_budget leaves strata.torch's own host
-    # memory (one constant: _planning.POOL_SHARE).
-    HOST_SHARE = _planning.POOL_SHARE
 
     def __init__(self, inner, groups, device, live=(), sizing=True, auto=False, reserve=None,
                  budget=None):
@@ -371,7 +367,9 @@ class StatePager:
         """auto, at a page-out: whether nothing pages now. Not at the optimizer's creation
         (`timed` False: the masters would leave before any step measured anything); at the
         first step's end (the moments exist), the first groups whose tensors fit in what the
-        budget leaves then (without one: HOST_SHARE of the host memory available) page from
+        budget leaves then (without one, a pager made outside strata.torch.AdamW: what the
+        library's step plan leaves a default host budget's pools of the host memory available,
+        half of it: strata.step_plan) page from
         then on, as without auto (none fit: nothing ever pages)."""
         if not timed:
             return True
@@ -381,7 +379,7 @@ class StatePager:
             room = self.budget.room()
         else:
             available = _available_host_bytes()
-            room = self.HOST_SHARE * available
+            room = step_plan.plan_step([], host_available_bytes=available).host_total_bytes
         fits = self._fitting(room)
         self.decision = dict(host_available_bytes=available, host_room_bytes=int(room),
                              groups_fitting_host=fits)

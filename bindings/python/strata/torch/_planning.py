@@ -10,8 +10,8 @@ import weakref
 
 import torch
 
-from .. import core
-from . import _host
+from .. import core, step_plan
+from . import _host, _step
 from ._distributed import chunk_elements, disk_sharing
 
 # The dtypes streamed weights may have, by the runtime's names for them.
@@ -230,47 +230,34 @@ def check_host_budget(blocks, dtype, mesh, grads_home, host_budget):
 
 
 def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram", mesh=None):
-    """How many of the first blocks to keep resident in HBM: as many as fit in 40% of the device
-    memory left beside Strata's own (the rest for activations, logits and the allocator), at 16
-    bytes per parameter in bf16 (the compute-dtype weight and grad, an fp32 master unless the
-    weights are fp32, AdamW's m and v; the fp32 grads the update reads exist a chunk at a time,
-    st.AdamW.RESIDENT_CHUNK). Resident blocks need no transfers and are updated by torch's
-    AdamW on the device at once, so the CPU's updates of the streamed ones start with the
-    resident blocks' forward pass as a head start (the next forward pass needs the first blocks
-    first). The free memory counted is what is left once the rest of the model (embeddings,
-    head: not yet on the device for a meta model) and its optimizer state are there, at the
-    same bytes per parameter (a 128k-vocabulary 8B Llama's embedding and head take 17 GB: left
-    out, 7 blocks were kept on an 80 GB GPU and the first step ran out of memory). With grads
-    in HBM their bytes come out of that share first (under data parallelism, `mesh`, this
-    rank's chunks' grads). 0 on the CPU."""
+    """How many of the first blocks to keep resident in HBM: the library's step plan
+    (strata.step_plan; runtime/step/residency.cpp has the rule: a share of the device memory
+    left beside Strata's HBM tier and the rest of the model), from what strata.torch measures:
+    the device's free memory, the bytes a resident parameter takes (the compute-dtype weight
+    and grad, an fp32 master unless the weights are fp32, AdamW's m and v; resident blocks are
+    trained by torch's AdamW with whole fp32 masters, never split), the parameters outside the
+    blocks not yet on the device (a meta model's embedding and head), and with grads in HBM
+    their bytes (under data parallelism, `mesh`, this rank's chunks'). 0 on the CPU."""
     if device.type != "cuda":
         return 0
-    free, _ = torch.cuda.mem_get_info(device)
     element = element_bytes(dtype)
-    # Resident blocks are trained by torch's AdamW with whole fp32 masters (never split).
-    per_param = 2 * element + core.state_bytes_per_param(element)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     coming = sum(p.numel() for p in model.parameters()
                  if id(p) not in in_blocks and p.device != device)
-    free = max(0, free - coming * per_param)
-    spare = max(0, free - (gpu_budget or 0)) * 2 // 5
-    counts = block_elements(blocks)
-    kept = block_elements(blocks, mesh)  # what this rank holds of each block (its grads)
-    grad_bytes = 0
+    counts, kept = block_elements(blocks), block_elements(blocks, mesh)
+    grad_bytes = hbm_grads = 0
     if grads != "dram":
-        # The streamed blocks' grads in HBM come out of the residents' share, not out of what
-        # the activations and logits are left: a block kept resident gives its grads' share
-        # back (its own grad is in per_param), fp32 sums 4 bytes a parameter.
         grad_bytes = 4 if grads == "hbm_sums" else element
-        spare -= core.grads_hbm_bytes(kept, element, layout_grads(grads)["grad_sum"])
-    k = 0
-    for n, mine in zip(counts[:-1], kept):  # at least one block streams
-        need = n * per_param - mine * grad_bytes
-        if need > spare:
-            break
-        spare -= need
-        k += 1
-    return k
+        hbm_grads = core.grads_hbm_bytes(kept, element, layout_grads(grads)["grad_sum"])
+    figures = _step.device_figures(device)
+    plan = step_plan.plan_step(
+        [step_plan.Block(n, rank_elements=mine) for n, mine in zip(counts, kept)],
+        resident_bytes_per_param=2 * element + core.state_bytes_per_param(element),
+        hbm_tier_bytes=gpu_budget or 0, outside_elements=coming,
+        streamed_grad_bytes_per_param=grad_bytes, streamed_grads_hbm_bytes=hbm_grads,
+        device_total_bytes=figures["device_total_bytes"],
+        device_free_bytes=figures["device_free_bytes"])
+    return plan.resident_blocks
 
 
 def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvme_budget,
@@ -343,15 +330,6 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
     return layers, host_budget, nvme_budget, place_nvme
 
 
-# strata.torch's own host memory beside the arena (HostBudget's pools: the resident
-# parameters' paged optimizer state, strata.torch._paging; block checkpoints spilled to host
-# memory, strata.torch._spill) without a host_budget: this share of the host memory available
-# once the arena is made (the paged state alone took half of it at the first step's end
-# before the pools were counted together); under data parallelism of the rank's share of it
-# (HostBudget's ranks).
-POOL_SHARE = 0.5
-
-
 class HostBudget:
     """host_budget as a promise: what one session's run takes of the host's memory. The
     runtime's DRAM arena (pinned whole at start: `arena`, its budget) comes first; what the
@@ -359,14 +337,17 @@ class HostBudget:
     spilled checkpoints), which ask room() before they take host memory and report what they
     hold (`host_bytes`); a pool that gets no room takes less (fewer groups page, fewer blocks
     spill) and says so. `given`: the user's host_budget (under data parallelism each rank's),
-    or None: then the budget is the arena and POOL_SHARE of this process's share of the host
+    or None: then the budget is the arena and half of this process's share of the host
     memory available now (made just after the runtime, so the arena is not counted twice).
     `available`: that memory (None: read it). `ranks`: the processes of this host that each
     make such a budget (data parallelism: Mesh.ranks_on_host; every one's arena made
     already), each taking its share of the available memory, so that k ranks of a host take
-    POOL_SHARE of it together, not k times that. `beside`: pinned bytes this process adds
+    half of it together, not k times that. `beside`: pinned bytes this process adds
     later as a pool it cannot do without (the host replica of the weights: replica_bytes):
-    a default budget holds them, and POOL_SHARE of the share they leave."""
+    a default budget holds them, and half of the share they leave. The default is the
+    library's step plan's (strata.step_plan; runtime/step/residency.cpp: kPoolShare, the
+    paged state alone took half of the available memory at the first step's end before the
+    pools were counted together)."""
 
     def __init__(self, given, arena, available=None, ranks=1, beside=0):
         self.given = given
@@ -376,8 +357,9 @@ class HostBudget:
         else:
             if available is None:
                 available = available_host_bytes()
-            share = max(0, int(available) // ranks - beside)
-            self.total = self.arena + beside + int(POOL_SHARE * share)
+            self.total = step_plan.plan_step(
+                [], arena_bytes=self.arena, host_available_bytes=int(available),
+                ranks_on_host=ranks, beside_bytes=beside).host_total_bytes
         self._pools = []  # (name, weakref to an object with host_bytes)
 
     def add(self, name, pool):

@@ -6,15 +6,17 @@ checkpoint. At 148 x 1024 tokens of an 8B Llama that is 1.24 GB per block, 40 GB
 blocks, held through the whole forward pass. When they cannot all stay in HBM, the first
 blocks' inputs go to host memory:
 
-- the decision (spill_count), at the first forward pass with grad, from the batch actually
-  run (the first block's input is concrete then): the step's peak is predicted as what torch
+- the decision, the library's step plan (strata.step_plan; runtime/step/checkpoints.cpp has
+  the rule and its constants), at the first forward pass with grad, from the batch actually
+  run (the first block's input is concrete then), strata.torch measuring what it is given
+  (Spiller.plan): the step's peak is predicted as what torch
   holds when the forward pass begins, the grads the backward pass will allocate for the device's
   trainable parameters that have none now, every block's checkpoint, what the resident blocks
   that keep their activations hold (strata.torch._activations' measurements), and the larger
   of one block's backward working set (what it saves for its backward, measured on fake
-  tensors at this batch as ActivationKeeper measures, x BLOCK_FACTOR, plus the grads of its
+  tensors at this batch as ActivationKeeper measures, x 1.25, plus the grads of its
   input and output) and the loss's (the chunked loss's chunk, or the whole logits); it is
-  compared with what torch could hold (free + reserved) less ActivationKeeper's margin. When
+  compared with what torch could hold (free + reserved) less the plan's margin. When
   short, as many of the first blocks spill as make it fit, counting the restores in flight.
   The first blocks: their backward comes last, so their restores have the most time. Decided
   again when the batch's tokens grow beyond what was planned for, or what torch holds at the
@@ -25,7 +27,7 @@ blocks' inputs go to host memory:
   block's forward finishes (the side stream waits for an event of the compute stream; the
   input's memory is not reused before the copy is done: record_stream); in the backward pass,
   when block p is reached (its saved input is read), the inputs of the spilled blocks p-1 ..
-  p-PREFETCH_DEPTH are copied back on the side stream into fresh device tensors, so the copy
+  p-restore_depth (the plan's: 2) are copied back on the side stream into fresh device tensors, so the copy
   overlaps block p's backward; the compute stream waits for a restore's event before using
   it. A copy out and back is bit-exact;
 - the buffers: one per spilled block, kept from step to step (no per-step cudaHostAlloc),
@@ -62,41 +64,16 @@ import time
 import torch
 
 from . import _host
-from ._activations import ActivationKeeper, measure
+from .. import step_plan
+from . import _step
+from ._activations import measure
 from ._replay import ForwardState, without_forward_hooks
 
-# Restores in flight ahead of the backward pass: block p's own and the next ones in backward
-# order (enough to hide a copy behind one block's backward).
-PREFETCH_DEPTH = 2
 # Host memory a spill buffer must leave available, as a fraction of the machine's.
 HOST_RESERVE = 0.10
-# A block whose forward cannot be measured on fake tensors: its backward working set taken as
-# this many checkpoints (an 8B Llama block at 148 x 1024 saves ~14 of them).
-UNMEASURED_BLOCK_FACTOR = 16
 # What the forward pass's start may grow by, as a fraction of the device, before the decision
 # is made again.
 REDECIDE_GROWTH = 0.01
-
-
-def spill_count(checkpoints, base, working, usable, margin, depth=PREFETCH_DEPTH):
-    """How many of the first blocks spill their checkpoints, and whether the step then fits:
-    (count, fits). `checkpoints`: each block's checkpoint bytes in forward order (0 where it
-    keeps none: a resident block keeping its activations); `base`: the bytes the step holds
-    besides them and besides `working`, the largest working set at the backward pass's peak;
-    `usable`: what torch could hold; `margin`: what stays free. With n spilled the peak is
-    base + working + the checkpoints not spilled + the restores in flight (the largest depth+1
-    of the spilled ones). None spill when everything fits; all of them, and not fitting, when
-    even that is short."""
-    limit = usable - margin
-    total = sum(checkpoints)
-    if base + working + total <= limit:
-        return 0, True
-    for n in range(1, len(checkpoints) + 1):
-        spilled = checkpoints[:n]
-        inflight = sum(sorted(spilled, reverse=True)[:depth + 1])
-        if base + working + total - sum(spilled) + inflight <= limit:
-            return n, True
-    return len(checkpoints), False
 
 
 def hidden_of(args, kwargs):
@@ -232,7 +209,7 @@ class Spiller:
         self.device = device
         self.cuda = device.type == "cuda"
         self.mode = mode
-        self.keeper = keeper  # the session's ActivationKeeper (resident blocks, margins)
+        self.keeper = keeper  # the session's ActivationKeeper (how the blocks keep)
         self.positions = positions  # blocks with grad in a forward pass: resident + streamed
         self.pool = HostPool(pinned=self.cuda)
         self.side = None  # the copies' stream (CUDA)
@@ -260,6 +237,9 @@ class Spiller:
         # Of the last decision: one block's (or the loss's) backward working set, the
         # restores in flight and the margin (bytes), for the paged state's copies back.
         self.working = None
+        # Spilled checkpoints restored ahead of the backward pass beyond the block's own: the
+        # plan's (it counts them in flight).
+        self.restore_depth = step_plan.plan_step([]).restore_depth
 
     def backward_reserve(self):
         """What the backward pass may allocate beyond what it holds at a block's start: one
@@ -320,27 +300,37 @@ class Spiller:
         # Planned for this batch: a later one with more tokens is decided again (one decided
         # again for the memory held, with fewer tokens than before, plans for those).
         self.tokens, self.base = tokens, base
-        free, total = torch.cuda.mem_get_info(self.device)
-        usable = free + torch.cuda.memory_reserved(self.device)
-        margin = int(total * self.keeper.margin())
-        checkpoints, kept = self._checkpoints(tokens, nbytes)
-        working = max(self._block_working(run, block, args, kwargs, tokens, nbytes),
-                      self._loss_working(tokens))
-        # The paged optimizer state held now leaves at the forward pass's last block, before
-        # the loss, and its copies back wait for room in the backward pass (backward_reserve):
-        # it takes the place of the working set, not a share beside it. Counted in full, an
-        # 8B's 31 GB at 148 x 1024 made every block spill and still predicted no fit.
-        leaving = min(self.leaving(), base)
-        count, self.fits = spill_count(checkpoints,
-                                       base - leaving + self._grad_bytes() + kept,
-                                       max(working, leaving), usable, margin)
-        self.wanted = count
-        self.count = self._reserve(count, nbytes)
-        self.fits = self.fits and self.count == count
-        inflight = sum(sorted(checkpoints[:self.count], reverse=True)[:PREFETCH_DEPTH + 1])
-        self.working = working + inflight + margin
+        plan = self.plan(run, block, args, kwargs, tokens, nbytes, base)
+        self.wanted = plan.spilled_checkpoints
+        self.count = self._reserve(self.wanted, nbytes)
+        self.fits = bool(plan.fits) and self.count == self.wanted
+        self.working = plan.backward_reserve_bytes
+        self.restore_depth = plan.restore_depth
         self.decisions += 1
         self.decide_seconds += time.perf_counter() - started
+
+    def plan(self, run, block, args, kwargs, tokens, nbytes, base):
+        """The library's step plan of checkpoint homes for this batch (strata.step_plan): from
+        what torch holds as the forward pass begins (`base`), the grads the backward pass will
+        allocate, how the blocks keep now (their measured bytes), one block's saved bytes at
+        this batch (measured on fake tensors), the loss's head and chunk, and the optimizer
+        state leaving the device before the loss (strata.torch._paging)."""
+        keeper = self.keeper
+        saved = self._block_saved(run, block, args, kwargs, tokens)
+        head = getattr(self.head, "weight", None)
+        vocab, hidden = (head.shape if torch.is_tensor(head) and head.dim() == 2 else (0, 0))
+        loss = self.chunked_loss
+        chunked = loss is not None and loss.enabled and bool(loss.chunk_tokens)
+        blocks = keeper.profile_blocks(tokens)
+        missing = self.positions - len(blocks)  # (a keeper of no blocks: tests, tools)
+        blocks += [step_plan.Block(1, residency="streamed")] * max(0, missing)
+        return step_plan.plan_step(
+            blocks[:self.positions], tokens=tokens, checkpoint_bytes=nbytes,
+            block_saved_bytes=saved or 0, block_saved_measured=int(saved is not None),
+            in_use_bytes=base, backward_grad_bytes=self._grad_bytes(),
+            leaving_bytes=self.leaving(), vocab=vocab, hidden=hidden,
+            loss_chunked=int(chunked), loss_chunk_tokens=loss.chunk_tokens if chunked else 0,
+            **_step.device_figures(self.device))
 
     def _reserve(self, count, nbytes):
         """Buffers for the first `count` blocks: how many the host gave."""
@@ -353,32 +343,9 @@ class Spiller:
                 return position
         return count
 
-    def _checkpoints(self, tokens, nbytes):
-        """Each block's checkpoint bytes at this batch (0 for a resident block keeping its
-        activations) and what those keep, with what the streamed blocks keeping selectively
-        hold (their checkpoints stay: their recompute starts from them)."""
-        keeper = self.keeper
-        kept_blocks = {}
-        if keeper.forced is not None:
-            for i in range(len(keeper.blocks)):
-                if keeper.mode(i, ()) is not None:
-                    kept_blocks[i] = keeper.mode(i, ())
-        elif keeper.plan and tokens <= keeper.tokens:
-            last = len(keeper.blocks) - 1
-            for from_last, mode in enumerate(keeper.plan):
-                kept_blocks[last - from_last] = mode
-        kept = 0
-        for i, mode in kept_blocks.items():
-            measured = keeper.measured.get(i)
-            if measured:
-                use = measured[0] if mode == "whole" or measured[1] is None else measured[1][0]
-                kept += int(use * keeper.BLOCK_FACTOR)
-        kept += keeper.kept_streamed_bytes(tokens)
-        return [0 if i in kept_blocks else nbytes for i in range(self.positions)], kept
-
-    def _block_working(self, run, block, args, kwargs, tokens, nbytes):
-        """One block's backward working set at this batch: what it saves for its backward (its
-        recompute) x BLOCK_FACTOR, and its input's and output's grads."""
+    def _block_saved(self, run, block, args, kwargs, tokens):
+        """What one block saves for its backward (its recompute) at this batch, measured on
+        fake tensors once per batch size (None: it cannot be measured)."""
         if tokens not in self.measured:
             state = ForwardState(block)
             try:
@@ -390,24 +357,7 @@ class Spiller:
             finally:
                 state.restore_buffers()
             self.measured = {tokens: None if measured is None else measured[0]}
-        saved = self.measured[tokens]
-        if saved is None:
-            return UNMEASURED_BLOCK_FACTOR * nbytes
-        return int(saved * ActivationKeeper.BLOCK_FACTOR) + 2 * nbytes
-
-    def _loss_working(self, tokens):
-        """The loss's working set: with the chunked loss, one chunk's logits (compute dtype,
-        fp32, and their grad) and the head's fp32 weight grad; without it, the whole logits
-        (compute dtype, fp32, their grad in both)."""
-        weight = getattr(self.head, "weight", None)
-        if not torch.is_tensor(weight) or weight.dim() != 2:
-            return 0
-        vocab, hidden = weight.shape
-        loss = self.chunked_loss
-        if loss is not None and loss.enabled and loss.chunk_tokens:
-            chunk = min(tokens, loss.chunk_tokens)
-            return 8 * chunk * vocab + 4 * vocab * hidden
-        return 12 * tokens * vocab
+        return self.measured[tokens]
 
     def _grad_bytes(self):
         """The grads the backward pass will allocate on the device: trainable parameters
@@ -469,7 +419,7 @@ class Spiller:
 
     def _unpack(self, saved):
         position, current = saved.position, saved.generation == self.generation
-        for earlier in range(max(0, position - PREFETCH_DEPTH), position) if current else ():
+        for earlier in range(max(0, position - self.restore_depth), position) if current else ():
             record = self.records.get(earlier)
             if record is not None and record.restored is None:
                 self._restore(record)

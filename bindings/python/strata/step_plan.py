@@ -1,0 +1,140 @@
+"""The step-memory plan (strata_step_plan_*, strata.h "Step-memory plan"): what keeps one
+training step inside the device's and the host's memory, decided by libstrata for every binding.
+
+A binding measures (its allocator, its blocks' saved bytes, its batch) and passes what it knows
+as a profile; the library decides, per block, resident or streamed, recompute / keep
+selectively / keep wholly, and its checkpoint's home (the device or host memory), and for the
+step the loss chunk, the host budget as counted and what a backward block may allocate. Every
+decision and constant is the library's (runtime/step/); nothing here decides.
+
+    plan = plan_step([Block(elements=n) for n in counts], device_total_bytes=...,
+                     device_free_bytes=..., resident_bytes_per_param=16)
+    plan.resident_blocks, plan.blocks[i]["keep"], plan.text
+"""
+
+import ctypes
+
+from . import _lib
+from .errors import check
+
+L = _lib.lib
+
+RESIDENCY = {"choose": 0, "resident": 1, "streamed": 2}
+KEEP = {"recompute": 0, "selective": 1, "whole": 2}
+# The points that end a measured step's intervals: a block's forward start ("f"), its backward
+# start ("b"), the step's end ("end").
+POINTS = {"f": 0, "b": 1, "end": 2}
+_TIERS = {0: "hbm", 1: "dram"}
+_NAMES = {"residency": {v: k for k, v in RESIDENCY.items()},
+          "keep": {v: k for k, v in KEEP.items()}}
+# The profile's scalar fields (strata_step_profile_t's, less the arrays).
+FIELDS = tuple(name for name, _ in _lib.StepProfile._fields_
+               if name not in ("struct_size", "blocks", "block_count", "interval_count",
+                               "intervals"))
+
+
+class Block:
+    """One block of the profile (strata_step_block_t): its parameters, of them this process's
+    (data parallel; 0 = all), what it saves for its backward when not recomputing, wholly and
+    selectively (0: unmeasured / cannot), its residency ("choose", or fixed: "resident",
+    "streamed") and how it keeps now ("recompute", "selective", "whole")."""
+
+    __slots__ = ("elements", "rank_elements", "keep_whole_bytes", "keep_selective_bytes",
+                 "residency", "keep")
+
+    def __init__(self, elements, rank_elements=0, keep_whole_bytes=0, keep_selective_bytes=0,
+                 residency="choose", keep="recompute"):
+        self.elements, self.rank_elements = int(elements), int(rank_elements)
+        self.keep_whole_bytes = int(keep_whole_bytes or 0)
+        self.keep_selective_bytes = int(keep_selective_bytes or 0)
+        self.residency, self.keep = residency, keep
+
+
+class StepPlan:
+    """A plan: `info` (strata_step_plan_info_t's fields), `blocks` (per block a dict of
+    residency, keep, checkpoint: "hbm" or "dram"), `text` and `json` (the dumps, every choice
+    with its reason)."""
+
+    def __init__(self, handle):
+        info = _lib.StepPlanInfo()
+        check(L.strata_step_plan_get_info(handle, ctypes.byref(info)))
+        self.info = {name: getattr(info, name) for name, _ in _lib.StepPlanInfo._fields_
+                     if name != "struct_size"}
+        self.blocks = []
+        for i in range(info.blocks):
+            b = _lib.StepBlock()
+            check(L.strata_step_plan_get_block(handle, i, ctypes.byref(b)))
+            self.blocks.append({"residency": _NAMES["residency"][b.residency],
+                                "keep": _NAMES["keep"][b.keep],
+                                "checkpoint": _TIERS[b.checkpoint_tier]})
+        self.text = _dump(handle, 1)
+        self.json = _dump(handle, 0)
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["info"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def keeps(self):
+        """Per block its keep mode, None for a block that recomputes."""
+        return [None if b["keep"] == "recompute" else b["keep"] for b in self.blocks]
+
+
+def _dump(handle, format):
+    n = ctypes.c_size_t()
+    check(L.strata_step_plan_dump(handle, format, None, 0, ctypes.byref(n)))
+    buf = ctypes.create_string_buffer(n.value + 1)
+    check(L.strata_step_plan_dump(handle, format, buf, n.value + 1, ctypes.byref(n)))
+    return buf.value.decode()
+
+
+def plan_step(blocks, intervals=(), **fields):
+    """Plan the step (strata_step_plan_create). `blocks`: Block per block, model order.
+    `intervals`: a measured step's (point, block, allocated peak, reserved peak), point one of
+    POINTS. `fields`: the profile's scalars by their strata_step_profile_t names (FIELDS); an
+    unknown one is a ValueError. Errors of the library (a profile it refuses) raise as
+    strata.errors says."""
+    unknown = set(fields) - set(FIELDS)
+    if unknown:
+        raise ValueError("strata.step_plan: unknown profile field(s) %s; known: %s"
+                         % (sorted(unknown), ", ".join(FIELDS)))
+    structs = []
+    for i, block in enumerate(blocks):
+        d = _lib.StepBlock()
+        check(L.strata_step_block_init(ctypes.byref(d)))
+        for key in ("elements", "rank_elements", "keep_whole_bytes", "keep_selective_bytes"):
+            setattr(d, key, getattr(block, key))
+        for key, table in (("residency", RESIDENCY), ("keep", KEEP)):
+            value = getattr(block, key)
+            if value not in table:
+                raise ValueError("strata.step_plan: block %d's %s %r is not one of %s"
+                                 % (i, key, value, ", ".join(table)))
+            setattr(d, key, table[value])
+        structs.append(d)
+    points = []
+    for i, (point, block, allocated, reserved) in enumerate(intervals):
+        if point not in POINTS:
+            raise ValueError("strata.step_plan: interval %d's point %r is not one of %s"
+                             % (i, point, ", ".join(POINTS)))
+        t = _lib.StepInterval()
+        check(L.strata_step_interval_init(ctypes.byref(t)))
+        t.point, t.block = POINTS[point], int(block)
+        t.allocated_peak_bytes, t.reserved_peak_bytes = int(allocated), int(reserved)
+        points.append(t)
+    q = _lib.StepProfile()
+    check(L.strata_step_profile_init(ctypes.byref(q)))
+    block_array = (ctypes.POINTER(_lib.StepBlock) * max(1, len(structs)))(
+        *[ctypes.pointer(d) for d in structs])
+    interval_array = (ctypes.POINTER(_lib.StepInterval) * max(1, len(points)))(
+        *[ctypes.pointer(t) for t in points])
+    q.blocks, q.block_count = block_array, len(structs)
+    q.intervals, q.interval_count = interval_array, len(points)
+    for key, value in fields.items():
+        setattr(q, key, int(value))
+    handle = ctypes.c_void_p()
+    check(L.strata_step_plan_create(ctypes.byref(q), ctypes.byref(handle)))
+    try:
+        return StepPlan(handle)
+    finally:
+        L.strata_step_plan_destroy(handle)

@@ -1,0 +1,130 @@
+// Checkpoint homes: which blocks' inputs leave the device for host memory between their forward
+// and their backward pass. At 148 x 1024 tokens of an 8B Llama a block's input is 1.24 GB,
+// 40 GB for 32 blocks, held through the whole forward pass.
+#include <algorithm>
+#include <functional>
+#include <iomanip>
+#include <sstream>
+
+#include "runtime/step/step_plan.h"
+
+namespace strata::step {
+
+uint64_t margin_bytes(const StepProfile& profile) {
+  const double share = profile.allocator_returns_cache ? kMarginReturningCache : kMargin;
+  return static_cast<uint64_t>(static_cast<double>(profile.device_total) * share);
+}
+
+// With n of the first blocks spilled the peak is base + working + the checkpoints not spilled +
+// the restores in flight (the largest depth + 1 of the spilled ones). None spill when
+// everything fits; all of them, and not fitting, when even that is short. The first blocks
+// spill: their backward comes last, so their restores have the most time.
+uint32_t choose_spills(const std::vector<uint64_t>& checkpoints, uint64_t base, uint64_t working,
+                       uint64_t usable, uint64_t margin, bool* fits, uint32_t depth) {
+  const int64_t limit = static_cast<int64_t>(usable) - static_cast<int64_t>(margin);
+  uint64_t total = 0;
+  for (uint64_t c : checkpoints) total += c;
+  const auto peak = [&](uint64_t spilled, uint64_t inflight) {
+    return static_cast<int64_t>(base + working + total - spilled + inflight);
+  };
+  *fits = true;
+  if (peak(0, 0) <= limit) return 0;
+  std::vector<uint64_t> largest;  // the spilled ones, largest first
+  uint64_t spilled = 0;
+  for (std::size_t n = 1; n <= checkpoints.size(); ++n) {
+    spilled += checkpoints[n - 1];
+    largest.insert(std::upper_bound(largest.begin(), largest.end(), checkpoints[n - 1],
+                                    std::greater<uint64_t>()),
+                   checkpoints[n - 1]);
+    uint64_t inflight = 0;
+    for (std::size_t i = 0; i < largest.size() && i <= depth; ++i) inflight += largest[i];
+    if (peak(spilled, inflight) <= limit) return static_cast<uint32_t>(n);
+  }
+  *fits = false;
+  return static_cast<uint32_t>(checkpoints.size());
+}
+
+namespace {
+
+// One block's backward working set at this batch: what it saves for its backward (its
+// recompute) at kBlockFactor, and its input's and output's grads; unmeasured,
+// kUnmeasuredBlockFactor checkpoints.
+uint64_t block_working(const StepProfile& p) {
+  if (!p.block_saved_measured) return kUnmeasuredBlockFactor * p.checkpoint_bytes;
+  return static_cast<uint64_t>(static_cast<double>(p.block_saved_bytes) * kBlockFactor) +
+         2 * p.checkpoint_bytes;
+}
+
+// The loss's working set: over chunks, one chunk's logits (compute dtype, fp32, and their grad)
+// and the head's fp32 weight grad; whole, the logits in both dtypes and their grad in both.
+uint64_t loss_working(const StepProfile& p, uint64_t chunk) {
+  if (p.vocab == 0 || p.hidden == 0) return 0;
+  if (p.loss_chunked && chunk) {
+    return 8 * std::min(p.tokens, chunk) * p.vocab + 4 * p.vocab * p.hidden;
+  }
+  return 12 * p.tokens * p.vocab;
+}
+
+// What kept blocks hold at this batch, at kBlockFactor: a resident one (no checkpoint: it keeps
+// what its recompute would make) and a streamed one kept selectively (its checkpoint stays: its
+// recompute starts from it).
+uint64_t kept_bytes(const StepProfile& p) {
+  uint64_t kept = 0;
+  for (const auto& b : p.blocks) {
+    if (b.keep == Keep::kRecompute) continue;
+    const bool whole = b.keep == Keep::kWhole || b.keep_selective_bytes == 0;
+    const uint64_t use = whole ? b.keep_whole_bytes : b.keep_selective_bytes;
+    kept += static_cast<uint64_t>(static_cast<double>(use) * kBlockFactor);
+  }
+  return kept;
+}
+
+}  // namespace
+
+void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
+  const uint64_t usable = p.device_free + p.framework_held;
+  const uint64_t margin = margin_bytes(p);
+  std::vector<uint64_t> checkpoints;
+  for (std::size_t i = 0; i < p.blocks.size(); ++i) {
+    const bool resident = plan->blocks[i].residency == Residency::kResident;
+    checkpoints.push_back(resident && p.blocks[i].keep != Keep::kRecompute ? 0
+                                                                           : p.checkpoint_bytes);
+  }
+  const uint64_t working = std::max(block_working(p), loss_working(p, plan->loss_chunk_tokens));
+  // Paged optimizer state held now leaves at the forward pass's last block, before the loss, and
+  // its copies back wait for room in the backward pass: it takes the working set's place, not a
+  // share beside it (counted in full, an 8B's 31 GB at 148 x 1024 made every block spill and
+  // still predicted no fit).
+  const uint64_t leaving = std::min(p.leaving_bytes, p.in_use);
+  const uint64_t base = p.in_use - leaving + p.backward_grad_bytes + kept_bytes(p);
+  bool fits = true;
+  const uint32_t count =
+      choose_spills(checkpoints, base, std::max(working, leaving), usable, margin, &fits);
+  std::vector<uint64_t> spilled(checkpoints.begin(), checkpoints.begin() + count);
+  std::sort(spilled.begin(), spilled.end(), std::greater<uint64_t>());
+  uint64_t inflight = 0;
+  for (std::size_t i = 0; i < spilled.size() && i <= kRestoreDepth; ++i) inflight += spilled[i];
+  for (uint32_t i = 0; i < count; ++i) plan->blocks[i].checkpoint = CheckpointHome::kDram;
+  plan->checkpoints_planned = true;
+  plan->spilled_checkpoints = count;
+  plan->fits = fits;
+  plan->backward_reserve_bytes = working + inflight + margin;
+  plan->usable_bytes = usable;
+  plan->margin_bytes = margin;
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(2);
+  o << "checkpoints: " << count << " of " << p.blocks.size() << " (" << p.checkpoint_bytes / 1e9
+    << " GB each at " << p.tokens << " tokens) to host memory: the step holds "
+    << base / 1e9 << " GB besides them (the framework's " << p.in_use / 1e9 << " GB at the "
+    << "forward pass's start less " << leaving / 1e9 << " GB leaving before the loss, "
+    << p.backward_grad_bytes / 1e9 << " GB of grads to come, " << kept_bytes(p) / 1e9
+    << " GB kept by blocks), a backward working set of " << std::max(working, leaving) / 1e9
+    << " GB (one block's " << block_working(p) / 1e9 << " GB"
+    << (p.block_saved_measured ? "" : ", unmeasured") << ", the loss's "
+    << loss_working(p, plan->loss_chunk_tokens) / 1e9 << " GB), and " << usable / 1e9
+    << " GB usable less a margin of " << margin / 1e9 << " GB"
+    << (fits ? "" : "; predicted short even with every checkpoint in host memory");
+  plan->reasons.push_back(o.str());
+}
+
+}  // namespace strata::step

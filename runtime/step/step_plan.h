@@ -1,0 +1,189 @@
+// The step-memory plan: what keeps one training step inside the device's and the host's memory,
+// decided once, here, for every binding (issue 50). A binding measures (its allocator, its
+// blocks' saved bytes, its batch) and executes (its hooks, its autograd); the decisions and the
+// constants they use live in this module only:
+//   - residency: how many of the first blocks stay in HBM (the rest stream);
+//   - activations: which blocks keep what their backward needs (wholly, or only their matrix
+//     products' and attention's outputs) instead of recomputing it;
+//   - checkpoint homes: which blocks' inputs (their checkpoints) go to host memory;
+//   - the host budget's split: the DRAM arena, and what is left beside it for the binding's
+//     pools (paged optimizer state, spilled checkpoints);
+//   - the loss chunk: how many tokens' logits exist at once.
+// Each decision is made when the profile carries what it needs (a binding plans residency at
+// set-up, checkpoint homes at the first forward pass, kept activations once a step's peak is
+// measured) and every choice carries its reason for the dump.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace strata::step {
+
+// Constants, each with its reason; the only copy.
+// Of the device memory left beside Strata's own and the rest of the model, the share resident
+// blocks may take: the rest is for activations, logits and the allocator's caching.
+inline constexpr uint64_t kResidentShareNumerator = 2;
+inline constexpr uint64_t kResidentShareDenominator = 5;
+// Device memory left unused by the plan, as a fraction of the device: 10% with a caching
+// allocator (what fragmentation strands is as unusable as what is allocated), 4% with one that
+// gives its cache back where an allocation needs it (torch's expandable segments).
+inline constexpr double kMargin = 0.10;
+inline constexpr double kMarginReturningCache = 0.04;
+// With such an allocator, what it reserved beyond what it allocated is cache it gives back: a
+// measured peak counts the allocated peak plus this fraction of the device (pages partly used,
+// its rounding), or the reserved peak when that is less (an 8B at 32x1024 with paged state
+// reserved to the device's size with 91-95 GB of 139 allocated).
+inline constexpr double kFragmentationReturningCache = 0.02;
+// A kept block's measured saved bytes are planned at this factor (the allocator's rounding and
+// the transients of its backward beside them).
+inline constexpr double kBlockFactor = 1.25;
+// A block whose saved bytes could not be measured: its backward working set is taken as this
+// many checkpoints (an 8B Llama block at 148 x 1024 saves ~14 of them).
+inline constexpr uint64_t kUnmeasuredBlockFactor = 16;
+// Spilled checkpoints restored ahead of the backward pass: the block's own and the next ones in
+// backward order (enough to hide a copy behind one block's backward).
+inline constexpr uint32_t kRestoreDepth = 2;
+// Without a host budget, the share of the host memory available once the arena is made that the
+// binding's pools may take (the paged state alone took half of it at the first step's end
+// before the pools were counted together).
+inline constexpr double kPoolShare = 0.5;
+// The fp32 logits of one loss chunk.
+inline constexpr uint64_t kLossChunkBytes = uint64_t{1} << 30;
+
+enum class Residency : int32_t { kChoose = 0, kResident = 1, kStreamed = 2 };
+enum class Keep : int32_t { kRecompute = 0, kSelective = 1, kWhole = 2 };
+enum class CheckpointHome : int32_t { kHbm = 0, kDram = 1 };
+
+struct BlockProfile {
+  uint64_t elements = 0;       // parameters of the block
+  uint64_t rank_elements = 0;  // of them, what this process holds (data parallel); 0 = all
+  // What it saves for its backward when not recomputed (0: unmeasured; a streamed block is never
+  // kept wholly: that would keep its weights), and only its products' and attention's outputs
+  // (0: cannot be kept so).
+  uint64_t keep_whole_bytes = 0;
+  uint64_t keep_selective_bytes = 0;
+  Residency residency = Residency::kChoose;  // fixed by an earlier plan, or to choose
+  Keep keep = Keep::kRecompute;              // how it keeps now (what the checkpoint plan counts)
+};
+
+// A point of a measured step where a block begins its forward or backward pass with grad (or
+// the step ends), and the framework's allocated and reserved peaks in the interval that ended
+// there.
+enum class PointKind : int32_t { kForward = 0, kBackward = 1, kEnd = 2 };
+struct Interval {
+  PointKind kind = PointKind::kForward;
+  uint32_t block = 0;  // model order (0 for kEnd)
+  uint64_t allocated_peak = 0;
+  uint64_t reserved_peak = 0;
+};
+
+struct StepProfile {
+  std::vector<BlockProfile> blocks;  // model order: the resident blocks first
+  // Device (bytes; device_total 0: no device, nothing planned on it). free: what it has free
+  // now; framework_held: what the framework's allocator holds (free + held = what it could
+  // hold); allocator_returns_cache: its cache is given back where an allocation needs it.
+  uint64_t device_total = 0;
+  uint64_t device_free = 0;
+  uint64_t framework_held = 0;
+  bool allocator_returns_cache = false;
+  // Residency (planned when some block is kChoose): Strata's HBM tier still to be allocated
+  // (its slots), the parameters outside the blocks still coming to the device, the bytes a
+  // resident parameter takes there (weight, grad, optimizer state), and with the streamed grads
+  // in HBM their bytes per parameter and in all (0: in DRAM).
+  uint64_t hbm_tier_bytes = 0;
+  uint64_t outside_elements = 0;
+  uint64_t resident_bytes_per_param = 0;
+  uint64_t streamed_grad_bytes_per_param = 0;
+  uint64_t streamed_grads_hbm_bytes = 0;
+  // Checkpoint homes (planned when tokens > 0): the batch's tokens, one checkpoint's bytes, what
+  // one block saves for its backward at this batch (block_saved_measured false: unmeasured),
+  // what the framework holds at the forward pass's start (in_use), the grads its backward pass
+  // will allocate, and bytes leaving the device before the loss (paged state).
+  uint64_t tokens = 0;
+  uint64_t checkpoint_bytes = 0;
+  uint64_t block_saved_bytes = 0;
+  bool block_saved_measured = false;
+  uint64_t in_use = 0;
+  uint64_t backward_grad_bytes = 0;
+  uint64_t leaving_bytes = 0;
+  // Loss: the head's vocabulary and hidden size (0: no head), whether it runs over chunks, and a
+  // chunk given by the user (0: the default).
+  uint64_t vocab = 0;
+  uint64_t hidden = 0;
+  bool loss_chunked = false;
+  uint64_t loss_chunk_tokens = 0;
+  // Kept activations (planned when a step was measured): the step's allocated and reserved
+  // peaks and the intervals between block starts.
+  bool step_measured = false;
+  uint64_t step_allocated_peak = 0;
+  uint64_t step_reserved_peak = 0;
+  std::vector<Interval> intervals;
+  // Host (bytes). host_budget: the user's (0: the default); arena: the DRAM tier's budget;
+  // host_available: the host's available memory now (after the arena); ranks_on_host: processes
+  // of this host each making such a budget; beside: pinned bytes the binding holds beside the
+  // arena that it cannot do without.
+  uint64_t host_budget = 0;
+  uint64_t arena_bytes = 0;
+  uint64_t host_available = 0;
+  uint32_t ranks_on_host = 1;
+  uint64_t beside_bytes = 0;
+};
+
+struct BlockPlan {
+  Residency residency = Residency::kStreamed;
+  Keep keep = Keep::kRecompute;
+  CheckpointHome checkpoint = CheckpointHome::kHbm;
+};
+
+struct StepPlan {
+  std::vector<BlockPlan> blocks;
+  uint32_t resident_blocks = 0;
+  bool residency_planned = false;
+  // Checkpoint homes: how many of the first blocks spill, whether the step is then predicted
+  // inside the device, and what one backward block may allocate beyond what it holds at its
+  // start (its working set, the restores in flight, the margin).
+  bool checkpoints_planned = false;
+  uint32_t spilled_checkpoints = 0;
+  bool fits = true;
+  uint64_t backward_reserve_bytes = 0;
+  // Kept activations: the measured peak judged and what was usable.
+  bool keep_planned = false;
+  uint32_t kept_blocks = 0;
+  uint64_t judged_peak = 0;
+  uint64_t usable_bytes = 0;
+  uint64_t margin_bytes = 0;
+  uint64_t host_total_bytes = 0;  // the host budget as the plan counts it (0: no host figures)
+  uint64_t loss_chunk_tokens = 0;
+  std::vector<std::string> reasons;  // one line per decision made, for the dump
+};
+
+// Validates `profile` (names the field at fault) and plans what it carries.
+Status plan_step(const StepProfile& profile, StepPlan* out);
+
+// The decisions (residency.cpp, checkpoints.cpp, kept.cpp), each also callable alone.
+uint32_t choose_resident(const StepProfile& profile, std::string* why);
+uint64_t margin_bytes(const StepProfile& profile);
+// How many of the first blocks spill their checkpoints (`checkpoints`: each block's bytes, 0
+// where it keeps none), and whether the step then fits.
+uint32_t choose_spills(const std::vector<uint64_t>& checkpoints, uint64_t base, uint64_t working,
+                       uint64_t usable, uint64_t margin, bool* fits,
+                       uint32_t depth = kRestoreDepth);
+void plan_checkpoints(const StepProfile& profile, StepPlan* plan);
+// The kept modes, candidates in the order given (their (whole, selective) bytes at kBlockFactor;
+// whole 0: only selectively), each counted in the intervals where it is alive: `intervals` are
+// (the last block alive, peak), `order[i]` candidate i's place in the model.
+std::vector<Keep> choose_kept(uint64_t usable, uint64_t margin,
+                              const std::vector<std::pair<uint64_t, uint64_t>>& candidates,
+                              const std::vector<std::pair<int64_t, uint64_t>>& intervals,
+                              const std::vector<int64_t>& order);
+void plan_kept(const StepProfile& profile, StepPlan* plan);
+uint64_t host_total(const StepProfile& profile);
+uint64_t default_loss_chunk(uint64_t vocab);
+
+std::string dump_text(const StepProfile& profile, const StepPlan& plan);
+std::string dump_json(const StepProfile& profile, const StepPlan& plan);
+
+}  // namespace strata::step

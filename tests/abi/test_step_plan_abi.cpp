@@ -1,0 +1,226 @@
+// The step-memory plan through the C ABI (strata.h "Step-memory plan"): what each function's
+// comment promises, as a C caller sees it: inits, every refusal it lists with nothing written,
+// output structs written only up to their struct_size, dumps with strata_plan_dump's buffer
+// rules, destroy(NULL), and a plan that needs no runtime.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "support/test_support.h"
+
+namespace {
+
+struct Profile {
+  std::vector<strata_step_block_t> blocks;
+  std::vector<const strata_step_block_t*> pointers;
+  strata_step_profile_t profile{};
+
+  explicit Profile(uint32_t n) : blocks(n) {
+    for (auto& b : blocks) {
+      REQUIRE(strata_step_block_init(&b) == STRATA_OK);
+      b.elements = 1000;
+    }
+    for (auto& b : blocks) pointers.push_back(&b);
+    REQUIRE(strata_step_profile_init(&profile) == STRATA_OK);
+    profile.blocks = pointers.data();
+    profile.block_count = n;
+    profile.device_total_bytes = 100000000;
+    profile.device_free_bytes = 100000000;
+    profile.resident_bytes_per_param = 16;
+  }
+};
+
+std::string last_error() {
+  return strata_last_error_message();
+}
+
+}  // namespace
+
+TEST_CASE("step plan: inits set struct_size and the documented defaults", "[abi]") {
+  strata_step_profile_t p;
+  std::memset(&p, 0xab, sizeof p);
+  REQUIRE(strata_step_profile_init(&p) == STRATA_OK);
+  CHECK(p.struct_size == STRATA_STEP_PROFILE_STRUCT_SIZE);
+  CHECK(p.block_count == 0);
+  CHECK(p.blocks == nullptr);
+  CHECK(p.ranks_on_host == 1);
+  strata_step_block_t b;
+  std::memset(&b, 0xab, sizeof b);
+  REQUIRE(strata_step_block_init(&b) == STRATA_OK);
+  CHECK(b.struct_size == STRATA_STEP_BLOCK_STRUCT_SIZE);
+  CHECK(b.residency == STRATA_RESIDENCY_CHOOSE);
+  CHECK(b.keep == STRATA_KEEP_RECOMPUTE);
+  CHECK(b.checkpoint_tier == STRATA_TIER_HBM);
+  strata_step_interval_t t;
+  REQUIRE(strata_step_interval_init(&t) == STRATA_OK);
+  CHECK(t.struct_size == STRATA_STEP_INTERVAL_STRUCT_SIZE);
+  CHECK(strata_step_profile_init(nullptr) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(strata_step_block_init(nullptr) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(strata_step_interval_init(nullptr) == STRATA_ERROR_INVALID_ARGUMENT);
+}
+
+TEST_CASE("step plan: a plan without a runtime, its info, blocks and dumps", "[abi]") {
+  Profile p(4);
+  strata_step_plan_t* plan = nullptr;
+  REQUIRE(strata_step_plan_create(&p.profile, &plan) == STRATA_OK);
+  strata_step_plan_info_t info{};
+  info.struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE;
+  REQUIRE(strata_step_plan_get_info(plan, &info) == STRATA_OK);
+  CHECK(info.blocks == 4);
+  CHECK(info.residency_planned == 1);
+  CHECK(info.resident_blocks == 3);  // a large device: all but one block
+  CHECK(info.checkpoints_planned == 0);
+  CHECK(info.fits == 1);
+  CHECK(info.restore_depth == 2);
+  strata_step_block_t out{};
+  out.struct_size = STRATA_STEP_BLOCK_STRUCT_SIZE;
+  REQUIRE(strata_step_plan_get_block(plan, 3, &out) == STRATA_OK);
+  CHECK(out.residency == STRATA_RESIDENCY_STREAMED);
+  CHECK(out.elements == 1000);
+  REQUIRE(strata_step_plan_get_block(plan, 0, &out) == STRATA_OK);
+  CHECK(out.residency == STRATA_RESIDENCY_RESIDENT);
+  CHECK(strata_step_plan_get_block(plan, 4, &out) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("block index 4") != std::string::npos);
+
+  // A newer caller's larger output struct: the library writes its own fields, nothing beyond;
+  // a size that ends inside a field is refused and nothing is written.
+  struct {
+    strata_step_plan_info_t info;
+    char guard[8];
+  } large{};
+  std::memset(&large, 0x5a, sizeof large);
+  large.info.struct_size = sizeof(strata_step_plan_info_t) + sizeof large.guard;
+  REQUIRE(strata_step_plan_get_info(plan, &large.info) == STRATA_OK);
+  CHECK(large.info.blocks == 4);
+  CHECK(large.info.struct_size == sizeof(strata_step_plan_info_t) + sizeof large.guard);
+  for (char c : large.guard) CHECK(c == 0x5a);
+  std::memset(&large, 0x5a, sizeof large);
+  large.info.struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE - 1;
+  CHECK(strata_step_plan_get_info(plan, &large.info) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(large.info.blocks == 0x5a5a5a5au);
+
+  size_t length = 0;
+  REQUIRE(strata_step_plan_dump(plan, STRATA_PLAN_FORMAT_TEXT, nullptr, 0, &length) ==
+          STRATA_OK);
+  std::string text(length + 1, '\0');
+  REQUIRE(strata_step_plan_dump(plan, STRATA_PLAN_FORMAT_TEXT, text.data(), text.size(),
+                                &length) == STRATA_OK);
+  CHECK(text.find("residency: 3 of 4 blocks resident") != std::string::npos);
+  CHECK(strata_step_plan_dump(plan, STRATA_PLAN_FORMAT_TEXT, text.data(), length, nullptr) ==
+        STRATA_ERROR_INVALID_ARGUMENT);  // no room for the NUL
+  CHECK(strata_step_plan_dump(plan, 7, nullptr, 0, &length) == STRATA_ERROR_INVALID_ARGUMENT);
+  REQUIRE(strata_step_plan_dump(plan, STRATA_PLAN_FORMAT_JSON, nullptr, 0, &length) ==
+          STRATA_OK);
+  CHECK(length > 0);
+  CHECK(strata_step_plan_destroy(plan) == STRATA_OK);
+  CHECK(strata_step_plan_destroy(nullptr) == STRATA_OK);
+}
+
+TEST_CASE("step plan: every refusal the header lists, nothing written", "[abi]") {
+  strata_step_plan_t* const sentinel = reinterpret_cast<strata_step_plan_t*>(0x1);
+  const auto refused = [&](Profile& p, const char* says) {
+    strata_step_plan_t* plan = sentinel;
+    CHECK(strata_step_plan_create(&p.profile, &plan) == STRATA_ERROR_INVALID_ARGUMENT);
+    CHECK(plan == sentinel);
+    CHECK(last_error().find(says) != std::string::npos);
+  };
+  {
+    Profile p(1);
+    strata_step_plan_t* plan = sentinel;
+    CHECK(strata_step_plan_create(nullptr, &plan) == STRATA_ERROR_INVALID_ARGUMENT);
+    CHECK(strata_step_plan_create(&p.profile, nullptr) == STRATA_ERROR_INVALID_ARGUMENT);
+    CHECK(plan == sentinel);
+  }
+  {
+    Profile p(1);
+    p.profile.struct_size = 8;
+    refused(p, "struct_size");
+  }
+  {
+    Profile p(2);
+    p.profile.blocks = nullptr;
+    refused(p, "blocks is NULL");
+  }
+  {
+    Profile p(2);
+    p.pointers[1] = nullptr;
+    refused(p, "blocks[1] is NULL");
+  }
+  {
+    Profile p(1);
+    p.profile.block_count = 16385;
+    refused(p, "at most 16384");
+  }
+  {
+    Profile p(2);
+    p.blocks[0].residency = STRATA_RESIDENCY_RESIDENT;
+    refused(p, "CHOOSE and others' fixed");
+  }
+  {
+    Profile p(2);
+    p.blocks[0].residency = STRATA_RESIDENCY_STREAMED;
+    p.blocks[1].residency = STRATA_RESIDENCY_RESIDENT;
+    refused(p, "resident after a streamed block");
+  }
+  {
+    Profile p(1);
+    p.blocks[0].residency = 9;
+    refused(p, "residency 9");
+  }
+  {
+    Profile p(1);
+    p.blocks[0].keep = -1;
+    refused(p, "keep -1");
+  }
+  {
+    Profile p(1);
+    p.profile.interval_count = 1;
+    refused(p, "intervals is NULL");
+  }
+  {
+    Profile p(1);
+    strata_step_interval_t t;
+    REQUIRE(strata_step_interval_init(&t) == STRATA_OK);
+    const strata_step_interval_t* points[] = {&t};
+    p.profile.intervals = points;
+    p.profile.interval_count = 1;
+    refused(p, "without a measured step");
+    p.profile.step_measured = 1;
+    t.point = 5;
+    refused(p, "kind 5");
+    t.point = STRATA_STEP_POINT_BACKWARD;
+    t.block = 1;
+    refused(p, "interval 0's block 1");
+  }
+  {
+    Profile p(1);
+    p.profile.host_budget_bytes = uint64_t{1} << 60;
+    refused(p, "host_budget");
+  }
+  {
+    Profile p(1);
+    p.blocks[0].rank_elements = 1001;
+    refused(p, "rank_elements 1001");
+  }
+  {
+    Profile p(1);
+    p.profile.device_free_bytes = p.profile.device_total_bytes + 1;
+    refused(p, "device_free");
+  }
+  {
+    Profile p(1);
+    p.profile.device_total_bytes = p.profile.device_free_bytes = 0;
+    p.profile.tokens = 16;
+    refused(p, "tokens given with no device");
+  }
+  {
+    Profile p(0);
+    p.profile.step_measured = 1;
+    refused(p, "a measured step given with no blocks");
+  }
+  strata_step_plan_info_t info{};
+  info.struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE;
+  CHECK(strata_step_plan_get_info(nullptr, &info) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(strata_step_plan_dump(nullptr, STRATA_PLAN_FORMAT_TEXT, nullptr, 0, nullptr) ==
+        STRATA_ERROR_INVALID_ARGUMENT);
+}

@@ -1,0 +1,83 @@
+"""strata.step_plan: the library's step-memory plan through the Python binding (the rules'
+cases are C++ unit tests, tests/unit/test_step_plan.cpp; the C ABI's promises are
+tests/abi/test_step_plan_abi.cpp). Here: the binding passes every field and reads every choice
+back, refuses what it does not know, and the library's refusals arrive as errors naming the
+field."""
+
+import json
+
+import pytest
+
+from strata import step_plan
+from strata.errors import StrataError
+
+GB = 1 << 30
+
+
+def test_residency_from_the_device():
+    """Residency is chosen when every block says "choose": 40% of the device beside the rest
+    of the model, at least one block streams; the dump says why."""
+    plan = step_plan.plan_step([step_plan.Block(100) for _ in range(4)],
+                               device_total_bytes=100_000, device_free_bytes=10_000,
+                               resident_bytes_per_param=16)
+    assert plan.resident_blocks == 2 and plan.residency_planned
+    assert [b["residency"] for b in plan.blocks] == ["resident"] * 2 + ["streamed"] * 2
+    assert not plan.checkpoints_planned and not plan.keep_planned
+    assert "residency: 2 of 4 blocks resident" in plan.text
+    dumped = json.loads(plan.json)
+    assert dumped["resident_blocks"] == 2 and len(dumped["blocks"]) == 4
+
+
+def test_checkpoint_homes_and_kept_activations_in_one_plan():
+    """A batch's tokens plan checkpoint homes, a measured step kept activations; each block's
+    choice comes back (the first blocks' checkpoints to DRAM)."""
+    blocks = [step_plan.Block(1000, residency="resident", keep_whole_bytes=GB,
+                              keep_selective_bytes=GB // 4)] * 2
+    blocks += [step_plan.Block(1000, residency="streamed", keep_selective_bytes=GB // 2)] * 6
+    plan = step_plan.plan_step(
+        blocks, device_total_bytes=100 * GB, device_free_bytes=100 * GB, tokens=4096,
+        checkpoint_bytes=10 * GB, block_saved_bytes=4 * GB, block_saved_measured=1,
+        in_use_bytes=20 * GB)
+    assert plan.checkpoints_planned and plan.spilled_checkpoints == 7 and plan.fits
+    assert [b["checkpoint"] for b in plan.blocks] == ["dram"] * 7 + ["hbm"]
+    assert plan.restore_depth == 2
+    timeline = [("f", g, 10 * GB, 10 * GB) for g in range(8)]
+    timeline += [("b", g, 20 * GB, 20 * GB) for g in range(8)] + [("end", 0, 20 * GB, 20 * GB)]
+    kept = step_plan.plan_step(blocks, timeline, device_total_bytes=100 * GB,
+                               device_free_bytes=60 * GB, framework_held_bytes=40 * GB,
+                               step_measured=1, step_allocated_peak_bytes=20 * GB,
+                               step_reserved_peak_bytes=20 * GB)
+    assert kept.keep_planned and kept.kept_blocks == 8
+    assert kept.keeps()[:2] == ["whole", "whole"] and kept.keeps()[2:] == ["selective"] * 6
+    assert "in the intervals where it is alive" in kept.text
+
+
+def test_the_host_budget_and_the_loss_chunk_need_no_blocks():
+    plan = step_plan.plan_step([], arena_bytes=600, host_available_bytes=1000, vocab=128256)
+    assert plan.host_total_bytes == 1100 and plan.loss_chunk_tokens == 2088
+    assert plan.blocks == []
+
+
+def test_unknown_fields_and_names_are_refused():
+    with pytest.raises(ValueError, match="unknown profile field"):
+        step_plan.plan_step([], devise_free_bytes=1)
+    with pytest.raises(ValueError, match="residency 'resdent' is not one of"):
+        step_plan.plan_step([step_plan.Block(1, residency="resdent")])
+    with pytest.raises(ValueError, match="point 'x' is not one of"):
+        step_plan.plan_step([step_plan.Block(1)], [("x", 0, 0, 0)], step_measured=1)
+
+
+@pytest.mark.parametrize("blocks,fields,message", [
+    ([step_plan.Block(1, residency="streamed"), step_plan.Block(1, residency="resident")], {},
+     "resident after a streamed block"),
+    ([step_plan.Block(1), step_plan.Block(1, residency="streamed")], {},
+     "CHOOSE and others' fixed"),
+    ([step_plan.Block(1, rank_elements=2)], {}, "rank_elements 2 is more than its elements"),
+    ([step_plan.Block(1)], dict(tokens=5), "tokens given with no device"),
+    ([], dict(tokens=5, device_total_bytes=1), "tokens given with no blocks"),
+    ([step_plan.Block(1)], dict(device_total_bytes=1, device_free_bytes=2), "device_free"),
+    ([step_plan.Block(1)], dict(resident_bytes_per_param=65), "resident_bytes_per_param 65"),
+])
+def test_the_library_refuses_a_bad_profile_naming_it(blocks, fields, message):
+    with pytest.raises(StrataError, match=message):
+        step_plan.plan_step(blocks, **fields)
