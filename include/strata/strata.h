@@ -11,9 +11,10 @@
  *   - No C++ exception, abort or assert crosses this boundary for bad input.
  *   - Every argument struct starts with `size_t struct_size`. Set it to the matching
  *     STRATA_*_STRUCT_SIZE macro of the header you compiled against. The library reads only the
- *     fields your size covers (later fields take their documented defaults) and rejects a size
- *     smaller than the v1 struct with STRATA_ERROR_INVALID_ARGUMENT. Fields are only ever
- *     appended, never reordered or removed.
+ *     fields your size covers (later fields take their documented defaults). It accepts the size
+ *     that macro had in any release, or any size at least its own; every other size (one ending
+ *     inside a field or between two releases' sizes) is STRATA_ERROR_INVALID_ARGUMENT. Fields are
+ *     only ever appended, never reordered or removed.
  *   - Pointer parameters say whether they are borrowed (read during the call only), transferred
  *     (ownership passes) or valid until a stated event.
  *   - Thread-safety: a runtime may be used from any number of threads at once; every function
