@@ -61,8 +61,7 @@ STRATA_API strata_status_t strata_graph_add_layer(strata_graph_t* graph,
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(graph, "graph"));
     strata_layer_desc_t d{};
-    STRATA_RETURN_IF_ERROR(
-        read_struct(desc, STRATA_LAYER_DESC_STRUCT_SIZE, "strata_layer_desc_t", &d));
+    STRATA_RETURN_IF_ERROR(read_struct(desc, &d));
     LayerSpec layer;
     if (d.name != nullptr) layer.name.assign(d.name, strnlen(d.name, STRATA_MAX_NAME_LENGTH));
     STRATA_RETURN_IF_ERROR(copy_handles(d.weights, d.weight_count, "weights", &layer.weights));
@@ -126,8 +125,7 @@ STRATA_API strata_status_t strata_plan_create(strata_graph_t* graph,
     strata_plan_config_t c{};
     (void)strata_plan_config_init(&c);
     if (config != nullptr) {
-      STRATA_RETURN_IF_ERROR(
-          read_struct(config, STRATA_PLAN_CONFIG_STRUCT_SIZE, "strata_plan_config_t", &c));
+      STRATA_RETURN_IF_ERROR(read_struct(config, &c));
     }
     PlanConfig pc;
     pc.micro_batches = c.micro_batches == 0 ? 1 : c.micro_batches;
@@ -160,8 +158,7 @@ STRATA_API strata_status_t strata_plan_destroy(strata_plan_t* plan) {
 STRATA_API strata_status_t strata_plan_get_info(strata_plan_t* plan, strata_plan_info_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(plan, "plan"));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, STRATA_PLAN_INFO_STRUCT_SIZE, "strata_plan_info_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out));
     const Plan& p = plan->plan;
     strata_plan_info_t info{};
     info.layers = p.layer_count;
@@ -246,8 +243,7 @@ STRATA_API strata_status_t strata_layer_acquire(strata_executor_t* executor, uin
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(executor, "executor"));
     STRATA_RETURN_IF_ERROR(check_phase(phase));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(views, STRATA_LAYER_VIEWS_STRUCT_SIZE, "strata_layer_views_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(views));
     if ((flags & ~(STRATA_ACQUIRE_NO_WAIT | STRATA_ACQUIRE_HOST_WAIT)) != 0) {
       return error(Code::kInvalidArgument, "unknown acquire flags ", flags);
     }
@@ -338,8 +334,7 @@ STRATA_API strata_status_t strata_executor_get_stats(strata_executor_t* executor
                                                      strata_executor_stats_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(executor, "executor"));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, STRATA_EXECUTOR_STATS_STRUCT_SIZE, "strata_executor_stats_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out));
     const ExecutorStats s = executor->impl->stats();
     strata_executor_stats_t stats{};
     stats.steps = s.steps;

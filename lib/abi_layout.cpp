@@ -15,15 +15,9 @@ static_assert(sizeof(uint64_t) == sizeof(size_t));
 
 namespace {
 
-// The sizes 1.3 introduced the structs with: a smaller struct_size is refused. 1.5 appended the
-// request's grad_sum: a 1.3 or 1.4 caller's request ends at nvme_budget_bytes.
-constexpr std::size_t kLayoutRequestV1_3Size =
-    STRATA_STRUCT_SIZE(strata_layout_request_t, nvme_budget_bytes);
-constexpr std::size_t kLayoutLayerV1_3Size = STRATA_LAYOUT_LAYER_STRUCT_SIZE;
+// 1.5 appended the request's grad_sum: a 1.3 or 1.4 caller's request (abi_struct_sizes.h) is
+// smaller than this header's struct.
 static_assert(sizeof(strata_layout_request_t) > kLayoutRequestV1_3Size);
-// 1.4 appended accum_bytes: a 1.3 caller's totals end at nvme_placeable_bytes.
-constexpr std::size_t kLayoutTotalsV1_3Size =
-    STRATA_STRUCT_SIZE(strata_layout_totals_t, nvme_placeable_bytes);
 
 // One layer's element counts: `count` entries of `elements` from *next on.
 Status read_counts(const uint32_t* counts, const uint64_t* elements, const char* what,
@@ -144,13 +138,11 @@ STRATA_API strata_status_t strata_layout_query(const strata_layout_request_t* re
   return guarded(__func__, [&] {
     strata_layout_request_t q{};
     (void)strata_layout_request_init_v1_5(&q);
-    STRATA_RETURN_IF_ERROR(
-        read_struct(request, kLayoutRequestV1_3Size, "strata_layout_request_t", &q));
+    STRATA_RETURN_IF_ERROR(read_struct(request, &q));
     // Every output struct is checked before anything is computed or written.
     std::size_t stride = 0;
     if (layers != nullptr) {
-      STRATA_RETURN_IF_ERROR(
-          check_out_struct(layers, kLayoutLayerV1_3Size, "strata_layout_layer_t"));
+      STRATA_RETURN_IF_ERROR(check_out_struct(layers));
       stride = layers->struct_size;
       if (stride % alignof(strata_layout_layer_t) != 0) {
         return error(Code::kInvalidArgument, "strata_layout_layer_t.struct_size is ", stride,
@@ -170,8 +162,7 @@ STRATA_API strata_status_t strata_layout_query(const strata_layout_request_t* re
       }
     }
     if (totals != nullptr) {
-      STRATA_RETURN_IF_ERROR(
-          check_out_struct(totals, kLayoutTotalsV1_3Size, "strata_layout_totals_t"));
+      STRATA_RETURN_IF_ERROR(check_out_struct(totals));
     }
     LayoutRequest r;
     STRATA_RETURN_IF_ERROR(to_request(q, &r));

@@ -9,14 +9,6 @@ using namespace strata::abi;
 
 namespace {
 
-constexpr std::size_t kOptimizerConfigV1_0Size =
-    STRATA_STRUCT_SIZE(strata_optimizer_config_t, threads);
-// A 1.0 or 1.1 caller's stats end at `binding`; they get what their size covers.
-constexpr std::size_t kOptimizerStatsV1_0Size =
-    STRATA_STRUCT_SIZE(strata_optimizer_stats_t, binding);
-// A param desc before 1.2's master_layout.
-constexpr std::size_t kParamDescV1_0Size = STRATA_STRUCT_SIZE(strata_param_desc_t, group);
-
 OptimizerConfig to_core(const strata_optimizer_config_t& c) {
   OptimizerConfig o;
   o.kind = static_cast<OptimizerKind>(c.kind);
@@ -75,8 +67,6 @@ strata_optimizer_config_t from_core(const OptimizerConfig& o) {
 // sizeof too), so they keep an init that writes only those, the compat symbol
 // strata_optimizer_config_init@STRATA_1.0; programs built against this header get the default,
 // @@STRATA_1.2 (docs/abi.md, "*_config_init and growing structs").
-constexpr std::size_t kOptimizerConfigV1_1Size =
-    STRATA_STRUCT_SIZE(strata_optimizer_config_t, update_mode);
 constexpr std::size_t kOptimizerConfigAlign = alignof(strata_optimizer_config_t);
 static_assert((kOptimizerConfigV1_0Size + kOptimizerConfigAlign - 1) / kOptimizerConfigAlign *
                       kOptimizerConfigAlign ==
@@ -127,8 +117,7 @@ STRATA_API strata_status_t strata_optimizer_create(strata_runtime_t* runtime,
     (void)strata_optimizer_config_init_v1_2(STRATA_OPTIMIZER_ADAMW, &c);
     if (config != nullptr) {
       // A 1.0 caller's config ends at `threads`; the fields after it keep their defaults.
-      STRATA_RETURN_IF_ERROR(
-          read_struct(config, kOptimizerConfigV1_0Size, "strata_optimizer_config_t", &c));
+      STRATA_RETURN_IF_ERROR(read_struct(config, &c));
     }
     if (c.update_mode != STRATA_UPDATE_AUTO && c.update_mode != STRATA_UPDATE_EXPLICIT) {
       return error(Code::kInvalidArgument, "optimizer config: unknown update_mode ", c.update_mode);
@@ -158,7 +147,7 @@ STRATA_API strata_status_t strata_optimizer_add_param(strata_optimizer_t* optimi
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
     strata_param_desc_t d{};  // a 1.0/1.1-sized desc: master_layout SEPARATE (0), and so on
-    STRATA_RETURN_IF_ERROR(read_struct(desc, kParamDescV1_0Size, "strata_param_desc_t", &d));
+    STRATA_RETURN_IF_ERROR(read_struct(desc, &d));
     STRATA_RETURN_IF_ERROR(require(d.weight, "desc->weight"));
     STRATA_RETURN_IF_ERROR(require(d.grad, "desc->grad"));
     // A 1.4-sized desc ends before grad_sum: STRATA_GRAD_SUM_ACCUMULATOR (0), as before.
@@ -193,8 +182,7 @@ STRATA_API strata_status_t strata_optimizer_get_group(strata_optimizer_t* optimi
                                                       strata_group_hyperparams_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, STRATA_GROUP_HYPERPARAMS_STRUCT_SIZE, "strata_group_hyperparams_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out));
     GroupHyperparams g;
     STRATA_RETURN_IF_ERROR(optimizer->impl->group_hyperparams(group, &g));
     write_struct(out, to_c(g));
@@ -210,8 +198,7 @@ STRATA_API strata_status_t strata_optimizer_set_group_hyperparams(
     GroupHyperparams current;
     STRATA_RETURN_IF_ERROR(optimizer->impl->group_hyperparams(group, &current));
     strata_group_hyperparams_t h = to_c(current);
-    STRATA_RETURN_IF_ERROR(read_struct(hyperparams, STRATA_GROUP_HYPERPARAMS_STRUCT_SIZE,
-                                       "strata_group_hyperparams_t", &h));
+    STRATA_RETURN_IF_ERROR(read_struct(hyperparams, &h));
     return optimizer->impl->set_group_hyperparams(
         group, GroupHyperparams{h.lr, h.weight_decay, h.beta1, h.beta2, h.eps});
   });
@@ -246,8 +233,7 @@ STRATA_API strata_status_t strata_optimizer_grad_info(strata_optimizer_t* optimi
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
     STRATA_RETURN_IF_ERROR(require(weight, "weight"));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, STRATA_GRAD_INFO_STRUCT_SIZE, "strata_grad_info_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out));
     GradInfo info;
     STRATA_RETURN_IF_ERROR(optimizer->impl->grad_info(tensor_id(weight), &info));
     strata_grad_info_t v{};
@@ -353,8 +339,7 @@ STRATA_API strata_status_t strata_optimizer_get_stats(strata_optimizer_t* optimi
                                                       strata_optimizer_stats_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(optimizer, "optimizer"));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, kOptimizerStatsV1_0Size, "strata_optimizer_stats_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out));
     const OptimizerStats s = optimizer->impl->stats();
     strata_optimizer_stats_t v{};
     v.step = s.step;

@@ -77,8 +77,7 @@ STRATA_API strata_status_t strata_placement_create(strata_runtime_t* runtime,
     STRATA_RETURN_IF_ERROR(require(out_placement, "out_placement"));
     strata_placement_request_t q{};
     (void)strata_placement_request_init(&q);
-    STRATA_RETURN_IF_ERROR(read_struct(request, STRATA_PLACEMENT_REQUEST_STRUCT_SIZE,
-                                       "strata_placement_request_t", &q));
+    STRATA_RETURN_IF_ERROR(read_struct(request, &q));
     if (q.layer_count > 0 && q.layers == nullptr) {
       return error(Code::kInvalidArgument, "layers is NULL with a layer_count of ", q.layer_count);
     }
@@ -91,8 +90,7 @@ STRATA_API strata_status_t strata_placement_create(strata_runtime_t* runtime,
       strata_placement_layer_t l{};
       (void)strata_placement_layer_init(&l);
       if (q.layers[i] == nullptr) return error(Code::kInvalidArgument, "layers[", i, "] is NULL");
-      STRATA_RETURN_IF_ERROR(read_struct(q.layers[i], STRATA_PLACEMENT_LAYER_STRUCT_SIZE,
-                                         "strata_placement_layer_t", &l));
+      STRATA_RETURN_IF_ERROR(read_struct(q.layers[i], &l));
       PlacementLayer layer;
       if (l.name != nullptr) layer.name.assign(l.name, strnlen(l.name, STRATA_MAX_NAME_LENGTH));
       layer.weight_bytes = l.weight_bytes;
@@ -156,8 +154,7 @@ STRATA_API strata_status_t strata_placement_get_info(strata_placement_t* placeme
                                                      strata_placement_info_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(placement, "placement"));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, STRATA_PLACEMENT_INFO_STRUCT_SIZE, "strata_placement_info_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out));
     const Placement& p = placement->placement;
     strata_placement_info_t info{};
     info.layers = static_cast<uint32_t>(p.homes.size());

@@ -11,14 +11,8 @@ Status runtime_from(strata_runtime_t* runtime) {
   return require(runtime, "runtime");
 }
 
-// Sizes before 1.5 appended dram_pinned_bytes (config, capabilities) and the pinned arena's
-// usage (tier usage): a 1.4 caller's struct ends at these and is still accepted.
-constexpr std::size_t kRuntimeConfigV1Size =
-    STRATA_STRUCT_SIZE(strata_runtime_config_t, io_dram_direct);
-constexpr std::size_t kCapabilitiesV1Size =
-    STRATA_STRUCT_SIZE(strata_capabilities_t, io_engine_reason);
-constexpr std::size_t kTierUsageV1Size = STRATA_STRUCT_SIZE(strata_tier_usage_t, tensor_count);
-static_assert(sizeof(strata_runtime_config_t) > kRuntimeConfigV1Size);
+// A 1.0 .. 1.4 caller's config (abi_struct_sizes.h) is smaller than this header's struct.
+static_assert(sizeof(strata_runtime_config_t) > kRuntimeConfigV1_0Size);
 
 // Fill the first `bytes` bytes of *config with the defaults and set struct_size.
 strata_status_t runtime_config_init(strata_runtime_config_t* config, std::size_t bytes,
@@ -48,7 +42,7 @@ STRATA_API strata_status_t strata_runtime_config_init_v1_5(strata_runtime_config
 
 // strata_runtime_config_init@STRATA_1.0, for programs linked against 1.0 .. 1.4.
 STRATA_API strata_status_t strata_runtime_config_init_v1_0(strata_runtime_config_t* config) {
-  return runtime_config_init(config, kRuntimeConfigV1Size, kRuntimeConfigV1Size);
+  return runtime_config_init(config, kRuntimeConfigV1_0Size, kRuntimeConfigV1_0Size);
 }
 
 STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* config,
@@ -59,8 +53,7 @@ STRATA_API strata_status_t strata_runtime_create(const strata_runtime_config_t* 
     strata_runtime_config_t c{};
     (void)strata_runtime_config_init_v1_5(&c);
     if (config != nullptr) {
-      STRATA_RETURN_IF_ERROR(
-          read_struct(config, kRuntimeConfigV1Size, "strata_runtime_config_t", &c));
+      STRATA_RETURN_IF_ERROR(read_struct(config, &c));
     }
     if (c.device_backend < STRATA_DEVICE_BACKEND_AUTO ||
         c.device_backend > STRATA_DEVICE_BACKEND_HOST) {
@@ -124,7 +117,7 @@ STRATA_API strata_status_t strata_runtime_capabilities(strata_runtime_t* runtime
                                                        strata_capabilities_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(runtime_from(runtime));
-    STRATA_RETURN_IF_ERROR(check_out_struct(out, kCapabilitiesV1Size, "strata_capabilities_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out));
     const Runtime& rt = *runtime->impl;
     strata_capabilities_t caps{};
     caps.device_backend = static_cast<strata_device_backend_t>(rt.device().kind);
@@ -159,7 +152,7 @@ STRATA_API strata_status_t strata_runtime_tier_usage(strata_runtime_t* runtime, 
                                                      strata_tier_usage_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(runtime_from(runtime));
-    STRATA_RETURN_IF_ERROR(check_out_struct(out, kTierUsageV1Size, "strata_tier_usage_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out));
     if (!valid_tier(tier)) return error(Code::kInvalidArgument, "unknown tier ", tier);
     const TierUsage u = runtime->impl->tier_usage(static_cast<Tier>(tier));
     strata_tier_usage_t usage{};
@@ -179,8 +172,7 @@ STRATA_API strata_status_t strata_runtime_link_stats(strata_runtime_t* runtime, 
                                                      strata_link_stats_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(runtime_from(runtime));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, STRATA_LINK_STATS_STRUCT_SIZE, "strata_link_stats_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out));
     if (!valid_link(link)) return error(Code::kInvalidArgument, "unknown link ", link);
     const LinkCounters c = runtime->impl->link_counters(static_cast<Link>(link));
     strata_link_stats_t stats{};

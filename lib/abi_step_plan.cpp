@@ -30,8 +30,7 @@ constexpr uint32_t kMaxIntervals = 4 * kMaxBlocks + 4;
 Status read_profile(const strata_step_profile_t* user, step::StepProfile* out) {
   strata_step_profile_t q{};
   (void)strata_step_profile_init(&q);
-  STRATA_RETURN_IF_ERROR(
-      read_struct(user, STRATA_STEP_PROFILE_STRUCT_SIZE, "strata_step_profile_t", &q));
+  STRATA_RETURN_IF_ERROR(read_struct(user, &q));
   if (q.block_count > kMaxBlocks) {  // before reading any of them
     return error(Code::kInvalidArgument, "the step profile has ", q.block_count,
                  " blocks; at most ", kMaxBlocks);
@@ -52,8 +51,7 @@ Status read_profile(const strata_step_profile_t* user, step::StepProfile* out) {
     if (q.blocks[i] == nullptr) return error(Code::kInvalidArgument, "blocks[", i, "] is NULL");
     strata_step_block_t b{};
     (void)strata_step_block_init(&b);
-    STRATA_RETURN_IF_ERROR(
-        read_struct(q.blocks[i], STRATA_STEP_BLOCK_STRUCT_SIZE, "strata_step_block_t", &b));
+    STRATA_RETURN_IF_ERROR(read_struct(q.blocks[i], &b));
     p.blocks.push_back({b.elements, b.rank_elements, b.keep_whole_bytes, b.keep_selective_bytes,
                         static_cast<step::Residency>(b.residency),
                         static_cast<step::Keep>(b.keep)});
@@ -64,8 +62,7 @@ Status read_profile(const strata_step_profile_t* user, step::StepProfile* out) {
     }
     strata_step_interval_t t{};
     (void)strata_step_interval_init(&t);
-    STRATA_RETURN_IF_ERROR(read_struct(q.intervals[i], STRATA_STEP_INTERVAL_STRUCT_SIZE,
-                                       "strata_step_interval_t", &t));
+    STRATA_RETURN_IF_ERROR(read_struct(q.intervals[i], &t));
     p.intervals.push_back({static_cast<step::PointKind>(t.point), t.block, t.allocated_peak_bytes,
                            t.reserved_peak_bytes});
   }
@@ -157,8 +154,7 @@ STRATA_API strata_status_t strata_step_plan_get_info(strata_step_plan_t* plan,
                                                      strata_step_plan_info_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(plan, "plan"));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, STRATA_STEP_PLAN_INFO_STRUCT_SIZE, "strata_step_plan_info_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out));
     const step::StepPlan& p = plan->plan;
     strata_step_plan_info_t info{};
     info.struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE;
@@ -187,8 +183,7 @@ STRATA_API strata_status_t strata_step_plan_get_block(strata_step_plan_t* plan, 
                                                       strata_step_block_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(plan, "plan"));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, STRATA_STEP_BLOCK_STRUCT_SIZE, "strata_step_block_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out));
     if (index >= plan->plan.blocks.size()) {
       return error(Code::kInvalidArgument, "block index ", index, " is not one of the plan's ",
                    plan->plan.blocks.size(), " blocks");

@@ -10,6 +10,7 @@
 #include <new>
 #include <string>
 
+#include "lib/abi_struct_sizes.h"
 #include "runtime/optimizer/optimizer.h"
 #include "runtime/runtime.h"
 #include "runtime/stream/executor.h"
@@ -80,16 +81,28 @@ strata_status_t guarded(const char* function, F&& body) noexcept {
   }
 }
 
-// Read a caller's argument struct: rejects NULL and sizes below the v1 layout, copies only the
-// bytes the caller's size covers over `*out` (which holds the defaults for the rest).
+// The struct_size rule (abi_struct_sizes.h): one of T's released sizes, or at least this
+// header's. Any other size ends inside a field or between releases: reading or writing up to it
+// would cut a field in two, so it is refused, naming every size accepted.
 template <typename T>
-Status read_struct(const T* user, std::size_t v1_size, const char* type_name, T* out) {
-  if (user == nullptr) return error(Code::kInvalidArgument, type_name, " pointer is NULL");
-  if (user->struct_size < v1_size) {
-    return error(Code::kInvalidArgument, type_name, ".struct_size is ", user->struct_size,
-                 ", smaller than the v1 size ", v1_size,
-                 " (set it to the header's STRATA_*_STRUCT_SIZE macro)");
+Status check_struct_size(const T* user) {
+  using Sizes = StructSizes<T>;
+  if (user == nullptr) return error(Code::kInvalidArgument, Sizes::kName, " pointer is NULL");
+  if (accepted_struct_size<T>(user->struct_size)) return Status::ok();
+  std::string accepted;
+  for (const std::size_t s : Sizes::kAccepted) {
+    accepted += std::to_string(s) + (s == Sizes::kCurrent ? " or more" : ", ");
   }
+  return error(Code::kInvalidArgument, Sizes::kName, ".struct_size is ", user->struct_size,
+               ", not a size of any release: accepted are ", accepted,
+               " (set it to the STRATA_*_STRUCT_SIZE macro of the header you compiled against)");
+}
+
+// Read a caller's argument struct: checks its struct_size, copies only the bytes that size
+// covers over `*out` (which holds the defaults for the rest).
+template <typename T>
+Status read_struct(const T* user, T* out) {
+  STRATA_RETURN_IF_ERROR(check_struct_size(user));
   std::memcpy(static_cast<void*>(out), user, std::min(user->struct_size, sizeof(T)));
   out->struct_size = sizeof(T);
   return Status::ok();
@@ -97,13 +110,8 @@ Status read_struct(const T* user, std::size_t v1_size, const char* type_name, T*
 
 // Validate an output struct the caller sized; write_struct() then fills what that size covers.
 template <typename T>
-Status check_out_struct(const T* user, std::size_t v1_size, const char* type_name) {
-  if (user == nullptr) return error(Code::kInvalidArgument, type_name, " pointer is NULL");
-  if (user->struct_size < v1_size) {
-    return error(Code::kInvalidArgument, type_name, ".struct_size is ", user->struct_size,
-                 ", smaller than the v1 size ", v1_size);
-  }
-  return Status::ok();
+Status check_out_struct(const T* user) {
+  return check_struct_size(user);
 }
 
 template <typename T>

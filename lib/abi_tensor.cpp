@@ -24,8 +24,7 @@ STRATA_API strata_status_t strata_tensor_register(strata_runtime_t* runtime,
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(runtime, "runtime"));
     strata_tensor_desc_t d{};
-    STRATA_RETURN_IF_ERROR(
-        read_struct(desc, STRATA_TENSOR_DESC_STRUCT_SIZE, "strata_tensor_desc_t", &d));
+    STRATA_RETURN_IF_ERROR(read_struct(desc, &d));
     STRATA_RETURN_IF_ERROR(require(d.name, "desc->name"));
     // Bounded read: a missing terminator must not run off into unrelated memory.
     const std::size_t name_length = strnlen(d.name, STRATA_MAX_NAME_LENGTH + 1);
@@ -81,8 +80,7 @@ STRATA_API strata_status_t strata_tensor_get_info(strata_runtime_t* runtime,
                                                   strata_tensor_info_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(runtime_and_tensor(runtime, tensor));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, STRATA_TENSOR_INFO_STRUCT_SIZE, "strata_tensor_info_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out));
     TensorRecord t;
     STRATA_RETURN_IF_ERROR(runtime->impl->info(tensor_id(tensor), &t));
     strata_tensor_info_t info{};

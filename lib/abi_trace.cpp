@@ -13,8 +13,7 @@ STRATA_API strata_status_t strata_trace_start(strata_runtime_t* runtime,
     strata_trace_config_t c{};
     c.struct_size = STRATA_TRACE_CONFIG_STRUCT_SIZE;  // ring_capacity 0: the default
     if (config != nullptr) {
-      STRATA_RETURN_IF_ERROR(
-          read_struct(config, STRATA_TRACE_CONFIG_STRUCT_SIZE, "strata_trace_config_t", &c));
+      STRATA_RETURN_IF_ERROR(read_struct(config, &c));
     }
     return runtime->impl->tracer().start(c.ring_capacity);
   });
@@ -40,8 +39,7 @@ STRATA_API strata_status_t strata_trace_get_counters(strata_runtime_t* runtime,
                                                      strata_trace_counters_t* out) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(runtime, "runtime"));
-    STRATA_RETURN_IF_ERROR(
-        check_out_struct(out, STRATA_TRACE_COUNTERS_STRUCT_SIZE, "strata_trace_counters_t"));
+    STRATA_RETURN_IF_ERROR(check_out_struct(out));
     const TraceCounters c = runtime->impl->tracer().counters();
     strata_trace_counters_t t{};
     for (int i = 0; i < kTraceKindCount; ++i) {

@@ -11,9 +11,10 @@
  *   - No C++ exception, abort or assert crosses this boundary for bad input.
  *   - Every argument struct starts with `size_t struct_size`. Set it to the matching
  *     STRATA_*_STRUCT_SIZE macro of the header you compiled against. The library reads only the
- *     fields your size covers (later fields take their documented defaults) and rejects a size
- *     smaller than the v1 struct with STRATA_ERROR_INVALID_ARGUMENT. Fields are only ever
- *     appended, never reordered or removed.
+ *     fields your size covers (later fields take their documented defaults). It accepts the size
+ *     that macro had in any release, or any size at least its own; every other size (one ending
+ *     inside a field or between two releases' sizes) is STRATA_ERROR_INVALID_ARGUMENT. Fields are
+ *     only ever appended, never reordered or removed.
  *   - Pointer parameters say whether they are borrowed (read during the call only), transferred
  *     (ownership passes) or valid until a stated event.
  *   - Thread-safety: a runtime may be used from any number of threads at once; every function
@@ -1847,7 +1848,7 @@ typedef int32_t strata_step_point_t;
 #define STRATA_STEP_POINT_END 2      /* the step ends (after the first block's backward) */
 
 typedef struct strata_step_block {
-  size_t struct_size; /* STRATA_STEP_BLOCK_STRUCT_SIZE */
+  size_t struct_size;     /* STRATA_STEP_BLOCK_STRUCT_SIZE */
   uint64_t elements;      /* the block's parameters */
   uint64_t rank_elements; /* of them, what this process holds (data parallel); 0 = all */
   /* What the block saves for its backward pass when it does not recompute, at the profile's
@@ -1869,9 +1870,9 @@ typedef struct strata_step_block {
 #define STRATA_STEP_BLOCK_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_block_t, checkpoint_tier)
 
 typedef struct strata_step_interval {
-  size_t struct_size; /* STRATA_STEP_INTERVAL_STRUCT_SIZE */
-  strata_step_point_t point; /* the point that ends the interval */
-  uint32_t block;            /* its block (model order; 0 for STRATA_STEP_POINT_END) */
+  size_t struct_size;            /* STRATA_STEP_INTERVAL_STRUCT_SIZE */
+  strata_step_point_t point;     /* the point that ends the interval */
+  uint32_t block;                /* its block (model order; 0 for STRATA_STEP_POINT_END) */
   uint64_t allocated_peak_bytes; /* the framework's allocator's peaks within the interval */
   uint64_t reserved_peak_bytes;
 } strata_step_interval_t;
@@ -1981,8 +1982,8 @@ typedef struct strata_step_plan_info {
   /* What one block's backward pass may allocate beyond what it holds at its start (its working
    * set, the restores in flight, the margin); 0 when checkpoints were not planned. */
   uint64_t backward_reserve_bytes;
-  uint64_t usable_bytes; /* device_free + framework_held */
-  uint64_t margin_bytes; /* of the device, kept free by the plan */
+  uint64_t usable_bytes;      /* device_free + framework_held */
+  uint64_t margin_bytes;      /* of the device, kept free by the plan */
   uint64_t judged_peak_bytes; /* the measured peak as the kept plan counted it */
   uint64_t host_total_bytes;  /* the host budget (0 with no host figures in the profile) */
   uint64_t loss_chunk_tokens; /* 0 without a vocabulary */
@@ -1990,8 +1991,7 @@ typedef struct strata_step_plan_info {
    * (the plan counts this many + 1 in flight). */
   uint32_t restore_depth;
 } strata_step_plan_info_t;
-#define STRATA_STEP_PLAN_INFO_STRUCT_SIZE \
-  STRATA_STRUCT_SIZE(strata_step_plan_info_t, restore_depth)
+#define STRATA_STEP_PLAN_INFO_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_plan_info_t, restore_depth)
 
 /* The plan's numbers. Errors: INVALID_ARGUMENT (NULL, bad struct_size). Thread-safe. */
 STRATA_API_SINCE(1, 5)

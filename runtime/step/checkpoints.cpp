@@ -114,8 +114,8 @@ void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
   std::ostringstream o;
   o << std::fixed << std::setprecision(2);
   o << "checkpoints: " << count << " of " << p.blocks.size() << " (" << p.checkpoint_bytes / 1e9
-    << " GB each at " << p.tokens << " tokens) to host memory: the step holds "
-    << base / 1e9 << " GB besides them (the framework's " << p.in_use / 1e9 << " GB at the "
+    << " GB each at " << p.tokens << " tokens) to host memory: the step holds " << base / 1e9
+    << " GB besides them (the framework's " << p.in_use / 1e9 << " GB at the "
     << "forward pass's start less " << leaving / 1e9 << " GB leaving before the loss, "
     << p.backward_grad_bytes / 1e9 << " GB of grads to come, " << kept_bytes(p) / 1e9
     << " GB kept by blocks), a backward working set of " << std::max(working, leaving) / 1e9

@@ -129,7 +129,8 @@ void plan_kept(const StepProfile& p, StepPlan* plan) {
     intervals.emplace_back(last_alive(point, count),
                            judged(p, point.allocated_peak, point.reserved_peak));
   }
-  const bool complete = !p.intervals.empty() && std::find(seen.begin(), seen.end(), false) == seen.end();
+  const bool complete =
+      !p.intervals.empty() && std::find(seen.begin(), seen.end(), false) == seen.end();
   const uint64_t peak = judged(p, p.step_allocated_peak, p.step_reserved_peak);
   const std::vector<int64_t> places = order;  // each candidate's block
   if (!complete) {  // one interval, the step's peak, where every kept block is alive
@@ -153,11 +154,10 @@ void plan_kept(const StepProfile& p, StepPlan* plan) {
   std::ostringstream o;
   o << std::fixed << std::setprecision(2);
   o << "activations: " << modes.size() << " blocks keep them (" << whole
-    << " wholly, the rest only their products' and attention's outputs) of "
-    << candidates.size() << " candidates (" << resident_candidates
-    << " resident): the measured step peaked at " << peak / 1e9 << " GB of " << usable / 1e9
-    << " GB usable, a margin of " << margin / 1e9 << " GB kept free, each block at "
-    << kBlockFactor << "x its measured bytes, "
+    << " wholly, the rest only their products' and attention's outputs) of " << candidates.size()
+    << " candidates (" << resident_candidates << " resident): the measured step peaked at "
+    << peak / 1e9 << " GB of " << usable / 1e9 << " GB usable, a margin of " << margin / 1e9
+    << " GB kept free, each block at " << kBlockFactor << "x its measured bytes, "
     << (complete ? "counted in the intervals where it is alive"
                  : "counted at the step's peak (not every block's interval was measured)");
   plan->reasons.push_back(o.str());

@@ -40,14 +40,13 @@ uint32_t choose_resident(const StepProfile& profile, std::string* why) {
   if (why != nullptr) {
     std::ostringstream o;
     o << std::fixed << std::setprecision(2);
-    o << "residency: " << k << " of " << blocks.size() << " blocks resident: "
-      << kResidentShareNumerator * 100 / kResidentShareDenominator << "% of the "
-      << left / 1e9 << " GB the device has free beside Strata's HBM tier ("
+    o << "residency: " << k << " of " << blocks.size()
+      << " blocks resident: " << kResidentShareNumerator * 100 / kResidentShareDenominator
+      << "% of the " << left / 1e9 << " GB the device has free beside Strata's HBM tier ("
       << profile.hbm_tier_bytes / 1e9 << " GB) and the rest of the model (" << coming / 1e9
       << " GB at " << per_param << " B/param)";
     if (profile.streamed_grads_hbm_bytes) {
-      o << ", less the streamed grads in HBM (" << profile.streamed_grads_hbm_bytes / 1e9
-        << " GB)";
+      o << ", less the streamed grads in HBM (" << profile.streamed_grads_hbm_bytes / 1e9 << " GB)";
     }
     o << ", at " << per_param << " B/param a resident block; at least one block streams";
     *why = o.str();

@@ -24,14 +24,14 @@ Status check_bytes(uint64_t value, const char* field) {
 
 Status check(const StepProfile& p) {
   if (p.blocks.size() > kMaxBlocks) {
-    return error(Code::kInvalidArgument, "step profile: ", p.blocks.size(),
-                 " blocks; at most ", kMaxBlocks);
+    return error(Code::kInvalidArgument, "step profile: ", p.blocks.size(), " blocks; at most ",
+                 kMaxBlocks);
   }
   // With no blocks only the step's own figures are planned (the host budget, the loss chunk,
   // the margin): checkpoints and kept activations are the blocks'.
   if (p.blocks.empty() && (p.tokens != 0 || p.step_measured)) {
-    return error(Code::kInvalidArgument, "step profile: ",
-                 p.tokens != 0 ? "tokens" : "a measured step",
+    return error(Code::kInvalidArgument,
+                 "step profile: ", p.tokens != 0 ? "tokens" : "a measured step",
                  " given with no blocks (checkpoint homes and kept activations are the blocks')");
   }
   bool choose = false, fixed = false, streamed_seen = false;
@@ -78,21 +78,29 @@ Status check(const StepProfile& p) {
                  "step profile: some blocks' residency is CHOOSE and others' fixed; choose all "
                  "of them or none");
   }
-  for (auto [v, name] :
-       {std::pair{p.device_total, "device_total"}, {p.device_free, "device_free"},
-        {p.framework_held, "framework_held"}, {p.hbm_tier_bytes, "hbm_tier_bytes"},
-        {p.outside_elements, "outside_elements"},
-        {p.resident_bytes_per_param, "resident_bytes_per_param"},
-        {p.streamed_grad_bytes_per_param, "streamed_grad_bytes_per_param"},
-        {p.streamed_grads_hbm_bytes, "streamed_grads_hbm_bytes"}, {p.tokens, "tokens"},
-        {p.checkpoint_bytes, "checkpoint_bytes"}, {p.block_saved_bytes, "block_saved_bytes"},
-        {p.in_use, "in_use"}, {p.backward_grad_bytes, "backward_grad_bytes"},
-        {p.leaving_bytes, "leaving_bytes"}, {p.vocab, "vocab"}, {p.hidden, "hidden"},
-        {p.loss_chunk_tokens, "loss_chunk_tokens"},
-        {p.step_allocated_peak, "step_allocated_peak"},
-        {p.step_reserved_peak, "step_reserved_peak"}, {p.host_budget, "host_budget"},
-        {p.arena_bytes, "arena_bytes"}, {p.host_available, "host_available"},
-        {p.beside_bytes, "beside_bytes"}}) {
+  for (auto [v, name] : {std::pair{p.device_total, "device_total"},
+                         {p.device_free, "device_free"},
+                         {p.framework_held, "framework_held"},
+                         {p.hbm_tier_bytes, "hbm_tier_bytes"},
+                         {p.outside_elements, "outside_elements"},
+                         {p.resident_bytes_per_param, "resident_bytes_per_param"},
+                         {p.streamed_grad_bytes_per_param, "streamed_grad_bytes_per_param"},
+                         {p.streamed_grads_hbm_bytes, "streamed_grads_hbm_bytes"},
+                         {p.tokens, "tokens"},
+                         {p.checkpoint_bytes, "checkpoint_bytes"},
+                         {p.block_saved_bytes, "block_saved_bytes"},
+                         {p.in_use, "in_use"},
+                         {p.backward_grad_bytes, "backward_grad_bytes"},
+                         {p.leaving_bytes, "leaving_bytes"},
+                         {p.vocab, "vocab"},
+                         {p.hidden, "hidden"},
+                         {p.loss_chunk_tokens, "loss_chunk_tokens"},
+                         {p.step_allocated_peak, "step_allocated_peak"},
+                         {p.step_reserved_peak, "step_reserved_peak"},
+                         {p.host_budget, "host_budget"},
+                         {p.arena_bytes, "arena_bytes"},
+                         {p.host_available, "host_available"},
+                         {p.beside_bytes, "beside_bytes"}}) {
     STRATA_RETURN_IF_ERROR(check_bytes(v, name));
   }
   if (p.resident_bytes_per_param > 64 || p.streamed_grad_bytes_per_param > 8) {
@@ -117,8 +125,8 @@ Status check(const StepProfile& p) {
                    static_cast<int32_t>(point.kind), " is not FORWARD, BACKWARD or END");
     }
     if (point.kind != PointKind::kEnd && point.block >= p.blocks.size()) {
-      return error(Code::kInvalidArgument, "step profile: interval ", i, "'s block ",
-                   point.block, " is not one of the ", p.blocks.size(), " blocks");
+      return error(Code::kInvalidArgument, "step profile: interval ", i, "'s block ", point.block,
+                   " is not one of the ", p.blocks.size(), " blocks");
     }
   }
   if (!p.intervals.empty() && !p.step_measured) {
@@ -155,9 +163,9 @@ Status plan_step(const StepProfile& p, StepPlan* out) {
     std::ostringstream o;
     o << std::fixed << std::setprecision(2);
     o << "loss: " << plan.loss_chunk_tokens << " tokens a chunk"
-      << (p.loss_chunk_tokens ? " (given)" : "") << ", " << 4 * plan.loss_chunk_tokens * p.vocab / 1e9
-      << " GB of fp32 logits at a vocabulary of " << p.vocab
-      << (p.loss_chunked ? "" : "; this model's loss runs whole, not over chunks");
+      << (p.loss_chunk_tokens ? " (given)" : "") << ", "
+      << 4 * plan.loss_chunk_tokens * p.vocab / 1e9 << " GB of fp32 logits at a vocabulary of "
+      << p.vocab << (p.loss_chunked ? "" : "; this model's loss runs whole, not over chunks");
     plan.reasons.push_back(o.str());
   }
   if (p.tokens != 0) plan_checkpoints(p, &plan);
@@ -195,9 +203,9 @@ const char* home_name(CheckpointHome h) {
 std::string dump_text(const StepProfile& p, const StepPlan& plan) {
   std::ostringstream o;
   o << std::fixed << std::setprecision(2);
-  o << "step plan: " << plan.blocks.size() << " blocks, " << plan.resident_blocks
-    << " resident, " << plan.spilled_checkpoints << " checkpoints to host memory, "
-    << plan.kept_blocks << " keeping activations";
+  o << "step plan: " << plan.blocks.size() << " blocks, " << plan.resident_blocks << " resident, "
+    << plan.spilled_checkpoints << " checkpoints to host memory, " << plan.kept_blocks
+    << " keeping activations";
   if (plan.loss_chunk_tokens) o << ", loss chunk " << plan.loss_chunk_tokens << " tokens";
   if (plan.checkpoints_planned && !plan.fits) o << " (PREDICTED SHORT of device memory)";
   o << "\n";

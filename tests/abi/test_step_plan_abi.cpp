@@ -100,17 +100,15 @@ TEST_CASE("step plan: a plan without a runtime, its info, blocks and dumps", "[a
   CHECK(large.info.blocks == 0x5a5a5a5au);
 
   size_t length = 0;
-  REQUIRE(strata_step_plan_dump(plan, STRATA_PLAN_FORMAT_TEXT, nullptr, 0, &length) ==
-          STRATA_OK);
+  REQUIRE(strata_step_plan_dump(plan, STRATA_PLAN_FORMAT_TEXT, nullptr, 0, &length) == STRATA_OK);
   std::string text(length + 1, '\0');
-  REQUIRE(strata_step_plan_dump(plan, STRATA_PLAN_FORMAT_TEXT, text.data(), text.size(),
-                                &length) == STRATA_OK);
+  REQUIRE(strata_step_plan_dump(plan, STRATA_PLAN_FORMAT_TEXT, text.data(), text.size(), &length) ==
+          STRATA_OK);
   CHECK(text.find("residency: 3 of 4 blocks resident") != std::string::npos);
   CHECK(strata_step_plan_dump(plan, STRATA_PLAN_FORMAT_TEXT, text.data(), length, nullptr) ==
         STRATA_ERROR_INVALID_ARGUMENT);  // no room for the NUL
   CHECK(strata_step_plan_dump(plan, 7, nullptr, 0, &length) == STRATA_ERROR_INVALID_ARGUMENT);
-  REQUIRE(strata_step_plan_dump(plan, STRATA_PLAN_FORMAT_JSON, nullptr, 0, &length) ==
-          STRATA_OK);
+  REQUIRE(strata_step_plan_dump(plan, STRATA_PLAN_FORMAT_JSON, nullptr, 0, &length) == STRATA_OK);
   CHECK(length > 0);
   CHECK(strata_step_plan_destroy(plan) == STRATA_OK);
   CHECK(strata_step_plan_destroy(nullptr) == STRATA_OK);

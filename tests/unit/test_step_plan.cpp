@@ -34,7 +34,8 @@ std::vector<Keep> at_peak(uint64_t usable, uint64_t peak,
 }
 
 std::pair<std::size_t, std::size_t> modes(const std::vector<Keep>& plan) {
-  return {plan.size(), static_cast<std::size_t>(std::count(plan.begin(), plan.end(), Keep::kWhole))};
+  return {plan.size(),
+          static_cast<std::size_t>(std::count(plan.begin(), plan.end(), Keep::kWhole))};
 }
 
 constexpr Keep S = Keep::kSelective;
@@ -142,8 +143,8 @@ TEST_CASE("step plan: the timeline counts each kept block where it is alive") {
   }
   points.emplace_back(K::kEnd, 0, 42);
   const auto intervals = timeline(5, points);
-  const std::vector<std::pair<uint64_t, uint64_t>> blocks{{50, 20}, {50, 20}, {0, 20}, {0, 20},
-                                                          {0, 20}};
+  const std::vector<std::pair<uint64_t, uint64_t>> blocks{
+      {50, 20}, {50, 20}, {0, 20}, {0, 20}, {0, 20}};
   const std::vector<int64_t> order{1, 0, 4, 3, 2};
   CHECK(at_peak(100, 42, blocks, 0) == std::vector<Keep>{S, S});
   CHECK(choose_kept(100, 0, blocks, intervals, order) == std::vector<Keep>(4, S));
@@ -158,10 +159,15 @@ TEST_CASE("step plan: the timeline counts each kept block where it is alive") {
 
 TEST_CASE("step plan: the loss counts every kept block") {
   using K = PointKind;
-  const auto intervals =
-      timeline(4, {{K::kForward, 0, 10}, {K::kForward, 1, 11}, {K::kForward, 2, 12},
-                   {K::kForward, 3, 13}, {K::kBackward, 3, 54}, {K::kBackward, 2, 14},
-                   {K::kBackward, 1, 14}, {K::kBackward, 0, 60}, {K::kEnd, 0, 64}});
+  const auto intervals = timeline(4, {{K::kForward, 0, 10},
+                                      {K::kForward, 1, 11},
+                                      {K::kForward, 2, 12},
+                                      {K::kForward, 3, 13},
+                                      {K::kBackward, 3, 54},
+                                      {K::kBackward, 2, 14},
+                                      {K::kBackward, 1, 14},
+                                      {K::kBackward, 0, 60},
+                                      {K::kEnd, 0, 64}});
   const std::vector<int64_t> order{3, 2, 1, 0};
   using B = std::vector<std::pair<uint64_t, uint64_t>>;
   CHECK(at_peak(100, 64, B(4, {40, 0}), 0).empty());
