@@ -675,6 +675,9 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
             # The plan's inputs (usable, peak, margin, each block's bytes): why it kept what
             # it kept (an H200 at 32 x 1024 kept no streamed block with 55 GB unused).
             out["kept_decision"] = keeper.decision
+        spill = getattr(model.strata, "spill", None)
+        if spill is not None:  # the library's step plan of checkpoint homes, with its reasons
+            out["spill_plan"] = spill.plan_text
         out["plan"] += " (%d keep activations, %d of them wholly; %d streamed keep " \
             "selectively)" % (out["kept_activations"], out["kept_whole"], out["kept_streamed"])
         pager = getattr(opt, "_pager", None)

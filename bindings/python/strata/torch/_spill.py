@@ -240,6 +240,7 @@ class Spiller:
         # Spilled checkpoints restored ahead of the backward pass beyond the block's own: the
         # plan's (it counts them in flight).
         self.restore_depth = step_plan.plan_step([]).restore_depth
+        self.plan_text = None  # the last decision's step plan, as the library dumps it
 
     def backward_reserve(self):
         """What the backward pass may allocate beyond what it holds at a block's start: one
@@ -306,6 +307,7 @@ class Spiller:
         self.fits = bool(plan.fits) and self.count == self.wanted
         self.working = plan.backward_reserve_bytes
         self.restore_depth = plan.restore_depth
+        self.plan_text = plan.text  # the library's reasons, for benchmarks and diagnostics
         self.decisions += 1
         self.decide_seconds += time.perf_counter() - started
 
