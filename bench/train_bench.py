@@ -184,7 +184,7 @@ def probe_compute(config, batch, seq, device, impl="zoo", chunked_loss=False):
     import torch
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
-    from strata.torch._activations import selective_bytes, selective_context
+    from strata.torch._measure import selective_bytes, selective_context
 
     dtype = torch.bfloat16
     block, x, args, kwargs = probe_block(config, impl, batch, seq, device, dtype)

@@ -27,7 +27,8 @@ MODULE_ORDER = [
     "strata.torch._replay",  # a block's forward state replayed for its recompute
     "strata.torch._distributed",  # DataParallel, Mesh (collectives), chunk sizes
     "strata.torch._grads",  # StreamedGrad
-    "strata.torch._activations",  # which resident blocks keep their activations
+    "strata.torch._measure",  # what a block saves, measured on fake tensors; selective contexts
+    "strata.torch._activations",  # which blocks keep their activations (the plan's, executed)
     "strata.torch._spill",  # block checkpoints spilled to host memory when the device is short
     "strata.torch._planning",  # sizing: budgets, resident blocks, the NVMe placement check
     "strata.torch._streamed",  # a streamed parameter's place in Strata; filling tensors

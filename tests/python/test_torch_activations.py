@@ -10,9 +10,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from strata.torch import _allocator, _step
-from strata.torch._activations import (ActivationKeeper, saved_bytes, saves_output,
-                                      selective_bytes, selective_context, shape_of, tokens_of,
-                                      COSTLY_OPS)
+from strata.torch._activations import ActivationKeeper
+from strata.torch._measure import (COSTLY_OPS, saved_bytes, saves_output, selective_bytes,
+                                   selective_context, shape_of, tokens_of)
 from torch_parity_models import ARCHS, DEVICE, build
 
 

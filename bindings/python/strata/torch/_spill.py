@@ -66,7 +66,7 @@ import torch
 from . import _host
 from .. import step_plan
 from . import _step
-from ._activations import measure
+from ._measure import measure
 from ._replay import ForwardState, without_forward_hooks
 
 # Host memory a spill buffer must leave available, as a fraction of the machine's.
