@@ -66,33 +66,42 @@ Status read_profile(const strata_step_profile_t* user, step::StepProfile* out) {
     p.intervals.push_back({static_cast<step::PointKind>(t.point), t.block, t.allocated_peak_bytes,
                            t.reserved_peak_bytes});
   }
+  constexpr uint32_t kKnownFlags = STRATA_STEP_PLAN_CHECKPOINTS | STRATA_STEP_PLAN_KEPT |
+                                   STRATA_STEP_ALLOCATOR_RETURNS_CACHE |
+                                   STRATA_STEP_BLOCK_SAVED_MEASURED | STRATA_STEP_LOSS_CHUNKED;
+  if ((q.flags & ~kKnownFlags) != 0) {
+    return error(Code::kInvalidArgument, "step profile: unknown flags 0x", std::hex,
+                 q.flags & ~kKnownFlags, " (STRATA_STEP_* bits only)");
+  }
+  p.plan_checkpoints = (q.flags & STRATA_STEP_PLAN_CHECKPOINTS) != 0;
+  p.plan_kept = (q.flags & STRATA_STEP_PLAN_KEPT) != 0;
+  p.allocator_returns_cache = (q.flags & STRATA_STEP_ALLOCATOR_RETURNS_CACHE) != 0;
+  p.block_saved_measured = (q.flags & STRATA_STEP_BLOCK_SAVED_MEASURED) != 0;
+  p.loss_chunked = (q.flags & STRATA_STEP_LOSS_CHUNKED) != 0;
+  p.ranks_on_host = q.ranks_on_host;
+  p.resident_bytes_per_param = q.resident_bytes_per_param;
+  p.streamed_grad_bytes_per_param = q.streamed_grad_bytes_per_param;
   p.device_total = q.device_total_bytes;
   p.device_free = q.device_free_bytes;
   p.framework_held = q.framework_held_bytes;
-  p.allocator_returns_cache = q.allocator_returns_cache != 0;
-  p.resident_bytes_per_param = q.resident_bytes_per_param;
-  p.streamed_grad_bytes_per_param = q.streamed_grad_bytes_per_param;
   p.hbm_tier_bytes = q.hbm_tier_bytes;
   p.outside_elements = q.outside_elements;
   p.streamed_grads_hbm_bytes = q.streamed_grads_hbm_bytes;
   p.tokens = q.tokens;
   p.checkpoint_bytes = q.checkpoint_bytes;
   p.block_saved_bytes = q.block_saved_bytes;
-  p.block_saved_measured = q.block_saved_measured != 0;
-  p.loss_chunked = q.loss_chunked != 0;
   p.in_use = q.in_use_bytes;
   p.backward_grad_bytes = q.backward_grad_bytes;
   p.leaving_bytes = q.leaving_bytes;
   p.vocab = q.vocab;
   p.hidden = q.hidden;
   p.loss_chunk_tokens = q.loss_chunk_tokens;
-  p.step_measured = q.step_measured != 0;
+  p.loss_working_bytes = q.loss_working_bytes;
   p.step_allocated_peak = q.step_allocated_peak_bytes;
   p.step_reserved_peak = q.step_reserved_peak_bytes;
   p.host_budget = q.host_budget_bytes;
   p.arena_bytes = q.arena_bytes;
   p.host_available = q.host_available_bytes;
-  p.ranks_on_host = q.ranks_on_host;
   p.beside_bytes = q.beside_bytes;
   *out = std::move(p);
   return Status::ok();
@@ -107,7 +116,7 @@ STRATA_API strata_status_t strata_step_profile_init(strata_step_profile_t* profi
     STRATA_RETURN_IF_ERROR(require(profile, "profile"));
     *profile = strata_step_profile_t{};
     profile->struct_size = STRATA_STEP_PROFILE_STRUCT_SIZE;
-    profile->ranks_on_host = 1;
+    profile->ranks_on_host = 1;  // (0 reads as 1 too)
     return Status::ok();
   });
 }
@@ -161,19 +170,20 @@ STRATA_API strata_status_t strata_step_plan_get_info(strata_step_plan_t* plan,
     info.blocks = static_cast<uint32_t>(p.blocks.size());
     info.resident_blocks = p.resident_blocks;
     info.spilled_checkpoints = p.spilled_checkpoints;
-    info.kept_blocks = 0;
-    for (const auto& b : p.blocks) info.kept_blocks += b.keep != step::Keep::kRecompute;
-    info.residency_planned = p.residency_planned;
-    info.checkpoints_planned = p.checkpoints_planned;
-    info.keep_planned = p.keep_planned;
-    info.fits = p.fits;
+    info.kept_blocks = p.kept_blocks;
+    info.whole_blocks = p.whole_blocks;
+    info.restore_depth = step::kRestoreDepth;
+    info.planned = (p.residency_planned ? STRATA_STEP_PLANNED_RESIDENCY : 0u) |
+                   (p.checkpoints_planned ? STRATA_STEP_PLANNED_CHECKPOINTS : 0u) |
+                   (p.keep_planned ? STRATA_STEP_PLANNED_KEPT : 0u);
+    info.fits = p.fits ? 1 : 0;
+    info.predicted_peak_bytes = p.predicted_peak;
     info.backward_reserve_bytes = p.backward_reserve_bytes;
     info.usable_bytes = p.usable_bytes;
     info.margin_bytes = p.margin_bytes;
     info.judged_peak_bytes = p.judged_peak;
     info.host_total_bytes = p.host_total_bytes;
     info.loss_chunk_tokens = p.loss_chunk_tokens;
-    info.restore_depth = step::kRestoreDepth;
     write_struct(out, info);
     return Status::ok();
   });

@@ -1817,18 +1817,26 @@ strata_status_t strata_layout_query(const strata_layout_request_t* request,
  * memory, decided by the runtime for every binding
  *
  * A binding measures and executes; the runtime decides. The binding describes the step in a
- * profile (its blocks' parameters, what each would keep for its backward pass, the device's and
- * the host's memory as its allocator sees them, the batch's tokens, a measured step's peaks) and
- * gets back, per block: resident in HBM or streamed; recompute, keep selectively (only the
- * outputs of its matrix products and attention) or keep wholly; its checkpoint (its input, kept
- * from its forward to its backward pass) on the device or in host memory; and for the step: the
- * loss's chunk of tokens, the host budget as counted, what a backward block may allocate. Each
- * decision is made when the profile carries what it needs, so a binding plans at each moment
- * it learns more: residency at set-up (every block STRATA_RESIDENCY_CHOOSE, no tokens);
- * checkpoint homes at the first forward pass of a batch (tokens > 0); kept activations once a
- * step's peaks are measured (step_measured 1). The constants (shares, margins,
- * factors) live in the library only; strata_step_plan_dump says every choice and why.
- * Nothing is allocated on any tier; no runtime is needed.
+ * profile (its blocks, a linear chain in model order: their parameters and what each would keep
+ * for its backward pass; the device's and the host's memory as its allocator sees them; the
+ * batch; a measured step's peaks) and gets back, per block: resident in HBM or streamed;
+ * recompute, keep selectively (only the outputs of its matrix products and attention) or keep
+ * wholly; its checkpoint (its input, kept from its forward to its backward pass) on the device or
+ * in host memory; and for the step: the loss's chunk of tokens, the host budget as counted, the
+ * predicted peak and what a backward block may allocate. The profile says which decisions to
+ * make: residency when every block is STRATA_RESIDENCY_CHOOSE, checkpoint homes with
+ * STRATA_STEP_PLAN_CHECKPOINTS, kept activations with STRATA_STEP_PLAN_KEPT; the host budget
+ * and the loss chunk whenever their figures are given. A binding plans at each moment it learns
+ * more (strata.torch: residency at set-up, checkpoint homes at the first forward pass of a
+ * batch, kept activations once two steps were measured). Within one call kept activations are
+ * decided first, and checkpoint homes counted with them. The constants (shares, margins, factors)
+ * live in the library only; strata_step_plan_dump says every choice and why. Nothing is
+ * allocated on any tier; no runtime is needed.
+ *
+ * For a framework other than PyTorch: "held" is what its allocator has reserved from the device
+ * (XLA's preallocated pool: all of it), "free" what the device has beside it; a measured peak is
+ * the allocator's high-water mark (allocated, and reserved: pass allocated for both where the
+ * allocator has no separate figure); a measured step is one in which every block recomputed.
  * ------------------------------------------------------------------------------------------- */
 typedef struct strata_step_plan strata_step_plan_t;
 
@@ -1840,16 +1848,29 @@ typedef int32_t strata_residency_t;
 typedef int32_t strata_keep_t;
 #define STRATA_KEEP_RECOMPUTE 0 /* the backward pass recomputes the block's forward */
 #define STRATA_KEEP_SELECTIVE 1 /* only its products' and attention's outputs are kept */
-#define STRATA_KEEP_WHOLE 2     /* everything its backward needs is kept */
+#define STRATA_KEEP_WHOLE 2     /* everything its backward needs is kept (resident blocks only) */
 
 typedef int32_t strata_step_point_t;
 #define STRATA_STEP_POINT_FORWARD 0  /* a block begins its forward pass with grad */
 #define STRATA_STEP_POINT_BACKWARD 1 /* a block begins its backward pass */
 #define STRATA_STEP_POINT_END 2      /* the step ends (after the first block's backward) */
 
+/* strata_step_profile_t.flags: the decisions asked for, and facts about the measurements.
+ * PLAN_CHECKPOINTS: checkpoint homes (needs a device, blocks, tokens and checkpoint_bytes).
+ * PLAN_KEPT: kept activations (needs a device, blocks and a measured step: its peaks, every
+ * block's keep RECOMPUTE). ALLOCATOR_RETURNS_CACHE: the allocator gives its cache back where an
+ * allocation needs it (torch's expandable segments): a smaller margin. BLOCK_SAVED_MEASURED:
+ * block_saved_bytes was measured (else one block's working set is taken as 16 checkpoints).
+ * LOSS_CHUNKED: the loss runs over chunks of tokens. */
+#define STRATA_STEP_PLAN_CHECKPOINTS 0x1u
+#define STRATA_STEP_PLAN_KEPT 0x2u
+#define STRATA_STEP_ALLOCATOR_RETURNS_CACHE 0x100u
+#define STRATA_STEP_BLOCK_SAVED_MEASURED 0x200u
+#define STRATA_STEP_LOSS_CHUNKED 0x400u
+
 typedef struct strata_step_block {
   size_t struct_size;     /* STRATA_STEP_BLOCK_STRUCT_SIZE */
-  uint64_t elements;      /* the block's parameters */
+  uint64_t elements;      /* the block's parameters (a count, not bytes) */
   uint64_t rank_elements; /* of them, what this process holds (data parallel); 0 = all */
   /* What the block saves for its backward pass when it does not recompute, at the profile's
    * batch (0: unmeasured; such a resident block is not kept, nor any before it), and only its
@@ -1860,11 +1881,12 @@ typedef struct strata_step_block {
   /* Input: RESIDENT and STREAMED fix it (resident blocks first), CHOOSE lets the plan choose
    * (then for every block). Output (strata_step_plan_get_block): RESIDENT or STREAMED. */
   strata_residency_t residency;
-  /* Input: how the block keeps now (the checkpoint plan counts what kept blocks hold).
-   * Output: the plan's choice. */
+  /* Input: how the block keeps now (the checkpoint plan counts what kept blocks hold; WHOLE only
+   * for a resident block). Output: the plan's choice (the input's where kept activations were
+   * not planned). */
   strata_keep_t keep;
   /* Output only: STRATA_TIER_HBM or STRATA_TIER_DRAM, where its checkpoint waits for its
-   * backward pass (ignored as input). */
+   * backward pass (ignored as input; HBM where checkpoints were not planned). */
   strata_tier_t checkpoint_tier;
 } strata_step_block_t;
 #define STRATA_STEP_BLOCK_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_block_t, checkpoint_tier)
@@ -1873,77 +1895,75 @@ typedef struct strata_step_interval {
   size_t struct_size;            /* STRATA_STEP_INTERVAL_STRUCT_SIZE */
   strata_step_point_t point;     /* the point that ends the interval */
   uint32_t block;                /* its block (model order; 0 for STRATA_STEP_POINT_END) */
-  uint64_t allocated_peak_bytes; /* the framework's allocator's peaks within the interval */
-  uint64_t reserved_peak_bytes;
+  uint64_t allocated_peak_bytes; /* the framework's allocator's peaks within the interval, */
+  uint64_t reserved_peak_bytes;  /* reserved >= allocated, neither above the step's */
 } strata_step_interval_t;
 #define STRATA_STEP_INTERVAL_STRUCT_SIZE \
   STRATA_STRUCT_SIZE(strata_step_interval_t, reserved_peak_bytes)
 
 typedef struct strata_step_profile {
   size_t struct_size; /* STRATA_STEP_PROFILE_STRUCT_SIZE */
-  /* Borrowed: block_count pointers (1..16384), model order, each with its own struct_size. */
+  /* Borrowed: block_count pointers (0..16384), model order, each with its own struct_size. */
   const strata_step_block_t* const* blocks;
-  uint32_t block_count;
-  /* Borrowed: interval_count pointers (NULL with 0), a measured step's intervals between block
-   * starts; with both points of every block the kept blocks are counted only in the intervals
-   * where they are alive, else at the step's peak. */
-  uint32_t interval_count;
+  /* Borrowed: interval_count pointers (0..65540; NULL with 0), a measured step's intervals
+   * between block starts; with both points of every block the kept blocks are counted only in
+   * the intervals where they are alive, else at the step's peak. */
   const strata_step_interval_t* const* intervals;
+  uint32_t block_count;
+  uint32_t interval_count;
+  uint32_t flags;         /* STRATA_STEP_* bits; an unknown one is INVALID_ARGUMENT */
+  uint32_t ranks_on_host; /* processes of this host each making a host budget; 0 = 1 */
+  /* Residency: the bytes a resident parameter takes on the device (weight, grad, optimizer
+   * state; 1..64 when choosing), and with the streamed grads in HBM their bytes per parameter
+   * (at most the resident's; 0 exactly when streamed_grads_hbm_bytes is 0). */
+  uint32_t resident_bytes_per_param;
+  uint32_t streamed_grad_bytes_per_param;
   /* The device (bytes; device_total 0: none, nothing is planned on it): its memory, what it has
-   * free now, what the framework's allocator holds (free + held: what it could hold), and
-   * whether that allocator gives its cached memory back where an allocation needs it (torch's
-   * expandable segments: a smaller margin). */
+   * free now, what the framework's allocator holds (free + held: what it could hold). */
   uint64_t device_total_bytes;
   uint64_t device_free_bytes;
   uint64_t framework_held_bytes;
-  int32_t allocator_returns_cache;
-  /* Residency: the bytes a resident parameter takes on the device (weight, grad, optimizer
-   * state; 0..64), Strata's HBM tier still to be allocated (its slots), the parameters outside
-   * the blocks still coming to the device, and with the streamed grads in HBM their bytes per
-   * parameter (0..8) and in all (0: grads in DRAM). */
-  uint32_t resident_bytes_per_param;
-  uint32_t streamed_grad_bytes_per_param;
+  /* Residency: Strata's HBM tier still to be allocated (its slots), the parameters outside the
+   * blocks still coming to the device (embedding, head), the streamed grads' bytes in HBM. */
   uint64_t hbm_tier_bytes;
   uint64_t outside_elements;
   uint64_t streamed_grads_hbm_bytes;
-  /* Checkpoint homes (planned when tokens > 0; needs a device): the batch's tokens, one
-   * block's checkpoint bytes, what one block saves for its backward at this batch (with
-   * block_saved_measured 0: unmeasured, taken as 16 checkpoints), what the framework holds
-   * allocated as the forward pass begins, the grads its backward pass will allocate, and bytes
-   * that leave the device before the loss (paged optimizer state). */
+  /* Checkpoint homes: the batch's tokens, one block's checkpoint bytes, what one block saves for
+   * its backward at this batch (with STRATA_STEP_BLOCK_SAVED_MEASURED), what the framework holds
+   * allocated as the forward pass begins (checkpoints of this step not yet among it), the grads
+   * its backward pass will allocate, and bytes that leave the device before the loss (paged
+   * optimizer state). */
   uint64_t tokens;
   uint64_t checkpoint_bytes;
   uint64_t block_saved_bytes;
-  int32_t block_saved_measured;
-  /* Loss: whether it runs over chunks (1) or whole (0). */
-  int32_t loss_chunked;
   uint64_t in_use_bytes;
   uint64_t backward_grad_bytes;
   uint64_t leaving_bytes;
-  /* The head's vocabulary and hidden size (0: no head), and a chunk of tokens the user gave
-   * (0: the default, the tokens whose fp32 logits fit in 1 GiB, a multiple of 8). */
+  /* Loss: the head's vocabulary and hidden size (both needed for the loss's working set), a
+   * chunk of tokens the user gave (0: the default, the tokens whose fp32 logits fit in 1 GiB, a
+   * multiple of 8), and the loss's working set when the binding knows it (0: from the
+   * vocabulary: 8 bytes a logit of a chunk and the head's fp32 grad, or 12 a logit whole). */
   uint64_t vocab;
   uint64_t hidden;
   uint64_t loss_chunk_tokens;
-  /* Kept activations (planned when step_measured is 1): a measured step's peaks. */
-  int32_t step_measured;
+  uint64_t loss_working_bytes;
+  /* Kept activations: a measured step's allocated and reserved peaks (reserved >= allocated). */
   uint64_t step_allocated_peak_bytes;
   uint64_t step_reserved_peak_bytes;
-  /* Host (bytes): the user's budget (0: the default: the arena, beside_bytes, and half of this
-   * process's share of host_available_bytes), the DRAM tier's budget, the host's available
-   * memory once the arena is made, the processes of this host each making such a budget (0 =
-   * 1), and pinned bytes the binding holds beside the arena that it cannot do without. */
+  /* Host (bytes): the user's budget (0: the default: the arena, beside_bytes, and half of what
+   * beside_bytes leaves of this process's share of host_available_bytes), the DRAM tier's budget,
+   * the host's available memory once the arena is made, and pinned bytes the binding holds beside
+   * the arena that it cannot do without. */
   uint64_t host_budget_bytes;
   uint64_t arena_bytes;
   uint64_t host_available_bytes;
-  uint32_t ranks_on_host;
   uint64_t beside_bytes;
 } strata_step_profile_t;
 #define STRATA_STEP_PROFILE_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_profile_t, beside_bytes)
 
 /* Zeroes, and struct_size set (a block CHOOSE, RECOMPUTE, checkpoint in HBM; a profile with one
- * rank on its host). Errors: INVALID_ARGUMENT (NULL).
- * Thread-safe. */
+ * rank on its host and no flags). Each writes this header's whole struct. Errors:
+ * INVALID_ARGUMENT (NULL). Thread-safe. */
 STRATA_API_SINCE(1, 5) strata_status_t strata_step_profile_init(strata_step_profile_t* profile);
 STRATA_API_SINCE(1, 5) strata_status_t strata_step_block_init(strata_step_block_t* block);
 STRATA_API_SINCE(1, 5)
@@ -1951,47 +1971,57 @@ strata_status_t strata_step_interval_init(strata_step_interval_t* interval);
 
 /* Plan the step `profile` describes. profile and everything it points to: borrowed (read during
  * the call only). out_plan: owned by the caller (strata_step_plan_destroy). Errors:
- * INVALID_ARGUMENT (NULL profile or output, a bad struct_size, no blocks or more than 16384, a
- * NULL block or interval, some blocks CHOOSE and others fixed, a resident block after a
- * streamed one, an unknown residency, keep or point, an interval's block out of range, a size
- * above 2^56, rank_elements above elements, free above total, tokens with no device or no
- * blocks, a measured step with no blocks, intervals without a measured step); nothing is
- * written then. A step predicted short of device
- * memory is not an error: strata_step_plan_info_t.fits says so. Thread-safe; touches no
- * runtime. */
+ * INVALID_ARGUMENT, naming the field (NULL profile or output, a bad struct_size, more than 16384
+ * blocks or 65540 intervals, a NULL block or interval, an unknown flag, residency, keep or point,
+ * some blocks CHOOSE and others fixed, a resident block after a streamed one, a streamed block
+ * kept WHOLE, an interval's block out of range or an END interval's not 0, a size above 2^56,
+ * rank_elements above elements, free or held above the device's total, choosing residency with
+ * resident_bytes_per_param 0 or above 64 or a grad size above it or not matching the grads'
+ * total, STRATA_STEP_PLAN_CHECKPOINTS without a device, blocks, tokens or checkpoint_bytes,
+ * STRATA_STEP_PLAN_KEPT without a device or blocks or with a block's keep not RECOMPUTE,
+ * a reserved peak below its allocated one or an interval's above the step's, intervals without
+ * STRATA_STEP_PLAN_KEPT); nothing is written then. A step predicted short of device memory is
+ * not an error: strata_step_plan_info_t.fits says so. Thread-safe; touches no runtime. */
 STRATA_API_SINCE(1, 5)
 strata_status_t strata_step_plan_create(const strata_step_profile_t* profile,
                                         strata_step_plan_t** out_plan);
 
-/* Destroy a plan; NULL is accepted. */
+/* Destroy a plan; NULL is accepted. Not while another thread uses the same plan. */
 STRATA_API_SINCE(1, 5) strata_status_t strata_step_plan_destroy(strata_step_plan_t* plan);
+
+/* strata_step_plan_info_t.planned: the decisions the plan made. */
+#define STRATA_STEP_PLANNED_RESIDENCY 0x1u
+#define STRATA_STEP_PLANNED_CHECKPOINTS 0x2u
+#define STRATA_STEP_PLANNED_KEPT 0x4u
 
 typedef struct strata_step_plan_info {
   size_t struct_size; /* caller sets STRATA_STEP_PLAN_INFO_STRUCT_SIZE */
   uint32_t blocks;
   uint32_t resident_blocks;
   uint32_t spilled_checkpoints; /* the first blocks' checkpoints go to host memory */
-  uint32_t kept_blocks;         /* blocks keeping their activations (any mode) */
-  /* Which decisions the profile carried what they need for (1) or not (0). */
-  int32_t residency_planned;
-  int32_t checkpoints_planned;
-  int32_t keep_planned;
-  /* With checkpoints planned: 1 when the step is predicted inside the device, 0 when it is
-   * short even with every checkpoint in host memory. 1 otherwise. */
-  int32_t fits;
-  /* What one block's backward pass may allocate beyond what it holds at its start (its working
-   * set, the restores in flight, the margin); 0 when checkpoints were not planned. */
-  uint64_t backward_reserve_bytes;
-  uint64_t usable_bytes;      /* device_free + framework_held */
-  uint64_t margin_bytes;      /* of the device, kept free by the plan */
-  uint64_t judged_peak_bytes; /* the measured peak as the kept plan counted it */
-  uint64_t host_total_bytes;  /* the host budget (0 with no host figures in the profile) */
-  uint64_t loss_chunk_tokens; /* 0 without a vocabulary */
+  uint32_t kept_blocks;         /* blocks keeping their activations, any mode (the output's) */
+  uint32_t whole_blocks;        /* of them, kept wholly */
   /* Spilled checkpoints the binding restores ahead of the backward pass beyond the block's own
    * (the plan counts this many + 1 in flight). */
   uint32_t restore_depth;
+  uint32_t planned; /* STRATA_STEP_PLANNED_* bits */
+  /* With checkpoints planned: 1 when the step is predicted inside the device, 0 when it is
+   * short even with every checkpoint in host memory. 1 otherwise. */
+  uint32_t fits;
+  /* With checkpoints planned (else 0): the predicted peak of the step with the plan's spills,
+   * and what one block's backward pass may allocate beyond what it holds at its start (its
+   * working set, the restores in flight, the margin). */
+  uint64_t predicted_peak_bytes;
+  uint64_t backward_reserve_bytes;
+  /* With a device: device_free + framework_held, and the margin the plan keeps free of it. */
+  uint64_t usable_bytes;
+  uint64_t margin_bytes;
+  uint64_t judged_peak_bytes; /* with kept activations planned: the measured peak as counted */
+  uint64_t host_total_bytes;  /* the host budget (0 with no host figures in the profile) */
+  uint64_t loss_chunk_tokens; /* the given chunk, or the default (0 without a vocabulary) */
 } strata_step_plan_info_t;
-#define STRATA_STEP_PLAN_INFO_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_plan_info_t, restore_depth)
+#define STRATA_STEP_PLAN_INFO_STRUCT_SIZE \
+  STRATA_STRUCT_SIZE(strata_step_plan_info_t, loss_chunk_tokens)
 
 /* The plan's numbers. Errors: INVALID_ARGUMENT (NULL, bad struct_size). Thread-safe. */
 STRATA_API_SINCE(1, 5)

@@ -18,13 +18,11 @@ std::vector<Keep> choose_kept(uint64_t usable, uint64_t margin,
                               const std::vector<std::pair<uint64_t, uint64_t>>& candidates,
                               const std::vector<std::pair<int64_t, uint64_t>>& intervals,
                               const std::vector<int64_t>& order) {
-  const int64_t limit = static_cast<int64_t>(usable) - static_cast<int64_t>(margin);
-  std::vector<int64_t> extra(intervals.size(), 0);  // kept bytes alive in each interval
+  std::vector<uint64_t> extra(intervals.size(), 0);  // kept bytes alive in each interval
   const auto fits = [&](int64_t g, uint64_t cost) {
     for (std::size_t k = 0; k < intervals.size(); ++k) {
       if (g <= intervals[k].first &&
-          static_cast<int64_t>(intervals[k].second) + extra[k] + static_cast<int64_t>(cost) >
-              limit) {
+          !within(sat_add(sat_add(intervals[k].second, extra[k]), cost), usable, margin)) {
         return false;
       }
     }
@@ -32,7 +30,7 @@ std::vector<Keep> choose_kept(uint64_t usable, uint64_t margin,
   };
   const auto add = [&](int64_t g, uint64_t cost) {
     for (std::size_t k = 0; k < intervals.size(); ++k) {
-      if (g <= intervals[k].first) extra[k] += static_cast<int64_t>(cost);
+      if (g <= intervals[k].first) extra[k] = sat_add(extra[k], cost);
     }
   };
   std::vector<Keep> plan;
@@ -88,7 +86,7 @@ uint64_t judged(const StepProfile& p, uint64_t allocated, uint64_t reserved) {
   if (!p.allocator_returns_cache) return reserved;
   const uint64_t slack =
       static_cast<uint64_t>(static_cast<double>(p.device_total) * kFragmentationReturningCache);
-  return std::min(reserved, allocated + slack);
+  return std::min(reserved, sat_add(allocated, slack));
 }
 
 }  // namespace
@@ -137,7 +135,7 @@ void plan_kept(const StepProfile& p, StepPlan* plan) {
     intervals.assign(1, {0, peak});
     order.assign(order.size(), 0);
   }
-  const uint64_t usable = p.device_free + p.framework_held;
+  const uint64_t usable = sat_add(p.device_free, p.framework_held);
   const uint64_t margin = margin_bytes(p);
   const std::vector<Keep> modes = choose_kept(usable, margin, candidates, intervals, order);
   uint32_t whole = 0;
@@ -147,7 +145,6 @@ void plan_kept(const StepProfile& p, StepPlan* plan) {
     whole += modes[i] == Keep::kWhole ? 1 : 0;
   }
   plan->keep_planned = true;
-  plan->kept_blocks = static_cast<uint32_t>(modes.size());
   plan->judged_peak = peak;
   plan->usable_bytes = usable;
   plan->margin_bytes = margin;

@@ -22,42 +22,33 @@ Status check_bytes(uint64_t value, const char* field) {
   return Status::ok();
 }
 
-Status check(const StepProfile& p) {
-  if (p.blocks.size() > kMaxBlocks) {
-    return error(Code::kInvalidArgument, "step profile: ", p.blocks.size(), " blocks; at most ",
-                 kMaxBlocks);
-  }
-  // With no blocks only the step's own figures are planned (the host budget, the loss chunk,
-  // the margin): checkpoints and kept activations are the blocks'.
-  if (p.blocks.empty() && (p.tokens != 0 || p.step_measured)) {
-    return error(Code::kInvalidArgument,
-                 "step profile: ", p.tokens != 0 ? "tokens" : "a measured step",
-                 " given with no blocks (checkpoint homes and kept activations are the blocks')");
-  }
-  bool choose = false, fixed = false, streamed_seen = false;
+Status invalid(const auto&... parts) {
+  return error(Code::kInvalidArgument, "step profile: ", parts...);
+}
+
+Status check_blocks(const StepProfile& p, bool* choose) {
+  bool fixed = false, streamed_seen = false;
+  *choose = false;
   for (std::size_t i = 0; i < p.blocks.size(); ++i) {
     const auto& b = p.blocks[i];
     for (auto [v, name] : {std::pair{b.elements, "elements"},
                            {b.rank_elements, "rank_elements"},
                            {b.keep_whole_bytes, "keep_whole_bytes"},
                            {b.keep_selective_bytes, "keep_selective_bytes"}}) {
-      if (v > kMaxBytes) {
-        return error(Code::kInvalidArgument, "step profile: block ", i, "'s ", name, " is ", v,
-                     ", above 2^56");
-      }
+      if (v > kMaxBytes) return invalid("block ", i, "'s ", name, " is ", v, ", above 2^56");
     }
     if (b.rank_elements > b.elements) {
-      return error(Code::kInvalidArgument, "step profile: block ", i, "'s rank_elements ",
-                   b.rank_elements, " is more than its elements ", b.elements);
+      return invalid("block ", i, "'s rank_elements ", b.rank_elements,
+                     " is more than its elements ", b.elements);
     }
     switch (b.residency) {
       case Residency::kChoose:
-        choose = true;
+        *choose = true;
         break;
       case Residency::kResident:
         if (streamed_seen) {
-          return error(Code::kInvalidArgument, "step profile: block ", i,
-                       " is resident after a streamed block; resident blocks are the first ones");
+          return invalid("block ", i,
+                         " is resident after a streamed block; resident blocks are the first ones");
         }
         fixed = true;
         break;
@@ -65,26 +56,38 @@ Status check(const StepProfile& p) {
         streamed_seen = fixed = true;
         break;
       default:
-        return error(Code::kInvalidArgument, "step profile: block ", i, "'s residency ",
-                     static_cast<int32_t>(b.residency), " is not CHOOSE, RESIDENT or STREAMED");
+        return invalid("block ", i, "'s residency ", static_cast<int32_t>(b.residency),
+                       " is not CHOOSE, RESIDENT or STREAMED");
     }
     if (b.keep != Keep::kRecompute && b.keep != Keep::kSelective && b.keep != Keep::kWhole) {
-      return error(Code::kInvalidArgument, "step profile: block ", i, "'s keep ",
-                   static_cast<int32_t>(b.keep), " is not RECOMPUTE, SELECTIVE or WHOLE");
+      return invalid("block ", i, "'s keep ", static_cast<int32_t>(b.keep),
+                     " is not RECOMPUTE, SELECTIVE or WHOLE");
+    }
+    if (b.keep == Keep::kWhole && b.residency == Residency::kStreamed) {
+      return invalid("block ", i,
+                     " is streamed and kept WHOLE; a streamed block keeps at most "
+                     "SELECTIVE (wholly would keep its weights)");
+    }
+    if (p.plan_kept && b.keep != Keep::kRecompute) {
+      return invalid("block ", i,
+                     "'s keep is not RECOMPUTE with STRATA_STEP_PLAN_KEPT: a "
+                     "measured step is one in which every block recomputed (its "
+                     "peaks are what the plan adds kept bytes to)");
     }
   }
-  if (choose && fixed) {
-    return error(Code::kInvalidArgument,
-                 "step profile: some blocks' residency is CHOOSE and others' fixed; choose all "
-                 "of them or none");
+  if (*choose && fixed) {
+    return invalid(
+        "some blocks' residency is CHOOSE and others' fixed; choose all of them or none");
   }
+  return Status::ok();
+}
+
+Status check_figures(const StepProfile& p) {
   for (auto [v, name] : {std::pair{p.device_total, "device_total"},
                          {p.device_free, "device_free"},
                          {p.framework_held, "framework_held"},
                          {p.hbm_tier_bytes, "hbm_tier_bytes"},
                          {p.outside_elements, "outside_elements"},
-                         {p.resident_bytes_per_param, "resident_bytes_per_param"},
-                         {p.streamed_grad_bytes_per_param, "streamed_grad_bytes_per_param"},
                          {p.streamed_grads_hbm_bytes, "streamed_grads_hbm_bytes"},
                          {p.tokens, "tokens"},
                          {p.checkpoint_bytes, "checkpoint_bytes"},
@@ -95,6 +98,7 @@ Status check(const StepProfile& p) {
                          {p.vocab, "vocab"},
                          {p.hidden, "hidden"},
                          {p.loss_chunk_tokens, "loss_chunk_tokens"},
+                         {p.loss_working_bytes, "loss_working_bytes"},
                          {p.step_allocated_peak, "step_allocated_peak"},
                          {p.step_reserved_peak, "step_reserved_peak"},
                          {p.host_budget, "host_budget"},
@@ -103,43 +107,115 @@ Status check(const StepProfile& p) {
                          {p.beside_bytes, "beside_bytes"}}) {
     STRATA_RETURN_IF_ERROR(check_bytes(v, name));
   }
-  if (p.resident_bytes_per_param > 64 || p.streamed_grad_bytes_per_param > 8) {
-    return error(Code::kInvalidArgument, "step profile: resident_bytes_per_param ",
-                 p.resident_bytes_per_param, " (at most 64) or streamed_grad_bytes_per_param ",
-                 p.streamed_grad_bytes_per_param, " (at most 8) is not a per-parameter size");
+  if (p.device_free > p.device_total || p.framework_held > p.device_total) {
+    return invalid("device_free ", p.device_free, " or framework_held ", p.framework_held,
+                   " is more than device_total ", p.device_total);
   }
-  if (p.device_free > p.device_total) {
-    return error(Code::kInvalidArgument, "step profile: device_free ", p.device_free,
-                 " is more than device_total ", p.device_total);
+  return Status::ok();
+}
+
+Status check_residency(const StepProfile& p) {
+  if (p.resident_bytes_per_param == 0 || p.resident_bytes_per_param > 64) {
+    return invalid("resident_bytes_per_param ", p.resident_bytes_per_param,
+                   " is not 1..64 while choosing residency (the bytes a resident parameter "
+                   "takes on the device)");
   }
-  if (p.tokens != 0 && p.device_total == 0) {
-    return error(Code::kInvalidArgument,
-                 "step profile: tokens given with no device (device_total 0): checkpoint homes "
-                 "are planned against the device's memory");
+  if (p.streamed_grad_bytes_per_param > p.resident_bytes_per_param) {
+    return invalid("streamed_grad_bytes_per_param ", p.streamed_grad_bytes_per_param,
+                   " is more than resident_bytes_per_param ", p.resident_bytes_per_param);
+  }
+  if ((p.streamed_grad_bytes_per_param == 0) != (p.streamed_grads_hbm_bytes == 0)) {
+    return invalid("streamed_grad_bytes_per_param ", p.streamed_grad_bytes_per_param,
+                   " and streamed_grads_hbm_bytes ", p.streamed_grads_hbm_bytes,
+                   " disagree: both 0 (grads in DRAM) or both set (grads in HBM)");
+  }
+  return Status::ok();
+}
+
+Status check_decisions(const StepProfile& p) {
+  if (p.plan_checkpoints) {
+    if (p.device_total == 0 || p.blocks.empty() || p.tokens == 0 || p.checkpoint_bytes == 0) {
+      return invalid("STRATA_STEP_PLAN_CHECKPOINTS needs a device (device_total ", p.device_total,
+                     "), blocks (", p.blocks.size(), "), tokens (", p.tokens,
+                     ") and checkpoint_bytes (", p.checkpoint_bytes, ")");
+    }
+  }
+  if (p.plan_kept && (p.device_total == 0 || p.blocks.empty())) {
+    return invalid("STRATA_STEP_PLAN_KEPT needs a device (device_total ", p.device_total,
+                   ") and blocks (", p.blocks.size(), ")");
+  }
+  if (!p.intervals.empty() && !p.plan_kept) {
+    return invalid("intervals given without STRATA_STEP_PLAN_KEPT");
+  }
+  if (p.step_reserved_peak < p.step_allocated_peak) {
+    return invalid("step_reserved_peak ", p.step_reserved_peak, " is below step_allocated_peak ",
+                   p.step_allocated_peak,
+                   " (pass allocated for both where the allocator has one "
+                   "figure)");
   }
   for (std::size_t i = 0; i < p.intervals.size(); ++i) {
     const auto& point = p.intervals[i];
     if (point.kind != PointKind::kForward && point.kind != PointKind::kBackward &&
         point.kind != PointKind::kEnd) {
-      return error(Code::kInvalidArgument, "step profile: interval ", i, "'s kind ",
-                   static_cast<int32_t>(point.kind), " is not FORWARD, BACKWARD or END");
+      return invalid("interval ", i, "'s kind ", static_cast<int32_t>(point.kind),
+                     " is not FORWARD, BACKWARD or END");
     }
     if (point.kind != PointKind::kEnd && point.block >= p.blocks.size()) {
-      return error(Code::kInvalidArgument, "step profile: interval ", i, "'s block ", point.block,
-                   " is not one of the ", p.blocks.size(), " blocks");
+      return invalid("interval ", i, "'s block ", point.block, " is not one of the ",
+                     p.blocks.size(), " blocks");
     }
-  }
-  if (!p.intervals.empty() && !p.step_measured) {
-    return error(Code::kInvalidArgument,
-                 "step profile: intervals given without a measured step (step_measured 0)");
+    if (point.kind == PointKind::kEnd && point.block != 0) {
+      return invalid("interval ", i, " is the step's END with block ", point.block, ", not 0");
+    }
+    if (point.reserved_peak < point.allocated_peak || point.reserved_peak > p.step_reserved_peak ||
+        point.allocated_peak > p.step_allocated_peak) {
+      return invalid("interval ", i, "'s peaks (allocated ", point.allocated_peak, ", reserved ",
+                     point.reserved_peak, ") are not reserved >= allocated within the step's (",
+                     p.step_allocated_peak, ", ", p.step_reserved_peak, ")");
+    }
   }
   return Status::ok();
 }
 
+Status check(const StepProfile& p, bool* choose) {
+  if (p.blocks.size() > kMaxBlocks) {
+    return invalid(p.blocks.size(), " blocks; at most ", kMaxBlocks);
+  }
+  STRATA_RETURN_IF_ERROR(check_blocks(p, choose));
+  STRATA_RETURN_IF_ERROR(check_figures(p));
+  if (*choose) STRATA_RETURN_IF_ERROR(check_residency(p));
+  return check_decisions(p);
+}
+
+std::string loss_reason(const StepProfile& p, uint64_t chunk) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(2);
+  o << "loss: " << chunk << " tokens a chunk" << (p.loss_chunk_tokens ? " (given)" : "") << ", "
+    << static_cast<double>(sat_mul(sat_mul(4, chunk), p.vocab)) / 1e9
+    << " GB of fp32 logits at a vocabulary of " << p.vocab
+    << (p.loss_chunked ? "" : "; this model's loss runs whole, not over chunks");
+  return o.str();
+}
+
+std::string host_reason(const StepProfile& p, uint64_t total) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(2);
+  o << "host: a budget of " << total / 1e9 << " GB (" << (p.host_budget ? "given" : "default")
+    << "): the DRAM arena " << p.arena_bytes / 1e9 << " GB, " << p.beside_bytes / 1e9
+    << " GB held beside it, the rest for paged state and spilled checkpoints"
+    << (p.host_budget ? ""
+                      : " (half of what the held bytes leave of this process's share of the "
+                        "host's available memory)");
+  return o.str();
+}
+
 }  // namespace
 
+// Residency first (the others count the resident blocks), then kept activations, then the
+// checkpoint homes counted with what the kept blocks hold.
 Status plan_step(const StepProfile& p, StepPlan* out) {
-  STRATA_RETURN_IF_ERROR(check(p));
+  bool choose = false;
+  STRATA_RETURN_IF_ERROR(check(p, &choose));
   StepPlan plan;
   plan.blocks.resize(p.blocks.size());
   for (std::size_t i = 0; i < p.blocks.size(); ++i) {
@@ -147,7 +223,7 @@ Status plan_step(const StepProfile& p, StepPlan* out) {
         p.blocks[i].residency == Residency::kResident ? Residency::kResident : Residency::kStreamed;
     plan.blocks[i].keep = p.blocks[i].keep;
   }
-  if (!p.blocks.empty() && p.blocks.front().residency == Residency::kChoose) {
+  if (choose) {
     std::string why;
     plan.resident_blocks = choose_resident(p, &why);
     for (uint32_t i = 0; i < plan.resident_blocks; ++i) {
@@ -159,28 +235,20 @@ Status plan_step(const StepProfile& p, StepPlan* out) {
     for (const auto& b : plan.blocks) plan.resident_blocks += b.residency == Residency::kResident;
   }
   plan.loss_chunk_tokens = p.loss_chunk_tokens ? p.loss_chunk_tokens : default_loss_chunk(p.vocab);
-  if (p.vocab != 0) {
-    std::ostringstream o;
-    o << std::fixed << std::setprecision(2);
-    o << "loss: " << plan.loss_chunk_tokens << " tokens a chunk"
-      << (p.loss_chunk_tokens ? " (given)" : "") << ", "
-      << 4 * plan.loss_chunk_tokens * p.vocab / 1e9 << " GB of fp32 logits at a vocabulary of "
-      << p.vocab << (p.loss_chunked ? "" : "; this model's loss runs whole, not over chunks");
-    plan.reasons.push_back(o.str());
+  if (p.vocab != 0) plan.reasons.push_back(loss_reason(p, plan.loss_chunk_tokens));
+  if (p.device_total != 0) {
+    plan.usable_bytes = sat_add(p.device_free, p.framework_held);
+    plan.margin_bytes = margin_bytes(p);
   }
-  if (p.tokens != 0) plan_checkpoints(p, &plan);
-  if (p.step_measured) plan_kept(p, &plan);
-  plan.margin_bytes = margin_bytes(p);
+  if (p.plan_kept) plan_kept(p, &plan);
+  if (p.plan_checkpoints) plan_checkpoints(p, &plan);
+  for (const auto& b : plan.blocks) {
+    plan.kept_blocks += b.keep != Keep::kRecompute;
+    plan.whole_blocks += b.keep == Keep::kWhole;
+  }
   if (p.host_budget != 0 || p.arena_bytes != 0 || p.host_available != 0) {
     plan.host_total_bytes = host_total(p);
-    std::ostringstream o;
-    o << std::fixed << std::setprecision(2);
-    o << "host: a budget of " << plan.host_total_bytes / 1e9 << " GB ("
-      << (p.host_budget ? "given" : "default") << "): the DRAM arena " << p.arena_bytes / 1e9
-      << " GB, " << p.beside_bytes / 1e9 << " GB held beside it, the rest for paged state and "
-      << "spilled checkpoints"
-      << (p.host_budget ? "" : " (half of this process's share of the host's available memory)");
-    plan.reasons.push_back(o.str());
+    plan.reasons.push_back(host_reason(p, plan.host_total_bytes));
   }
   *out = std::move(plan);
   return Status::ok();
@@ -231,6 +299,8 @@ std::string dump_json(const StepProfile& p, const StepPlan& plan) {
       {"backward_reserve_bytes", plan.backward_reserve_bytes},
       {"keep_planned", plan.keep_planned},
       {"kept_blocks", plan.kept_blocks},
+      {"whole_blocks", plan.whole_blocks},
+      {"predicted_peak_bytes", plan.predicted_peak},
       {"judged_peak_bytes", plan.judged_peak},
       {"usable_bytes", plan.usable_bytes},
       {"margin_bytes", plan.margin_bytes},

@@ -89,6 +89,9 @@ struct StepProfile {
   uint64_t device_free = 0;
   uint64_t framework_held = 0;
   bool allocator_returns_cache = false;
+  // The decisions asked for beyond residency (which CHOOSE blocks ask for).
+  bool plan_checkpoints = false;
+  bool plan_kept = false;
   // Residency (planned when some block is kChoose): Strata's HBM tier still to be allocated
   // (its slots), the parameters outside the blocks still coming to the device, the bytes a
   // resident parameter takes there (weight, grad, optimizer state), and with the streamed grads
@@ -98,7 +101,7 @@ struct StepProfile {
   uint64_t resident_bytes_per_param = 0;
   uint64_t streamed_grad_bytes_per_param = 0;
   uint64_t streamed_grads_hbm_bytes = 0;
-  // Checkpoint homes (planned when tokens > 0): the batch's tokens, one checkpoint's bytes, what
+  // Checkpoint homes: the batch's tokens, one checkpoint's bytes, what
   // one block saves for its backward at this batch (block_saved_measured false: unmeasured),
   // what the framework holds at the forward pass's start (in_use), the grads its backward pass
   // will allocate, and bytes leaving the device before the loss (paged state).
@@ -109,15 +112,16 @@ struct StepProfile {
   uint64_t in_use = 0;
   uint64_t backward_grad_bytes = 0;
   uint64_t leaving_bytes = 0;
-  // Loss: the head's vocabulary and hidden size (0: no head), whether it runs over chunks, and a
-  // chunk given by the user (0: the default).
+  // Loss: the head's vocabulary and hidden size (0: no head), whether it runs over chunks, a
+  // chunk given by the user (0: the default) and its working set if the binding knows it (0:
+  // from the vocabulary).
   uint64_t vocab = 0;
   uint64_t hidden = 0;
   bool loss_chunked = false;
   uint64_t loss_chunk_tokens = 0;
-  // Kept activations (planned when a step was measured): the step's allocated and reserved
-  // peaks and the intervals between block starts.
-  bool step_measured = false;
+  uint64_t loss_working_bytes = 0;
+  // Kept activations: the measured step's allocated and reserved peaks and the intervals
+  // between block starts.
   uint64_t step_allocated_peak = 0;
   uint64_t step_reserved_peak = 0;
   std::vector<Interval> intervals;
@@ -148,10 +152,12 @@ struct StepPlan {
   bool checkpoints_planned = false;
   uint32_t spilled_checkpoints = 0;
   bool fits = true;
+  uint64_t predicted_peak = 0;
   uint64_t backward_reserve_bytes = 0;
   // Kept activations: the measured peak judged and what was usable.
   bool keep_planned = false;
-  uint32_t kept_blocks = 0;
+  uint32_t kept_blocks = 0;   // of the final blocks, keeping any way
+  uint32_t whole_blocks = 0;  // of them, wholly
   uint64_t judged_peak = 0;
   uint64_t usable_bytes = 0;
   uint64_t margin_bytes = 0;
@@ -159,6 +165,21 @@ struct StepPlan {
   uint64_t loss_chunk_tokens = 0;
   std::vector<std::string> reasons;  // one line per decision made, for the dump
 };
+
+// Sums and products of the profile's figures never wrap: a figure past 2^64 is as good as
+// infinite for every comparison the plan makes.
+inline uint64_t sat_add(uint64_t a, uint64_t b) {
+  uint64_t r;
+  return __builtin_add_overflow(a, b, &r) ? UINT64_MAX : r;
+}
+inline uint64_t sat_mul(uint64_t a, uint64_t b) {
+  uint64_t r;
+  return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
+}
+// `value` fits under `usable` less `margin` (nothing does when the margin is the whole of it).
+inline bool within(uint64_t value, uint64_t usable, uint64_t margin) {
+  return usable >= margin && value <= usable - margin;
+}
 
 // Validates `profile` (names the field at fault) and plans what it carries.
 Status plan_step(const StepProfile& profile, StepPlan* out);
@@ -169,8 +190,8 @@ uint64_t margin_bytes(const StepProfile& profile);
 // How many of the first blocks spill their checkpoints (`checkpoints`: each block's bytes, 0
 // where it keeps none), and whether the step then fits.
 uint32_t choose_spills(const std::vector<uint64_t>& checkpoints, uint64_t base, uint64_t working,
-                       uint64_t usable, uint64_t margin, bool* fits,
-                       uint32_t depth = kRestoreDepth);
+                       uint64_t usable, uint64_t margin, bool* fits, uint32_t depth = kRestoreDepth,
+                       uint64_t* peak = nullptr);
 void plan_checkpoints(const StepProfile& profile, StepPlan* plan);
 // The kept modes, candidates in the order given (their (whole, selective) bytes at kBlockFactor;
 // whole 0: only selectively), each counted in the intervals where it is alive: `intervals` are

@@ -43,7 +43,10 @@ TEST_CASE("step plan: inits set struct_size and the documented defaults", "[abi]
   CHECK(p.struct_size == STRATA_STEP_PROFILE_STRUCT_SIZE);
   CHECK(p.block_count == 0);
   CHECK(p.blocks == nullptr);
+  CHECK(p.intervals == nullptr);
+  CHECK(p.flags == 0);
   CHECK(p.ranks_on_host == 1);
+  CHECK(p.beside_bytes == 0);
   strata_step_block_t b;
   std::memset(&b, 0xab, sizeof b);
   REQUIRE(strata_step_block_init(&b) == STRATA_OK);
@@ -67,11 +70,13 @@ TEST_CASE("step plan: a plan without a runtime, its info, blocks and dumps", "[a
   info.struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE;
   REQUIRE(strata_step_plan_get_info(plan, &info) == STRATA_OK);
   CHECK(info.blocks == 4);
-  CHECK(info.residency_planned == 1);
+  CHECK(info.planned == STRATA_STEP_PLANNED_RESIDENCY);
   CHECK(info.resident_blocks == 3);  // a large device: all but one block
-  CHECK(info.checkpoints_planned == 0);
   CHECK(info.fits == 1);
   CHECK(info.restore_depth == 2);
+  CHECK(info.predicted_peak_bytes == 0);  // (checkpoints were not planned)
+  CHECK(info.usable_bytes == 100000000);
+  CHECK(info.margin_bytes == 10000000);
   strata_step_block_t out{};
   out.struct_size = STRATA_STEP_BLOCK_STRUCT_SIZE;
   REQUIRE(strata_step_plan_get_block(plan, 3, &out) == STRATA_OK);
@@ -155,6 +160,41 @@ TEST_CASE("step plan: every refusal the header lists, nothing written", "[abi]")
     refused(p, "CHOOSE and others' fixed");
   }
   {
+    Profile p(1);
+    p.profile.flags = 1u << 20;
+    refused(p, "unknown flags 0x100000");
+  }
+  {
+    Profile p(1);
+    p.profile.resident_bytes_per_param = 0;
+    refused(p, "resident_bytes_per_param 0");
+  }
+  {
+    Profile p(1);
+    p.blocks[0].residency = STRATA_RESIDENCY_STREAMED;
+    p.blocks[0].keep = STRATA_KEEP_WHOLE;
+    refused(p, "streamed and kept WHOLE");
+  }
+  {
+    Profile p(1);
+    p.blocks[0].residency = STRATA_RESIDENCY_STREAMED;
+    p.profile.flags = STRATA_STEP_PLAN_CHECKPOINTS;
+    p.profile.tokens = 16;
+    refused(p, "checkpoint_bytes (0)");
+  }
+  {
+    Profile p(1);
+    p.blocks[0].residency = STRATA_RESIDENCY_STREAMED;
+    p.blocks[0].keep = STRATA_KEEP_SELECTIVE;
+    p.profile.flags = STRATA_STEP_PLAN_KEPT;
+    refused(p, "keep is not RECOMPUTE");
+  }
+  {
+    Profile p(1);
+    p.profile.framework_held_bytes = p.profile.device_total_bytes + 1;
+    refused(p, "framework_held");
+  }
+  {
     Profile p(2);
     p.blocks[0].residency = STRATA_RESIDENCY_STREAMED;
     p.blocks[1].residency = STRATA_RESIDENCY_RESIDENT;
@@ -182,13 +222,18 @@ TEST_CASE("step plan: every refusal the header lists, nothing written", "[abi]")
     const strata_step_interval_t* points[] = {&t};
     p.profile.intervals = points;
     p.profile.interval_count = 1;
-    refused(p, "without a measured step");
-    p.profile.step_measured = 1;
+    refused(p, "without STRATA_STEP_PLAN_KEPT");
+    p.profile.flags = STRATA_STEP_PLAN_KEPT;
     t.point = 5;
     refused(p, "kind 5");
     t.point = STRATA_STEP_POINT_BACKWARD;
     t.block = 1;
     refused(p, "interval 0's block 1");
+    t.point = STRATA_STEP_POINT_END;
+    refused(p, "END with block 1");
+    t.block = 0;
+    t.allocated_peak_bytes = 10;
+    refused(p, "not reserved >= allocated");
   }
   {
     Profile p(1);
@@ -207,14 +252,17 @@ TEST_CASE("step plan: every refusal the header lists, nothing written", "[abi]")
   }
   {
     Profile p(1);
+    p.blocks[0].residency = STRATA_RESIDENCY_STREAMED;
     p.profile.device_total_bytes = p.profile.device_free_bytes = 0;
+    p.profile.flags = STRATA_STEP_PLAN_CHECKPOINTS;
     p.profile.tokens = 16;
-    refused(p, "tokens given with no device");
+    p.profile.checkpoint_bytes = 64;
+    refused(p, "needs a device");
   }
   {
     Profile p(0);
-    p.profile.step_measured = 1;
-    refused(p, "a measured step given with no blocks");
+    p.profile.flags = STRATA_STEP_PLAN_KEPT;
+    refused(p, "blocks (0)");
   }
   strata_step_plan_info_t info{};
   info.struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE;

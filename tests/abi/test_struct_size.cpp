@@ -66,10 +66,10 @@ const Row kRows[] = {
     ROW(strata_layout_request_t, STRATA_LAYOUT_REQUEST_STRUCT_SIZE, 80, 84),
     ROW(strata_layout_layer_t, STRATA_LAYOUT_LAYER_STRUCT_SIZE, 48),
     ROW(strata_layout_totals_t, STRATA_LAYOUT_TOTALS_STRUCT_SIZE, 128, 136, 144),
-    ROW(strata_step_profile_t, STRATA_STEP_PROFILE_STRUCT_SIZE, 240),
+    ROW(strata_step_profile_t, STRATA_STEP_PROFILE_STRUCT_SIZE, 224),
     ROW(strata_step_block_t, STRATA_STEP_BLOCK_STRUCT_SIZE, 52),
     ROW(strata_step_interval_t, STRATA_STEP_INTERVAL_STRUCT_SIZE, 32),
-    ROW(strata_step_plan_info_t, STRATA_STEP_PLAN_INFO_STRUCT_SIZE, 92),
+    ROW(strata_step_plan_info_t, STRATA_STEP_PLAN_INFO_STRUCT_SIZE, 96),
 };
 #undef ROW
 
@@ -464,6 +464,7 @@ void check_step_plan_structs() {
   strata_step_block_t valid_block;
   strata_step_block_init(&valid_block);
   valid_block.elements = 1000;
+  valid_block.residency = STRATA_RESIDENCY_STREAMED;
   strata_step_interval_t valid_interval;
   strata_step_interval_init(&valid_interval);
   const strata_step_block_t* blocks[1] = {&valid_block};
@@ -475,7 +476,8 @@ void check_step_plan_structs() {
     p.block_count = 1;
     p.intervals = intervals;
     p.interval_count = 1;
-    p.step_measured = 1;
+    p.flags = STRATA_STEP_PLAN_KEPT;
+    p.device_total_bytes = 1 << 30;
     return p;
   };
   const auto plan = [](const strata_step_profile_t* p) {

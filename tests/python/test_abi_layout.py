@@ -15,7 +15,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bindings" / "python"))
 
-from strata import _lib, core  # noqa: E402
+from strata import _lib, core, step_plan  # noqa: E402
 import strata  # noqa: E402
 
 SCALARS = {"size_t": ctypes.c_size_t, "int32_t": ctypes.c_int32, "uint32_t": ctypes.c_uint32,
@@ -144,6 +144,13 @@ def _check_table(header, table, prefix):
      "STRATA_VIEW_"),
     (core.STATE_PLACEMENTS, "STRATA_STATE_PLACEMENT_"),
     (core.MASTER_LAYOUTS, "STRATA_MASTER_"), (core.GRAD_SUMS, "STRATA_GRAD_SUM_"),
+    ({k.upper(): v for k, v in step_plan.RESIDENCY.items()}, "STRATA_RESIDENCY_"),
+    ({k.upper(): v for k, v in step_plan.KEEP.items()}, "STRATA_KEEP_"),
+    ({"FORWARD": step_plan.POINTS["f"], "BACKWARD": step_plan.POINTS["b"],
+      "END": step_plan.POINTS["end"]}, "STRATA_STEP_POINT_"),
+    ({k.upper(): v for k, v in step_plan.FLAGS.items()}, "STRATA_STEP_"),
+    ({k.upper().replace("_PLANNED", "").replace("KEEP", "KEPT"): v
+      for k, v in step_plan.PLANNED.items()}, "STRATA_STEP_PLANNED_"),
 ])
 def test_constant_tables_match_the_header(header, table, prefix):
     _check_table(header, table, prefix)

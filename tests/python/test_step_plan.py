@@ -35,19 +35,19 @@ def test_checkpoint_homes_and_kept_activations_in_one_plan():
                               keep_selective_bytes=GB // 4)] * 2
     blocks += [step_plan.Block(1000, residency="streamed", keep_selective_bytes=GB // 2)] * 6
     plan = step_plan.plan_step(
-        blocks, device_total_bytes=100 * GB, device_free_bytes=100 * GB, tokens=4096,
-        checkpoint_bytes=10 * GB, block_saved_bytes=4 * GB, block_saved_measured=1,
-        in_use_bytes=20 * GB)
+        blocks, device_total_bytes=100 * GB, device_free_bytes=100 * GB, plan_checkpoints=True,
+        tokens=4096, checkpoint_bytes=10 * GB, block_saved_bytes=4 * GB,
+        block_saved_measured=True, in_use_bytes=20 * GB)
     assert plan.checkpoints_planned and plan.spilled_checkpoints == 7 and plan.fits
     assert [b["checkpoint"] for b in plan.blocks] == ["dram"] * 7 + ["hbm"]
-    assert plan.restore_depth == 2
+    assert plan.restore_depth == 2 and plan.predicted_peak_bytes > 0
     timeline = [("f", g, 10 * GB, 10 * GB) for g in range(8)]
     timeline += [("b", g, 20 * GB, 20 * GB) for g in range(8)] + [("end", 0, 20 * GB, 20 * GB)]
     kept = step_plan.plan_step(blocks, timeline, device_total_bytes=100 * GB,
                                device_free_bytes=60 * GB, framework_held_bytes=40 * GB,
-                               step_measured=1, step_allocated_peak_bytes=20 * GB,
+                               plan_kept=True, step_allocated_peak_bytes=20 * GB,
                                step_reserved_peak_bytes=20 * GB)
-    assert kept.keep_planned and kept.kept_blocks == 8
+    assert kept.keep_planned and kept.kept_blocks == 8 and kept.whole_blocks == 2
     assert kept.keeps()[:2] == ["whole", "whole"] and kept.keeps()[2:] == ["selective"] * 6
     assert "in the intervals where it is alive" in kept.text
 
@@ -64,19 +64,31 @@ def test_unknown_fields_and_names_are_refused():
     with pytest.raises(ValueError, match="residency 'resdent' is not one of"):
         step_plan.plan_step([step_plan.Block(1, residency="resdent")])
     with pytest.raises(ValueError, match="point 'x' is not one of"):
-        step_plan.plan_step([step_plan.Block(1)], [("x", 0, 0, 0)], step_measured=1)
+        step_plan.plan_step([step_plan.Block(1)], [("x", 0, 0, 0)], plan_kept=True)
+    # A value its C field cannot hold is refused, not wrapped by ctypes.
+    with pytest.raises(ValueError, match="ranks_on_host is 4294967296, not a 32-bit"):
+        step_plan.plan_step([], ranks_on_host=1 << 32)
+    with pytest.raises(ValueError, match="block 0's elements is -1"):
+        step_plan.plan_step([step_plan.Block(-1)])
 
 
 @pytest.mark.parametrize("blocks,fields,message", [
     ([step_plan.Block(1, residency="streamed"), step_plan.Block(1, residency="resident")], {},
      "resident after a streamed block"),
-    ([step_plan.Block(1), step_plan.Block(1, residency="streamed")], {},
-     "CHOOSE and others' fixed"),
-    ([step_plan.Block(1, rank_elements=2)], {}, "rank_elements 2 is more than its elements"),
-    ([step_plan.Block(1)], dict(tokens=5), "tokens given with no device"),
-    ([], dict(tokens=5, device_total_bytes=1), "tokens given with no blocks"),
-    ([step_plan.Block(1)], dict(device_total_bytes=1, device_free_bytes=2), "device_free"),
+    ([step_plan.Block(1), step_plan.Block(1, residency="streamed")],
+     dict(resident_bytes_per_param=16), "CHOOSE and others' fixed"),
+    ([step_plan.Block(1, rank_elements=2)], dict(resident_bytes_per_param=16), "rank_elements 2 is more than its elements"),
+    ([step_plan.Block(1, residency="streamed")],
+     dict(plan_checkpoints=True, tokens=5, checkpoint_bytes=1), "needs a device"),
+    ([], dict(plan_checkpoints=True, tokens=5, checkpoint_bytes=1, device_total_bytes=1),
+     r"blocks \(0\)"),
+    ([step_plan.Block(1, residency="streamed")], dict(device_total_bytes=1, device_free_bytes=2),
+     "device_free"),
     ([step_plan.Block(1)], dict(resident_bytes_per_param=65), "resident_bytes_per_param 65"),
+    ([step_plan.Block(1)], dict(resident_bytes_per_param=0), "resident_bytes_per_param 0"),
+    ([step_plan.Block(1, residency="streamed")],
+     dict(plan_kept=True, device_total_bytes=1, step_allocated_peak_bytes=2,
+          step_reserved_peak_bytes=1), "below step_allocated_peak"),
 ])
 def test_the_library_refuses_a_bad_profile_naming_it(blocks, fields, message):
     with pytest.raises(StrataError, match=message):

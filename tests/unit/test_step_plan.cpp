@@ -272,6 +272,7 @@ TEST_CASE("step plan: a whole plan, each decision when its figures are given") {
   for (uint32_t i = 0; i < 8; ++i) {
     p.blocks[i].residency = i < 2 ? Residency::kResident : Residency::kStreamed;
   }
+  p.plan_checkpoints = true;
   p.tokens = 4096;
   p.checkpoint_bytes = 10 * GB;
   p.block_saved_bytes = 4 * GB;
@@ -288,43 +289,123 @@ TEST_CASE("step plan: a whole plan, each decision when its figures are given") {
   CHECK(plan.blocks[6].checkpoint == CheckpointHome::kDram);
   CHECK(plan.blocks[7].checkpoint == CheckpointHome::kHbm);
   CHECK(plan.backward_reserve_bytes == 25 * GB + 30 * GB + 10 * GB);
+  CHECK(plan.predicted_peak == 20 * GB + 25 * GB + 10 * GB + 30 * GB);  // 1 in HBM, 3 restoring
   CHECK(dump_text(p, plan).find("checkpoints: 7 of 8") != std::string::npos);
 }
 
 TEST_CASE("step plan: bad profiles are refused, naming the field") {
-  StepProfile p;
   StepPlan plan;
-  p.tokens = 1;
+  const auto says = [&](const StepProfile& p, const char* what) {
+    const Status s = plan_step(p, &plan);
+    CHECK(s.code() == Code::kInvalidArgument);
+    INFO(s.message());
+    CHECK(s.message().find(what) != std::string::npos);
+  };
+  StepProfile p;
+  p.plan_checkpoints = true;
   p.device_total = 1;
-  CHECK(plan_step(p, &plan).message().find("tokens given with no blocks") != std::string::npos);
-  p.tokens = p.device_total = 0;
+  p.tokens = p.checkpoint_bytes = 1;
+  says(p, "STRATA_STEP_PLAN_CHECKPOINTS needs");  // no blocks
+  p = StepProfile{};
   p.blocks.assign(16385, BlockProfile{});
-  CHECK(plan_step(p, &plan).message().find("at most 16384") != std::string::npos);
+  says(p, "at most 16384");
   p.blocks.assign(2, BlockProfile{});
+  p.resident_bytes_per_param = 16;
   p.blocks[0].residency = Residency::kStreamed;
   p.blocks[1].residency = Residency::kResident;
-  Status s = plan_step(p, &plan);
-  CHECK(s.code() == Code::kInvalidArgument);
-  CHECK(s.message().find("resident after a streamed") != std::string::npos);
+  says(p, "resident after a streamed");
   p.blocks[1].residency = Residency::kChoose;
-  CHECK(plan_step(p, &plan).message().find("CHOOSE and others' fixed") != std::string::npos);
+  says(p, "CHOOSE and others' fixed");
   p.blocks[0].residency = Residency::kChoose;
   p.blocks[0].rank_elements = 5;
-  CHECK(plan_step(p, &plan).message().find("rank_elements") != std::string::npos);
+  says(p, "rank_elements");
   p.blocks[0].rank_elements = 0;
+  p.resident_bytes_per_param = 0;
+  says(p, "resident_bytes_per_param 0");  // choosing residency needs it
+  p.resident_bytes_per_param = 16;
+  p.streamed_grad_bytes_per_param = 20;
+  says(p, "more than resident_bytes_per_param");
+  p.streamed_grad_bytes_per_param = 4;
+  says(p, "disagree");  // grads in HBM without their total
+  p.streamed_grad_bytes_per_param = 0;
+  p.plan_checkpoints = true;
   p.tokens = 10;
-  CHECK(plan_step(p, &plan).message().find("no device") != std::string::npos);
-  p.tokens = 0;
+  says(p, "needs a device");
   p.device_total = 10;
+  p.checkpoint_bytes = 0;
+  says(p, "checkpoint_bytes (0)");
+  p.plan_checkpoints = false;
   p.device_free = 20;
-  CHECK(plan_step(p, &plan).message().find("device_free") != std::string::npos);
+  says(p, "device_free");
   p.device_free = 0;
+  p.framework_held = 11;
+  says(p, "framework_held");
+  p.framework_held = 0;
   p.intervals.push_back({PointKind::kForward, 1, 0, 0});
-  CHECK(plan_step(p, &plan).message().find("without a measured step") != std::string::npos);
-  p.step_measured = true;
+  says(p, "without STRATA_STEP_PLAN_KEPT");
+  p.plan_kept = true;
   p.intervals[0].block = 2;
-  CHECK(plan_step(p, &plan).message().find("interval 0's block 2") != std::string::npos);
+  says(p, "interval 0's block 2");
+  p.intervals[0] = {PointKind::kEnd, 1, 0, 0};
+  says(p, "END with block 1");
+  p.intervals[0] = {PointKind::kForward, 0, 5, 4};
+  says(p, "not reserved >= allocated");
   p.intervals.clear();
+  p.step_allocated_peak = 2;
+  p.step_reserved_peak = 1;
+  says(p, "step_reserved_peak 1 is below");
+  p.step_allocated_peak = 0;
+  p.blocks[0].keep = Keep::kSelective;
+  says(p, "keep is not RECOMPUTE with STRATA_STEP_PLAN_KEPT");
+  p.plan_kept = false;
+  p.blocks[0].keep = Keep::kRecompute;
+  for (auto& b : p.blocks) b.residency = Residency::kStreamed;
+  p.blocks[1].keep = Keep::kWhole;
+  says(p, "streamed and kept WHOLE");
+  p.blocks[1].keep = Keep::kRecompute;
   p.host_budget = uint64_t{1} << 57;
-  CHECK(plan_step(p, &plan).message().find("host_budget") != std::string::npos);
+  says(p, "host_budget");
+}
+
+TEST_CASE("step plan: figures near the caps do not wrap") {
+  // 128 checkpoints of 2^56 bytes: their sum saturates instead of wrapping to a small number,
+  // and the step is short, not predicted to fit.
+  StepProfile p;
+  p.blocks.assign(128, BlockProfile{1, 0, 0, 0, Residency::kStreamed, Keep::kRecompute});
+  p.device_total = p.device_free = 80 * GB;
+  p.plan_checkpoints = true;
+  p.tokens = uint64_t{1} << 34;
+  p.checkpoint_bytes = uint64_t{1} << 56;
+  p.vocab = uint64_t{1} << 30;
+  p.hidden = 8192;
+  StepPlan plan;
+  REQUIRE(plan_step(p, &plan).is_ok());
+  CHECK_FALSE(plan.fits);
+  CHECK(plan.spilled_checkpoints == 128);
+  CHECK(plan.predicted_peak == UINT64_MAX);
+}
+
+TEST_CASE("step plan: kept activations are decided first, the checkpoints counted with them") {
+  // Two resident blocks measured at 4 GB whole: kept (room for them), then their checkpoints
+  // need no home and what they keep is counted in the checkpoint plan.
+  StepProfile p;
+  p.blocks.assign(4, BlockProfile{1000, 0, 4 * GB, 0, Residency::kStreamed, Keep::kRecompute});
+  p.blocks[0].residency = p.blocks[1].residency = Residency::kResident;
+  p.blocks[2].keep_whole_bytes = p.blocks[3].keep_whole_bytes = 0;  // streamed: unmeasured
+  p.device_total = p.device_free = 100 * GB;
+  p.plan_kept = true;
+  p.step_allocated_peak = p.step_reserved_peak = 50 * GB;
+  p.plan_checkpoints = true;
+  p.tokens = 1024;
+  p.checkpoint_bytes = GB;
+  p.block_saved_measured = true;
+  p.block_saved_bytes = GB;
+  p.in_use = 10 * GB;
+  StepPlan plan;
+  REQUIRE(plan_step(p, &plan).is_ok());
+  CHECK(plan.kept_blocks == 2);
+  CHECK(plan.whole_blocks == 2);
+  CHECK(plan.blocks[0].keep == Keep::kWhole);
+  CHECK(plan.checkpoints_planned);
+  CHECK(dump_text(p, plan).find("10.74 GB kept by blocks") != std::string::npos);  // 2 x 5 GiB
 }

@@ -197,33 +197,31 @@ class StepInterval(Struct):
 
 class StepProfile(Struct):
     _fields_ = [("struct_size", c_size_t), ("blocks", ctypes.POINTER(ctypes.POINTER(StepBlock))),
-                ("block_count", c_uint32), ("interval_count", c_uint32),
                 ("intervals", ctypes.POINTER(ctypes.POINTER(StepInterval))),
+                ("block_count", c_uint32), ("interval_count", c_uint32), ("flags", c_uint32),
+                ("ranks_on_host", c_uint32), ("resident_bytes_per_param", c_uint32),
+                ("streamed_grad_bytes_per_param", c_uint32),
                 ("device_total_bytes", c_uint64), ("device_free_bytes", c_uint64),
-                ("framework_held_bytes", c_uint64), ("allocator_returns_cache", c_int32),
-                ("resident_bytes_per_param", c_uint32),
-                ("streamed_grad_bytes_per_param", c_uint32), ("hbm_tier_bytes", c_uint64),
+                ("framework_held_bytes", c_uint64), ("hbm_tier_bytes", c_uint64),
                 ("outside_elements", c_uint64), ("streamed_grads_hbm_bytes", c_uint64),
                 ("tokens", c_uint64), ("checkpoint_bytes", c_uint64),
-                ("block_saved_bytes", c_uint64), ("block_saved_measured", c_int32),
-                ("loss_chunked", c_int32), ("in_use_bytes", c_uint64),
+                ("block_saved_bytes", c_uint64), ("in_use_bytes", c_uint64),
                 ("backward_grad_bytes", c_uint64), ("leaving_bytes", c_uint64),
                 ("vocab", c_uint64), ("hidden", c_uint64), ("loss_chunk_tokens", c_uint64),
-                ("step_measured", c_int32), ("step_allocated_peak_bytes", c_uint64), ("step_reserved_peak_bytes", c_uint64),
-                ("host_budget_bytes", c_uint64), ("arena_bytes", c_uint64),
-                ("host_available_bytes", c_uint64), ("ranks_on_host", c_uint32),
+                ("loss_working_bytes", c_uint64), ("step_allocated_peak_bytes", c_uint64),
+                ("step_reserved_peak_bytes", c_uint64), ("host_budget_bytes", c_uint64),
+                ("arena_bytes", c_uint64), ("host_available_bytes", c_uint64),
                 ("beside_bytes", c_uint64)]
 
 
 class StepPlanInfo(Struct):
     _fields_ = [("struct_size", c_size_t), ("blocks", c_uint32), ("resident_blocks", c_uint32),
                 ("spilled_checkpoints", c_uint32), ("kept_blocks", c_uint32),
-                ("residency_planned", c_int32), ("checkpoints_planned", c_int32),
-                ("keep_planned", c_int32), ("fits", c_int32),
+                ("whole_blocks", c_uint32), ("restore_depth", c_uint32), ("planned", c_uint32),
+                ("fits", c_uint32), ("predicted_peak_bytes", c_uint64),
                 ("backward_reserve_bytes", c_uint64), ("usable_bytes", c_uint64),
                 ("margin_bytes", c_uint64), ("judged_peak_bytes", c_uint64),
-                ("host_total_bytes", c_uint64), ("loss_chunk_tokens", c_uint64),
-                ("restore_depth", c_uint32)]
+                ("host_total_bytes", c_uint64), ("loss_chunk_tokens", c_uint64)]
 
 
 class PlacementInfo(Struct):

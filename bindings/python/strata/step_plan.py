@@ -24,13 +24,18 @@ KEEP = {"recompute": 0, "selective": 1, "whole": 2}
 # The points that end a measured step's intervals: a block's forward start ("f"), its backward
 # start ("b"), the step's end ("end").
 POINTS = {"f": 0, "b": 1, "end": 2}
+# strata_step_profile_t.flags, by the keyword plan_step takes each as (True: set).
+FLAGS = {"plan_checkpoints": 1 << 0, "plan_kept": 1 << 1, "allocator_returns_cache": 1 << 8,
+         "block_saved_measured": 1 << 9, "loss_chunked": 1 << 10}
+# strata_step_plan_info_t.planned, by the attribute StepPlan gives each as.
+PLANNED = {"residency_planned": 1 << 0, "checkpoints_planned": 1 << 1, "keep_planned": 1 << 2}
 _TIERS = {0: "hbm", 1: "dram"}
 _NAMES = {"residency": {v: k for k, v in RESIDENCY.items()},
           "keep": {v: k for k, v in KEEP.items()}}
 # The profile's scalar fields (strata_step_profile_t's, less the arrays).
 FIELDS = tuple(name for name, _ in _lib.StepProfile._fields_
                if name not in ("struct_size", "blocks", "block_count", "interval_count",
-                               "intervals"))
+                               "intervals", "flags"))
 
 
 class Block:
@@ -60,6 +65,7 @@ class StepPlan:
         check(L.strata_step_plan_get_info(handle, ctypes.byref(info)))
         self.info = {name: getattr(info, name) for name, _ in _lib.StepPlanInfo._fields_
                      if name != "struct_size"}
+        self.info.update({name: bool(info.planned & bit) for name, bit in PLANNED.items()})
         self.blocks = []
         for i in range(info.blocks):
             b = _lib.StepBlock()
@@ -81,6 +87,15 @@ class StepPlan:
         return [None if b["keep"] == "recompute" else b["keep"] for b in self.blocks]
 
 
+def _fitting(name, value, ctype):
+    """int(value), refused unless its unsigned C field holds it (ctypes would wrap it)."""
+    value = int(value)
+    if not 0 <= value < 1 << (8 * ctypes.sizeof(ctype)):
+        raise ValueError("strata.step_plan: %s is %d, not a %d-bit unsigned value"
+                         % (name, value, 8 * ctypes.sizeof(ctype)))
+    return value
+
+
 def _dump(handle, format):
     n = ctypes.c_size_t()
     check(L.strata_step_plan_dump(handle, format, None, 0, ctypes.byref(n)))
@@ -92,9 +107,13 @@ def _dump(handle, format):
 def plan_step(blocks, intervals=(), **fields):
     """Plan the step (strata_step_plan_create). `blocks`: Block per block, model order.
     `intervals`: a measured step's (point, block, allocated peak, reserved peak), point one of
-    POINTS. `fields`: the profile's scalars by their strata_step_profile_t names (FIELDS); an
-    unknown one is a ValueError. Errors of the library (a profile it refuses) raise as
-    strata.errors says."""
+    POINTS. `fields`: the profile's scalars by their strata_step_profile_t names (FIELDS), and
+    its flags by FLAGS' names (true: set); an unknown one is a ValueError, a value that does not
+    fit its field too (ctypes would wrap it). Errors of the library (a profile it refuses)
+    raise as strata.errors says."""
+    flags = 0
+    for name in [k for k in fields if k in FLAGS]:
+        flags |= FLAGS[name] if fields.pop(name) else 0
     unknown = set(fields) - set(FIELDS)
     if unknown:
         raise ValueError("strata.step_plan: unknown profile field(s) %s; known: %s"
@@ -104,7 +123,8 @@ def plan_step(blocks, intervals=(), **fields):
         d = _lib.StepBlock()
         check(L.strata_step_block_init(ctypes.byref(d)))
         for key in ("elements", "rank_elements", "keep_whole_bytes", "keep_selective_bytes"):
-            setattr(d, key, getattr(block, key))
+            setattr(d, key, _fitting("block %d's %s" % (i, key), getattr(block, key),
+                                     ctypes.c_uint64))
         for key, table in (("residency", RESIDENCY), ("keep", KEEP)):
             value = getattr(block, key)
             if value not in table:
@@ -119,8 +139,12 @@ def plan_step(blocks, intervals=(), **fields):
                              % (i, point, ", ".join(POINTS)))
         t = _lib.StepInterval()
         check(L.strata_step_interval_init(ctypes.byref(t)))
-        t.point, t.block = POINTS[point], int(block)
-        t.allocated_peak_bytes, t.reserved_peak_bytes = int(allocated), int(reserved)
+        t.point = POINTS[point]
+        t.block = _fitting("interval %d's block" % i, block, ctypes.c_uint32)
+        t.allocated_peak_bytes = _fitting("interval %d's allocated peak" % i, allocated,
+                                          ctypes.c_uint64)
+        t.reserved_peak_bytes = _fitting("interval %d's reserved peak" % i, reserved,
+                                         ctypes.c_uint64)
         points.append(t)
     q = _lib.StepProfile()
     check(L.strata_step_profile_init(ctypes.byref(q)))
@@ -130,8 +154,9 @@ def plan_step(blocks, intervals=(), **fields):
         *[ctypes.pointer(t) for t in points])
     q.blocks, q.block_count = block_array, len(structs)
     q.intervals, q.interval_count = interval_array, len(points)
+    q.flags = flags
     for key, value in fields.items():
-        setattr(q, key, int(value))
+        setattr(q, key, _fitting(key, value, dict(_lib.StepProfile._fields_)[key]))
     handle = ctypes.c_void_p()
     check(L.strata_step_plan_create(ctypes.byref(q), ctypes.byref(handle)))
     try:

@@ -345,11 +345,16 @@ class ActivationKeeper:
         self.retries = retries
         self.retries_at_forward = None
 
-    def profile_blocks(self, tokens=None):
+    def profile_blocks(self, tokens=None, keeping=True):
         """The step plan's blocks (strata.step_plan.Block), the resident ones then the streamed
         ones, with their measured bytes and, at a batch of `tokens` (None: whatever the batch),
         how each keeps now: a plan applies to batches of no more tokens than were measured
-        (activations grow with them), a forced count (tests, tools) to any."""
+        (activations grow with them), a forced count (tests, tools) to any. `keeping` False:
+        every block recomputing (a measured step's, which a kept plan is made from)."""
+        if not keeping:
+            return [step_plan.Block(1, keep_whole_bytes=b.keep_whole_bytes,
+                                    keep_selective_bytes=b.keep_selective_bytes,
+                                    residency=b.residency) for b in self.profile_blocks()]
         blocks = []
         for i in range(len(self.blocks)):
             measured = self.measured.get(i)
@@ -385,10 +390,10 @@ class ActivationKeeper:
         if peaks is None:
             peaks = (torch.cuda.max_memory_allocated(self.device),
                      torch.cuda.max_memory_reserved(self.device))
-        blocks = self.profile_blocks()
+        blocks = self.profile_blocks(keeping=False)
         intervals = [(kind, g, allocated, reserved)
                      for (kind, g), (allocated, reserved) in (timeline or {}).items()]
-        plan = step_plan.plan_step(blocks, intervals, step_measured=1,
+        plan = step_plan.plan_step(blocks, intervals, plan_kept=True,
                                    step_allocated_peak_bytes=peaks[0],
                                    step_reserved_peak_bytes=peaks[1], **figures)
         keeps = plan.keeps()

@@ -327,11 +327,11 @@ class Spiller:
         missing = self.positions - len(blocks)  # (a keeper of no blocks: tests, tools)
         blocks += [step_plan.Block(1, residency="streamed")] * max(0, missing)
         return step_plan.plan_step(
-            blocks[:self.positions], tokens=tokens, checkpoint_bytes=nbytes,
-            block_saved_bytes=saved or 0, block_saved_measured=int(saved is not None),
+            blocks[:self.positions], plan_checkpoints=True, tokens=tokens, checkpoint_bytes=nbytes,
+            block_saved_bytes=saved or 0, block_saved_measured=saved is not None,
             in_use_bytes=base, backward_grad_bytes=self._grad_bytes(),
             leaving_bytes=self.leaving(), vocab=vocab, hidden=hidden,
-            loss_chunked=int(chunked), loss_chunk_tokens=loss.chunk_tokens if chunked else 0,
+            loss_chunked=chunked, loss_chunk_tokens=loss.chunk_tokens if chunked else 0,
             **_step.device_figures(self.device))
 
     def _reserve(self, count, nbytes):
