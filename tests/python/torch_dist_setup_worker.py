@@ -23,7 +23,8 @@ def inject(fault, disk_calls):
     disk measurements (`disk_calls`: per measuring call, the rates it measured). The faults:
     "runtime": the runtime is asked for a DRAM budget no host has (the library's own error);
     "measure": measuring the disk fails; "residents": moving the model outside the streamed
-    blocks to the device fails."""
+    blocks to the device fails. The faults of offload's arguments ("budget", "argument",
+    "options") are in main."""
     import strata.core as core
     from strata.torch import _surgery
     if not _REAL:
@@ -63,7 +64,13 @@ def main(argv=None):
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--fault", choices=["runtime", "measure", "residents"], default=None)
+    p.add_argument("--fault", default=None,
+                   choices=["runtime", "measure", "residents", "budget", "argument",
+                            "options"],
+                   help="inject's faults, and offload's arguments wrong on one rank: "
+                        "'budget' a host_budget too small for the streamed blocks, 'argument' "
+                        "grads='gpu', 'options' DataParallel(shard_size=1) where the others "
+                        "shard over every rank")
     p.add_argument("--fault-rank", type=int, default=None, help="default: the last rank")
     p.add_argument("--nvme", default=None, help="every rank's NVMe tier (<path>.rank<r>)")
     p.add_argument("--hosts", type=int, default=1,
@@ -111,17 +118,25 @@ def main(argv=None):
         out_arena = {"need": dram, "accumulators": accum}
     parallel = st.DataParallel(timeout=args.timeout,
                                state_across_hosts=args.state_across_hosts)
+    # offload's arguments wrong on the failing rank alone (the others' as given).
+    wrong = {}
+    if args.rank == fault_rank:
+        if args.fault == "budget":
+            wrong = {"host_budget": 1 << 20}
+        elif args.fault == "argument":
+            wrong = {"grads": "gpu"}
+        elif args.fault == "options":
+            wrong = {"data_parallel": st.DataParallel(
+                timeout=args.timeout, shard_size=1, state_across_hosts=args.state_across_hosts)}
     out = {"rank": args.rank,
            # per streamed block, its parameters' elements (every block streams on the CPU)
            "numels": [[p.numel() for p in block.parameters()] for block in model.model.layers]}
     started = time.monotonic()
     try:
-        st.offload(model, device="cpu", data_parallel=parallel, **options)
+        st.offload(model, **dict(dict(device="cpu", data_parallel=parallel, **options), **wrong))
     except Exception as e:  # the fault: every rank raises
-        out["seconds"] = time.monotonic() - started
-        out["error"] = type(e).__name__
-        out["message"] = "\n".join([str(e)] + list(getattr(e, "__notes__", [])))
-        out["offloaded"] = getattr(model, "strata", None) is not None
+        out.update(failed(e, started), where="offload",
+                   offloaded=getattr(model, "strata", None) is not None)
         if args.fault is None:  # refused as the test expects: nothing to train
             with open("%s.rank%d" % (args.out, args.rank), "w") as f:
                 json.dump(out, f)
@@ -154,6 +169,13 @@ def main(argv=None):
     dist.barrier()
     session.close()
     dist.destroy_process_group()
+
+
+def failed(error, started):
+    """What the test checks of the error a rank raised: its type, its message with its notes,
+    and how long after `started` it came."""
+    return {"seconds": time.monotonic() - started, "error": type(error).__name__,
+            "message": "\n".join([str(error)] + list(getattr(error, "__notes__", [])))}
 
 
 def entry(argv, log):

@@ -14,7 +14,7 @@ from .. import core
 from ..core import BACKWARD, FORWARD, VIEW_WEIGHT
 from . import _host, _params, _planning, _surgery
 from ._activations import ActivationKeeper
-from ._distributed import DataParallelError
+from ._agreement import EveryRank
 from ._grads import StreamedGrad
 from ._layout import LocalLayout
 from ._planning import DTYPE_NAMES
@@ -45,63 +45,6 @@ class SessionChoices:
     weights_source: tuple = None  # offload(weights=): (SafetensorsWeights, names by tensor)
     # offload(spill_checkpoints=): None (when the device is short), True (always), False (never).
     spill_checkpoints: bool = None
-
-
-class EveryRank:
-    """A step of the set-up that can fail on one rank alone (its device, its runtime's memory,
-    its disk), made collective under data parallelism (`mesh`):
-
-        with EveryRank(mesh, "creating the runtime") as step:
-            ...
-            step.value = what this rank shares (it must pickle)
-        step.every  # every rank's value, in rank order
-
-    At the end of the block every rank says how its step went (one all_gather_object); when it
-    failed on any rank, every rank raises there, at once, instead of the others going on to
-    their next collective and waiting in it for DataParallel's timeout: a rank that failed
-    raises its own error, with a note naming every rank that failed and why (so an error every
-    rank meets alike, a budget too small everywhere, stays the error it is), and the others a
-    DataParallelError naming them. Without a mesh the block runs as it is (every: [value]).
-    The block itself must make no collective: every rank ends it at its own pace."""
-
-    def __init__(self, mesh, what):
-        self.mesh, self.what = mesh, what
-        self.value = None
-        self.every = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, traceback):
-        if self.mesh is None:
-            self.every = [self.value]
-            return False
-        if error is not None and not isinstance(error, Exception):
-            return False  # an interrupt or an exit: the process is going anyway
-        mine = None
-        if error is not None:
-            text = str(error).strip().splitlines()
-            mine = "%s: %s" % (type(error).__name__, text[0][:300] if text else "")
-        try:
-            every = self.mesh.gather_objects((mine, None if error is not None else self.value))
-        except DataParallelError:
-            if error is None:
-                raise
-            return False  # the job is broken too; this rank's own error says why it stopped
-        failed = ["rank %d (%s)" % (r, cause) for r, (cause, _) in enumerate(every)
-                  if cause is not None]
-        if not failed:
-            self.every = [value for _, value in every]
-            return False
-        said = "%s failed on %s" % (self.what, ", ".join(failed))
-        if error is not None:
-            error.add_note("strata.torch data parallel (rank %d of %d): %s; every rank stops "
-                           "here" % (self.mesh.rank, self.mesh.world, said))
-            return False
-        raise DataParallelError(
-            "strata.torch data parallel (rank %d of %d): %s; every rank stops here (this one "
-            "did not fail: the error of each rank named says why)"
-            % (self.mesh.rank, self.mesh.world, said))
 
 
 class StrataSession:
@@ -224,16 +167,12 @@ class StrataSession:
                                             device=(self.device.index or 0) if self.cuda else 0,
                                             dram_fault_threads=_host.fault_threads(self.mesh),
                                             dram_pinned=pinned)
+                self.layout.attach(self)  # (its side streams: this rank's device too)
         except BaseException:
             if self.runtime is not None:
                 self.runtime.close()
             raise
         self.timed("runtime", started)
-        try:
-            self.layout.attach(self)
-        except BaseException:
-            self.runtime.close()
-            raise
 
     # --- registration ----------------------------------------------------------------------
 
