@@ -6,7 +6,8 @@ process group running tests/python/torch_dist_setup_worker.py.
   failed rank raises its own error, the others a DataParallelError naming it and its error,
   within seconds, not DataParallel's timeout; every rank undoes its offload, and the job can
   offload again. Ranks that disagree about DataParallel's options all raise the same
-  ValueError.
+  ValueError. So does a rank whose optimizer's build fails alone (st.AdamW): every rank
+  raises at once and closes its session.
 - With nvme=, one rank of the ranks of a host that share its disks measures them, and each
   rank's placement counts its share of the measured rates; every rank adopts one placement.
 - Without nvme=, the default DRAM budget's room for gradient accumulators is judged against the
@@ -140,6 +141,32 @@ def test_ranks_that_disagree_about_data_parallel_options_all_raise_alike(tmp_pat
         assert "rank 0: shard_size=None" in r["message"], r
         assert "rank 1: shard_size=1" in r["message"], r
     assert ranks[0]["losses"] == ranks[1]["losses"], ranks
+
+
+@pytest.mark.parametrize("fault", ["optimizer", "write"])
+def test_a_rank_whose_optimizer_build_fails_stops_every_rank_at_once(tmp_path, fault):
+    # st.AdamW builds the session: gathers (the placement, the CPU threads), a broadcast of
+    # every parameter from rank 0 and this rank's own work between them. "optimizer": rank 1
+    # cannot create the runtime's optimizer; "write": rank 1 cannot write block 1's values
+    # into its runtime (rank 0 goes on broadcasting block 2's). Before, rank 0 waited in its
+    # next broadcast (or its first training step's gather) for the timeout.
+    ranks = launch(tmp_path, 2, fault=fault)
+    cause = {"optimizer": "MemoryError: injected: no host memory for the optimizer",
+             "write": "OSError: injected: writing model.layers.1."}[fault]
+    what = {"optimizer": "creating the optimizer and registering the streamed blocks",
+            "write": "writing streamed block 1's values"}[fault]
+    for r in ranks:
+        assert r["where"] == "optimizer" and r["seconds"] < 30 < TIMEOUT, r
+        message = r["message"]
+        assert what in message and "failed on rank 1 (%s" % cause in message, r
+        if r["rank"] == 1:  # its own error, the note naming it
+            assert r["error"] == cause.split(":")[0], r
+            assert "strata.torch data parallel (rank 1 of 2)" in message, r
+        else:
+            assert r["error"] == "DataParallelError", r
+            assert "strata.torch data parallel (rank 0 of 2)" in message, r
+        # Half built on every rank: each closed its session (the runtime's memory released).
+        assert r["closed"] is True, r
 
 
 @pytest.mark.parametrize("world,hosts", [(2, 1), (4, 2)])

@@ -1,5 +1,5 @@
 """Failures under data parallelism made collective: a step of the set-up (st.offload's checks and
-building) that can fail on one rank alone ends in one exchange of every
+building, the optimizer's build) that can fail on one rank alone ends in one exchange of every
 rank's outcome (EveryRank), so that a failure on any rank stops every rank there, at once,
 naming the rank and its error, instead of the others going on to their next collective and
 waiting in it for DataParallel's timeout. The exchange is the Mesh's (strata.torch._distributed:
