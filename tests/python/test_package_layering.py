@@ -25,6 +25,7 @@ MODULE_ORDER = [
     "strata.torch._surgery",  # model surgery: blocks, shared parameters, meta modules, swap
     "strata.torch._weights",  # offload(weights=): a safetensors checkpoint as the source
     "strata.torch._replay",  # a block's forward state replayed for its recompute
+    "strata.torch._agreement",  # DataParallelError; EveryRank: a set-up step's outcome agreed
     "strata.torch._distributed",  # DataParallel, Mesh (collectives), chunk sizes
     "strata.torch._grads",  # StreamedGrad
     "strata.torch._measure",  # what a block saves, measured on fake tensors; selective contexts

@@ -336,7 +336,7 @@ def test_state_across_hosts_refuses_what_it_cannot_do_on_every_rank(tmp_path, ca
                        "shards the optimizer state across replicas",
         "nvme": "NotImplementedError: strata.torch.offload: nvme= with "
                 "DataParallel(state_across_hosts=True)",
-        "disagree": "rank 0: True, rank 1: False",
+        "disagree": "rank 0: state_across_hosts=True; rank 1: state_across_hosts=False",
         "resume_as_hsdp": "the optimizer state across 2 hosts; this model trains by 2 "
                           "data-parallel ranks in shards of 1 (load it under the same layout)",
     }[case]

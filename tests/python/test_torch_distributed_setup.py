@@ -1,10 +1,13 @@
 """strata.torch data parallel's set-up (issue 39) on the CPU: ranks are processes under a gloo
 process group running tests/python/torch_dist_setup_worker.py.
 
-- A rank whose set-up fails alone (its runtime, the disk's measurement, the move of the model
-  to its device) stops every rank at once: the failed rank raises its own error, the others a
-  DataParallelError naming it and its error, within seconds, not DataParallel's timeout; every
-  rank undoes its offload, and the job can offload again.
+- A rank whose set-up fails alone (an argument of offload, its host_budget, its runtime, the
+  disk's measurement, the move of the model to its device) stops every rank at once: the
+  failed rank raises its own error, the others a DataParallelError naming it and its error,
+  within seconds, not DataParallel's timeout; every rank undoes its offload, and the job can
+  offload again. Ranks that disagree about DataParallel's options all raise the same
+  ValueError. So does a rank whose optimizer's build fails alone (st.AdamW): every rank
+  raises at once and closes its session.
 - With nvme=, one rank of the ranks of a host that share its disks measures them, and each
   rank's placement counts its share of the measured rates; every rank adopts one placement.
 - Without nvme=, the default DRAM budget's room for gradient accumulators is judged against the
@@ -25,7 +28,9 @@ if not dist.is_available():
     pytest.skip("torch without distributed support", allow_module_level=True)
 import torch_dist_setup_worker as worker  # noqa: E402
 
-TIMEOUT = 120  # DataParallel's timeout in the worker: a rank left waiting would take this long
+# DataParallel's timeout in the worker, deliberately long: a rank left waiting in a collective
+# would take this long, far past launch's limit (a hang fails the test instead).
+TIMEOUT = 300
 _CONTEXT = []
 
 
@@ -78,13 +83,15 @@ def launch(tmp_path, world, limit=90, **args):
     return results
 
 
-@pytest.mark.parametrize("fault", ["runtime", "measure", "residents"])
+@pytest.mark.parametrize("fault", ["argument", "budget", "runtime", "measure", "residents"])
 def test_a_rank_whose_setup_fails_stops_every_rank_at_once(tmp_path, fault):
+    # "argument": rank 1 passes grads='gpu' (refused before the ranks' first collective, the
+    # Mesh's); "budget": rank 1's host_budget (1 MiB) cannot hold its chunks of the blocks;
     # "runtime": rank 1's runtime is asked for a DRAM budget beyond the host's memory (the
     # library refuses it); "measure" (with nvme=): the disk's measurement fails on rank 0,
     # the rank measuring it for both; "residents": rank 1 cannot move the embedding to its
     # device. Before, the other rank went on to its next collective and waited there for
-    # the timeout (600 s by default).
+    # the timeout (600 s by default; TIMEOUT here).
     options = {"fault": fault}
     failing = 1
     if fault == "measure":
@@ -92,10 +99,16 @@ def test_a_rank_whose_setup_fails_stops_every_rank_at_once(tmp_path, fault):
         options.update(nvme=tmp_path / "tier" / "t", fault_rank=0)
         failing = 0
     ranks = launch(tmp_path, 2, **options)
-    cause = {"runtime": "OutOfMemory: OUT_OF_MEMORY: strata_runtime_create: hbm_budget_bytes",
+    cause = {"argument": "ValueError: strata.torch.offload: grads is 'gpu', not 'host' or "
+                         "'device'",
+             "budget": "ValueError: strata.torch.offload: host_budget %d bytes is below the "
+                       % (1 << 20),
+             "runtime": "OutOfMemory: OUT_OF_MEMORY: strata_runtime_create: hbm_budget_bytes",
              "measure": "OSError: injected: the disk cannot be measured",
              "residents": "RuntimeError: injected: no device memory for Embedding"}[fault]
-    what = {"runtime": "creating the session's Strata runtime",
+    what = {"argument": "checking strata.torch.offload's arguments",
+            "budget": "checking host_budget",
+            "runtime": "creating the session's Strata runtime",
             "measure": "measuring the NVMe tier's rates",
             "residents": "installing the streamed blocks and moving the rest of the model"}[fault]
     for r in ranks:
@@ -113,6 +126,47 @@ def test_a_rank_whose_setup_fails_stops_every_rank_at_once(tmp_path, fault):
             assert "dram_budget_bytes %d exceed" % (1 << 60) in message, r
     # The job went on: the ranks offloaded again and trained a step together.
     assert ranks[0]["losses"] == ranks[1]["losses"], ranks
+
+
+def test_ranks_that_disagree_about_data_parallel_options_all_raise_alike(tmp_path):
+    # Rank 1 passes DataParallel(shard_size=1), rank 0 the default (the ranks of its host, 2):
+    # the ranks would make different process groups. Before, rank 1 made its groups and rank 0
+    # others, and both waited in them for the timeout.
+    ranks = launch(tmp_path, 2, fault="options")
+    for r in ranks:
+        assert r["seconds"] < 30 < TIMEOUT, r
+        assert r["error"] == "ValueError" and r["offloaded"] is False, r
+        assert "the data-parallel ranks disagree about DataParallel's options" in \
+            r["message"], r
+        assert "rank 0: shard_size=None" in r["message"], r
+        assert "rank 1: shard_size=1" in r["message"], r
+    assert ranks[0]["losses"] == ranks[1]["losses"], ranks
+
+
+@pytest.mark.parametrize("fault", ["optimizer", "write"])
+def test_a_rank_whose_optimizer_build_fails_stops_every_rank_at_once(tmp_path, fault):
+    # st.AdamW builds the session: gathers (the placement, the CPU threads), a broadcast of
+    # every parameter from rank 0 and this rank's own work between them. "optimizer": rank 1
+    # cannot create the runtime's optimizer; "write": rank 1 cannot write block 1's values
+    # into its runtime (rank 0 goes on broadcasting block 2's). Before, rank 0 waited in its
+    # next broadcast (or its first training step's gather) for the timeout.
+    ranks = launch(tmp_path, 2, fault=fault)
+    cause = {"optimizer": "MemoryError: injected: no host memory for the optimizer",
+             "write": "OSError: injected: writing model.layers.1."}[fault]
+    what = {"optimizer": "creating the optimizer and registering the streamed blocks",
+            "write": "writing streamed block 1's values"}[fault]
+    for r in ranks:
+        assert r["where"] == "optimizer" and r["seconds"] < 30 < TIMEOUT, r
+        message = r["message"]
+        assert what in message and "failed on rank 1 (%s" % cause in message, r
+        if r["rank"] == 1:  # its own error, the note naming it
+            assert r["error"] == cause.split(":")[0], r
+            assert "strata.torch data parallel (rank 1 of 2)" in message, r
+        else:
+            assert r["error"] == "DataParallelError", r
+            assert "strata.torch data parallel (rank 0 of 2)" in message, r
+        # Half built on every rank: each closed its session (the runtime's memory released).
+        assert r["closed"] is True, r
 
 
 @pytest.mark.parametrize("world,hosts", [(2, 1), (4, 2)])

@@ -23,17 +23,32 @@ def inject(fault, disk_calls):
     disk measurements (`disk_calls`: per measuring call, the rates it measured). The faults:
     "runtime": the runtime is asked for a DRAM budget no host has (the library's own error);
     "measure": measuring the disk fails; "residents": moving the model outside the streamed
-    blocks to the device fails."""
+    blocks to the device fails; "optimizer": creating the runtime's optimizer fails (in
+    st.AdamW, after the build's first collectives); "write": writing block 1's values into the
+    runtime fails (st.AdamW, between the build's broadcasts). The faults of offload's
+    arguments ("budget", "argument", "options") are in main."""
     import strata.core as core
-    from strata.torch import _surgery
+    from strata.torch import _session, _surgery
     if not _REAL:
-        _REAL.update(runtime=core.Runtime, place=core.place, materialize=_surgery.materialize)
+        _REAL.update(runtime=core.Runtime, place=core.place, materialize=_surgery.materialize,
+                     optimizer=core.Optimizer, write=_session.StrataSession.write_values)
     real = _REAL
     core.Runtime, _surgery.materialize = real["runtime"], real["materialize"]
+    core.Optimizer, _session.StrataSession.write_values = real["optimizer"], real["write"]
     if fault == "runtime":
         def runtime(**options):
             return real["runtime"](**dict(options, dram_budget=1 << 60))
         core.Runtime = runtime
+    if fault == "optimizer":
+        def optimizer(*args, **kwargs):
+            raise MemoryError("injected: no host memory for the optimizer")
+        core.Optimizer = optimizer
+    if fault == "write":
+        def write_values(session, sp, *args, **kwargs):
+            if sp.layer == 1:
+                raise OSError("injected: writing %s failed" % sp.name)
+            return real["write"](session, sp, *args, **kwargs)
+        _session.StrataSession.write_values = write_values
 
     def place(layers, runtime=None, rates=None, **options):
         measures = runtime is not None and runtime.capabilities().tiers_available[2] and \
@@ -63,7 +78,13 @@ def main(argv=None):
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--fault", choices=["runtime", "measure", "residents"], default=None)
+    p.add_argument("--fault", default=None,
+                   choices=["runtime", "measure", "residents", "optimizer", "write", "budget",
+                            "argument", "options"],
+                   help="inject's faults, and offload's arguments wrong on one rank: "
+                        "'budget' a host_budget too small for the streamed blocks, 'argument' "
+                        "grads='gpu', 'options' DataParallel(shard_size=1) where the others "
+                        "shard over every rank")
     p.add_argument("--fault-rank", type=int, default=None, help="default: the last rank")
     p.add_argument("--nvme", default=None, help="every rank's NVMe tier (<path>.rank<r>)")
     p.add_argument("--hosts", type=int, default=1,
@@ -111,17 +132,25 @@ def main(argv=None):
         out_arena = {"need": dram, "accumulators": accum}
     parallel = st.DataParallel(timeout=args.timeout,
                                state_across_hosts=args.state_across_hosts)
+    # offload's arguments wrong on the failing rank alone (the others' as given).
+    wrong = {}
+    if args.rank == fault_rank:
+        if args.fault == "budget":
+            wrong = {"host_budget": 1 << 20}
+        elif args.fault == "argument":
+            wrong = {"grads": "gpu"}
+        elif args.fault == "options":
+            wrong = {"data_parallel": st.DataParallel(
+                timeout=args.timeout, shard_size=1, state_across_hosts=args.state_across_hosts)}
     out = {"rank": args.rank,
            # per streamed block, its parameters' elements (every block streams on the CPU)
            "numels": [[p.numel() for p in block.parameters()] for block in model.model.layers]}
     started = time.monotonic()
     try:
-        st.offload(model, device="cpu", data_parallel=parallel, **options)
+        st.offload(model, **dict(dict(device="cpu", data_parallel=parallel, **options), **wrong))
     except Exception as e:  # the fault: every rank raises
-        out["seconds"] = time.monotonic() - started
-        out["error"] = type(e).__name__
-        out["message"] = "\n".join([str(e)] + list(getattr(e, "__notes__", [])))
-        out["offloaded"] = getattr(model, "strata", None) is not None
+        out.update(failed(e, started), where="offload",
+                   offloaded=getattr(model, "strata", None) is not None)
         if args.fault is None:  # refused as the test expects: nothing to train
             with open("%s.rank%d" % (args.out, args.rank), "w") as f:
                 json.dump(out, f)
@@ -133,6 +162,17 @@ def main(argv=None):
         inject(None, disk_calls)
         st.offload(model, device="cpu", data_parallel=parallel, **options)
     session = model.strata
+    if args.fault in ("optimizer", "write"):  # the optimizer's build fails on one rank
+        started = time.monotonic()
+        try:
+            st.AdamW(model.parameters(), lr=1e-3)
+        except Exception as e:  # every rank raises, and closes its session
+            out.update(failed(e, started), where="optimizer", closed=session.closed)
+        with open("%s.rank%d" % (args.out, args.rank), "w") as f:
+            json.dump(out, f)
+        dist.barrier()  # the job's own group still works: the ranks are in step
+        dist.destroy_process_group()
+        return
     out["disk_calls"] = disk_calls
     if args.accumulator_room:
         out["arena"] = dict(out_arena,
@@ -154,6 +194,13 @@ def main(argv=None):
     dist.barrier()
     session.close()
     dist.destroy_process_group()
+
+
+def failed(error, started):
+    """What the test checks of the error a rank raised: its type, its message with its notes,
+    and how long after `started` it came."""
+    return {"seconds": time.monotonic() - started, "error": type(error).__name__,
+            "message": "\n".join([str(error)] + list(getattr(error, "__notes__", [])))}
 
 
 def entry(argv, log):

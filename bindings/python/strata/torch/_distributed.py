@@ -24,6 +24,7 @@ import socket
 import torch
 
 from . import _host
+from ._agreement import DataParallelError  # (public: strata.torch.DataParallelError)
 
 try:
     import torch.distributed as dist
@@ -43,11 +44,6 @@ def chunk_elements(numel, shards, pieces=1):
     per = -(-numel // shards)
     align = ALIGN * pieces
     return max(align, -(-per // align) * align)
-
-
-class DataParallelError(RuntimeError):
-    """A collective of Strata's data parallelism failed or timed out: another rank failed, was
-    killed or stopped calling collectives. The step is abandoned; the job should end."""
 
 
 class DataParallel:
@@ -91,10 +87,11 @@ class DataParallel:
         self.state_across_hosts = state_across_hosts
 
 
-def resolve(data_parallel, device):
-    """The Mesh st.offload trains over, or None. data_parallel: None (data parallel over the
-    default group when torch.distributed is initialized with several ranks), False (never), or
-    a DataParallel."""
+def resolve(data_parallel):
+    """The DataParallel options st.offload trains with (then over Mesh(options, device)), or
+    None. data_parallel: None (data parallel over the default group when torch.distributed is
+    initialized with several ranks), False (never), or a DataParallel. Local: it decides
+    whether the ranks make a Mesh, so an error here is every rank's alike (the same call)."""
     if data_parallel is False:
         return None
     initialized = dist is not None and dist.is_available() and dist.is_initialized()
@@ -108,7 +105,7 @@ def resolve(data_parallel, device):
     if not initialized:
         raise RuntimeError("strata.torch.offload: data_parallel was given but torch.distributed "
                            "is not initialized (torch.distributed.init_process_group first)")
-    return Mesh(data_parallel, device)
+    return data_parallel
 
 
 class Mesh:
@@ -145,15 +142,12 @@ class Mesh:
             torch.cuda.set_device(device)
         self.failed = None  # the first DataParallelError: later collectives refuse at once
         self.all = self._group(ranks)
-        # Every rank must make the same groups below: the layout's options are agreed first.
-        every = self._gather_objects((socket.gethostname(), options.state_across_hosts))
+        # Every rank must make the same groups below and train alike: the options are agreed
+        # first, so that ranks given different ones all raise here (one raising alone would
+        # leave the others waiting in their next group's creation until the timeout).
+        every = self._gather_objects((socket.gethostname(), _agreed(options)))
         self.hosts = [host for host, _ in every]
-        across = [flag for _, flag in every]
-        if any(flag != across[0] for flag in across):
-            raise ValueError("strata.torch.offload: the data-parallel ranks disagree about "
-                             "DataParallel(state_across_hosts=...) (%s); every rank passes the "
-                             "same" % ", ".join("rank %d: %s" % (r, f) for r, f in
-                                                enumerate(across)))
+        _refuse_disagreement([agreed for _, agreed in every])
         size = options.shard_size or self._ranks_per_host()
         if self.world % size:
             raise ValueError("strata.torch.offload: shard_size %d does not divide the %d ranks "
@@ -347,6 +341,26 @@ class Mesh:
     def comm_device(self):
         """Where tensors for a collective live: the GPU for NCCL, the CPU for gloo."""
         return self.device if self.backend == "nccl" else torch.device("cpu")
+
+
+def _agreed(options):
+    """What of a DataParallel every rank must pass alike (its group is the same on every rank
+    that gets here; its timeout only bounds this rank's waits)."""
+    return {"shard_size": options.shard_size, "state_across_hosts": options.state_across_hosts,
+            "reduce_dtype": None if options.reduce_dtype is None else str(options.reduce_dtype),
+            "broadcast": options.broadcast}
+
+
+def _refuse_disagreement(every):
+    """The same ValueError on every rank when the ranks' DataParallel options (`every`, in rank
+    order) differ, naming each rank's values of those that differ."""
+    differ = [k for k in every[0] if any(o[k] != every[0][k] for o in every)]
+    if differ:
+        raise ValueError(
+            "strata.torch.offload: the data-parallel ranks disagree about DataParallel's options "
+            "(%s); every rank passes the same; nothing was changed" % "; ".join(
+                "rank %d: %s" % (r, ", ".join("%s=%r" % (k, o[k]) for k in differ))
+                for r, o in enumerate(every)))
 
 
 def optimizer_threads(mesh, numa_node):

@@ -103,6 +103,10 @@ class LocalLayout:
         """Register a block parameter's weight and, when it trains, its grad (shapes only)."""
         self.session.register_shape(sp, sp.name, p.shape, p.requires_grad)
 
+    def share_values(self, sp, values):
+        """A block parameter's values made the same on every process before write_param
+        (collective under data parallelism; here nothing to do)."""
+
     def write_param(self, sp, values, opt, group):
         """Write a block parameter's values (on the CPU or the compute device) into its weight
         and, when it trains, make it a param of `opt` in group `group`."""
@@ -385,8 +389,10 @@ class ShardedLayout(LocalLayout):
             name += ".piece%dof%d" % (self.mesh.replica, self.pieces)
         self.session.register_shape(sp, name, [sp.piece], p.requires_grad)
 
-    def write_param(self, sp, values, opt, group):
+    def share_values(self, sp, values):
         self.mesh.broadcast(values, "broadcasting %s from rank 0" % sp.name)
+
+    def write_param(self, sp, values, opt, group):
         self.session.write_values(sp, self._own_chunk(sp, values), opt, group)
 
     def _own_chunk(self, sp, values):

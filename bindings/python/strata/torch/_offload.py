@@ -12,9 +12,10 @@ onto the device) and _attach (model.strata and the model's own hooks). Each stag
 changes something records how to undo it on a _Rollback; when a later stage fails, everything
 done is undone in reverse order, so a failed call leaves the model as it was and releases what
 it allocated. Under data parallelism every rank runs the stages together: what can fail on one
-rank alone (the resident blocks' sizing, the host budget's check, the runtime, the disk's
-measurement, the placement, the install and the move) ends in an EveryRank
-(strata.torch._session), so that a failure on any rank stops every rank at once, each undoing
+rank alone (the arguments' checks, agreed once the process groups exist; the resident blocks'
+sizing, the blocks' and the device memory's checks, the host budget's check, the runtime, the
+disk's measurement, the placement, the install and the move) ends in an EveryRank
+(strata.torch._agreement), so that a failure on any rank stops every rank at once, each undoing
 what it did, and names the rank and its error."""
 
 import dataclasses
@@ -32,7 +33,8 @@ from . import (_allocator, _chunked_loss, _distributed, _foreign, _hooks, _param
 from ._block import streamed_forward
 from ._layout import ShardedLayout
 from ._replay import replaying_forward_state, without_caches
-from ._session import EveryRank, SessionChoices, StrataSession
+from ._agreement import EveryRank
+from ._session import SessionChoices, StrataSession
 
 
 class _Rollback:
@@ -161,22 +163,37 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     non-empty: `expandable_segments:False` keeps the default; strata.torch._allocator says why,
     and what expandable segments do not support).
     A failed call leaves the model as it was and releases what it allocated."""
-    if getattr(model, "strata", None) is not None:
-        raise RuntimeError("strata.torch.offload: this model is already offloaded "
-                           "(model.strata exists); offload a model once")
-    loss_chunk_tokens = _check_chunked_loss(model, chunked_loss)
-    if spill_checkpoints is not None and spill_checkpoints is not True and \
-            spill_checkpoints is not False:
-        raise ValueError("strata.torch.offload: spill_checkpoints is %r, not None (when the "
-                         "device is short), True or False" % (spill_checkpoints,))
-    request = _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device,
-                        backend, slot_budget, state_placement, data_parallel, weights, grads,
-                        grad_dtype)
-    request.loss_chunk_tokens = loss_chunk_tokens
-    request.spill_checkpoints = spill_checkpoints
+    parallel = _distributed.resolve(data_parallel)  # DataParallel options, or None
+    # The arguments' checks: under data parallelism every rank learns whether they passed on
+    # every rank once its process groups exist (made next, by every rank), and all raise
+    # there; a rank refusing its arguments alone left the others waiting in those groups'
+    # creation until the timeout.
+    checking = EveryRank.deferred("checking strata.torch.offload's arguments")
+    request = None
+    with checking:
+        if getattr(model, "strata", None) is not None:
+            raise RuntimeError("strata.torch.offload: this model is already offloaded "
+                               "(model.strata exists); offload a model once")
+        loss_chunk_tokens = _check_chunked_loss(model, chunked_loss)
+        if spill_checkpoints is not None and spill_checkpoints is not True and \
+                spill_checkpoints is not False:
+            raise ValueError("strata.torch.offload: spill_checkpoints is %r, not None (when "
+                             "the device is short), True or False" % (spill_checkpoints,))
+        request = _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device,
+                            backend, slot_budget, state_placement, parallel, weights, grads,
+                            grad_dtype)
+        request.loss_chunk_tokens = loss_chunk_tokens
+        request.spill_checkpoints = spill_checkpoints
     rollback = _Rollback()
-    rollback.push(request.close)
+    if request is not None:
+        rollback.push(request.close)
     try:
+        mesh = None
+        if parallel is not None:  # collective (a rank whose checks failed takes part too)
+            mesh = _distributed.Mesh(parallel, request.device if request is not None
+                                     else _fallback_device(device))
+        checking.agree(mesh)
+        request.mesh = mesh
         plan = _plan(model, request, resident_blocks)
         session = _build(model, request, plan, rollback)
         started = time.perf_counter()
@@ -194,6 +211,26 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     session.timed("residents", started)  # the model outside the streamed blocks, on the device
     _attach(model, session, plan, request)
     return model
+
+
+def _device(device):
+    """offload(device=) resolved: a torch.device, cuda with its ordinal."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _fallback_device(device):
+    """The device a rank whose arguments were refused makes its process groups for (it takes
+    part in their creation, then raises with the others): device= where it is one, else the
+    default."""
+    try:
+        return _device(device)
+    except Exception:  # noqa: BLE001 (the refusal is raised once every rank knows of it)
+        return _device(None)
 
 
 def _check_chunked_loss(model, chunked_loss):
@@ -229,9 +266,10 @@ _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, backend,
-              slot_budget, state_placement, data_parallel, weights, grads, grad_dtype=None):
+              slot_budget, state_placement, parallel, weights, grads, grad_dtype=None):
     """The arguments checked and resolved; the weights file opened (closed again if a check
-    after it fails). Nothing of the model changes."""
+    after it fails). Nothing of the model changes, and nothing is collective: `parallel` is
+    the DataParallel options or None, and the request's mesh comes after (offload)."""
     if grads not in ("host", "device"):
         raise ValueError("strata.torch.offload: grads is %r, not 'host' or 'device'" % (grads,))
     if grad_dtype is not None:
@@ -268,7 +306,7 @@ def _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, 
         source = (source, _weights.names_by_tensor(model))
     try:
         return _validate_model(model, gpu_budget, host_budget, nvme, nvme_budget, dtype,
-                               device, backend, slot_budget, state_placement, data_parallel,
+                               device, backend, slot_budget, state_placement, parallel,
                                (grads, grad_dtype), source)
     except BaseException:
         if source is not None:
@@ -277,12 +315,8 @@ def _validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, 
 
 
 def _validate_model(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, backend,
-                    slot_budget, state_placement, data_parallel, grads, source):
-    if device is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+                    slot_budget, state_placement, parallel, grads, source):
+    device = _device(device)
     if backend not in ("auto", "cuda", "host"):
         raise ValueError("strata.torch.offload: backend %r is not 'auto', 'cuda' or 'host'"
                          % (backend,))
@@ -302,15 +336,14 @@ def _validate_model(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, de
     if dtype not in _planning.DTYPE_NAMES:
         raise ValueError("strata.torch.offload: dtype %s is not float32, bfloat16 or float16"
                          % dtype)
-    mesh = _distributed.resolve(data_parallel, device)  # collective under data parallelism
-    if source is not None and mesh is not None:
+    if source is not None and parallel is not None:
         raise NotImplementedError(
             "strata.torch.offload: weights= under data parallelism is not supported yet (each "
             "rank would read its own shards from the file); load the model on each rank, or "
             "train without data_parallel")
-    grads_home = _grads_home(*grads, dtype, mesh)
+    grads_home = _grads_home(*grads, dtype, parallel)
     return _Request(list(all_blocks), device, dtype, backend, grads_home, nvme, nvme_budget,
-                    state_placement, gpu_budget, host_budget, slot_budget, mesh, source)
+                    state_placement, gpu_budget, host_budget, slot_budget, None, source)
 
 
 # How offload's arguments spell each grads home, for messages.
@@ -318,16 +351,16 @@ _GRAD_HOME_TEXT = {"dram": "grads='host'", "hbm": "grads='device' in the compute
                    "hbm_sums": "grads='device' as fp32 sums"}
 
 
-def _grads_home(grads, grad_dtype, dtype, mesh):
+def _grads_home(grads, grad_dtype, dtype, parallel):
     """Where the streamed grads live (strata.torch._planning.GRAD_HOMES) for offload's grads=
     and grad_dtype= (checked by _validate), the compute dtype known and data parallelism
-    (`mesh`) resolved."""
+    (`parallel`: its options, or None) resolved."""
     if grads == "host":
         return "dram"
     if grad_dtype is None:
         # Under data parallelism the sums on the device are the point of grads='device'
         # (a sharded 40B accumulating on one host); on one GPU the default is what it was.
-        grad_dtype = torch.float32 if mesh is not None else dtype
+        grad_dtype = torch.float32 if parallel is not None else dtype
     if grad_dtype == torch.float32:
         return "hbm_sums"  # an fp32 model's grads too: grad_dtype=torch.float32 asks for sums
     if grad_dtype != dtype:
@@ -352,20 +385,15 @@ def _plan(model, request, resident_blocks):
                 model, all_blocks, request.dtype, request.device, request.gpu_budget,
                 request.grads_home, mesh)
     resident_blocks = min(step.every)
-    if not 0 <= resident_blocks < len(all_blocks):
-        raise ValueError("strata.torch.offload: resident_blocks is %d; the model has %d blocks "
-                         "and at least one must stream" % (resident_blocks, len(all_blocks)))
     plan = _Plan(all_blocks[:resident_blocks], all_blocks[resident_blocks:],
                  request.host_budget, request.nvme_budget)
-    _surgery.refuse_shared_outside(model, plan.blocks)
-    if mesh is not None:
-        # Every rank its own NVMe files, or none on every rank (collective: the ranks agree
-        # about nvme= and its options, and each can create its files, or all raise).
-        request.nvme = _distributed.rank_files(mesh, request.nvme, {
-            "nvme_budget": request.nvme_budget, "host_budget": request.host_budget,
-            "state_placement": request.state_placement})
-    with EveryRank(mesh, "checking the device's memory for the gradient sums") as step:
+    with EveryRank(mesh, "checking the streamed blocks and the device's memory") as step:
         step.value = request.grads_home
+        if not 0 <= resident_blocks < len(all_blocks):
+            raise ValueError("strata.torch.offload: resident_blocks is %d; the model has %d "
+                             "blocks and at least one must stream"
+                             % (resident_blocks, len(all_blocks)))
+        _surgery.refuse_shared_outside(model, plan.blocks)
         _planning.check_device_memory(plan.blocks, request.dtype, mesh, request.grads_home,
                                       request.gpu_budget, request.device, request.backend)
     if len(set(step.every)) > 1:  # every rank raises alike
@@ -373,6 +401,12 @@ def _plan(model, request, resident_blocks):
                          "the grads live (grads= and grad_dtype=: %s); every rank must pass the "
                          "same" % ", ".join("rank %d: %s" % (r, _GRAD_HOME_TEXT[home])
                                             for r, home in enumerate(step.every)))
+    if mesh is not None:
+        # Every rank its own NVMe files, or none on every rank (collective: the ranks agree
+        # about nvme= and its options, and each can create its files, or all raise).
+        request.nvme = _distributed.rank_files(mesh, request.nvme, {
+            "nvme_budget": request.nvme_budget, "host_budget": request.host_budget,
+            "state_placement": request.state_placement})
     if request.nvme:
         plan.layers, plan.host_budget, plan.nvme_budget, plan.place_nvme = _planning.plan_nvme(
             plan.blocks, request.dtype, request.grads_home, request.state_placement,

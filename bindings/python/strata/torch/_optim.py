@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from . import _params
+from ._agreement import EveryRank
 from ._grads import StreamedGrad
 from ._paging import StatePager, paged_groups
 
@@ -153,6 +154,50 @@ class _Optimizer(torch.optim.Optimizer):
 
     def _start(self, params, defaults, max_grad_norm, threads, accumulation_steps=None):
         who = "strata.torch." + self.NAME
+        self._ready = False
+        self._session = None
+        # The arguments' checks, then the build (collective under data parallelism): every
+        # rank learns whether the checks passed on every rank before the build's first
+        # collective (strata.torch._agreement), instead of the others waiting in it until
+        # DataParallel's timeout. Those before the session is known (torch's own, of the
+        # params and groups) raise where they fail: the same call fails alike on every rank.
+        checking = EveryRank.deferred("checking %s's arguments" % who)
+        with checking:
+            group_of = self._check_start(params, defaults, max_grad_norm, accumulation_steps,
+                                         who)
+        session = self._session
+        checking.agree(None if session is None else session.mesh)
+        if session is not None and session.executor is not None and session.blocks_train():
+            # Built without an optimizer by a checkpoint's load (st.load_checkpoint before
+            # the optimizer): laid out again from the loaded weights, as the plain model
+            # that loaded them and then made its optimizer.
+            session.unbuild()
+        if session is not None and session.executor is None:
+            # (frozen blocks built before: nothing to lay out)
+            session.build(dict(self._settings(), kind=self.KIND, threads=threads), group_of)
+        started = time.perf_counter()  # the resident parameters' masters and torch optimizer
+        kept = _kept_fp32_values(  # (collective under data parallelism: the ranks agree)
+            [p for g in self.param_groups for p in g["params"] if _session_of(p) is None],
+            None if session is None else session.layout)
+        # The rest is this rank's own work until the first step's collectives.
+        mesh = None if session is None else session.mesh
+        try:
+            with EveryRank(mesh, "creating %s's state" % who):
+                if session is not None and session.optimizer is not None:
+                    initial = time.perf_counter()
+                    self._init_streamed_state()
+                    started += session.timed("initial_state", initial) - initial
+                self._make_masters(kept)
+        except BaseException:
+            if mesh is not None:  # as a failed build: half made on every rank, the job ends
+                session.close()
+            raise
+        if session is not None:
+            session.timed("resident_optimizer", started)
+
+    def _check_start(self, params, defaults, max_grad_norm, accumulation_steps, who):
+        """The optimizer's arguments checked against its session (self._session, found here),
+        nothing built: returns id(param) -> group index."""
         if isinstance(params, nn.Module):
             params = [p for p in params.parameters() if p.requires_grad]
         if accumulation_steps not in (None, 1):
@@ -162,7 +207,6 @@ class _Optimizer(torch.optim.Optimizer):
                 "follows exactly" % who)
         if not 0.0 <= max_grad_norm:
             raise ValueError("%s: max_grad_norm must be >= 0" % who)
-        self._ready = False
         torch.optim.Optimizer.__init__(self, params, defaults)
         self._check_groups()
         self.max_grad_norm = float(max_grad_norm)
@@ -183,57 +227,48 @@ class _Optimizer(torch.optim.Optimizer):
             raise ValueError("%s.PAGED_STATE is %r, not 'auto', None (every resident "
                              "parameter's) or a count of resident blocks >= 0" % (who, paged))
         mine = {id(p) for g in self.param_groups for p in g["params"]}
-        if self._session is not None:
-            session = self._session
-            session.check_open()
-            if session.optimizer is None:
-                # A forward pass whose backward never came (a loss computed for logging)
-                # changes nothing, as in plain PyTorch.
-                session.abort()
-            trainable = session.blocks_train()
-            # (abort above: no forward pass is waiting for its backward)
-            if session.optimizer is not None or session.executor is not None and trainable \
-                    and not (session.relayable and session.layout.can_relay):
-                raise RuntimeError(
-                    "%s: create the optimizer once, before the first forward pass with grad "
-                    "(the streamed blocks' optimizer state is laid out with them)%s" % (
-                        who, "" if session.optimizer is not None else
-                                 "; the blocks were laid out without it (a checkpoint "
-                                 "loaded, a forward pass of frozen blocks) and cannot be "
-                                 "laid out again under data parallelism"
-                                 if not session.layout.can_relay else
-                                 "; the blocks were laid out without it, with values wider "
-                                 "than the compute dtype rounded then or written since: "
-                                 "offload the model afresh and create the optimizer first"))
-            for block in session.blocks:
-                for name, p in block.named_parameters():
-                    if p.requires_grad and id(p) not in mine:
-                        raise ValueError(
-                            "%s: the streamed parameter %r requires grad but is not among "
-                            "the optimizer's parameters; pass all of them (or "
-                            "requires_grad_(False) the ones to freeze)"
-                            % (who, session.prefixes[session.blocks.index(block)] + name))
-            group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
-            self._group_of = group_of
-            if session.executor is not None and trainable:
-                # Built without an optimizer by a checkpoint's load (st.load_checkpoint before
-                # the optimizer): laid out again from the loaded weights, as the plain model
-                # that loaded them and then made its optimizer.
-                session.unbuild()
-            if session.executor is None:  # (frozen blocks built before: nothing to lay out)
-                session.build(dict(self._settings(), kind=self.KIND, threads=threads), group_of)
-                if session.optimizer is not None:
-                    started = time.perf_counter()
-                    self._init_streamed_state()
-                    session.timed("initial_state", started)
-        started = time.perf_counter()  # the resident parameters' masters and torch optimizer
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        self._group_of = group_of
+        session = self._session
+        if session is None:
+            return group_of
+        session.check_open()
+        if session.optimizer is None:
+            # A forward pass whose backward never came (a loss computed for logging)
+            # changes nothing, as in plain PyTorch.
+            session.abort()
+        trainable = session.blocks_train()
+        # (abort above: no forward pass is waiting for its backward)
+        if session.optimizer is not None or session.executor is not None and trainable \
+                and not (session.relayable and session.layout.can_relay):
+            raise RuntimeError(
+                "%s: create the optimizer once, before the first forward pass with grad "
+                "(the streamed blocks' optimizer state is laid out with them)%s" % (
+                    who, "" if session.optimizer is not None else
+                             "; the blocks were laid out without it (a checkpoint "
+                             "loaded, a forward pass of frozen blocks) and cannot be "
+                             "laid out again under data parallelism"
+                             if not session.layout.can_relay else
+                             "; the blocks were laid out without it, with values wider "
+                             "than the compute dtype rounded then or written since: "
+                             "offload the model afresh and create the optimizer first"))
+        for block in session.blocks:
+            for name, p in block.named_parameters():
+                if p.requires_grad and id(p) not in mine:
+                    raise ValueError(
+                        "%s: the streamed parameter %r requires grad but is not among "
+                        "the optimizer's parameters; pass all of them (or "
+                        "requires_grad_(False) the ones to freeze)"
+                        % (who, session.prefixes[session.blocks.index(block)] + name))
+        return group_of
+
+    def _make_masters(self, kept):
+        """The resident parameters' fp32 masters and torch optimizer, and the pager of their
+        state. kept: _kept_fp32_values' (offload's fp32 copies still valid)."""
         # Resident parameters: torch's optimizer on fp32 masters (the parameter itself when
         # fp32).
         self._resident = []  # (param, master, our group index)
         inner_groups, self._inner_of = [], {}
-        kept = _kept_fp32_values(
-            [p for g in self.param_groups for p in g["params"] if _session_of(p) is None],
-            None if self._session is None else self._session.layout)
         for gi, group in enumerate(self.param_groups):
             masters = []
             for p in group["params"]:
@@ -268,8 +303,6 @@ class _Optimizer(torch.optim.Optimizer):
         self._ready = True
         if self._pager is not None:
             self._pager.page_out(timed=False)  # the masters, from the first forward pass on
-        if self._session is not None:
-            self._session.timed("resident_optimizer", started)
 
     def _init_streamed_state(self):
         """The streamed parameters' state where torch's does not start at zero (Adagrad's

@@ -14,7 +14,7 @@ from .. import core
 from ..core import BACKWARD, FORWARD, VIEW_WEIGHT
 from . import _host, _params, _planning, _surgery
 from ._activations import ActivationKeeper
-from ._distributed import DataParallelError
+from ._agreement import EveryRank
 from ._grads import StreamedGrad
 from ._layout import LocalLayout
 from ._planning import DTYPE_NAMES
@@ -45,63 +45,6 @@ class SessionChoices:
     weights_source: tuple = None  # offload(weights=): (SafetensorsWeights, names by tensor)
     # offload(spill_checkpoints=): None (when the device is short), True (always), False (never).
     spill_checkpoints: bool = None
-
-
-class EveryRank:
-    """A step of the set-up that can fail on one rank alone (its device, its runtime's memory,
-    its disk), made collective under data parallelism (`mesh`):
-
-        with EveryRank(mesh, "creating the runtime") as step:
-            ...
-            step.value = what this rank shares (it must pickle)
-        step.every  # every rank's value, in rank order
-
-    At the end of the block every rank says how its step went (one all_gather_object); when it
-    failed on any rank, every rank raises there, at once, instead of the others going on to
-    their next collective and waiting in it for DataParallel's timeout: a rank that failed
-    raises its own error, with a note naming every rank that failed and why (so an error every
-    rank meets alike, a budget too small everywhere, stays the error it is), and the others a
-    DataParallelError naming them. Without a mesh the block runs as it is (every: [value]).
-    The block itself must make no collective: every rank ends it at its own pace."""
-
-    def __init__(self, mesh, what):
-        self.mesh, self.what = mesh, what
-        self.value = None
-        self.every = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, traceback):
-        if self.mesh is None:
-            self.every = [self.value]
-            return False
-        if error is not None and not isinstance(error, Exception):
-            return False  # an interrupt or an exit: the process is going anyway
-        mine = None
-        if error is not None:
-            text = str(error).strip().splitlines()
-            mine = "%s: %s" % (type(error).__name__, text[0][:300] if text else "")
-        try:
-            every = self.mesh.gather_objects((mine, None if error is not None else self.value))
-        except DataParallelError:
-            if error is None:
-                raise
-            return False  # the job is broken too; this rank's own error says why it stopped
-        failed = ["rank %d (%s)" % (r, cause) for r, (cause, _) in enumerate(every)
-                  if cause is not None]
-        if not failed:
-            self.every = [value for _, value in every]
-            return False
-        said = "%s failed on %s" % (self.what, ", ".join(failed))
-        if error is not None:
-            error.add_note("strata.torch data parallel (rank %d of %d): %s; every rank stops "
-                           "here" % (self.mesh.rank, self.mesh.world, said))
-            return False
-        raise DataParallelError(
-            "strata.torch data parallel (rank %d of %d): %s; every rank stops here (this one "
-            "did not fail: the error of each rank named says why)"
-            % (self.mesh.rank, self.mesh.world, said))
 
 
 class StrataSession:
@@ -224,16 +167,12 @@ class StrataSession:
                                             device=(self.device.index or 0) if self.cuda else 0,
                                             dram_fault_threads=_host.fault_threads(self.mesh),
                                             dram_pinned=pinned)
+                self.layout.attach(self)  # (its side streams: this rank's device too)
         except BaseException:
             if self.runtime is not None:
                 self.runtime.close()
             raise
         self.timed("runtime", started)
-        try:
-            self.layout.attach(self)
-        except BaseException:
-            self.runtime.close()
-            raise
 
     # --- registration ----------------------------------------------------------------------
 
@@ -260,91 +199,121 @@ class StrataSession:
     def build(self, optimizer=None, group_of=None):
         """Register every block (materializing meta blocks on the compute device first), with
         optimizer state for trainable parameters when `optimizer` (core.Optimizer settings) is
-        given; plan; create the executor. group_of: id(param) -> optimizer group index."""
+        given; plan; create the executor. group_of: id(param) -> optimizer group index.
+        Under data parallelism the build is collective (the layout's gathers and broadcasts),
+        and each of its steps that can fail on one rank alone (the optimizer's memory, a
+        block's materialization or writes, the executor) ends in an EveryRank, so a failure
+        on any rank stops every rank at the same step; each then closes its session (its
+        runtime's memory released: half laid out, the model cannot train, and the job ends)."""
         self.check_open()
         if self.executor is not None:
             raise RuntimeError("strata.torch: create the optimizer (strata.torch.AdamW) before "
                                "the first forward pass")
-        optimizer = self.layout.before_build(optimizer)
+        try:
+            self._build(self.layout.before_build(optimizer), group_of)
+        except BaseException:
+            if self.mesh is not None:
+                self.close()
+            raise
+
+    def _build(self, optimizer, group_of):
+        mesh = self.mesh
         source = self.weights_source  # offload(weights=): (file, names)
         trainable_any = self.blocks_train()
         opt = None
-        if optimizer is not None and trainable_any:
-            settings = dict(optimizer)
-            kind = settings.pop("kind", "adamw")  # strata.torch's optimizer classes name theirs
-            opt = core.Optimizer(self.runtime, kind, update_mode="explicit", **settings,
-                                 **self.state_options)
         # Every block's weights and grads are registered (shapes only) before any optimizer
         # state: state placed in DRAM first then sees exactly what DRAM has left for it.
         registered = []
-        narrowed = False  # values rounded to the compute dtype with no master to keep them
         t = time.perf_counter()
-        for i, block in enumerate(self.blocks):
-            entries = []
-            for k, (local, p) in enumerate(block.named_parameters()):
-                name = self.prefixes[i] + local
-                sp = self.layout.streamed_param(p, name, local, i, k)
-                self.layout.register_param(sp, p)
-                entries.append(sp)
-            registered.append(entries)
+        with EveryRank(mesh, "creating the optimizer and registering the streamed blocks"):
+            if optimizer is not None and trainable_any:
+                settings = dict(optimizer)
+                kind = settings.pop("kind", "adamw")  # strata.torch's optimizers name theirs
+                opt = core.Optimizer(self.runtime, kind, update_mode="explicit", **settings,
+                                     **self.state_options)
+            for i, block in enumerate(self.blocks):
+                entries = []
+                for k, (local, p) in enumerate(block.named_parameters()):
+                    name = self.prefixes[i] + local
+                    sp = self.layout.streamed_param(p, name, local, i, k)
+                    self.layout.register_param(sp, p)
+                    entries.append(sp)
+                registered.append(entries)
         t = self.timed("register", t)
+        narrowed = False  # values rounded to the compute dtype with no master to keep them
         reads = None
         if source is not None:  # the next block's tensors are read while this one is written
             reads = Prefetcher(*source, [list(b.parameters()) for b in self.blocks])
         try:
             for i, block in enumerate(self.blocks):
-                # A meta block gets storage and its init values on the compute device, one
-                # block at a time, as `model.to_empty(device=...)` and `_init_weights` would
-                # give it: on a GPU its random init runs there (torch's CPU generator is one
-                # sequential stream: 1.6-2.2 s per 202M-element normal_, 52 s for a 7B model's
-                # blocks), and its values reach the pinned arena by DMA.
-                if source is None:
-                    _surgery.materialize(block, self.device, self.init)
-                else:  # only the buffers: the parameters' values go from the file to the arena
-                    for m in block.modules():
-                        load_buffers(m, self.device, *source)
-                        _surgery.rebuild_meta_buffers(m, self.device)
-                t = self.timed("init", t)
+                # Per block, this rank's own work before and after the layout shares the
+                # values (rank 0's broadcast: collective), each agreed on by every rank.
+                with EveryRank(mesh, "materializing streamed block %d" % i):
+                    values, t = self._block_values(block, group_of, reads, t)
                 entries = registered[i]
-                read = None
-                if reads is not None:
-                    read = reads.next()
-                    t = self.timed("read", t)  # waiting for the file (offload(weights=))
-                for k, (sp, p) in enumerate(zip(entries, block.parameters())):
-                    assert sp.param is p
-                    group = 0 if group_of is None else group_of.get(id(p), 0)
-                    # A parameter loaded since offload (model.load_state_dict before the
-                    # optimizer) holds its values; the others of offload(weights=) the file's.
-                    loaded = _params.take_loaded(p)
-                    values = p.detach() if source is None or loaded else read[k]
-                    narrowed = narrowed or opt is None and narrows(values, self.dtype)
-                    self.layout.write_param(sp, values, opt, group)
-                    self.by_id[id(p)] = sp
-                grads = [sp for sp in entries if sp.trainable]
-                for j, sp in enumerate(grads):
-                    sp.grad_index = j
-                self.layers.append(entries)
-                # The block's parameters give their storage up: they point at slot memory while
-                # acquired and at a placeholder otherwise.
-                for sp in entries:
-                    sp.park(self.dtype, self.device)
+                for sp, (v, _) in zip(entries, values):
+                    self.layout.share_values(sp, v)
+                with EveryRank(mesh, "writing streamed block %d's values" % i):
+                    for sp, (v, group) in zip(entries, values):
+                        narrowed = narrowed or opt is None and narrows(v, self.dtype)
+                        self.layout.write_param(sp, v, opt, group)
+                        self.by_id[id(sp.param)] = sp
+                    grads = [sp for sp in entries if sp.trainable]
+                    for j, sp in enumerate(grads):
+                        sp.grad_index = j
+                    self.layers.append(entries)
+                    # The block's parameters give their storage up: they point at slot memory
+                    # while acquired and at a placeholder otherwise.
+                    for sp in entries:
+                        sp.park(self.dtype, self.device)
                 t = time.perf_counter()  # write_values timed the copies and the optimizer state
         finally:
             if reads is not None:
                 reads.close()
-        self.close_weights()
-        self.executor = core.Executor(
-            self.runtime, [{"name": "layers.%d" % i, "weights": [sp.weight for sp in entries],
-                            "grads": [sp.grad for sp in entries if sp.trainable]}
-                           for i, entries in enumerate(self.layers)],
-            slot_budget=self.slot_budget)
-        if opt is not None:
-            opt.attach(self.executor)
-        self.optimizer = opt
-        # Built without an optimizer and nothing lost: the optimizer may lay it out again.
-        self.relayable = opt is None and not narrowed
-        self.timed("plan", t)
-        self.layout.after_build()
+        with EveryRank(mesh, "creating the executor"):
+            self.close_weights()
+            self.executor = core.Executor(
+                self.runtime, [{"name": "layers.%d" % i,
+                                "weights": [sp.weight for sp in entries],
+                                "grads": [sp.grad for sp in entries if sp.trainable]}
+                               for i, entries in enumerate(self.layers)],
+                slot_budget=self.slot_budget)
+            if opt is not None:
+                opt.attach(self.executor)
+            self.optimizer = opt
+            # Built without an optimizer and nothing lost: the optimizer may lay it out again.
+            self.relayable = opt is None and not narrowed
+            self.timed("plan", t)
+            self.layout.after_build()
+
+    def _block_values(self, block, group_of, reads, t):
+        """The block's values to write, per parameter (values, optimizer group), on the compute
+        device or read from offload(weights=); and the time, its phases timed."""
+        source = self.weights_source
+        # A meta block gets storage and its init values on the compute device, one block at a
+        # time, as `model.to_empty(device=...)` and `_init_weights` would give it: on a GPU its
+        # random init runs there (torch's CPU generator is one sequential stream: 1.6-2.2 s
+        # per 202M-element normal_, 52 s for a 7B model's blocks), and its values reach the
+        # pinned arena by DMA.
+        if source is None:
+            _surgery.materialize(block, self.device, self.init)
+        else:  # only the buffers: the parameters' values go from the file to the arena
+            for m in block.modules():
+                load_buffers(m, self.device, *source)
+                _surgery.rebuild_meta_buffers(m, self.device)
+        t = self.timed("init", t)
+        read = None
+        if reads is not None:
+            read = reads.next()
+            t = self.timed("read", t)  # waiting for the file (offload(weights=))
+        values = []
+        for k, p in enumerate(block.parameters()):
+            group = 0 if group_of is None else group_of.get(id(p), 0)
+            # A parameter loaded since offload (model.load_state_dict before the optimizer)
+            # holds its values; the others of offload(weights=) the file's.
+            loaded = _params.take_loaded(p)
+            values.append((p.detach() if source is None or loaded else read[k], group))
+        return values, t
 
     def place(self, layers, dram_budget, nvme_budget, state_placement=None, rates=None):
         """Choose where the streamed blocks' optimizer state and weights live, on NVMe or in
