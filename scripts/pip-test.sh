@@ -3,7 +3,8 @@
 # `pip install .` from this checkout into a fresh virtual environment, then, with no
 # STRATA_LIBRARY and no PYTHONPATH and from outside the checkout, import strata.torch, train the
 # tiny model a few steps with a trace, read the trace with strata-prof and run the bundled
-# strata-bench. Fails if the library loaded is not the one the package bundles.
+# strata-bench. Fails if the library loaded is not the one the package bundles, or if the
+# installed distribution is not strata-tiering (docs/install.md, "Names") with the commands.
 # torch is not downloaded again: the new environment sees the test environment's packages
 # (scripts/python-env.sh) through a .pth file, after its own, so the pip-installed strata wins.
 set -euo pipefail
@@ -35,10 +36,22 @@ cd "$work/run"
 import pathlib
 import runpy
 import sys
+from importlib import metadata
 
 import strata
 import strata.core
 import strata.torch  # noqa: F401
+
+# The distribution pip installed is strata-tiering (PyPI's strata is another project), it owns
+# the strata package and the two commands, and its version is the library's.
+dist = metadata.distribution("strata-tiering")
+files = [str(f) for f in dist.files or ()]
+missing = [n for n in ("strata/__init__.py", "bin/strata-prof", "bin/strata-bench")
+           if not any(f == n or f.endswith("/" + n) for f in files)]
+print("distribution %s %s" % (dist.metadata["Name"], dist.version))
+if dist.metadata["Name"] != "strata-tiering" or dist.version != strata.__version__ or missing:
+    sys.exit("FAIL: distribution %s %s (library %s), its RECORD lacks %s"
+             % (dist.metadata["Name"], dist.version, strata.__version__, missing))
 
 bundled = pathlib.Path(strata.__file__).resolve().parent / "lib" / "libstrata.so.1"
 loaded = pathlib.Path(strata.core.library_path())
