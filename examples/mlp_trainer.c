@@ -27,7 +27,7 @@
  * loops over malloc'd arrays, no Strata) and of AdamW as Strata's CPU kernel computes it
  * (runtime/optimizer/kernels_impl.h, in the same operation order). With the library's generic
  * kernel (STRATA_OPTIMIZER_ISA=generic: no FMA contraction) every loss and weight must be equal
- * bit for bit; with its AVX2 / AVX-512 kernels (which contract into FMAs) within a tolerance.
+ * bit for bit; with its AVX2 / AVX-512 kernels (which contract into FMAs) within 1e-5.
  *
  * Host backend only: the blocks are computed by the CPU, which reads the executor's views and the
  * HBM tensors as host memory. That is what they are on the host backend (its HBM is simulated in
@@ -795,7 +795,7 @@ int main(int argc, char** argv) {
   CHECK(strata_optimizer_get_stats(opt, &ostats));
   generic = strcmp(ostats.isa, "generic") == 0;
   printf("optimizer: AdamW, %s kernel: the reference must match %s\n", ostats.isa,
-         generic ? "bit for bit" : "within 1e-4 (that kernel contracts into FMAs)");
+         generic ? "bit for bit" : "within 1e-5 (that kernel contracts into FMAs)");
 
   host_x = xcalloc(act, sizeof(float));
   host_target = xcalloc(act, sizeof(float));
@@ -862,7 +862,7 @@ int main(int argc, char** argv) {
             loss_mismatches, worst_loss, (unsigned long long)weight_mismatches, worst_weight);
     return 1;
   }
-  if (!generic && (worst_loss > 1e-4 || worst_weight > 1e-4)) {
+  if (!generic && (worst_loss > 1e-5 || worst_weight > 1e-5)) {
     fprintf(stderr,
             "strata-mlp-trainer: the reference differs: losses by up to %g (relative), "
             "weights by up to %g\n",
