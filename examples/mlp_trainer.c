@@ -637,10 +637,11 @@ int main(int argc, char** argv) {
   profile.device_total_bytes = o.hbm_bytes;
   profile.device_free_bytes = free_bytes - 2 * slot_bytes;
   profile.framework_held_bytes = held_bytes;
+  /* Checkpoint homes are the decision asked for; the saved bytes are this program's own. */
+  profile.flags = STRATA_STEP_PLAN_CHECKPOINTS | STRATA_STEP_BLOCK_SAVED_MEASURED;
   profile.tokens = (uint64_t)o.batch;
   profile.checkpoint_bytes = checkpoint_bytes;
   profile.block_saved_bytes = saved_bytes;
-  profile.block_saved_measured = 1; /* counted exactly: this program allocates it */
   profile.in_use_bytes = 2 * checkpoint_bytes;
   /* No host figures: the plan's host budget counts spilled checkpoints beside the DRAM arena
    * (strata.torch's pinned pool); here they are tensors in the arena, sized above. */
@@ -653,7 +654,9 @@ int main(int argc, char** argv) {
   memset(&step_info, 0, sizeof step_info);
   step_info.struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE;
   CHECK(strata_step_plan_get_info(step_plan, &step_info));
-  if (!step_info.checkpoints_planned) fail("the step plan did not plan the checkpoints");
+  if (!(step_info.planned & STRATA_STEP_PLANNED_CHECKPOINTS)) {
+    fail("the step plan did not plan the checkpoints");
+  }
   if (!step_info.fits) {
     fail(
         "the step plan predicts the step short of device memory even with every checkpoint "
