@@ -130,17 +130,17 @@ void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
   plan->margin_bytes = margin;
   std::ostringstream o;
   o << std::fixed << std::setprecision(2);
-  o << "checkpoints: " << count << " of " << p.blocks.size() << " (" << p.checkpoint_bytes / 1e9
-    << " GB each at " << p.tokens << " tokens) to host memory: the step holds " << base / 1e9
-    << " GB besides them (the framework's " << p.in_use / 1e9 << " GB at the "
-    << "forward pass's start less " << leaving / 1e9 << " GB leaving before the loss, "
-    << p.backward_grad_bytes / 1e9 << " GB of grads to come, " << kept / 1e9
-    << " GB kept by blocks), a backward working set of " << std::max(working, leaving) / 1e9
-    << " GB (one block's " << block_working(p) / 1e9 << " GB"
+  o << "checkpoints: " << count << " of " << p.blocks.size() << " ("
+    << size_text(p.checkpoint_bytes) << " each at " << p.tokens
+    << " tokens) to host memory: the step holds " << size_text(base)
+    << " besides them (the framework's " << size_text(p.in_use) << " at the "
+    << "forward pass's start less " << size_text(leaving) << " leaving before the loss, "
+    << size_text(p.backward_grad_bytes) << " of grads to come, " << size_text(kept)
+    << " kept by blocks), a backward working set of " << size_text(std::max(working, leaving))
+    << " (one block's " << size_text(block_working(p))
     << (p.block_saved_measured ? "" : ", unmeasured") << ", the loss's "
-    << loss_working(p, plan->loss_chunk_tokens) / 1e9 << " GB), and " << usable / 1e9
-    << " GB usable less a margin of " << margin / 1e9 << " GB"
-    << "; predicted peak " << peak / 1e9 << " GB"
+    << size_text(loss_working(p, plan->loss_chunk_tokens)) << "), and " << size_text(usable)
+    << " usable less a margin of " << size_text(margin) << "; predicted peak " << size_text(peak)
     << (fits ? "" : ", short even with every checkpoint in host memory");
   plan->reasons.push_back(o.str());
 }

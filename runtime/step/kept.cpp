@@ -153,8 +153,8 @@ void plan_kept(const StepProfile& p, StepPlan* plan) {
   o << "activations: " << modes.size() << " blocks keep them (" << whole
     << " wholly, the rest only their products' and attention's outputs) of " << candidates.size()
     << " candidates (" << resident_candidates << " resident): the measured step peaked at "
-    << peak / 1e9 << " GB of " << usable / 1e9 << " GB usable, a margin of " << margin / 1e9
-    << " GB kept free, each block at " << kBlockFactor << "x its measured bytes, "
+    << size_text(peak) << " of " << size_text(usable) << " usable, a margin of "
+    << size_text(margin) << " kept free, each block at " << kBlockFactor << "x its measured bytes, "
     << (complete ? "counted in the intervals where it is alive"
                  : "counted at the step's peak (not every block's interval was measured)");
   plan->reasons.push_back(o.str());

@@ -42,11 +42,12 @@ uint32_t choose_resident(const StepProfile& profile, std::string* why) {
     o << std::fixed << std::setprecision(2);
     o << "residency: " << k << " of " << blocks.size()
       << " blocks resident: " << kResidentShareNumerator * 100 / kResidentShareDenominator
-      << "% of the " << left / 1e9 << " GB the device has free beside Strata's HBM tier ("
-      << profile.hbm_tier_bytes / 1e9 << " GB) and the rest of the model (" << coming / 1e9
-      << " GB at " << per_param << " B/param)";
+      << "% of the " << size_text(left) << " the device has free beside Strata's HBM tier ("
+      << size_text(profile.hbm_tier_bytes) << ") and the rest of the model (" << size_text(coming)
+      << " at " << per_param << " B/param)";
     if (profile.streamed_grads_hbm_bytes) {
-      o << ", less the streamed grads in HBM (" << profile.streamed_grads_hbm_bytes / 1e9 << " GB)";
+      o << ", less the streamed grads in HBM (" << size_text(profile.streamed_grads_hbm_bytes)
+        << ")";
     }
     o << ", at " << per_param << " B/param a resident block; at least one block streams";
     *why = o.str();

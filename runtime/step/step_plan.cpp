@@ -191,18 +191,17 @@ std::string loss_reason(const StepProfile& p, uint64_t chunk) {
   std::ostringstream o;
   o << std::fixed << std::setprecision(2);
   o << "loss: " << chunk << " tokens a chunk" << (p.loss_chunk_tokens ? " (given)" : "") << ", "
-    << static_cast<double>(sat_mul(sat_mul(4, chunk), p.vocab)) / 1e9
-    << " GB of fp32 logits at a vocabulary of " << p.vocab
-    << (p.loss_chunked ? "" : "; this model's loss runs whole, not over chunks");
+    << size_text(sat_mul(sat_mul(4, chunk), p.vocab)) << " of fp32 logits at a vocabulary of "
+    << p.vocab << (p.loss_chunked ? "" : "; this model's loss runs whole, not over chunks");
   return o.str();
 }
 
 std::string host_reason(const StepProfile& p, uint64_t total) {
   std::ostringstream o;
   o << std::fixed << std::setprecision(2);
-  o << "host: a budget of " << total / 1e9 << " GB (" << (p.host_budget ? "given" : "default")
-    << "): the DRAM arena " << p.arena_bytes / 1e9 << " GB, " << p.beside_bytes / 1e9
-    << " GB held beside it, the rest for paged state and spilled checkpoints"
+  o << "host: a budget of " << size_text(total) << " (" << (p.host_budget ? "given" : "default")
+    << "): the DRAM arena " << size_text(p.arena_bytes) << ", " << size_text(p.beside_bytes)
+    << " held beside it, the rest for paged state and spilled checkpoints"
     << (p.host_budget ? ""
                       : " (half of what the held bytes leave of this process's share of the "
                         "host's available memory)");
@@ -213,6 +212,20 @@ std::string host_reason(const StepProfile& p, uint64_t total) {
 
 // Residency first (the others count the resident blocks), then kept activations, then the
 // checkpoint homes counted with what the kept blocks hold.
+std::string size_text(uint64_t bytes) {
+  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  if (bytes < 1024) return std::to_string(bytes) + " B";
+  double value = static_cast<double>(bytes) / 1024;
+  std::size_t unit = 0;
+  while (value >= 1024 && unit + 1 < std::size(kUnits)) {
+    value /= 1024;
+    ++unit;
+  }
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(unit >= 2 ? 2 : 1) << value << ' ' << kUnits[unit];
+  return o.str();
+}
+
 Status plan_step(const StepProfile& p, StepPlan* out) {
   bool choose = false;
   STRATA_RETURN_IF_ERROR(check(p, &choose));

@@ -181,6 +181,9 @@ inline bool within(uint64_t value, uint64_t usable, uint64_t margin) {
   return usable >= margin && value <= usable - margin;
 }
 
+// Bytes for people: "1.24 GiB", "256.0 KiB", "12 B" (the dumps' unit at any scale).
+std::string size_text(uint64_t bytes);
+
 // Validates `profile` (names the field at fault) and plans what it carries.
 Status plan_step(const StepProfile& profile, StepPlan* out);
 
