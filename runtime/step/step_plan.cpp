@@ -202,9 +202,10 @@ std::string host_reason(const StepProfile& p, uint64_t total) {
   o << "host: a budget of " << size_text(total) << " (" << (p.host_budget ? "given" : "default")
     << "): the DRAM arena " << size_text(p.arena_bytes) << ", " << size_text(p.beside_bytes)
     << " held beside it, the rest for paged state and spilled checkpoints"
-    << (p.host_budget ? ""
-                      : " (half of what the held bytes leave of this process's share of the "
-                        "host's available memory)");
+    << (p.host_budget      ? ""
+        : p.host_available ? " (half of what the held bytes leave of this process's share of "
+                             "the host's available memory)"
+                           : " (no available memory given: the arena and the held bytes only)");
   return o.str();
 }
 
