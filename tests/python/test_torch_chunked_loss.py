@@ -406,7 +406,7 @@ FAMILIES = {
 ROUTED = ("mixtral", "qwen3_moe", "gpt_oss", "olmoe")
 
 
-def family_model(name, dtype=torch.float32, seed=0, **extra):
+def family_model(name, dtype=torch.float32, seed=0, device="cpu", **extra):
     config_name, model_name, differs = FAMILIES[name]
     config_class = getattr(transformers, config_name, None)
     model_class = getattr(transformers, model_name, None)
@@ -418,20 +418,21 @@ def family_model(name, dtype=torch.float32, seed=0, **extra):
     model = model_class(cfg)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(20)
-    return model.train().to(dtype=dtype)
+    return model.train().to(device=device, dtype=dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_every_family_by_structure(name, dtype):
+def test_every_family_by_structure(name, dtype, device):
     """Any *ForCausalLM whose head is a linear layer: the chunked loss and every grad are the
     model's own (padded labels: the counted tokens are not all of them), the head computing
     no token of the batch, and out.logits (read afterwards) the model's, soft-capped or scaled
     as it returns them."""
-    model = family_model(name, dtype)
+    model = family_model(name, dtype, device=device)
     assert cl.unsupported_reason(model) is None
     plain, chunked = pair(model)
-    ids = tokens("cpu")
+    ids = tokens(device)
     labels = padded(ids)
     seen = head_shapes(chunked)
     with warnings.catch_warnings():
@@ -440,20 +441,22 @@ def test_every_family_by_structure(name, dtype):
         got = run(chunked, input_ids=ids, labels=labels)
     assert seen == [(BATCH, 0, VOCAB)]
     assert_close(got.loss, expected.loss, grads(chunked), grads(plain), dtype,
-                 label="%s %s" % (name, str(dtype)[6:]))
+                 label="%s %s %s" % (name, str(dtype)[6:], device))
     assert got.logits.dtype == expected.logits.dtype
     assert rel(got.logits, expected.logits) <= (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("trainer", [False, True], ids=["mean", "num_items_in_batch"])
 @pytest.mark.parametrize("name", ROUTED)
-def test_router_aux_loss(name, trainer):
+def test_router_aux_loss(name, trainer, device):
     """output_router_logits=True: the model adds router_aux_loss_coef x its load-balancing
     loss (of the router logits, not the vocabulary's) to the chunked cross-entropy, as its
     own forward does; the total and every grad (the routers' included) are the model's."""
-    model = family_model(name, output_router_logits=True, router_aux_loss_coef=0.5)
+    model = family_model(name, device=device, output_router_logits=True,
+                         router_aux_loss_coef=0.5)
     plain, chunked = pair(model)
-    ids = tokens("cpu")
+    ids = tokens(device)
     labels = padded(ids)
     kwargs = {"num_items_in_batch": 57} if trainer else {}
     seen = head_shapes(chunked)
@@ -461,7 +464,7 @@ def test_router_aux_loss(name, trainer):
     got = run(chunked, input_ids=ids, labels=labels, **kwargs)
     assert seen == [(BATCH, 0, VOCAB)]
     assert_close(got.loss, expected.loss, grads(chunked), grads(plain),
-                 label="%s with the router's loss" % name)
+                 label="%s with the router's loss, %s" % (name, device))
     assert torch.allclose(got.aux_loss, expected.aux_loss, rtol=1e-6)
     # The auxiliary loss is in the total: without it the loss differs by 0.5 x aux_loss.
     ce = run(plain, backward=False, input_ids=ids, labels=labels, output_router_logits=False,

@@ -280,6 +280,7 @@ class _Follow(TorchFunctionMode):
         super().__init__()
         self.trace = trace
 
+    @torch.compiler.disable
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         trace = self.trace
