@@ -605,18 +605,17 @@ class ChunkedLoss:
         """The model's output with its followed tensors whole: .logits on first access, any
         other at once (a tuple, another field)."""
         def whole(value):
-            node = _logit_trace.node_of(value)
-            return value if node is None else node.trace.real(value)
+            return value if trace.node_of(value) is None else trace.real(value)
         if isinstance(output, (tuple, list)):
             return type(output)(whole(v) for v in output) if \
-                any(_logit_trace.node_of(v) is not None for v in output) else None
+                any(trace.node_of(v) is not None for v in output) else None
         fields = output.keys() if isinstance(output, collections.OrderedDict) else \
             [f for f in vars(output) if not f.startswith("_")] if hasattr(output, "__dict__") \
             else []
         placeholder = None
         for field in list(fields):
             value = getattr(output, field, None)
-            if _logit_trace.node_of(value) is None:
+            if trace.node_of(value) is None:
                 continue
             if field == "logits":
                 placeholder = value

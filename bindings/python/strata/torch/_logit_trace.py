@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-_TAG = "_strata_logit_node"
 _WARNED = set()
 
 
@@ -60,10 +59,6 @@ _RESHAPE = _functions("view", "reshape", "flatten", "view_as", "reshape_as", "co
 _METADATA = _functions("size", "numel", "nelement", "__len__", "dim", "ndimension",
                        "get_device", "is_floating_point", "is_complex", "is_contiguous",
                        "element_size", "__hash__")
-
-
-def node_of(value):
-    return getattr(value, _TAG, None) if isinstance(value, torch.Tensor) else None
 
 
 def _leaves(value):
@@ -112,10 +107,10 @@ class Step:
 class Node:
     """A followed tensor: the recorded steps from the head's output, the shape the whole tensor
     would have, and (once computed) the whole tensor."""
-    __slots__ = ("trace", "steps", "shape", "real", "__weakref__")
+    __slots__ = ("steps", "shape", "real")
 
-    def __init__(self, trace, steps, shape):
-        self.trace, self.steps, self.shape, self.real = trace, steps, tuple(shape), None
+    def __init__(self, steps, shape):
+        self.steps, self.shape, self.real = steps, tuple(shape), None
 
     def row_steps(self):
         """The steps a chunk of rows goes through (reshapes and contiguous() change nothing
@@ -135,7 +130,20 @@ class Trace:
         self.logits_fn, self.loss_fn, self.name = logits, loss, name
         self.full = None
         self.mode = None
-        setattr(root, _TAG, Node(self, (), shape))
+        # The followed tensors (empty, created here): id -> (tensor, Node), kept with the
+        # trace rather than as attributes of torch's objects.
+        self._nodes = {}
+        self._tag(root, Node((), shape))
+
+    def _tag(self, tensor, node):
+        self._nodes[id(tensor)] = (tensor, node)
+
+    def node_of(self, value):
+        """The Node of a followed tensor, None for anything else."""
+        if not isinstance(value, torch.Tensor):
+            return None
+        entry = self._nodes.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
 
     def start(self):
         self.mode = _Follow(self)
@@ -152,7 +160,7 @@ class Trace:
 
     def real(self, tensor):
         """The whole tensor a followed one stands for (computed once)."""
-        node = node_of(tensor)
+        node = self.node_of(tensor)
         if node.real is None:
             if self.full is None:
                 self.full = self.logits_fn()
@@ -166,7 +174,7 @@ class Trace:
 
     def handle(self, func, args, kwargs, nodes):
         first = args[0] if args else None
-        node = node_of(first)
+        node = self.node_of(first)
         name = getattr(func, "__name__", "")
         if name == "__get__":  # a property
             prop = getattr(getattr(func, "__self__", None), "__name__", "")
@@ -181,8 +189,7 @@ class Trace:
                 out = func(*args, **kwargs)
                 if isinstance(out, torch.Tensor) and out.shape == first.shape and \
                         out.device == first.device:
-                    setattr(out, _TAG, Node(self, node.steps + (Step(func, args[1:], kwargs),),
-                                            node.shape))
+                    self._tag(out, Node(node.steps + (Step(func, args[1:], kwargs),), node.shape))
                     return out
             elif func in _RESHAPE:
                 out = self._reshape(func, args, kwargs, node)
@@ -215,7 +222,7 @@ class Trace:
         out = first.reshape((0,) * (len(shape) - 1) + (shape[-1],))
         step = Step(None, (), {}, shape) if func is not torch.Tensor.contiguous else \
             Step(func, (), {})
-        setattr(out, _TAG, Node(self, node.steps + (step,), shape))
+        self._tag(out, Node(node.steps + (step,), shape))
         return out
 
     def _cross_entropy(self, args, kwargs, node):
@@ -227,7 +234,7 @@ class Trace:
         target = a.get("target")
         if len(node.shape) != 2 or not isinstance(target, torch.Tensor) or \
                 target.dtype.is_floating_point or target.dtype.is_complex or \
-                node_of(target) is not None or a.get("weight") is not None or \
+                self.node_of(target) is not None or a.get("weight") is not None or \
                 a.get("size_average") is not None or a.get("reduce") is not None or \
                 a.get("label_smoothing", 0.0) != 0.0 or \
                 a.get("reduction", "mean") not in ("mean", "sum"):
@@ -262,8 +269,7 @@ class Trace:
                           stacklevel=4)
 
         def swap(value):
-            node = node_of(value)
-            return value if node is None else node.trace.real(value)
+            return value if self.node_of(value) is None else self.real(value)
         return func(*_replace(tuple(args), swap), **_replace(dict(kwargs), swap))
 
 
@@ -285,7 +291,7 @@ class _Follow(TorchFunctionMode):
         kwargs = kwargs or {}
         trace = self.trace
         if trace is not None:
-            nodes = [n for n in map(node_of, _leaves((args, kwargs))) if n is not None]
+            nodes = [n for n in map(trace.node_of, _leaves((args, kwargs))) if n is not None]
             if nodes:
                 return trace.handle(func, args, kwargs, nodes)
         return func(*args, **kwargs)
