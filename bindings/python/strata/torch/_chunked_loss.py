@@ -76,7 +76,9 @@ own loss fails too, as with logits_to_keep and labels for every position).
 Memory between the forward and the backward pass: the hidden states' grad (B x T x H in their
 dtype) and the head's weight grad in its dtype (V x H, in fp32 while the chunks run); during the
 forward pass one chunk's logits in the compute dtype and in fp32 and their grad in the compute
-dtype: (2 + 4 + 2) x chunk_tokens x V bytes. Several forward passes before one backward each
+dtype: (2 + 4 + 2) x chunk_tokens x V bytes; where the model changes the logits before its loss
+(soft-capping, a scale), about twice that (autograd's saved tensors of the changes and of the
+cross-entropy, and the grad through them). Several forward passes before one backward each
 keep their own. The chunk's size defaults to the library's step plan's: the tokens whose fp32
 logits fit in 1 GiB (2088 tokens at V = 128256).
 
