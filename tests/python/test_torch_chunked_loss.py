@@ -13,6 +13,7 @@ own way). The CPU always runs; the GPU too when
 there is one (or STRATA_PARITY_DEVICE=cuda), with TF32 off, plus a peak-memory check."""
 import copy
 import os
+import warnings
 
 import pytest
 
@@ -367,6 +368,149 @@ def test_autocast():
 
 
 # ---------------------------------------------------------------------------------------------
+# Every family by structure (issue 52 item 3): what each forward does between its head and its
+# loss (soft-capping, a logit scale, the router's auxiliary loss) is followed as it runs, and
+# the loss and grads are the model's own.
+
+_FAMILY_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0)
+_MOE = dict(num_experts_per_tok=2)
+# name: (config class, model class, what differs from _FAMILY_COMMON); a name whose classes
+# this transformers lacks is skipped.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",  # final_logit_softcapping
+               dict(head_dim=16, final_logit_softcapping=3.0, sliding_window=8)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=16, final_logit_softcapping=3.0, sliding_window=8)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, **_MOE)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=16, num_experts=4, moe_intermediate_size=32, **_MOE)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, **_MOE)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=16, num_local_experts=4, sliding_window=8, **_MOE)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),  # logits * scale
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(logits_scaling=4.0)),  # / scaling
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(num_key_value_heads=4, n_routed_experts=4, n_group=1, topk_group=1,
+                         moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=None,
+                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                         v_head_dim=16, head_dim=8, **_MOE)),
+}
+ROUTED = ("mixtral", "qwen3_moe", "gpt_oss", "olmoe")
+
+
+def family_model(name, dtype=torch.float32, seed=0, device="cpu", **extra):
+    config_name, model_name, differs = FAMILIES[name]
+    config_class = getattr(transformers, config_name, None)
+    model_class = getattr(transformers, model_name, None)
+    if config_class is None or model_class is None:
+        pytest.skip("transformers %s has no %s" % (transformers.__version__, model_name))
+    cfg = config_class(**{**_FAMILY_COMMON, **differs, **extra})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_class(cfg)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20)
+    return model.train().to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_by_structure(name, dtype, device):
+    """Any *ForCausalLM whose head is a linear layer: the chunked loss and every grad are the
+    model's own (padded labels: the counted tokens are not all of them), the head computing
+    no token of the batch, and out.logits (read afterwards) the model's, soft-capped or scaled
+    as it returns them."""
+    model = family_model(name, dtype, device=device)
+    assert cl.unsupported_reason(model) is None
+    plain, chunked = pair(model)
+    ids = tokens(device)
+    labels = padded(ids)
+    seen = head_shapes(chunked)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no op fell back to the whole logits
+        expected = run(plain, input_ids=ids, labels=labels)
+        got = run(chunked, input_ids=ids, labels=labels)
+    assert seen == [(BATCH, 0, VOCAB)]
+    assert_close(got.loss, expected.loss, grads(chunked), grads(plain), dtype,
+                 label="%s %s %s" % (name, str(dtype)[6:], device))
+    assert got.logits.dtype == expected.logits.dtype
+    assert rel(got.logits, expected.logits) <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("trainer", [False, True], ids=["mean", "num_items_in_batch"])
+@pytest.mark.parametrize("name", ROUTED)
+def test_router_aux_loss(name, trainer, device):
+    """output_router_logits=True: the model adds router_aux_loss_coef x its load-balancing
+    loss (of the router logits, not the vocabulary's) to the chunked cross-entropy, as its
+    own forward does; the total and every grad (the routers' included) are the model's."""
+    model = family_model(name, device=device, output_router_logits=True,
+                         router_aux_loss_coef=0.5)
+    plain, chunked = pair(model)
+    ids = tokens(device)
+    labels = padded(ids)
+    kwargs = {"num_items_in_batch": 57} if trainer else {}
+    seen = head_shapes(chunked)
+    expected = run(plain, input_ids=ids, labels=labels, **kwargs)
+    got = run(chunked, input_ids=ids, labels=labels, **kwargs)
+    assert seen == [(BATCH, 0, VOCAB)]
+    assert_close(got.loss, expected.loss, grads(chunked), grads(plain),
+                 label="%s with the router's loss, %s" % (name, device))
+    assert torch.allclose(got.aux_loss, expected.aux_loss, rtol=1e-6)
+    # The auxiliary loss is in the total: without it the loss differs by 0.5 x aux_loss.
+    ce = run(plain, backward=False, input_ids=ids, labels=labels, output_router_logits=False,
+             **kwargs).loss
+    assert abs(expected.loss.item() - ce.item() - 0.5 * expected.aux_loss.item()) <= 1e-5
+    assert 0.5 * expected.aux_loss.item() > 1e-3
+    routers = [n for n, g in grads(chunked).items() if g is not None and
+               (n.endswith("mlp.gate.weight") or n.endswith("block_sparse_moe.gate.weight") or
+                ".router." in n)]
+    assert routers  # the routers train from the auxiliary loss too
+
+
+def test_what_cannot_be_chunked_is_the_models_own():
+    """A forward that does with its logits what the chunked loss cannot compute a chunk at a
+    time (a z-loss's logsumexp over them, a shift of the logits instead of the labels): the
+    whole logits are computed for that op (the model's own result), with a warning once."""
+    import torch.nn.functional as F
+
+    class ZLoss(transformers.LlamaForCausalLM):  # Bamba's z-loss, after the model's loss
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            z = out.logits.logsumexp(dim=-1).pow(2).mean()
+            out.loss = out.loss + 1e-3 * z
+            return out
+
+    class ShiftedLogits(transformers.LlamaForCausalLM):  # CLVP's shift of the logits
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, **kwargs)
+            logits = out.logits[..., :-1, :].float()
+            out.loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       labels[..., 1:].reshape(-1))
+            return out
+
+    for cls in (ZLoss, ShiftedLogits):
+        torch.manual_seed(0)
+        model = cls(hf_model("llama").config)
+        assert cl.unsupported_reason(model) is None
+        plain, chunked = pair(model)
+        ids = tokens("cpu")
+        expected = run(plain, input_ids=ids, labels=ids)
+        with pytest.warns(UserWarning, match="whole logits"):
+            got = run(chunked, input_ids=ids, labels=ids)
+        assert_close(got.loss, expected.loss, grads(chunked), grads(plain))
+
+
+# ---------------------------------------------------------------------------------------------
 # What Hugging Face's loss takes.
 
 def test_shift_labels_kwarg():
@@ -580,17 +724,20 @@ def test_custom_loss_function_is_the_models_own_path():
 
 
 def test_refusals():
-    # An architecture whose forward changes the logits after the head (Gemma 2's final
-    # softcapping): refused, with the reason, and nothing installed.
-    cfg = transformers.Gemma2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=64, final_logit_softcapping=30.0)
-    gemma = transformers.Gemma2ForCausalLM(cfg)
-    assert "final_logit_softcapping" in cl.unsupported_reason(gemma)
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        cl.install(gemma)
-    assert cl.installed(gemma) is None
+    # A model without an output head, or whose forward takes no labels.
+    assert "output head" in cl.unsupported_reason(torch.nn.Linear(4, 4))
+
+    class NoLabels(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lm_head(x)
+
+    assert "labels" in cl.unsupported_reason(NoLabels())
+    with pytest.raises(ValueError, match="labels"):
+        cl.install(NoLabels())
     # A head that is not a plain nn.Linear (a LoRA-style wrapper, a quantized layer).
     model = hf_model("llama")
 
@@ -605,15 +752,13 @@ def test_refusals():
     model.lm_head = torch.nn.Sequential(old)
     with pytest.raises(ValueError, match="nn.Linear"):
         cl.install(model)
-    # A model whose forward is its own (a subclass overriding forward).
-    class Mine(transformers.LlamaForCausalLM):
-        def forward(self, *args, **kwargs):
-            return super().forward(*args, **kwargs)
-
-    mine = Mine(tpm.config("llama"))
-    assert "forward" in cl.unsupported_reason(mine)
-    with pytest.raises(ValueError):
-        cl.install(mine)
+    # A loss function other than the causal LM's (a masked LM's).
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64))
+    with pytest.raises(ValueError, match="ForCausalLMLoss"):
+        cl.install(bert)
+    assert cl.installed(bert) is None
     # Arguments.
     with pytest.raises(ValueError, match="chunk_tokens"):
         cl.install(hf_model("llama"), chunk_tokens=0)
@@ -796,15 +941,13 @@ def test_offload_option(offload):
         with pytest.raises(ValueError, match="chunk"):
             offload(fresh, chunked_loss=bad)
         assert getattr(fresh, "strata", None) is None and cl.installed(fresh) is None
-    import transformers
-    softcapped = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    wrapped = hf_model("llama")  # a head that is not a plain nn.Linear (a LoRA-style one)
+    wrapped.lm_head = torch.nn.Sequential(wrapped.lm_head)
     for required in (True, 16):
         with pytest.raises(ValueError, match="nothing was changed"):
-            offload(copy.deepcopy(softcapped), chunked_loss=required)
+            offload(copy.deepcopy(wrapped), chunked_loss=required)
     with pytest.warns(UserWarning, match="chunked_loss=False"):
-        model = offload(copy.deepcopy(softcapped))
+        model = offload(copy.deepcopy(wrapped))
     assert model.strata.chunked_loss is None
 
 

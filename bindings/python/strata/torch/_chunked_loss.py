@@ -23,44 +23,62 @@ to the weight's dtype once (the whole-batch product rounds its own way). The tol
 fp32, the loss within 1e-6 relative and every grad within 1e-5 of its tensor's largest
 element; bf16, the loss within 1e-3 relative and every grad within 2e-2 of its scale (a few
 bf16 roundings: 2^-8 = 3.9e-3 is one). Measured on the CPU with tiny Llama, Qwen2, Qwen3,
-Mistral, GPT-2 and the package's Llama (39 tokens in chunks of 8): fp32 losses within 1e-7
-and grads within 1.4e-6 of their scale; bf16 losses within 2e-7, grads within 1.5e-4 (the
-CPU's bf16 products sum in fp32 and round once, as the chunked weight grad does; a GPU's
-round their own way).
+Mistral, GPT-2, Gemma 2 and 3, Phi-3, OLMo 2, GPT-NeoX, Cohere, Granite, DeepSeek-V3, Mixtral,
+Qwen3-MoE, OLMoE, GPT-OSS (with and without the router's loss) and the package's Llama (39
+tokens in chunks of 8): fp32 losses within 2e-7 and grads within 1.7e-6 of their scale; bf16
+losses within 2e-7, grads within 1.5e-4 (the CPU's bf16 products sum in fp32 and round once,
+as the chunked weight grad does; a GPU's round their own way). Where the model changes the
+logits before its loss (soft-capping, a scale), each chunk's changes and the cross-entropy's
+grad through them are autograd's, as in the model's own backward.
 
 Two ways in:
 
 - linear_cross_entropy(hidden, weight, bias, targets, ...): the loss of already shifted,
   flattened targets (a ChunkedLinearCrossEntropy autograd function).
-- install(model, chunk_tokens=None): a Hugging Face causal LM (LlamaForCausalLM,
-  MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel) or the package's own
-  Llama (bench/llama_zoo/torch_llama.py) computes its loss this way whenever labels are passed,
-  through forward hooks only (the model's forward and its head's stay what they are, so other
-  hooks and wrapped forwards, strata.torch.offload's, compose): a forward pre-hook on the model
-  takes the labels out of the call, the head's forward pre-hook computes the loss from the
-  hidden states it is given and hands the head an empty slice of them (0 tokens: the head
-  computes nothing), and the model's forward hook puts the loss into the model's own output.
-  out.logits is computed on first access (the head over the kept hidden states, attached to
-  the autograd graph, under the grad and autocast modes of the forward pass), in the dtype the
-  model would have returned; the loss alone never computes it. The output keeps the final
-  hidden states (B x T x H, which the model's own path keeps for its backward too) for that.
-  uninstall(model), or handle.enabled = False, returns to the model's own path.
+- install(model, chunk_tokens=None): a model computes its loss this way whenever labels are
+  passed, through hooks only (the model's forward and its head's stay what they are, so other
+  hooks and wrapped forwards, strata.torch.offload's, compose). Any Hugging Face *ForCausalLM
+  (or a model of one's own) whose output head, get_output_embeddings() or lm_head, is a plain
+  nn.Linear with or without a bias: the head's forward pre-hook keeps the hidden states it is
+  given and hands it an empty slice of them (0 tokens: the head computes nothing), and what the
+  forward then does with that empty output is followed as it runs
+  (strata.torch._logit_trace): the row-by-row changes it makes (Gemma 2/3's
+  final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling, the loss's
+  .float()) are recorded, and its F.cross_entropy over them returns the chunked loss, each
+  chunk's logits changed as the model changes them; the model's own code goes on from there
+  (the Trainer's num_items_in_batch, shift_labels and ignore_index as its loss function reads
+  them, and the router's auxiliary loss of Mixtral, Qwen3-MoE, OLMoE, GPT-OSS: router_aux_loss_coef
+  x the load-balancing loss of the router logits added to that loss, exactly its own). The
+  package's own Llama (bench/llama_zoo/torch_llama.py), which shifts its logits rather than its
+  labels, has its labels taken out of the call and its loss computed from the hidden states the
+  head is given. out.logits is computed on first access (the head over the kept hidden states
+  and the recorded changes, attached to the autograd graph, under the grad and autocast modes
+  of the forward pass), in the dtype the model would have returned; the loss alone never
+  computes it. The output keeps the final hidden states (B x T x H, which the model's own path
+  keeps for its backward too) for that. uninstall(model), or handle.enabled = False, returns to
+  the model's own path.
 
 What the model's own path computes instead (documented fallbacks, the same result as without
 install): calls without labels (generation), return_dict=False (a tuple holding the whole
 logits is what was asked for), a loss function the user set on the model (model.loss_function
 = ...: theirs to compute), the package's own model with config.loss_impl other than "torch" (its
-own chunked loss). Refused: install() on a model whose forward is not one of those verified
-above (another architecture may change the logits after the head: Gemma 2's
-final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling), a head that is not a
-plain nn.Linear (LoRA-wrapped, quantized), a head whose width is not config.vocab_size; per call,
-labels that are not integers, or whose count (after the shift) differs from the head's tokens
-(where the model's own loss fails too, as with logits_to_keep and labels for every position).
+own chunked loss). Per op, within a forward pass: whatever the forward does with the head's
+output that is not a row-by-row change, a reshape keeping the vocabulary last, or a
+cross-entropy of integer targets with reduction "mean" or "sum" (a z-loss over the logits,
+a shift of the logits, label smoothing, a learned scale): the whole logits are computed for
+that op, the model's own result at the model's own memory, with a warning once per model class
+and op. Refused: install() on a model without an output head, whose head is not a plain
+nn.Linear (LoRA-wrapped, quantized), whose forward takes no labels, or a Hugging Face model
+whose loss function is not ForCausalLMLoss (a masked LM's); per call, labels that are not
+integers, or whose count (after the shift) differs from the head's tokens (where the model's
+own loss fails too, as with logits_to_keep and labels for every position).
 
 Memory between the forward and the backward pass: the hidden states' grad (B x T x H in their
 dtype) and the head's weight grad in its dtype (V x H, in fp32 while the chunks run); during the
 forward pass one chunk's logits in the compute dtype and in fp32 and their grad in the compute
-dtype: (2 + 4 + 2) x chunk_tokens x V bytes. Several forward passes before one backward each
+dtype: (2 + 4 + 2) x chunk_tokens x V bytes; where the model changes the logits before its loss
+(soft-capping, a scale), about twice that (autograd's saved tensors of the changes and of the
+cross-entropy, and the grad through them). Several forward passes before one backward each
 keep their own. The chunk's size defaults to the library's step plan's: the tokens whose fp32
 logits fit in 1 GiB (2088 tokens at V = 128256).
 
@@ -74,6 +92,8 @@ import threading
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import _logit_trace
 
 IGNORE_INDEX = -100
 def default_chunk_tokens(vocab_size):
@@ -138,7 +158,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, denominator, chunk_tokens, ignore_index,
-                compute_dtype, needs):
+                compute_dtype, needs, transform=None, autocast=None):
         need_h, need_w, need_b = needs
         n = hidden.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):
@@ -157,22 +177,20 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 h = hidden[start:end].to(compute_dtype)
                 y = targets[start:end]
                 logits = F.linear(h, w, b)
-                x = logits.float()  # a copy unless the compute dtype is fp32
-                del logits
-                valid = y != ignore_index
-                safe = torch.where(valid, y, 0)
-                lse = torch.logsumexp(x, dim=-1)
-                picked = x.gather(1, safe[:, None]).squeeze(1)
-                loss += torch.where(valid, lse - picked, 0.0).sum()
-                if not (need_h or need_w or need_b):
-                    continue
-                # The grad of the fp32 logits: (softmax - one-hot) / denominator on the counted
-                # rows, 0 on the ignored ones; in place over x.
-                x.sub_(lse[:, None]).exp_()
-                x.scatter_add_(1, safe[:, None], -valid.to(x.dtype)[:, None])
-                g = torch.empty(x.shape, dtype=compute_dtype, device=x.device)
-                torch.mul(x, (valid.to(x.dtype) * scale)[:, None], out=g)
-                del x
+                if transform is not None:
+                    g = _transformed_chunk(logits, y, transform, autocast, ignore_index, scale,
+                                           loss, need_h or need_w or need_b)
+                    del logits
+                    if g is None:
+                        continue
+                else:
+                    x = logits.float()  # a copy unless the compute dtype is fp32
+                    del logits
+                    g = _chunk_grad(x, y, ignore_index, scale, loss, compute_dtype,
+                                    need_h or need_w or need_b)
+                    del x
+                    if g is None:
+                        continue
                 if need_h and grad_h.dtype == compute_dtype:
                     torch.mm(g, w, out=grad_h[start:end])
                 elif need_h:  # autocast's cast of the hidden states, backwards
@@ -194,7 +212,40 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         out = []
         for kept in (ctx.grad_h, ctx.grad_w, ctx.grad_b):
             out.append(None if kept is None else kept * grad.to(kept.device))
-        return tuple(out) + (None,) * 6
+        return tuple(out) + (None,) * 8
+
+
+def _chunk_grad(x, y, ignore_index, scale, loss, compute_dtype, need):
+    """The cross-entropy of a chunk's fp32 logits x summed into loss; the grad of the chunk's
+    logits in the compute dtype when `need` (None otherwise): (softmax - one-hot) * scale on
+    the counted rows, 0 on the ignored ones, formed in place over x."""
+    valid = y != ignore_index
+    safe = torch.where(valid, y, 0)
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, safe[:, None]).squeeze(1)
+    loss += torch.where(valid, lse - picked, 0.0).sum()
+    if not need:
+        return None
+    x.sub_(lse[:, None]).exp_()
+    x.scatter_add_(1, safe[:, None], -valid.to(x.dtype)[:, None])
+    g = torch.empty(x.shape, dtype=compute_dtype, device=x.device)
+    torch.mul(x, (valid.to(x.dtype) * scale)[:, None], out=g)
+    return g
+
+
+def _transformed_chunk(logits, y, transform, autocast, ignore_index, scale, loss, need):
+    """The same for logits the model changes before its loss (soft-capping, a scale; the
+    recorded ops, strata.torch._logit_trace): transform and F.cross_entropy (reduction "sum")
+    under the forward pass's autocast, and their grad by autograd, scaled as the model's
+    "mean" scales it, in the logits' dtype."""
+    leaf = logits.detach().requires_grad_(need)
+    with torch.enable_grad(), torch.autocast(logits.device.type, dtype=autocast,
+                                             enabled=autocast is not None):
+        part = F.cross_entropy(transform(leaf), y, ignore_index=ignore_index, reduction="sum")
+    loss += part.detach().float()
+    if not need:
+        return None
+    return torch.autograd.grad(part, leaf, scale.to(part.dtype))[0]
 
 
 def _check_integer(labels):
@@ -212,12 +263,15 @@ def _autocast_state(device_type):
 
 
 def linear_cross_entropy(hidden, weight, bias, targets, ignore_index=IGNORE_INDEX,
-                         num_items_in_batch=None, chunk_tokens=None):
+                         num_items_in_batch=None, chunk_tokens=None, transform=None):
     """cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index) over rows
     of hidden (..., H) and targets (the same rows, flattened), reduction "mean", or "sum"
     divided by num_items_in_batch when given (Hugging Face's fixed_cross_entropy), without
     the whole logits: chunk_tokens rows at a time (default: default_chunk_tokens). Grads flow
-    to hidden, weight and bias where they require grad and grad mode is on."""
+    to hidden, weight and bias where they require grad and grad mode is on. transform: a
+    function of a chunk's logits (rows, V) whose result the cross-entropy takes instead of
+    their fp32 upcast (row by row: soft-capping, a scale, then .float()), run under the
+    current autocast state."""
     _check_integer(targets)
     targets = targets.reshape(-1).to(device=hidden.device, dtype=torch.long)
     size = hidden.shape[-1]
@@ -242,20 +296,18 @@ def linear_cross_entropy(hidden, weight, bias, targets, ignore_index=IGNORE_INDE
     needs = (grad and flat.requires_grad, grad and weight.requires_grad,
              grad and bias is not None and bias.requires_grad)
     return ChunkedLinearCrossEntropy.apply(flat, weight, bias, targets, denominator,
-                                           chunk_tokens, int(ignore_index), dtype, needs)
+                                           chunk_tokens, int(ignore_index), dtype, needs,
+                                           transform, _autocast_state(hidden.device.type))
 
 
 # ---------------------------------------------------------------------------------------------
 # The model integration.
 
-# The causal LMs whose forward is verified to be: logits = lm_head(slice of the last hidden
-# states); loss = self.loss_function(logits, labels, vocab_size, **kwargs) (Hugging Face's) or
-# F.cross_entropy(logits[:, :-1].float(), labels[:, 1:]) (the package's own), nothing done to
-# the logits in between.
-_VERIFIED_HF = frozenset(("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                          "Qwen3ForCausalLM", "GPT2LMHeadModel"))
-# Config fields of architectures that change the logits after the head.
-_LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+# What install() takes: any model whose forward takes labels and has an output head that is a
+# plain nn.Linear (get_output_embeddings(), or lm_head). What its forward does with the head's
+# output is followed as it runs (strata.torch._logit_trace), not assumed from its class. The
+# package's own Llama (bench/llama_zoo) shifts its logits, not its labels: its labels are taken
+# out of the call and its loss computed from the head's input (the "zoo" flavour).
 
 
 def _forward_owner(model):
@@ -266,17 +318,13 @@ def _forward_owner(model):
 
 
 def _flavour(model):
-    """'hf', 'zoo' (the package's own Llama) or None, from the class defining forward."""
+    """'zoo' (the package's own Llama, from the class defining forward) or 'traced'."""
     owner = _forward_owner(model)
-    if owner is None:
-        return None
-    module = owner.__module__ or ""
-    if owner.__name__ in _VERIFIED_HF and module.startswith("transformers.models."):
-        return "hf"
-    if owner.__name__ == "LlamaForCausalLM" and module.rpartition(".")[2] == "torch_llama" \
-            and "llama_zoo" in module:
+    module = getattr(owner, "__module__", "") or ""
+    if owner is not None and owner.__name__ == "LlamaForCausalLM" and \
+            module.rpartition(".")[2] == "torch_llama" and "llama_zoo" in module:
         return "zoo"
-    return None
+    return "traced"
 
 
 def _head(model):
@@ -293,50 +341,45 @@ def _hf_causal_loss():
     return ForCausalLMLoss
 
 
-@functools.lru_cache(maxsize=None)
-def _hf_loss_arguments():
-    """The keyword arguments this transformers' ForCausalLMLoss reads (shift_labels is newer
-    than the others: where it is not one, a shift_labels= passed along is not the loss's)."""
-    return frozenset(inspect.signature(_hf_causal_loss()).parameters)
+def _is_hf(model):
+    return any((k.__module__ or "").startswith("transformers.")
+               for k in type(model).__mro__ if k.__name__ == "PreTrainedModel")
+
+
+def _takes_labels(model):
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return "labels" in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
 
 
 def unsupported_reason(model):
     """Why install(model) would refuse it (a sentence), or None where it is supported."""
     name = type(model).__name__
-    config = getattr(model, "config", None)
-    flavour = _flavour(model)
-    if flavour is None:
-        changes = [f for f in _LOGIT_CHANGES if getattr(config, f, None) is not None]
-        why = (" (its config has %s: the logits are changed after the head)"
-               % ", ".join(changes)) if changes else ""
-        owner = _forward_owner(model)
-        return ("%s%s: its forward (%s.%s) is not one the chunked loss is verified against "
-                "(%s, and the package's own Llama)"
-                % (name, why, getattr(owner, "__module__", "?"),
-                   getattr(owner, "__qualname__", "?"), ", ".join(sorted(_VERIFIED_HF))))
     head = _head(model)
+    if head is None:
+        return "%s: it has no output head (get_output_embeddings() or lm_head)" % name
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
         return ("%s: its head is a %s, not a plain nn.Linear (a wrapped or quantized head "
                 "computes something else)" % (name, type(head).__name__))
-    vocab = getattr(config, "vocab_size", None)
-    if vocab != head.out_features:
-        return ("%s: its head has %d outputs and its config.vocab_size is %s (the model's "
-                "loss reads the logits as rows of vocab_size)" % (name, head.out_features,
-                                                                  vocab))
-    if flavour == "hf" and getattr(model, "loss_function", None) is not _hf_causal_loss():
+    if not _takes_labels(model):
+        return "%s: its forward takes no labels" % name
+    if _is_hf(model) and getattr(model, "loss_function", None) is not _hf_causal_loss():
         return ("%s: its loss function is %r, not transformers' ForCausalLMLoss"
                 % (name, getattr(model, "loss_function", None)))
     return None
 
 
 class _Call:
-    """One forward pass with labels, intercepted."""
-    __slots__ = ("labels", "shift_labels", "num_items", "ignore_index", "hidden", "loss")
+    """One forward pass with labels, intercepted. zoo: the labels taken out, the loss computed
+    from the head's input (hidden, loss); traced: the head's input kept (hidden), its empty
+    output followed (trace)."""
+    __slots__ = ("labels", "hidden", "loss", "zoo", "trace", "modes")
 
-    def __init__(self, labels, shift_labels, num_items, ignore_index):
-        self.labels, self.shift_labels = labels, shift_labels
-        self.num_items, self.ignore_index = num_items, ignore_index
-        self.hidden = self.loss = None
+    def __init__(self, labels, zoo):
+        self.labels, self.zoo = labels, zoo
+        self.hidden = self.loss = self.trace = self.modes = None
 
 
 class ChunkedLoss:
@@ -363,12 +406,15 @@ class ChunkedLoss:
             model.register_forward_pre_hook(self._model_pre, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._model_post, with_kwargs=True, always_call=True),
         ]
-        self._head_handle = self.head.register_forward_pre_hook(self._head_pre,
-                                                                with_kwargs=True)
+        self._head_handles = self._hook_head(self.head)
+
+    def _hook_head(self, head):
+        return [head.register_forward_pre_hook(self._head_pre, with_kwargs=True),
+                head.register_forward_hook(self._head_post, prepend=True)]
 
     def _follow_head(self):
         """The model's head replaced since install (resize_token_embeddings builds a new one):
-        checked again as install checks, and the hook moved onto it."""
+        checked again as install checks, and the hooks moved onto it."""
         head = _head(self.model)
         if head is self.head:
             return
@@ -378,9 +424,10 @@ class ChunkedLoss:
                              "installed, and the new one cannot be matched: %s; "
                              "strata.torch._chunked_loss.uninstall(model) computes the model's "
                              "own loss" % reason)
-        self._head_handle.remove()
+        for handle in self._head_handles:
+            handle.remove()
         self.head = head
-        self._head_handle = head.register_forward_pre_hook(self._head_pre, with_kwargs=True)
+        self._head_handles = self._hook_head(head)
 
     def __getstate__(self):  # copy.deepcopy(model), pickle: without the thread's state
         state = dict(self.__dict__)
@@ -392,9 +439,9 @@ class ChunkedLoss:
         self._local = threading.local()
 
     def remove(self):
-        for handle in self._handles + [self._head_handle]:
+        for handle in self._handles + self._head_handles:
             handle.remove()
-        self._handles = []
+        self._handles = self._head_handles = []
         if self.model.__dict__.get("_strata_chunked_loss") is self:
             del self.model.__dict__["_strata_chunked_loss"]
 
@@ -404,10 +451,10 @@ class ChunkedLoss:
             stack = self._local.stack = []
         return stack
 
-    # -- the model's pre-hook: take the labels.
+    # -- the model's pre-hook: the labels (taken out for the package's own model).
 
     def _intercept(self, args, kwargs):
-        """(_Call, args, kwargs without the labels), or None for the model's own path."""
+        """(_Call, args, kwargs), or None for the model's own path."""
         if not self.enabled:
             return None
         positional = self._labels_at is not None and len(args) > self._labels_at
@@ -420,27 +467,23 @@ class ChunkedLoss:
         if self.flavour == "zoo":
             if getattr(model.config, "loss_impl", "torch") != "torch":
                 return None
-            call = _Call(labels, None, None, IGNORE_INDEX)
-        else:
-            return_dict = kwargs.get("return_dict")
-            if return_dict is None:
-                return_dict = getattr(model.config, "return_dict", True)
-            if not return_dict:
-                return None
-            if model.loss_function is not _hf_causal_loss():
-                return None
-            takes = _hf_loss_arguments()
-            call = _Call(labels,
-                         kwargs.get("shift_labels") if "shift_labels" in takes else None,
-                         kwargs.get("num_items_in_batch"),
-                         kwargs.get("ignore_index", IGNORE_INDEX))
+            _check_integer(labels)
+            self._follow_head()
+            if positional:
+                args = args[:self._labels_at] + (None,) + args[self._labels_at + 1:]
+            else:
+                kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
+            return _Call(labels, True), args, kwargs
+        return_dict = kwargs.get("return_dict")
+        if return_dict is None:
+            return_dict = getattr(getattr(model, "config", None), "return_dict", True)
+        if not return_dict:
+            return None  # a tuple holding the whole logits is what was asked for
+        if _is_hf(model) and model.loss_function is not _hf_causal_loss():
+            return None  # the user's loss function: theirs to compute
         _check_integer(labels)
         self._follow_head()
-        if positional:
-            args = args[:self._labels_at] + (None,) + args[self._labels_at + 1:]
-        else:
-            kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
-        return call, args, kwargs
+        return _Call(labels, False), args, kwargs
 
     @torch.compiler.disable
     def _model_pre(self, module, args, kwargs):
@@ -448,15 +491,24 @@ class ChunkedLoss:
         self._stack().append(None if found is None else found[0])
         return None if found is None else found[1:]
 
-    # -- the head's pre-hook: the loss, and an empty input for the head.
+    # -- the head's hooks: an empty input for the head; the loss (the package's model) or its
+    # empty output followed (strata.torch._logit_trace).
 
-    @torch.compiler.disable
-    def _head_pre(self, module, args, kwargs):
+    def _current(self):
         stack = self._stack()
         call = stack[-1] if stack else None
         if call is None or getattr(self._local, "materializing", False):
             return None
+        return call
+
+    @torch.compiler.disable
+    def _head_pre(self, module, args, kwargs):
+        call = self._current()
+        if call is None:
+            return None
         if call.hidden is not None:
+            if not call.zoo:
+                return None  # a second call: computed as the model asks
             raise RuntimeError("strata.torch: %s called its head twice in one forward pass "
                                "with labels; the chunked loss cannot tell which call is the "
                                "loss's: strata.torch._chunked_loss.uninstall(model) (or "
@@ -468,29 +520,47 @@ class ChunkedLoss:
                              "states of shape (..., tokens, hidden)"
                              % (type(self.model).__name__, type(hidden).__name__))
         call.hidden = hidden
-        call.loss = self._loss(call, hidden)
+        if call.zoo:
+            call.loss = self._zoo_loss(call, hidden)
+        else:  # what the forward pass was: for the whole logits, when asked for
+            call.modes = (torch.is_grad_enabled(), _autocast_state(hidden.device.type))
         empty = hidden[..., :0, :]
         if args:
             return (empty,) + tuple(args[1:]), kwargs
         return args, dict(kwargs, input=empty)
 
-    def _loss(self, call, hidden):
-        labels, ignore = call.labels, call.ignore_index
-        if call.shift_labels is not None:
-            targets = call.shift_labels
-        elif self.flavour == "zoo":
-            # The package's model: logits[:, :-1] against labels[:, 1:]; the same as Hugging
-            # Face's shift, the last position ignored, for (batch, tokens) labels.
-            if labels.dim() != 2 or labels.shape != hidden.shape[:2]:
-                raise ValueError("strata.torch: labels of shape %s for hidden states of shape "
-                                 "%s; the model takes (batch, tokens) labels like its input"
-                                 % (tuple(labels.shape), tuple(hidden.shape)))
-            targets = F.pad(labels[:, 1:], (0, 1), value=ignore)
-        else:
-            # ForCausalLMLoss: pad with ignore_index, then shift.
-            targets = F.pad(labels, (0, 1), value=ignore)[..., 1:]
-        return linear_cross_entropy(hidden, self.head.weight, self.head.bias, targets, ignore,
-                                    call.num_items, self.chunk_tokens)
+    @torch.compiler.disable
+    def _head_post(self, module, args, output):
+        call = self._current()
+        if call is None or call.zoo or call.hidden is None or call.trace is not None:
+            return None
+        hidden = call.hidden
+        if not torch.is_tensor(output):
+            return None
+        shape = tuple(hidden.shape[:-1]) + (output.shape[-1],)
+        call.trace = _logit_trace.Trace(
+            output, shape,
+            functools.partial(self._logits, hidden, *call.modes, output.dtype),
+            functools.partial(self._traced_loss, hidden), type(self.model).__name__)
+        call.trace.start()
+        return None
+
+    def _traced_loss(self, hidden, transform, targets, ignore_index, reduction):
+        return linear_cross_entropy(hidden, self.head.weight, self.head.bias, targets,
+                                    ignore_index, None if reduction == "mean" else 1,
+                                    self.chunk_tokens, transform)
+
+    def _zoo_loss(self, call, hidden):
+        # The package's model: logits[:, :-1] against labels[:, 1:]; the same as Hugging Face's
+        # shift, the last position ignored, for (batch, tokens) labels.
+        labels = call.labels
+        if labels.dim() != 2 or labels.shape != hidden.shape[:2]:
+            raise ValueError("strata.torch: labels of shape %s for hidden states of shape "
+                             "%s; the model takes (batch, tokens) labels like its input"
+                             % (tuple(labels.shape), tuple(hidden.shape)))
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        return linear_cross_entropy(hidden, self.head.weight, self.head.bias, targets,
+                                    IGNORE_INDEX, None, self.chunk_tokens)
 
     # -- the model's forward hook: the loss into the output, the logits on demand.
 
@@ -500,7 +570,15 @@ class ChunkedLoss:
         if not stack:  # a pre-hook before ours failed: ours never ran
             return None
         call = stack.pop()
-        if call is None or output is None:  # the model's own path, or its forward failed
+        if call is None:  # the model's own path
+            return None
+        if not call.zoo:
+            trace = call.trace
+            if trace is None:  # the head never ran with labels: nothing was changed
+                return None
+            trace.stop()
+            return None if output is None else self._attach_traced(output, trace)
+        if output is None:  # its forward failed
             return None
         if call.hidden is None:
             raise RuntimeError("strata.torch: the forward pass of %s did not call its head "
@@ -523,9 +601,31 @@ class ChunkedLoss:
             output.move_to_end("loss", last=False)  # where the model puts it: first
         else:
             output.loss = call.loss
-        output.__class__ = _lazy_class(type(output))
-        output.__dict__["_strata_logits"] = make
-        return output
+        return _lazy_logits(output, make)
+
+    def _attach_traced(self, output, trace):
+        """The model's output with its followed tensors whole: .logits on first access, any
+        other at once (a tuple, another field)."""
+        def whole(value):
+            return value if trace.node_of(value) is None else trace.real(value)
+        if isinstance(output, (tuple, list)):
+            return type(output)(whole(v) for v in output) if \
+                any(trace.node_of(v) is not None for v in output) else None
+        fields = output.keys() if isinstance(output, collections.OrderedDict) else \
+            [f for f in vars(output) if not f.startswith("_")] if hasattr(output, "__dict__") \
+            else []
+        placeholder = None
+        for field in list(fields):
+            value = getattr(output, field, None)
+            if trace.node_of(value) is None:
+                continue
+            if field == "logits":
+                placeholder = value
+            else:
+                setattr(output, field, whole(value))
+        if placeholder is None:
+            return None
+        return _lazy_logits(output, functools.partial(trace.real, placeholder))
 
     def _logits(self, hidden, grad_enabled, autocast, dtype):
         """The logits of a forward pass with labels: its head over its hidden states, in the
@@ -539,6 +639,12 @@ class ChunkedLoss:
         finally:
             self._local.materializing = False
         return logits if logits.dtype == dtype else logits.to(dtype)
+
+
+def _lazy_logits(output, make):
+    output.__class__ = _lazy_class(type(output))
+    output.__dict__["_strata_logits"] = make
+    return output
 
 
 # The output classes with .logits computed on first access: one subclass per output class, so
