@@ -18,6 +18,7 @@ MODULE_ORDER = [
     "strata.step_plan",  # the library's step-memory plan (strata_step_plan_*), any framework
     "strata.torch._host",  # host probes: MemAvailable, free disk, a NUMA node's CPUs
     "strata.torch._logit_trace",  # a forward's logits followed from its head to its loss (torch)
+    "strata.torch._chunked_ce",  # the chunked linear cross-entropy as one function
     "strata.torch._chunked_loss",  # the causal-LM loss over chunks of tokens (torch; the plan's chunk)
     "strata.torch._foreign",  # DDP, FSDP, DeepSpeed over an offloaded model refused (torch only)
     "strata.torch._allocator",  # torch's CUDA caching allocator settings
