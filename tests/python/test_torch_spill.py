@@ -32,6 +32,17 @@ def _threads(one_torch_thread):
     yield
 
 
+@pytest.fixture
+def no_tf32():
+    """fp32 means fp32 on a GPU: TF32 off, restored afterwards. Set and read back as plain
+    attributes (torch 2.11 serves them through a module __getattr__, which monkeypatch takes
+    for a missing attribute and then fails to delete)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def hf_llama(device, layers=3, seed=0):
     torch.manual_seed(seed)
     model = tpm.model_class("llama")(tpm.config("llama", layers))
@@ -165,12 +176,10 @@ def _hf_checkpoint_wraps_call():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_spilled_checkpoints_train_bit_for_bit(case, device, monkeypatch):
+def test_spilled_checkpoints_train_bit_for_bit(case, device, no_tf32):
     """Every block spilled at every step: the same losses, grads and weights as without
-    spilling, bit for bit, and plain PyTorch's within the parity tolerances."""
-    if device == "cuda":  # both sides the same fp32 arithmetic
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    spilling, bit for bit, and plain PyTorch's within the parity tolerances (on a GPU both
+    sides the same fp32 arithmetic: no TF32)."""
     spec = CASES[case]
     batches = data(device, spec.get("shapes", ((2, 16),) * STEPS))
     loop = spec.get("loop", {})
@@ -279,10 +288,9 @@ def recording_plans(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_automatic_spill_when_the_device_looks_short(monkeypatch):
+def test_automatic_spill_when_the_device_looks_short(monkeypatch, no_tf32):
     """On a GPU made to look nearly full (mem_get_info reports what torch holds plus a little),
     the automatic mode spills; the run is bit-identical to one that does not."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     batches = data("cuda")
     kept, _, _, _ = strata_run(hf_llama, "cuda", False, batches)
     real = torch.cuda.mem_get_info
