@@ -2,7 +2,8 @@
 // tensors of fuzzed sizes, homes and roles; layers drawn from them (repeats, foreign handles,
 // empty lists); residents; plan configs with fuzzed numbers (NaN, inf, huge); a few executor
 // steps with acquires and releases in fuzzed order; then a placement request with fuzzed
-// sizes, tiers, budgets and rates (NaN, inf, huge, all given: no measurement per input).
+// sizes, tiers, budgets and rates (NaN, inf, huge, all given: no measurement per input); then a
+// step profile with fuzzed blocks, intervals, flags and figures (huge, invalid enums and bits).
 // Every call must return a status.
 #include <cstddef>
 #include <cstdint>
@@ -99,6 +100,92 @@ void fuzz_placement(Input& in) {
 }
 
 }  // namespace
+
+// A step profile from the rest of the input: every field drawn, sizes small or huge (up to
+// 2^64 - 1), enums and flags including invalid values. A plan, when made, is read back whole.
+void fuzz_step_plan(Input& in) {
+  auto size = [&] {
+    const uint8_t shift = in.get<uint8_t>() % 72;
+    return shift >= 64 ? UINT64_MAX : static_cast<uint64_t>(in.get<uint16_t>()) << (shift % 48);
+  };
+  const unsigned count = in.get<uint8_t>() % 40;
+  std::vector<strata_step_block_t> blocks(count);
+  std::vector<const strata_step_block_t*> block_ptrs;
+  for (auto& b : blocks) {
+    strata_step_block_init(&b);
+    if (in.get<uint8_t>() % 16 == 0) b.struct_size = in.get<uint8_t>();
+    b.elements = size();
+    b.rank_elements = in.get<uint8_t>() % 4 == 0 ? size() : 0;
+    b.keep_whole_bytes = size();
+    b.keep_selective_bytes = size();
+    b.residency = in.get<int8_t>() % 4;
+    b.keep = in.get<int8_t>() % 4;
+    block_ptrs.push_back(in.get<uint8_t>() % 64 == 0 ? nullptr : &b);
+  }
+  const unsigned points = in.get<uint8_t>() % 90;
+  std::vector<strata_step_interval_t> intervals(points);
+  std::vector<const strata_step_interval_t*> interval_ptrs;
+  for (auto& t : intervals) {
+    strata_step_interval_init(&t);
+    t.point = in.get<int8_t>() % 4;
+    t.block = in.get<uint8_t>() % 48;
+    t.allocated_peak_bytes = size();
+    t.reserved_peak_bytes = size();
+    interval_ptrs.push_back(&t);
+  }
+  strata_step_profile_t q;
+  strata_step_profile_init(&q);
+  q.blocks = block_ptrs.data();
+  q.block_count = count;
+  q.intervals = interval_ptrs.data();
+  q.interval_count = points;
+  q.flags = in.get<uint8_t>() % 8 == 0 ? in.get<uint32_t>() : in.get<uint16_t>() & 0x703u;
+  q.ranks_on_host = in.get<uint8_t>();
+  q.resident_bytes_per_param = in.get<uint8_t>();
+  q.streamed_grad_bytes_per_param = in.get<uint8_t>() % 12;
+  for (uint64_t* field : {&q.device_total_bytes,
+                          &q.device_free_bytes,
+                          &q.framework_held_bytes,
+                          &q.hbm_tier_bytes,
+                          &q.outside_elements,
+                          &q.streamed_grads_hbm_bytes,
+                          &q.tokens,
+                          &q.checkpoint_bytes,
+                          &q.block_saved_bytes,
+                          &q.in_use_bytes,
+                          &q.backward_grad_bytes,
+                          &q.leaving_bytes,
+                          &q.vocab,
+                          &q.hidden,
+                          &q.loss_chunk_tokens,
+                          &q.loss_working_bytes,
+                          &q.step_allocated_peak_bytes,
+                          &q.step_reserved_peak_bytes,
+                          &q.host_budget_bytes,
+                          &q.arena_bytes,
+                          &q.host_available_bytes,
+                          &q.beside_bytes}) {
+    *field = in.get<uint8_t>() % 3 == 0 ? 0 : size();
+  }
+  strata_step_plan_t* plan = nullptr;
+  if (strata_step_plan_create(&q, &plan) != STRATA_OK) return;
+  strata_step_plan_info_t info{};
+  info.struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE;
+  strata_step_plan_get_info(plan, &info);
+  for (uint32_t i = 0; i <= info.blocks; ++i) {  // one past the end: refused
+    strata_step_block_t b{};
+    b.struct_size = STRATA_STEP_BLOCK_STRUCT_SIZE;
+    strata_step_plan_get_block(plan, i, &b);
+  }
+  for (strata_plan_format_t format : {STRATA_PLAN_FORMAT_JSON, STRATA_PLAN_FORMAT_TEXT}) {
+    size_t length = 0;
+    if (strata_step_plan_dump(plan, format, nullptr, 0, &length) == STRATA_OK) {
+      std::string text(length + 1, '\0');
+      strata_step_plan_dump(plan, format, text.data(), text.size(), nullptr);
+    }
+  }
+  strata_step_plan_destroy(plan);
+}
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   strata_runtime_t* rt = runtime();
@@ -202,5 +289,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   for (strata_tensor_t* t : tensors) (void)strata_tensor_unregister(rt, t);
   fuzz_placement(in);
+  fuzz_step_plan(in);
   return 0;
 }
