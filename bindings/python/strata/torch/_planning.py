@@ -247,8 +247,9 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"
     counts, kept = block_elements(blocks), block_elements(blocks, mesh)
     grad_bytes = hbm_grads = 0
     if grads != "dram":
-        grad_bytes = 4 if grads == "hbm_sums" else element
         hbm_grads = core.grads_hbm_bytes(kept, element, layout_grads(grads)["grad_sum"])
+        # (blocks with no parameters have no grads in HBM: nothing is handed back for them)
+        grad_bytes = (4 if grads == "hbm_sums" else element) if hbm_grads else 0
     figures = _step.device_figures(device)
     plan = step_plan.plan_step(
         [step_plan.Block(n, rank_elements=mine) for n, mine in zip(counts, kept)],
