@@ -121,7 +121,7 @@ def test_the_plan_is_made_from_the_measured_steps_timeline(fake_cuda, monkeypatc
     step(keeper, 130)
     # Blocks 7..3 alive where 20 GB were used (20 + 50); block 2 in the interval of its own
     # backward pass (ending at block 1's start: 130 + 10 = 140), block 1 with it there:
-    # 150 > 140. At the step's peak (plan_kept) one block would fit.
+    # 150 > 140. At the step's peak (every block counted there) one block would fit.
     assert keeper.decided and keeper.count == 6 and \
         "in the intervals where it is alive" in keeper.decision["text"]
     assert keeper.plan == ["whole"] * 6
@@ -130,7 +130,7 @@ def test_the_plan_is_made_from_the_measured_steps_timeline(fake_cuda, monkeypatc
     keeper = keeper_of()
     for _ in range(2):
         peaks["now"] = 130 * GB
-        keeper.at_point("f", 0, streamed=False)  # not every point: plan_kept's plan
+        keeper.at_point("f", 0, streamed=False)  # not every point: the plan at the step's peak
         keeper.on_step()
     # The step's peak is the keeper's own (130), 5 GB a block planned: 2 fit in 10.
     assert keeper.decided and keeper.count == 2 and \
