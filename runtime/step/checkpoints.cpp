@@ -20,8 +20,8 @@ uint64_t margin_bytes(const StepProfile& profile) {
 // everything fits; all of them, and not fitting, when even that is short. The first blocks
 // spill: their backward comes last, so their restores have the most time.
 uint32_t choose_spills(const std::vector<uint64_t>& checkpoints, uint64_t base, uint64_t working,
-                       uint64_t usable, uint64_t margin, bool* fits, uint32_t depth,
-                       uint64_t* peak) {
+                       uint64_t usable, uint64_t margin, bool* fits, uint32_t depth, uint64_t* peak,
+                       uint64_t* restoring) {
   uint64_t total = 0;
   for (uint64_t c : checkpoints) total = sat_add(total, c);
   const uint64_t held = sat_add(base, working);
@@ -31,6 +31,7 @@ uint32_t choose_spills(const std::vector<uint64_t>& checkpoints, uint64_t base, 
   };
   *fits = true;
   if (peak != nullptr) *peak = peak_with(0, 0);
+  if (restoring != nullptr) *restoring = 0;
   if (within(peak_with(0, 0), usable, margin)) return 0;
   std::vector<uint64_t> largest;  // the spilled ones, largest first
   uint64_t spilled = 0, inflight = 0;
@@ -46,6 +47,7 @@ uint32_t choose_spills(const std::vector<uint64_t>& checkpoints, uint64_t base, 
     // (spilled cannot pass total unless both saturated: then nothing fits anyway)
     const uint64_t now = spilled > total ? UINT64_MAX : peak_with(spilled, inflight);
     if (peak != nullptr) *peak = now;
+    if (restoring != nullptr) *restoring = inflight;
     if (within(now, usable, margin)) return static_cast<uint32_t>(n);
   }
   *fits = false;
@@ -111,15 +113,9 @@ void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
   const uint64_t kept = kept_bytes(p, *plan);
   const uint64_t base = sat_add(sat_add(p.in_use - leaving, p.backward_grad_bytes), kept);
   bool fits = true;
-  uint64_t peak = 0;
+  uint64_t peak = 0, inflight = 0;
   const uint32_t count = choose_spills(checkpoints, base, std::max(working, leaving), usable,
-                                       margin, &fits, kRestoreDepth, &peak);
-  std::vector<uint64_t> spilled(checkpoints.begin(), checkpoints.begin() + count);
-  std::sort(spilled.begin(), spilled.end(), std::greater<uint64_t>());
-  uint64_t inflight = 0;
-  for (std::size_t i = 0; i < spilled.size() && i <= kRestoreDepth; ++i) {
-    inflight = sat_add(inflight, spilled[i]);
-  }
+                                       margin, &fits, kRestoreDepth, &peak, &inflight);
   for (uint32_t i = 0; i < count; ++i) plan->blocks[i].checkpoint = CheckpointHome::kDram;
   plan->checkpoints_planned = true;
   plan->spilled_checkpoints = count;

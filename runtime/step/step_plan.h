@@ -191,10 +191,11 @@ Status plan_step(const StepProfile& profile, StepPlan* out);
 uint32_t choose_resident(const StepProfile& profile, std::string* why);
 uint64_t margin_bytes(const StepProfile& profile);
 // How many of the first blocks spill their checkpoints (`checkpoints`: each block's bytes, 0
-// where it keeps none), and whether the step then fits.
+// where it keeps none), and whether the step then fits; `peak` and `restoring` (optional) get
+// the predicted peak and the bytes of spilled checkpoints in flight back at that count.
 uint32_t choose_spills(const std::vector<uint64_t>& checkpoints, uint64_t base, uint64_t working,
                        uint64_t usable, uint64_t margin, bool* fits, uint32_t depth = kRestoreDepth,
-                       uint64_t* peak = nullptr);
+                       uint64_t* peak = nullptr, uint64_t* restoring = nullptr);
 void plan_checkpoints(const StepProfile& profile, StepPlan* plan);
 // The kept modes, candidates in the order given (their (whole, selective) bytes at kBlockFactor;
 // whole 0: only selectively), each counted in the intervals where it is alive: `intervals` are

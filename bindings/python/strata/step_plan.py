@@ -14,7 +14,7 @@ decision and constant is the library's (runtime/step/); nothing here decides.
 
 import ctypes
 
-from . import _lib
+from . import _lib, core
 from .errors import check
 
 L = _lib.lib
@@ -73,8 +73,8 @@ class StepPlan:
             self.blocks.append({"residency": _NAMES["residency"][b.residency],
                                 "keep": _NAMES["keep"][b.keep],
                                 "checkpoint": _TIERS[b.checkpoint_tier]})
-        self.text = _dump(handle, 1)
-        self.json = _dump(handle, 0)
+        self.text = core._dump(L.strata_step_plan_dump, handle, 1)
+        self.json = core._dump(L.strata_step_plan_dump, handle, 0)
 
     def __getattr__(self, name):
         try:
@@ -94,14 +94,6 @@ def _fitting(name, value, ctype):
         raise ValueError("strata.step_plan: %s is %d, not a %d-bit unsigned value"
                          % (name, value, 8 * ctypes.sizeof(ctype)))
     return value
-
-
-def _dump(handle, format):
-    n = ctypes.c_size_t()
-    check(L.strata_step_plan_dump(handle, format, None, 0, ctypes.byref(n)))
-    buf = ctypes.create_string_buffer(n.value + 1)
-    check(L.strata_step_plan_dump(handle, format, buf, n.value + 1, ctypes.byref(n)))
-    return buf.value.decode()
 
 
 def plan_step(blocks, intervals=(), **fields):
