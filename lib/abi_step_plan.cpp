@@ -1,4 +1,6 @@
 // C ABI: the step-memory plan (runtime/step/): a binding's profile in, per-block choices out.
+#include <algorithm>
+
 #include "lib/abi_support.h"
 #include "runtime/step/step_plan.h"
 
@@ -103,6 +105,8 @@ Status read_profile(const strata_step_profile_t* user, step::StepProfile* out) {
   p.arena_bytes = q.arena_bytes;
   p.host_available = q.host_available_bytes;
   p.beside_bytes = q.beside_bytes;
+  p.host_room = q.host_room_bytes;
+  p.max_group = std::max<uint32_t>(1, q.max_group_blocks);
   *out = std::move(p);
   return Status::ok();
 }
@@ -117,6 +121,8 @@ STRATA_API strata_status_t strata_step_profile_init(strata_step_profile_t* profi
     *profile = strata_step_profile_t{};
     profile->struct_size = STRATA_STEP_PROFILE_STRUCT_SIZE;
     profile->ranks_on_host = 1;  // (0 reads as 1 too)
+    profile->host_room_bytes = UINT64_MAX;
+    profile->max_group_blocks = 1;
     return Status::ok();
   });
 }
@@ -184,6 +190,8 @@ STRATA_API strata_status_t strata_step_plan_get_info(strata_step_plan_t* plan,
     info.judged_peak_bytes = p.judged_peak;
     info.host_total_bytes = p.host_total_bytes;
     info.loss_chunk_tokens = p.loss_chunk_tokens;
+    info.spilled_checkpoint_bytes = p.spilled_bytes;
+    info.checkpoint_group_blocks = p.group_blocks;
     write_struct(out, info);
     return Status::ok();
   });
@@ -209,6 +217,7 @@ STRATA_API strata_status_t strata_step_plan_get_block(strata_step_plan_t* plan, 
     b.residency = static_cast<strata_residency_t>(chosen.residency);
     b.keep = static_cast<strata_keep_t>(chosen.keep);
     b.checkpoint_tier = static_cast<strata_tier_t>(chosen.checkpoint);
+    b.group_start = chosen.group_start;
     write_struct(out, b);
     return Status::ok();
   });

@@ -1886,10 +1886,20 @@ typedef struct strata_step_block {
    * not planned). */
   strata_keep_t keep;
   /* Output only: STRATA_TIER_HBM or STRATA_TIER_DRAM, where its checkpoint waits for its
-   * backward pass (ignored as input; HBM where checkpoints were not planned). */
+   * backward pass (ignored as input; HBM where checkpoints were not planned, and for a block
+   * without a checkpoint of its own, below). */
   strata_tier_t checkpoint_tier;
+  /* Output only: the block whose checkpoint this block's input comes from. Its own index where
+   * it keeps a checkpoint. An earlier block's, g, where the plan grouped checkpoints (the
+   * profile's max_group_blocks above 1, and one checkpoint per block fitting neither the device
+   * nor host_room_bytes): the binding drops this block's input after its forward pass and, in
+   * the backward pass before block index's backward (the first of the group to come), runs
+   * blocks g .. index-1 forward again from g's checkpoint (same weights, RNG and autocast state
+   * as their forward pass, no grad) to regenerate the inputs of blocks g+1 .. index. Only
+   * streamed blocks that recompute are grouped, in runs of consecutive ones. */
+  uint32_t group_start;
 } strata_step_block_t;
-#define STRATA_STEP_BLOCK_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_block_t, checkpoint_tier)
+#define STRATA_STEP_BLOCK_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_block_t, group_start)
 
 typedef struct strata_step_interval {
   size_t struct_size;            /* STRATA_STEP_INTERVAL_STRUCT_SIZE */
@@ -1958,12 +1968,19 @@ typedef struct strata_step_profile {
   uint64_t arena_bytes;
   uint64_t host_available_bytes;
   uint64_t beside_bytes;
+  /* Checkpoint groups: the host memory the spilled checkpoints may take (the binding's room in
+   * its host budget and the machine's; UINT64_MAX, the default: unbounded), and the most blocks
+   * the binding can regenerate from one checkpoint (0 or 1, the default: each block keeps its
+   * own; at most 16384; the plan forms groups of at most 8). The plan takes the smallest group
+   * with which the step fits the device and the spilled checkpoints the room. */
+  uint64_t host_room_bytes;
+  uint32_t max_group_blocks;
 } strata_step_profile_t;
-#define STRATA_STEP_PROFILE_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_profile_t, beside_bytes)
+#define STRATA_STEP_PROFILE_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_profile_t, max_group_blocks)
 
 /* Zeroes, and struct_size set (a block CHOOSE, RECOMPUTE, checkpoint in HBM; a profile with one
- * rank on its host and no flags). Each writes this header's whole struct. Errors:
- * INVALID_ARGUMENT (NULL). Thread-safe. */
+ * rank on its host, no flags, host_room_bytes UINT64_MAX and max_group_blocks 1). Each writes this
+ * header's whole struct. Errors: INVALID_ARGUMENT (NULL). Thread-safe. */
 STRATA_API_SINCE(1, 5) strata_status_t strata_step_profile_init(strata_step_profile_t* profile);
 STRATA_API_SINCE(1, 5) strata_status_t strata_step_block_init(strata_step_block_t* block);
 STRATA_API_SINCE(1, 5)
@@ -1975,7 +1992,8 @@ strata_status_t strata_step_interval_init(strata_step_interval_t* interval);
  * blocks or 65540 intervals, a NULL block or interval, an unknown flag, residency, keep or point,
  * some blocks CHOOSE and others fixed, a resident block after a streamed one, a streamed block
  * kept WHOLE, an interval's block out of range or an END interval's not 0, a size above 2^56,
- * rank_elements above elements, free or held above the device's total, choosing residency with
+ * rank_elements above elements, free or held above the device's total, max_group_blocks above
+ * 16384, choosing residency with
  * resident_bytes_per_param 0 or above 64 or a grad size above it or not matching the grads'
  * total, STRATA_STEP_PLAN_CHECKPOINTS without a device, blocks, tokens or checkpoint_bytes,
  * STRATA_STEP_PLAN_KEPT without a device or blocks or with a block's keep not RECOMPUTE,
@@ -2019,9 +2037,14 @@ typedef struct strata_step_plan_info {
   uint64_t judged_peak_bytes; /* with kept activations planned: the measured peak as counted */
   uint64_t host_total_bytes;  /* the host budget (0 with no host figures in the profile) */
   uint64_t loss_chunk_tokens; /* the given chunk, or the default (0 without a vocabulary) */
+  /* With checkpoints planned: the host memory the spilled checkpoints take, and the checkpoint
+   * group chosen (1: one checkpoint per block; k: the streamed blocks' checkpoints one per k,
+   * see strata_step_block_t.group_start). 0 and 1 otherwise. */
+  uint64_t spilled_checkpoint_bytes;
+  uint32_t checkpoint_group_blocks;
 } strata_step_plan_info_t;
 #define STRATA_STEP_PLAN_INFO_STRUCT_SIZE \
-  STRATA_STRUCT_SIZE(strata_step_plan_info_t, loss_chunk_tokens)
+  STRATA_STRUCT_SIZE(strata_step_plan_info_t, checkpoint_group_blocks)
 
 /* The plan's numbers. Errors: INVALID_ARGUMENT (NULL, bad struct_size). Thread-safe. */
 STRATA_API_SINCE(1, 5)

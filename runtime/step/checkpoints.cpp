@@ -95,15 +95,77 @@ uint64_t kept_bytes(const StepProfile& p, const StepPlan& plan) {
 
 }  // namespace
 
+std::vector<uint32_t> group_starts(const StepProfile& p, const StepPlan& plan, uint32_t k) {
+  std::vector<uint32_t> starts(p.blocks.size());
+  uint32_t run = 0;  // blocks of the current run of groupable ones before this one
+  for (std::size_t i = 0; i < p.blocks.size(); ++i) {
+    const bool groupable =
+        plan.blocks[i].residency == Residency::kStreamed && plan.blocks[i].keep == Keep::kRecompute;
+    run = groupable ? run + 1 : 0;
+    // A run's blocks form groups of k from its first; any other block starts its own.
+    starts[i] =
+        groupable && k > 1 ? static_cast<uint32_t>(i) - (run - 1) % k : static_cast<uint32_t>(i);
+  }
+  return starts;
+}
+
+namespace {
+
+// One grouping's outcome: how many of the first checkpoints spill, their bytes, whether the
+// step then fits (device and host), its peak, and the restores in flight.
+struct Spills {
+  uint32_t count = 0;
+  uint64_t bytes = 0;
+  bool fits = true;
+  uint64_t peak = 0;
+  uint64_t inflight = 0;
+  uint64_t working = 0;
+};
+
+// The first `count` present checkpoints' bytes.
+uint64_t first_bytes(const std::vector<uint64_t>& checkpoints, uint32_t count) {
+  uint64_t bytes = 0;
+  for (uint32_t i = 0; i < count && i < checkpoints.size(); ++i) {
+    bytes = sat_add(bytes, checkpoints[i]);
+  }
+  return bytes;
+}
+
+// Which of the first checkpoints spill with groups of k: the device decides how many must
+// leave; the host's room, how many can. A group's backward holds its k-1 regenerated inputs
+// beside one block's working set (the re-run forward passes, without grad, hold less).
+Spills spills_with(const StepProfile& p, const StepPlan& plan, uint32_t k,
+                   const std::vector<uint32_t>& starts, uint64_t base, uint64_t working,
+                   uint64_t leaving, uint64_t usable, uint64_t margin) {
+  std::vector<uint64_t> checkpoints;
+  for (std::size_t i = 0; i < p.blocks.size(); ++i) {
+    const bool resident = plan.blocks[i].residency == Residency::kResident;
+    const bool own = resident ? plan.blocks[i].keep == Keep::kRecompute : starts[i] == i;
+    checkpoints.push_back(own ? p.checkpoint_bytes : 0);
+  }
+  Spills s;
+  // What one backward block may allocate; the paged state coming back takes its place.
+  s.working = sat_add(working, sat_mul(k - 1, p.checkpoint_bytes));
+  const uint64_t peak_working = std::max(s.working, leaving);
+  s.count = choose_spills(checkpoints, base, peak_working, usable, margin, &s.fits, kRestoreDepth,
+                          &s.peak, &s.inflight);
+  s.bytes = first_bytes(checkpoints, s.count);
+  if (s.bytes > p.host_room) {
+    // The host holds fewer: as many as its room takes stay spilled, the step short.
+    s.fits = false;
+    while (s.count > 0 && first_bytes(checkpoints, s.count) > p.host_room) --s.count;
+    s.bytes = first_bytes(checkpoints, s.count);
+    const uint64_t kept = first_bytes(checkpoints, static_cast<uint32_t>(checkpoints.size()));
+    s.peak = sat_add(sat_add(base, peak_working), kept - s.bytes);
+  }
+  return s;
+}
+
+}  // namespace
+
 void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
   const uint64_t usable = sat_add(p.device_free, p.framework_held);
   const uint64_t margin = margin_bytes(p);
-  std::vector<uint64_t> checkpoints;
-  for (std::size_t i = 0; i < p.blocks.size(); ++i) {
-    const bool resident = plan->blocks[i].residency == Residency::kResident;
-    checkpoints.push_back(
-        resident && plan->blocks[i].keep != Keep::kRecompute ? 0 : p.checkpoint_bytes);
-  }
   const uint64_t working = std::max(block_working(p), loss_working(p, plan->loss_chunk_tokens));
   // Paged optimizer state held now leaves at the forward pass's last block, before the loss, and
   // its copies back wait for room in the backward pass: it takes the working set's place, not a
@@ -112,32 +174,65 @@ void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
   const uint64_t leaving = std::min(p.leaving_bytes, p.in_use);
   const uint64_t kept = kept_bytes(p, *plan);
   const uint64_t base = sat_add(sat_add(p.in_use - leaving, p.backward_grad_bytes), kept);
-  bool fits = true;
-  uint64_t peak = 0, inflight = 0;
-  const uint32_t count = choose_spills(checkpoints, base, std::max(working, leaving), usable,
-                                       margin, &fits, kRestoreDepth, &peak, &inflight);
-  for (uint32_t i = 0; i < count; ++i) plan->blocks[i].checkpoint = CheckpointHome::kDram;
+  // The smallest group that fits: one checkpoint per block first (no block runs again), larger
+  // groups only where the device and the host together cannot hold one per block. Where none
+  // fits, the one with the lowest predicted peak (the step is short; that is the least short).
+  const uint32_t largest = std::max<uint32_t>(1, std::min(p.max_group, kMaxGroupBlocks));
+  uint32_t k = 1;
+  const std::vector<uint32_t> single = group_starts(p, *plan, 1);
+  std::vector<uint32_t> starts = single;
+  Spills s = spills_with(p, *plan, 1, starts, base, working, leaving, usable, margin);
+  for (uint32_t g = 2; !s.fits && g <= largest; ++g) {
+    std::vector<uint32_t> grouped = group_starts(p, *plan, g);
+    if (grouped == single) break;  // no run of streamed blocks to group
+    Spills t = spills_with(p, *plan, g, grouped, base, working, leaving, usable, margin);
+    if (t.fits || t.peak < s.peak) k = g, starts = std::move(grouped), s = t;
+  }
+  // s.count: the first blocks whose checkpoints spill (those with one of their own).
+  uint32_t spilled = 0, own = 0;
+  for (std::size_t i = 0; i < p.blocks.size(); ++i) {
+    plan->blocks[i].group_start = starts[i];
+    const bool resident = plan->blocks[i].residency == Residency::kResident;
+    const bool has = resident ? plan->blocks[i].keep == Keep::kRecompute : starts[i] == i;
+    own += has;
+    if (has && i < s.count) {
+      plan->blocks[i].checkpoint = CheckpointHome::kDram;
+      ++spilled;
+    }
+  }
   plan->checkpoints_planned = true;
-  plan->spilled_checkpoints = count;
-  plan->fits = fits;
-  plan->predicted_peak = peak;
-  plan->backward_reserve_bytes = sat_add(sat_add(working, inflight), margin);
+  plan->spilled_checkpoints = spilled;
+  plan->spilled_bytes = s.bytes;
+  plan->group_blocks = k;
+  plan->fits = s.fits;
+  plan->predicted_peak = s.peak;
+  plan->backward_reserve_bytes = sat_add(sat_add(s.working, s.inflight), margin);
   plan->usable_bytes = usable;
   plan->margin_bytes = margin;
   std::ostringstream o;
   o << std::fixed << std::setprecision(2);
-  o << "checkpoints: " << count << " of " << p.blocks.size() << " ("
-    << size_text(p.checkpoint_bytes) << " each at " << p.tokens
-    << " tokens) to host memory: the step holds " << size_text(base)
-    << " besides them (the framework's " << size_text(p.in_use) << " at the "
-    << "forward pass's start less " << size_text(leaving) << " leaving before the loss, "
-    << size_text(p.backward_grad_bytes) << " of grads to come, " << size_text(kept)
-    << " kept by blocks), a backward working set of " << size_text(std::max(working, leaving))
-    << " (one block's " << size_text(block_working(p))
+  o << "checkpoints: " << spilled << " of " << own << " (" << size_text(p.checkpoint_bytes)
+    << " each at " << p.tokens << " tokens) to host memory";
+  if (k > 1) {
+    o << ", one per group of " << k
+      << " streamed blocks (the others' inputs regenerated in the backward pass: one checkpoint "
+         "per block fits neither the device nor the host's room of "
+      << size_text(p.host_room) << ")";
+  }
+  o << ": the step holds " << size_text(base) << " besides them (the framework's "
+    << size_text(p.in_use) << " at the forward pass's start less " << size_text(leaving)
+    << " leaving before the loss, " << size_text(p.backward_grad_bytes) << " of grads to come, "
+    << size_text(kept) << " kept by blocks), a backward working set of "
+    << size_text(std::max(s.working, leaving)) << " (one block's " << size_text(block_working(p))
     << (p.block_saved_measured ? "" : ", unmeasured") << ", the loss's "
-    << size_text(loss_working(p, plan->loss_chunk_tokens)) << "), and " << size_text(usable)
-    << " usable less a margin of " << size_text(margin) << "; predicted peak " << size_text(peak)
-    << (fits ? "" : ", short even with every checkpoint in host memory");
+    << size_text(loss_working(p, plan->loss_chunk_tokens));
+  if (k > 1) o << ", a group's " << k - 1 << " regenerated inputs";
+  o << "), and " << size_text(usable) << " usable less a margin of " << size_text(margin)
+    << "; predicted peak " << size_text(s.peak);
+  if (!s.fits) {
+    o << ", short even so (the host's room for checkpoints: "
+      << (p.host_room == UINT64_MAX ? std::string("unbounded") : size_text(p.host_room)) << ")";
+  }
   plan->reasons.push_back(o.str());
 }
 

@@ -107,6 +107,9 @@ Status check_figures(const StepProfile& p) {
                          {p.beside_bytes, "beside_bytes"}}) {
     STRATA_RETURN_IF_ERROR(check_bytes(v, name));
   }
+  if (p.max_group > kMaxBlocks) {
+    return invalid("max_group_blocks ", p.max_group, " is more than ", kMaxBlocks, " blocks");
+  }
   if (p.device_free > p.device_total || p.framework_held > p.device_total) {
     return invalid("device_free ", p.device_free, " or framework_held ", p.framework_held,
                    " is more than device_total ", p.device_total);
@@ -236,6 +239,7 @@ Status plan_step(const StepProfile& p, StepPlan* out) {
     plan.blocks[i].residency =
         p.blocks[i].residency == Residency::kResident ? Residency::kResident : Residency::kStreamed;
     plan.blocks[i].keep = p.blocks[i].keep;
+    plan.blocks[i].group_start = static_cast<uint32_t>(i);
   }
   if (choose) {
     std::string why;
@@ -286,17 +290,23 @@ std::string dump_text(const StepProfile& p, const StepPlan& plan) {
   std::ostringstream o;
   o << std::fixed << std::setprecision(2);
   o << "step plan: " << plan.blocks.size() << " blocks, " << plan.resident_blocks << " resident, "
-    << plan.spilled_checkpoints << " checkpoints to host memory, " << plan.kept_blocks
-    << " keeping activations";
+    << plan.spilled_checkpoints << " checkpoints to host memory";
+  if (plan.group_blocks > 1) o << " (one per group of " << plan.group_blocks << " blocks)";
+  o << ", " << plan.kept_blocks << " keeping activations";
   if (plan.loss_chunk_tokens) o << ", loss chunk " << plan.loss_chunk_tokens << " tokens";
   if (plan.checkpoints_planned && !plan.fits) o << " (PREDICTED SHORT of device memory)";
   o << "\n";
   for (const auto& why : plan.reasons) o << "  " << why << "\n";
   o << "  block  residency  activations  checkpoint\n";
+  const auto checkpoint_text = [&](std::size_t i) {
+    const auto& b = plan.blocks[i];
+    return b.group_start == i ? std::string(home_name(b.checkpoint))
+                              : "from block " + std::to_string(b.group_start);
+  };
   for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
     const auto& b = plan.blocks[i];
     o << "  " << std::setw(5) << i << "  " << std::setw(9) << residency_name(b.residency) << "  "
-      << std::setw(11) << keep_name(b.keep) << "  " << home_name(b.checkpoint) << "\n";
+      << std::setw(11) << keep_name(b.keep) << "  " << checkpoint_text(i) << "\n";
   }
   (void)p;  // (the profile's figures are in the reasons)
   return o.str();
@@ -309,6 +319,8 @@ std::string dump_json(const StepProfile& p, const StepPlan& plan) {
       {"residency_planned", plan.residency_planned},
       {"checkpoints_planned", plan.checkpoints_planned},
       {"spilled_checkpoints", plan.spilled_checkpoints},
+      {"spilled_bytes", plan.spilled_bytes},
+      {"checkpoint_group_blocks", plan.group_blocks},
       {"fits", plan.fits},
       {"backward_reserve_bytes", plan.backward_reserve_bytes},
       {"keep_planned", plan.keep_planned},
@@ -327,7 +339,8 @@ std::string dump_json(const StepProfile& p, const StepPlan& plan) {
   for (const auto& b : plan.blocks) {
     blocks.push_back({{"residency", residency_name(b.residency)},
                       {"activations", keep_name(b.keep)},
-                      {"checkpoint", home_name(b.checkpoint)}});
+                      {"checkpoint", home_name(b.checkpoint)},
+                      {"group_start", b.group_start}});
   }
   root["blocks"] = std::move(blocks);
   // Diagnostics may hold any bytes a caller named: invalid UTF-8 is replaced, never thrown.

@@ -5,7 +5,10 @@
 //   - residency: how many of the first blocks stay in HBM (the rest stream);
 //   - activations: which blocks keep what their backward needs (wholly, or only their matrix
 //     products' and attention's outputs) instead of recomputing it;
-//   - checkpoint homes: which blocks' inputs (their checkpoints) go to host memory;
+//   - checkpoint homes: which blocks' inputs (their checkpoints) go to host memory, and where
+//     neither the device nor the host can hold one per block, one per group of k blocks (the
+//     others' inputs regenerated in the backward pass from their group's first: MegaTrain's
+//     checkpoint interval);
 //   - the host budget's split: the DRAM arena, and what is left beside it for the binding's
 //     pools (paged optimizer state, spilled checkpoints);
 //   - the loss chunk: how many tokens' logits exist at once.
@@ -50,6 +53,10 @@ inline constexpr uint32_t kRestoreDepth = 2;
 // binding's pools may take (the paged state alone took half of it at the first step's end
 // before the pools were counted together).
 inline constexpr double kPoolShare = 0.5;
+// The largest checkpoint group the plan forms (a binding may allow fewer): each block past a
+// group's first is run once more in the backward pass, and a group's k-1 regenerated inputs are
+// held together, so beyond 8 the recompute costs more than a spilled checkpoint's copies would.
+inline constexpr uint32_t kMaxGroupBlocks = 8;
 // The fp32 logits of one loss chunk.
 inline constexpr uint64_t kLossChunkBytes = uint64_t{1} << 30;
 
@@ -134,12 +141,20 @@ struct StepProfile {
   uint64_t host_available = 0;
   uint32_t ranks_on_host = 1;
   uint64_t beside_bytes = 0;
+  // Checkpoint groups: the host memory spilled checkpoints may take (the binding's room in its
+  // budget and the machine's; UINT64_MAX: unbounded), and the most blocks the binding can
+  // regenerate from one checkpoint (1: every block keeps its own).
+  uint64_t host_room = UINT64_MAX;
+  uint32_t max_group = 1;
 };
 
 struct BlockPlan {
   Residency residency = Residency::kStreamed;
   Keep keep = Keep::kRecompute;
   CheckpointHome checkpoint = CheckpointHome::kHbm;
+  // The block whose checkpoint this block's input is regenerated from (its own index when it
+  // keeps one; an earlier one when its group's first blocks are run again for it).
+  uint32_t group_start = 0;
 };
 
 struct StepPlan {
@@ -151,6 +166,8 @@ struct StepPlan {
   // start (its working set, the restores in flight, the margin).
   bool checkpoints_planned = false;
   uint32_t spilled_checkpoints = 0;
+  uint32_t group_blocks = 1;   // the checkpoint group chosen (1: one checkpoint per block)
+  uint64_t spilled_bytes = 0;  // host memory the spilled checkpoints take
   bool fits = true;
   uint64_t predicted_peak = 0;
   uint64_t backward_reserve_bytes = 0;
@@ -196,6 +213,9 @@ uint64_t margin_bytes(const StepProfile& profile);
 uint32_t choose_spills(const std::vector<uint64_t>& checkpoints, uint64_t base, uint64_t working,
                        uint64_t usable, uint64_t margin, bool* fits, uint32_t depth = kRestoreDepth,
                        uint64_t* peak = nullptr, uint64_t* restoring = nullptr);
+// Each block's group start with groups of `k` (runs of streamed blocks that recompute; any
+// other block keeps its own checkpoint).
+std::vector<uint32_t> group_starts(const StepProfile& profile, const StepPlan& plan, uint32_t k);
 void plan_checkpoints(const StepProfile& profile, StepPlan* plan);
 // The kept modes, candidates in the order given (their (whole, selective) bytes at kBlockFactor;
 // whole 0: only selectively), each counted in the intervals where it is alive: `intervals` are

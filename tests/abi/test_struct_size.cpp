@@ -66,10 +66,10 @@ const Row kRows[] = {
     ROW(strata_layout_request_t, STRATA_LAYOUT_REQUEST_STRUCT_SIZE, 80, 84),
     ROW(strata_layout_layer_t, STRATA_LAYOUT_LAYER_STRUCT_SIZE, 48),
     ROW(strata_layout_totals_t, STRATA_LAYOUT_TOTALS_STRUCT_SIZE, 128, 136, 144),
-    ROW(strata_step_profile_t, STRATA_STEP_PROFILE_STRUCT_SIZE, 224),
-    ROW(strata_step_block_t, STRATA_STEP_BLOCK_STRUCT_SIZE, 52),
+    ROW(strata_step_profile_t, STRATA_STEP_PROFILE_STRUCT_SIZE, 236),
+    ROW(strata_step_block_t, STRATA_STEP_BLOCK_STRUCT_SIZE, 56),
     ROW(strata_step_interval_t, STRATA_STEP_INTERVAL_STRUCT_SIZE, 32),
-    ROW(strata_step_plan_info_t, STRATA_STEP_PLAN_INFO_STRUCT_SIZE, 96),
+    ROW(strata_step_plan_info_t, STRATA_STEP_PLAN_INFO_STRUCT_SIZE, 108),
 };
 #undef ROW
 

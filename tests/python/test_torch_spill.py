@@ -78,7 +78,7 @@ def train(model, opt, batches, accumulate=1, fail_at=None):
     micro-batch whose forward raises (after the blocks ran: in the final norm), the loop then
     zeroing the grads and going on."""
     losses, seen = [], []
-    norm = model.model.norm
+    norm = model.model.norm if hasattr(model, "model") else model.transformer.ln_f
     for i, ids in enumerate(batches):
         if i == fail_at:
             handle = norm.register_forward_hook(lambda *a: (_ for _ in ()).throw(
@@ -502,3 +502,123 @@ def test_the_decision_runs_no_user_hook(where, device_memory):
             model.strata.close()
     assert seen[False][1] == 0 and seen[True][1] == 2 and seen[True][2] == [64]
     assert seen[True][0] == seen[False][0] > 0, seen
+
+
+# --- checkpoint groups: inputs dropped and regenerated (strata.torch._regenerate) -------------
+
+def grouped_run(build, device, group, batches, offload_kwargs=None, hook=None, **loop):
+    """strata_run with every block's checkpoint spilled and, with `group`, the library's
+    grouping into `group` blocks (the inputs of a group's other blocks dropped in the forward
+    pass and regenerated in the backward pass). Also: the regenerations made, which block
+    inputs were alive after the first forward pass, and the plan's groups."""
+    import gc
+    import weakref
+    model = build(device)
+    kwargs = {"resident_blocks": 0, **(offload_kwargs or {})}
+    model = st.offload(model, device=device, spill_checkpoints=True, **kwargs)
+    spill = model.strata.spill
+    spill.forced_group = group
+    alive = []
+    refs = []
+    if hook is not None:
+        hook(model)
+    for block in tpm.blocks_of(model):
+        block.register_forward_pre_hook(
+            lambda m, a, k: refs.append(weakref.ref(a[0] if a else k["hidden_states"])),
+            with_kwargs=True)
+    try:
+        opt = st.AdamW(model.parameters(), lr=tpm.LR, weight_decay=tpm.WD)
+        original = model.forward
+
+        def forward(*a, **k):  # after the first forward pass: which block inputs still live
+            out = original(*a, **k)
+            if not alive:
+                gc.collect()
+                alive.extend(r() is not None for r in refs)
+            return out
+        model.forward = forward
+        out = train(model, opt, batches, **loop)
+        return out, spill.regen.regenerated_total, alive, spill.regen.starts
+    finally:
+        model.strata.close()
+
+
+GROUP_CASES = {
+    "hf": dict(build=hf_llama),
+    "gpt2_dropout": dict(build=lambda device: tpm.build("gpt2", layers=5, dropout=0.1).train().to(
+        device)),
+    "accumulation": dict(build=hf_llama, loop=dict(accumulate=2)),
+    "resident_blocks": dict(build=hf_llama, offload_kwargs=dict(resident_blocks=1)),
+    "shape_changes": dict(build=hf_llama, shapes=((2, 16), (3, 24), (1, 8), (3, 24))),
+    "raises_midway": dict(build=hf_llama, shapes=((2, 16),) * 5, loop=dict(fail_at=2)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group", [2, 3])
+@pytest.mark.parametrize("case", sorted(GROUP_CASES))
+def test_grouped_checkpoints_train_bit_for_bit(case, group, device, no_tf32):
+    """One checkpoint per group of blocks, the others' inputs regenerated in the backward pass:
+    the same losses, grads and weights as one checkpoint per block, bit for bit (the re-run
+    forward passes replay the RNG, autocast and module state), and plain PyTorch's within the
+    parity tolerances; the dropped inputs are gone from memory after the forward pass."""
+    spec = GROUP_CASES[case]
+    layers = 5
+    build = spec["build"]
+    if build is hf_llama:
+        build = lambda device: hf_llama(device, layers=layers)  # noqa: E731
+    batches = data(device, spec.get("shapes", ((2, 16),) * STEPS))
+    loop = spec.get("loop", {})
+    common = dict(offload_kwargs=spec.get("offload_kwargs"), **loop)
+    resident = (spec.get("offload_kwargs") or {}).get("resident_blocks", 0)
+    grouped, made, alive, starts = grouped_run(build, device, group, batches, **common)
+    single, none, alive_single, no_starts = grouped_run(build, device, None, batches, **common)
+    # Spilled to host memory, a block's input leaves the device (nothing else holds it: the
+    # regression was the recompute's arguments and the save hook's closure keeping it).
+    assert alive_single and not any(alive_single[resident:]), alive_single
+    plain = plain_run(build, device, batches, **loop)
+    # The library's groups: runs of streamed blocks from the first streamed one.
+    assert no_starts is None and none == 0
+    assert starts == [i if i < resident else resident + (i - resident) // group * group
+                      for i in range(layers)]
+    dropped = [i for i in range(layers) if starts[i] != i]
+    assert made >= len(dropped) and dropped
+    assert alive and not any(alive[i] for i in dropped), alive
+    assert_bit_identical(grouped, single)
+    assert_close_to_plain(grouped, plain)
+
+
+def test_an_input_changed_between_blocks_is_kept_not_regenerated():
+    """A model that transforms the hidden states between two blocks (a pre-hook returning new
+    arguments): that block's input is not the previous block's output, so it keeps it (and
+    the result is the same bit for bit)."""
+    def double_into_block_two(model):
+        model.model.layers[2].register_forward_pre_hook(
+            lambda m, args, kwargs: ((args[0] * 1.0,) + args[1:], kwargs)
+            if args else (args, dict(kwargs, hidden_states=kwargs["hidden_states"] * 1.0)),
+            with_kwargs=True)
+    build = lambda device: hf_llama(device, layers=4)  # noqa: E731
+    batches = data("cpu")
+    grouped, made, alive, starts = grouped_run(build, "cpu", 4, batches,
+                                               hook=double_into_block_two)
+    single, _, _, _ = grouped_run(build, "cpu", None, batches, hook=double_into_block_two)
+    assert starts == [0, 0, 0, 0]
+    assert alive[1] is False and alive[2] is True and alive[3] is False, alive
+    assert_bit_identical(grouped, single)
+    # Block 3's input regenerated from block 2's kept one (one re-run), block 1's from block 0.
+    assert made == 2 * STEPS
+
+
+def test_the_plan_says_it_grouped():
+    """The library's dump names the grouping and why (a profile short of host room)."""
+    from strata import step_plan
+    blocks = [step_plan.Block(1000, residency="streamed")] * 16
+    plan = step_plan.plan_step(
+        blocks, plan_checkpoints=True, tokens=1024, checkpoint_bytes=1 << 30,
+        block_saved_bytes=4 << 30, block_saved_measured=True, device_total_bytes=40 << 30,
+        device_free_bytes=40 << 30, in_use_bytes=24 << 30, host_room_bytes=6 << 30,
+        max_group_blocks=4)
+    assert plan.checkpoint_group_blocks == 3 and plan.fits
+    assert plan.spilled_checkpoint_bytes == 6 << 30
+    assert [b["group_start"] for b in plan.blocks] == [i // 3 * 3 for i in range(16)]
+    assert "one per group of 3" in plan.text and "from block 12" in plan.text

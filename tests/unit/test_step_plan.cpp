@@ -320,6 +320,9 @@ TEST_CASE("step plan: bad profiles are refused, naming the field") {
   p.blocks[0].rank_elements = 5;
   says(p, "rank_elements");
   p.blocks[0].rank_elements = 0;
+  p.max_group = 16385;
+  says(p, "max_group_blocks 16385");
+  p.max_group = 1;
   p.resident_bytes_per_param = 0;
   says(p, "resident_bytes_per_param 0");  // choosing residency needs it
   p.resident_bytes_per_param = 16;
@@ -408,4 +411,71 @@ TEST_CASE("step plan: kept activations are decided first, the checkpoints counte
   CHECK(plan.blocks[0].keep == Keep::kWhole);
   CHECK(plan.checkpoints_planned);
   CHECK(dump_text(p, plan).find("10.00 GiB kept by blocks") != std::string::npos);  // 2 x 5 GiB
+}
+
+TEST_CASE("step plan: checkpoints grouped where neither the device nor the host holds one each") {
+  StepProfile p;
+  p.blocks.assign(16, BlockProfile{1000, 0, 0, 0, Residency::kStreamed, Keep::kRecompute});
+  p.plan_checkpoints = true;
+  p.device_total = 40 * GB;
+  p.device_free = 40 * GB;
+  p.tokens = 1024;
+  p.checkpoint_bytes = GB;
+  p.block_saved_bytes = 4 * GB;  // a working set of 5 + 2 = 7
+  p.block_saved_measured = true;
+  p.in_use = 24 * GB;  // 40 - 4 of margin - 24 - 7: 5 for checkpoints and 3 restores in flight
+  StepPlan plan;
+  // Without a cap on the host's room: one checkpoint per block, 14 spilled (2 + 3 <= 5).
+  REQUIRE(plan_step(p, &plan).is_ok());
+  CHECK(plan.group_blocks == 1);
+  CHECK(plan.spilled_checkpoints == 14);
+  CHECK(plan.spilled_bytes == 14 * GB);
+  CHECK(plan.fits);
+  for (uint32_t i = 0; i < 16; ++i) CHECK(plan.blocks[i].group_start == i);
+  // The host has room for 6: the binding that cannot regenerate inputs is short.
+  p.host_room = 6 * GB;
+  REQUIRE(plan_step(p, &plan).is_ok());
+  CHECK(plan.group_blocks == 1);
+  CHECK_FALSE(plan.fits);
+  CHECK(plan.spilled_checkpoints == 6);  // as many as the room takes
+  CHECK(dump_text(p, plan).find("short even so") != std::string::npos);
+  // One that can: groups of 2 need 7 spilled (8 - 7 + 3 <= 40 - 4 - 24 - 8), above the room;
+  // groups of 3 (6 checkpoints: blocks 0, 3, .., 15) spill all 6 (0 + 3 <= 3).
+  p.max_group = 4;
+  REQUIRE(plan_step(p, &plan).is_ok());
+  CHECK(plan.group_blocks == 3);
+  CHECK(plan.fits);
+  CHECK(plan.spilled_checkpoints == 6);
+  CHECK(plan.spilled_bytes == 6 * GB);
+  const std::vector<uint32_t> starts = {0, 0, 0, 3, 3, 3, 6, 6, 6, 9, 9, 9, 12, 12, 12, 15};
+  for (uint32_t i = 0; i < 16; ++i) {
+    CHECK(plan.blocks[i].group_start == starts[i]);
+    // The 6 groups' checkpoints all spilled; the others have none of their own (HBM reported).
+    CHECK(plan.blocks[i].checkpoint ==
+          (starts[i] == i ? CheckpointHome::kDram : CheckpointHome::kHbm));
+  }
+  CHECK(plan.backward_reserve_bytes == 7 * GB + 2 * GB + 3 * GB + 4 * GB);  // + 2 regenerated
+  CHECK(dump_text(p, plan).find("one per group of 3") != std::string::npos);
+  CHECK(dump_json(p, plan).find("\"checkpoint_group_blocks\": 3") != std::string::npos);
+  // A binding allowing 2 at most: short, with the largest group it allows.
+  p.max_group = 2;
+  REQUIRE(plan_step(p, &plan).is_ok());
+  CHECK(plan.group_blocks == 2);
+  CHECK_FALSE(plan.fits);
+}
+
+TEST_CASE("step plan: groups form only in runs of streamed blocks that recompute") {
+  StepProfile p;
+  p.blocks.assign(9, BlockProfile{1000, 0, 0, GB, Residency::kStreamed, Keep::kRecompute});
+  p.blocks[0].residency = p.blocks[1].residency = Residency::kResident;
+  p.blocks[5].keep = Keep::kSelective;  // its recompute starts from its own checkpoint
+  StepPlan plan;
+  plan.blocks.resize(9);
+  for (uint32_t i = 0; i < 9; ++i) {
+    plan.blocks[i].residency = p.blocks[i].residency;
+    plan.blocks[i].keep = p.blocks[i].keep;
+  }
+  CHECK(group_starts(p, plan, 2) == std::vector<uint32_t>{0, 1, 2, 2, 4, 5, 6, 6, 8});
+  CHECK(group_starts(p, plan, 1) == std::vector<uint32_t>{0, 1, 2, 3, 4, 5, 6, 7, 8});
+  CHECK(group_starts(p, plan, 8) == std::vector<uint32_t>{0, 1, 2, 2, 2, 5, 6, 6, 6});
 }

@@ -187,7 +187,8 @@ class PlacementRequest(Struct):
 class StepBlock(Struct):
     _fields_ = [("struct_size", c_size_t), ("elements", c_uint64), ("rank_elements", c_uint64),
                 ("keep_whole_bytes", c_uint64), ("keep_selective_bytes", c_uint64),
-                ("residency", c_int32), ("keep", c_int32), ("checkpoint_tier", c_int32)]
+                ("residency", c_int32), ("keep", c_int32), ("checkpoint_tier", c_int32),
+                ("group_start", c_uint32)]
 
 
 class StepInterval(Struct):
@@ -211,7 +212,8 @@ class StepProfile(Struct):
                 ("loss_working_bytes", c_uint64), ("step_allocated_peak_bytes", c_uint64),
                 ("step_reserved_peak_bytes", c_uint64), ("host_budget_bytes", c_uint64),
                 ("arena_bytes", c_uint64), ("host_available_bytes", c_uint64),
-                ("beside_bytes", c_uint64)]
+                ("beside_bytes", c_uint64), ("host_room_bytes", c_uint64),
+                ("max_group_blocks", c_uint32)]
 
 
 class StepPlanInfo(Struct):
@@ -221,7 +223,8 @@ class StepPlanInfo(Struct):
                 ("fits", c_uint32), ("predicted_peak_bytes", c_uint64),
                 ("backward_reserve_bytes", c_uint64), ("usable_bytes", c_uint64),
                 ("margin_bytes", c_uint64), ("judged_peak_bytes", c_uint64),
-                ("host_total_bytes", c_uint64), ("loss_chunk_tokens", c_uint64)]
+                ("host_total_bytes", c_uint64), ("loss_chunk_tokens", c_uint64),
+                ("spilled_checkpoint_bytes", c_uint64), ("checkpoint_group_blocks", c_uint32)]
 
 
 class PlacementInfo(Struct):

@@ -57,7 +57,8 @@ class Block:
 
 class StepPlan:
     """A plan: `info` (strata_step_plan_info_t's fields), `blocks` (per block a dict of
-    residency, keep, checkpoint: "hbm" or "dram"), `text` and `json` (the dumps, every choice
+    residency, keep, checkpoint: "hbm" or "dram", and group_start: the block whose checkpoint
+    its input is regenerated from, its own index where it keeps one), `text` and `json` (the dumps, every choice
     with its reason)."""
 
     def __init__(self, handle):
@@ -72,7 +73,8 @@ class StepPlan:
             check(L.strata_step_plan_get_block(handle, i, ctypes.byref(b)))
             self.blocks.append({"residency": _NAMES["residency"][b.residency],
                                 "keep": _NAMES["keep"][b.keep],
-                                "checkpoint": _TIERS[b.checkpoint_tier]})
+                                "checkpoint": _TIERS[b.checkpoint_tier],
+                                "group_start": b.group_start})
         self.text = core._dump(L.strata_step_plan_dump, handle, 1)
         self.json = core._dump(L.strata_step_plan_dump, handle, 0)
 

@@ -21,7 +21,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import BACKWARD, FORWARD
 from ._replay import ForwardState, without_caches
-from ._spill import _inside_checkpoint
+from ._regenerate import rerun_for
+from ._spill import _inside_checkpoint, hidden_of
 
 
 def note_memory(session, error):
@@ -110,9 +111,20 @@ class StreamedBlockFunction(torch.autograd.Function):
         out_positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
         box.append((out_leaves, out_spec, out_positions))
         ctx.session, ctx.index, ctx.run, ctx.state = session, index, run, state
-        ctx.leaves, ctx.spec, ctx.positions = leaves, spec, positions
+        # The tensors are saved (or spilled, or regenerated) through save_for_backward alone:
+        # the leaves kept for the recompute hold None in their place, or they would keep every
+        # block's input on the device whatever the checkpoint plan sent elsewhere.
+        taken = set(positions)
+        ctx.leaves = [None if i in taken else x for i, x in enumerate(leaves)]
+        ctx.spec, ctx.positions = spec, positions
         ctx.step_id = session.step_id
         ctx.save_for_backward(*tensors)
+        at = len(session.resident_blocks) + index
+        if session.spill.regen.feeds_group(at):  # the next block's input may be dropped
+            rerun = rerun_for(session, index, ctx, leaves, spec, positions,
+                              hidden_of(*tree_unflatten(leaves, spec)), out_leaves, state)
+            session.spill.forward_done(at, rerun, None if rerun is None else
+                                       out_leaves[rerun.out_at])
         return tuple(out_leaves[i] for i in out_positions)
 
     @staticmethod

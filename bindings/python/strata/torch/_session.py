@@ -143,7 +143,8 @@ class StrataSession:
                 self._note_memory_timeline()
                 # Which blocks' checkpoints go to host memory (strata.torch._spill).
                 self.spill = Spiller(self.device, choices.spill_checkpoints, self.activations,
-                                     len(self.resident_blocks) + len(self.blocks))
+                                     len(self.resident_blocks) + len(self.blocks),
+                                     regenerate=self.mesh is None)
                 # A session-wide empty tensor requiring grad: every streamed block's autograd
                 # function takes it, so the backward pass reaches each one in order; its grad
                 # accumulator says whether a backward pass accumulates into parameters

@@ -67,6 +67,7 @@ from . import _host
 from .. import step_plan
 from . import _step
 from ._measure import measure
+from ._regenerate import Regenerated, Regenerator, signature
 from ._replay import ForwardState, without_forward_hooks
 
 # Host memory a spill buffer must leave available, as a fraction of the machine's.
@@ -74,6 +75,10 @@ HOST_RESERVE = 0.10
 # What the forward pass's start may grow by, as a fraction of the device, before the decision
 # is made again.
 REDECIDE_GROWTH = 0.01
+# The most blocks whose inputs strata.torch regenerates from one checkpoint (the plan forms
+# groups of at most its own kMaxGroupBlocks): any; 1 under data parallelism, where a re-run
+# block's weights would be gathered from every rank in one rank's backward pass.
+REGENERATE_ANY = 1 << 14
 
 
 def hidden_of(args, kwargs):
@@ -205,7 +210,7 @@ class _Kept:
 class Spiller:
     """One per session. mode: None (automatic), True (always) or False (never)."""
 
-    def __init__(self, device, mode, keeper, positions):
+    def __init__(self, device, mode, keeper, positions, regenerate=True):
         self.device = device
         self.cuda = device.type == "cuda"
         self.mode = mode
@@ -213,7 +218,12 @@ class Spiller:
         self.positions = positions  # blocks with grad in a forward pass: resident + streamed
         self.pool = HostPool(pinned=self.cuda)
         self.side = None  # the copies' stream (CUDA)
-        self.count = 0  # the first blocks spilling now
+        self.count = 0  # the blocks spilling now (self.spilled: which)
+        self.spilled = ()  # their positions, ascending
+        # Checkpoint groups (strata.torch._regenerate): the inputs dropped and regenerated.
+        self.regen = Regenerator()
+        self.max_group = REGENERATE_ANY if regenerate else 1
+        self.forced_group = None  # spill_checkpoints=True: groups of this many (tests)
         self.wanted = 0  # the first blocks the decision wanted spilled (count: those it got)
         self.stopped_by = None  # why count < wanted: the pool's refusal ("host", "budget")
         self.fits = True  # whether the step was predicted to fit with them
@@ -278,19 +288,19 @@ class Spiller:
         a new generation of records, and the decision for this batch."""
         self.generation += 1
         self.records = {}
+        self.regen.clear()
         hidden = hidden_of(args, kwargs)
         if self.mode is False or hidden is None:
-            self.count = self.wanted = 0
+            self._take(None, 0)
             return
         tokens = hidden.numel() // hidden.shape[-1]
         nbytes = hidden.numel() * hidden.element_size()
         if self.mode is True:
-            self.wanted = self.positions
-            self.count = self._reserve(self.positions, nbytes)
+            self._take(self._forced(tokens, nbytes) if self.forced_group else None, nbytes)
             self.tokens = tokens
             return
         if not self.cuda:
-            self.count = self.wanted = 0
+            self._take(None, 0)
             return
         base = torch.cuda.memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -302,8 +312,7 @@ class Spiller:
         # again for the memory held, with fewer tokens than before, plans for those).
         self.tokens, self.base = tokens, base
         plan = self.plan(run, block, args, kwargs, tokens, nbytes, base)
-        self.wanted = plan.spilled_checkpoints
-        self.count = self._reserve(self.wanted, nbytes)
+        self._take(plan, nbytes)
         self.fits = bool(plan.fits) and self.count == self.wanted
         self.working = plan.backward_reserve_bytes
         self.restore_depth = plan.restore_depth
@@ -332,18 +341,70 @@ class Spiller:
             in_use_bytes=base, backward_grad_bytes=self._grad_bytes(),
             leaving_bytes=self.leaving(), vocab=vocab, hidden=hidden,
             loss_chunked=chunked, loss_chunk_tokens=loss.chunk_tokens if chunked else 0,
+            host_room_bytes=self._host_room(), max_group_blocks=self._max_group(),
             **_step.device_figures(self.device))
 
-    def _reserve(self, count, nbytes):
-        """Buffers for the first `count` blocks: how many the host gave."""
-        if any(not self.pool.holds(position, nbytes) for position in range(count)):
+    def _max_group(self):
+        """What this session can regenerate from one checkpoint: only streamed blocks are
+        grouped (the plan's rule), and none inside torch.utils.checkpoint, which keeps every
+        input anyway."""
+        return 1 if self.inside_checkpoint else self.max_group
+
+    def _host_room(self):
+        """Host memory the spilled checkpoints may take: what host_budget leaves and what the
+        machine can give keeping HOST_RESERVE of it available, beside the buffers held now."""
+        room = None
+        if self.pool.budget is not None:
+            room = self.pool.budget.room()
+        available, total = _host.mem_available(), _host_memory()
+        if available is not None and total is not None:
+            machine = max(0, available - int(total * HOST_RESERVE))
+            room = machine if room is None else min(room, machine)
+        return (1 << 64) - 1 if room is None else room + self.pool.nbytes
+
+    def _forced(self, tokens, nbytes):
+        """spill_checkpoints=True with forced_group k: the library's grouping into k at this
+        batch (a profile that fits at no grouping takes the largest allowed), every group's
+        checkpoint spilled."""
+        blocks = self.keeper.profile_blocks(tokens)
+        blocks += [step_plan.Block(1, residency="streamed")] * max(0, self.positions - len(blocks))
+        plan = step_plan.plan_step(
+            blocks[:self.positions], plan_checkpoints=True, tokens=tokens, checkpoint_bytes=nbytes,
+            device_total_bytes=1 << 30, device_free_bytes=0, in_use_bytes=1 << 30,
+            host_room_bytes=0, max_group_blocks=self.forced_group)
+        for b in plan.blocks:
+            b["checkpoint"] = "dram"
+        return plan
+
+    def _take(self, plan, nbytes):
+        """The plan's checkpoint homes and groups taken (None: nothing spills, or, with
+        spill_checkpoints=True, every block), the buffers reserved: as many of the spilled as
+        the host gave."""
+        starts = None
+        if plan is None:
+            spilled = range(self.positions) if self.mode is True and nbytes else ()
+        else:
+            blocks = plan.blocks
+            spilled = [i for i, b in enumerate(blocks)
+                       if b["checkpoint"] == "dram" and b["group_start"] == i]
+            if any(b["group_start"] != i for i, b in enumerate(blocks)):
+                starts = [b["group_start"] for b in blocks]
+        self.regen.starts = starts
+        self.wanted = len(spilled)
+        got = self._reserve(spilled, nbytes)
+        self.spilled = tuple(spilled[:got])
+        self.count = got
+
+    def _reserve(self, positions, nbytes):
+        """Buffers for the blocks at `positions`, in order: how many the host gave."""
+        if any(not self.pool.holds(position, nbytes) for position in positions):
             self._quiesce()  # a buffer is replaced: the last step's copies may still use it
         self.stopped_by = None
-        for position in range(count):
+        for n, position in enumerate(positions):
             if not self.pool.reserve(position, nbytes):
                 self.stopped_by = self.pool.last_refusal
-                return position
-        return count
+                return n
+        return len(positions)
 
     def _block_saved(self, run, block, args, kwargs, tokens):
         """What one block saves for its backward (its recompute) at this batch, measured on
@@ -373,7 +434,7 @@ class Spiller:
         """The context a block's forward with grad runs in: its hidden states spilled when
         `position` is among the spilled blocks; every checkpoint of a step that spills marked
         with its position (the backward pass reaching it prefetches the earlier ones)."""
-        if self.count <= 0:
+        if self.count <= 0 and self.regen.starts is None:
             return _NO_HOOKS
         if _inside_checkpoint():
             # The checkpoint keeps the block's input on the device whatever is spilled, so a
@@ -381,19 +442,35 @@ class Spiller:
             # its recompute's block order): nothing spills, in any mode.
             self.inside_checkpoint = True
             return _NO_HOOKS
-        hidden = hidden_of(args, kwargs) if position < self.count else None
+        hidden = hidden_of(args, kwargs)
+        # The hidden states by their signature only: a closure holding the tensor would keep
+        # it on the device, spilled or dropped.
+        hidden_is = None if hidden is None else signature(hidden)
+        spill = position in self.spilled
+        dropped = hidden is not None and self.regen.replaces(position, hidden)
+        grouped = self.regen.starts is not None
         generation = self.generation
+        del hidden
 
         def pack(t):
-            if hidden is not None and (t is hidden or (
-                    t.data_ptr() == hidden.data_ptr() and t.shape == hidden.shape and
-                    t.stride() == hidden.stride() and t.dtype == hidden.dtype)):
-                record = self._spill(position, t, generation)
-                if record is not None:
-                    return record
-            return _Kept(position, t, generation)
+            if hidden_is is None or signature(t) != hidden_is:
+                return _Kept(position, t, generation)
+            if dropped:
+                return Regenerated(position, generation)
+            record = self._spill(position, t, generation) if spill else None
+            record = _Kept(position, t, generation) if record is None else record
+            if grouped:  # what regenerating the inputs after it starts from
+                self.regen.kept[position] = record
+            return record
 
         return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+
+    def forward_done(self, position, rerun, output):
+        """Block `position` (streamed) ran its forward pass with grad: `rerun` (a
+        strata.torch._regenerate.Rerun, or None) runs it again on a given input, `output` its
+        hidden output, the next block's input if that is dropped."""
+        if rerun is not None and self.regen.feeds_group(position):
+            self.regen.note_output(position, rerun, output)
 
     def _spill(self, position, t, generation):
         if not t.is_contiguous() or t.device != self.device or position in self.records:
@@ -421,12 +498,18 @@ class Spiller:
 
     def _unpack(self, saved):
         position, current = saved.position, saved.generation == self.generation
-        for earlier in range(max(0, position - self.restore_depth), position) if current else ():
-            record = self.records.get(earlier)
+        earlier = [p for p in self.spilled if p < position][-self.restore_depth:] \
+            if current else ()
+        for p in earlier:
+            record = self.records.get(p)
             if record is not None and record.restored is None:
                 self._restore(record)
+        if current:
+            self.regen.kept.pop(position, None)  # its block's backward: no regeneration after
         if isinstance(saved, _Kept):
             return saved.tensor
+        if isinstance(saved, Regenerated) and current:
+            return self.regen.take(position, self._device_copy)
         if not current:
             raise RuntimeError(
                 "strata.torch: backward through block %d of a forward pass that is no longer "
@@ -439,6 +522,17 @@ class Spiller:
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
         return t
+
+    def _device_copy(self, record):
+        """A kept or spilled record's tensor on the device, for a regeneration: a spilled one
+        restored (and left restored: its own block's backward reads it next)."""
+        if isinstance(record, _Kept):
+            return record.tensor
+        if record.restored is None:
+            self._restore(record)
+        if record.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(record.ready)
+        return record.restored
 
     def _restore(self, record):
         """The record's host copy back on the device, on the side stream (CUDA)."""
