@@ -48,6 +48,24 @@ MODULE_ORDER = [
 ]
 
 
+# The modules directly in strata/ (strata.torch and strata.jax have orders of their own), bottom
+# to top: the ctypes declarations, the errors and DLPack over them, strata.core's parts (one
+# job each), strata.core (their public face), the step plan over it, the package's __init__.
+CORE_ORDER = [
+    "strata._lib",
+    "strata.errors",
+    "strata.dlpack",
+    "strata._abi",  # strata.h's constant tables and its dump convention
+    "strata._sizes",  # what streaming takes of each tier (strata_layout_query)
+    "strata._placement",  # place(): where weights and optimizer state live
+    "strata._runtime",  # Runtime, Tensor
+    "strata._streaming",  # Executor, Optimizer
+    "strata.core",
+    "strata.step_plan",
+    "strata",
+]
+
+
 def module_name(path, root):
     """The dotted name of the module at `path` under `root` (the folder holding strata/)."""
     parts = list(path.relative_to(root).with_suffix("").parts)
@@ -78,12 +96,13 @@ def imported_modules(path, name, root):
     return found
 
 
-def violations(root, order, package="strata.torch"):
-    """What breaks the layering of `package` under `root`, one line each, file:line first."""
+def violations(root, order, package="strata.torch", recursive=True):
+    """What breaks the layering of `package` under `root`, one line each, file:line first;
+    not `recursive`: of its own modules only, not its subpackages'."""
     rank = {name: i for i, name in enumerate(order)}
     out = []
     folder = root / package.replace(".", "/")
-    for path in sorted(folder.rglob("*.py")):
+    for path in sorted(folder.rglob("*.py") if recursive else folder.glob("*.py")):
         name = module_name(path, root)
         where = path.relative_to(root)
         if name not in rank:
@@ -106,8 +125,13 @@ def test_strata_torch_imports_only_downwards():
     assert not problems, "\n".join(problems)
 
 
+def test_strata_core_and_its_parts_import_only_downwards():
+    problems = violations(PACKAGE.parent, CORE_ORDER, package="strata", recursive=False)
+    assert not problems, "\n".join(problems)
+
+
 def test_every_listed_module_exists():
-    for name in MODULE_ORDER:
+    for name in MODULE_ORDER + CORE_ORDER:
         path = PACKAGE.parent / name.replace(".", "/")
         assert path.with_suffix(".py").exists() or (path / "__init__.py").exists(), name
 
