@@ -36,7 +36,13 @@ MODULE_ORDER = [
     "strata.torch._planning",  # sizing: budgets, resident blocks, the NVMe placement check
     "strata.torch._streamed",  # a streamed parameter's place in Strata; filling tensors
     "strata.torch._layout",  # where parameters live: whole on one process, or sharded
-    "strata.torch._session",  # StrataSession: runtime, registration, the step, values
+    # The session layer (strata/torch/session/): its parts, then StrataSession over them.
+    "strata.torch.session",  # the folder's __init__: its docstring only
+    "strata.torch.session.runtime",  # SessionChoices; the runtime and what is made beside it
+    "strata.torch.session.builder",  # the blocks laid out in Strata (registered, written)
+    "strata.torch.session.passes",  # the step: each block's passes, the grads they deliver
+    "strata.torch.session.placer",  # where the training state lives: chosen, predicted, said
+    "strata.torch.session.session",  # StrataSession: the state, the parts, the values
     "strata.torch._block",  # a streamed block's forward (checkpointed autograd function)
     "strata.torch._hooks",  # the model's state_dict / load / _apply / forward hooks
     "strata.torch._paging",  # resident optimizer state paged to host memory

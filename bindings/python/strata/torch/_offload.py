@@ -34,7 +34,8 @@ from ._block import streamed_forward
 from ._layout import ShardedLayout
 from ._replay import replaying_forward_state, without_caches
 from ._agreement import EveryRank
-from ._session import SessionChoices, StrataSession
+from .session.runtime import SessionChoices
+from .session.session import StrataSession
 
 
 class _Rollback:
@@ -443,8 +444,8 @@ def _build(model, request, plan, rollback):
     rollback.push(session.close)
     if plan.layers is not None:
         try:
-            session.place(plan.layers, plan.host_budget, plan.place_nvme,
-                          request.state_placement)
+            session.placer.place(plan.layers, plan.host_budget, plan.place_nvme,
+                                 request.state_placement)
         except MemoryError as e:  # the choice with measured rates fits wherever the check did
             error = ValueError("strata.torch.offload: %s; nothing was changed" % e)
             for note in getattr(e, "__notes__", ()):  # the ranks that failed alike (EveryRank)
@@ -528,7 +529,7 @@ def _move_residents(model, session, request, plan, rollback):
     """Everything outside the streamed blocks onto the device, in the compute dtype (buffers
     keep theirs): materialized with its init, or read from offload(weights=). A resident
     parameter narrowed from fp32 keeps its fp32 values for its master (session.kept_fp32). The
-    streamed blocks are registered with the runtime later (StrataSession.build)."""
+    streamed blocks are registered with the runtime later (the session's Builder)."""
     device, dtype, source = request.device, request.dtype, request.source
     in_blocks = {id(m) for b in plan.blocks for m in b.modules()}
     rest = [m for m in model.modules() if id(m) not in in_blocks]

@@ -171,10 +171,10 @@ class _Optimizer(torch.optim.Optimizer):
             # Built without an optimizer by a checkpoint's load (st.load_checkpoint before
             # the optimizer): laid out again from the loaded weights, as the plain model
             # that loaded them and then made its optimizer.
-            session.unbuild()
+            session.builder.unbuild()
         if session is not None and session.executor is None:
             # (frozen blocks built before: nothing to lay out)
-            session.build(dict(self._settings(), kind=self.KIND, threads=threads), group_of)
+            session.builder.build(dict(self._settings(), kind=self.KIND, threads=threads), group_of)
         started = time.perf_counter()  # the resident parameters' masters and torch optimizer
         kept = _kept_fp32_values(  # (collective under data parallelism: the ranks agree)
             [p for g in self.param_groups for p in g["params"] if _session_of(p) is None],
@@ -389,7 +389,7 @@ class _Optimizer(torch.optim.Optimizer):
             # A forward pass whose backward never came changes nothing, as in plain PyTorch.
             session.abort()
             if session.optimizer is not None:
-                session.sync_grads()
+                session.passes.sync_grads()
         if self.max_grad_norm > 0:
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
@@ -480,7 +480,7 @@ class _Optimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)
         if self._session is not None and self._session.optimizer is not None:
-            self._session.sync_grads()
+            self._session.passes.sync_grads()
 
     def synchronize(self):
         """Wait for the streamed blocks' queued updates (reading their weights does so itself)."""
