@@ -46,7 +46,13 @@ MODULE_ORDER = [
     "strata.torch._block",  # a streamed block's forward (checkpointed autograd function)
     "strata.torch._hooks",  # the model's state_dict / load / _apply / forward hooks
     "strata.torch._paging",  # resident optimizer state paged to host memory
-    "strata.torch._optim",  # AdamW
+    # The optimizer layer (strata/torch/optim/): its parts, the shared base, the optimizers.
+    "strata.torch.optim",  # the folder's __init__: its docstring only
+    "strata.torch.optim.checks",  # what an optimizer's creation refuses
+    "strata.torch.optim.resident",  # torch's optimizer over the resident masters; the pager
+    "strata.torch.optim.state",  # the state as torch's optimizers hold it: in and out
+    "strata.torch.optim.base",  # StrataOptimizer: what every strata.torch optimizer shares
+    "strata.torch.optim.kinds",  # AdamW, Adam, SGD, Lion, Adagrad
     "strata.torch._checkpoint",  # save_checkpoint / load_checkpoint
     "strata.torch._gathered",  # gathered(): the streamed parameters' values in a with-block
     "strata.torch._offload",  # offload(): validate, plan, build, install, move residents
