@@ -55,6 +55,12 @@ MODULE_ORDER = [
     "strata.torch.optim.kinds",  # AdamW, Adam, SGD, Lion, Adagrad
     "strata.torch._checkpoint",  # save_checkpoint / load_checkpoint
     "strata.torch._gathered",  # gathered(): the streamed parameters' values in a with-block
+    # offload()'s stages (strata/torch/offloading/), then offload() running them.
+    "strata.torch.offloading",  # the folder's __init__: its docstring only
+    "strata.torch.offloading.rollback",  # the undo log of every change a stage makes
+    "strata.torch.offloading.request",  # the arguments checked and resolved
+    "strata.torch.offloading.residents",  # the model outside the blocks; resident blocks
+    "strata.torch.offloading.install",  # host budget, blocks' forwards and hooks, model.strata
     "strata.torch._offload",  # offload(): validate, plan, build, install, move residents
     "strata.torch",
 ]
@@ -140,6 +146,25 @@ def test_strata_torch_imports_only_downwards():
 def test_strata_core_and_its_parts_import_only_downwards():
     problems = violations(PACKAGE.parent, CORE_ORDER, package="strata", recursive=False)
     assert not problems, "\n".join(problems)
+
+
+def test_each_folder_is_one_layer():
+    """A folder of strata.torch (session/, optim/, offloading/) is one layer: its modules stand
+    together in MODULE_ORDER, its __init__ first (it imports none of them), so nothing of
+    another layer sits between its parts and a folder's modules never import upwards out of
+    it. Every folder with an __init__ is listed."""
+    torch_dir = PACKAGE / "torch"
+    folders = {}
+    for rank, name in enumerate(MODULE_ORDER):
+        parts = name.split(".")
+        if parts[:2] == ["strata", "torch"] and len(parts) > 2 and (torch_dir / parts[2]).is_dir():
+            folders.setdefault(parts[2], []).append(rank)
+    assert set(folders) == {p.name for p in torch_dir.iterdir() if (p / "__init__.py").exists()}
+    for folder, ranks in folders.items():
+        assert ranks == list(range(ranks[0], ranks[0] + len(ranks))), \
+            "%s/'s modules are not together in MODULE_ORDER" % folder
+        assert MODULE_ORDER[ranks[0]] == "strata.torch." + folder, \
+            "%s/__init__ is not the first of its folder in MODULE_ORDER" % folder
 
 
 def test_every_listed_module_exists():
