@@ -1,7 +1,9 @@
 """A step as the session runs it (strata.torch.session.session's Passes): each streamed
-block's forward and backward pass begun and ended in order through the layout, the step
-abandoned after an exception, and the grads the backward passes deliver shown as each
-parameter's .grad (and dropped again where the user set them to None)."""
+block's forward and backward pass begun and ended in order through the layout, its parameters
+pointed at the slot's weights meanwhile (or, for evaluation, at weights copied from DRAM or
+their own values before the build), the step abandoned after an exception, and the grads the
+backward passes deliver shown as each parameter's .grad (and dropped again where the user set
+them to None)."""
 
 import torch
 
@@ -13,8 +15,8 @@ from .._grads import StreamedGrad
 class Passes:
     """The session's passes (one per session, which calls it). The step's state the blocks'
     forwards and the layout read stays on the session (in_step, step_id, backward_next,
-    forward_next, held, delivered, ungraded); the blocks whose backward landed this step are
-    this object's own."""
+    forward_next, held, delivered, ungraded); the blocks whose backward landed this step, and
+    the values of a block evaluated before the build, are this object's own."""
 
     def __init__(self, session):
         self.session = session
@@ -145,9 +147,11 @@ class Passes:
         for sp in s.layers[index]:
             sp.check_untouched()
             sp.param.data = torch.from_dlpack(s.executor.view(index, phase, VIEW_WEIGHT,
-                                                                 sp.index))
+                                                              sp.index))
 
     def unbind(self, index):
+        """The block's parameters off the slot again (parked), or, evaluated before the build,
+        back on their own values."""
         s = self.session
         if s.executor is None:  # evaluated before the blocks moved: their own values back
             for p in s.blocks[index].parameters():
