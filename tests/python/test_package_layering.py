@@ -36,15 +36,51 @@ MODULE_ORDER = [
     "strata.torch._planning",  # sizing: budgets, resident blocks, the NVMe placement check
     "strata.torch._streamed",  # a streamed parameter's place in Strata; filling tensors
     "strata.torch._layout",  # where parameters live: whole on one process, or sharded
-    "strata.torch._session",  # StrataSession: runtime, registration, the step, values
+    # The session layer (strata/torch/session/): its parts, then StrataSession over them.
+    "strata.torch.session",  # the folder's __init__: its docstring only
+    "strata.torch.session.runtime",  # SessionChoices; the runtime and what is made beside it
+    "strata.torch.session.builder",  # the blocks laid out in Strata (registered, written)
+    "strata.torch.session.passes",  # the step: each block's passes, the grads they deliver
+    "strata.torch.session.placer",  # where the training state lives: chosen, predicted, said
+    "strata.torch.session.session",  # StrataSession: the state, the parts, the values
     "strata.torch._block",  # a streamed block's forward (checkpointed autograd function)
     "strata.torch._hooks",  # the model's state_dict / load / _apply / forward hooks
     "strata.torch._paging",  # resident optimizer state paged to host memory
-    "strata.torch._optim",  # AdamW
+    # The optimizer layer (strata/torch/optim/): its parts, the shared base, the optimizers.
+    "strata.torch.optim",  # the folder's __init__: its docstring only
+    "strata.torch.optim.checks",  # what an optimizer's creation refuses
+    "strata.torch.optim.resident",  # torch's optimizer over the resident masters; the pager
+    "strata.torch.optim.state",  # the state as torch's optimizers hold it: in and out
+    "strata.torch.optim.base",  # StrataOptimizer: what every strata.torch optimizer shares
+    "strata.torch.optim.kinds",  # AdamW, Adam, SGD, Lion, Adagrad
     "strata.torch._checkpoint",  # save_checkpoint / load_checkpoint
     "strata.torch._gathered",  # gathered(): the streamed parameters' values in a with-block
+    # offload()'s stages (strata/torch/offloading/), then offload() running them.
+    "strata.torch.offloading",  # the folder's __init__: its docstring only
+    "strata.torch.offloading.rollback",  # the undo log of every change a stage makes
+    "strata.torch.offloading.request",  # the arguments checked and resolved
+    "strata.torch.offloading.residents",  # the model outside the blocks; resident blocks
+    "strata.torch.offloading.install",  # host budget, blocks' forwards and hooks, model.strata
     "strata.torch._offload",  # offload(): validate, plan, build, install, move residents
     "strata.torch",
+]
+
+
+# The modules directly in strata/ (strata.torch and strata.jax have orders of their own), bottom
+# to top: the ctypes declarations, the errors and DLPack over them, strata.core's parts (one
+# job each), strata.core (their public face), the step plan over it, the package's __init__.
+CORE_ORDER = [
+    "strata._lib",
+    "strata.errors",
+    "strata.dlpack",
+    "strata._abi",  # strata.h's constant tables and its dump convention
+    "strata._sizes",  # what streaming takes of each tier (strata_layout_query)
+    "strata._placement",  # place(): where weights and optimizer state live
+    "strata._runtime",  # Runtime, Tensor
+    "strata._streaming",  # Executor, Optimizer
+    "strata.core",
+    "strata.step_plan",
+    "strata",
 ]
 
 
@@ -78,12 +114,13 @@ def imported_modules(path, name, root):
     return found
 
 
-def violations(root, order, package="strata.torch"):
-    """What breaks the layering of `package` under `root`, one line each, file:line first."""
+def violations(root, order, package="strata.torch", recursive=True):
+    """What breaks the layering of `package` under `root`, one line each, file:line first;
+    not `recursive`: of its own modules only, not its subpackages'."""
     rank = {name: i for i, name in enumerate(order)}
     out = []
     folder = root / package.replace(".", "/")
-    for path in sorted(folder.rglob("*.py")):
+    for path in sorted(folder.rglob("*.py") if recursive else folder.glob("*.py")):
         name = module_name(path, root)
         where = path.relative_to(root)
         if name not in rank:
@@ -106,8 +143,32 @@ def test_strata_torch_imports_only_downwards():
     assert not problems, "\n".join(problems)
 
 
+def test_strata_core_and_its_parts_import_only_downwards():
+    problems = violations(PACKAGE.parent, CORE_ORDER, package="strata", recursive=False)
+    assert not problems, "\n".join(problems)
+
+
+def test_each_folder_is_one_layer():
+    """A folder of strata.torch (session/, optim/, offloading/) is one layer: its modules stand
+    together in MODULE_ORDER, its __init__ first (it imports none of them), so nothing of
+    another layer sits between its parts and a folder's modules never import upwards out of
+    it. Every folder with an __init__ is listed."""
+    torch_dir = PACKAGE / "torch"
+    folders = {}
+    for rank, name in enumerate(MODULE_ORDER):
+        parts = name.split(".")
+        if parts[:2] == ["strata", "torch"] and len(parts) > 2 and (torch_dir / parts[2]).is_dir():
+            folders.setdefault(parts[2], []).append(rank)
+    assert set(folders) == {p.name for p in torch_dir.iterdir() if (p / "__init__.py").exists()}
+    for folder, ranks in folders.items():
+        assert ranks == list(range(ranks[0], ranks[0] + len(ranks))), \
+            "%s/'s modules are not together in MODULE_ORDER" % folder
+        assert MODULE_ORDER[ranks[0]] == "strata.torch." + folder, \
+            "%s/__init__ is not the first of its folder in MODULE_ORDER" % folder
+
+
 def test_every_listed_module_exists():
-    for name in MODULE_ORDER:
+    for name in MODULE_ORDER + CORE_ORDER:
         path = PACKAGE.parent / name.replace(".", "/")
         assert path.with_suffix(".py").exists() or (path / "__init__.py").exists(), name
 

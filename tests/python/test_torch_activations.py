@@ -293,13 +293,13 @@ def resident_run(blocks, plan_from):
     """Installs the resident wrapper on `blocks` (a measured keeper, as on CUDA), runs a
     forward pass with grad to measure them, plans with `plan_from(keeper)` spare bytes, then
     returns the keeper and the grads of a step run that way."""
-    from strata.torch._offload import _keep_resident
+    from strata.torch.offloading.residents import keep_resident
     keeper = ActivationKeeper(torch.device("cpu"), blocks)
     keeper.enabled = True
     session = types.SimpleNamespace(activations=keeper, on_resident_forward_begin=[],
                                     on_resident_backward_begin=[])
     for i, b in enumerate(blocks):
-        _keep_resident(session, i, b)
+        keep_resident(session, i, b)
     x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1))
     model = torch.nn.Sequential(*blocks)
     model(x.requires_grad_(True)).sum().backward()  # measured, checkpointed

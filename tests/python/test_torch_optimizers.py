@@ -4,7 +4,7 @@ As test_torch_parity.py: plain PyTorch on the CPU in fp32 with the same seed and
 oracle, strata.torch runs the same loop through Strata's host backend, and losses and final
 parameters agree within 1e-6 relative; resumes (state_dict, checkpoints) are bit-identical.
 The streamed blocks are updated by Strata's CPU kernels, the embedding, final norm and head
-by torch's optimizer (Lion: strata.torch's _TorchLion), so both paths are checked. torch has no
+by torch's optimizer (Lion: strata.torch's TorchLion), so both paths are checked. torch has no
 Lion: its oracle is the reference below, written from the paper's formula (Chen et al. 2023,
 as lion-pytorch implements it) independently of strata.torch's."""
 import os

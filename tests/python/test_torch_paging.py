@@ -38,7 +38,8 @@ def offloaded(base, sessions, dtype=torch.float32, resident=2):
 
 def paged_tensors(opt):
     """(master or state tensor, its storage's bytes now) for every tensor the pager moves."""
-    return [(t, t.untyped_storage().nbytes()) for _, t in opt._pager._tensors(opt._pager.groups)]
+    pager = opt._residents.pager
+    return [(t, t.untyped_storage().nbytes()) for _, t in pager._tensors(pager.groups)]
 
 
 def strata_steps(model, data, paged, monkeypatch, clip=1.0, accumulate=1):
@@ -61,8 +62,9 @@ def test_paged_state_trains_as_plain_pytorch(paged, sessions, monkeypatch):
                                      accumulate=2)
     model = offloaded(base, sessions)
     opt, got, norms = strata_steps(model, data, paged, monkeypatch, accumulate=2)
-    assert opt._pager is not None and opt._pager.state == "leaving"  # copied after the step
-    assert opt._pager.paged_bytes > 0
+    assert opt._residents.pager is not None and \
+        opt._residents.pager.state == "leaving"  # copied after the step
+    assert opt._residents.pager.paged_bytes > 0
     assert_losses_close(got, expected)
     assert norms == pytest.approx(expected_norms, rel=1e-6)
     # AdamW near eps rounds an element or two apart (issue 12's tolerance, as in the parity
@@ -96,21 +98,22 @@ def test_paged_state_is_bit_identical_and_comes_back(sessions, monkeypatch):
     # pages it out again: freed when the forward pass reaches its last streamed block, back as
     # the backward pass goes through them.
     masters = [t for t, _ in paged_tensors(opt) if t.dtype == torch.float32]
-    assert masters and opt._pager.state == "leaving"
+    assert masters and opt._residents.pager.state == "leaving"
     model = sessions[-1]
     ids = data[0].to(DEVICE)
     opt.step()  # no grads: nothing changes, but the step pages the state out
-    assert opt._pager.state == "leaving"
+    assert opt._residents.pager.state == "leaving"
     seen = []
-    model.strata.on_forward_begin.append(lambda i: seen.append(("forward", i, opt._pager.state)))
-    model.strata.on_backward_begin.insert(0, lambda i: seen.append(("backward", i,
-                                                                    opt._pager.state)))
+    model.strata.on_forward_begin.append(
+        lambda i: seen.append(("forward", i, opt._residents.pager.state)))
+    model.strata.on_backward_begin.insert(
+        0, lambda i: seen.append(("backward", i, opt._residents.pager.state)))
     loss = model(ids, labels=ids).loss
-    assert opt._pager.state == "out" and all(size == 0 for _, size in paged_tensors(opt))
+    assert opt._residents.pager.state == "out" and all(size == 0 for _, size in paged_tensors(opt))
     loss.backward()
     assert seen == [("forward", None, "leaving"), ("forward", 0, "leaving"),
                     ("forward", 1, "out"), ("backward", 1, "out"), ("backward", 0, "coming")], seen
-    assert opt._pager.state == "in" and all(size > 0 for _, size in paged_tensors(opt))
+    assert opt._residents.pager.state == "in" and all(size > 0 for _, size in paged_tensors(opt))
 
 
 def test_paged_state_load_and_checkpoint(sessions, monkeypatch, tmp_path):
@@ -143,7 +146,7 @@ def test_paging_is_off_under_zero(sessions, monkeypatch):
     model = offloaded(build("llama", layers=3), sessions)
     monkeypatch.setattr(st.AdamW, "PAGED_STATE", 0)
     opt = st.AdamW(model.parameters(), lr=LR)
-    assert opt._pager is None
+    assert opt._residents.pager is None
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="host memory is registered with CUDA only")
@@ -160,7 +163,7 @@ def test_host_memory_is_unregistered_when_the_optimizer_goes(sessions, monkeypat
                                                          unregister(cudart, pointer, stream)))
     model = offloaded(build("llama", layers=3), sessions, dtype=torch.bfloat16)
     opt, _, _ = strata_steps(model, batches(2), None, monkeypatch)
-    pointers = [b.data_ptr() for b in opt._pager.registered]
+    pointers = [b.data_ptr() for b in opt._residents.pager.registered]
     assert pointers and not done
     del opt
     gc.collect()
@@ -186,7 +189,7 @@ def test_sizing_keeps_what_the_forward_pass_can_hide(window, active, sessions, m
     data = batches(4)
     model = offloaded(base, sessions, dtype=torch.bfloat16)
     opt, _, _ = strata_steps(model, data[:2], None, monkeypatch)
-    pager = opt._pager
+    pager = opt._residents.pager
     assert len(pager.groups) == 3  # two resident blocks, then the embedding, norm and head
     sizes = [sum(t.numel() * t.element_size() for _, t in pager._tensors([g]))
              for g in pager.groups]
@@ -244,9 +247,9 @@ def test_auto_pages_what_fits_on_the_host(available, active, sessions, monkeypat
             synchronize(opt)
             expected_weights = snapshot(model)
             continue
-        live = [master for p, master, _ in opt._resident if master is p]
-        pager = paging.StatePager(opt._inner, paging.paged_groups(opt._resident, model.strata,
-                                                                  None),
+        live = [master for p, master, _ in opt._residents.entries if master is p]
+        pager = paging.StatePager(opt._residents.inner,
+                                  paging.paged_groups(opt._residents.entries, model.strata, None),
                                   model.strata.device, live, auto=True)
         pager.probe, pager.sized = "first", False  # on the CPU as on CUDA (auto is CUDA's)
         pager.page_out(timed=False)  # as the optimizer's creation calls it: nothing leaves
@@ -257,7 +260,7 @@ def test_auto_pages_what_fits_on_the_host(available, active, sessions, monkeypat
             # (the library leaves a pager without a budget half of it)
             return 2 * (first + 1 if available == "first" else available)
         monkeypatch.setattr(paging, "_available_host_bytes", host)
-        opt._pager = pager
+        opt._residents.pager = pager
         resident, streamed = len(model.strata.resident_blocks), len(model.strata.layers)
         model.strata.on_forward_begin.append(
             lambda i: pager.forward_begins(None if i is None else resident + i, resident,
@@ -312,8 +315,8 @@ def test_the_state_is_out_at_every_loss(between, sessions, monkeypatch, tmp_path
 
         def forward(ids):
             loss = model(ids, labels=ids).loss
-            if opt._pager is not None:
-                at_loss.append((opt._pager.state, _device_bytes(opt._pager)))
+            if opt._residents.pager is not None:
+                at_loss.append((opt._residents.pager.state, _device_bytes(opt._residents.pager)))
             return loss
         if between == "state_dict":
             opt.state_dict()
@@ -370,7 +373,7 @@ def test_groups_leave_the_device_as_the_forward_pass_goes(sessions, monkeypatch)
         opt, losses, _ = strata_steps(model, data[:2], paged, monkeypatch)
         seen = []
         if paged is None:
-            pager = opt._pager
+            pager = opt._residents.pager
             assert len(pager.groups) >= 3
             issued = {}
             groups_issued = pager._groups_issued
@@ -419,7 +422,7 @@ def test_a_state_access_mid_forward_keeps_every_tensor(access, sessions, monkeyp
     for touched in (False, True):
         model = offloaded(base, sessions, dtype=torch.bfloat16, resident=4)
         opt, losses, _ = strata_steps(model, data[:2], None, monkeypatch)
-        pager = opt._pager
+        pager = opt._residents.pager
         seen = []
 
         def hook(i):
@@ -481,14 +484,15 @@ def test_auto_counts_the_moments_to_come(sessions, monkeypatch):
     model = offloaded(build("llama", layers=4), sessions, dtype=torch.bfloat16)
     monkeypatch.setattr(st.AdamW, "PAGED_STATE", 0)
     opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    live = [m for p, m, _ in opt._resident if m is p]
-    pager = paging.StatePager(opt._inner, paging.paged_groups(opt._resident, model.strata, None),
+    live = [m for p, m, _ in opt._residents.entries if m is p]
+    pager = paging.StatePager(opt._residents.inner,
+                              paging.paged_groups(opt._residents.entries, model.strata, None),
                               model.strata.device, live, auto=True)
     pager.probe, pager.sized = "first", False
     masters = sum(t.numel() * t.element_size() for _, t in pager._tensors(pager.groups))
     monkeypatch.setattr(paging, "_available_host_bytes",
                         lambda: 2 * (masters + 1))  # half of it: one byte over the masters
-    opt._pager = pager
+    opt._residents.pager = pager
     opt.step()  # no grads: no moments
     train(model, opt, batches(2), clip=1.0)
     assert pager.decision["groups_fitting_host"] == 0
@@ -503,7 +507,7 @@ def test_a_forward_pass_the_models_hook_misses_is_timed(how, sessions, monkeypat
     resident block too."""
     model = offloaded(build("llama", layers=4), sessions, dtype=torch.bfloat16)
     opt, _, _ = strata_steps(model, batches(1), None, monkeypatch)
-    pager = opt._pager
+    pager = opt._residents.pager
     pager._event = lambda: "event"
     pager.timed, pager.began = True, None  # as a timed page-out on CUDA leaves it
     ids = batches(1)[0]
@@ -534,7 +538,7 @@ def test_the_keeper_measures_afresh_when_sizing_stops_paging(sessions, monkeypat
     keeper.enabled = True  # as on CUDA
     monkeypatch.setattr(st.AdamW, "PAGED_STATE", None)
     opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    pager = opt._pager
+    pager = opt._residents.pager
     pager.sized = False  # as on CUDA
     seen = []
     real_step = opt.step
@@ -587,7 +591,7 @@ def test_a_retried_forward_pass_is_timed_from_its_own_start(sessions, monkeypatc
     review found it): each forward pass starts its own."""
     model = offloaded(build("llama", layers=4), sessions, dtype=torch.bfloat16)
     opt, _, _ = strata_steps(model, batches(2), None, monkeypatch)
-    pager = opt._pager
+    pager = opt._residents.pager
     clock = iter(range(1000))
     pager._event = lambda: next(clock)
     pager.timed, pager.began = True, None  # as a timed page-out on CUDA leaves it
@@ -625,7 +629,7 @@ def test_copies_back_wait_for_room(resident_room, sessions, monkeypatch):
     expected_weights = snapshot(model)
     model = offloaded(base, sessions, dtype=torch.bfloat16)
     opt, _, _ = strata_steps(model, data[:1], None, monkeypatch)
-    pager = opt._pager
+    pager = opt._residents.pager
     assert pager.state == "leaving" and len(pager.groups) == 3
     # The first group's bytes in its flat buffer (each tensor 512-byte aligned).
     first = sum((t.numel() * t.element_size() + 511) // 512 * 512
@@ -683,7 +687,7 @@ def test_a_later_micro_batch_frees_what_came_back_without_the_rest(sessions, mon
     def run(paged):
         model = offloaded(base, sessions, dtype=torch.bfloat16)
         opt, losses, _ = strata_steps(model, data[:1], paged, monkeypatch)
-        pager, brought = opt._pager, []
+        pager, brought = opt._residents.pager, []
         if pager is not None:
             first = sum((t.numel() * t.element_size() + 511) // 512 * 512
                         for _, t in pager._tensors(pager.groups[:1]))
@@ -737,7 +741,7 @@ def test_a_read_mid_forward_in_a_later_micro_batch_leaves_the_state_out_at_the_l
     data = batches(3)
     model = offloaded(base, sessions, dtype=torch.bfloat16, resident=4)
     opt, _, _ = strata_steps(model, data[:1], None, monkeypatch)
-    pager = opt._pager
+    pager = opt._residents.pager
     monkeypatch.setattr(pager, "_room", lambda: 0)  # nothing comes back in the backward pass
     ids = data[1].to(DEVICE)
     (model(ids, labels=ids).loss / 2).backward()

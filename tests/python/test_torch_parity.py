@@ -1785,8 +1785,8 @@ def test_resident_update_is_fused_unless_told(kwargs, fused, foreach, offload):
     trains as plain PyTorch's default AdamW does (test_resident_blocks: fused by default)."""
     model = offload(build("llama", layers=3), resident_blocks=1)
     opt = strata_adamw(model.parameters(), **kwargs)
-    assert opt._inner.defaults["fused"] == fused
-    assert opt._inner.defaults["foreach"] == foreach
+    assert opt._residents.inner.defaults["fused"] == fused
+    assert opt._residents.inner.defaults["foreach"] == foreach
 
 
 def test_out_of_memory_names_the_resident_blocks(offload):

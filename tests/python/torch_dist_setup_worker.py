@@ -28,13 +28,14 @@ def inject(fault, disk_calls):
     runtime fails (st.AdamW, between the build's broadcasts). The faults of offload's
     arguments ("budget", "argument", "options") are in main."""
     import strata.core as core
-    from strata.torch import _session, _surgery
+    from strata.torch import _surgery
+    from strata.torch.session.session import StrataSession
     if not _REAL:
         _REAL.update(runtime=core.Runtime, place=core.place, materialize=_surgery.materialize,
-                     optimizer=core.Optimizer, write=_session.StrataSession.write_values)
+                     optimizer=core.Optimizer, write=StrataSession.write_values)
     real = _REAL
     core.Runtime, _surgery.materialize = real["runtime"], real["materialize"]
-    core.Optimizer, _session.StrataSession.write_values = real["optimizer"], real["write"]
+    core.Optimizer, StrataSession.write_values = real["optimizer"], real["write"]
     if fault == "runtime":
         def runtime(**options):
             return real["runtime"](**dict(options, dram_budget=1 << 60))
@@ -48,7 +49,7 @@ def inject(fault, disk_calls):
             if sp.layer == 1:
                 raise OSError("injected: writing %s failed" % sp.name)
             return real["write"](session, sp, *args, **kwargs)
-        _session.StrataSession.write_values = write_values
+        StrataSession.write_values = write_values
 
     def place(layers, runtime=None, rates=None, **options):
         measures = runtime is not None and runtime.capabilities().tiers_available[2] and \

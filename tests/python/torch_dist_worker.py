@@ -175,8 +175,8 @@ def failure(kind):
 
 
 def _torch_lion():
-    from strata.torch._optim import _TorchLion  # torch has no Lion: lion-pytorch's formula
-    return _TorchLion
+    from strata.torch.optim.resident import TorchLion  # torch has no Lion: lion-pytorch's formula
+    return TorchLion
 
 
 # name -> (strata.torch class, () -> the torch class DDP runs, lr -> settings)
@@ -380,7 +380,7 @@ def main(argv=None):
         out["refused"] = every
         out["gathered_is_state"] = gathered_is_state
     if args.load_on_rank0:
-        mine = [master.detach().cpu().clone() for _, master, _ in opt._resident]
+        mine = [master.detach().cpu().clone() for _, master, _ in opt._residents.entries]
         every = [None] * args.world
         dist.all_gather_object(every, mine)
         out["residents_agree"] = all(

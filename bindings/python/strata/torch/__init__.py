@@ -23,14 +23,15 @@ Whole-state checkpoints: strata.torch.save_checkpoint / load_checkpoint. The str
 parameters' values in a with-block (EMA, logging, writes): strata.torch.gathered. See
 docs/python-guide.md and docs/python-reference.md.
 
-The names above are the package's surface; its modules are private (a leading underscore),
-layered bottom to top as tests/python/test_package_layering.py declares."""
+The names above are the package's surface; its modules are private (a leading underscore, or
+in a folder of one layer: session/, optim/), layered bottom to top as
+tests/python/test_package_layering.py declares."""
 from ._checkpoint import load_checkpoint, save_checkpoint
 from ._distributed import DataParallel, DataParallelError
 from ._gathered import gathered
 from ._grads import StreamedGrad
 from ._offload import offload
-from ._optim import Adagrad, Adam, AdamW, Lion, SGD
+from .optim.kinds import Adagrad, Adam, AdamW, Lion, SGD
 
 __all__ = ["offload", "AdamW", "Adam", "SGD", "Lion", "Adagrad", "StreamedGrad",
            "save_checkpoint", "load_checkpoint", "DataParallel", "DataParallelError", "gathered"]
