@@ -259,14 +259,20 @@ class _HostReplica:
     every weight once): written by each forward gather, read by the backward gather. A host
     buffer of the session's runtime (strata.h "Host buffers"), pinned by it on a GPU, so both
     copies are asynchronous on the communication stream, and charged against its one host
-    budget (`budget`: strata.torch._planning.HostBudget, which holds room for it: `beside`)."""
+    budget (`budget`: strata.torch._planning.HostBudget, which made it with the budget: its
+    `beside`). Without a budget (a layout outside a session) torch's own unpinned memory."""
 
     def __init__(self, counts, dtype, budget):
         self.host_bytes = 0
         memory = torch.empty(0, dtype=dtype)
         nbytes = sum(counts) * _planning.element_bytes(dtype)
-        if nbytes:
-            buf, why = budget.allocate(nbytes, "host replica of the weights")
+        if nbytes and budget is None:  # a layout outside a session (the tests' fakes)
+            memory = torch.empty(sum(counts), dtype=dtype)
+            self.host_bytes = nbytes
+        elif nbytes:
+            buf, why = budget.take_beside(), None  # made with the budget (HostBudget's beside)
+            if buf is None or buf.nbytes != nbytes:
+                buf, why = budget.allocate(nbytes, "host replica of the weights")
             if buf is None:
                 raise RuntimeError(
                     "strata.torch: no host memory for the host replica of the weights (%d "
@@ -379,7 +385,8 @@ class ShardedLayout(LocalLayout):
             self.chunk_elements.append(chunks)
         if self.pieces > 1:
             self.replica = _HostReplica(self.chunk_elements, s.dtype, s.host_budget)
-            s.host_budget.add("host replica of the weights", self.replica)
+            if s.host_budget is not None:
+                s.host_budget.add("host replica of the weights", self.replica)
         if s.optimizer is not None:
             s.optimizer = _CountingOptimizer(s.optimizer, self)
 

@@ -365,9 +365,22 @@ class HostBudget:
             total = step_plan.plan_step(
                 [], arena_bytes=self.arena, host_available_bytes=int(available),
                 ranks_on_host=ranks, beside_bytes=beside).host_total_bytes
+        # The pool it cannot do without is made first, under no limit but the machine's: a
+        # given budget that holds it but for the runtime's roundings (its charge, the arena's
+        # pages) is raised by them rather than refusing it.
+        self.beside = None
+        if beside:
+            host_buffers.set_budget(runtime, _UNLIMITED)
+            self.beside = host_buffers.HostBuffer(runtime, beside, "host replica of the weights")
+            total = max(total, self.arena + self.beside.charged)
         host_buffers.set_budget(runtime, max(total, self.arena))
         self.total = host_buffers.usage(runtime)["budget"]
         self._pools = []  # (name, weakref to an object with host_bytes)
+
+    def take_beside(self):
+        """The buffer made for the pool declared `beside` (the host replica), once."""
+        buf, self.beside = self.beside, None
+        return buf
 
     def add(self, name, pool):
         """Count `pool` (an object whose host_bytes is what its buffers are charged now) under
@@ -413,6 +426,9 @@ class HostBudget:
         return "host budget %s (%s): %s, %s left" % (
             _size(self.total), "given" if self.given is not None else "default",
             ", ".join(parts), _size(self.room()))
+
+
+_UNLIMITED = (1 << 64) - 1
 
 
 def tensor(buffer):

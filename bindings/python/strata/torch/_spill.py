@@ -88,8 +88,8 @@ class HostPool:
     """The host buffers of spilled checkpoints, one per block position, reused from step to
     step: buffers of the session's runtime (strata.h "Host buffers"), charged against its host
     budget (`budget`: the session's strata.torch._planning.HostBudget) and pinned by it on
-    CUDA (ordinary memory on the CPU). Without a budget (a pool outside a session) it has no
-    host memory: every buffer is refused."""
+    CUDA (ordinary memory on the CPU). Without a budget (a pool outside a session, as the
+    tests make one) its buffers are torch's own unpinned memory, counted by nobody."""
 
     def __init__(self, budget=None):
         self.budget = budget
@@ -120,8 +120,10 @@ class HostPool:
         if self.holds(position, nbytes):
             return True
         self.release(position)
-        if self.budget is None:
-            return self._refuse("host")
+        if self.budget is None:  # outside a session: torch's own memory, counted by nobody
+            self.buffers[position] = torch.empty(nbytes, dtype=torch.uint8)
+            self.charged[position] = nbytes
+            return True
         buf, why = self.budget.allocate(nbytes, "spilled checkpoint %d" % position)
         if buf is None:
             if why == "budget":
