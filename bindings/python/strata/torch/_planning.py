@@ -351,7 +351,8 @@ class HostBudget:
     (strata.step_plan; runtime/step/residency.cpp: kPoolShare, the paged state alone took
     half of the available memory at the first step's end before the pools were counted
     together). A given budget below the arena (the runtime rounds the arena up to its pages)
-    is the arena's."""
+    is the arena's; one that holds the arena and `beside` but for the runtime's page roundings
+    is raised by them (less than a page each)."""
 
     def __init__(self, runtime, given, available=None, ranks=1, beside=0):
         self.runtime = runtime
