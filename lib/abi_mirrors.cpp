@@ -3,6 +3,7 @@
 // checked, not just the last and the count: a renumbered value in the middle of an enum would
 // otherwise mistranslate silently. This file only holds static_asserts; it emits no code.
 #include "lib/abi_support.h"
+#include "runtime/memory/host_buffers.h"
 #include "runtime/trace/trace.h"
 
 namespace strata {
@@ -12,6 +13,8 @@ template <typename E>
 constexpr bool is(E value, int abi_constant) {
   return static_cast<int>(value) == abi_constant;
 }
+
+static_assert(kHostReservePercent == STRATA_HOST_RESERVE_PERCENT);
 
 static_assert(is(Code::kOk, STRATA_OK));
 static_assert(is(Code::kInvalidArgument, STRATA_ERROR_INVALID_ARGUMENT));

@@ -107,6 +107,7 @@ Status read_profile(const strata_step_profile_t* user, step::StepProfile* out) {
   p.beside_bytes = q.beside_bytes;
   p.host_room = q.host_room_bytes;
   p.max_group = std::max<uint32_t>(1, q.max_group_blocks);
+  p.given_group = q.checkpoint_group_blocks;
   *out = std::move(p);
   return Status::ok();
 }

@@ -65,6 +65,7 @@ STRATA_ABI_STRUCT_SIZES(strata_step_profile_t, STRATA_STEP_PROFILE_STRUCT_SIZE);
 // Read in a profile, written by strata_step_plan_get_block.
 STRATA_ABI_STRUCT_SIZES(strata_step_block_t, STRATA_STEP_BLOCK_STRUCT_SIZE);
 STRATA_ABI_STRUCT_SIZES(strata_step_interval_t, STRATA_STEP_INTERVAL_STRUCT_SIZE);
+STRATA_ABI_STRUCT_SIZES(strata_host_buffer_desc_t, STRATA_HOST_BUFFER_DESC_STRUCT_SIZE);
 
 // Output structs (the library writes at most struct_size bytes of them).
 // 1.0 .. 1.4 end at io_engine_reason (816 bytes); 1.5 appended dram_pinned_bytes.
@@ -89,6 +90,8 @@ STRATA_ABI_STRUCT_SIZES(strata_trace_counters_t, STRATA_TRACE_COUNTERS_STRUCT_SI
 STRATA_ABI_STRUCT_SIZES(strata_placement_info_t, STRATA_PLACEMENT_INFO_STRUCT_SIZE);
 STRATA_ABI_STRUCT_SIZES(strata_layout_layer_t, STRATA_LAYOUT_LAYER_STRUCT_SIZE);
 STRATA_ABI_STRUCT_SIZES(strata_step_plan_info_t, STRATA_STEP_PLAN_INFO_STRUCT_SIZE);
+STRATA_ABI_STRUCT_SIZES(strata_host_usage_t, STRATA_HOST_USAGE_STRUCT_SIZE);
+STRATA_ABI_STRUCT_SIZES(strata_host_buffer_info_t, STRATA_HOST_BUFFER_INFO_STRUCT_SIZE);
 // 1.3 ends at nvme_placeable_bytes (128 bytes), 1.4 at accum_bytes (136); 1.5 appended
 // dram_gpu_bytes.
 STRATA_ABI_STRUCT_SIZES(strata_layout_totals_t, STRATA_LAYOUT_TOTALS_STRUCT_SIZE,

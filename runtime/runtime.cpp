@@ -78,6 +78,7 @@ Status Runtime::create(const RuntimeOptions& options, std::shared_ptr<Runtime>* 
     runtime->dram_unpinned_ =
         std::make_unique<Arena>("dram (unpinned)", dram_size - pinned, NvmeTier::kAlignment);
   }
+  runtime->host_buffers_ = std::make_unique<HostBuffers>(backend, dram_memory, dram_size);
 
   if (nvme_budget != 0) {
     NvmeOptions nvme = options.nvme;

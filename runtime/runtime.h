@@ -20,6 +20,7 @@
 #include "common/types.h"
 #include "runtime/memory/arena.h"
 #include "runtime/memory/completion.h"
+#include "runtime/memory/host_buffers.h"
 #include "runtime/memory/memory_region.h"
 #include "runtime/memory/tensor_registry.h"
 #include "runtime/nvme/nvme_tier.h"
@@ -88,6 +89,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   const MemoryRegion& dram_region() const { return *regions_[static_cast<int>(Tier::kDram)]; }
   // The NVMe tier, if configured.
   const NvmeTier* nvme() const { return nvme_.get(); }
+  // The host buffers a binding allocates beside its tensors, counted with the DRAM arena against
+  // one host budget (host_buffers.h). Thread-safe on its own; freed with the runtime.
+  HostBuffers& host_buffers() { return *host_buffers_; }
 
   // skew (DRAM only, a multiple of 64 below the arena's 4 KiB alignment): start the data that
   // far into its block. Arrays a kernel streams together at the same offset within a page
@@ -214,6 +218,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   uint64_t dram_pinned_size_ = 0;
   uint64_t dram_fallbacks_ = 0;  // under mutex_
   std::unique_ptr<NvmeTier> nvme_;
+  std::unique_ptr<HostBuffers> host_buffers_;  // the arena's size is its budget until set
 
   std::mutex mutex_;
   std::condition_variable idle_cv_;  // signalled when in_flight_ drops

@@ -62,9 +62,8 @@ Status apply_numa_policy(void* ptr, uint64_t bytes, const HostMemoryOptions& opt
 
 constexpr uint64_t kMaxFaultThreads = 1024;
 
-// The cores this process may run on (its affinity: a container's or a rank's share), not the
-// machine's: k processes of one host each faulting with every core's worth of threads would
-// oversubscribe it k times.
+}  // namespace
+
 unsigned usable_cores() {
   cpu_set_t set;
   CPU_ZERO(&set);
@@ -73,6 +72,8 @@ unsigned usable_cores() {
   }
   return std::max(1u, std::thread::hardware_concurrency());
 }
+
+namespace {
 
 // Writing one byte per page makes each page resident (and, with a bound policy, places it).
 // The threads take kFaultChunkBytes chunks in address order from one counter, so the resident

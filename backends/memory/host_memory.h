@@ -73,6 +73,11 @@ Status map_host_memory(uint64_t bytes, const HostMemoryOptions& options, void** 
                        HostMemoryReport* report, const PinHostMemory& pin = {});
 void unmap_host_memory(void* ptr, uint64_t bytes);
 
+// The cores this process may run on (its affinity: a container's or a rank's share), not the
+// machine's: k processes of one host each faulting with every core's worth of threads would
+// oversubscribe it k times. The default count of fault-in threads.
+unsigned usable_cores();
+
 // MemAvailable from /proc/meminfo in bytes; 0 if it cannot be read.
 uint64_t host_available_memory();
 

@@ -259,6 +259,10 @@ typedef struct strata_runtime strata_runtime_t;
  * answered with STRATA_ERROR_NOT_FOUND, never a crash. */
 typedef struct strata_tensor strata_tensor_t;
 typedef struct strata_event strata_event_t;
+/* A host buffer handle (since 1.5) names one live host buffer of one runtime, like a tensor
+ * handle: never dereferenced; one freed already, another runtime's or never made is answered
+ * with STRATA_ERROR_NOT_FOUND. Handles are never reused within a process. */
+typedef struct strata_host_buffer strata_host_buffer_t;
 
 /* ---------------------------------------------------------------------------------------------
  * Library
@@ -492,6 +496,101 @@ STRATA_API strata_status_t strata_runtime_reset_stats(strata_runtime_t* runtime)
 /* Block until every transfer submitted so far has finished (successfully or not).
  * Errors: INVALID_ARGUMENT (NULL). Thread-safe. */
 STRATA_API strata_status_t strata_runtime_synchronize(strata_runtime_t* runtime);
+
+/* ---------------------------------------------------------------------------------------------
+ * Host buffers (since 1.5): host memory a binding needs beside its tensors (activation
+ * checkpoints it moves off the device, optimizer state it pages out, host replicas, staging),
+ * allocated by the runtime so that every host byte of a run is under one budget.
+ *
+ * The host budget is the DRAM arena (dram_budget_bytes, made at creation) and the live host
+ * buffers together: one figure, set with strata_runtime_set_host_budget (until then it is the
+ * arena's size, and no buffer has room). A buffer is its own mapping, made the way the arena is:
+ * placed on the device's NUMA node (dram_numa_policy), faulted in by several threads while the
+ * backend pins it (page-locked for asynchronous copies on the cuda backend; ordinary memory on
+ * the host backend, counted the same way). Each buffer is charged its size rounded up to 4 KiB.
+ * Besides the budget, a buffer must leave STRATA_HOST_RESERVE_PERCENT of the machine's memory
+ * (MemTotal) available (MemAvailable): room for the OS, the page cache and the framework that
+ * no budget counts.
+ * ------------------------------------------------------------------------------------------- */
+
+/* The share of the machine's memory a new host buffer must leave available, in percent. */
+#define STRATA_HOST_RESERVE_PERCENT 10
+
+/* Set the runtime's whole host budget: the DRAM arena and the host buffers together (bytes).
+ * A budget below what the arena and the live buffers hold now is accepted: nothing is taken
+ * back, and new buffers are refused until enough are freed.
+ * Errors: INVALID_ARGUMENT (NULL runtime, a budget below the DRAM arena's bytes, which it
+ * includes). Thread-safe. */
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_runtime_set_host_budget(strata_runtime_t* runtime, uint64_t budget_bytes);
+
+typedef struct strata_host_usage {
+  size_t struct_size;       /* caller sets STRATA_HOST_USAGE_STRUCT_SIZE */
+  uint64_t budget_bytes;    /* the whole host budget: the DRAM arena and the host buffers */
+  uint64_t arena_bytes;     /* the DRAM arena's (its pinned and unpinned parts) */
+  uint64_t buffer_bytes;    /* charged to the live host buffers (and to those being made) */
+  uint64_t buffer_count;    /* live host buffers */
+  uint64_t room_bytes;      /* what one more buffer may be charged now: budget - arena - buffers,
+                               0 when nothing is left */
+  uint64_t reserve_bytes;   /* machine memory a new buffer must leave available (0: unknown) */
+  uint64_t available_bytes; /* the machine's available memory now (MemAvailable; 0: unknown) */
+} strata_host_usage_t;
+#define STRATA_HOST_USAGE_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_host_usage_t, available_bytes)
+
+/* The host budget and what holds it. runtime, out: borrowed.
+ * Errors: INVALID_ARGUMENT (NULL, bad struct_size). Thread-safe. */
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_runtime_host_usage(strata_runtime_t* runtime, strata_host_usage_t* out);
+
+typedef struct strata_host_buffer_desc {
+  size_t struct_size; /* STRATA_HOST_BUFFER_DESC_STRUCT_SIZE */
+  uint64_t bytes;     /* > 0 */
+  /* For error messages ("host buffer 'checkpoint 3'"); NULL or "" for none. Borrowed: copied
+   * during the call. */
+  const char* name;
+} strata_host_buffer_desc_t;
+#define STRATA_HOST_BUFFER_DESC_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_host_buffer_desc_t, name)
+
+/* Allocate a host buffer of desc->bytes, every byte zero, charged against the host budget.
+ * Slow like the arena's set-up (it maps, places, faults in and pins): allocate once and reuse.
+ * runtime, desc: borrowed. out_buffer: receives the handle, owned by the caller, released with
+ * strata_host_buffer_free (or with the runtime: strata_runtime_destroy frees the buffers still
+ * live, and their memory with them).
+ * Errors: INVALID_ARGUMENT (NULL, bad struct_size, 0 bytes), OUT_OF_MEMORY (the host budget's
+ * room is smaller than the buffer's charge, the message naming the budget, the arena, the
+ * buffers and the room; or the buffer would leave less than STRATA_HOST_RESERVE_PERCENT of the
+ * machine's memory available, the message naming the reserve and what is available; or the
+ * mapping failed), and the backend's error if pinning fails (OUT_OF_MEMORY on cuda). Nothing is
+ * charged on failure. Thread-safe: threads may allocate and free at once. */
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_host_buffer_create(strata_runtime_t* runtime,
+                                          const strata_host_buffer_desc_t* desc,
+                                          strata_host_buffer_t** out_buffer);
+
+typedef struct strata_host_buffer_info {
+  size_t struct_size;     /* caller sets STRATA_HOST_BUFFER_INFO_STRUCT_SIZE */
+  void* data;             /* its first byte (page-aligned); valid until the buffer is freed */
+  uint64_t bytes;         /* as asked */
+  uint64_t charged_bytes; /* counted against the host budget: bytes rounded up to 4 KiB */
+  uint32_t pinned;        /* 1: page-locked for the device's copies (cuda); 0 on the host backend */
+  int32_t numa_node;      /* the node its pages were bound to; -1 interleaved or unbound */
+} strata_host_buffer_info_t;
+#define STRATA_HOST_BUFFER_INFO_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_host_buffer_info_t, numa_node)
+
+/* Where a host buffer is and what it takes. runtime, out: borrowed.
+ * Errors: INVALID_ARGUMENT (NULL runtime or out, bad struct_size), NOT_FOUND (not a live buffer
+ * of this runtime: freed already, another runtime's, or never made). Thread-safe. */
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_host_buffer_get_info(strata_runtime_t* runtime,
+                                            const strata_host_buffer_t* buffer,
+                                            strata_host_buffer_info_t* out);
+
+/* Free a host buffer: unpinned and unmapped, its charge returned to the host budget. The caller
+ * makes sure nothing reads or writes it any more (no copy in flight on any stream).
+ * Errors: INVALID_ARGUMENT (NULL runtime), NOT_FOUND (not a live buffer of this runtime: freed
+ * already, another runtime's, or never made; nothing happens). Thread-safe. */
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_host_buffer_free(strata_runtime_t* runtime, strata_host_buffer_t* buffer);
 
 /* ---------------------------------------------------------------------------------------------
  * Tensors
@@ -1975,8 +2074,12 @@ typedef struct strata_step_profile {
    * with which the step fits the device and the spilled checkpoints the room. */
   uint64_t host_room_bytes;
   uint32_t max_group_blocks;
+  /* Groups of exactly this many blocks, the user's choice (MegaTrain's checkpoint interval),
+   * whatever fits; 0 (the default): the plan chooses, as above. At most 16384. */
+  uint32_t checkpoint_group_blocks;
 } strata_step_profile_t;
-#define STRATA_STEP_PROFILE_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_profile_t, max_group_blocks)
+#define STRATA_STEP_PROFILE_STRUCT_SIZE \
+  STRATA_STRUCT_SIZE(strata_step_profile_t, checkpoint_group_blocks)
 
 /* Zeroes, and struct_size set (a block CHOOSE, RECOMPUTE, checkpoint in HBM; a profile with one
  * rank on its host, no flags, host_room_bytes UINT64_MAX and max_group_blocks 1). Each writes this
@@ -1992,8 +2095,8 @@ strata_status_t strata_step_interval_init(strata_step_interval_t* interval);
  * blocks or 65540 intervals, a NULL block or interval, an unknown flag, residency, keep or point,
  * some blocks CHOOSE and others fixed, a resident block after a streamed one, a streamed block
  * kept WHOLE, an interval's block out of range or an END interval's not 0, a size above 2^56,
- * rank_elements above elements, free or held above the device's total, max_group_blocks above
- * 16384, choosing residency with
+ * rank_elements above elements, free or held above the device's total, max_group_blocks or
+ * checkpoint_group_blocks above 16384, choosing residency with
  * resident_bytes_per_param 0 or above 64 or a grad size above it or not matching the grads'
  * total, STRATA_STEP_PLAN_CHECKPOINTS without a device, blocks, tokens or checkpoint_bytes,
  * STRATA_STEP_PLAN_KEPT without a device or blocks or with a block's keep not RECOMPUTE,

@@ -182,7 +182,12 @@ void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
   const std::vector<uint32_t> single = group_starts(p, *plan, 1);
   std::vector<uint32_t> starts = single;
   Spills s = spills_with(p, *plan, 1, starts, base, working, leaving, usable, margin);
-  for (uint32_t g = 2; !s.fits && g <= largest; ++g) {
+  if (p.given_group > 1) {  // the user's group size, whatever fits
+    k = p.given_group;
+    starts = group_starts(p, *plan, k);
+    s = spills_with(p, *plan, k, starts, base, working, leaving, usable, margin);
+  }
+  for (uint32_t g = 2; p.given_group == 0 && !s.fits && g <= largest; ++g) {
     std::vector<uint32_t> grouped = group_starts(p, *plan, g);
     if (grouped == single) break;  // no run of streamed blocks to group
     Spills t = spills_with(p, *plan, g, grouped, base, working, leaving, usable, margin);

@@ -107,8 +107,9 @@ Status check_figures(const StepProfile& p) {
                          {p.beside_bytes, "beside_bytes"}}) {
     STRATA_RETURN_IF_ERROR(check_bytes(v, name));
   }
-  if (p.max_group > kMaxBlocks) {
-    return invalid("max_group_blocks ", p.max_group, " is more than ", kMaxBlocks, " blocks");
+  if (p.max_group > kMaxBlocks || p.given_group > kMaxBlocks) {
+    return invalid("max_group_blocks ", p.max_group, " or checkpoint_group_blocks ", p.given_group,
+                   " is more than ", kMaxBlocks, " blocks");
   }
   if (p.device_free > p.device_total || p.framework_held > p.device_total) {
     return invalid("device_free ", p.device_free, " or framework_held ", p.framework_held,

@@ -146,6 +146,7 @@ struct StepProfile {
   // regenerate from one checkpoint (1: every block keeps its own).
   uint64_t host_room = UINT64_MAX;
   uint32_t max_group = 1;
+  uint32_t given_group = 0;  // groups of this many, the user's (0: the plan chooses)
 };
 
 struct BlockPlan {

@@ -3,7 +3,8 @@
 // this header's (a newer caller). Any other size (0, below the first release, between releases,
 // ending inside a field) is INVALID_ARGUMENT, and then an output struct is left untouched. The
 // released sizes are written here as numbers, found in the headers of releases 1.0 .. 1.5
-// (git history), not taken from the library's table: the test checks that table from outside.
+// (git history; the host buffer structs are 1.5's), not taken from the library's table: the test
+// checks that table from outside.
 #include <algorithm>
 #include <cstring>
 #include <deque>
@@ -66,10 +67,13 @@ const Row kRows[] = {
     ROW(strata_layout_request_t, STRATA_LAYOUT_REQUEST_STRUCT_SIZE, 80, 84),
     ROW(strata_layout_layer_t, STRATA_LAYOUT_LAYER_STRUCT_SIZE, 48),
     ROW(strata_layout_totals_t, STRATA_LAYOUT_TOTALS_STRUCT_SIZE, 128, 136, 144),
-    ROW(strata_step_profile_t, STRATA_STEP_PROFILE_STRUCT_SIZE, 236),
+    ROW(strata_step_profile_t, STRATA_STEP_PROFILE_STRUCT_SIZE, 240),
     ROW(strata_step_block_t, STRATA_STEP_BLOCK_STRUCT_SIZE, 56),
     ROW(strata_step_interval_t, STRATA_STEP_INTERVAL_STRUCT_SIZE, 32),
     ROW(strata_step_plan_info_t, STRATA_STEP_PLAN_INFO_STRUCT_SIZE, 108),
+    ROW(strata_host_usage_t, STRATA_HOST_USAGE_STRUCT_SIZE, 64),
+    ROW(strata_host_buffer_desc_t, STRATA_HOST_BUFFER_DESC_STRUCT_SIZE, 24),
+    ROW(strata_host_buffer_info_t, STRATA_HOST_BUFFER_INFO_STRUCT_SIZE, 40),
 };
 #undef ROW
 
@@ -515,6 +519,33 @@ void check_step_plan_structs() {
   strata_step_plan_destroy(made);
 }
 
+void check_host_buffer_structs() {
+  RuntimePtr rt = make_runtime(config_for(STRATA_DEVICE_BACKEND_HOST, 4 * kMiB, 8 * kMiB));
+  STRATA_REQUIRE_OK(strata_runtime_set_host_budget(rt.get(), 9 * kMiB));
+  check_output<strata_host_usage_t>("strata_host_usage_t", [&](strata_host_usage_t* out) {
+    return strata_runtime_host_usage(rt.get(), out);
+  });
+  check_input<strata_host_buffer_desc_t>(
+      "strata_host_buffer_desc_t",
+      [] {
+        return strata_host_buffer_desc_t{STRATA_HOST_BUFFER_DESC_STRUCT_SIZE, 4096, "x"};
+      },
+      [&](strata_host_buffer_desc_t* d) {
+        strata_host_buffer_t* b = nullptr;
+        const strata_status_t s = strata_host_buffer_create(rt.get(), d, &b);
+        if (s == STRATA_OK) STRATA_REQUIRE_OK(strata_host_buffer_free(rt.get(), b));
+        return s;
+      });
+  const strata_host_buffer_desc_t d{STRATA_HOST_BUFFER_DESC_STRUCT_SIZE, 4096, "x"};
+  strata_host_buffer_t* b = nullptr;
+  STRATA_REQUIRE_OK(strata_host_buffer_create(rt.get(), &d, &b));
+  check_output<strata_host_buffer_info_t>("strata_host_buffer_info_t",
+                                          [&](strata_host_buffer_info_t* out) {
+                                            return strata_host_buffer_get_info(rt.get(), b, out);
+                                          });
+  STRATA_REQUIRE_OK(strata_host_buffer_free(rt.get(), b));
+}
+
 }  // namespace
 
 TEST_CASE("struct_size: every struct takes its released sizes and newer ones, nothing else",
@@ -528,6 +559,7 @@ TEST_CASE("struct_size: every struct takes its released sizes and newer ones, no
   check_placement_structs();
   check_layout_structs();
   check_step_plan_structs();
+  check_host_buffer_structs();
   std::set<std::string> all;
   for (const Row& r : kRows) all.insert(r.type);
   REQUIRE(exercised() == all);

@@ -14,6 +14,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "bindings" / "python" / 
 # whole package; strata.torch itself (its __init__, the public surface) is its top.
 MODULE_ORDER = [
     "strata._lib",
+    "strata.errors",
+    "strata.host_buffers",  # the runtime's host buffers under its one host budget
     "strata.core",
     "strata.step_plan",  # the library's step-memory plan (strata_step_plan_*), any framework
     "strata.torch._host",  # host probes: MemAvailable, free disk, a NUMA node's CPUs
@@ -32,8 +34,9 @@ MODULE_ORDER = [
     "strata.torch._grads",  # StreamedGrad
     "strata.torch._measure",  # what a block saves, measured on fake tensors; selective contexts
     "strata.torch._activations",  # which blocks keep their activations (the plan's, executed)
-    "strata.torch._spill",  # block checkpoints spilled to host memory when the device is short
     "strata.torch._planning",  # sizing: budgets, resident blocks, the NVMe placement check
+    "strata.torch._regenerate",  # block inputs dropped and regenerated (checkpoint groups)
+    "strata.torch._spill",  # block checkpoints spilled to host memory when the device is short
     "strata.torch._streamed",  # a streamed parameter's place in Strata; filling tensors
     "strata.torch._layout",  # where parameters live: whole on one process, or sharded
     # The session layer (strata/torch/session/): its parts, then StrataSession over them.
@@ -78,6 +81,7 @@ CORE_ORDER = [
     "strata._placement",  # place(): where weights and optimizer state live
     "strata._runtime",  # Runtime, Tensor
     "strata._streaming",  # Executor, Optimizer
+    "strata.host_buffers",  # the runtime's host buffers under its one host budget
     "strata.core",
     "strata.step_plan",
     "strata",

@@ -289,8 +289,12 @@ def test_state_across_hosts_sizes_the_arena_for_its_pieces_beside_the_host_repli
     for r in launch(tmp_path, 2, hosts=2, state_across_hosts=True, host_budget=tight,
                     available=available):
         budget = r["budget"]
-        assert (budget["total"], budget["arena"]) == (tight, _pinned(pieces_need)), r
-        assert budget["held"][held] == replica and len(r["losses"]) > 0, r
+        # The runtime counts the arena and the replica (a host buffer) in whole 4 KiB pages
+        # (strata.h "Host buffers"): a budget that holds both but for those roundings is raised
+        # by them (less than a page each), never refused.
+        assert budget["arena"] == _pinned(pieces_need), r
+        assert tight <= budget["total"] < tight + 2 * 4096, r
+        assert replica <= budget["held"][held] < replica + 4096 and len(r["losses"]) > 0, r
     for r in launch(tmp_path, 2, hosts=2, host_budget=tight, available=available):
         assert r["error"] == "ValueError", r
         assert "host_budget %d bytes is below the %d bytes" % (tight, hsdp_need) in \

@@ -36,7 +36,10 @@ SCRIPT = textwrap.dedent("""
     import strata.torch as st
 
     nvme, host_budget = sys.argv[1] or None, int(sys.argv[2]) or None
-    spill = sys.argv[3] == "1"  # every block's checkpoint spilled (into ordinary host memory)
+    spill = sys.argv[3] == "1"  # every block's checkpoint spilled (into the runtime's buffers)
+    resident = int(sys.argv[4])  # resident blocks, their optimizer state paged to host memory
+    if resident:
+        st.AdamW.PAGED_STATE = None  # every resident parameter's (on the CPU too)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=512, intermediate_size=1536,
                                    num_hidden_layers=4, num_attention_heads=8,
@@ -60,7 +63,7 @@ SCRIPT = textwrap.dedent("""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
     base = status("VmRSS")
-    model = st.offload(model, device="cpu", resident_blocks=0, nvme=nvme,
+    model = st.offload(model, device="cpu", resident_blocks=resident, nvme=nvme,
                        host_budget=host_budget, spill_checkpoints=spill or None)
     opt = st.AdamW(model.parameters(), lr=1e-3)
     for step in range(2):
@@ -75,16 +78,17 @@ SCRIPT = textwrap.dedent("""
     print(json.dumps({"growth": status("VmHWM") - base, "dram": caps.tier_budget_bytes[1],
                       "hbm": caps.tier_budget_bytes[0], "total": budget.total,
                       "held": budget.held(), "spilled": model.strata.spill.count,
+                      "paged": opt._residents.pager.paged_bytes if opt._residents.pager is not None else 0,
                       "placement": model.strata.placement(),
                       "spill": model.strata.spill.describe(), "note": model.strata.spill.note()}))
 """)
 
 
-def run(tmp_path, nvme=False, host_budget=0, spill=False):
+def run(tmp_path, nvme=False, host_budget=0, spill=False, resident=0):
     env = dict(os.environ)
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path / "tier") if nvme else "", str(host_budget),
-         "1" if spill else "0"],
+         "1" if spill else "0", str(resident)],
         env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -149,33 +153,94 @@ def test_spilled_checkpoints_stay_inside_the_budget(tmp_path):
     assert got["growth"] <= limit, (got, limit)
 
 
-# --- the budget's arithmetic, in process ---------------------------------------------------
+# A resident block of the tiny Llama: its parameters, and what its training state takes on the
+# device, which on the CPU is host memory outside host_budget as the simulated HBM is (fp32
+# weight, grad and AdamW's two moments); what pages of it (the moments: the fp32 weights are
+# their own masters) goes to host buffers under the budget.
+RESIDENT_PARAMS = sum(COUNTS[0])
+RESIDENT_STATE = 16 * RESIDENT_PARAMS
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_peak_host_memory_with_spilling_and_paging_is_the_budget_and_a_constant(tmp_path):
+    """Every host byte through libstrata (issue 50): with a given host_budget, block
+    checkpoints spilled (forced) and a resident block's optimizer state paged (forced), both
+    into host buffers of the runtime under its one budget, the process's peak resident memory
+    (VmHWM) grows by at most host_budget, the simulated HBM, the resident block's own state on
+    the "device" (the CPU) and OUTSIDE_BUDGET; the budget held both pools."""
+    need = arena_need()
+    paged = 8 * RESIDENT_PARAMS + (1 << 20)  # the moments, 512-byte aligned, whole pages
+    host_budget = need + paged + 2 * CHECKPOINT + CHECKPOINT // 2
+    got = run(tmp_path, host_budget=host_budget, spill=True, resident=1)
+    assert got["total"] == host_budget, got
+    assert got["paged"] > 0 and got["held"]["paged optimizer state"] >= got["paged"], got
+    assert got["spilled"] >= 2 and got["held"]["spilled checkpoints"] >= 2 * CHECKPOINT, got
+    assert sum(got["held"].values()) <= host_budget - got["dram"], got
+    limit = host_budget + got["hbm"] + RESIDENT_STATE + OUTSIDE_BUDGET
+    assert got["growth"] <= limit, (got, limit)
+
+
+# --- the budget's arithmetic, in process, on host-backend runtimes -------------------------
+
+PAGE = 4096  # what a host buffer is charged in (strata.h: its size rounded up to 4 KiB)
+ARENA = 1 << 20  # each test runtime's DRAM arena (a multiple of the page: not rounded)
+
+
+def _runtime():
+    from strata import core
+    return core.Runtime(backend="host", hbm_budget=1 << 20, dram_budget=ARENA)
+
 
 class _Pool:
-    def __init__(self, nbytes=0):
-        self.host_bytes = nbytes
+    """A pool of real host buffers of the budget's runtime."""
+
+    def __init__(self, budget, nbytes=0):
+        self.budget, self.buffers = budget, []
+        if nbytes:
+            self.take(nbytes)
+
+    def take(self, nbytes):
+        buf, why = self.budget.allocate(nbytes, "test pool")
+        assert buf is not None, why
+        self.buffers.append(buf)
+
+    @property
+    def host_bytes(self):
+        return sum(b.charged for b in self.buffers)
 
 
 def test_budget_arithmetic():
     """Given: the pools get the budget less the arena and what every pool holds, never less
     than nothing; a pool that is gone no longer counts. Default: the arena and half of the
-    available memory (the library's step plan's rule)."""
+    available memory (the library's step plan's rule). The runtime holds the figures: one
+    budget for its arena and its host buffers."""
+    import gc
+    from strata import host_buffers
     from strata.torch._planning import HostBudget
-    budget = HostBudget(1000, 600)
-    assert (budget.total, budget.arena, budget.room()) == (1000, 600, 400)
-    spill, pager = _Pool(150), _Pool()
+    rt = _runtime()
+    budget = HostBudget(rt, ARENA + 400 * PAGE)
+    assert (budget.total, budget.arena, budget.room()) == (ARENA + 400 * PAGE, ARENA, 400 * PAGE)
+    assert host_buffers.usage(rt)["budget"] == budget.total
+    spill, pager = _Pool(budget, 150 * PAGE), _Pool(budget)
     budget.add("spilled checkpoints", spill)
     budget.add("paged optimizer state", pager)
-    assert budget.room() == 250 and budget.held() == {"spilled checkpoints": 150,
-                                                       "paged optimizer state": 0}
-    pager.host_bytes = 300  # beyond what was left: nothing is left, not less
-    assert budget.room() == 0
+    assert budget.room() == 250 * PAGE and budget.held() == {"spilled checkpoints": 150 * PAGE,
+                                                             "paged optimizer state": 0}
+    pager.take(250 * PAGE)
+    assert budget.room() == 0 and budget.allocate(1, "one more") == (None, "budget")
     del pager
-    assert budget.room() == 250
+    gc.collect()
+    assert budget.room() == 250 * PAGE
+    # A budget below what is held leaves nothing, not less.
+    host_buffers.set_budget(rt, ARENA + 100 * PAGE)
+    assert budget.room() == 0
+    host_buffers.set_budget(rt, budget.total)
     assert "host budget" in budget.describe() and "(given)" in budget.describe()
-    default = HostBudget(None, 600, available=1000)
-    assert default.total == 600 + 500 and default.room() == 500
+    default = HostBudget(_runtime(), None, available=1000 * PAGE)
+    assert default.total == ARENA + 500 * PAGE and default.room() == 500 * PAGE
     assert "(default)" in default.describe()
+    # A given budget below the arena is the arena's: no room.
+    assert HostBudget(_runtime(), ARENA - 1).room() == 0
 
 
 def test_the_arena_takes_at_most_what_it_can_use(monkeypatch):
@@ -223,11 +288,15 @@ def test_a_default_budget_is_this_processs_share_of_the_host():
     `beside`) is held by the budget, beside half of what it leaves of the share. A given
     budget is the process's whatever the ranks."""
     from strata.torch._planning import HostBudget
-    assert HostBudget(None, 600, available=1000, ranks=2).total == 600 + 250
-    assert HostBudget(None, 600, available=1000, ranks=2, beside=100).total == \
-        600 + 100 + 200
-    assert HostBudget(None, 600, available=1000, ranks=4, beside=300).total == 600 + 300
-    assert HostBudget(1000, 600, available=1000, ranks=2, beside=100).total == 1000
+    available = 1000 * PAGE
+    assert HostBudget(_runtime(), None, available=available, ranks=2).total == \
+        ARENA + 250 * PAGE
+    assert HostBudget(_runtime(), None, available=available, ranks=2,
+                      beside=100 * PAGE).total == ARENA + 100 * PAGE + 200 * PAGE
+    assert HostBudget(_runtime(), None, available=available, ranks=4,
+                      beside=300 * PAGE).total == ARENA + 300 * PAGE
+    assert HostBudget(_runtime(), ARENA + available, available=available, ranks=2,
+                      beside=100 * PAGE).total == ARENA + available
 
 
 def test_state_across_hosts_budgets_count_the_pieces_and_the_host_replica(monkeypatch):
@@ -288,16 +357,17 @@ def test_the_pager_pages_what_the_budget_leaves():
     """Each fp32 master pages 12 bytes an element (itself, its two moments): a count of
     blocks (or every resident parameter's) pages the first groups whose copies fit in what
     host_budget leaves, decided at construction; none fit: nothing pages and the pager is
-    settled (the activation keeper does not wait for a sizing that never comes)."""
-    import torch
+    settled (the activation keeper does not wait for a sizing that never comes). Its host
+    copies are host buffers of the runtime, counted once made."""
     from strata.torch._planning import HostBudget
-    budget = HostBudget(10_000 + 2 * 12_000 + 100, 10_000)
+    budget = HostBudget(_runtime(), ARENA + 2 * 12_000 + 100)
     pager = _pager([[1000]] * 3, budget)
     assert (len(pager.groups), pager.active) == (2, 2)
     assert budget.held() == {"paged optimizer state": 0}
-    pager.registered.append(torch.zeros(5000, dtype=torch.uint8))
-    assert budget.room() == 2 * 12_000 + 100 - 5000  # its host copies count once made
-    none = _pager([[1000]] * 3, HostBudget(10_000 + 11_999, 10_000))
+    pager._host_memory(5000)  # charged two pages
+    assert pager.host_bytes == 2 * PAGE
+    assert budget.room() == 2 * 12_000 + 100 - 2 * PAGE  # its host copies count once made
+    none = _pager([[1000]] * 3, HostBudget(_runtime(), ARENA + 11_999))
     assert none.active == 0 and none.groups == [] and none.settled
 
 
@@ -305,16 +375,17 @@ def test_auto_pages_what_the_budget_leaves_at_its_decision():
     """auto decides at the first step's end from the room left then: what the spilled
     checkpoints took meanwhile is not the pager's."""
     from strata.torch._planning import HostBudget
-    budget = HostBudget(10_000 + 3 * 12_000, 10_000)
+    budget = HostBudget(_runtime(), ARENA + 3 * 12_000)
     pager = _pager([[1000]] * 3, budget, auto=True)
     pager.probe = "first"  # auto probes on CUDA; its decision is the same function here
-    spill = _Pool(12_001)  # what the spilled checkpoints hold when auto decides
+    spill = _Pool(budget, 12_001)  # what the spilled checkpoints hold when auto decides
     budget.add("spilled checkpoints", spill)
+    assert spill.host_bytes == 3 * PAGE  # 12,001 bytes charged in whole pages
     assert pager._probing(timed=False)  # not at the optimizer's creation
     assert not pager._probing(timed=True)
     assert pager.active == 1 and pager.decision["groups_fitting_host"] == 1
-    assert pager.decision["host_room_bytes"] == 3 * 12_000 - 12_001
-    starved = _pager([[1000]] * 3, HostBudget(10_000, 10_000), auto=True)
+    assert pager.decision["host_room_bytes"] == 3 * 12_000 - 3 * PAGE
+    starved = _pager([[1000]] * 3, HostBudget(_runtime(), ARENA), auto=True)
     starved.probe = "first"
     assert starved._probing(timed=True) and starved.active == 0 and starved.settled
 
@@ -325,16 +396,34 @@ def test_the_spill_pool_refuses_what_the_budget_lacks():
     room back first."""
     from strata.torch import _spill
     from strata.torch._planning import HostBudget
-    budget = HostBudget(1000 + 3000, 1000)
-    pool = _spill.HostPool(pinned=False, budget=budget)
+    budget = HostBudget(_runtime(), ARENA + 3 * PAGE)
+    pool = _spill.HostPool(budget=budget)
     budget.add("spilled checkpoints", pool)
-    assert pool.reserve(0, 1000) and pool.reserve(1, 1000)
-    assert not pool.reserve(2, 1001) and pool.over_budget == 1 and pool.refused == 0
-    assert pool.reserve(2, 1000) and budget.room() == 0
-    assert pool.reserve(1, 1000)  # held already
+    assert pool.reserve(0, PAGE) and pool.reserve(1, PAGE)
+    assert not pool.reserve(2, PAGE + 1) and pool.over_budget == 1 and pool.refused == 0
+    assert pool.reserve(2, PAGE) and budget.room() == 0
+    assert pool.reserve(1, PAGE)  # held already
     pool.release(2)
-    assert pool.reserve(1, 2000)  # its own 1000 back, and the 1000 released
-    assert budget.room() == 0 and pool.nbytes == 3000
+    assert pool.reserve(1, 2 * PAGE)  # its own page back, and the page released
+    assert budget.room() == 0 and pool.nbytes == 3 * PAGE
+    assert budget.held() == {"spilled checkpoints": 3 * PAGE}
+
+
+def test_the_spill_pool_refuses_what_the_machine_lacks():
+    """A buffer the budget has room for, which would leave less than the runtime's reserve of
+    the machine's memory available, is refused as the host's, not the budget's, and the note
+    names the reserve."""
+    from strata import host_buffers
+    from strata.torch import _spill
+    from strata.torch._planning import HostBudget
+    rt = _runtime()
+    budget = HostBudget(rt, 1 << 62)
+    pool = _spill.HostPool(budget=budget)
+    too_big = host_buffers.usage(rt)["available"] + PAGE
+    assert not pool.reserve(0, too_big)
+    assert (pool.refused, pool.over_budget, pool.last_refusal) == (1, 0, "host")
+    assert "reserve of the machine's memory" in pool.host_refusal()
+    assert budget.held() == {} and host_buffers.usage(rt)["buffers"] == 0
 
 
 def test_ranks_of_a_host_share_its_cores_for_the_fault_in():

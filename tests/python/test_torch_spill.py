@@ -227,7 +227,11 @@ def test_automatic_never_spills_on_the_cpu():
 def test_host_refusing_buffers_falls_back_to_keeping_them(monkeypatch):
     """The pool refuses buffers when the host lacks memory: nothing spills, the step trains as
     without spilling, and an out-of-memory error would say why."""
-    monkeypatch.setattr(_spill._host, "mem_available", lambda: 0)
+    from strata import errors, host_buffers
+
+    def refused(runtime, nbytes, name="", before_free=None):  # as the runtime's reserve rule
+        raise errors.OutOfMemory(2, "host buffer '%s': would leave less than the reserve" % name)
+    monkeypatch.setattr(host_buffers, "HostBuffer", refused)
     batches = data("cpu")
     model = st.offload(hf_llama("cpu"), device="cpu", resident_blocks=0, spill_checkpoints=True)
     try:

@@ -17,6 +17,7 @@
 #include "backends/memory/host_memory.h"
 #include "common/spawn.h"
 #include "runtime/memory/memory_region.h"
+#include "tests/support/counting_backend.h"
 
 namespace {
 
@@ -51,45 +52,6 @@ void check_zero_and_usable(void* p, uint64_t bytes) {
   for (uint64_t i = 0; i < bytes; ++i) wrong += b[i] != static_cast<unsigned char>(i * 131 + 7);
   REQUIRE(wrong == 0);
 }
-
-// The host backend with its pinning counted.
-class CountingBackend final : public strata::DeviceBackend {
- public:
-  explicit CountingBackend(std::shared_ptr<strata::DeviceBackend> inner)
-      : inner_(std::move(inner)) {}
-  const strata::DeviceDescription& description() const override { return inner_->description(); }
-  strata::Status allocate_device(uint64_t bytes, void** out) override {
-    return inner_->allocate_device(bytes, out);
-  }
-  void free_device(void* ptr, uint64_t bytes) override { inner_->free_device(ptr, bytes); }
-  strata::Status pin_host(void* ptr, uint64_t bytes) override {
-    std::lock_guard lock(mutex);
-    pins.push_back({ptr, bytes});
-    return inner_->pin_host(ptr, bytes);
-  }
-  void unpin_host(void* ptr, uint64_t bytes) override {
-    std::lock_guard lock(mutex);
-    unpins.push_back({ptr, bytes});
-    inner_->unpin_host(ptr, bytes);
-  }
-  strata::Status submit_copy(strata::CopyRequest request,
-                             std::shared_ptr<strata::DeviceFence>* fence) override {
-    return inner_->submit_copy(std::move(request), fence);
-  }
-  strata::Status copy_sync(void* dst, const void* src, uint64_t bytes) override {
-    return inner_->copy_sync(dst, src, bytes);
-  }
-  strata::Status record_fence(void* stream, std::shared_ptr<strata::DeviceFence>* out) override {
-    return inner_->record_fence(stream, out);
-  }
-  std::size_t shutdown() override { return inner_->shutdown(); }
-
-  std::mutex mutex;
-  std::vector<std::pair<void*, uint64_t>> pins, unpins;
-
- private:
-  std::shared_ptr<strata::DeviceBackend> inner_;
-};
 
 // Refuses exactly the spawn numbered `which` (1-based), for the test's scope.
 struct RefuseSpawn {
@@ -218,7 +180,7 @@ TEST_CASE("a DRAM memory region is pinned and unpinned once through its backend"
   strata::DeviceOptions device;
   device.kind = strata::DeviceKind::kHost;
   REQUIRE(strata::create_device_backend(device, &host, &reason).is_ok());
-  auto backend = std::make_shared<CountingBackend>(host);
+  auto backend = std::make_shared<strata_test::CountingBackend>(host);
   const uint64_t bytes = 2 * strata::kFaultChunkBytes + 3 * 4096;
   void* base = nullptr;
   {
@@ -245,7 +207,7 @@ TEST_CASE("a DRAM memory region pins only its first part, faults in all of it, u
   strata::DeviceOptions device;
   device.kind = strata::DeviceKind::kHost;
   REQUIRE(strata::create_device_backend(device, &host, &reason).is_ok());
-  auto backend = std::make_shared<CountingBackend>(host);
+  auto backend = std::make_shared<strata_test::CountingBackend>(host);
   const uint64_t bytes = 3 * strata::kFaultChunkBytes;
   const uint64_t pinned = strata::kFaultChunkBytes + 5 * 4096;
   void* base = nullptr;

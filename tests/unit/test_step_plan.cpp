@@ -457,6 +457,12 @@ TEST_CASE("step plan: checkpoints grouped where neither the device nor the host 
   CHECK(plan.backward_reserve_bytes == 7 * GB + 2 * GB + 3 * GB + 4 * GB);  // + 2 regenerated
   CHECK(dump_text(p, plan).find("one per group of 3") != std::string::npos);
   CHECK(dump_json(p, plan).find("\"checkpoint_group_blocks\": 3") != std::string::npos);
+  // The user's group size, whatever fits (here: 4 heads, 3 spilled as the room takes).
+  p.given_group = 4;
+  REQUIRE(plan_step(p, &plan).is_ok());
+  CHECK(plan.group_blocks == 4);
+  CHECK(plan.blocks[7].group_start == 4);
+  p.given_group = 0;
   // A binding allowing 2 at most: short, with the largest group it allows.
   p.max_group = 2;
   REQUIRE(plan_step(p, &plan).is_ok());

@@ -119,6 +119,21 @@ class TierUsage(Struct):
                 ("dram_fallbacks", c_uint64)]
 
 
+class HostUsage(Struct):
+    _fields_ = [("struct_size", c_size_t), ("budget_bytes", c_uint64), ("arena_bytes", c_uint64),
+                ("buffer_bytes", c_uint64), ("buffer_count", c_uint64), ("room_bytes", c_uint64),
+                ("reserve_bytes", c_uint64), ("available_bytes", c_uint64)]
+
+
+class HostBufferDesc(Struct):
+    _fields_ = [("struct_size", c_size_t), ("bytes", c_uint64), ("name", c_char_p)]
+
+
+class HostBufferInfo(Struct):
+    _fields_ = [("struct_size", c_size_t), ("data", c_void_p), ("bytes", c_uint64),
+                ("charged_bytes", c_uint64), ("pinned", c_uint32), ("numa_node", c_int32)]
+
+
 class LinkStats(Struct):
     _fields_ = [("struct_size", c_size_t), ("bytes", c_uint64), ("transfers", c_uint64),
                 ("busy_ns", c_uint64)]
@@ -213,7 +228,7 @@ class StepProfile(Struct):
                 ("step_reserved_peak_bytes", c_uint64), ("host_budget_bytes", c_uint64),
                 ("arena_bytes", c_uint64), ("host_available_bytes", c_uint64),
                 ("beside_bytes", c_uint64), ("host_room_bytes", c_uint64),
-                ("max_group_blocks", c_uint32)]
+                ("max_group_blocks", c_uint32), ("checkpoint_group_blocks", c_uint32)]
 
 
 class StepPlanInfo(Struct):
@@ -375,6 +390,11 @@ _SIGNATURES = {
     "strata_runtime_link_stats": (c_int32, [c_void_p, c_int32, P(LinkStats)]),
     "strata_runtime_reset_stats": (c_int32, [c_void_p]),
     "strata_runtime_synchronize": (c_int32, [c_void_p]),
+    "strata_runtime_set_host_budget": (c_int32, [c_void_p, c_uint64]),
+    "strata_runtime_host_usage": (c_int32, [c_void_p, P(HostUsage)]),
+    "strata_host_buffer_create": (c_int32, [c_void_p, P(HostBufferDesc), P(c_void_p)]),
+    "strata_host_buffer_get_info": (c_int32, [c_void_p, c_void_p, P(HostBufferInfo)]),
+    "strata_host_buffer_free": (c_int32, [c_void_p, c_void_p]),
     "strata_tensor_register": (c_int32, [c_void_p, P(TensorDesc), P(c_void_p)]),
     "strata_tensor_find": (c_int32, [c_void_p, c_char_p, P(c_void_p)]),
     "strata_tensor_unregister": (c_int32, [c_void_p, c_void_p]),

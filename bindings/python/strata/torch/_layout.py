@@ -52,7 +52,6 @@ placement before anything is registered (ShardedLayout.before_build)."""
 
 import contextlib
 import os
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -257,29 +256,37 @@ class ShardedParam(StreamedParam):
 
 class _HostReplica:
     """With pieces: the block chunks of this rank, in DRAM (one copy per rank, so the host holds
-    every weight once): written by each forward gather, read by the backward gather. Pinned
-    (registered with CUDA) on a GPU, so both copies are asynchronous on the communication
-    stream; counted against host_budget as a pool (strata.torch._planning.HostBudget)."""
+    every weight once): written by each forward gather, read by the backward gather. A host
+    buffer of the session's runtime (strata.h "Host buffers"), pinned by it on a GPU, so both
+    copies are asynchronous on the communication stream, and charged against its one host
+    budget (`budget`: strata.torch._planning.HostBudget, which made it with the budget: its
+    `beside`). Without a budget (a layout outside a session) torch's own unpinned memory."""
 
-    def __init__(self, counts, dtype, cuda):
-        self.memory = torch.empty(sum(counts), dtype=dtype)
-        self.host_bytes = self.memory.numel() * self.memory.element_size()
+    def __init__(self, counts, dtype, budget):
+        self.host_bytes = 0
+        memory = torch.empty(0, dtype=dtype)
+        nbytes = sum(counts) * _planning.element_bytes(dtype)
+        if nbytes and budget is None:  # a layout outside a session (the tests' fakes)
+            memory = torch.empty(sum(counts), dtype=dtype)
+            self.host_bytes = nbytes
+        elif nbytes:
+            buf, why = budget.take_beside(), None  # made with the budget (HostBudget's beside)
+            if buf is None or buf.nbytes != nbytes:
+                buf, why = budget.allocate(nbytes, "host replica of the weights")
+            if buf is None:
+                raise RuntimeError(
+                    "strata.torch: no host memory for the host replica of the weights (%d "
+                    "bytes): %s" % (nbytes, "host_budget has %d bytes of room left; raise it"
+                                    % budget.room() if why == "budget" else
+                                    "the machine's memory would have dropped below the "
+                                    "runtime's reserve, or pinning failed"))
+            self.host_bytes = buf.charged
+            memory = _planning.tensor(buf).view(dtype)
+        self.memory = memory
         self.blocks, start = [], 0
         for n in counts:
             self.blocks.append(self.memory[start:start + n])
             start += n
-        if cuda and self.host_bytes:
-            cudart = torch.cuda.cudart()
-            code = cudart.cudaHostRegister(self.memory.data_ptr(), self.host_bytes, 1)  # portable
-            if int(code) != 0:
-                raise RuntimeError("strata.torch: pinning the host replica of the weights (%d "
-                                   "bytes) failed: CUDA error %d" % (self.host_bytes, int(code)))
-            # The finalizer holds the memory: unpinned first, then freed.
-            weakref.finalize(self, _unpin, cudart, self.memory)
-
-
-def _unpin(cudart, memory):
-    cudart.cudaHostUnregister(memory.data_ptr())
 
 
 class ShardedLayout(LocalLayout):
@@ -377,7 +384,7 @@ class ShardedLayout(LocalLayout):
             self.layer_elements.append(offset)
             self.chunk_elements.append(chunks)
         if self.pieces > 1:
-            self.replica = _HostReplica(self.chunk_elements, s.dtype, s.cuda)
+            self.replica = _HostReplica(self.chunk_elements, s.dtype, s.host_budget)
             if s.host_budget is not None:
                 s.host_budget.add("host replica of the weights", self.replica)
         if s.optimizer is not None:

@@ -65,13 +65,12 @@ empties the allocator's cache once and plans from the next step's peak
 
 The cost: 12 bytes a parameter over the PCIe link each way a step, at times the link carries
 little (the forward pass's weights go the other way, the backward pass moves the streamed
-blocks' grads and weights, 2 bytes a parameter each), and the host memory to hold them,
-registered with CUDA once at the first page-out (not torch's pinned allocator, which rounds a
-buffer up to a power of two). Not under data parallelism (strata.torch._distributed keeps the
+blocks' grads and weights, 2 bytes a parameter each), and the host memory to hold them: host
+buffers of the session's runtime (strata.h "Host buffers"), made at the first page-out at their
+exact size (not torch's pinned allocator, which rounds a buffer up to a power of two), pinned
+by the runtime on CUDA and charged against its one host budget. Not under data parallelism (strata.torch._distributed keeps the
 residents replicated and in sync as they are); on the CPU (the tests) the host copy is another
 CPU buffer and nothing is sized."""
-
-import weakref
 
 import torch
 
@@ -113,8 +112,8 @@ class StatePager:
         self.device = device
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
-        self.host = {}  # (id(master), key) -> host tensor (a view of a registered buffer)
-        self.registered = []  # host buffers registered with CUDA (kept alive)
+        self.host = {}  # (id(master), key) -> host tensor (a view of a host buffer)
+        self.registered = []  # (bytes charged, uint8 tensor) of each host buffer (_host_memory)
         self.state = "in"  # "in", "leaving" (copies out queued), "out", "coming" (in part)
         self.pairs = []  # (device tensor, host tensor) of the last page-out, in group order
         self.pieces = []  # the same pairs by group: [(group index, [(tensor, host)])]
@@ -172,8 +171,8 @@ class StatePager:
 
     @property
     def host_bytes(self):
-        """Bytes of host memory the host copies hold (their registered buffers)."""
-        return sum(b.numel() for b in self.registered)
+        """Bytes of host memory the host copies hold (their buffers' charges)."""
+        return sum(charged for charged, _ in self.registered)
 
     # --- which tensors ---------------------------------------------------------------------
 
@@ -190,25 +189,47 @@ class StatePager:
                         yield (id(m), key), value
 
     def _host_for(self, pending):
-        """Host tensors for `pending` [(key, tensor)], made once, in one registered buffer for
-        each page-out that meets new tensors (a tensor that changed shape gets a new one)."""
+        """Host tensors for `pending` [(key, tensor)], made once, in one host buffer for each
+        page-out that meets new tensors (a tensor that changed shape gets a new one)."""
         missing = [(k, t) for k, t in pending
                    if k not in self.host or self.host[k].shape != t.shape
                    or self.host[k].dtype != t.dtype]
         if missing:
             nbytes = sum(_aligned(_nbytes(t)) for _, t in missing)
-            # zeros: faulted in by torch's threads (registering untouched memory faults it in
-            # one page at a time: 52 GB took 20 s).
-            buffer = torch.zeros(nbytes, dtype=torch.uint8)
-            if self.stream is not None:
-                _register(buffer, self.stream)
-            self.registered.append(buffer)
+            buffer = self._host_memory(nbytes)
             offset = 0
             for k, t in missing:
                 n = _nbytes(t)
                 self.host[k] = buffer[offset:offset + n].view(t.dtype).view(t.shape)
                 offset += _aligned(n)
         return [(t, self.host[k]) for k, t in pending]
+
+    def _host_memory(self, nbytes):
+        """A zero uint8 host tensor of `nbytes` for the host copies, recorded in `registered`:
+        a host buffer of the session's runtime under its host budget (pinned by the runtime on
+        CUDA; freed once no host copy views it, after the pager's copies), or without a budget
+        (a pager made outside strata.torch.AdamW) torch's own memory, page-locked by torch's
+        pinned allocator on CUDA."""
+        if self.budget is None:
+            memory = torch.zeros(nbytes, dtype=torch.uint8,
+                                 pin_memory=self.stream is not None)
+            self.registered.append((memory.numel(), memory))
+            return memory
+        stream = self.stream
+        buf, why = self.budget.allocate(
+            nbytes, "paged optimizer state",
+            before_free=None if stream is None else stream.synchronize)
+        if buf is None:
+            raise RuntimeError(
+                "strata.torch: no host memory for %d bytes of the resident parameters' "
+                "optimizer state: %s; raise host_budget, or set strata.torch.AdamW.PAGED_STATE "
+                "= 0 to keep it in HBM"
+                % (nbytes, "host_budget has %d bytes of room left" % self.budget.room()
+                   if why == "budget" else "the machine's memory would have dropped below "
+                   "the runtime's reserve (%d bytes available kept)" % self.budget.reserve()))
+        memory = _planning.tensor(buf)
+        self.registered.append((buf.charged, memory))
+        return memory
 
     # --- out -------------------------------------------------------------------------------
 
@@ -704,31 +725,6 @@ def _nbytes(t):
 
 def _aligned(n):
     return (n + 511) // 512 * 512
-
-
-def _register(buffer, stream):
-    """Page-lock `buffer` (host memory torch allocated) so that copies from and to it are DMA,
-    asynchronous to the host; unregistered when the buffer is freed (memory freed while still
-    registered stays registered at that address: a later tensor there gets another size's
-    registration, and copies from it fail with cudaErrorInvalidValue)."""
-    cudart = torch.cuda.cudart()
-    error = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
-    if int(error) == 0:
-        weakref.finalize(buffer, _unregister, cudart, buffer.data_ptr(), stream)
-    else:
-        raise RuntimeError("strata.torch: could not page-lock %d bytes of host memory for the "
-                           "resident parameters' optimizer state (cudaHostRegister error %d); "
-                           "set strata.torch.AdamW.PAGED_STATE = 0 to keep it in HBM"
-                           % (buffer.numel(), int(error)))
-
-
-def _unregister(cudart, pointer, stream):
-    """The buffer's copies done, its registration dropped (at exit CUDA may be gone first)."""
-    try:
-        stream.synchronize()
-        cudart.cudaHostUnregister(pointer)
-    except Exception:
-        pass
 
 
 def paged_groups(resident, session, blocks):

@@ -1,8 +1,8 @@
 """Sizing, before anything is built: how strata.torch lays out a streamed parameter's fp32
 master, the budgets a session's runtime gets by default, how many of the first blocks stay
 resident in HBM, whether the streamed blocks fit the host budget, and with NVMe which placement
-of their training state the budgets allow, and what host_budget leaves beside the arena to
-strata.torch's own host memory (HostBudget). The byte counts are the runtime's (strata.core asks
+of their training state the budgets allow, and the one host budget the runtime holds for the
+arena and strata.torch's own host memory beside it (HostBudget). The byte counts are the runtime's (strata.core asks
 the C library); what is decided here is strata.torch's policy on top of them."""
 
 import os
@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-from .. import core, step_plan
+from .. import core, errors, host_buffers, step_plan
 from . import _host, _step
 from ._distributed import chunk_elements, disk_sharing
 
@@ -333,39 +333,59 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
 
 class HostBudget:
     """host_budget as a promise: what one session's run takes of the host's memory. The
-    runtime's DRAM arena (pinned whole at start: `arena`, its budget) comes first; what the
-    budget leaves beside it is for strata.torch's own pools (the paged optimizer state, the
-    spilled checkpoints), which ask room() before they take host memory and report what they
-    hold (`host_bytes`); a pool that gets no room takes less (fewer groups page, fewer blocks
-    spill) and says so. `given`: the user's host_budget (under data parallelism each rank's),
+    runtime holds it (strata.h "Host buffers"): one budget for its DRAM arena (pinned whole at
+    start: `arena`) and every host buffer strata.torch takes beside it (the paged optimizer
+    state, the spilled checkpoints, the host replica of the weights), each a buffer of the
+    runtime (allocate) charged against the budget; a pool that gets no room takes less (fewer
+    groups page, fewer blocks spill) and says so. This object sets the budget and names what
+    holds it: the pools add() themselves and report what they hold (`host_bytes`, their
+    buffers' charges). `given`: the user's host_budget (under data parallelism each rank's),
     or None: then the budget is the arena and half of this process's share of the host
     memory available now (made just after the runtime, so the arena is not counted twice).
     `available`: that memory (None: read it). `ranks`: the processes of this host that each
     make such a budget (data parallelism: Mesh.ranks_on_host; every one's arena made
     already), each taking its share of the available memory, so that k ranks of a host take
-    half of it together, not k times that. `beside`: pinned bytes this process adds
-    later as a pool it cannot do without (the host replica of the weights: replica_bytes):
-    a default budget holds them, and half of the share they leave. The default is the
-    library's step plan's (strata.step_plan; runtime/step/residency.cpp: kPoolShare, the
-    paged state alone took half of the available memory at the first step's end before the
-    pools were counted together)."""
+    half of it together, not k times that. `beside`: bytes this process adds later as a pool
+    it cannot do without (the host replica of the weights: replica_bytes): a default budget
+    holds them, and half of the share they leave. The default is the library's step plan's
+    (strata.step_plan; runtime/step/residency.cpp: kPoolShare, the paged state alone took
+    half of the available memory at the first step's end before the pools were counted
+    together). A given budget below the arena (the runtime rounds the arena up to its pages)
+    is the arena's; one that holds the arena and `beside` but for the runtime's page roundings
+    is raised by them (less than a page each)."""
 
-    def __init__(self, given, arena, available=None, ranks=1, beside=0):
+    def __init__(self, runtime, given, available=None, ranks=1, beside=0):
+        self.runtime = runtime
         self.given = given
-        self.arena = int(arena)
+        self.arena = host_buffers.usage(runtime)["arena"]
         if given is not None:
-            self.total = int(given)
+            total = int(given)
         else:
             if available is None:
                 available = available_host_bytes()
-            self.total = step_plan.plan_step(
+            total = step_plan.plan_step(
                 [], arena_bytes=self.arena, host_available_bytes=int(available),
                 ranks_on_host=ranks, beside_bytes=beside).host_total_bytes
+        # The pool it cannot do without is made first, under no limit but the machine's: a
+        # given budget that holds it but for the runtime's roundings (its charge, the arena's
+        # pages) is raised by them rather than refusing it.
+        self.beside = None
+        if beside:
+            host_buffers.set_budget(runtime, _UNLIMITED)
+            self.beside = host_buffers.HostBuffer(runtime, beside, "host replica of the weights")
+            total = max(total, self.arena + self.beside.charged)
+        host_buffers.set_budget(runtime, max(total, self.arena))
+        self.total = host_buffers.usage(runtime)["budget"]
         self._pools = []  # (name, weakref to an object with host_bytes)
 
+    def take_beside(self):
+        """The buffer made for the pool declared `beside` (the host replica), once."""
+        buf, self.beside = self.beside, None
+        return buf
+
     def add(self, name, pool):
-        """Count `pool` (an object whose host_bytes is what it holds now) against the budget
-        while it lives."""
+        """Count `pool` (an object whose host_bytes is what its buffers are charged now) under
+        `name` in held() and describe() while it lives."""
         self._pools.append((name, weakref.ref(pool)))
 
     def held(self):
@@ -378,9 +398,25 @@ class HostBudget:
         return out
 
     def room(self):
-        """Host bytes a pool may take now: the budget less the arena and what every pool
-        holds (0 when nothing is left)."""
-        return max(0, self.total - self.arena - sum(self.held().values()))
+        """Host bytes one more buffer may be charged now: the budget less the arena and every
+        live buffer (the runtime's figure; 0 when nothing is left)."""
+        return host_buffers.usage(self.runtime)["room"]
+
+    def reserve(self):
+        """The machine memory a buffer must leave available (the runtime's rule)."""
+        return host_buffers.usage(self.runtime)["reserve"]
+
+    def allocate(self, nbytes, name, before_free=None):
+        """(a host buffer of the runtime, None), or (None, why not): "budget" (the budget's
+        room is smaller) or "host" (the machine would keep less than its reserve available, or
+        the memory could not be mapped or pinned). Its memory is zero; tensor() views it.
+        `before_free`: strata.host_buffers.HostBuffer's."""
+        if nbytes > self.room():
+            return None, "budget"
+        try:
+            return host_buffers.HostBuffer(self.runtime, nbytes, name, before_free), None
+        except errors.OutOfMemory:
+            return None, "budget" if nbytes > self.room() else "host"
 
     def describe(self):
         """'host budget X (given|default): DRAM arena Y, <pool> Z, ..., W left', for
@@ -391,6 +427,15 @@ class HostBudget:
         return "host budget %s (%s): %s, %s left" % (
             _size(self.total), "given" if self.given is not None else "default",
             ", ".join(parts), _size(self.room()))
+
+
+_UNLIMITED = (1 << 64) - 1
+
+
+def tensor(buffer):
+    """A uint8 tensor over a host buffer's memory (strata.host_buffers.HostBuffer), keeping the
+    buffer alive while it or a view of it is."""
+    return torch.frombuffer(buffer.buffer(), dtype=torch.uint8)
 
 
 def available_host_bytes():

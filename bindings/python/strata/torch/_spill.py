@@ -30,12 +30,13 @@ blocks' inputs go to host memory:
   p-restore_depth (the plan's: 2) are copied back on the side stream into fresh device tensors, so the copy
   overlaps block p's backward; the compute stream waits for a restore's event before using
   it. A copy out and back is bit-exact;
-- the buffers: one per spilled block, kept from step to step (no per-step cudaHostAlloc),
-  grown when the batch grows; host memory pinned with cudaHostRegister at the exact size
-  (torch's pinned allocator rounds to a power of two). They count against host_budget (the
-  session's strata.torch._planning.HostBudget): the pool refuses a buffer beyond what the
-  budget leaves beside the arena and the paged optimizer state, or one that would leave less
-  than HOST_RESERVE of the machine's memory available: that block does not spill, describe()
+- the buffers: one per spilled block, kept from step to step (no per-step allocation),
+  grown when the batch grows; host buffers of the session's runtime (strata.h "Host
+  buffers": mapped, NUMA-placed and pinned by the runtime at the exact size, where torch's
+  pinned allocator rounds to a power of two), charged against its one host budget (the
+  session's strata.torch._planning.HostBudget): the runtime refuses a buffer beyond what the
+  budget leaves beside the arena and the other buffers, or one that would leave less than its
+  reserve of the machine's memory available: that block does not spill, describe()
   (placement()) says how many more the decision wanted, and an out-of-memory error of the
   step names the remedy (host_budget). Their bytes: session.host_pinned_extra_bytes().
 
@@ -58,20 +59,17 @@ out-of-memory error says to turn it off (streamed blocks recompute already); Tru
 anyway (the same values)."""
 
 import contextlib
-import os
 import time
 
 import torch
 
-from . import _host
-from .. import step_plan
+from . import _planning
+from .. import host_buffers, step_plan
 from . import _step
 from ._measure import measure
 from ._regenerate import Regenerated, Regenerator, signature
 from ._replay import ForwardState, without_forward_hooks
 
-# Host memory a spill buffer must leave available, as a fraction of the machine's.
-HOST_RESERVE = 0.10
 # What the forward pass's start may grow by, as a fraction of the device, before the decision
 # is made again.
 REDECIDE_GROWTH = 0.01
@@ -91,23 +89,17 @@ def hidden_of(args, kwargs):
     return h if torch.is_tensor(h) and h.dim() >= 2 else None
 
 
-def _host_memory():
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 class HostPool:
     """The host buffers of spilled checkpoints, one per block position, reused from step to
-    step. `pinned`: page-locked (cudaHostRegister) for asynchronous copies to and from the
-    device; otherwise ordinary memory (the CPU device). `budget`: the session's
-    strata.torch._planning.HostBudget (None: only the host's memory bounds it)."""
+    step: buffers of the session's runtime (strata.h "Host buffers"), charged against its host
+    budget (`budget`: the session's strata.torch._planning.HostBudget) and pinned by it on
+    CUDA (ordinary memory on the CPU). Without a budget (a pool outside a session, as the
+    tests make one) its buffers are torch's own unpinned memory, counted by nobody."""
 
-    def __init__(self, pinned, budget=None):
-        self.pinned = pinned
+    def __init__(self, budget=None):
         self.budget = budget
-        self.buffers = {}  # position -> uint8 tensor
+        self.buffers = {}  # position -> uint8 tensor over its host buffer (keeping it alive)
+        self.charged = {}  # position -> the bytes its buffer is charged
         self.refused = 0  # buffers refused for lack of host memory
         self.over_budget = 0  # buffers refused because host_budget had no room left
         self.wanted = 0  # the bytes of the last buffer refused for the budget
@@ -117,32 +109,42 @@ class HostPool:
     def nbytes(self):
         return sum(b.numel() for b in self.buffers.values())
 
-    host_bytes = nbytes  # what a HostBudget counts
+    @property
+    def host_bytes(self):
+        """What a HostBudget counts: the buffers' charges."""
+        return sum(self.charged.values())
 
     def holds(self, position, nbytes):
         buf = self.buffers.get(position)
         return buf is not None and buf.numel() >= nbytes
 
     def reserve(self, position, nbytes):
-        """Buffer `position` holds at least `nbytes`; False when the host lacks the memory."""
+        """Buffer `position` holds at least `nbytes`; False when the host budget has no room
+        for it (the runtime's figure) or the machine would keep less than its reserve
+        available (the runtime's rule)."""
         if self.holds(position, nbytes):
             return True
         self.release(position)
-        available, total = _host.mem_available(), _host_memory()
-        if available is not None and total is not None and \
-                nbytes > available - int(total * HOST_RESERVE):
-            return self._refuse("host")
-        if self.budget is not None and nbytes > self.budget.room():
-            self.wanted = nbytes
-            return self._refuse("budget")
-        try:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-        except RuntimeError:
-            return self._refuse("host")
-        if self.pinned and not _register(buf):
-            return self._refuse("host")
-        self.buffers[position] = buf
+        if self.budget is None:  # outside a session: torch's own memory, counted by nobody
+            self.buffers[position] = torch.empty(nbytes, dtype=torch.uint8)
+            self.charged[position] = nbytes
+            return True
+        buf, why = self.budget.allocate(nbytes, "spilled checkpoint %d" % position)
+        if buf is None:
+            if why == "budget":
+                self.wanted = nbytes
+            return self._refuse(why)
+        self.buffers[position] = _planning.tensor(buf)
+        self.charged[position] = buf.charged
         return True
+
+    def host_refusal(self):
+        """Why the host refused a buffer, for messages: the runtime's reserve rule."""
+        if self.budget is None:
+            return "no host budget to take them from"
+        return ("less than the runtime's reserve of the machine's memory, %.2f GiB, would have "
+                "stayed available, or the memory could not be pinned"
+                % (self.budget.reserve() / (1 << 30)))
 
     def _refuse(self, why):
         if why == "budget":
@@ -162,27 +164,13 @@ class HostPool:
         return buf[:nbytes].view(t.dtype).view(t.shape)
 
     def release(self, position):
-        buf = self.buffers.pop(position, None)
-        if buf is not None and self.pinned:
-            _unregister(buf)
+        """Let go of buffer `position`: the runtime frees it once no view of it is left."""
+        self.buffers.pop(position, None)
+        self.charged.pop(position, None)
 
     def close(self):
         for position in list(self.buffers):
             self.release(position)
-
-
-def _register(buf):
-    """Page-lock `buf`'s memory at its exact size (torch's pinned allocator would round it up
-    to a power of two and keep it cached once freed)."""
-    if buf.numel() == 0:
-        return True
-    # 1: cudaHostRegisterPortable, as torch.cuda._pin_memory_utils registers.
-    return int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 1)) == 0
-
-
-def _unregister(buf):
-    if buf.numel():
-        int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
 
 
 class _Spilled:
@@ -216,7 +204,7 @@ class Spiller:
         self.mode = mode
         self.keeper = keeper  # the session's ActivationKeeper (how the blocks keep)
         self.positions = positions  # blocks with grad in a forward pass: resident + streamed
-        self.pool = HostPool(pinned=self.cuda)
+        self.pool = HostPool()
         self.side = None  # the copies' stream (CUDA)
         self.count = 0  # the blocks spilling now (self.spilled: which)
         self.spilled = ()  # their positions, ascending
@@ -351,27 +339,27 @@ class Spiller:
         return 1 if self.inside_checkpoint else self.max_group
 
     def _host_room(self):
-        """Host memory the spilled checkpoints may take: what host_budget leaves and what the
-        machine can give keeping HOST_RESERVE of it available, beside the buffers held now."""
-        room = None
-        if self.pool.budget is not None:
-            room = self.pool.budget.room()
-        available, total = _host.mem_available(), _host_memory()
-        if available is not None and total is not None:
-            machine = max(0, available - int(total * HOST_RESERVE))
-            room = machine if room is None else min(room, machine)
-        return (1 << 64) - 1 if room is None else room + self.pool.nbytes
+        """Host memory the spilled checkpoints may take: the runtime's room in host_budget and
+        what the machine can give beside the reserve it keeps available (the runtime's rules),
+        plus the buffers held now (unbounded without a budget: a pool outside a session)."""
+        budget = self.pool.budget
+        if budget is None:
+            return (1 << 64) - 1
+        usage = host_buffers.usage(budget.runtime)
+        room = usage["room"]
+        if usage["available"]:
+            room = min(room, max(0, usage["available"] - usage["reserve"]))
+        return room + self.pool.host_bytes
 
     def _forced(self, tokens, nbytes):
-        """spill_checkpoints=True with forced_group k: the library's grouping into k at this
-        batch (a profile that fits at no grouping takes the largest allowed), every group's
-        checkpoint spilled."""
+        """spill_checkpoints=True with forced_group k: the library's groups of k at this
+        batch (checkpoint_group_blocks, the user's size), every group's checkpoint spilled."""
         blocks = self.keeper.profile_blocks(tokens)
         blocks += [step_plan.Block(1, residency="streamed")] * max(0, self.positions - len(blocks))
         plan = step_plan.plan_step(
             blocks[:self.positions], plan_checkpoints=True, tokens=tokens, checkpoint_bytes=nbytes,
             device_total_bytes=1 << 30, device_free_bytes=0, in_use_bytes=1 << 30,
-            host_room_bytes=0, max_group_blocks=self.forced_group)
+            checkpoint_group_blocks=self.forced_group)
         for b in plan.blocks:
             b["checkpoint"] = "dram"
         return plan
@@ -584,9 +572,8 @@ class Spiller:
                        self.pool.wanted / (1 << 30)))
         if self.pool.refused:
             return ("strata.torch: %d block checkpoint buffer(s) of host memory were refused "
-                    "(less than %d%% of the machine's memory would have stayed available): "
-                    "those checkpoints stayed on the device" % (self.pool.refused,
-                                                               int(HOST_RESERVE * 100)))
+                    "(%s): those checkpoints stayed on the device"
+                    % (self.pool.refused, self.pool.host_refusal()))
         if self.count and self.inside_checkpoint:
             return ("strata.torch: the blocks run inside torch.utils.checkpoint (Hugging Face "
                     "gradient_checkpointing_enable), which keeps each block's input on the "

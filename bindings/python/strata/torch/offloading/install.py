@@ -13,16 +13,16 @@ from .rollback import remember_attribute, set_attribute
 
 
 def account_host_budget(session, request):
-    """host_budget's accounting (the arena first; what the budget leaves, strata.torch's own
-    host memory: the paged optimizer state, strata.torch.AdamW's, and the spilled
-    checkpoints), made once the arena is pinned so a default budget does not count it twice.
-    Under data parallelism a default budget is this rank's share of the host (the ranks of
+    """host_budget, the runtime's one host budget (the arena first; what the budget leaves,
+    strata.torch's own host memory, buffers of the runtime: the paged optimizer state,
+    strata.torch.AdamW's, the spilled checkpoints, the host replica), set once the arena is
+    pinned so a default budget does not count it twice. Under data parallelism a default budget is this rank's share of the host (the ranks of
     the host divide its available memory; every rank's arena is pinned by now: the runtimes
     were created in one collective step) and holds the host replica of the weights the
     layout pins later (state across hosts)."""
     mesh = request.mesh
     session.host_budget = _planning.HostBudget(
-        request.host_budget, session.runtime.capabilities().tier_budget_bytes[1],
+        session.runtime, request.host_budget,
         ranks=1 if mesh is None else mesh.ranks_on_host(),
         beside=_planning.replica_bytes(session.blocks, session.dtype, mesh))
     session.spill.use_budget(session.host_budget)
