@@ -1,11 +1,13 @@
 """The Trainer's whole-state checkpoints: Strata's (the blocks' weights, masters and AdamW
-state) and JAX's (the residents, the optax state, the step count)."""
+state) and JAX's (the residents, the optax state, the step count), in one of the runtime's
+atomic directories (strata.atomic_dir)."""
 import json
 import os
-import shutil
 
 import jax
 import numpy as np
+
+from .. import atomic_dir
 
 _FORMAT = "strata.jax/1"
 
@@ -19,13 +21,15 @@ class _Checkpoints:
     def save(self, path):
         """Save the whole training state to the directory `path`: the blocks' weights, fp32
         masters and AdamW state (Strata's checkpoint, in path/strata: safetensors), the
-        residents, the optax state and the step count (path/jax.npz). Written to
-        "<path>.partial" and renamed into place, so a crash leaves the previous one whole."""
+        residents, the optax state and the step count (path/jax.npz). Written in the runtime's
+        atomic directory (strata.atomic_dir), so a crash leaves the previous one whole."""
         path = os.fspath(path)
         self._settle()
-        tmp = path + ".partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        if self.micro_step:
+            raise ValueError("strata.jax.save: the trainer is inside an accumulation (%d of %d "
+                             "micro-batches towards the next update): save after an update"
+                             % (self.micro_step, self.block_optimizer.accumulation))
+        tmp = atomic_dir.begin(path)
         self.runtime.save_checkpoint(os.path.join(tmp, "strata"), self.optimizer)
         leaves = [np.asarray(a) for a in self._jax_leaves()]
         meta = {"format": _FORMAT, "step": self.step_count, "layers": self.layers,
@@ -35,20 +39,14 @@ class _Checkpoints:
                   for i, a in enumerate(leaves)}
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
         with open(os.path.join(tmp, "jax.npz"), "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        old = path + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(path):
-            os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+            np.savez(f, **arrays)  # made durable by the commit, with the rest
+        atomic_dir.commit(path)
 
     def load(self, path):
         """Load a checkpoint that save() wrote, from a trainer of the same model and
-        optimizers: resumes bit for bit. Everything is checked before anything is written."""
-        path = os.fspath(path)
+        optimizers: resumes bit for bit. Everything is checked before anything is written.
+        Where a save was interrupted mid-commit, the previous checkpoint ("<path>.old") loads."""
+        path = atomic_dir.resolve(path)
         with np.load(os.path.join(path, "jax.npz")) as z:
             meta = json.loads(bytes(z["meta"]).decode())
             raw = [z["leaf%d" % i] for i in range(len(meta["leaves"]))]
@@ -72,6 +70,8 @@ class _Checkpoints:
                                                             list(t.shape)))
             values.append(r.view(t.dtype).reshape(t.shape))
         self._settle()
+        if self.block_optimizer.holds_grads:
+            self._drop_held(None)  # an accumulation in progress gives way to the loaded state
         self.runtime.load_checkpoint(os.path.join(path, "strata"), self.optimizer)
         tree = jax.tree_util.tree_unflatten(treedef, values)
         self.residents, self.opt_state = jax.device_put(tree, self.device)

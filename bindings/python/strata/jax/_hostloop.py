@@ -44,7 +44,9 @@ class _HostLoop:
         """The step as a loop of per-layer programs, each layer acquired and released by the
         host around its program."""
         hidden, diff, const, mask, extras_def = self._prepare(batch, "step")
-        self._set_hyperparameters(self.step_count)
+        held = self.block_optimizer.holds_grads
+        if not held:  # held updates set them when they update (_HeldUpdates)
+            self._set_hyperparameters(self.step_count)
         ex = self.executor
         released = 0
         live = None
@@ -81,6 +83,11 @@ class _HostLoop:
         except BaseException:
             self._abort(live, released)
             raise
+        if held:
+            grads = self._resident_grads(self.residents, batch, g_head, g_x, acc, mask)
+            self._steps += 1
+            self._held_step(grads)
+            return float(loss)
         self.residents, self.opt_state = self._finish(self.residents, self.opt_state, batch,
                                                       g_head, g_x, acc, mask)
         self._steps += 1
@@ -95,6 +102,10 @@ class _HostLoop:
         except Exception:
             pass
         self._new_executor()
+        if self.block_optimizer.holds_grads:
+            # The released blocks' grads are held, not applied: the accumulation goes.
+            self._drop_held("the step failed")
+            return
         if released:
             warnings.warn("strata.jax: the step failed after %s block(s) released their grads: "
                           "those blocks were updated with this step's grads; the step is not "

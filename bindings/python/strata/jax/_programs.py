@@ -9,6 +9,15 @@ from ..core import BACKWARD, FORWARD
 from ._tree import _normalize_embed
 
 
+def apply_optax(opt, r, opt_state, grads):
+    """The residents after the optax transformation's update from `grads` (each kept in its
+    dtype), and its new state."""
+    updates, opt_state = opt.update(grads, opt_state, r)
+    r = jax.tree_util.tree_map(
+        lambda p, u: jnp.asarray(p + u).astype(jnp.asarray(p).dtype), r, updates)
+    return r, opt_state
+
+
 class _Programs:
     """Trainer's compiled functions (a mixin of Trainer: _compile sets them on it)."""
 
@@ -44,8 +53,8 @@ class _Programs:
             self._loss = jax.jit(loss_fn)
         opt = self.resident_optimizer
 
-        def finish(r, opt_state, batch, g_head, g_x, g_diff, mask):
-            # The embedding's backward (recomputed), the residents' grads, their optax update.
+        def resident_grads(r, batch, g_head, g_x, g_diff, mask):
+            # The embedding's backward (recomputed) added to the head's: the residents' grads.
             def f(r_):
                 hidden, extras = embed(r_, batch)
                 leaves = jax.tree_util.tree_leaves(extras)
@@ -53,20 +62,28 @@ class _Programs:
 
             _, vjp = jax.vjp(f, r)
             (g_embed,) = vjp((g_x, list(g_diff)))
-            grads = jax.tree_util.tree_map(jnp.add, g_head, g_embed)
+            return jax.tree_util.tree_map(jnp.add, g_head, g_embed)
+
+        def finish(r, opt_state, batch, g_head, g_x, g_diff, mask):
+            # The residents' grads and their optax update.
+            grads = resident_grads(r, batch, g_head, g_x, g_diff, mask)
             if opt is None:
                 return r, opt_state
-            updates, opt_state = opt.update(grads, opt_state, r)
-            r = jax.tree_util.tree_map(
-                lambda p, u: jnp.asarray(p + u).astype(jnp.asarray(p).dtype), r, updates)
-            return r, opt_state
+            return apply_optax(opt, r, opt_state, grads)
 
-        self._finish = jax.jit(finish, static_argnums=(6,))
+        held = self.block_optimizer.holds_grads
+        if held:
+            # Updates wait for the host (clipping, accumulation): the step returns the
+            # residents' grads, and _HeldUpdates updates every `accumulation` steps.
+            self._resident_grads = jax.jit(resident_grads, static_argnums=(5,))
+            self._compile_held()
+        else:
+            self._finish = jax.jit(finish, static_argnums=(6,))
         self._probe = jax.jit(lambda: jnp.zeros((), jnp.int32))
         if self._ffi is not None:
             self._apply_blocks = self._ffi_apply(call_block, backward)
             if embed_fn is not None:
-                self._program = jax.jit(self._ffi_program(embed, opt))
+                self._program = jax.jit(self._ffi_program(embed, opt, held))
 
     def _ffi_apply(self, call_block, backward):
         """The streamed blocks as a differentiable JAX function f(x, diff, const) -> x for one
@@ -150,13 +167,13 @@ class _Programs:
 
         return apply_blocks
 
-    def _ffi_program(self, embed, opt):
+    def _ffi_program(self, embed, opt, held):
         """Trainer.step as one function for jax.jit: embed, the streamed blocks
         (apply_blocks: the executor's whole step as ops), the head's loss; the grads of the
         head, the blocks' input and the extras, the embedding's vjp, the residents' optax
-        update. The blocks are differentiated through their input, so they train even with
-        frozen residents."""
-        apply_blocks, loss_fn = self.apply_blocks, self.loss_fn
+        update (held: (loss, the residents' grads) instead, for _HeldUpdates). The blocks are
+        differentiated through their input, so they train even with frozen residents."""
+        apply_blocks, loss_fn = self._apply_blocks, self.loss_fn
 
         def program(r, opt_state, batch):
             def split(r_):
@@ -179,12 +196,11 @@ class _Programs:
             loss, (g_head, g_x, g_diff) = jax.value_and_grad(head, argnums=(0, 1, 2))(
                 r, hidden, diff)
             (g_embed,) = embed_vjp((g_x, g_diff))
+            grads = jax.tree_util.tree_map(jnp.add, g_head, g_embed)
+            if held:
+                return loss, grads
             if opt is None:
                 return loss, r, opt_state
-            grads = jax.tree_util.tree_map(jnp.add, g_head, g_embed)
-            updates, opt_state = opt.update(grads, opt_state, r)
-            r = jax.tree_util.tree_map(
-                lambda p, u: jnp.asarray(p + u).astype(jnp.asarray(p).dtype), r, updates)
-            return loss, r, opt_state
+            return (loss,) + apply_optax(opt, r, opt_state, grads)
 
         return program

@@ -22,6 +22,7 @@ import numpy as np
 from .. import core
 from . import _ffi
 from ._checkpoint import _Checkpoints
+from ._held import _HeldUpdates
 from ._hostloop import _HostLoop
 from ._optim import AdamW
 from ._params import _Params
@@ -30,7 +31,7 @@ from ._setup import _Setup
 from ._tree import _DTYPE_NAMES, _SUPPORTED
 
 
-class Trainer(_Setup, _Programs, _HostLoop, _Params, _Checkpoints):
+class Trainer(_Setup, _Programs, _HostLoop, _HeldUpdates, _Params, _Checkpoints):
     """Train a JAX model whose blocks stream through Strata (see the module's docstring).
 
     block_fn(block_params, hidden, *extras) -> hidden; blocks: stacked or listed block params
@@ -65,7 +66,12 @@ class Trainer(_Setup, _Programs, _HostLoop, _Params, _Checkpoints):
     are converted there and copied straight into Strata's pinned memory (build the model on the
     device for the fastest setup). A lazy sequence of listed blocks is indexed twice per block
     (shapes first, then values). setup_seconds says where the construction's time went, per
-    phase."""
+    phase.
+
+    Clipping and accumulation (strata.jax.AdamW's max_grad_norm, accumulation): optax's
+    MultiSteps over clip_by_global_norm and the optimizers, over blocks and residents together;
+    step() is then one micro-batch, micro_step counts those towards the next update, and
+    last_grad_norm is the last update's global norm (of the mean grads, before clipping)."""
 
     def __init__(self, block_fn, blocks, residents=None, *, embed_fn=None, loss_fn=None,
                  optimizer=None, block_optimizer=None, stacked=None, dtype=None,
@@ -82,6 +88,11 @@ class Trainer(_Setup, _Programs, _HostLoop, _Params, _Checkpoints):
             raise TypeError("strata.jax: block_optimizer must be a strata.jax.AdamW (Strata's "
                             "CPU optimizer updates the streamed blocks); use `optimizer` for an "
                             "optax transformation of the resident parameters")
+        if self.block_optimizer.holds_grads and embed_fn is None:
+            raise TypeError("strata.jax: max_grad_norm and accumulation (strata.jax.AdamW) "
+                            "apply in step(), which measures the residents' grads with the "
+                            "blocks': give embed_fn and loss_fn (apply_blocks in your own "
+                            "jitted step does not support them yet)")
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         if self.dtype is not None and self.dtype not in _DTYPE_NAMES:
             raise TypeError("strata.jax: dtype %s is not supported: streamed weights are %s"
@@ -102,6 +113,10 @@ class Trainer(_Setup, _Programs, _HostLoop, _Params, _Checkpoints):
         self.scan = scan if scan is not None else all(s == self.shapes[0] for s in self.shapes)
         if self.scan and any(s != self.shapes[0] for s in self.shapes):
             raise ValueError("strata.jax: scan=True needs every block of one shape")
+        if host_budget is None and self.block_optimizer.accumulation > 1:
+            # Micro-batches' grads are summed in the optimizer's fp32 accumulators, in DRAM.
+            dram += core.accum_bytes([[int(np.prod(s)) for s in shapes]
+                                      for shapes in self.shapes], itemsize)
         dram = dram if host_budget is None else host_budget
         # Only what the GPU's copies touch of the arena is pinned (core.pinned_dram): each
         # leaf's weight and grad, not the optimizer's state.
@@ -117,6 +132,7 @@ class Trainer(_Setup, _Programs, _HostLoop, _Params, _Checkpoints):
             self.runtime.close()
             raise
         self._steps = 0  # the host loop's count (the FFI path counts in its session)
+        self.last_grad_norm = None  # the last held update's global norm (_HeldUpdates)
         self._timed("ffi", started)
         try:
             self._register(per_layer, slot_budget)
@@ -124,7 +140,8 @@ class Trainer(_Setup, _Programs, _HostLoop, _Params, _Checkpoints):
             started = time.perf_counter()
             self._init_residents(residents, optimizer)
             started = self._timed("residents", started)
-            if self._ffi is not None:
+            if self._ffi is not None and not self.block_optimizer.holds_grads:
+                # Held updates set the hyperparameters when they update (_HeldUpdates).
                 self._ffi.set_hook(self._set_hyperparameters)
             self._compile()
             self._timed("compile", started)
@@ -171,6 +188,9 @@ class Trainer(_Setup, _Programs, _HostLoop, _Params, _Checkpoints):
                                "unavailable); use step()")
         if self.runtime._handle is None:
             raise ValueError("strata.jax: the trainer is closed")
+        if self.block_optimizer.holds_grads:
+            raise RuntimeError("strata.jax: apply_blocks does not support max_grad_norm or "
+                               "accumulation (strata.jax.AdamW) yet: use step()")
         return self._apply_blocks(hidden, *extras)
 
     def _settle(self):
@@ -221,7 +241,11 @@ class Trainer(_Setup, _Programs, _HostLoop, _Params, _Checkpoints):
             # Traced but failed while running: some blocks may have released their grads.
             self._abort(out, 1 if out is not None else 0, exact=False)
             raise
-        loss, self.residents, self.opt_state = out
+        if self.block_optimizer.holds_grads:
+            loss, grads = out
+            self._held_step(grads)
+        else:
+            loss, self.residents, self.opt_state = out
         return float(loss)
 
     def synchronize(self):
