@@ -1555,6 +1555,55 @@ STRATA_API strata_status_t strata_checkpoint_save(strata_runtime_t* runtime,
 STRATA_API strata_status_t strata_checkpoint_load(strata_runtime_t* runtime,
                                                   strata_optimizer_t* optimizer, const char* path);
 
+/* Atomic directories (since 1.5): the replacement strata_checkpoint_save does, for a framework
+ * that writes its own files beside Strata's (strata.torch's resident.pt, strata.jax's jax.npz)
+ * into one checkpoint directory. A save calls strata_atomic_dir_begin, writes everything into
+ * the staging directory (strata_checkpoint_save into a subdirectory of it included) and calls
+ * strata_atomic_dir_commit; a load reads the directory strata_atomic_dir_resolve names. A crash
+ * at any moment leaves one complete version to load, the previous one or the new one, never a
+ * mix: where the file system has renameat2(RENAME_EXCHANGE) the commit swaps the two in one
+ * rename; elsewhere it renames the previous one to "<path>.old" first, and resolve returns that
+ * when a crash came between the two renames. No runtime is needed. `path` (borrowed, read during
+ * the call) names the checkpoint directory; trailing '/' are ignored. Thread-safe for different
+ * paths; concurrent calls on one path are not supported. Buffers follow strata_plan_dump's rules:
+ * the path NUL-terminated into `buffer` (borrowed, `capacity` bytes), its length without the NUL
+ * into *out_length (may be NULL), a NULL buffer only asks for the length, a buffer too small is
+ * refused (INVALID_ARGUMENT naming the size needed). Every function also fails with
+ * INVALID_ARGUMENT for a NULL or empty path and one with no last component ("/", ".."). */
+
+/* The staging directory of `path`, "<path>.partial" (strlen(path) + 9 bytes always suffice),
+ * for every process of a save to write into; nothing is touched. Errors: INVALID_ARGUMENT. */
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_atomic_dir_staging(const char* path, char* buffer, size_t capacity,
+                                          size_t* out_length);
+
+/* Prepare the staging directory of `path`: a leftover of a save that crashed is removed, the
+ * directory and any missing parents created (the parents made durable). Errors:
+ * INVALID_ARGUMENT (also: `path` exists and is not a directory), IO (the message names the file
+ * and the OS error). */
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_atomic_dir_begin(const char* path);
+
+/* Make the written staging directory `path`: every regular file and directory under it is
+ * fsynced, then it replaces `path` atomically (above) and the parent directory is fsynced; the
+ * previous version is removed afterwards. On success the staging directory no longer exists.
+ * Errors: INVALID_ARGUMENT (also: the staging directory or `path` exists and is not a
+ * directory), NOT_FOUND (no staging directory: strata_atomic_dir_begin was not called, or a
+ * commit already took it), IO (the message names the file; before the replacement `path` is
+ * untouched; an IO error removing the previous version comes after the new one is in place,
+ * and the next strata_atomic_dir_begin removes the leftover). */
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_atomic_dir_commit(const char* path);
+
+/* The directory a load should read (strlen(path) + 5 bytes always suffice): `path` when it is a
+ * directory, else "<path>.old" when a replacement was interrupted between its two renames. A
+ * staging directory left by a crash is never returned. Nothing is modified. Errors:
+ * INVALID_ARGUMENT (also: `path` exists and is not a directory), NOT_FOUND (neither exists: the
+ * message names both), IO. */
+STRATA_API_SINCE(1, 5)
+strata_status_t strata_atomic_dir_resolve(const char* path, char* buffer, size_t capacity,
+                                          size_t* out_length);
+
 /* ---------------------------------------------------------------------------------------------
  * Tracing: where the bytes went, how fast each link ran, where the GPU waited
  *

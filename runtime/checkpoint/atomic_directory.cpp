@@ -107,6 +107,13 @@ bool exchange_unsupported(int err) {
 
 }  // namespace
 
+Status atomic_staging_path(const std::string& final_path, std::string* staging) {
+  std::string final_dir;
+  STRATA_RETURN_IF_ERROR(normalize(final_path, &final_dir));
+  *staging = final_dir + std::string(kPartialSuffix);
+  return Status::ok();
+}
+
 Status begin_atomic_directory(const std::string& final_path, std::string* staging) {
   std::string final_dir;
   STRATA_RETURN_IF_ERROR(normalize(final_path, &final_dir));
@@ -116,7 +123,8 @@ Status begin_atomic_directory(const std::string& final_path, std::string* stagin
     return error(Code::kInvalidArgument, "atomic directory: ", final_dir,
                  " exists and is not a directory");
   }
-  const std::string partial = final_dir + std::string(kPartialSuffix);
+  std::string partial;
+  STRATA_RETURN_IF_ERROR(atomic_staging_path(final_dir, &partial));
   STRATA_RETURN_IF_ERROR(remove_tree(partial));
 
   // Parents created here must be made durable too, or a crash could lose the committed

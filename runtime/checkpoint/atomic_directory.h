@@ -11,6 +11,11 @@
 
 namespace strata {
 
+// The staging directory begin_atomic_directory() prepares for final_path ("<final>.partial"),
+// without touching the file system; kInvalidArgument as begin's for a path with no last
+// component.
+Status atomic_staging_path(const std::string& final_path, std::string* staging);
+
 // Prepares "<final>.partial" (removing a leftover of a crashed save, creating the directory and
 // any missing parents) and returns its path. final_path may end in '/'; if it exists it must be
 // a directory.

@@ -18,6 +18,7 @@ MODULE_ORDER = [
     "strata.host_buffers",  # the runtime's host buffers under its one host budget
     "strata.core",
     "strata.step_plan",  # the library's step-memory plan (strata_step_plan_*), any framework
+    "strata.atomic_dir",  # the library's atomic checkpoint directories, any framework
     "strata.torch._host",  # host probes: MemAvailable, free disk, a NUMA node's CPUs
     "strata.torch._logit_trace",  # a forward's logits followed from its head to its loss (torch)
     "strata.torch._chunked_ce",  # the chunked linear cross-entropy as one function

@@ -6,9 +6,9 @@ A checkpoint is a directory:
     resident.pt                     resident parameters and buffers, their optimizer state,
                                     every param group's hyperparameters, torch's RNG states
 The streamed part is Strata's checkpoint (CRC-32C per tensor, checked on load). The whole
-directory is written as "<path>.partial" and swapped in with one renameat2(RENAME_EXCHANGE)
-(or a rename when there was none), so a crash leaves either the previous checkpoint or the new
-one, whole. Schedulers keep their own state_dict(), as in plain PyTorch.
+directory is the runtime's atomic directory (strata.atomic_dir: written in its staging
+directory, then swapped in), so a crash leaves either the previous checkpoint or the new one,
+whole, and a load finds it. Schedulers keep their own state_dict(), as in plain PyTorch.
 
 Under data parallelism (strata.torch._distributed) every rank calls both functions with the same
 path, on a file system all ranks see: the ranks of the first replica write their shards,
@@ -16,38 +16,13 @@ streamed/shard<k>of<n>/ (each its own Strata checkpoint), every rank its RNG sta
 rng/rank<r>.pt, and rank 0 the rest and the final swap; a checkpoint loads under the same
 number of ranks and shards."""
 
-import ctypes
-import errno
 import os
-import shutil
 
 import torch
 
+from .. import atomic_dir
+
 FORMAT = "strata.torch/1"
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a, b):
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.renameat2(_AT_FDCWD, a.encode(), _AT_FDCWD, b.encode(), _RENAME_EXCHANGE) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, "renameat2(RENAME_EXCHANGE) %s <-> %s: %s" % (a, b, os.strerror(err)))
-
-
-def _fsync_tree(path):
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _resident(model, session):
@@ -108,13 +83,13 @@ def save_checkpoint(path, model, optimizer=None):
     _check_optimizer(optimizer, session)
     layout = session.layout  # under data parallelism, which rank writes what
     path = os.fspath(path).rstrip("/")
-    staging = path + ".partial"
+    staging = atomic_dir.staging(path)
     streamed, rng = layout.streamed_dir(staging), layout.rng_file(staging)
     if layout.lead:
-        shutil.rmtree(staging, ignore_errors=True)
-        # The staging folder, or its streamed/ of every shard's folder (the runtime's save
-        # makes the folder it writes).
-        os.makedirs(os.path.dirname(streamed))
+        atomic_dir.begin(path)
+        # The staging folder is begin's; under data parallelism its streamed/ holds every
+        # shard's folder (the runtime's save makes the folder it writes).
+        os.makedirs(os.path.dirname(streamed), exist_ok=True)
         if rng is not None:
             os.makedirs(os.path.dirname(rng))
     layout.barrier("starting checkpoint %s" % path)
@@ -130,34 +105,8 @@ def save_checkpoint(path, model, optimizer=None):
                    os.path.join(staging, "resident.pt"))
     layout.barrier("writing checkpoint %s" % path)
     if layout.lead:
-        _commit(staging, path)
+        atomic_dir.commit(path)
     layout.barrier("committing checkpoint %s" % path)
-
-
-def _commit(staging, path):
-    """Swap the written staging directory in for `path`, durably."""
-    _fsync_tree(staging)
-    if os.path.exists(path):
-        try:
-            _exchange(staging, path)
-            shutil.rmtree(staging)
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                raise
-            # No RENAME_EXCHANGE on this file system: the old one steps aside first (a crash
-            # between the renames leaves it as <path>.old, which load_checkpoint falls back to).
-            old = path + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-            os.rename(staging, path)
-            shutil.rmtree(old)
-    else:
-        os.rename(staging, path)
-    parent = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(parent)
-    finally:
-        os.close(parent)
 
 
 @torch.no_grad()
@@ -169,11 +118,11 @@ def load_checkpoint(path, model, optimizer=None):
     # blocks rounded with no master to keep them, and its optimizer refused).
     session = _session(model, build=False)
     _check_optimizer(optimizer, session)
-    path = os.fspath(path).rstrip("/")
-    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
-        path = path + ".old"  # a save was interrupted between its two renames
-    if not os.path.isdir(path):
-        raise FileNotFoundError("strata.torch.load_checkpoint: no checkpoint at %s" % path)
+    try:  # the checkpoint, or the previous one where a save was interrupted mid-commit
+        path = atomic_dir.resolve(path)
+    except LookupError as e:
+        raise FileNotFoundError("strata.torch.load_checkpoint: no checkpoint at %s (%s)"
+                                % (os.fspath(path), e)) from None
     data = torch.load(os.path.join(path, "resident.pt"), map_location="cpu", weights_only=True)
     if data.get("format") != FORMAT:
         raise ValueError("strata.torch.load_checkpoint: %s is not a %s checkpoint"
