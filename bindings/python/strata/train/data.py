@@ -16,7 +16,9 @@ the text in between are the turn's, found through the fast tokenizer's offsets. 
 rows of examples laid end to end, cut every --seq-len tokens) is written here: `datasets` and
 transformers have none for causal LM rows with labels."""
 
+import json
 import os
+import re
 
 from .config import UsageError
 
@@ -29,6 +31,7 @@ ALPACA_PROMPT = ("Below is an instruction that describes a task. Write a respons
                  "appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n"
                  "{input}### Response:\n")
 IGNORE = -100
+GENERATION_MARK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 def load(specs, split="train", what="--data"):
@@ -111,6 +114,7 @@ class Encoder:
                              % getattr(tokenizer, "name_or_path", "the tokenizer"))
 
     def __call__(self, row):
+        _require(row, self.fmt)
         if self.fmt == "text":
             ids = self.tokenizer(row["text"], add_special_tokens=True)["input_ids"]
             if self.tokenizer.eos_token_id is not None:
@@ -138,6 +142,17 @@ class Encoder:
         return {"input_ids": ids, "labels": labels}
 
 
+def _require(row, fmt):
+    """A row of a file whose other rows have the format's fields may lack them (None)."""
+    needs = {"text": [("text",)], "alpaca": [("instruction",), ("output",)],
+             "chat": [("messages", "conversations")]}[fmt]
+    for fields in needs:
+        if all(row.get(f) is None for f in fields):
+            raise UsageError("a row has no %s (the %s format needs it): %s"
+                             % (" or ".join("`%s`" % f for f in fields), fmt,
+                                json.dumps(row, default=str)[:200]))
+
+
 def _alpaca_messages(row):
     extra = row.get("input") or ""
     user = row["instruction"] + ("\n\n" + extra if extra else "")
@@ -147,7 +162,7 @@ def _alpaca_messages(row):
 def chat_completion_mask(tokenizer, messages):
     """(token ids, [bool]) of a conversation rendered by the tokenizer's chat template: True on
     the assistant turns' tokens."""
-    if "generation" in tokenizer.chat_template:
+    if GENERATION_MARK.search(tokenizer.chat_template):
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
         return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
