@@ -65,15 +65,12 @@ def exported(output):
     return load_file(os.path.join(output, "model", "model.safetensors"))
 
 
-def test_main_job_trains_exports_and_reloads(tmp_path):
-    """The README's main job, as scripts/demo.sh runs it, for 4 steps."""
+def test_main_job_trains_exports_and_reloads(tmp_path, one_torch_thread):
+    """The README's main job, scripts/demo.sh's command (its config, in this process), for 4
+    steps."""
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "bindings" / "python"), OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "strata.train", "--config", str(ROOT / "examples/train/default.yaml"),
-         "--max-steps", "4", "--save-every", "4", "--eval-every", "2", "--output", str(out),
-         "--threads", "1"], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run(["--config", ROOT / "examples/train/default.yaml", "--max-steps", 4,
+                "--save-every", 4, "--eval-every", 2, "--output", out, "--device", "cpu"]) == 0
     records = read_metrics(out / "metrics.jsonl")
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
@@ -91,6 +88,16 @@ def test_main_job_trains_exports_and_reloads(tmp_path):
     assert streamed and all(torch.equal(state[name], value) for name, value in streamed.items())
     tok = transformers.AutoTokenizer.from_pretrained(str(out / "model"))
     assert tok.chat_template and tok.eos_token == "<|end|>"
+
+
+def test_the_module_and_its_help():
+    """`python -m strata.train` is the command (the console script strata-train calls the same
+    main)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "bindings" / "python"))
+    done = subprocess.run([sys.executable, "-m", "strata.train", "--help"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--micro-batch" in done.stdout and "--resume" in done.stdout
 
 
 def test_one_run_equals_plain_pytorch(tmp_path, checkpoint, one_torch_thread):
