@@ -59,12 +59,12 @@ OPTIONS = [
            "schedule still spans every step: a job split into slots, each resuming the last"),
     Option("optimizer", str, "adamw", "strata.torch's optimizer",
            choices=("adamw", "adam", "sgd", "lion", "adagrad")),
-    Option("lr", float, 1e-3, "peak learning rate"),
+    Option("lr", float, 5e-5, "peak learning rate (the Trainer's default)"),
     Option("weight_decay", float, 0.0, "weight decay"),
     Option("betas", float, None, "AdamW/Adam/Lion betas (two values)", many=True),
     Option("eps", float, None, "AdamW/Adam/Adagrad eps"),
     Option("momentum", float, None, "SGD momentum"),
-    Option("scheduler", str, "cosine", "a transformers.get_scheduler name (linear, cosine, "
+    Option("scheduler", str, "linear", "a transformers.get_scheduler name (linear, cosine, "
            "constant_with_warmup, ...)"),
     Option("warmup_steps", int, 0, "linear warm-up steps"),
     Option("warmup_ratio", float, 0.0, "warm-up as a fraction of the steps (when "

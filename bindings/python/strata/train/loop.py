@@ -192,10 +192,12 @@ def loop(model, opt, sched, batches, eval_rows, options, place, device, tokenize
     last = steps if not options.stop_after else min(steps, step + options.stop_after)
     bar = tqdm(total=steps, initial=step, desc="strata-train", unit="step", disable=not lead,
                dynamic_ncols=True)
-    started, rows = time.perf_counter(), 0
+    started, rows, first = time.perf_counter(), 0, step
+    losses = []
     while step < last:
         loss, norm = train_step(model, opt, sched, batches, options, place, device)
         step += 1
+        losses.append(loss)
         rows += options.micro_batch * options.accumulation * place.world
         lr = sched.get_last_lr()[0]
         bar.update(1)
@@ -217,6 +219,9 @@ def loop(model, opt, sched, batches, eval_rows, options, place, device, tokenize
             if lead:
                 bar.write("step %d: checkpoint %s" % (step, path))
     bar.close()
+    if lead and losses:
+        print("strata-train: loss %.4f at step %d, %.4f at step %d"
+              % (losses[0], first + 1, losses[-1], step), file=sys.stderr)
     return step
 
 
