@@ -322,3 +322,20 @@ def test_bad_input_is_named(tmp_path, capsys, checkpoint):
     with pytest.raises(SystemExit):  # argparse: an unknown --format names the choices
         config.resolve(["--format", "csvish"])
     assert "invalid choice: 'csvish'" in capsys.readouterr().err
+
+
+def test_sharded_export_reloads(tmp_path, checkpoint, one_torch_thread):
+    """An export cut into shards (the index, every tensor in one shard) reloads with
+    from_pretrained and gives Strata's logits."""
+    out = tmp_path / "out"
+    assert run(["--model", checkpoint, "--max-steps", 1, "--micro-batch", 4, "--output", out,
+                "--export-shard-size", "100KB", "--verify-export"] + FAST) == 0
+    index = json.loads((out / "model" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == "model-00001-of-%05d.safetensors" % len(shards)
+    assert not (out / "model" / "model.safetensors").exists()
+    assert not list((out / "model").glob("*.partial"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out / "model"))
+    assert set(index["weight_map"]) == set(model.state_dict())
+    assert [r["export_max_logit_diff"] for r in read_metrics(out / "metrics.jsonl")
+            if "export_max_logit_diff" in r] == [0.0]
