@@ -28,12 +28,15 @@ if [[ ! -x "$venv/bin/python" ]]; then
   python3 -m venv "$venv"
 fi
 python_missing=()
-# torch, transformers, jax: the main job (examples/train.py), strata.torch, strata.jax and their
-# tests; optax: the plain JAX reference of strata.jax's tests (and its residents' optimizers);
-# peft: the LoRA case of strata.torch's parity tests. PyPI's torch wheel brings the CUDA
-# libraries (GBs): installed once into the environment, skipped when present.
-for m in pytest matplotlib numpy safetensors torch transformers jax optax peft; do
-  "$venv/bin/python" -c "import $m" 2>/dev/null || python_missing+=("$m")
+# torch, transformers, jax: the main job (strata-train), examples/train.py, strata.torch,
+# strata.jax and their tests; optax: the plain JAX reference of strata.jax's tests (and its residents' optimizers);
+# peft: the LoRA case of strata.torch's parity tests; datasets, pyyaml, tqdm, tokenizers and
+# huggingface_hub: strata-train (the main job; pyproject's [train] extra). PyPI's torch wheel
+# brings the CUDA libraries (GBs): installed once into the environment, skipped when present.
+# Each entry is pip's name, with the import name after a colon where they differ.
+for entry in pytest matplotlib numpy safetensors torch transformers jax optax peft datasets \
+    pyyaml:yaml tqdm tokenizers huggingface_hub; do
+  "$venv/bin/python" -c "import ${entry#*:}" 2>/dev/null || python_missing+=("${entry%%:*}")
 done
 if ((${#python_missing[@]} > 0)); then
   echo "strata: installing Python packages ${python_missing[*]} into $venv"
