@@ -44,6 +44,7 @@ MODULE_ORDER = [
     "strata.torch._checkpoint",  # save_checkpoint / load_checkpoint
     "strata.torch._gathered",  # gathered(): the streamed parameters' values in a with-block
     "strata.torch._offload",  # offload(): validate, plan, build, install, move residents
+    "strata.torch._hf_trainer",  # StrataTrainer: the Hugging Face Trainer without DDP
     "strata.torch",
 ]
 
