@@ -82,6 +82,37 @@ def test_strata_trainer_in_one_process_trains_as_the_trainer_does(tmp_path, offl
     assert_state_close(snapshot(model), snapshot(plain))
 
 
+def test_strata_trainer_with_the_trainers_parameter_groups_trains_as_its_default(
+        tmp_path, offload, one_torch_thread):
+    # optimizer_cls_and_kwargs=(st.AdamW, ...): the Trainer builds strata.torch's AdamW over
+    # its own parameter groups (no weight decay on biases and norms), as it builds
+    # torch.optim.AdamW by default for the plain model.
+    plain = build("llama")
+    expected = run(plain, None, tmp_path / "plain")
+    model = offload(build("llama"))
+    trainer = recording(st.StrataTrainer)(
+        model=model, args=arguments(tmp_path / "strata"),
+        train_dataset=Tokens(STEPS * BATCH * ACCUMULATE, SEQ),
+        optimizer_cls_and_kwargs=(st.AdamW, {"lr": LR}))
+    trainer.train()
+    synchronize(trainer.optimizer)
+    assert sorted({g["weight_decay"] for g in trainer.optimizer.param_groups}) == [0.0, WD]
+    assert_losses_close(trainer.losses, expected.losses)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
+def test_strata_trainer_refuses_torch_optimizers_naming_its_own(tmp_path, offload):
+    # The Trainer's default optimizer (torch.optim.AdamW) cannot update streamed parameters:
+    # refused when the Trainer builds it, before any forward pass.
+    model = offload(build("llama"))
+    trainer = st.StrataTrainer(model=model, args=arguments(tmp_path),
+                               train_dataset=Tokens(STEPS * BATCH * ACCUMULATE, SEQ))
+    with pytest.raises(TypeError, match=r"the optimizer is torch.optim.adamw.AdamW, which cannot "
+                                        r"update the streamed parameters; give the Trainer "
+                                        r"strata.torch's: optimizers=\(strata.torch.AdamW"):
+        trainer.train()
+
+
 def test_strata_trainer_refuses_a_model_that_was_not_offloaded(tmp_path):
     plain = build("llama")
     with pytest.raises(TypeError, match=r"strata.torch.StrataTrainer trains a model offloaded "

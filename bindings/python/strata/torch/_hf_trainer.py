@@ -29,6 +29,7 @@ except ImportError as e:  # pragma: no cover - the message is the test
 
 import torch
 
+from ._optim import _Optimizer
 from ._session import StrataSession
 
 
@@ -45,7 +46,8 @@ def _session(model):
 class StrataTrainer(transformers.Trainer):
     """transformers.Trainer for a model offloaded by strata.torch.offload, data parallel under
     torchrun through the offloaded model's own data parallelism (no DDP). Arguments: the
-    Trainer's. Give it strata.torch's optimizer: optimizers=(strata.torch.AdamW(...), None).
+    Trainer's. Give it strata.torch's optimizer: optimizers=(strata.torch.AdamW(...), None),
+    or optimizer_cls_and_kwargs=(strata.torch.AdamW, {...}) (the Trainer's parameter groups).
 
     Under torchrun, offload the model after the process group exists: after
     TrainingArguments(...) (which initializes it) or torch.distributed.init_process_group()."""
@@ -79,6 +81,20 @@ class StrataTrainer(transformers.Trainer):
                                  evaluation_mode=evaluation_mode or offloaded)
 
         self.accelerator.prepare_model = without_ddp
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if not isinstance(optimizer, _Optimizer):
+            # Given (optimizers=) or the Trainer's default (torch.optim.AdamW): refused here,
+            # before a forward pass would refuse it less plainly.
+            raise TypeError(
+                "strata.torch.StrataTrainer: the optimizer is %s, which cannot update the "
+                "streamed parameters; give the Trainer strata.torch's: optimizers="
+                "(strata.torch.AdamW(model.parameters(), lr=..., weight_decay=...), None), or "
+                "optimizer_cls_and_kwargs=(strata.torch.AdamW, {...}) for the Trainer's own "
+                "parameter groups (no weight decay on biases and norms)" % (
+                    type(optimizer).__module__ + "." + type(optimizer).__qualname__))
+        return optimizer
 
     def _save(self, output_dir=None, state_dict=None):
         if self._strata_data_parallel and state_dict is None:
