@@ -23,7 +23,7 @@ strata.torch.StrataTrainer is first used."""
 
 try:
     import transformers
-except ImportError as e:  # pragma: no cover - the message is the test
+except ImportError as e:  # transformers (and accelerate, which its Trainer needs) are optional
     raise ImportError("strata.torch.StrataTrainer needs the Hugging Face Trainer: pip install "
                       "transformers accelerate (%s)" % e) from e
 
