@@ -66,6 +66,7 @@ MODULE_ORDER = [
     "strata.torch.offloading.residents",  # the model outside the blocks; resident blocks
     "strata.torch.offloading.install",  # host budget, blocks' forwards and hooks, model.strata
     "strata.torch._offload",  # offload(): validate, plan, build, install, move residents
+    "strata.torch._hf_trainer",  # StrataTrainer: the Hugging Face Trainer without DDP
     "strata.torch",
 ]
 

@@ -409,13 +409,18 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
-def entry(argv, log):
-    """A rank started by multiprocessing (the test's forkserver, which imported torch and
-    strata.torch once for all ranks): its output goes to the file `log`."""
+def redirect_output(log):
+    """This process's stdout and stderr to the file `log` (truncated)."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def entry(argv, log):
+    """A rank started by multiprocessing (the test's forkserver, which imported torch and
+    strata.torch once for all ranks): its output goes to the file `log`."""
+    redirect_output(log)
     main(argv)
 
 

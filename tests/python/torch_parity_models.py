@@ -130,6 +130,38 @@ def train(model, opt, data, accumulate=1, clip=None, scheduler=None, zero_grad=T
     return losses, norms
 
 
+class Tokens(torch.utils.data.Dataset):
+    """The Hugging Face Trainer's data: `rows` fixed token sequences of `seq` from a private
+    generator, each a dict with labels = the inputs (causal LM)."""
+
+    def __init__(self, rows, seq=16, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, VOCAB, (rows, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def recording(trainer_class):
+    """The Hugging Face Trainer class `trainer_class` unchanged, but for keeping each
+    micro-batch's loss at full precision in .losses (the logged one is an average rounded to 4
+    digits)."""
+    class Recording(trainer_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.losses = []
+
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            self.losses.append(loss.item())
+            return loss
+
+    return Recording
+
+
 def synchronize(opt):
     """Wait for the optimizer's background updates, where it has any."""
     if hasattr(opt, "synchronize"):

@@ -20,8 +20,9 @@ Lion, Adagrad) is a torch.optim.Optimizer: at step() Strata's CPU optimizer of t
 updates the blocks' fp32 masters while the next forward pass runs, and torch's (Lion: the same
 formula in torch) the resident parameters (embedding, final norm, head).
 Whole-state checkpoints: strata.torch.save_checkpoint / load_checkpoint. The streamed
-parameters' values in a with-block (EMA, logging, writes): strata.torch.gathered. See
-docs/python-guide.md and docs/python-reference.md.
+parameters' values in a with-block (EMA, logging, writes): strata.torch.gathered. The Hugging
+Face Trainer, data parallel under torchrun without DDP: strata.torch.StrataTrainer (imported on
+first use: transformers stays optional). See docs/python-guide.md and docs/python-reference.md.
 
 The names above are the package's surface; its modules are private (a leading underscore, or
 in a folder of one layer: session/, optim/), layered bottom to top as
@@ -35,3 +36,13 @@ from .optim.kinds import Adagrad, Adam, AdamW, Lion, SGD
 
 __all__ = ["offload", "AdamW", "Adam", "SGD", "Lion", "Adagrad", "StreamedGrad",
            "save_checkpoint", "load_checkpoint", "DataParallel", "DataParallelError", "gathered"]
+
+
+def __getattr__(name):
+    # StrataTrainer subclasses transformers.Trainer: transformers is imported only when it is
+    # first used, so strata.torch works without it (and it is not in __all__: a star import
+    # would import transformers).
+    if name == "StrataTrainer":
+        from ._hf_trainer import StrataTrainer
+        return StrataTrainer
+    raise AttributeError("module 'strata.torch' has no attribute %r" % (name,))

@@ -33,6 +33,11 @@ import torch
 DOCS = 'docs/python-guide.md, "Several GPUs (torchrun)"'
 
 DDP = "torch.nn.parallel.DistributedDataParallel"
+# Who builds that DDP most often: transformers.Trainer under torchrun (accelerate's prepare).
+TRAINER = (" The Hugging Face Trainer builds it under torchrun (accelerate's prepare): use "
+           "strata.torch.StrataTrainer in place of transformers.Trainer, the same arguments, "
+           "which trains through offload's own data parallelism (docs/python-guide.md, \"The "
+           "Hugging Face Trainer\").")
 FSDP1 = "torch.distributed.fsdp.FullyShardedDataParallel (FSDP1)"
 DEEPSPEED = "DeepSpeed (deepspeed.initialize's engine)"
 # torch's composable APIs (torch.distributed._composable.contract) that distribute a module,
@@ -51,7 +56,8 @@ def message(wrapper, outcome):
             "block's grads are averaged over the ranks as its backward pass ends). Use no second "
             "distribution layer: strata.torch.offload(model, ...) under torchrun, and "
             "offload(..., data_parallel=strata.torch.DataParallel(group=..., shard_size=...)) "
-            "to choose the process group and the sharding (%s). %s" % (wrapper, DOCS, outcome))
+            "to choose the process group and the sharding (%s).%s %s" % (
+                wrapper, DOCS, TRAINER if wrapper == DDP else "", outcome))
 
 
 UNCHANGED = "Nothing was changed: the model trains as it is, without the wrapper."
