@@ -2,8 +2,8 @@
 # strata.jax's FFI path on a GPU machine: build the FFI library there (the machine's compiler
 # and jaxlib headers), run the JAX tests on the GPU, and bench against resident JAX. Logs and
 # JSON go to $OUT. Stages (arguments, in order; default "tests 1b"):
-#   tests        tests/python/test_jax_{ffi,api,stream}.py (the FFI path, the default)
-#   tests-host   tests/python/test_jax_{api,stream}.py with STRATA_JAX_FFI=0 (the fallback)
+#   tests        tests/python/jax/test_jax_{ffi,api,stream}.py (the FFI path, the default)
+#   tests-host   tests/python/jax/test_jax_{api,stream}.py with STRATA_JAX_FFI=0 (the fallback)
 #   1b           bench/jax_bench.py --model 1b: ffi, ffi-unrolled, resident
 #   1b-host      bench/jax_bench.py --model 1b: hostloop (the host-synchronised loop)
 #   8b           bench/jax_bench.py --model 8b: ffi, resident (which is expected not to fit)
@@ -39,11 +39,13 @@ for stage in "${stages[@]}"; do
   t0=$(date +%s)
   case $stage in
     tests)
-      timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/python/test_jax_ffi.py \
-        tests/python/test_jax_api.py tests/python/test_jax_stream.py > "$OUT/tests.txt" 2>&1 ;;
+      timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/python/jax/test_jax_ffi.py \
+        tests/python/jax/test_jax_api.py tests/python/jax/test_jax_stream.py \
+        > "$OUT/tests.txt" 2>&1 ;;
     tests-host)
       STRATA_JAX_FFI=0 timeout 200 $PY -m pytest -q -rs -p no:cacheprovider \
-        tests/python/test_jax_api.py tests/python/test_jax_stream.py > "$OUT/tests-host.txt" 2>&1 ;;
+        tests/python/jax/test_jax_api.py tests/python/jax/test_jax_stream.py \
+        > "$OUT/tests-host.txt" 2>&1 ;;
     1b)
       timeout 330 $PY bench/jax_bench.py --model 1b --batch 8 --seq 2048 --steps 5 --warmup 2 \
         --modes ffi,ffi-unrolled,resident --timeout 150 --json "$OUT/jax-1b.json" \

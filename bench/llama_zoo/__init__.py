@@ -2,5 +2,6 @@
 strata package): shapes and size presets (shapes), the decoder in PyTorch (torch_llama) and in
 plain jax.numpy (jax_llama), and a strata.jax trainer for the latter (jax_trainer).
 
-Scripts in bench/ import it directly; examples/ and tests/python/ put bench/ on sys.path."""
+Scripts in bench/ import it directly; examples/ put bench/ on sys.path, tests/python has
+it on pytest's pythonpath (pyproject.toml)."""
 from .shapes import LlamaConfig, PRESETS, flops_per_token  # noqa: F401

@@ -908,7 +908,7 @@ TEST_CASE("SIGKILL in the middle of a load leaves the checkpoint whole", "[check
   }
 }
 
-// For tests/python/test_safetensors_compat.py: a small checkpoint with known contents, where
+// For tests/python/core/test_safetensors_compat.py: a small checkpoint with known contents, where
 // STRATA_CHECKPOINT_OUT says (ctest sets it; the Python test reads it with Hugging Face's
 // safetensors). Weights: "embed" f32 [2, 3] = 0..5 and "layers.0.w" bf16 [4] = 1, 2, 3, 4, one
 // SGD step (lr 1, no momentum) with grads of 0.5 applied to the bf16 weight: 0.5, 1.5, ...

@@ -1,9 +1,5 @@
-"""The tests' import path: the model zoo they train (bench/llama_zoo) is not part of the strata
-package, so it comes from the checkout, as in bench/ and examples/."""
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+"""Fixtures every Python suite may use. The import path (tests/python/support, bench/ for the
+model zoo) is pyproject.toml's [tool.pytest.ini_options] pythonpath."""
 
 
 try:

@@ -1,7 +1,7 @@
 """ctypes declarations of libstrata's C ABI (include/strata/strata.h): the structs, in the
 header's field order, and the functions' signatures. Only this module knows the C layout.
 
-Written by hand, checked by machine: the test abi_layout (tests/python/test_abi_layout.py) compares
+Written by hand, checked by machine: the test abi_layout (tests/python/core/test_abi_layout.py) compares
 every struct here, field by field (name, offset, size, type), and the constants below with what
 a C program generated from strata.h prints. Every public struct of the header has its class here,
 named after it (strata_tier_usage_t: TierUsage)."""

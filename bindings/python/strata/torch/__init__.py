@@ -26,7 +26,7 @@ first use: transformers stays optional). See docs/python-guide.md and docs/pytho
 
 The names above are the package's surface; its modules are private (a leading underscore, or
 in a folder of one layer: session/, optim/), layered bottom to top as
-tests/python/test_package_layering.py declares."""
+tests/python/core/test_package_layering.py declares."""
 from ._checkpoint import load_checkpoint, save_checkpoint
 from ._distributed import DataParallel, DataParallelError
 from ._gathered import gathered

@@ -19,7 +19,7 @@ Trainer's: reduction "sum", then the division). The grad of the fp32 logits, (so
 F.linear's backward does. What differs is only the order of the sums: the loss summed per chunk
 then over the chunks, the head's weight grad summed per chunk in fp32 over the chunks and rounded
 to the weight's dtype once (the whole-batch product rounds its own way). The tolerance
-(tests/python/test_torch_chunked_loss.py, against the model's own loss, same seed and data):
+(tests/python/torch/test_torch_chunked_loss.py, against the model's own loss, same seed and data):
 fp32, the loss within 1e-6 relative and every grad within 1e-5 of its tensor's largest
 element; bf16, the loss within 1e-3 relative and every grad within 2e-2 of its scale (a few
 bf16 roundings: 2^-8 = 3.9e-3 is one). Measured on the CPU with tiny Llama, Qwen2, Qwen3,

@@ -94,7 +94,7 @@ def split_master(values):
     """fp32 values as a split master's halves: the bf16 weight (torch's rounding, nearest even)
     and the signed 16-bit rest, computed where the values are (on a GPU: there, during setup).
     The optimizer's kernels (runtime/optimizer/kernels_impl.h, store_split) do the same on the
-    CPU; tests/python/test_torch_offload.py checks the optimizer reads these back as the values.
+    CPU; tests/python/torch/test_torch_offload.py checks the optimizer reads these back as the values.
     A value halfway between two bf16 values that rounded down keeps a rest of 2^15 - 1 (one ulp
     nearer the weight: 2^15 does not fit); a NaN keeps 0."""
     weight = values.to(torch.bfloat16)

@@ -1,5 +1,6 @@
 """strata.torch data parallel (issue 16) on the CPU: ranks are processes under a gloo process
-group, each with its own Strata runtime (host backend), running tests/python/torch_dist_worker.py.
+group, each with its own Strata runtime (host backend), running
+tests/python/support/torch_dist_worker.py.
 
 - 2 ranks x b rows train like plain PyTorch DDP at 2 x b (losses within 1e-6, parameters 2e-6)
   and like one rank at 2b rows (losses within 1e-6; parameters within 1e-5, because DDP itself

@@ -221,7 +221,7 @@ def test_main_job_starts_from_a_checkpoint(tmp_path):
         for p in model.parameters():
             p.zero_()
     save_model(model, str(tmp_path / "model.safetensors"))
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[3]
     out = subprocess.run(
         [sys.executable, str(root / "examples" / "train.py"), "--model", "tiny", "--steps", "2",
          "--batch", "2", "--seq", "16", "--device", "cpu", "--weights", str(tmp_path)],

@@ -27,7 +27,7 @@ pytest.importorskip("yaml")
 from strata.train import config, data, loop  # noqa: E402
 from strata.train.metrics import read as read_metrics  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 DEFAULT = config.DEFAULT_DIR
 FAST = ["--threads", "1", "--seq-len", "64", "--device", "cpu"]
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import strata.jax as sj  # noqa: E402
 from strata.jax import _ffi  # noqa: E402
-import test_jax_api as api  # noqa: E402
+import jax_parity_models as api  # noqa: E402 (the models test_jax_api.py trains too)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # Two different programs of the same arithmetic (one XLA program against per-layer ones, or

@@ -1,4 +1,4 @@
-"""One rank of tests/python/test_torch_trainer_distributed.py: the Hugging Face Trainer over the
+"""One rank of tests/python/torch/distributed/test_torch_trainer_distributed.py: the Hugging Face Trainer over the
 tiny Hugging Face Llama of torch_parity_models, on the CPU, as a torchrun script writes it:
 torchrun's environment variables (set here), then TrainingArguments (accelerate creates the
 gloo process group from them), then the model. --mode strata: st.offload and st.AdamW under

@@ -12,6 +12,8 @@ import pytest
 from strata import atomic_dir
 from strata.errors import InvalidArgument, NotFound
 
+from atomic_crash import crash_before_commit, crash_between_renames
+
 
 def test_staging_begin_commit_resolve(tmp_path):
     path = tmp_path / "deep" / "ckpt"
@@ -34,33 +36,16 @@ def test_staging_begin_commit_resolve(tmp_path):
         atomic_dir.resolve(tmp_path / "file")
 
 
-def crash_before_commit(path):
-    """A save that died while writing: its staging directory, half written."""
-    staging = atomic_dir.begin(path)
-    with open(os.path.join(staging, "half-written"), "w") as f:
-        f.write("junk")
-    return staging
-
-
-def crash_between_renames(path):
-    """A save that died between the two renames: the previous checkpoint moved aside to
-    "<path>.old", the new one still in staging."""
-    staging = crash_before_commit(path)
-    os.rename(path, str(path) + ".old")
-    assert not os.path.exists(path) and os.path.isdir(staging)
-
-
 @pytest.mark.parametrize("crash", [crash_before_commit, crash_between_renames])
 def test_torch_load_after_a_crash_is_the_previous_checkpoint(crash, offload, tmp_path):
     pytest.importorskip("transformers")
     import strata.torch as st
-    from torch_parity_models import (assert_state_close, batches, build, snapshot,
+    from torch_parity_models import (LR, WD, assert_state_close, batches, build, snapshot,
                                      synchronize, train)
-    from test_torch_parity import strata_adamw
 
     data = batches(2)
     model = offload(build("llama"))
-    opt = strata_adamw(model.parameters())
+    opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     train(model, opt, data[:1])
     path = tmp_path / "ckpt"
     st.save_checkpoint(str(path), model, opt)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 _FENCE = re.compile(r"^(```|~~~)")
 # [text](target) and ![alt](target), the target up to whitespace or ')' (an optional "title"

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "bindings" / "python"))
 
 from strata import _lib, core, step_plan  # noqa: E402
@@ -192,4 +192,4 @@ def test_status_names_and_version_come_from_the_library(header):
     assert strata.__version__ == strata.version() == version
     assert _lib.lib.strata_version() == c["STRATA_VERSION_NUMBER"]
     # The package's version is strata.h's by construction (pyproject.toml's regex provider):
-    # tests/python/test_library_loading.py checks the regex.
+    # tests/python/core/test_library_loading.py checks the regex.

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 BENCH = ROOT / "bench" / "dist_bench.py"
 
 import dist_bench  # noqa: E402 (bench/ is on the path: conftest.py)

@@ -18,7 +18,7 @@ import pytest
 import strata
 import strata.core
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "bindings" / "python" / "strata"
 REPORT = """
 import json

@@ -10,7 +10,7 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 
 import strata.jax as sj  # noqa: E402
-import test_jax_api as api  # noqa: E402
+import jax_parity_models as api  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # Thresholds below and far above the tiny Llama's global grad norms (the cases assert which side

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 import megatrain_stub  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 BENCH = ROOT / "bench" / "train_bench.py"
 
 # MegaTrain's API as bench/megatrain_peer.py drives it (megatrain_stub's package and

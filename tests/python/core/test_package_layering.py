@@ -8,7 +8,7 @@ import ast
 import pathlib
 import shutil
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "bindings" / "python" / "strata"
+PACKAGE = pathlib.Path(__file__).resolve().parents[3] / "bindings" / "python" / "strata"
 
 # Bottom to top. strata._lib and strata.core (the ctypes layer over the C ABI) are below the
 # whole package; strata.torch itself (its __init__, the public surface) is its top.

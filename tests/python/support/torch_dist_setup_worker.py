@@ -1,4 +1,5 @@
-"""One rank of the data-parallel set-up tests (tests/python/test_torch_distributed_setup.py):
+"""One rank of the data-parallel set-up tests
+(tests/python/torch/distributed/test_torch_distributed_setup.py):
 offloads the tiny Llama-style model on the CPU under a gloo process group, with a fault on one
 rank (--fault) or not, and writes what it saw to <--out>.rank<r> (JSON): the error offload
 raised and how long it took, who measured the disk and what rates each rank's placement

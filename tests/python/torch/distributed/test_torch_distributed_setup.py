@@ -1,5 +1,5 @@
 """strata.torch data parallel's set-up (issue 39) on the CPU: ranks are processes under a gloo
-process group running tests/python/torch_dist_setup_worker.py.
+process group running tests/python/support/torch_dist_setup_worker.py.
 
 - A rank whose set-up fails alone (an argument of offload, its host_budget, its runtime, the
   disk's measurement, the move of the model to its device) stops every rank at once: the

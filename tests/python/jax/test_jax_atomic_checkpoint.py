@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("optax")
 
-import test_jax_api as api  # noqa: E402
-from test_atomic_dir import crash_before_commit, crash_between_renames  # noqa: E402
+import jax_parity_models as api  # noqa: E402
+from atomic_crash import crash_before_commit, crash_between_renames  # noqa: E402
 
 
 @pytest.mark.parametrize("crash", [crash_before_commit, crash_between_renames])

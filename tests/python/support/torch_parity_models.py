@@ -1,4 +1,5 @@
-"""Models, data, loops and comparisons shared by test_torch_parity.py.
+"""Models, data, loops and comparisons shared by the strata.torch suites (torch/), first of all
+test_torch_parity.py.
 
 Small Hugging Face configs (built from config objects: nothing is downloaded), fixed data from
 its own generator (so data never consumes the global RNG that dropout uses), one training loop
@@ -173,6 +174,14 @@ def snapshot(model):
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+def plain_run(model, data, params=None, opt_kwargs=None, **loop):
+    """Plain PyTorch: torch.optim.AdamW over params(model) (default model.parameters())."""
+    opt = plain_adamw(model.parameters() if params is None else params(model),
+                      **(opt_kwargs or {}))
+    losses, norms = train(model, opt, data, **loop)
+    return losses, norms, snapshot(model)
+
+
 def deepcopy(obj):
     return copy.deepcopy(obj)
 
@@ -234,3 +243,18 @@ def assert_grad_close(name, got, expected, rtol=1e-6):
     scale = expected.abs().max().item()
     diff = (got - expected).abs().max().item()
     assert diff <= rtol * scale + 1e-12, "%s: max diff %.3g, grad scale %.3g" % (name, diff, scale)
+
+
+class StatefulBlock(torch.nn.Module):
+    """A block whose forward changes its buffers: BatchNorm's running statistics, and a call
+    counter it also computes with."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width, bias=False)
+        self.bn = torch.nn.BatchNorm1d(width)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return x + torch.tanh(self.bn(self.lin(x))) * (1 + 0.1 * self.calls)

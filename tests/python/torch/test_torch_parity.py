@@ -18,9 +18,9 @@ import strata.core  # noqa: E402
 import strata.torch as st  # noqa: E402
 
 from torch_parity_models import (  # noqa: E402
-    DEVICE, ARCHS, LR, PARAM_ATOL, WD, assert_grad_close, assert_losses_close,
+    DEVICE, ARCHS, LR, PARAM_ATOL, WD, StatefulBlock, assert_grad_close, assert_losses_close,
     assert_state_close, batches, blocks_of, build, config, deepcopy, model_class, plain_adamw,
-    snapshot, synchronize, train)
+    plain_run, snapshot, synchronize, train)
 
 transformers.logging.set_verbosity_error()
 
@@ -44,14 +44,6 @@ def one_torch_thread():
 
 def strata_adamw(params, **kwargs):
     return st.AdamW(params, **{"lr": LR, "weight_decay": WD, **kwargs})
-
-
-def plain_run(model, data, params=None, opt_kwargs=None, **loop):
-    """Plain PyTorch: torch.optim.AdamW over params(model) (default model.parameters())."""
-    opt = plain_adamw(model.parameters() if params is None else params(model),
-                      **(opt_kwargs or {}))
-    losses, norms = train(model, opt, data, **loop)
-    return losses, norms, snapshot(model)
 
 
 def strata_run(offload, model, data, params=None, opt_kwargs=None, **loop):
@@ -1033,21 +1025,6 @@ def test_written_grads_read_back(offload):
         # agree within 1e-6 of their scale (a recomputed block sums in another order), so the
         # norms within 1e-5.
         assert_losses_close([got[name].grad.norm().item()], [p.grad.norm().item()], rtol=1e-5)
-
-
-class StatefulBlock(torch.nn.Module):
-    """A block whose forward changes its buffers: BatchNorm's running statistics, and a call
-    counter it also computes with."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.lin = torch.nn.Linear(width, width, bias=False)
-        self.bn = torch.nn.BatchNorm1d(width)
-        self.register_buffer("calls", torch.zeros(()))
-
-    def forward(self, x):
-        self.calls += 1
-        return x + torch.tanh(self.bn(self.lin(x))) * (1 + 0.1 * self.calls)
 
 
 class StatefulNet(torch.nn.Module):

@@ -1,8 +1,9 @@
-"""One rank of the data-parallel tests (tests/python/test_torch_distributed.py): trains the tiny
-Llama-style model on the CPU through strata.torch under a gloo process group (or through plain
-PyTorch DDP), on its slice of every step's batch, and rank 0 writes the losses (averaged over
-the ranks) and the final parameters to --out. --fail makes the last rank fail mid-step; --nvme
-gives every rank an NVMe tier (--host-budget: how much of its state stays in DRAM)."""
+"""One rank of the data-parallel tests (tests/python/torch/distributed/test_torch_distributed.py):
+trains the tiny Llama-style model on the CPU through strata.torch under a gloo process group
+(or through plain PyTorch DDP), on its slice of every step's batch, and rank 0 writes the
+losses (averaged over the ranks) and the final parameters to --out. --fail makes the last rank
+fail mid-step; --nvme gives every rank an NVMe tier (--host-budget: how much of its state stays
+in DRAM)."""
 import argparse
 import datetime
 import os
@@ -13,8 +14,6 @@ import time
 import torch
 import torch.distributed as dist
 
-# The model zoo (bench/llama_zoo), as tests/python/conftest.py puts it on the path.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 
 
 def batches(config, steps, rows, seq, seed=0):
@@ -425,4 +424,8 @@ def entry(argv, log):
 
 
 if __name__ == "__main__":
+    # Run by hand: the model zoo (bench/llama_zoo), which pyproject.toml's pytest pythonpath
+    # gives the ranks forked under pytest.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
+                                    "bench"))
     sys.exit(main())

@@ -349,7 +349,7 @@ def test_measuring_leaves_the_buffers_alone():
     counter, BatchNorm's num_batches_tracked): measuring put them one step ahead, and the
     block trained differently on CUDA (found by the buffer parity test there). They are put
     back after it."""
-    from test_torch_parity import StatefulBlock
+    from torch_parity_models import StatefulBlock
     block = StatefulBlock(16)
     keeper = ActivationKeeper(torch.device("cpu"), [block])
     keeper.enabled = True
@@ -512,7 +512,7 @@ def streamed_run(offload, base, data, keep, resident=0, keep_resident=None, spil
     selectively (None: as on the CPU by default, they recompute), `keep_resident` resident
     blocks forced to keep selectively: (losses, norms, state, costly ops run, placement)."""
     import strata.torch as st
-    from test_torch_parity import LR, WD
+    from torch_parity_models import LR, WD
     from torch_parity_models import deepcopy, snapshot, synchronize, train
     model = offload(deepcopy(base), resident_blocks=resident, spill_checkpoints=spill)
     if keep is not None:
@@ -538,7 +538,7 @@ def test_streamed_blocks_keeping_selectively_train_bit_identically(arch, residen
     resident block keeping selectively too, and with their checkpoints spilled to host memory;
     their backward pass runs none of those ops again; and the training equals plain PyTorch's
     in fp32."""
-    from test_torch_parity import plain_run
+    from torch_parity_models import plain_run
     from torch_parity_models import assert_losses_close, assert_state_close, batches, build
     dropout = 0.1 if arch == "gpt2" else 0.0
     base = build(arch, dropout=dropout, layers=4)
