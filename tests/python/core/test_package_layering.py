@@ -16,6 +16,7 @@ MODULE_ORDER = [
     "strata._lib",
     "strata.errors",
     "strata.host_buffers",  # the runtime's host buffers under its one host budget
+    "strata.atomic_dir",  # the runtime's atomic checkpoint directory
     "strata.core",
     "strata.step_plan",  # the library's step-memory plan (strata_step_plan_*), any framework
     "strata.atomic_dir",  # the library's atomic checkpoint directories, any framework
@@ -37,6 +38,9 @@ MODULE_ORDER = [
     "strata.torch._activations",  # which blocks keep their activations (the plan's, executed)
     "strata.torch._planning",  # sizing: budgets, resident blocks, the NVMe placement check
     "strata.torch._regenerate",  # block inputs dropped and regenerated (checkpoint groups)
+    "strata.torch._spill_pool",  # the spilled checkpoints' host buffers
+    "strata.torch._spill_plan",  # what strata.torch measures for the checkpoint-homes plan
+    "strata.torch._spill_report",  # what the spiller says in placement() and OOM notes
     "strata.torch._spill",  # block checkpoints spilled to host memory when the device is short
     "strata.torch._streamed",  # a streamed parameter's place in Strata; filling tensors
     "strata.torch._layout",  # where parameters live: whole on one process, or sharded
@@ -84,6 +88,7 @@ CORE_ORDER = [
     "strata._runtime",  # Runtime, Tensor
     "strata._streaming",  # Executor, Optimizer
     "strata.host_buffers",  # the runtime's host buffers under its one host budget
+    "strata.atomic_dir",  # the runtime's atomic checkpoint directory
     "strata.core",
     "strata.step_plan",
     "strata",

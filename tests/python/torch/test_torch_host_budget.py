@@ -394,10 +394,10 @@ def test_the_spill_pool_refuses_what_the_budget_lacks():
     """A buffer beyond what host_budget leaves is refused (its block keeps its checkpoint),
     counted apart from the host's own refusals; a buffer replaced by a larger one gives its
     room back first."""
-    from strata.torch import _spill
+    from strata.torch import _spill_pool
     from strata.torch._planning import HostBudget
     budget = HostBudget(_runtime(), ARENA + 3 * PAGE)
-    pool = _spill.HostPool(budget=budget)
+    pool = _spill_pool.HostPool(budget=budget)
     budget.add("spilled checkpoints", pool)
     assert pool.reserve(0, PAGE) and pool.reserve(1, PAGE)
     assert not pool.reserve(2, PAGE + 1) and pool.over_budget == 1 and pool.refused == 0
@@ -414,11 +414,11 @@ def test_the_spill_pool_refuses_what_the_machine_lacks():
     the machine's memory available, is refused as the host's, not the budget's, and the note
     names the reserve."""
     from strata import host_buffers
-    from strata.torch import _spill
+    from strata.torch import _spill_pool
     from strata.torch._planning import HostBudget
     rt = _runtime()
     budget = HostBudget(rt, 1 << 62)
-    pool = _spill.HostPool(budget=budget)
+    pool = _spill_pool.HostPool(budget=budget)
     too_big = host_buffers.usage(rt)["available"] + PAGE
     assert not pool.reserve(0, too_big)
     assert (pool.refused, pool.over_budget, pool.last_refusal) == (1, 0, "host")

@@ -29,8 +29,8 @@ except ImportError as e:  # transformers (and accelerate, which its Trainer need
 
 import torch
 
-from ._optim import _Optimizer
-from ._session import StrataSession
+from .optim.base import StrataOptimizer
+from .session.session import StrataSession
 
 
 def _session(model):
@@ -84,7 +84,7 @@ class StrataTrainer(transformers.Trainer):
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        if not isinstance(optimizer, _Optimizer):
+        if not isinstance(optimizer, StrataOptimizer):
             # Given (optimizers=) or the Trainer's default (torch.optim.AdamW): refused here,
             # before a forward pass would refuse it less plainly.
             raise TypeError(

@@ -58,17 +58,14 @@ device itself: the automatic mode then spills nothing (it would save no memory),
 out-of-memory error says to turn it off (streamed blocks recompute already); True spills
 anyway (the same values)."""
 
-import contextlib
 import time
 
 import torch
 
-from . import _planning
-from .. import host_buffers, step_plan
-from . import _step
-from ._measure import measure
+from .. import step_plan
+from . import _spill_plan, _spill_report
 from ._regenerate import Regenerated, Regenerator, signature
-from ._replay import ForwardState, without_forward_hooks
+from ._spill_pool import HostPool
 
 # What the forward pass's start may grow by, as a fraction of the device, before the decision
 # is made again.
@@ -87,90 +84,6 @@ def hidden_of(args, kwargs):
             return a
     h = kwargs.get("hidden_states")
     return h if torch.is_tensor(h) and h.dim() >= 2 else None
-
-
-class HostPool:
-    """The host buffers of spilled checkpoints, one per block position, reused from step to
-    step: buffers of the session's runtime (strata.h "Host buffers"), charged against its host
-    budget (`budget`: the session's strata.torch._planning.HostBudget) and pinned by it on
-    CUDA (ordinary memory on the CPU). Without a budget (a pool outside a session, as the
-    tests make one) its buffers are torch's own unpinned memory, counted by nobody."""
-
-    def __init__(self, budget=None):
-        self.budget = budget
-        self.buffers = {}  # position -> uint8 tensor over its host buffer (keeping it alive)
-        self.charged = {}  # position -> the bytes its buffer is charged
-        self.refused = 0  # buffers refused for lack of host memory
-        self.over_budget = 0  # buffers refused because host_budget had no room left
-        self.wanted = 0  # the bytes of the last buffer refused for the budget
-        self.last_refusal = None  # why the last refusal: "host" or "budget"
-
-    @property
-    def nbytes(self):
-        return sum(b.numel() for b in self.buffers.values())
-
-    @property
-    def host_bytes(self):
-        """What a HostBudget counts: the buffers' charges."""
-        return sum(self.charged.values())
-
-    def holds(self, position, nbytes):
-        buf = self.buffers.get(position)
-        return buf is not None and buf.numel() >= nbytes
-
-    def reserve(self, position, nbytes):
-        """Buffer `position` holds at least `nbytes`; False when the host budget has no room
-        for it (the runtime's figure) or the machine would keep less than its reserve
-        available (the runtime's rule)."""
-        if self.holds(position, nbytes):
-            return True
-        self.release(position)
-        if self.budget is None:  # outside a session: torch's own memory, counted by nobody
-            self.buffers[position] = torch.empty(nbytes, dtype=torch.uint8)
-            self.charged[position] = nbytes
-            return True
-        buf, why = self.budget.allocate(nbytes, "spilled checkpoint %d" % position)
-        if buf is None:
-            if why == "budget":
-                self.wanted = nbytes
-            return self._refuse(why)
-        self.buffers[position] = _planning.tensor(buf)
-        self.charged[position] = buf.charged
-        return True
-
-    def host_refusal(self):
-        """Why the host refused a buffer, for messages: the runtime's reserve rule."""
-        if self.budget is None:
-            return "no host budget to take them from"
-        return ("less than the runtime's reserve of the machine's memory, %.2f GiB, would have "
-                "stayed available, or the memory could not be pinned"
-                % (self.budget.reserve() / (1 << 30)))
-
-    def _refuse(self, why):
-        if why == "budget":
-            self.over_budget += 1
-        else:
-            self.refused += 1
-        self.last_refusal = why
-        return False
-
-    def view(self, position, t):
-        """Buffer `position` as a tensor of t's shape and dtype (None when there is none or it
-        is too small)."""
-        buf = self.buffers.get(position)
-        nbytes = t.numel() * t.element_size()
-        if buf is None or buf.numel() < nbytes:
-            return None
-        return buf[:nbytes].view(t.dtype).view(t.shape)
-
-    def release(self, position):
-        """Let go of buffer `position`: the runtime frees it once no view of it is left."""
-        self.buffers.pop(position, None)
-        self.charged.pop(position, None)
-
-    def close(self):
-        for position in list(self.buffers):
-            self.release(position)
 
 
 class _Spilled:
@@ -284,7 +197,7 @@ class Spiller:
         tokens = hidden.numel() // hidden.shape[-1]
         nbytes = hidden.numel() * hidden.element_size()
         if self.mode is True:
-            self._take(self._forced(tokens, nbytes) if self.forced_group else None, nbytes)
+            self._take(_spill_plan.forced_plan(self, tokens, nbytes) if self.forced_group else None, nbytes)
             self.tokens = tokens
             return
         if not self.cuda:
@@ -309,60 +222,9 @@ class Spiller:
         self.decide_seconds += time.perf_counter() - started
 
     def plan(self, run, block, args, kwargs, tokens, nbytes, base):
-        """The library's step plan of checkpoint homes for this batch (strata.step_plan): from
-        what torch holds as the forward pass begins (`base`), the grads the backward pass will
-        allocate, how the blocks keep now (their measured bytes), one block's saved bytes at
-        this batch (measured on fake tensors), the loss's head and chunk, and the optimizer
-        state leaving the device before the loss (strata.torch._paging)."""
-        keeper = self.keeper
-        saved = self._block_saved(run, block, args, kwargs, tokens)
-        head = getattr(self.head, "weight", None)
-        vocab, hidden = (head.shape if torch.is_tensor(head) and head.dim() == 2 else (0, 0))
-        loss = self.chunked_loss
-        chunked = loss is not None and loss.enabled and bool(loss.chunk_tokens)
-        blocks = keeper.profile_blocks(tokens)
-        missing = self.positions - len(blocks)  # (a keeper of no blocks: tests, tools)
-        blocks += [step_plan.Block(1, residency="streamed")] * max(0, missing)
-        return step_plan.plan_step(
-            blocks[:self.positions], plan_checkpoints=True, tokens=tokens, checkpoint_bytes=nbytes,
-            block_saved_bytes=saved or 0, block_saved_measured=saved is not None,
-            in_use_bytes=base, backward_grad_bytes=self._grad_bytes(),
-            leaving_bytes=self.leaving(), vocab=vocab, hidden=hidden,
-            loss_chunked=chunked, loss_chunk_tokens=loss.chunk_tokens if chunked else 0,
-            host_room_bytes=self._host_room(), max_group_blocks=self._max_group(),
-            **_step.device_figures(self.device))
-
-    def _max_group(self):
-        """What this session can regenerate from one checkpoint: only streamed blocks are
-        grouped (the plan's rule), and none inside torch.utils.checkpoint, which keeps every
-        input anyway."""
-        return 1 if self.inside_checkpoint else self.max_group
-
-    def _host_room(self):
-        """Host memory the spilled checkpoints may take: the runtime's room in host_budget and
-        what the machine can give beside the reserve it keeps available (the runtime's rules),
-        plus the buffers held now (unbounded without a budget: a pool outside a session)."""
-        budget = self.pool.budget
-        if budget is None:
-            return (1 << 64) - 1
-        usage = host_buffers.usage(budget.runtime)
-        room = usage["room"]
-        if usage["available"]:
-            room = min(room, max(0, usage["available"] - usage["reserve"]))
-        return room + self.pool.host_bytes
-
-    def _forced(self, tokens, nbytes):
-        """spill_checkpoints=True with forced_group k: the library's groups of k at this
-        batch (checkpoint_group_blocks, the user's size), every group's checkpoint spilled."""
-        blocks = self.keeper.profile_blocks(tokens)
-        blocks += [step_plan.Block(1, residency="streamed")] * max(0, self.positions - len(blocks))
-        plan = step_plan.plan_step(
-            blocks[:self.positions], plan_checkpoints=True, tokens=tokens, checkpoint_bytes=nbytes,
-            device_total_bytes=1 << 30, device_free_bytes=0, in_use_bytes=1 << 30,
-            checkpoint_group_blocks=self.forced_group)
-        for b in plan.blocks:
-            b["checkpoint"] = "dram"
-        return plan
+        """The library's step plan of checkpoint homes for this batch (strata.torch._spill_plan
+        builds its profile)."""
+        return _spill_plan.checkpoint_plan(self, run, block, args, kwargs, tokens, nbytes, base)
 
     def _take(self, plan, nbytes):
         """The plan's checkpoint homes and groups taken (None: nothing spills, or, with
@@ -393,28 +255,6 @@ class Spiller:
                 self.stopped_by = self.pool.last_refusal
                 return n
         return len(positions)
-
-    def _block_saved(self, run, block, args, kwargs, tokens):
-        """What one block saves for its backward (its recompute) at this batch, measured on
-        fake tensors once per batch size (None: it cannot be measured)."""
-        if tokens not in self.measured:
-            state = ForwardState(block)
-            try:
-                # A prediction, not a forward pass of the model's: the user's hooks do not see
-                # it (they would count it, or record fake tensors).
-                with without_forward_hooks(block):
-                    measured = measure(run, args, kwargs, self.device,
-                                       list(block.parameters()))
-            finally:
-                state.restore_buffers()
-            self.measured = {tokens: None if measured is None else measured[0]}
-        return self.measured[tokens]
-
-    def _grad_bytes(self):
-        """The grads the backward pass will allocate on the device: trainable parameters
-        outside the streamed blocks (resident blocks, embedding, head) that hold none now."""
-        return sum(p.numel() * p.element_size() for p in self.model_params
-                   if p.requires_grad and p.grad is None and p.device == self.device)
 
     # --- the copies ---------------------------------------------------------------------------
 
@@ -539,52 +379,13 @@ class Spiller:
         ready.record(side)
         record.restored, record.ready = t, ready
 
-    def _budget_short(self):
-        """Whether host_budget left no room for some of the buffers the decision wanted."""
-        return self.stopped_by == "budget" and self.count < self.wanted
-
     def describe(self):
-        """'N of M block checkpoints spilled to host memory (X GiB)', what host_budget kept
-        from spilling, or ''."""
-        if self.count <= 0 and not self._budget_short():
-            return ""
-        if self.inside_checkpoint:
-            return ("block checkpoints kept on the device (the blocks run inside "
-                    "torch.utils.checkpoint, which keeps their inputs there)")
-        said = "%d of %d block checkpoints spilled to host memory (%.2f GiB)" % (
-            self.count, self.positions, self.host_bytes / (1 << 30))
-        if self._budget_short():
-            return said + ("; %d more kept on the device: host_budget has no room for them "
-                           "(%.2f GiB left of it, %.2f GiB a checkpoint)%s"
-                           % (self.wanted - self.count, self.pool.budget.room() / (1 << 30),
-                              self.pool.wanted / (1 << 30),
-                              "" if self.fits else ", the step predicted short"))
-        return said + ("" if self.fits else ", the step predicted short even so")
+        """placement()'s line about the block checkpoints (strata.torch._spill_report)."""
+        return _spill_report.describe(self)
 
     def note(self):
         """What an out-of-memory error of the step is told, or None."""
-        if self._budget_short():
-            return ("strata.torch: host_budget had room for %d of the %d block checkpoints "
-                    "the step needed spilled to host memory (%.2f GiB of it left, %.2f GiB a "
-                    "checkpoint): the others stayed on the device; raise host_budget (or pass "
-                    "a smaller resident_blocks, or a smaller batch)"
-                    % (self.count, self.wanted, self.pool.budget.room() / (1 << 30),
-                       self.pool.wanted / (1 << 30)))
-        if self.pool.refused:
-            return ("strata.torch: %d block checkpoint buffer(s) of host memory were refused "
-                    "(%s): those checkpoints stayed on the device"
-                    % (self.pool.refused, self.pool.host_refusal()))
-        if self.count and self.inside_checkpoint:
-            return ("strata.torch: the blocks run inside torch.utils.checkpoint (Hugging Face "
-                    "gradient_checkpointing_enable), which keeps each block's input on the "
-                    "device, so their checkpoints were not spilled to host memory: streamed "
-                    "blocks recompute already; model.gradient_checkpointing_disable() lets "
-                    "them spill")
-        if self.count and not self.fits:
-            return ("strata.torch: %d block checkpoints were spilled to host memory and the "
-                    "step was predicted short even so: pass a smaller resident_blocks, or a "
-                    "smaller batch" % self.count)
-        return None
+        return _spill_report.note(self)
 
 
 def _inside_checkpoint():
