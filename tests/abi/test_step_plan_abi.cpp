@@ -47,6 +47,9 @@ TEST_CASE("step plan: inits set struct_size and the documented defaults", "[abi]
   CHECK(p.flags == 0);
   CHECK(p.ranks_on_host == 1);
   CHECK(p.beside_bytes == 0);
+  CHECK(p.host_room_bytes == UINT64_MAX);
+  CHECK(p.max_group_blocks == 1);
+  CHECK(p.checkpoint_group_blocks == 0);
   strata_step_block_t b;
   std::memset(&b, 0xab, sizeof b);
   REQUIRE(strata_step_block_init(&b) == STRATA_OK);
@@ -269,4 +272,71 @@ TEST_CASE("step plan: every refusal the header lists, nothing written", "[abi]")
   CHECK(strata_step_plan_get_info(nullptr, &info) == STRATA_ERROR_INVALID_ARGUMENT);
   CHECK(strata_step_plan_dump(nullptr, STRATA_PLAN_FORMAT_TEXT, nullptr, 0, nullptr) ==
         STRATA_ERROR_INVALID_ARGUMENT);
+}
+
+TEST_CASE("step plan: checkpoint groups through the ABI", "[abi]") {
+  // 16 streamed blocks, 1 GiB checkpoints, a device whose room holds few of them and a host
+  // whose room holds 6: one checkpoint per block fits neither, groups of 3 do.
+  constexpr uint64_t GB = uint64_t{1} << 30;
+  Profile q(16);
+  for (auto& b : q.blocks) b.residency = STRATA_RESIDENCY_STREAMED;
+  q.profile.flags = STRATA_STEP_PLAN_CHECKPOINTS | STRATA_STEP_BLOCK_SAVED_MEASURED;
+  q.profile.device_total_bytes = q.profile.device_free_bytes = 40 * GB;
+  q.profile.tokens = 1024;
+  q.profile.checkpoint_bytes = GB;
+  q.profile.block_saved_bytes = 4 * GB;
+  q.profile.in_use_bytes = 24 * GB;
+  q.profile.host_room_bytes = 6 * GB;
+  const auto plan = [&] {
+    strata_step_plan_t* made = nullptr;
+    REQUIRE(strata_step_plan_create(&q.profile, &made) == STRATA_OK);
+    return made;
+  };
+  strata_step_plan_info_t info;
+  info.struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE;
+  // The default max_group_blocks (1): every block keeps its own, the step short.
+  strata_step_plan_t* made = plan();
+  REQUIRE(strata_step_plan_get_info(made, &info) == STRATA_OK);
+  CHECK(info.checkpoint_group_blocks == 1);
+  CHECK(info.fits == 0);
+  CHECK(info.spilled_checkpoint_bytes <= 6 * GB);
+  strata_step_plan_destroy(made);
+  // A binding that regenerates: groups of 3, every group's checkpoint in host memory.
+  q.profile.max_group_blocks = 4;
+  made = plan();
+  REQUIRE(strata_step_plan_get_info(made, &info) == STRATA_OK);
+  CHECK(info.checkpoint_group_blocks == 3);
+  CHECK(info.fits == 1);
+  CHECK(info.spilled_checkpoints == 6);
+  CHECK(info.spilled_checkpoint_bytes == 6 * GB);
+  for (uint32_t i = 0; i < 16; ++i) {
+    strata_step_block_t b;
+    b.struct_size = STRATA_STEP_BLOCK_STRUCT_SIZE;
+    REQUIRE(strata_step_plan_get_block(made, i, &b) == STRATA_OK);
+    CHECK(b.group_start == i / 3 * 3);
+    CHECK(b.checkpoint_tier == (b.group_start == i ? STRATA_TIER_DRAM : STRATA_TIER_HBM));
+  }
+  std::size_t length = 0;
+  REQUIRE(strata_step_plan_dump(made, STRATA_PLAN_FORMAT_TEXT, nullptr, 0, &length) == STRATA_OK);
+  std::string text(length + 1, '\0');
+  REQUIRE(strata_step_plan_dump(made, STRATA_PLAN_FORMAT_TEXT, text.data(), text.size(), nullptr) ==
+          STRATA_OK);
+  CHECK(text.find("one per group of 3") != std::string::npos);
+  strata_step_plan_destroy(made);
+  // The user's size, whatever fits.
+  q.profile.checkpoint_group_blocks = 5;
+  made = plan();
+  REQUIRE(strata_step_plan_get_info(made, &info) == STRATA_OK);
+  CHECK(info.checkpoint_group_blocks == 5);
+  strata_step_plan_destroy(made);
+  // Above 16384: refused, naming the field.
+  q.profile.checkpoint_group_blocks = 16385;
+  strata_step_plan_t* none = nullptr;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(none == nullptr);
+  CHECK(last_error().find("checkpoint_group_blocks") != std::string::npos);
+  q.profile.checkpoint_group_blocks = 0;
+  q.profile.max_group_blocks = 16385;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("max_group_blocks") != std::string::npos);
 }
