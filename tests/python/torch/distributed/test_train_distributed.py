@@ -21,7 +21,7 @@ if not torch.distributed.is_available():
 from strata.train import config, loop  # noqa: E402
 from strata.train.metrics import read as read_metrics  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+ROOT = pathlib.Path(__file__).resolve().parents[4]
 
 
 def free_port():
