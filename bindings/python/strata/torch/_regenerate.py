@@ -23,6 +23,8 @@ group's working set. The block's update has not run yet (it follows its own back
 are the weights its forward pass used."""
 
 import contextlib
+import ctypes
+import math
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -78,19 +80,27 @@ class Rerun:
 
 
 def bind_weights(session, index):
-    """Block `index`'s parameters on device copies of its weights: from the pinned DRAM home
-    asynchronously where the weight has one (DLPack), else as strata.torch's evaluation loads
-    them (synchronously)."""
+    """Block `index`'s parameters on device copies of its weights: from their pinned DRAM home
+    asynchronously on the compute stream (its address, strata_tensor_data_pointer: torch's
+    DLPack import takes no kDLCUDAHost), else as strata.torch's evaluation loads them
+    (synchronously: a weight on NVMe, a sharded layout)."""
     copies = []
+    itemsize = torch.empty(0, dtype=session.dtype).element_size()
     for sp in session.layers[index]:
+        nbytes = math.prod(sp.shape) * itemsize
         try:
-            host = torch.from_dlpack(sp.weight)
-        except Exception:  # on NVMe, or a layout without a plain DRAM home: the general path
+            address = sp.weight.data_pointer() if session.mesh is None else None
+        except Exception:  # on NVMe (no address): the general path
+            address = None
+        if address is None or sp.weight.nbytes < nbytes:
             session.layout.load_block(index)
             return
-        copies.append((sp, host))
+        raw = (ctypes.c_char * nbytes).from_address(address)
+        copies.append((sp, torch.frombuffer(raw, dtype=torch.uint8)))
     for sp, host in copies:
-        sp.param.data = host.view(sp.shape).to(session.device, non_blocking=True)
+        values = host.view(session.dtype).view(sp.shape)
+        sp.param.data = values.to(session.device, non_blocking=True) if session.cuda \
+            else values.clone()
 
 
 def rerun_for(session, index, ctx, leaves, spec, positions, hidden, out_leaves, state):
