@@ -49,7 +49,15 @@ MODULE_ORDER = [
     "strata.torch.session.session",  # StrataSession: the state, the parts, the values
     "strata.torch._block",  # a streamed block's forward (checkpointed autograd function)
     "strata.torch._hooks",  # the model's state_dict / load / _apply / forward hooks
-    "strata.torch._paging",  # resident optimizer state paged to host memory
+    # The paging layer (strata/torch/paging/): its parts, then the pager over them.
+    "strata.torch.paging",  # the folder's __init__: its docstring only
+    "strata.torch.paging.groups",  # which masters page, grouped; a paged tensor's bytes
+    "strata.torch.paging.host",  # HostCopies: the host copies under the host budget
+    "strata.torch.paging.buffers",  # FlatBuffers: a group's flat device buffer
+    "strata.torch.paging.sizing",  # PageSizing: how many groups page (auto, timed window)
+    "strata.torch.paging.outbound",  # Outbound: the copies out, freed FREE_LAG points later
+    "strata.torch.paging.inbound",  # Inbound: the copies back, as the device has room
+    "strata.torch.paging.pager",  # StatePager: the state's way out and back
     # The optimizer layer (strata/torch/optim/): its parts, the shared base, the optimizers.
     "strata.torch.optim",  # the folder's __init__: its docstring only
     "strata.torch.optim.checks",  # what an optimizer's creation refuses

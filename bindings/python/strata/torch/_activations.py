@@ -284,7 +284,7 @@ class ActivationKeeper:
 
     def on_step(self, settled=True, paged=False):
         """After an optimizer step: the decision, once enough steps were measured and the
-        memory a step uses has `settled` (strata.torch._paging sizes what it pages first).
+        memory a step uses has `settled` (strata.torch.paging sizes what it pages first).
         `paged`: optimizer state leaves the device between steps; the steps before it settled
         used memory in another pattern, and what the allocator reserved for them (it keeps
         what it reserved) is not what a step needs now: the cache is emptied and the peak

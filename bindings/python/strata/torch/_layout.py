@@ -68,7 +68,7 @@ class LocalLayout:
     mesh = None
     # The blocks built without an optimizer may be laid out again by it (StrataSession.unbuild).
     can_relay = True
-    # The resident parameters' optimizer state may page to host memory (strata.torch._paging).
+    # The resident parameters' optimizer state may page to host memory (strata.torch.paging).
     pages_resident_state = True
     # This process writes a checkpoint's shared files and swaps it in.
     lead = True

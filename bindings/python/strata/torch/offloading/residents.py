@@ -65,7 +65,7 @@ def _restore_buffer(module, name, value):
 
 def _announcing_backward(session, index, output):
     """`output` of resident block `index`, its backward pass announced to the session's
-    on_resident_backward_begin calls (strata.torch._paging brings optimizer state back as
+    on_resident_backward_begin calls (strata.torch.paging brings optimizer state back as
     the later blocks free their memory) when the grad of its first tensor that requires one
     (its hidden states) arrives."""
     calls = session.on_resident_backward_begin

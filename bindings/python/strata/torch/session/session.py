@@ -79,7 +79,7 @@ class StrataSession:
         self.ungraded = []
         # Called with the block's index when a streamed block's forward or backward pass begins
         # with grad, and with None when the model's forward pass with grad begins (in training
-        # mode): strata.torch._paging frees, times and brings back optimizer state.
+        # mode): strata.torch.paging frees, times and brings back optimizer state.
         self.on_forward_begin = []
         self.on_backward_begin = []
         self.on_resident_forward_begin = []  # a resident block's, with its index, with grad
