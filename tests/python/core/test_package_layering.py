@@ -39,7 +39,15 @@ MODULE_ORDER = [
     "strata.torch._regenerate",  # block inputs dropped and regenerated (checkpoint groups)
     "strata.torch._spill",  # block checkpoints spilled to host memory when the device is short
     "strata.torch._streamed",  # a streamed parameter's place in Strata; filling tensors
-    "strata.torch._layout",  # where parameters live: whole on one process, or sharded
+    # Where parameters live (strata/torch/layout/): whole on one process, or sharded.
+    "strata.torch.layout",  # the folder's __init__: its docstring only
+    "strata.torch.layout.local",  # LocalLayout: every parameter whole in this process
+    "strata.torch.layout.streams",  # the side streams' helpers
+    "strata.torch.layout.chunks",  # ShardedParam; a rank's chunk read, written, gathered
+    "strata.torch.layout.replica",  # HostReplica: the host replica of the weights (pieces)
+    "strata.torch.layout.gather",  # BlockGathers: the blocks all-gathered for their passes
+    "strata.torch.layout.reduce",  # GradReducer: the grads reduced; their sums of squares
+    "strata.torch.layout.sharded",  # ShardedLayout: data parallelism over those parts
     # The session layer (strata/torch/session/): its parts, then StrataSession over them.
     "strata.torch.session",  # the folder's __init__: its docstring only
     "strata.torch.session.runtime",  # SessionChoices; the runtime and what is made beside it
