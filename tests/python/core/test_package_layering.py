@@ -34,7 +34,11 @@ MODULE_ORDER = [
     "strata.torch._distributed",  # DataParallel, Mesh (collectives), chunk sizes
     "strata.torch._grads",  # StreamedGrad
     "strata.torch._measure",  # what a block saves, measured on fake tensors; selective contexts
-    "strata.torch._activations",  # which blocks keep their activations (the plan's, executed)
+    # Which blocks keep their activations (strata/torch/activations/): the plan's, executed.
+    "strata.torch.activations",  # the folder's __init__: its docstring only
+    "strata.torch.activations.measures",  # BlockMeasures: what each block saves
+    "strata.torch.activations.memory",  # StepMemory: the measured step's peaks by interval
+    "strata.torch.activations.keeper",  # ActivationKeeper: the plan, executed
     "strata.torch._planning",  # sizing: budgets, resident blocks, the NVMe placement check
     "strata.torch._regenerate",  # block inputs dropped and regenerated (checkpoint groups)
     "strata.torch._spill",  # block checkpoints spilled to host memory when the device is short
