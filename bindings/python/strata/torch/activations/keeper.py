@@ -234,7 +234,8 @@ class ActivationKeeper:
             kept = 0  # more tokens than measured: they recompute
         for j in range(streamed):
             keep = "selective" if j >= streamed - kept else "recompute"
-            blocks.append(step_plan.Block(1, keep_selective_bytes=self.measures.streamed_bytes(j) or 0,
+            selective = self.measures.streamed_bytes(j) or 0
+            blocks.append(step_plan.Block(1, keep_selective_bytes=selective,
                                           residency="streamed", keep=keep))
         return blocks
 

@@ -1,9 +1,9 @@
-"""ShardedLayout: data parallelism, the design (docs/architecture.md, "Data parallel"): each rank's Strata runtime
-holds, per streamed parameter, one chunk of 1/shard_size of its flattened values (padded to a
-multiple of 64 elements): the weight chunk, its grad chunk and the chunk's fp32 master and AdamW
-moments, so the ranks of one shard group hold one copy of the training state between them, each
-in its own pinned DRAM on its GPU's NUMA node, updated by its own CPU threads. Per block and
-pass:
+"""ShardedLayout: data parallelism, the design (docs/architecture.md, "Data parallel"): each rank's
+Strata runtime holds, per streamed parameter, one chunk of 1/shard_size of its flattened values
+(padded to a multiple of 64 elements): the weight chunk, its grad chunk and the chunk's fp32
+master and AdamW moments, so the ranks of one shard group hold one copy of the training state
+between them, each in its own pinned DRAM on its GPU's NUMA node, updated by its own CPU
+threads. Per block and pass:
 
 - the executor loads this rank's chunks into a slot (1/shard_size of the block over this rank's
   PCIe link); an all-gather over the shard group assembles the whole block in a gathered buffer

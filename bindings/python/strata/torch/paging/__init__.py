@@ -20,7 +20,7 @@ recomputing them. So those tensors leave the device once the step has updated th
   forward pass computes, a share issued at each block's forward start (issued at once, they
   held a loss.item() after the step behind them on the copy engine); their device memory
   (one flat buffer per group, so that freeing it leaves one hole) is freed two block starts
-  after the one that issued the group's last copy (StatePager.FREE_LAG; in stream order, the
+  after the one that issued the group's last copy (Outbound.FREE_LAG; in stream order, the
   compute stream waiting for the copies, the host never), the rest when the forward pass
   reaches its last streamed block (the model's last block: the head and the loss come
   next), where the host waits for the copies if they are not done. Freed at fixed
