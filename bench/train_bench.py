@@ -667,10 +667,10 @@ def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, 
             out["kept_block_gb"] = [None if b is None else b / 1e9
                                     for b in (keeper.block_bytes, keeper.selective_bytes)]
             # The last streamed block's bytes kept selectively (every costly op's output).
-            streamed_bytes = keeper.streamed_bytes(len(keeper.streamed_blocks) - 1)
+            streamed_bytes = keeper.measures.streamed_bytes(len(keeper.streamed_blocks) - 1)
             out["kept_streamed_block_gb"] = None if streamed_bytes is None \
                 else streamed_bytes / 1e9
-            out["kept_measure_seconds"] = keeper.measure_seconds
+            out["kept_measure_seconds"] = keeper.measures.measure_seconds
             out["kept_backed_off"] = keeper.backed_off  # blocks dropped for allocation retries
             # The plan's inputs (usable, peak, margin, each block's bytes): why it kept what
             # it kept (an H200 at 32 x 1024 kept no streamed block with 55 GB unused).

@@ -35,7 +35,11 @@ MODULE_ORDER = [
     "strata.torch._distributed",  # DataParallel, Mesh (collectives), chunk sizes
     "strata.torch._grads",  # StreamedGrad
     "strata.torch._measure",  # what a block saves, measured on fake tensors; selective contexts
-    "strata.torch._activations",  # which blocks keep their activations (the plan's, executed)
+    # Which blocks keep their activations (strata/torch/activations/): the plan's, executed.
+    "strata.torch.activations",  # the folder's __init__: its docstring only
+    "strata.torch.activations.measures",  # BlockMeasures: what each block saves
+    "strata.torch.activations.memory",  # StepMemory: the measured step's peaks by interval
+    "strata.torch.activations.keeper",  # ActivationKeeper: the plan, executed
     "strata.torch._planning",  # sizing: budgets, resident blocks, the NVMe placement check
     "strata.torch._regenerate",  # block inputs dropped and regenerated (checkpoint groups)
     "strata.torch._spill_pool",  # the spilled checkpoints' host buffers
@@ -43,7 +47,15 @@ MODULE_ORDER = [
     "strata.torch._spill_report",  # what the spiller says in placement() and OOM notes
     "strata.torch._spill",  # block checkpoints spilled to host memory when the device is short
     "strata.torch._streamed",  # a streamed parameter's place in Strata; filling tensors
-    "strata.torch._layout",  # where parameters live: whole on one process, or sharded
+    # Where parameters live (strata/torch/layout/): whole on one process, or sharded.
+    "strata.torch.layout",  # the folder's __init__: its docstring only
+    "strata.torch.layout.local",  # LocalLayout: every parameter whole in this process
+    "strata.torch.layout.streams",  # the side streams' helpers
+    "strata.torch.layout.chunks",  # ShardedParam; a rank's chunk read, written, gathered
+    "strata.torch.layout.replica",  # HostReplica: the host replica of the weights (pieces)
+    "strata.torch.layout.gather",  # BlockGathers: the blocks all-gathered for their passes
+    "strata.torch.layout.reduce",  # GradReducer: the grads reduced; their sums of squares
+    "strata.torch.layout.sharded",  # ShardedLayout: data parallelism over those parts
     # The session layer (strata/torch/session/): its parts, then StrataSession over them.
     "strata.torch.session",  # the folder's __init__: its docstring only
     "strata.torch.session.runtime",  # SessionChoices; the runtime and what is made beside it
@@ -53,7 +65,15 @@ MODULE_ORDER = [
     "strata.torch.session.session",  # StrataSession: the state, the parts, the values
     "strata.torch._block",  # a streamed block's forward (checkpointed autograd function)
     "strata.torch._hooks",  # the model's state_dict / load / _apply / forward hooks
-    "strata.torch._paging",  # resident optimizer state paged to host memory
+    # The paging layer (strata/torch/paging/): its parts, then the pager over them.
+    "strata.torch.paging",  # the folder's __init__: its docstring only
+    "strata.torch.paging.groups",  # which masters page, grouped; a paged tensor's bytes
+    "strata.torch.paging.host",  # HostCopies: the host copies under the host budget
+    "strata.torch.paging.buffers",  # FlatBuffers: a group's flat device buffer
+    "strata.torch.paging.sizing",  # PageSizing: how many groups page (auto, timed window)
+    "strata.torch.paging.outbound",  # Outbound: the copies out, freed FREE_LAG points later
+    "strata.torch.paging.inbound",  # Inbound: the copies back, as the device has room
+    "strata.torch.paging.pager",  # StatePager: the state's way out and back
     # The optimizer layer (strata/torch/optim/): its parts, the shared base, the optimizers.
     "strata.torch.optim",  # the folder's __init__: its docstring only
     "strata.torch.optim.checks",  # what an optimizer's creation refuses

@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from strata.torch import _allocator, _step
-from strata.torch._activations import ActivationKeeper
+from strata.torch.activations.keeper import ActivationKeeper
 from strata.torch._measure import (COSTLY_OPS, saved_bytes, saves_output, selective_bytes,
                                    selective_context, shape_of, tokens_of)
 from torch_parity_models import ARCHS, DEVICE, build
@@ -62,7 +62,7 @@ def room_figures(room):
 def test_plan_and_the_tokens_guard():
     """The last blocks keep theirs, and only for inputs no larger than the measured ones."""
     keeper = ActivationKeeper(torch.device("cpu"), [object()] * 4)
-    keeper.plan, keeper.tokens, keeper.seq = ["whole", "whole"], 1024, 512
+    keeper.plan, keeper.measures.tokens, keeper.measures.seq = ["whole", "whole"], 1024, 512
 
     def inputs(batch, seq):
         return (torch.empty(batch, seq, 8),)
@@ -79,7 +79,7 @@ def test_a_plan_of_selective_and_whole_blocks():
     """A plan that keeps some blocks selectively and the last one wholly: the modes by block,
     and what describe() says; a forced count (tests, tools) likewise."""
     keeper = ActivationKeeper(torch.device("cpu"), [object()] * 5)
-    keeper.plan, keeper.tokens, keeper.seq = ["whole", "selective", "selective"], 1024, 512
+    keeper.plan, keeper.measures.tokens, keeper.measures.seq = ["whole", "selective", "selective"], 1024, 512
     x = (torch.empty(2, 512, 8),)
     assert [keeper.mode(i, x) for i in range(5)] == [None, None, "selective", "selective",
                                                       "whole"]
@@ -114,7 +114,7 @@ def test_the_plan_is_made_from_the_measured_steps_timeline(fake_cuda, monkeypatc
 
     keeper = keeper_of(block_gb=8)  # 8 blocks of 8 GB (10 planned); 140 usable
     step(keeper, 130)
-    assert not keeper.decided and keeper.timeline == {}  # each step afresh
+    assert not keeper.decided and keeper.memory.timeline == {}  # each step afresh
     # torch's peak counts from the last point; the run's peak is still reported.
     peaks["now"] = 20 * GB
     assert keeper.max_allocated() == 130 * GB
@@ -126,7 +126,7 @@ def test_the_plan_is_made_from_the_measured_steps_timeline(fake_cuda, monkeypatc
         "in the intervals where it is alive" in keeper.decision["text"]
     assert keeper.plan == ["whole"] * 6
     keeper.at_point("f", 0, streamed=False)
-    assert keeper.timeline == {}  # decided: nothing noted
+    assert keeper.memory.timeline == {}  # decided: nothing noted
     keeper = keeper_of()
     for _ in range(2):
         peaks["now"] = 130 * GB
@@ -324,12 +324,12 @@ def test_every_resident_block_is_measured():
 
     def just_selective(keeper):  # room for each block its cheapest way, no upgrade
         cost = 0
-        for whole, selective in keeper.measured.values():
+        for whole, selective in keeper.measures.measured.values():
             cost += int((whole if selective is None else selective[0]) * 1.25)  # the plan's factor
         return cost
 
     keeper, grads = resident_run(blocks, just_selective)
-    assert keeper.measured[0][1] is None and keeper.measured[2][1] is not None
+    assert keeper.measures.measured[0][1] is None and keeper.measures.measured[2][1] is not None
     x = (torch.empty(2, 3, 4),)
     assert [keeper.mode(i, x) for i in range(3)] == ["whole", "selective", "selective"]
     xr = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
@@ -340,7 +340,7 @@ def test_every_resident_block_is_measured():
 
     keeper, _ = resident_run([Projected(), Projected(unmeasurable=True), Projected()],
                              lambda keeper: 1 << 30)
-    assert keeper.measured[1] is None
+    assert keeper.measures.measured[1] is None
     assert [keeper.mode(i, x) for i in range(3)] == [None, None, "whole"]
 
 
@@ -356,7 +356,7 @@ def test_measuring_leaves_the_buffers_alone():
     x = torch.randn(8, 16, requires_grad=True)
     before = {k: v.clone() for k, v in block.state_dict().items()}
     keeper.observe(0, block.forward, (x,), {})
-    assert keeper.measured[0] is not None
+    assert keeper.measures.measured[0] is not None
     for k, v in block.state_dict().items():
         assert torch.equal(v, before[k]), k
 
@@ -411,7 +411,7 @@ def fake_cuda(monkeypatch):
 
 def keeper_of(blocks=8, block_gb=4):
     keeper = ActivationKeeper(torch.device("cuda"), [object()] * blocks)
-    keeper.measured = {i: (block_gb * GB, None) for i in range(blocks)}
+    keeper.measures.measured = {i: (block_gb * GB, None) for i in range(blocks)}
     return keeper
 
 
@@ -590,11 +590,11 @@ def test_streamed_blocks_measured_and_planned_after_the_resident_ones(offload):
     keeper.enabled = True
     ids = batches(1)[0]
     model(ids, labels=ids).loss.backward()
-    assert sorted(keeper.measured) == [0] and sorted(keeper.streamed_measured) == [0, 1, 2]
-    whole, (resident_selective, _) = keeper.measured[0]
-    selective = [keeper.streamed_bytes(i) for i in range(3)]
+    assert sorted(keeper.measures.measured) == [0] and sorted(keeper.measures.streamed_measured) == [0, 1, 2]
+    whole, (resident_selective, _) = keeper.measures.measured[0]
+    selective = [keeper.measures.streamed_bytes(i) for i in range(3)]
     assert len(set(selective)) == 1 and selective[0] > resident_selective
-    assert keeper.streamed_measured[2][1][1] > keeper.measured[0][1][1]  # every costly op
+    assert keeper.measures.streamed_measured[2][1][1] > keeper.measures.measured[0][1][1]  # every costly op
 
     factor = 1.25  # the plan's factor on a measured block's bytes
     one, rs = int(selective[0] * factor), int(resident_selective * factor)
@@ -619,7 +619,7 @@ def test_streamed_blocks_measured_and_planned_after_the_resident_ones(offload):
     x = (torch.empty(2, 16, 8),)
     assert [keeper.streamed_mode(i, x) for i in range(3)] == [None, "selective", "selective"]
     assert keeper.streamed_mode(2, (torch.empty(4, 16, 8),)) is None  # more tokens: recompute
-    tokens = keeper.tokens
+    tokens = keeper.measures.tokens
     # What the spill's plan is told of how the blocks keep at this batch (a streamed block's
     # checkpoint stays: the library counts its kept bytes beside it), and at a larger one.
     blocks = keeper.profile_blocks(tokens)

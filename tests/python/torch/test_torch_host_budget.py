@@ -347,7 +347,7 @@ def _pager(groups, budget, auto=False):
     yet (the sizing counts the moments to come from the masters)."""
     import types
     import torch
-    from strata.torch._paging import StatePager
+    from strata.torch.paging.pager import StatePager
     masters = [[torch.zeros(n) for n in g] for g in groups]
     return StatePager(types.SimpleNamespace(state={}), masters, torch.device("cpu"),
                       auto=auto, budget=budget)
@@ -364,8 +364,8 @@ def test_the_pager_pages_what_the_budget_leaves():
     pager = _pager([[1000]] * 3, budget)
     assert (len(pager.groups), pager.active) == (2, 2)
     assert budget.held() == {"paged optimizer state": 0}
-    pager._host_memory(5000)  # charged two pages
-    assert pager.host_bytes == 2 * PAGE
+    pager.copies.memory(5000)  # charged two pages
+    assert pager.copies.host_bytes == 2 * PAGE
     assert budget.room() == 2 * 12_000 + 100 - 2 * PAGE  # its host copies count once made
     none = _pager([[1000]] * 3, HostBudget(_runtime(), ARENA + 11_999))
     assert none.active == 0 and none.groups == [] and none.settled
@@ -377,14 +377,14 @@ def test_auto_pages_what_the_budget_leaves_at_its_decision():
     from strata.torch._planning import HostBudget
     budget = HostBudget(_runtime(), ARENA + 3 * 12_000)
     pager = _pager([[1000]] * 3, budget, auto=True)
-    pager.probe = "first"  # auto probes on CUDA; its decision is the same function here
+    pager.sizing.probe = "first"  # auto probes on CUDA; its decision is the same function here
     spill = _Pool(budget, 12_001)  # what the spilled checkpoints hold when auto decides
     budget.add("spilled checkpoints", spill)
     assert spill.host_bytes == 3 * PAGE  # 12,001 bytes charged in whole pages
     assert pager._probing(timed=False)  # not at the optimizer's creation
     assert not pager._probing(timed=True)
-    assert pager.active == 1 and pager.decision["groups_fitting_host"] == 1
-    assert pager.decision["host_room_bytes"] == 3 * 12_000 - 3 * PAGE
+    assert pager.active == 1 and pager.sizing.decision["groups_fitting_host"] == 1
+    assert pager.sizing.decision["host_room_bytes"] == 3 * 12_000 - 3 * PAGE
     starved = _pager([[1000]] * 3, HostBudget(_runtime(), ARENA), auto=True)
     starved.probe = "first"
     assert starved._probing(timed=True) and starved.active == 0 and starved.settled

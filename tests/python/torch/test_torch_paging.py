@@ -160,7 +160,7 @@ def test_host_memory_is_freed_when_the_optimizer_goes(sessions, monkeypatch):
     model = offloaded(build("llama", layers=3), sessions, dtype=torch.bfloat16)
     opt, _, _ = strata_steps(model, batches(2), None, monkeypatch)
     runtime = model.strata.runtime
-    paged, buffers = opt._residents.pager.host_bytes, len(opt._residents.pager.registered)
+    paged, buffers = opt._residents.pager.copies.host_bytes, len(opt._residents.pager.copies.registered)
     before = host_buffers.usage(runtime)
     assert paged > 0 and before["buffers"] >= paged
     assert model.strata.host_budget.held()["paged optimizer state"] == paged
@@ -197,26 +197,26 @@ def test_sizing_keeps_what_the_forward_pass_can_hide(window, active, sessions, m
     # Pretend the last page-out covered everything, was timed, and the bytes are such that the
     # first group alone fits in 85% of 300 ms of 100 ms copies only when it is under 2.55x.
     pager.bring_in()
-    pager.sized, pager.paged_bytes = False, sum(sizes)
-    pager.timing = ([(_Elapsed(0.0), _Elapsed(60.0)), (_Elapsed(200.0), _Elapsed(240.0))],
+    pager.sizing.sized, pager.paged_bytes = False, sum(sizes)
+    pager.sizing.timing = ([(_Elapsed(0.0), _Elapsed(60.0)), (_Elapsed(200.0), _Elapsed(240.0))],
                     _Elapsed(0.0), _Elapsed(window))  # two batches of copies, 100 ms busy
     budget = sum(sizes) * min(1.0, 0.85 * window / 100.0)
     expected = 0
     while expected < len(sizes) and sum(sizes[:expected + 1]) <= budget:
         expected += 1
     pager.page_out()
-    assert pager.sized and pager.active == expected
+    assert pager.sizing.sized and pager.active == expected
     if active == 0:
         assert expected == 0
     if active == 3:
         assert expected == 3
     if active:
-        assert sorted(pager.flats) == list(range(pager.active))  # one per paging group
-        bases = {f.untyped_storage().data_ptr() for f in pager.flats.values()}
+        assert sorted(pager.buffers.flats) == list(range(pager.active))  # one per paging group
+        bases = {f.untyped_storage().data_ptr() for f in pager.buffers.flats.values()}
         for _, t in pager._tensors(pager.groups[pager.active:]):
             assert t.untyped_storage().data_ptr() not in bases  # out of the flat buffers
     else:  # nothing pages again: they stay where they are, the host memory goes
-        assert not pager.flats and not pager.host and pager.paged_bytes == 0
+        assert not pager.buffers.flats and not pager.copies.host and pager.paged_bytes == 0
     losses, _ = train(model, opt, data[2:], clip=1.0)
     synchronize(opt)
     twin = offloaded(base, sessions, dtype=torch.bfloat16)
@@ -235,7 +235,9 @@ def test_auto_pages_what_fits_on_the_host(available, active, sessions, monkeypat
     end the first groups that fit in half the host's available memory page, from then on
     (none fit: nothing ever pages, no host memory is taken, and the activation keeper is
     told it settled). Training is bit for bit the unpaged run's."""
-    import strata.torch._paging as paging
+    import strata.torch.paging.pager as paging
+    import strata.torch.paging.sizing as sizing
+    from strata.torch.paging.groups import paged_groups
     base = build("llama", layers=4)
     data = batches(4)
     expected = None
@@ -250,17 +252,17 @@ def test_auto_pages_what_fits_on_the_host(available, active, sessions, monkeypat
             continue
         live = [master for p, master, _ in opt._residents.entries if master is p]
         pager = paging.StatePager(opt._residents.inner,
-                                  paging.paged_groups(opt._residents.entries, model.strata, None),
+                                  paged_groups(opt._residents.entries, model.strata, None),
                                   model.strata.device, live, auto=True)
-        pager.probe, pager.sized = "first", False  # on the CPU as on CUDA (auto is CUDA's)
+        pager.sizing.probe, pager.sizing.sized = "first", False  # on the CPU as on CUDA (auto is CUDA's)
         pager.page_out(timed=False)  # as the optimizer's creation calls it: nothing leaves
-        assert pager.state == "in" and not pager.host
+        assert pager.state == "in" and not pager.copies.host
 
         def host():  # the first group's bytes when it decides (its moments exist by then)
             first = sum(t.numel() * t.element_size() for _, t in pager._tensors(pager.groups[:1]))
             # (the library leaves a pager without a budget half of it)
             return 2 * (first + 1 if available == "first" else available)
-        monkeypatch.setattr(paging, "_available_host_bytes", host)
+        monkeypatch.setattr(sizing, "_available_host_bytes", host)
         opt._residents.pager = pager
         resident, streamed = len(model.strata.resident_blocks), len(model.strata.layers)
         model.strata.on_forward_begin.append(
@@ -273,12 +275,12 @@ def test_auto_pages_what_fits_on_the_host(available, active, sessions, monkeypat
 
         def step(*args, **kwargs):
             out = real_step(*args, **kwargs)
-            seen.append((pager.state, pager.active, len(pager.host)))
+            seen.append((pager.state, pager.active, len(pager.copies.host)))
             return out
         opt.step = step
         got = train(model, opt, data, clip=1.0)
         synchronize(opt)
-        assert pager.decision["groups_fitting_host"] == active
+        assert pager.sizing.decision["groups_fitting_host"] == active
         assert pager.active == active and len(pager.groups) == max(active, 3 * (active == 0))
         if active:
             assert all(state == "leaving" and hosted for state, _, hosted in seen)
@@ -377,13 +379,13 @@ def test_groups_leave_the_device_as_the_forward_pass_goes(sessions, monkeypatch)
             pager = opt._residents.pager
             assert len(pager.groups) >= 3
             issued = {}
-            groups_issued = pager._groups_issued
+            groups_issued = pager.outbound.groups_issued
 
             def recording(before, after):
                 done = groups_issued(before, after)
-                issued.update((g, pager.point) for g in done)
+                issued.update((g, pager.outbound.point) for g in done)
                 return done
-            monkeypatch.setattr(pager, "_groups_issued", recording)
+            monkeypatch.setattr(pager.outbound, "groups_issued", recording)
             pieces = dict(pager.pieces)
 
             def look(_):
@@ -391,9 +393,9 @@ def test_groups_leave_the_device_as_the_forward_pass_goes(sessions, monkeypatch)
                     return
                 for g, at in issued.items():
                     gone = all(t.untyped_storage().nbytes() == 0 for t, _ in pieces[g])
-                    assert gone == (g in pager.freed) == (at <= pager.point - pager.FREE_LAG), \
-                        (g, at, pager.point, sorted(pager.freed))
-                seen.append((pager.point, sorted(pager.freed)))
+                    assert gone == (g in pager.outbound.freed) == (at <= pager.outbound.point - pager.outbound.FREE_LAG), \
+                        (g, at, pager.outbound.point, sorted(pager.outbound.freed))
+                seen.append((pager.outbound.point, sorted(pager.outbound.freed)))
             model.strata.on_resident_forward_begin.append(look)
             model.strata.on_forward_begin.append(look)
         more, _ = train(model, opt, data[2:], clip=1.0)
@@ -428,7 +430,7 @@ def test_a_state_access_mid_forward_keeps_every_tensor(access, sessions, monkeyp
 
         def hook(i):
             if touched and not seen and pager.state == "leaving" and \
-                    (bool(pager.freed) if access == "read" else not pager.freed):
+                    (bool(pager.outbound.freed) if access == "read" else not pager.outbound.freed):
                 state = opt.state_dict()
                 if access == "write":
                     opt.load_state_dict(state)
@@ -481,23 +483,25 @@ def test_auto_counts_the_moments_to_come(sessions, monkeypatch):
     step without grads (a warm-up) has no moments yet, and the host memory it then took once
     they came was 3x its share (a review found it). The moments are counted from the masters:
     with room for the masters alone, nothing pages."""
-    import strata.torch._paging as paging
+    import strata.torch.paging.pager as paging
+    import strata.torch.paging.sizing as sizing
+    from strata.torch.paging.groups import paged_groups
     model = offloaded(build("llama", layers=4), sessions, dtype=torch.bfloat16)
     monkeypatch.setattr(st.AdamW, "PAGED_STATE", 0)
     opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     live = [m for p, m, _ in opt._residents.entries if m is p]
     pager = paging.StatePager(opt._residents.inner,
-                              paging.paged_groups(opt._residents.entries, model.strata, None),
+                              paged_groups(opt._residents.entries, model.strata, None),
                               model.strata.device, live, auto=True)
-    pager.probe, pager.sized = "first", False
+    pager.sizing.probe, pager.sizing.sized = "first", False
     masters = sum(t.numel() * t.element_size() for _, t in pager._tensors(pager.groups))
-    monkeypatch.setattr(paging, "_available_host_bytes",
+    monkeypatch.setattr(sizing, "_available_host_bytes",
                         lambda: 2 * (masters + 1))  # half of it: one byte over the masters
     opt._residents.pager = pager
     opt.step()  # no grads: no moments
     train(model, opt, batches(2), clip=1.0)
-    assert pager.decision["groups_fitting_host"] == 0
-    assert pager.paged_bytes == 0 and not pager.registered and not pager.host
+    assert pager.sizing.decision["groups_fitting_host"] == 0
+    assert pager.paged_bytes == 0 and not pager.copies.registered and not pager.copies.host
 
 
 @pytest.mark.parametrize("how", ["eval", "forward"])
@@ -509,12 +513,12 @@ def test_a_forward_pass_the_models_hook_misses_is_timed(how, sessions, monkeypat
     model = offloaded(build("llama", layers=4), sessions, dtype=torch.bfloat16)
     opt, _, _ = strata_steps(model, batches(1), None, monkeypatch)
     pager = opt._residents.pager
-    pager._event = lambda: "event"
-    pager.timed, pager.began = True, None  # as a timed page-out on CUDA leaves it
+    pager.sizing.event = lambda: "event"
+    pager.sizing.timed, pager.sizing.began = True, None  # as a timed page-out on CUDA leaves it
     ids = batches(1)[0]
     model.train(how != "eval")
     loss = (model.forward if how == "forward" else model)(ids, labels=ids).loss
-    assert pager.began == "event"
+    assert pager.sizing.began == "event"
     loss.backward()
 
 
@@ -540,13 +544,13 @@ def test_the_keeper_measures_afresh_when_sizing_stops_paging(sessions, monkeypat
     monkeypatch.setattr(st.AdamW, "PAGED_STATE", None)
     opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     pager = opt._residents.pager
-    pager.sized = False  # as on CUDA
+    pager.sizing.sized = False  # as on CUDA
     seen = []
     real_step = opt.step
 
     def step(*args, **kwargs):
         if len(seen) == 1:  # the timed page-out: copies of 100 ms in a 10 ms forward pass
-            pager.timing = ([(_Elapsed(0.0), _Elapsed(100.0))], _Elapsed(0.0), _Elapsed(10.0))
+            pager.sizing.timing = ([(_Elapsed(0.0), _Elapsed(100.0))], _Elapsed(0.0), _Elapsed(10.0))
         return real_step(*args, **kwargs)
     opt.step = step
     for ids in batches(3):
@@ -594,17 +598,17 @@ def test_a_retried_forward_pass_is_timed_from_its_own_start(sessions, monkeypatc
     opt, _, _ = strata_steps(model, batches(2), None, monkeypatch)
     pager = opt._residents.pager
     clock = iter(range(1000))
-    pager._event = lambda: next(clock)
-    pager.timed, pager.began = True, None  # as a timed page-out on CUDA leaves it
+    pager.sizing.event = lambda: next(clock)
+    pager.sizing.timed, pager.sizing.began = True, None  # as a timed page-out on CUDA leaves it
     ids = batches(1)[0]
     fail = _fail_once()
     model.strata.on_forward_begin.insert(0, lambda i: i == 1 and fail(i))  # streamed block 1
     with pytest.raises(RuntimeError, match="injected"):
         model(ids, labels=ids)
-    failed = pager.began
+    failed = pager.sizing.began
     assert failed is not None
     model(ids, labels=ids).loss.backward()
-    assert pager.began is not None and pager.began > failed
+    assert pager.sizing.began is not None and pager.sizing.began > failed
 
 
 def _group_in(pager):
@@ -636,7 +640,7 @@ def test_copies_back_wait_for_room(resident_room, sessions, monkeypatch):
     first = sum((t.numel() * t.element_size() + 511) // 512 * 512
                 for _, t in pager._tensors(pager.groups[:1]))
     room = {"now": None}
-    monkeypatch.setattr(pager, "_room", lambda: room["now"])
+    monkeypatch.setattr(pager.inbound, "room", lambda: room["now"])
     seen = []
 
     def streamed(index):
@@ -693,13 +697,13 @@ def test_a_later_micro_batch_frees_what_came_back_without_the_rest(sessions, mon
             first = sum((t.numel() * t.element_size() + 511) // 512 * 512
                         for _, t in pager._tensors(pager.groups[:1]))
             room = {"now": None}
-            monkeypatch.setattr(pager, "_room", lambda: room["now"])
-            allocate = pager._allocate
+            monkeypatch.setattr(pager.inbound, "room", lambda: room["now"])
+            allocate = pager.buffers.allocate
 
             def counted(g, pairs):
                 brought.append(g)
                 return allocate(g, pairs)
-            monkeypatch.setattr(pager, "_allocate", counted)
+            monkeypatch.setattr(pager.buffers, "allocate", counted)
             # Room for the first group at the first streamed block's backward, none after.
             model.strata.on_backward_begin.insert(
                 0, lambda index: room.update(now=first if index == 1 else 0))
@@ -743,7 +747,7 @@ def test_a_read_mid_forward_in_a_later_micro_batch_leaves_the_state_out_at_the_l
     model = offloaded(base, sessions, dtype=torch.bfloat16, resident=4)
     opt, _, _ = strata_steps(model, data[:1], None, monkeypatch)
     pager = opt._residents.pager
-    monkeypatch.setattr(pager, "_room", lambda: 0)  # nothing comes back in the backward pass
+    monkeypatch.setattr(pager.inbound, "room", lambda: 0)  # nothing comes back in the backward pass
     ids = data[1].to(DEVICE)
     (model(ids, labels=ids).loss / 2).backward()
     read = []
@@ -768,20 +772,20 @@ def test_a_copy_back_that_cannot_allocate_leaves_its_group_to_come():
     with its values; it was dropped from the queue first, so the step's bring_in found every
     group "in" but that one empty."""
     import types
-    from strata.torch import _paging
+    from strata.torch.paging import pager as _paging
     masters = [torch.full((3,), float(i)) for i in range(3)]
     pager = _paging.StatePager(types.SimpleNamespace(state={}), [[m] for m in masters],
                                torch.device("cpu"))
     pager.page_out(timed=False)
     pager.release()
-    allocate, failed = pager._allocate, []
+    allocate, failed = pager.buffers.allocate, []
 
     def failing(g, pairs):
         if g == 1 and not failed:
             failed.append(g)
             raise torch.OutOfMemoryError("injected")
         return allocate(g, pairs)
-    pager._allocate = failing
+    pager.buffers.allocate = failing
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         pager.page_in(1.0)
     assert _group_in(pager) == [True, False, False]
@@ -798,7 +802,7 @@ def test_a_share_of_the_copies_back_counts_the_bytes_copied():
     at 0.5 and three at 0.75 (counted aligned, the first group's 512 bytes spent the whole
     quota: one group at 0.5, two at 0.75); the values come back as they were."""
     import types
-    from strata.torch import _paging
+    from strata.torch.paging import pager as _paging
     masters = [torch.full((3,), float(i)) for i in range(4)]
     pager = _paging.StatePager(types.SimpleNamespace(state={}), [[m] for m in masters],
                                torch.device("cpu"))

@@ -355,7 +355,7 @@ def device_memory(monkeypatch):
 
 
 def automatic_spiller(blocks=8):
-    from strata.torch._activations import ActivationKeeper
+    from strata.torch.activations.keeper import ActivationKeeper
     spiller = _spill.Spiller(torch.device("cpu"), None,
                              ActivationKeeper(torch.device("cpu"), []), blocks)
     spiller.cuda = True  # decided as on a GPU; the buffers stay ordinary host memory

@@ -5,7 +5,7 @@ preserve_rng_state=True does, and backpropagates, sending the weight grads to St
 grad (evaluation, generate()), the block runs on weights copied in from DRAM, with any KV cache
 used as usual.
 
-A streamed block that keeps selectively (strata.torch._activations: measured spare memory)
+A streamed block that keeps selectively (strata.torch.activations: measured spare memory)
 runs its forward with grad, as its recompute will, under selective checkpointing's forward
 context, which caches its matrix products' and attention's outputs; what autograd saves there
 is dropped as it is saved (only the cached outputs stay), the inputs detached as the recompute

@@ -10,12 +10,12 @@ ranks of one host) share one copy of the streamed blocks' training state, each r
 1/shard_size of every streamed parameter (its weight, grad, fp32 master and AdamW moments) in
 its own pinned DRAM; the shard groups are replicas of each other (one per host).
 With state_across_hosts the replicas (hosts) split that state once more: rank k of host h keeps
-the optimizer state of piece h of chunk k only (strata.torch._layout, "pieces"), while every host
+the optimizer state of piece h of chunk k only (strata.torch.layout, "pieces"), while every host
 still holds all of the weights.
 
 With nvme= each rank's runtime has an NVMe tier of its own files (rank_files: `<path>.rank<r>`),
 its share of the host's memory and disk (Mesh.ranks_on_host, disk_sharing), and every rank
-adopts one placement of the state (strata.torch._layout.ShardedLayout.before_build)."""
+adopts one placement of the state (strata.torch.layout.sharded.ShardedLayout.before_build)."""
 
 import datetime
 import os
@@ -33,7 +33,7 @@ except ImportError:  # a torch built without distributed support
 
 
 # Elements: every rank's chunk of a streamed parameter, so every parameter in a gathered block,
-# starts aligned (strata.torch._layout lays the chunks out; offload's sizing counts them).
+# starts aligned (strata.torch.layout lays the chunks out; offload's sizing counts them).
 ALIGN = 64
 
 

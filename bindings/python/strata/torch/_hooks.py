@@ -185,7 +185,7 @@ class ModelForwardBegins:
     checkpointing with use_reentrant=True around a streamed block fails in its backward pass
     with torch's own message (reentrant checkpointing is incompatible with .grad(), which a
     streamed block's backward uses): refused first, naming the fix. Then the session's
-    on_forward_begin callbacks, with None (strata.torch._paging times the forward pass).
+    on_forward_begin callbacks, with None (strata.torch.paging times the forward pass).
     `around`: _surgery.blocks_around's modules, the only ones looked at (the hook runs at every
     training forward pass; checkpointing elsewhere does not wrap a streamed block)."""
 

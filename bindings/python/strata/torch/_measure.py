@@ -1,6 +1,6 @@
 """What a block would keep for its backward pass, measured on fake tensors (shapes only: no
 memory, no compute), and the selective-checkpoint contexts that keep only its costly ops'
-outputs (matrix products and attention). strata.torch._activations' keeper and
+outputs (matrix products and attention). strata.torch.activations' keeper and
 strata.torch._spill's decision measure through here; the decisions are the library's step plan
 (strata.step_plan)."""
 

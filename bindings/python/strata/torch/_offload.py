@@ -25,7 +25,7 @@ import time
 
 from . import _distributed, _planning, _surgery
 from ._agreement import EveryRank
-from ._layout import ShardedLayout
+from .layout.sharded import ShardedLayout
 from .offloading.install import account_host_budget, attach, install
 from .offloading.request import GRAD_HOME_TEXT, check_chunked_loss, fallback_device, validate
 from .offloading.residents import move_residents

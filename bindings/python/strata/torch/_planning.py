@@ -52,7 +52,7 @@ def kept_elements(numel, mesh=None):
     (its weight, grad and optimizer state): all of them; under data parallelism (`mesh`) this
     rank's chunk (strata.torch._distributed.chunk_elements); with the state across hosts
     (DataParallel(state_across_hosts=True), mesh.pieces > 1) this rank's piece of that chunk,
-    what strata.torch._layout registers (the chunk itself is in the host replica:
+    what strata.torch.layout registers (the chunk itself is in the host replica:
     replica_bytes)."""
     if mesh is None:
         return numel
@@ -67,7 +67,7 @@ def block_elements(blocks, mesh=None):
 def replica_bytes(blocks, dtype, mesh=None):
     """Pinned host bytes this process keeps beside the arena for the streamed blocks: with the
     state across hosts (mesh.pieces > 1) the layout's host replica of the weights, every
-    streamed parameter's whole chunk in the compute dtype (strata.torch._layout._HostReplica,
+    streamed parameter's whole chunk in the compute dtype (strata.torch.layout.replica.HostReplica,
     counted as a HostBudget pool once made); else 0."""
     if mesh is None or mesh.pieces == 1:
         return 0

@@ -5,7 +5,7 @@ Where neither the device nor the host memory can hold one checkpoint per block (
 148 x 1024 tokens: 1.16 GiB a block's input, 32 of them, beside an arena of ~14 bytes a
 parameter in 125 GiB of host memory), the plan keeps one per group of k streamed blocks, as
 MegaTrain's checkpoint interval does. A group's other blocks drop their input after their forward
-pass (strata.torch._spill's saved-tensor hooks save a marker, _Regenerated, in its place), and
+pass (strata.torch._spill's saved-tensor hooks save a marker, Regenerated, in its place), and
 when the backward pass reaches the group's last block (the first of the group to come), blocks
 g .. last-1 run forward again, without grad, from the group's checkpoint, each with the RNG,
 autocast and module state of its forward pass and its weights copied in from DRAM, so their

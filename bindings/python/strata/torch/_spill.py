@@ -12,7 +12,7 @@ blocks' inputs go to host memory:
   (Spiller.plan): the step's peak is predicted as what torch
   holds when the forward pass begins, the grads the backward pass will allocate for the device's
   trainable parameters that have none now, every block's checkpoint, what the resident blocks
-  that keep their activations hold (strata.torch._activations' measurements), and the larger
+  that keep their activations hold (strata.torch.activations' measurements), and the larger
   of one block's backward working set (what it saves for its backward, measured on fake
   tensors at this batch as ActivationKeeper measures, x 1.25, plus the grads of its
   input and output) and the loss's (the chunked loss's chunk, or the whole logits); it is
@@ -143,7 +143,7 @@ class Spiller:
         # their inputs on the device whatever is spilled.
         self.inside_checkpoint = False
         # The resident optimizer state on its way to host memory at the forward pass's start
-        # (bytes; strata.torch._paging sets it): gone by the loss, back in the backward pass.
+        # (bytes; strata.torch.paging sets it): gone by the loss, back in the backward pass.
         self.leaving = lambda: 0
         # Of the last decision: one block's (or the loss's) backward working set, the
         # restores in flight and the margin (bytes), for the paged state's copies back.

@@ -18,7 +18,7 @@ def checkpoint_plan(s, run, block, args, kwargs, tokens, nbytes, base):
     what torch holds as the forward pass begins (`base`), the grads the backward pass will
     allocate, how the blocks keep now (their measured bytes), one block's saved bytes at
     this batch (measured on fake tensors), the loss's head and chunk, and the optimizer
-    state leaving the device before the loss (strata.torch._paging)."""
+    state leaving the device before the loss (strata.torch.paging)."""
     keeper = s.keeper
     saved = block_saved(s, run, block, args, kwargs, tokens)
     head = getattr(s.head, "weight", None)

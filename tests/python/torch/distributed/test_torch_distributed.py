@@ -649,7 +649,8 @@ class _Executor:
 
 def _model_step(monkeypatch, shard_size, pieces, in_place=False, steps=2, blocks=3):
     """The hazards of `steps` training steps of the layout over the modelled streams."""
-    from strata.torch import _distributed, _layout
+    from strata.torch import _distributed
+    from strata.torch.layout.sharded import ShardedLayout
     timeline = _Timeline()
     monkeypatch.setattr(_distributed, "dist", _nccl(timeline))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: timeline.current)
@@ -673,7 +674,7 @@ def _model_step(monkeypatch, shard_size, pieces, in_place=False, steps=2, blocks
         pieces=pieces, all=group, replica_group=group, piece_group=group if pieces > 1 else None,
         gather_group=group if shard_size > 1 else None,
         reduce_group=group if shard_size > 1 else None)
-    layout = _layout.ShardedLayout(mesh, residents=[])
+    layout = ShardedLayout(mesh, residents=[])
     session = types.SimpleNamespace(cuda=False, device=torch.device("cpu"), dtype=torch.float32,
                                     step_id=0, delivered=[], host_budget=None, optimizer=None,
                                     layers=[], unbind=lambda index: None,
@@ -690,7 +691,8 @@ def _model_step(monkeypatch, shard_size, pieces, in_place=False, steps=2, blocks
     layout.after_build()  # (cuda=False here: the host replica is not pinned)
     session.cuda = True
     session.executor = _Executor(timeline, session.layers)
-    layout.comm, layout.reduce_stream = timeline.stream("comm"), timeline.stream("reduce")
+    layout.gathers.comm = timeline.stream("comm")
+    layout.reducer.reduce_stream = timeline.stream("reduce")
 
     def compute(index, pass_name):
         timeline.phase = "block %d %s" % (index, pass_name)
@@ -712,7 +714,7 @@ def _model_step(monkeypatch, shard_size, pieces, in_place=False, steps=2, blocks
                 timeline.phase = "block %d backward" % i
                 layout.store_grads(i, session.layers[i], grads)
                 layout.release(i, BACKWARD)
-            timeline.host_waits(layout.reduce_stream)  # step_end: the grads landed
+            timeline.host_waits(layout.reducer.reduce_stream)  # step_end: the grads landed
             layout.after_end(0, BACKWARD)
             session.delivered.clear()
     return timeline.hazards

@@ -65,7 +65,7 @@ def _restore_buffer(module, name, value):
 
 def _announcing_backward(session, index, output):
     """`output` of resident block `index`, its backward pass announced to the session's
-    on_resident_backward_begin calls (strata.torch._paging brings optimizer state back as
+    on_resident_backward_begin calls (strata.torch.paging brings optimizer state back as
     the later blocks free their memory) when the grad of its first tensor that requires one
     (its hidden states) arrives."""
     calls = session.on_resident_backward_begin
@@ -84,7 +84,7 @@ def _announcing_backward(session, index, output):
 def keep_resident(session, index, block, spill=None):
     """A block kept in HBM runs as plain PyTorch with activation checkpointing (RNG-exact, as
     the streamed blocks recompute), so its activation memory is what a streamed block's is;
-    unless the measured memory lets it keep its activations (strata.torch._activations), all
+    unless the measured memory lets it keep its activations (strata.torch.activations), all
     of them or only its matrix products' and attention's outputs, which gives the same values
     without the recompute (or with only its elementwise part). `spill`: the session's
     strata.torch._spill.Spiller, which may send its checkpoint to host memory (None: it stays)."""

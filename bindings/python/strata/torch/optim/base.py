@@ -145,7 +145,7 @@ class StrataOptimizer(torch.optim.Optimizer):
             residents.pager.page_out(timed=False)  # the masters, from the first forward pass on
 
     # The resident parameters' optimizer state paged to host memory between a step and the
-    # next backward pass (strata.torch._paging; docs/python-reference.md, Performance):
+    # next backward pass (strata.torch.paging; docs/python-reference.md, Performance):
     # "auto" (on CUDA, as much of every resident parameter's as fits in half the host's
     # available memory at the first step's end), None every resident parameter's, an int the
     # first that many resident blocks', 0 none. Read when the optimizer is created.

@@ -1,14 +1,15 @@
 """The resident parameters' half of a strata.torch optimizer (embedding, final norm, head,
 resident blocks): torch's optimizer of the same kind on the device over their fp32 masters
 (Lion: TorchLion, lion-pytorch's formula), the masters kept in step with the parameters, the
-update a chunk at a time, and the pager of their state (strata.torch._paging)."""
+update a chunk at a time, and the pager of their state (strata.torch.paging)."""
 
 import weakref
 
 import torch
 
 from .. import _params
-from .._paging import StatePager, paged_groups
+from ..paging.groups import paged_groups
+from ..paging.pager import StatePager
 
 
 @torch.no_grad()

@@ -183,7 +183,7 @@ class Placer:
     def host_pinned_extra_bytes(self):
         """Host memory strata.torch holds for this session beside the runtime's arena, counted
         against host_budget (strata.torch._planning.HostBudget): the resident parameters'
-        paged optimizer state (strata.torch._paging) and the buffers of block checkpoints
+        paged optimizer state (strata.torch.paging) and the buffers of block checkpoints
         spilled to host memory (strata.torch._spill), kept from step to step."""
         s = self.session
         if s.host_budget is None:

@@ -8,7 +8,7 @@ import torch
 
 from ... import core
 from .. import _host, _planning
-from .._activations import ActivationKeeper
+from ..activations.keeper import ActivationKeeper
 from .._agreement import EveryRank
 from .._spill import Spiller
 

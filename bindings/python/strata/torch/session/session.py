@@ -15,7 +15,7 @@ import time
 import torch
 
 from .. import _params
-from .._layout import LocalLayout
+from ..layout.local import LocalLayout
 from .._streamed import narrows
 from .builder import Builder
 from .passes import Passes
@@ -26,7 +26,7 @@ from .runtime import open_runtime
 class StrataSession:
     """One offloaded model. Blocks are registered with the runtime when the optimizer is created
     (or at the first forward pass without one), one at a time: host memory never holds the
-    model twice. Every field is declared here; `layout` (strata.torch._layout) says where the
+    model twice. Every field is declared here; `layout` (strata.torch.layout) says where the
     streamed parameters live across processes, and the session calls it for everything that
     differs under data parallelism."""
 
@@ -34,7 +34,7 @@ class StrataSession:
         self.blocks = choices.blocks
         self.prefixes = choices.prefixes
         self.grads_home = choices.grads_home
-        # The grad views are the sums (strata.torch._layout adds each backward's grads into
+        # The grad views are the sums (strata.torch.layout adds each backward's grads into
         # them instead of copying).
         self.grads_in_place = choices.grads_home == "hbm_sums"
         self.device = choices.device
@@ -79,7 +79,7 @@ class StrataSession:
         self.ungraded = []
         # Called with the block's index when a streamed block's forward or backward pass begins
         # with grad, and with None when the model's forward pass with grad begins (in training
-        # mode): strata.torch._paging frees, times and brings back optimizer state.
+        # mode): strata.torch.paging frees, times and brings back optimizer state.
         self.on_forward_begin = []
         self.on_backward_begin = []
         self.on_resident_forward_begin = []  # a resident block's, with its index, with grad

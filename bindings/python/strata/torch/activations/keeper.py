@@ -1,78 +1,15 @@
-"""Which resident blocks keep their activations for the backward pass instead of recomputing
-them (issue 13, item 2: spare HBM spent on skipping recompute), decided from measured memory.
-
-A resident block runs as plain PyTorch with activation checkpointing, so its activation memory
-is what a streamed block's is. When the device has memory to spare once the model, its
-optimizer state and a step's peak are in, some of them can run without checkpointing: the
-same values (checkpointing recomputes exactly what the forward computed, dropout's RNG
-included), one forward pass less per block. How many cannot be known at offload time (the
-batch's activations and logits are unknown then), so it is measured:
-
-- the bytes each resident block saves for its backward when not checkpointed, for the actual
-  inputs of the first forward pass with grad: its forward run once on fake tensors (shapes
-  only, no memory, no compute; the RNG state restored), summing what autograd saves beside the
-  parameters, and what it would keep selectively (below). Every block is measured, not one
-  for all: a model's blocks can differ (dense and mixture-of-experts layers), in their bytes
-  and in whether keeping one selectively is safe; a block that cannot be measured (an op
-  without a fake kernel, a data-dependent shape) is never kept, nor any before it;
-- the memory torch's caching allocator held at its peak through the second optimizer step
-  (AdamW's moments exist from the first): reserved, not allocated, since with the default
-  allocator what fragmentation strands is as unusable as what is allocated (an H200 run
-  planned from the allocated peak ran out of memory asking for 15.6 GiB of logits with 11 GiB
-  reserved and unused); with expandable segments (strata.torch._allocator) the allocated peak
-  plus 2% of the device when that is less, since that allocator gives back what it caches
-  where an allocation needs it (the library judges the peak: runtime/step/kept.cpp);
-- what torch could hold at most: the device's free memory plus what torch holds now (the CUDA
-  context and Strata's own HBM arena are outside it).
-
-A block can keep what it saves in two ways (issue 13: more blocks skip recompute in the same
-memory). Selectively: only the outputs of its matrix products and attention (what costs the
-FLOPs) that its recompute reaches (torch stops recomputing past the last tensor autograd
-saves, so a Llama block's last product is not cached), its norms, activation functions and
-rotary embeddings recomputed in the backward pass from them (torch's selective activation
-checkpointing); an 8B Llama block at 32k tokens holds ~3 GB that way instead of ~7 GB, and its
-recompute shrinks to elementwise kernels.
-Wholly: everything, no recompute at all. Spare memory buys selective blocks first (two to
-three times as many blocks per byte for ~90% of the recompute each saves), then upgrades some
-of them to whole with what is left. A random op is never served from the cache (a recompute
-that skipped one would shift the RNG offsets of every random op after it), nor an attention
-with dropout; a block that writes in place into one of those outputs keeps wholly or not at
-all (found when measuring, through any alias: torch's own check at the backward pass misses
-a write through _unsafe_view's tensor, and the grads would be silently wrong).
-
-From the third step on, the last resident blocks skip recompute, as the library's step plan
-decides from these measurements (strata.step_plan; runtime/step/kept.cpp has the rule and its
-constants): from the last block back, each kept selectively (wholly when it cannot be) while
-its bytes x 1.25 fit in usable - peak - margin, then upgraded to whole, from the last back,
-with what that leaves; the margin is 4% of the device with expandable segments
-(strata.torch._allocator), 10% without. A forward pass with more tokens, or longer sequences, than the measured steps had
-runs checkpointed (activations and logits grow with the tokens, attention's with the
-sequence). An out-of-memory error anywhere (the allocator counts them: a forward, a backward,
-a step) turns keeping off for good; a step that made the allocator retry an allocation (free
-its cache, a device synchronization) drops the first kept block. Only on CUDA.
-
-Streamed blocks (issue 36: an 8B at 32x1024 on an H200 recomputed 17 streamed blocks' forward,
-~0.44 s of a 3.9 s step, with ~50 GB of the device unused) keep selectively too, with what the
-resident blocks leave: the same plan, the streamed blocks after the resident ones (from the
-last streamed block back: their backward comes first, so what they hold is freed soonest), each
-only selectively (wholly would save its weights). A streamed block's recompute runs its whole
-forward (strata.torch._block: no early stop), so every costly op's output is kept
-(measure(everything=True)), measured per streamed block as the resident blocks are (blocks can
-differ; each at the batch, on fake tensors: a resident block's measurement stops at the early
-stop, so it is not reused). Its forward then runs with grad as its recompute will (the same
-ops, the same arguments: under no_grad an attention can skip its logsumexp and a matmul fold
-differently), under the forward context of selective_context, its saved tensors dropped as
-they are made (only the cached outputs stay); its recompute runs under the paired recompute
-context, served those outputs."""
-
-import time
+"""ActivationKeeper: which blocks keep their activations, planned by the library's step plan
+from what BlockMeasures and StepMemory measured, executed block by block (mode,
+streamed_mode), and backed off when the allocator retries or runs out of memory.
+strata.torch.activations' docstring says how and why."""
 
 import torch
 
-from .. import step_plan
-from . import _step
-from ._measure import measure, selective_context, shape_of
-from ._replay import ForwardState, without_forward_hooks
+from ... import step_plan
+from .. import _step
+from .._measure import selective_context
+from .measures import BlockMeasures
+from .memory import StepMemory
 
 
 class ActivationKeeper:
@@ -94,16 +31,10 @@ class ActivationKeeper:
         self.forced_whole = 0  # of a forced count, how many keep everything
         self.forced_streamed = None  # a fixed count of the last streamed blocks; None: measured
         self.steps = 0
-        self.tokens = 0  # the most tokens a measured step had
-        self.seq = 0  # and the longest sequence
-        # Per resident block, at self.tokens: measure()'s (whole bytes, (selective bytes,
-        # limit) or None), or None when it cannot be measured. Each block is measured, not one
-        # for all: blocks can differ (dense and mixture-of-experts layers in one model), in
-        # their bytes and in whether keeping them selectively is safe at all.
-        self.measured = {}
-        # Per streamed block, at self.tokens: measure(everything=True)'s result, or None.
-        self.streamed_measured = {}
-        self.measure_seconds = 0.0  # host time spent measuring (what the first steps pay)
+        # What each block saves (measured at the most tokens seen), and the measured step's
+        # memory by interval between block starts (at_point).
+        self.measures = BlockMeasures(device, blocks, streamed_blocks)
+        self.memory = StepMemory(device)
         self.decided = False
         self.emptied = False  # on_step emptied the allocator's cache (paged state)
         self.ooms = 0  # the allocator's out-of-memory count when the plan was made
@@ -113,21 +44,6 @@ class ActivationKeeper:
         # The last decide()'s step plan, for benchmarks and diagnostics: its numbers
         # (strata_step_plan_info_t's) and its text (None: not decided).
         self.decision = None
-        # The step being measured, cut at each block's forward ("f") and backward ("b")
-        # start with grad: the allocator's peaks (allocated, reserved) in the interval that
-        # ends at (kind, block), blocks numbered in the model's order (resident, then
-        # streamed), the last interval ("end", 0) ending at the step; the largest over the
-        # step's passes. A kept block's activations live from its forward pass to its
-        # backward pass: the plan adds each only to the intervals where it is alive
-        # (at_point; the step plan), not to the step's peak whatever held it (an 8B at
-        # 32 x 1024 peaked with the paged optimizer state back in HBM, late in the backward
-        # pass, where the streamed blocks' kept outputs are long freed). And the step's peaks
-        # over every interval (torch's statistics are reset at each point meanwhile).
-        self.timeline = {}
-        self.step_peaks = (0, 0)
-        # The largest allocated over every interval noted so far (run-long): torch's own
-        # max_memory_allocated counts only from the last point while the keeper measures.
-        self.allocated_seen = 0
 
     @property
     def count(self):
@@ -150,18 +66,9 @@ class ActivationKeeper:
         """How many of the last streamed blocks keep selectively (forced or planned)."""
         return self.forced_streamed if self.forced_streamed is not None else self.streamed
 
-    def _last(self, item):
-        """The last resident block's measure()d value: 0 whole bytes, 1 selective bytes, 2 its
-        limit (what the benchmarks report); None when not measured."""
-        measured = self.measured.get(len(self.blocks) - 1)
-        if not measured:
-            return None
-        if item == 0:
-            return measured[0]
-        return None if measured[1] is None else measured[1][item - 1]
-
-    block_bytes = property(lambda self: self._last(0), doc="The last block's whole bytes.")
-    selective_bytes = property(lambda self: self._last(1),
+    block_bytes = property(lambda self: self.measures.last(0),
+                           doc="The last block's whole bytes.")
+    selective_bytes = property(lambda self: self.measures.last(1),
                                doc="The last block's selective bytes (None: it cannot be).")
 
     def mode(self, index, args):
@@ -175,14 +82,9 @@ class ActivationKeeper:
         if from_last == len(self.plan) - 1 and self.oom_since_plan():
             self.stop()
             return None
-        if not self._within_measured(args):
+        if not self.measures.within(args):
             return None
         return self.plan[from_last]
-
-    def _within_measured(self, args):
-        """Whether a block's inputs are no larger than the measured steps' (tokens, sequence)."""
-        tokens, seq = shape_of(args)
-        return tokens <= self.tokens and seq <= self.seq
 
     def streamed_mode(self, index, args):
         """How streamed block `index` runs now: None (its forward recomputed whole in the
@@ -195,7 +97,7 @@ class ActivationKeeper:
         if from_last == self.streamed - 1 and not self.plan and self.oom_since_plan():
             self.stop()
             return None
-        return "selective" if self._within_measured(args) else None
+        return "selective" if self.measures.within(args) else None
 
     def streamed_contexts(self):
         """The (forward, recompute) context pair of a streamed block kept selectively: every
@@ -214,24 +116,12 @@ class ActivationKeeper:
         steps before the decision)."""
         if not self.enabled or self.decided:
             return
-        self._end_interval((kind, len(self.blocks) + index if streamed else index))
-
-    def _end_interval(self, key):
-        allocated = torch.cuda.max_memory_allocated(self.device)
-        reserved = torch.cuda.max_memory_reserved(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.step_peaks = (max(self.step_peaks[0], allocated), max(self.step_peaks[1], reserved))
-        self.allocated_seen = max(self.allocated_seen, allocated)
-        prior = self.timeline.get(key, (0, 0))
-        self.timeline[key] = (max(prior[0], allocated), max(prior[1], reserved))
+        self.memory.end_interval((kind, len(self.blocks) + index if streamed else index))
 
     def max_allocated(self):
-        """torch.cuda.max_memory_allocated as it would read had the keeper not reset the peaks
-        at each block start while measuring (what a user's "peak memory" print expects); 0
-        off CUDA."""
-        if self.device.type != "cuda":
-            return 0
-        return max(torch.cuda.max_memory_allocated(self.device), self.allocated_seen)
+        """torch.cuda.max_memory_allocated as if the keeper had not reset the peaks
+        (StepMemory.max_allocated)."""
+        return self.memory.max_allocated()
 
     def oom_since_plan(self):
         return self.device.type == "cuda" and \
@@ -241,50 +131,23 @@ class ActivationKeeper:
         """A forward pass with grad of resident block `index`, before the decision: note its
         tokens and, for the most tokens seen, what it would keep (measured once per block at
         that many tokens: one forward on fake tensors each)."""
-        if self.forced is not None:
-            return
-        self._observe(self.measured, self.blocks[index], index, run, args, kwargs, None)
+        if self.forced is None and not self.decided and self.enabled:
+            self.measures.observe(False, index, run, args, kwargs)
 
     def observe_streamed(self, index, run, args, kwargs):
         """A forward pass with grad of streamed block `index`, before the decision: as
         observe(), its bytes kept selectively measured with every costly op (its recompute
         runs the whole block)."""
-        if self.forced_streamed is not None:
-            return
-        self._observe(self.streamed_measured, self.streamed_blocks[index], index, run, args,
-                      kwargs, True)
-
-    def _observe(self, measured, block, index, run, args, kwargs, everything):
-        if self.decided or not self.enabled:
-            return
-        tokens, seq = shape_of(args)
-        self.seq = max(self.seq, seq)
-        if tokens > self.tokens:
-            self.tokens = tokens
-            self.measured.clear()
-            self.streamed_measured.clear()
-        if tokens == self.tokens and index not in measured:
-            started = time.perf_counter()
-            # The fake forward runs ops on 0-dim CPU buffers for real (a call counter,
-            # BatchNorm's num_batches_tracked): they are put back after it.
-            # The user's forward hooks see only real forward passes (without_forward_hooks).
-            state = ForwardState(block)
-            try:
-                with without_forward_hooks(block):
-                    measured[index] = measure(run, args, kwargs, self.device,
-                                              list(block.parameters()), everything=everything)
-            finally:
-                state.restore_buffers()
-            self.measure_seconds += time.perf_counter() - started
+        if self.forced_streamed is None and not self.decided and self.enabled:
+            self.measures.observe(True, index, run, args, kwargs)
 
     def context(self, index):
         """checkpoint(context_fn=...) for resident block `index` kept selectively."""
-        measured = self.measured.get(index)
-        return selective_context(measured[1][1] if measured and measured[1] else None)
+        return self.measures.context(index)
 
     def on_step(self, settled=True, paged=False):
         """After an optimizer step: the decision, once enough steps were measured and the
-        memory a step uses has `settled` (strata.torch._paging sizes what it pages first).
+        memory a step uses has `settled` (strata.torch.paging sizes what it pages first).
         `paged`: optimizer state leaves the device between steps; the steps before it settled
         used memory in another pattern, and what the allocator reserved for them (it keeps
         what it reserved) is not what a step needs now: the cache is emptied and the peak
@@ -299,11 +162,9 @@ class ActivationKeeper:
         self.steps += 1
         if not self.enabled:
             return
-        if self.timeline and not self.decided:
-            self._end_interval(("end", 0))  # the last block's backward pass and the step
-        # The step that ended (its intervals and peaks); the next is measured afresh.
-        timeline, self.timeline = self.timeline, {}
-        peaks, self.step_peaks = self.step_peaks, (0, 0)
+        if self.memory.timeline and not self.decided:
+            self.memory.end_interval(("end", 0))  # the last block's backward pass and the step
+        timeline, peaks = self.memory.take_step()  # the next step is measured afresh
         if self.decided:
             self._watch_retries()
             return
@@ -357,24 +218,24 @@ class ActivationKeeper:
                                     residency=b.residency) for b in self.profile_blocks()]
         blocks = []
         for i in range(len(self.blocks)):
-            measured = self.measured.get(i)
-            whole = measured[0] if measured else 0
-            selective = measured[1][0] if measured and measured[1] else 0
+            whole, selective = self.measures.resident_bytes(i)
             keep = None
             if self.forced is not None:
                 keep = self.mode(i, ())
-            elif self.plan and (tokens is None or tokens <= self.tokens):
+            elif self.plan and (tokens is None or tokens <= self.measures.tokens):
                 keep = _mode_of(len(self.blocks) - 1 - i, self.count, self.whole)
-            blocks.append(step_plan.Block(1, keep_whole_bytes=whole or 0,
-                                          keep_selective_bytes=selective or 0,
+            blocks.append(step_plan.Block(1, keep_whole_bytes=whole,
+                                          keep_selective_bytes=selective,
                                           residency="resident", keep=keep or "recompute"))
         streamed = len(self.streamed_blocks)
         kept = self.kept_streamed
-        if self.forced_streamed is None and tokens is not None and tokens > self.tokens:
+        if self.forced_streamed is None and tokens is not None and \
+                tokens > self.measures.tokens:
             kept = 0  # more tokens than measured: they recompute
         for j in range(streamed):
             keep = "selective" if j >= streamed - kept else "recompute"
-            blocks.append(step_plan.Block(1, keep_selective_bytes=self.streamed_bytes(j) or 0,
+            selective = self.measures.streamed_bytes(j) or 0
+            blocks.append(step_plan.Block(1, keep_selective_bytes=selective,
                                           residency="streamed", keep=keep))
         return blocks
 
@@ -409,14 +270,6 @@ class ActivationKeeper:
                 break
             self.streamed += 1
         self.decision = dict(plan.info, text=plan.text)
-
-    def streamed_bytes(self, index):
-        """Streamed block `index`'s measured bytes kept selectively (None: not measured, or
-        it cannot be kept selectively)."""
-        measured = self.streamed_measured.get(index)
-        if not measured or measured[1] is None or measured[1][0] <= 0:
-            return None
-        return measured[1][0]
 
     def describe(self):
         """'N keep their activations (S selectively)', and how many streamed blocks keep
