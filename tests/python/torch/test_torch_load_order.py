@@ -376,7 +376,7 @@ def test_resident_masters_keep_the_precision_of_a_load(offload):
     with torch.no_grad():
         model.model.norm.weight.data.fill_(0.5)
     opt = st.AdamW(model.parameters(), lr=LR)
-    masters = {id(p): m for p, m, _ in opt._resident}
+    masters = {id(p): m for p, m, _ in opt._residents.entries}
     for name in ("model.embed_tokens.weight", "lm_head.weight"):  # inside model.model, not
         master = masters[id(model.get_parameter(name))]
         assert torch.equal(master.cpu(), weights[name]), name
@@ -385,7 +385,7 @@ def test_resident_masters_keep_the_precision_of_a_load(offload):
     sub = offload(build("llama", seed=5), dtype=torch.bfloat16)
     sub.lm_head.load_state_dict({"weight": weights["lm_head.weight"]})
     opt2 = st.AdamW(sub.parameters(), lr=LR)
-    head = {id(p): m for p, m, _ in opt2._resident}[id(sub.lm_head.weight)]
+    head = {id(p): m for p, m, _ in opt2._residents.entries}[id(sub.lm_head.weight)]
     assert torch.equal(head.cpu(), weights["lm_head.weight"])
     assert torch.equal(norm.cpu(), torch.full_like(norm.cpu(), 0.5))
     assert not any("_strata_fp32" in p.__dict__ for p in model.parameters())
