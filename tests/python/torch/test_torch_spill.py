@@ -542,6 +542,8 @@ def grouped_run(build, device, group, batches, offload_kwargs=None, hook=None, *
             return out
         model.forward = forward
         out = train(model, opt, batches, **loop)
+        if group:  # placement() says so
+            assert "one per group of up to %d blocks" % group in model.strata.placement()
         return out, spill.regen.regenerated_total, alive, spill.regen.starts
     finally:
         model.strata.close()

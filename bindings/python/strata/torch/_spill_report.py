@@ -6,16 +6,22 @@ def budget_short(s):
     """Whether host_budget left no room for some of the buffers the decision wanted."""
     return s.stopped_by == "budget" and s.count < s.wanted
 
+
 def describe(s):
     """'N of M block checkpoints spilled to host memory (X GiB)', what host_budget kept
     from spilling, or ''."""
-    if s.count <= 0 and not budget_short(s):
+    if s.count <= 0 and not budget_short(s) and s.regen.starts is None:
         return ""
     if s.inside_checkpoint:
         return ("block checkpoints kept on the device (the blocks run inside "
                 "torch.utils.checkpoint, which keeps their inputs there)")
     said = "%d of %d block checkpoints spilled to host memory (%.2f GiB)" % (
         s.count, s.positions, s.host_bytes / (1 << 30))
+    starts = s.regen.starts
+    if starts is not None:
+        largest = max(sum(1 for g in starts if g == h) for h in set(starts))
+        said += (", one per group of up to %d blocks (%d inputs regenerated in the backward "
+                 "pass)" % (largest, sum(1 for i, g in enumerate(starts) if g != i)))
     if budget_short(s):
         return said + ("; %d more kept on the device: host_budget has no room for them "
                        "(%.2f GiB left of it, %.2f GiB a checkpoint)%s"
@@ -23,6 +29,7 @@ def describe(s):
                           s.pool.wanted / (1 << 30),
                           "" if s.fits else ", the step predicted short"))
     return said + ("" if s.fits else ", the step predicted short even so")
+
 
 def note(s):
     """What an out-of-memory error of the step is told, or None."""
