@@ -6,6 +6,16 @@
 using namespace strata;
 using namespace strata::abi;
 
+// A path argument: given and not empty (outside extern "C": it returns a C++ Status).
+namespace {
+
+Status require_path(const char* path, const char* what) {
+  STRATA_RETURN_IF_ERROR(require(path, what));
+  return *path == '\0' ? error(Code::kInvalidArgument, what, " is empty") : Status::ok();
+}
+
+}  // namespace
+
 extern "C" {
 
 STRATA_API strata_status_t strata_checkpoint_save(strata_runtime_t* runtime,
@@ -31,15 +41,6 @@ STRATA_API strata_status_t strata_checkpoint_load(strata_runtime_t* runtime,
 }
 
 // -- Atomic directories (since 1.5): runtime/checkpoint/atomic_directory for frameworks --------
-
-namespace {
-
-Status require_path(const char* path, const char* what) {
-  STRATA_RETURN_IF_ERROR(require(path, what));
-  return *path == '\0' ? error(Code::kInvalidArgument, what, " is empty") : Status::ok();
-}
-
-}  // namespace
 
 STRATA_API strata_status_t strata_atomic_dir_staging(const char* path, char* buffer,
                                                      size_t capacity, size_t* out_length) {
