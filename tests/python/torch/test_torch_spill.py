@@ -628,3 +628,22 @@ def test_the_plan_says_it_grouped():
     assert plan.spilled_checkpoint_bytes == 6 << 30
     assert [b["group_start"] for b in plan.blocks] == [i // 3 * 3 for i in range(16)]
     assert "one per group of 3" in plan.text and "from block 12" in plan.text
+
+
+def test_a_decision_made_again_frees_the_buffers_it_no_longer_spills():
+    """Decided again with other homes (here groups of 2 after one checkpoint per block), the
+    buffers of blocks that no longer spill are freed before the new ones are reserved: the
+    plan counted their room as the new buffers' (kept, they made the host refuse those)."""
+    from strata.torch.activations.keeper import ActivationKeeper
+    spiller = _spill.Spiller(torch.device("cpu"), True,
+                             ActivationKeeper(torch.device("cpu"), []), 8)
+    block = _Block()
+    x = torch.zeros(2, 16, 64)
+    spiller.forward_begins(block.forward, block, (x,), {})
+    assert sorted(spiller.pool.buffers) == list(range(8))
+    spiller.forced_group = 2
+    spiller.forward_begins(block.forward, block, (x,), {})
+    assert spiller.spilled == (0, 2, 4, 6)
+    assert sorted(spiller.pool.buffers) == [0, 2, 4, 6]
+    assert spiller.regen.starts == [0, 0, 2, 2, 4, 4, 6, 6]
+    spiller.close()
