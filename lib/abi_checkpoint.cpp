@@ -22,8 +22,7 @@ STRATA_API strata_status_t strata_checkpoint_save(strata_runtime_t* runtime,
                                                   strata_optimizer_t* optimizer, const char* path) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(runtime, "runtime"));
-    STRATA_RETURN_IF_ERROR(require(path, "path"));
-    if (*path == '\0') return error(Code::kInvalidArgument, "path is empty");
+    STRATA_RETURN_IF_ERROR(require_path(path, "path"));
     return save_checkpoint(*runtime->impl, optimizer != nullptr ? optimizer->impl.get() : nullptr,
                            path);
   });
@@ -33,8 +32,7 @@ STRATA_API strata_status_t strata_checkpoint_load(strata_runtime_t* runtime,
                                                   strata_optimizer_t* optimizer, const char* path) {
   return guarded(__func__, [&] {
     STRATA_RETURN_IF_ERROR(require(runtime, "runtime"));
-    STRATA_RETURN_IF_ERROR(require(path, "path"));
-    if (*path == '\0') return error(Code::kInvalidArgument, "path is empty");
+    STRATA_RETURN_IF_ERROR(require_path(path, "path"));
     return load_checkpoint(*runtime->impl, optimizer != nullptr ? optimizer->impl.get() : nullptr,
                            path);
   });
