@@ -126,6 +126,7 @@ class Regenerator:
 
     def __init__(self):
         self.starts = None  # per position its group's start (None: no groups)
+        self.regenerated_total = 0  # inputs regenerated so far (tests, benchmarks)
         self.clear()
 
     def clear(self):
@@ -133,7 +134,6 @@ class Regenerator:
         self.outputs = {}  # position -> (signature, version) of its hidden output
         self.kept = {}  # position -> its saved input's record (strata.torch._spill's)
         self.ready = {}  # position -> its regenerated input
-        self.regenerated_total = getattr(self, "regenerated_total", 0)
 
     def grouped(self, position):
         """Whether `position`'s input may be dropped (its group started before it)."""

@@ -249,7 +249,8 @@ class Spiller:
         """Buffers for the blocks at `positions`, in order: how many the host gave. Buffers of
         blocks no longer spilling (a decision made again: other groups, fewer spills) are
         freed first: the plan counted their room as the new ones'."""
-        stale = [p for p in self.pool.buffers if p not in set(positions)]
+        wanted = set(positions)
+        stale = [p for p in self.pool.buffers if p not in wanted]
         if stale or any(not self.pool.holds(position, nbytes) for position in positions):
             self._quiesce()  # a buffer is replaced: the last step's copies may still use it
         for position in stale:
