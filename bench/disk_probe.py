@@ -1,7 +1,7 @@
 """The runtime's disk probe (what strata_placement_create measures when NVMe rates are left at
 0: the disk written, read, then read and written at once), several times back to back on an
-NVMe tier at PATH, to see how much one probe varies on a machine (docs/benchmarks.md, "the
-placement's prediction within 10%").
+NVMe tier at PATH, to see how much one probe varies on a machine
+(docs/journal/2026-11-24-s10-issue14-prediction.md, "the placement's prediction within 10%").
 
     python bench/disk_probe.py PATH [--runs 3] [--dram-gib 6] [--nvme-gib 24]
 """

@@ -71,7 +71,7 @@ CONFIGS = {
                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                rope_theta=500000.0),
     # Issue 39 item 2a: the largest Llama a 4 x H200 host's DRAM and disk hold under data
-    # parallelism (41.4B: Llama-3-70B's block shape, 46 of them; docs/benchmarks.md, "The
+    # parallelism (41.4B: Llama-3-70B's block shape, 46 of them; docs/benchmarks/data-parallel.md, "The
     # largest models on one GPU", for the arithmetic).
     "40b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                 num_hidden_layers=46, num_attention_heads=64, num_key_value_heads=8,
@@ -79,7 +79,7 @@ CONFIGS = {
     # Llama-3-70B's block shape, 16 and 20 of them (15.8B, 19.2B), for the 2 x H200 host
     # (256 GiB) what "40b" is for the 4-GPU one: with 4 micro-batches the 16b took 208 GB of
     # host memory with grads="host" and 166 GB with the gradient sums in HBM
-    # (--strata-grads device); the 20b needs about 250 and 200 (docs/benchmarks.md).
+    # (--strata-grads device); the 20b needs about 250 and 200 (docs/benchmarks/data-parallel.md).
     "16b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                 num_hidden_layers=16, num_attention_heads=64, num_key_value_heads=8,
                 rope_theta=500000.0),

@@ -2,7 +2,7 @@
 """Projected step time of Strata's data parallelism over 2-16 hosts of 8 GPUs, from measured
 rates passed in: HSDP (every host the whole optimizer state, grads all-reduced across the hosts)
 against the optimizer state sharded across the hosts (DataParallel(state_across_hosts=True)).
-docs/architecture.md ("Optimizer state across hosts") derives the bytes; docs/benchmarks.md has
+docs/architecture.md ("Optimizer state across hosts") derives the bytes; docs/benchmarks/data-parallel.md has
 the table ("Across hosts").
 
     python bench/project_hosts.py                       # 8B, the rates measured on H200s
@@ -122,7 +122,7 @@ def main(argv=None):
     p.add_argument("--hosts", default="2,4,8,16")
     p.add_argument("--networks", default="100,200,400", help="Gb/s a GPU across the hosts")
     p.add_argument("--tokens-per-gpu", type=int, default=16384)
-    # Measured (docs/benchmarks.md): 4 H200s trained 8B at 31,599 tokens/s (7,900 a GPU);
+    # Measured (docs/benchmarks/data-parallel.md): 4 H200s trained 8B at 31,599 tokens/s (7,900 a GPU);
     # pinned H2D / D2H 53.6 GB/s each, 98.8 GB/s both at once; AdamW 3.6e9 params/s on 16
     # cores. NVLink: NCCL's bus bandwidth on H100/H200 NVLink 4 (not measured here).
     p.add_argument("--compute-per-token", type=float, default=4 / 31599,

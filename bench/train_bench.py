@@ -47,7 +47,7 @@ KV heads, vocabulary; 32 heads of 128).
 
 --modes deepspeed-nvme runs the peer of issue 14, DeepSpeed ZeRO-Infinity (ZeRO-3 with parameters
 and optimizer state offloaded to NVMe, in PATH.deepspeed beside --nvme PATH); deepspeed-cpu
-offloads them to DRAM instead (docs/benchmarks.md says how to run it where DeepSpeed and
+offloads them to DRAM instead (docs/benchmarks/nvme.md says how to run it where DeepSpeed and
 libaio are not installed).
 
 --clip N clips every configuration with torch.nn.utils.clip_grad_norm_(model.parameters(), N)

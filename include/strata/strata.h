@@ -350,7 +350,7 @@ typedef struct strata_runtime_config {
   /* 0 (default): DRAM <-> NVMe transfers go through the pinned staging slots, a copy on the
    * host, pipelined with the disk. 1: O_DIRECT straight into and out of the DRAM arena, no
    * copy. Staging is the default because on the virtualized GPU servers we measured, direct
-   * reads into a large arena were much slower than staged ones (docs/benchmarks.md has the
+   * reads into a large arena were much slower than staged ones (docs/benchmarks/native.md has the
    * numbers); on bare-metal NVMe, direct may be faster: measure with
    * strata-bench io --dram-direct. */
   int32_t io_dram_direct;
