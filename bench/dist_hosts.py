@@ -36,7 +36,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "bindings" / "python"))
 sys.path.insert(0, str(HERE))
 
-import dist_bench  # noqa: E402  (its model shapes, init, data and step)
+import dist_job  # noqa: E402 (the job side: shapes, data, step)
+import dist_bench  # noqa: E402  (its launching and reading of a job)
 from host_memory import peak_host_bytes  # noqa: E402
 
 RUNS = ("one", "hsdp", "pieces")
@@ -83,36 +84,36 @@ def job(run, model_name, rows, seq, steps, warmup, clip, device_kind, threads):
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    config = dist_bench.hf_config(model_name)
-    batches = dist_bench.data(config, rows * world, seq)
+    config = dist_job.hf_config(model_name)
+    batches = dist_job.data(config, rows * world, seq)
     mine = [b[rank * rows:(rank + 1) * rows] for b in batches]
     t0 = time.perf_counter()
     options = False if run == "one" else st.DataParallel(
         shard_size=1, broadcast=False, state_across_hosts=run == "pieces")
-    model = st.offload(dist_bench.meta_model(config), device=device, dtype=torch.bfloat16,
+    model = st.offload(dist_job.meta_model(config), device=device, dtype=torch.bfloat16,
                        data_parallel=options)
     opt = st.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     session = model.strata
     counter = count_network(session.mesh) if session.mesh is not None else {"bytes": 0}
-    step = dist_bench.plain_step(model, opt, clip)
+    step = dist_job.plain_step(model, opt, clip)
     setup = time.perf_counter() - t0
     times, losses, sent = [], [], []
     for i in range(warmup + steps):
         ids = mine[i % 2].to(device, non_blocking=True)
-        dist_bench.sync(device)
+        dist_job.sync(device)
         dist.barrier()
         before = counter["bytes"]
         start = time.perf_counter()
         loss = step(ids).detach().float().reshape(())
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
-        dist_bench.sync(device)
+        dist_job.sync(device)
         elapsed = time.perf_counter() - start
         sent.append(counter["bytes"] - before)
         if i >= warmup:
             times.append(elapsed)
         if rank == 0:
-            dist_bench.progress(i, warmup, elapsed, losses[-1], rows * world * seq)
+            dist_job.progress(i, warmup, elapsed, losses[-1], rows * world * seq)
     session.optimizer.synchronize()
     stats = session.optimizer.stats()
     replica = getattr(session.layout, "replica", None)
@@ -124,10 +125,10 @@ def job(run, model_name, rows, seq, steps, warmup, clip, device_kind, threads):
                  "network_bytes_per_step": sent[-1]}
     every = [None] * world
     dist.all_gather_object(every, mine_host)
-    out = {"run": run, "model": model_name, "params": dist_bench.parameters(config),
+    out = {"run": run, "model": model_name, "params": dist_job.parameters(config),
            "gpus": world, "rows_per_gpu": rows, "seq": seq, "setup_seconds": setup,
            "ranks": every, "layout": session.mesh.describe() if session.mesh else "one GPU"}
-    dist_bench.measured(out, times, losses, rows * world * seq, world)
+    dist_job.measured(out, times, losses, rows * world * seq, world)
     if rank == 0:
         print(json.dumps(out), flush=True)
     dist.barrier()
@@ -218,7 +219,7 @@ def markdown(results, summary, header):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="3.6b", choices=sorted(dist_bench.CONFIGS))
+    p.add_argument("--model", default="3.6b", choices=sorted(dist_job.CONFIGS))
     p.add_argument("--gpus", type=int, default=2, help="processes standing in for hosts")
     dist_bench.add_step_options(p)
     p.add_argument("--threads", type=int, default=0,

@@ -104,7 +104,7 @@ def main():
                     help="hold every runtime until the end: each run faults fresh memory")
     ap.add_argument("--host-memory", type=float, default=0,
                     help="GB of MemAvailable to make sure of first, touching memory where the "
-                         "VM grows its RAM on demand (dist_bench.grow_host_memory, as "
+                         "VM grows its RAM on demand (host_memory.grow_host_memory, as "
                          "train_bench.py --host-memory): its time is reported, not counted")
     ap.add_argument("--pinned", default="1",
                     help="comma-separated fractions of the arena to pin (dram_pinned_bytes; 1, "
@@ -112,7 +112,7 @@ def main():
     ap.add_argument("--json", help="write every run's numbers to this file")
     args = ap.parse_args()
     if args.host_memory:
-        from dist_bench import grow_host_memory
+        from host_memory import grow_host_memory
         seconds = grow_host_memory(int(args.host_memory * 1e9))
         print("host memory: %.0f GB available (%.0f s to grow it; %.0f GB asked for)"
               % (mem_available() / 1e9, seconds, args.host_memory), flush=True)

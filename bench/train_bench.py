@@ -9,7 +9,7 @@ users train), trained as the README shows: built on the meta device from its con
 st.offload(model, dtype=torch.bfloat16), st.AdamW(model.parameters()), the loss from
 model(ids, labels=ids), clip_grad_norm_(model.parameters(), --clip). --impl zoo trains the
 package's own Llama of bench/llama_zoo instead (the same shapes). The Hugging Face model's
-weights come from dist_bench.fast_init (seeded, the same in every mode and in MegaTrain's, but
+weights come from bench_models.fast_init (seeded, the same in every mode and in MegaTrain's, but
 DeepSpeed's, which initializes its partitions as it builds them), AdamW lr 1e-4, weight decay
 0.1, random tokens (two seeded batches in turn).
 
@@ -63,7 +63,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import time
@@ -71,244 +70,12 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bindings" / "python"))
 
-from host_memory import huge_page_bytes, peak_host_bytes  # noqa: E402 (bench/ is on sys.path when run)
+from bench_models import build_model, checkpoint_blocks, materialize, model_config  # noqa: E402 (bench/ is on sys.path when run)
+from host_memory import grow_host_memory, huge_page_bytes  # noqa: E402
+from train_measure import PROGRESS, measure  # noqa: E402
+from train_modes import accumulation, engine_step, plain_step, setup_deepspeed  # noqa: E402
 
 
-def model_config(name):
-    """A preset, or "h4096-l40-i14336-kv8-v32000"."""
-    from llama_zoo import LlamaConfig, PRESETS
-    if name in PRESETS:
-        return PRESETS[name]
-    try:
-        f = {part[0] if part[0] != "k" else "kv": int(part.lstrip("hlikv"))
-             for part in name.split("-")}
-        h = f["h"]
-        return LlamaConfig(vocab_size=f["v"], hidden_size=h, intermediate_size=f["i"],
-                           num_hidden_layers=f["l"], num_attention_heads=h // 128,
-                           num_key_value_heads=f["kv"])
-    except (KeyError, ValueError):
-        raise SystemExit("model %r: not a preset (%s) nor a spec like h4096-l40-i14336-kv8-v32000"
-                         % (name, ", ".join(PRESETS)))
-
-
-def hf_config(config):
-    """Hugging Face's LlamaConfig of a llama_zoo shape (sdpa attention, no KV cache)."""
-    from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                       intermediate_size=config.intermediate_size,
-                       num_hidden_layers=config.num_hidden_layers,
-                       num_attention_heads=config.num_attention_heads,
-                       num_key_value_heads=config.num_key_value_heads,
-                       max_position_embeddings=config.max_position_embeddings,
-                       rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
-                       tie_word_embeddings=config.tie_word_embeddings, use_cache=False)
-
-
-def build_model(config, impl, device, dtype=None):
-    """The model of `config` built on `device`: Hugging Face's LlamaForCausalLM (impl "hf",
-    sdpa) or llama_zoo's (impl "zoo"). On the meta device (for st.offload, which initializes
-    each block as it places it, with model._init_weights) nothing is allocated; elsewhere the
-    weights are initialized. The Hugging Face model's init is dist_bench.fast_init (seeded,
-    the same in every mode and in MegaTrain's; Hugging Face's own takes minutes for 8B on
-    the CPU)."""
-    import torch
-    if impl == "zoo":
-        from llama_zoo.torch_llama import LlamaForCausalLM
-        with torch.device(device):
-            return LlamaForCausalLM(config)
-    from transformers import LlamaForCausalLM
-    from dist_bench import fast_init
-    with torch.device("meta"):
-        model = LlamaForCausalLM._from_config(hf_config(config), attn_implementation="sdpa",
-                                              **({"dtype": dtype} if dtype else {}))
-    model._init_weights = fast_init
-    if torch.device(device).type != "meta":
-        materialize(model, device)
-    return model
-
-
-def materialize(model, device):
-    """A Hugging Face model built on meta (or whose storage was dropped by to_empty) given
-    storage on `device` and fast_init's values; the rotary inverse frequencies (a buffer that
-    is not in the state dict, left uninitialized by to_empty) computed again."""
-    model.to_empty(device=device)
-    model.apply(model._init_weights)
-    rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=model.config).to(device)
-
-
-def checkpoint_blocks(model, impl):
-    """Each decoder block recomputed in the backward pass (non-reentrant torch checkpointing),
-    as strata.torch's streamed blocks are."""
-    if impl == "hf":
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        return
-    from torch.utils.checkpoint import checkpoint
-    for block in model.model.layers:
-        forward = block.forward
-        block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(forward)
-
-
-def probe_block(config, impl, batch, seq, device, dtype):
-    """One decoder block of the model's kind on the device, its input x and the other
-    arguments it is called with: (block, x, args, kwargs), block(x, *args, **kwargs)."""
-    import torch
-    x = torch.randn(batch, seq, config.hidden_size, device=device, dtype=dtype,
-                    requires_grad=True)
-    if impl == "zoo":
-        from llama_zoo.torch_llama import DecoderLayer, rotary
-        return DecoderLayer(config).to(device, dtype), x, rotary(config, seq, device, dtype), {}
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-    cfg = hf_config(config)
-    cfg._attn_implementation = "sdpa"
-    block = LlamaDecoderLayer(cfg, layer_idx=0).to(device, dtype)
-    positions = torch.arange(seq, device=device).unsqueeze(0)
-    cos, sin = LlamaRotaryEmbedding(cfg).to(device)(x, positions)
-    return block, x, (), dict(position_embeddings=(cos.to(dtype), sin.to(dtype)),
-                              attention_mask=None, position_ids=positions)
-
-
-def probe_compute(config, batch, seq, device, impl="zoo", chunked_loss=False):
-    """Device seconds, each measured alone on a fresh block of the model's shape: one block's
-    forward pass (no grad, as a checkpointed block's first pass); its backward pass as
-    strata.torch runs it, checkpointed (the forward recomputed, then the backward), kept
-    selectively (the elementwise part recomputed) and kept wholly (no recompute); the rest of
-    a step (the head and the loss, forward and backward); and the resident update per
-    parameter (fp32 grads from the bf16 ones, torch's fused AdamW on fp32 masters, the bf16
-    weights written back: strata.torch.AdamW's resident step). The compute the placement's
-    step model is given, measured apart from the step it predicts."""
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.checkpoint import checkpoint
-    from strata.torch._measure import selective_bytes, selective_context
-
-    dtype = torch.bfloat16
-    block, x, args, kwargs = probe_block(config, impl, batch, seq, device, dtype)
-
-    def run_block(h):
-        out = block(h, *args, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
-    g = torch.randn_like(x)
-    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False).to(device, dtype)
-    labels = torch.randint(0, config.vocab_size, (batch * seq,), device=device)
-
-    def timed(fn, reps=3, before=None):
-        """Median seconds of fn(before()) over reps, before() run outside the timing."""
-        fn(before() if before else None)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            arg = before() if before else None
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(arg)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(times)
-
-    def forward(_):
-        with torch.no_grad():
-            run_block(x)
-
-    def backward(_):
-        run_block(x).backward(g)
-
-    measured = selective_bytes(block.forward, (x,) + tuple(args), kwargs, device)
-    limit = measured[1] if measured else None
-
-    def kept(selective):
-        def run():
-            if selective:
-                return checkpoint(run_block, x, use_reentrant=False,
-                                  context_fn=lambda: selective_context(limit))
-            return run_block(x)
-        return run
-
-    def backward_only(out):
-        out.backward(g)
-
-    def rest(_):
-        h = x.detach().requires_grad_().view(-1, config.hidden_size)
-        if chunked_loss:  # strata.torch's loss over chunks of tokens (offload's default)
-            from strata.torch._chunked_loss import linear_cross_entropy
-            linear_cross_entropy(h, head.weight, None, labels).backward()
-            return
-        if getattr(config, "loss_impl", "torch") == "liger":
-            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-            liger_fused_linear_cross_entropy(h, head.weight, labels,
-                                             accum_dtype=torch.float32).backward()
-            return
-        F.cross_entropy(head(h).float(), labels).backward()
-
-    weights = list(block.parameters())
-    masters = [p.detach().float().requires_grad_() for p in weights]
-    for p in weights:
-        p.grad = torch.randn_like(p)
-    adamw = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.1, fused=True)
-
-    def update(_):
-        for p, m in zip(weights, masters):
-            m.grad = p.grad.float()
-        adamw.step()
-        with torch.no_grad():
-            for p, m in zip(weights, masters):
-                m.grad = None
-                p.copy_(m)
-
-    out = dict(forward=timed(forward), backward=timed(backward),
-               backward_selective=timed(backward_only, before=kept(True)),
-               backward_whole=timed(backward_only, before=kept(False)), rest=timed(rest),
-               update_per_param=timed(update) / sum(p.numel() for p in weights))
-    del block, head, x, g, weights, masters, adamw
-    torch.cuda.empty_cache()
-    return out
-
-
-PROGRESS = "progress: "  # stderr lines that are not a failed run's error
-
-
-def setup_deepspeed(config, mode, batch, clip, nvme, param_buffers=16, impl="zoo"):
-    """DeepSpeed ZeRO-3 on this one GPU (a process group of one), the model built partitioned
-    under zero.Init, blocks checkpointed as strata.torch's are, bf16, its CPU AdamW. Offloaded to
-    NVMe (ZeRO-Infinity: bf16 parameters and the fp32 optimizer state in a directory beside
-    the --nvme file, through its libaio op) or to pinned DRAM. Weights start from torch's
-    default initialization (zero.Init partitions each module as it is built, before the
-    model's own init could run), so its losses start elsewhere than the other modes'."""
-    import deepspeed
-    import torch
-
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29518"), ("RANK", "0"),
-                       ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-    torch.cuda.set_device(0)
-    import deepspeed_peer  # the ZeRO-3 configuration, one copy for this bench and dist_bench
-
-    path = None
-    if mode == "deepspeed-nvme":
-        if not nvme:
-            raise SystemExit("deepspeed-nvme needs --nvme PATH (its files go to PATH.deepspeed/)")
-        path = nvme + ".deepspeed"
-        os.makedirs(path, exist_ok=True)
-    largest = max(config.vocab_size * config.hidden_size,
-                  config.hidden_size * config.intermediate_size)
-    ds_config = deepspeed_peer.config(batch, clip, path, largest, param_buffers)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        if impl == "hf":  # built partitioned, with Hugging Face's own init (quick on the GPU)
-            from transformers import LlamaForCausalLM
-            model = LlamaForCausalLM._from_config(hf_config(config), attn_implementation="sdpa",
-                                                  dtype=torch.bfloat16)
-        else:
-            from llama_zoo.torch_llama import LlamaForCausalLM
-            model = LlamaForCausalLM(config)
-    checkpoint_blocks(model, impl)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config)
-    return engine
 
 
 def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=None, nvme=None,
@@ -341,7 +108,7 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
 
     out = {"mode": mode, "model": preset, "impl": "megatrain" if mode == "megatrain" else impl,
            "params": config.parameters(), "batch": batch, "seq": seq,
-           "accum": _accumulation(), "tokens_per_step": batch * seq,
+           "accum": accumulation(), "tokens_per_step": batch * seq,
            "clip": clip, "loss": config.loss_impl, "device": str(device),
            # What tflops_6pt counts (bench/dist_bench.py's and MegaTrain's convention).
            "flops_count": "6*P*T/t, P = every parameter (embedding and head included)"}
@@ -364,7 +131,7 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
         out.update(peer.info)
         out["setup_seconds"] = time.perf_counter() - t_setup
         try:
-            result = _measure(out, mode, preset, config, None, peer.step, data, device, cuda,
+            result = measure(out, mode, preset, config, None, peer.step, data, device, cuda,
                               marks, steps, warmup, batch, seq, trace, nvme, None)
             result.update(peer.report(warmup))
             return result
@@ -430,8 +197,8 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             # (the mark "forward" after the first one's forward pass); the step's loss is
             # their mean, the whole batch's.
             total = 0.0
-            for i, part in enumerate(ids.chunk(_accumulation())):
-                loss = model(part, labels=part).loss / _accumulation()
+            for i, part in enumerate(ids.chunk(accumulation())):
+                loss = model(part, labels=part).loss / accumulation()
                 if i == 0:
                     mark("forward")
                 loss.backward()
@@ -481,14 +248,14 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             engine = setup_deepspeed(config, mode, batch, clip, nvme,
                                      int(os.environ.get("DS_PARAM_BUFFERS", "16")), impl)
             model = engine.module
-            step = _engine_step(engine)
+            step = engine_step(engine)
         else:
             raise ValueError(mode)
         if opt is not None:
-            step = _plain_step(model, opt, clip, autocast=mode.startswith("resident"))
+            step = plain_step(model, opt, clip, autocast=mode.startswith("resident"))
     out["setup_seconds"] = time.perf_counter() - t_setup
     try:
-        return _measure(out, mode, preset, config, model, step, data, device, cuda, marks, steps,
+        return measure(out, mode, preset, config, model, step, data, device, cuda, marks, steps,
                         warmup, batch, seq, trace, nvme, opt)
     finally:
         if mode == "deepspeed-nvme":
@@ -496,220 +263,6 @@ def run_one(mode, preset, batch, seq, steps, warmup, clip=0.0, resident_blocks=N
             # a failed run's too.
             import shutil
             shutil.rmtree(nvme + ".deepspeed", ignore_errors=True)
-
-
-def _accumulation():
-    """--accum: micro-batches a step (every mode but deepspeed's)."""
-    return int(os.environ.get("STRATA_BENCH_ACCUM", "1"))
-
-
-def _plain_step(model, opt, clip, autocast):
-    """One step of plain PyTorch: autocast to bf16 (resident modes), backward, clip, step."""
-    import torch
-
-    def step(ids):
-        total = 0.0  # the micro-batches' mean loss: the whole batch's
-        for part in ids.chunk(_accumulation()):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                loss = model(part, labels=part).loss / _accumulation()
-            loss.backward()
-            total = total + loss.detach()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return total
-    return step
-
-
-def _engine_step(engine):
-    """One step of a DeepSpeed engine (its config clips)."""
-    def step(ids):
-        loss = engine(ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        return loss
-    return step
-
-
-def _profiler(mode, preset, cuda):
-    """torch.profiler started for one step (host ops, and kernels on a GPU) when
-    STRATA_BENCH_PROFILE (--profile) names where its trace goes; None otherwise. The profiler's
-    own overhead makes that step's time not comparable: it is the last measured one."""
-    if not os.environ.get("STRATA_BENCH_PROFILE"):
-        return None
-    import torch
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    profiler = torch.profiler.profile(activities=activities)
-    profiler.__enter__()
-    return profiler
-
-
-def _write_profile(profiler, mode, preset):
-    import gzip
-    import shutil
-    path = "%s-%s-%s.json" % (os.environ["STRATA_BENCH_PROFILE"], preset, mode)
-    profiler.export_chrome_trace(path)
-    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(path)
-    print("%sprofile of the last step: %s.gz" % (PROGRESS, path), file=sys.stderr, flush=True)
-
-
-def _measure(out, mode, preset, config, model, step, data, device, cuda, marks, steps, warmup,
-             batch, seq, trace, nvme, opt):
-    """run_one's measured steps and what it reports of them."""
-    import torch
-    from llama_zoo.torch_llama import flops_per_token
-    times, losses, every = [], [], []  # every: each step's seconds, the warm-up ones too
-    phases = {}  # name -> [(host seconds, device seconds) since the step's start], per step
-    for i in range(warmup + steps):
-        marks.clear()
-        if i == warmup and trace and mode == "strata":
-            model.strata.runtime.trace_start()
-        ids = data[i % 2].to(device, non_blocking=True)
-        # The training loop's stream, not the whole device: work a step leaves on other
-        # streams for the next one (strata.torch.paging's copies out, which the next forward
-        # pass overlaps) is paid where the next step waits for it, as in a real loop.
-        if cuda:
-            torch.cuda.current_stream().synchronize()
-        profiler = _profiler(mode, preset, cuda) if i == warmup + steps - 1 else None
-        t0 = time.perf_counter()
-        loss = step(ids)
-        losses.append(float(loss.detach()) if hasattr(loss, "detach") else float(loss))
-        if cuda:
-            torch.cuda.current_stream().synchronize()
-        every.append(time.perf_counter() - t0)
-        if profiler is not None:
-            profiler.__exit__(None, None, None)
-            _write_profile(profiler, mode, preset)
-        # Progress on stderr (a slow configuration's steps take minutes; seen with --one).
-        spill = getattr(getattr(model, "strata", None), "spill", None)
-        print("%s%s %s step %d: %.2f s, loss %.4f%s" % (
-            PROGRESS, mode, preset, i, every[-1], losses[-1],
-            "" if spill is None else ", checkpoints spilled %d (predicted to fit: %s, %d "
-            "decisions, device memory at the forward's start %.1f GB, peak %.1f GB)" % (
-                spill.count, spill.fits, spill.decisions, spill.base / 1e9,
-                model.strata.activations.max_allocated() / 1e9)),
-              file=sys.stderr, flush=True)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            for name, host, event in marks[1:]:
-                phases.setdefault(name, []).append(
-                    (host - marks[0][1], marks[0][2].elapsed_time(event) / 1e3 if cuda else 0.0))
-    if mode == "strata":
-        opt.synchronize()
-        if trace:
-            model.strata.runtime.trace_flush(trace)
-    # Median per phase: when the host got past it and when the device did (the device's times
-    # say where the GPU waited; the host's where Python waited on Strata or the GPU).
-    out["phases"] = {name: [statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)]
-                     for name, v in phases.items()}
-    out["phases_every_step"] = phases  # (host s, device s) per measured step
-    t = statistics.median(times)
-    tokens = batch * seq
-    six_p, full = flops_per_token(config, seq)
-    out.update(step_seconds=t, every_step_seconds=every, tokens_per_second=tokens / t,
-               tflops_6pt=six_p * tokens / t / 1e12,
-               tflops_done=full * tokens / t / 1e12, losses=losses,
-               peak_host_gb=peak_host_bytes() / 1e9,
-               peak_device_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
-               peak_reserved_device_gb=torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0,
-               # cudaMalloc failures the allocator retried after freeing its cache (each a
-               # device synchronization): memory planned too close to full shows here.
-               alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0)
-    if mode == "strata" and cuda:
-        # The step Strata's model predicts, from rates measured apart from the steps above.
-        try:
-            from strata.torch._chunked_loss import installed
-            probe = probe_compute(config, batch, seq, device, out["impl"],
-                                  chunked_loss=installed(model) is not None)
-        except torch.cuda.OutOfMemoryError:
-            probe = None
-        if probe is not None:
-            # The resident blocks run on the device beside the streamed ones: each checkpointed,
-            # kept selectively or kept wholly (the backward it runs), and the resident
-            # parameters' update (theirs and the embedding's and head's).
-            fwd, bwd, rest = probe["forward"], probe["backward"], probe["rest"]
-            resident = len(model.strata.resident_blocks)
-            keeper = getattr(model.strata, "activations", None)
-            count = keeper.count if keeper is not None else 0
-            whole = keeper.whole if keeper is not None else 0
-            streamed = {id(p) for b in model.strata.blocks for p in b.parameters()}
-            resident_params = sum(p.numel() for p in model.parameters() if id(p) not in streamed)
-            other = rest + resident * fwd + (resident - count) * bwd \
-                + (count - whole) * probe["backward_selective"] \
-                + whole * probe["backward_whole"] + resident_params * probe["update_per_param"]
-            # Streamed blocks keeping selectively: their backward is a selectively kept
-            # block's (their matrix products served from the forward's outputs), not the
-            # recompute's that the step model counts for every streamed block.
-            streamed_kept = keeper.kept_streamed if keeper is not None else 0
-            other += streamed_kept * (probe["backward_selective"] - bwd)
-            predicted = model.strata.predict(fwd, bwd, other)
-            out.update(probe=probe, probe_seconds=[fwd, bwd, rest],
-                       predicted_step_seconds=predicted.info["predicted_step_seconds"],
-                       predicted_over_measured=predicted.info["predicted_step_seconds"] / t,
-                       update_rate_measured_at_start=predicted.info["update_elements_per_second"],
-                       prediction=predicted.text)
-    if mode == "strata":
-        own = model.strata.runtime.capabilities().tier_budget_bytes[0] / 1e9
-        out["peak_device_gb"] += own
-        out["peak_reserved_device_gb"] += own
-        out["placement"] = model.strata.placement()  # after the steps: kept activations known
-        keeper = getattr(model.strata, "activations", None)
-        out["kept_activations"] = keeper.count if keeper is not None else 0
-        out["kept_whole"] = keeper.whole if keeper is not None else 0
-        # Streamed blocks keeping their matrix products' and attention's outputs (issue 36).
-        out["kept_streamed"] = keeper.kept_streamed if keeper is not None else 0
-        if keeper is not None:  # one block's saved bytes, kept wholly and selectively
-            out["kept_block_gb"] = [None if b is None else b / 1e9
-                                    for b in (keeper.block_bytes, keeper.selective_bytes)]
-            # The last streamed block's bytes kept selectively (every costly op's output).
-            streamed_bytes = keeper.measures.streamed_bytes(len(keeper.streamed_blocks) - 1)
-            out["kept_streamed_block_gb"] = None if streamed_bytes is None \
-                else streamed_bytes / 1e9
-            out["kept_measure_seconds"] = keeper.measures.measure_seconds
-            out["kept_backed_off"] = keeper.backed_off  # blocks dropped for allocation retries
-            # The plan's inputs (usable, peak, margin, each block's bytes): why it kept what
-            # it kept (an H200 at 32 x 1024 kept no streamed block with 55 GB unused).
-            out["kept_decision"] = keeper.decision
-        spill = getattr(model.strata, "spill", None)
-        if spill is not None:  # the library's step plan of checkpoint homes, with its reasons
-            out["spill_plan"] = spill.plan_text
-        out["plan"] += " (%d keep activations, %d of them wholly; %d streamed keep " \
-            "selectively)" % (out["kept_activations"], out["kept_whole"], out["kept_streamed"])
-        pager = getattr(opt, "_pager", None)
-        if pager is not None:  # bytes paged a step; steps whose copies ran late
-            out["paged_state"] = dict(gb=pager.paged_bytes / 1e9, late_out=pager.late_out,
-                                      late_in=pager.late_in, groups=pager.active,
-                                      of=len(pager.groups), auto=pager.decision)
-            out["plan"] += ", %.1f GB of optimizer state paged (%d of %d groups; late out %d, " \
-                "in %d)" % (pager.paged_bytes / 1e9, pager.active, len(pager.groups),
-                            pager.late_out, pager.late_in)
-        stats = model.strata.optimizer.stats()
-        out["optimizer_seconds_per_step"] = stats["update_seconds"] / (warmup + steps)
-        if nvme:
-            n = warmup + steps
-            out.update(nvme_state_gb=stats["nvme_state_bytes"] / 1e9,
-                       dram_state_gb=(stats["state_bytes"] - stats["staging_bytes"]) / 1e9,
-                       nvme_read_gb_per_step=stats["nvme_read_bytes"] / n / 1e9,
-                       nvme_write_gb_per_step=stats["nvme_write_bytes"] / n / 1e9,
-                       stage_wait_seconds_per_step=stats["stage_wait_seconds"] / n)
-        # What Strata's DRAM arena holds per streamed parameter (grads, weights left in DRAM,
-        # state, staging, buffers), against the 16 bytes of DRAM-only training.
-        streamed = sum(p.numel() for b in model.strata.blocks for p in b.parameters())
-        dram = model.strata.runtime.tier_usage("dram")
-        used = dram["used"]
-        out.update(dram_used_gb=used / 1e9, dram_bytes_per_streamed_param=used / streamed)
-        # The arena's pinned part (C ABI 1.5: only what the GPU's copies touch is registered)
-        # and its use, and the GPU-touched blocks that went to the unpinned part for want of
-        # pinned room (> 0: some transfers are pageable copies; state that went the other way
-        # only takes pinned room and is not counted).
-        out.update(dram_pinned_gb=[dram["pinned_used"] / 1e9, dram["pinned_budget"] / 1e9],
-                   dram_fallbacks=dram["dram_fallbacks"])
-    return out
 
 
 def main():
@@ -787,7 +340,7 @@ def main():
                         "log, its error) written to MODEL-MODE.log there")
     p.add_argument("--host-memory", type=float, default=0,
                    help="GB of MemAvailable to make sure of first, touching memory where the "
-                        "VM grows its RAM on demand (dist_bench.grow_host_memory)")
+                        "VM grows its RAM on demand (host_memory.grow_host_memory)")
     p.add_argument("--run-timeout", type=float, default=None,
                    help="seconds one configuration may run (default: no limit)")
     p.add_argument("--one", nargs=2, metavar=("MODE", "MODEL"), help=argparse.SUPPRESS)
@@ -828,7 +381,6 @@ def main():
                                  args.megatrain_dir, args.dry_run)), flush=True)
         return
     if args.host_memory:
-        from dist_bench import grow_host_memory
         from host_memory import mem_available
         seconds = grow_host_memory(int(args.host_memory * 1e9))
         print("host memory: %.0f GB available (%.0f s to grow it; %.0f GB asked for)"

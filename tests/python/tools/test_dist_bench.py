@@ -18,6 +18,8 @@ pytest.importorskip("transformers")
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 BENCH = ROOT / "bench" / "dist_bench.py"
 
+import bench_models  # noqa: E402 (bench/ is on the path: conftest.py)
+import dist_job  # noqa: E402 (the job side: shapes, data, step)
 import dist_bench  # noqa: E402 (bench/ is on the path: conftest.py)
 import megatrain_stub  # noqa: E402
 
@@ -74,7 +76,7 @@ def test_unavailable_peers_say_why():
 
 def test_progress_lines_of_a_stopped_run(capsys):
     for i, (seconds, loss) in enumerate([(9.0, 12.5), (2.0, 12.25), (3.0, 12.0)]):
-        dist_bench.progress(i, 1, seconds, loss, 1000)
+        dist_job.progress(i, 1, seconds, loss, 1000)
     err = "some log line\n" + capsys.readouterr().err
     times, losses = dist_bench.from_progress(err, 1, 1000)
     assert times == [2.0, 3.0] and losses == [12.5, 12.25, 12.0]
@@ -83,7 +85,7 @@ def test_progress_lines_of_a_stopped_run(capsys):
 def test_summary_scaling_losses_and_peers():
     def run(mode, gpus, mult, tps, losses):
         out = {"mode": mode, "model": "8b", "gpus": gpus, "mult": mult, "params": 8e9}
-        dist_bench.measured(out, [gpus * 16384 / tps], losses, gpus * 16384, gpus)
+        dist_job.measured(out, [gpus * 16384 / tps], losses, gpus * 16384, gpus)
         return out
     results = [run("strata", 1, 1, 1000.0, [2.0, 2.0]),
                run("strata", 4, 1, 4100.0, [3.0, 2.5]),
@@ -242,13 +244,13 @@ def test_megatrain_data_parallel_step_trains_every_step(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(megatrain_peer, "_optimizer", lambda params, config: (
         torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), "torch.optim.AdamW"))
-    config = dist_bench.hf_config("tiny")
-    hf = dist_bench.meta_model(config)
+    config = dist_job.hf_config("tiny")
+    hf = dist_job.meta_model(config)
     hf.to_empty(device="cpu")
-    hf.apply(dist_bench.fast_init)
+    hf.apply(bench_models.fast_init)
     peer = megatrain_peer.setup(str(tmp_path), hf, 4, 8, 1.0, devices=[0, 1])
     assert "data parallel over 2 GPUs" in peer.info["plan"]
-    ids = dist_bench.data(config, 4, 8)[0]
+    ids = dist_job.data(config, 4, 8)[0]
     weight = hf.model.layers[0].mlp.up_proj.weight
     for _ in range(3):
         before = weight.detach().clone()
