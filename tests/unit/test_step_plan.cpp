@@ -625,3 +625,31 @@ TEST_CASE("step plan: bad tile figures are refused, naming the field") {
   p.mlp_token_bytes = uint64_t{1} << 57;
   says(p, "mlp_token_bytes");
 }
+
+TEST_CASE("step plan: the tiles chosen are the fewest that fit, over many devices") {
+  // Whatever the device: where the plan tiles and fits, one tile fewer (given) does not fit;
+  // where it keeps the MLP whole, the step fits whole or no tile count would lower its peak.
+  std::mt19937_64 random(53);
+  for (int round = 0; round < 200; ++round) {
+    StepProfile p = long_sequence(gb(30 + static_cast<double>(random() % 6000) / 100));
+    p.host_room = random() % 2 ? UINT64_MAX : gb(static_cast<double>(random() % 3200) / 100);
+    p.tokens = 4096 + random() % 262144;
+    p.block_saved_bytes = 18 * GB * p.tokens / 131072;
+    StepPlan plan, fewer;
+    REQUIRE(plan_step(p, &plan).is_ok());
+    INFO("round " << round << ": " << plan.mlp_tiles << " tiles");
+    CHECK(plan.mlp_tiles >= 1);
+    CHECK(plan.mlp_tiles <= most_tiles(p));
+    if (plan.mlp_tiles > 1 && plan.fits) {
+      p.given_tiles = plan.mlp_tiles - 1;
+      REQUIRE(plan_step(p, &fewer).is_ok());
+      CHECK_FALSE(fewer.fits);
+    }
+    if (plan.mlp_tiles == 1 && !plan.fits) {
+      p.given_tiles = most_tiles(p);
+      REQUIRE(plan_step(p, &fewer).is_ok());
+      CHECK_FALSE(fewer.fits);
+      CHECK(fewer.predicted_peak >= plan.predicted_peak);
+    }
+  }
+}
