@@ -112,8 +112,9 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     only its input and recomputing each tile in the backward pass, so that no intermediate of
     the whole batch exists at once (strata.torch._tiled_mlp): None (the library's step plan
     chooses on CUDA, from the batch run: the fewest with which the step fits, 1 where it fits
-    whole), or a count of at least 1, at most the batch's tokens (then at every step, the
-    blocks that recompute; the same values, the weight grads summed over the tiles).
+    whole; with spill_checkpoints=None, which makes that plan), or a count of at least 1, at
+    most the batch's tokens (then at every step, the blocks that recompute; the same values,
+    the weight grads summed over the tiles).
     On CUDA without data parallelism, torch's caching allocator grows expandable segments from
     here on unless the process configured it (PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF
     non-empty: `expandable_segments:False` keeps the default; strata.torch._allocator says why,
