@@ -108,6 +108,8 @@ Status read_profile(const strata_step_profile_t* user, step::StepProfile* out) {
   p.host_room = q.host_room_bytes;
   p.max_group = std::max<uint32_t>(1, q.max_group_blocks);
   p.given_group = q.checkpoint_group_blocks;
+  p.mlp_token_bytes = q.mlp_token_bytes;
+  p.given_tiles = q.mlp_tiles;
   *out = std::move(p);
   return Status::ok();
 }
@@ -136,6 +138,7 @@ STRATA_API strata_status_t strata_step_block_init(strata_step_block_t* block) {
     block->residency = STRATA_RESIDENCY_CHOOSE;
     block->keep = STRATA_KEEP_RECOMPUTE;
     block->checkpoint_tier = STRATA_TIER_HBM;
+    block->mlp_tiles = 1;
     return Status::ok();
   });
 }
@@ -193,6 +196,8 @@ STRATA_API strata_status_t strata_step_plan_get_info(strata_step_plan_t* plan,
     info.loss_chunk_tokens = p.loss_chunk_tokens;
     info.spilled_checkpoint_bytes = p.spilled_bytes;
     info.checkpoint_group_blocks = p.group_blocks;
+    info.mlp_tiles = p.mlp_tiles;
+    info.mlp_tile_tokens = p.mlp_tile_tokens;
     write_struct(out, info);
     return Status::ok();
   });
@@ -219,6 +224,7 @@ STRATA_API strata_status_t strata_step_plan_get_block(strata_step_plan_t* plan, 
     b.keep = static_cast<strata_keep_t>(chosen.keep);
     b.checkpoint_tier = static_cast<strata_tier_t>(chosen.checkpoint);
     b.group_start = chosen.group_start;
+    b.mlp_tiles = chosen.mlp_tiles;
     write_struct(out, b);
     return Status::ok();
   });

@@ -2046,8 +2046,16 @@ typedef struct strata_step_block {
    * as their forward pass, no grad) to regenerate the inputs of blocks g+1 .. index. Only
    * streamed blocks that recompute are grouped, in runs of consecutive ones. */
   uint32_t group_start;
+  /* Output only: the sequence tiles its MLP runs over (1: the whole batch at once; ignored as
+   * input). With k above 1 the binding runs the block's MLP (its sequence-independent, per-token
+   * work) over k tiles of strata_step_plan_info_t.mlp_tile_tokens tokens (the last one shorter),
+   * saving only the MLP's input for its backward pass and recomputing each tile there, so no
+   * intermediate of the whole batch exists at once; the weight grads are the sum over the tiles.
+   * Only a block that recomputes (keep RECOMPUTE) is tiled, streamed or resident; 1 where
+   * checkpoints were not planned. */
+  uint32_t mlp_tiles;
 } strata_step_block_t;
-#define STRATA_STEP_BLOCK_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_block_t, group_start)
+#define STRATA_STEP_BLOCK_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_block_t, mlp_tiles)
 
 typedef struct strata_step_interval {
   size_t struct_size;            /* STRATA_STEP_INTERVAL_STRUCT_SIZE */
@@ -2126,12 +2134,25 @@ typedef struct strata_step_profile {
   /* Groups of exactly this many blocks, the user's choice (MegaTrain's checkpoint interval),
    * whatever fits; 0 (the default): the plan chooses, as above. At most 16384. */
   uint32_t checkpoint_group_blocks;
+  /* Sequence tiles (with STRATA_STEP_PLAN_CHECKPOINTS): of block_saved_bytes, what the block's
+   * MLP saves per token of the batch (its intermediates: gate, up, activation, product; not its
+   * input, which a tiled MLP still keeps whole). 0 (the default): unknown, the MLP never tiled
+   * by the plan. Needs STRATA_STEP_BLOCK_SAVED_MEASURED, and mlp_token_bytes x tokens at most
+   * block_saved_bytes. One block's backward working set is then the rest of block_saved_bytes
+   * (attention, norms: what depends on the whole sequence) plus one tile's MLP bytes. The plan
+   * tiles only where the step does not fit untiled with the checkpoints in host memory as the
+   * host's room allows: the fewest tiles with which it fits (tiles of at least 1024 tokens),
+   * before grouping checkpoints, which reruns whole blocks. */
+  uint64_t mlp_token_bytes;
+  /* The user's tile count (0, the default: the plan chooses as above), whatever fits; at most
+   * tokens, and only with STRATA_STEP_PLAN_CHECKPOINTS. */
+  uint32_t mlp_tiles;
 } strata_step_profile_t;
-#define STRATA_STEP_PROFILE_STRUCT_SIZE \
-  STRATA_STRUCT_SIZE(strata_step_profile_t, checkpoint_group_blocks)
+#define STRATA_STEP_PROFILE_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_profile_t, mlp_tiles)
 
-/* Zeroes, and struct_size set (a block CHOOSE, RECOMPUTE, checkpoint in HBM; a profile with one
- * rank on its host, no flags, host_room_bytes UINT64_MAX and max_group_blocks 1). Each writes this
+/* Zeroes, and struct_size set (a block CHOOSE, RECOMPUTE, checkpoint in HBM, 1 MLP tile; a
+ * profile with one rank on its host, no flags, host_room_bytes UINT64_MAX, max_group_blocks 1,
+ * mlp_token_bytes and mlp_tiles 0: the MLP tiled by the plan only when measured). Each writes this
  * header's whole struct. Errors: INVALID_ARGUMENT (NULL). Thread-safe. */
 STRATA_API_SINCE(1, 5) strata_status_t strata_step_profile_init(strata_step_profile_t* profile);
 STRATA_API_SINCE(1, 5) strata_status_t strata_step_block_init(strata_step_block_t* block);
@@ -2145,7 +2166,9 @@ strata_status_t strata_step_interval_init(strata_step_interval_t* interval);
  * some blocks CHOOSE and others fixed, a resident block after a streamed one, a streamed block
  * kept WHOLE, an interval's block out of range or an END interval's not 0, a size above 2^56,
  * rank_elements above elements, free or held above the device's total, max_group_blocks or
- * checkpoint_group_blocks above 16384, choosing residency with
+ * checkpoint_group_blocks above 16384, mlp_token_bytes without STRATA_STEP_BLOCK_SAVED_MEASURED
+ * or times tokens above block_saved_bytes, mlp_tiles above tokens or without
+ * STRATA_STEP_PLAN_CHECKPOINTS, choosing residency with
  * resident_bytes_per_param 0 or above 64 or a grad size above it or not matching the grads'
  * total, STRATA_STEP_PLAN_CHECKPOINTS without a device, blocks, tokens or checkpoint_bytes,
  * STRATA_STEP_PLAN_KEPT without a device or blocks or with a block's keep not RECOMPUTE,
@@ -2194,9 +2217,14 @@ typedef struct strata_step_plan_info {
    * see strata_step_block_t.group_start). 0 and 1 otherwise. */
   uint64_t spilled_checkpoint_bytes;
   uint32_t checkpoint_group_blocks;
+  /* With checkpoints planned: the sequence tiles of the recomputing blocks' MLP (1: untiled;
+   * see strata_step_block_t.mlp_tiles) and the tokens of each tile but the last (the batch's
+   * tokens when untiled). 1 and 0 otherwise. */
+  uint32_t mlp_tiles;
+  uint64_t mlp_tile_tokens;
 } strata_step_plan_info_t;
 #define STRATA_STEP_PLAN_INFO_STRUCT_SIZE \
-  STRATA_STRUCT_SIZE(strata_step_plan_info_t, checkpoint_group_blocks)
+  STRATA_STRUCT_SIZE(strata_step_plan_info_t, mlp_tile_tokens)
 
 /* The plan's numbers. Errors: INVALID_ARGUMENT (NULL, bad struct_size). Thread-safe. */
 STRATA_API_SINCE(1, 5)

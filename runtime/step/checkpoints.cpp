@@ -5,6 +5,7 @@
 #include <functional>
 #include <iomanip>
 #include <sstream>
+#include <tuple>
 
 #include "runtime/step/step_plan.h"
 
@@ -55,15 +56,6 @@ uint32_t choose_spills(const std::vector<uint64_t>& checkpoints, uint64_t base, 
 }
 
 namespace {
-
-// One block's backward working set at this batch: what it saves for its backward (its
-// recompute) at kBlockFactor, and its input's and output's grads; unmeasured,
-// kUnmeasuredBlockFactor checkpoints.
-uint64_t block_working(const StepProfile& p) {
-  if (!p.block_saved_measured) return sat_mul(kUnmeasuredBlockFactor, p.checkpoint_bytes);
-  return sat_add(static_cast<uint64_t>(static_cast<double>(p.block_saved_bytes) * kBlockFactor),
-                 sat_mul(2, p.checkpoint_bytes));
-}
 
 // The loss's working set: over chunks, one chunk's logits (compute dtype, fp32, and their grad)
 // and the head's fp32 weight grad; whole, the logits in both dtypes and their grad in both.
@@ -166,7 +158,7 @@ Spills spills_with(const StepProfile& p, const StepPlan& plan, uint32_t k,
 void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
   const uint64_t usable = sat_add(p.device_free, p.framework_held);
   const uint64_t margin = margin_bytes(p);
-  const uint64_t working = std::max(block_working(p), loss_working(p, plan->loss_chunk_tokens));
+  const uint64_t loss = loss_working(p, plan->loss_chunk_tokens);
   // Paged optimizer state held now leaves at the forward pass's last block, before the loss, and
   // its copies back wait for room in the backward pass: it takes the working set's place, not a
   // share beside it (counted in full, an 8B's 31 GB at 148 x 1024 made every block spill and
@@ -174,6 +166,18 @@ void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
   const uint64_t leaving = std::min(p.leaving_bytes, p.in_use);
   const uint64_t kept = kept_bytes(p, *plan);
   const uint64_t base = sat_add(sat_add(p.in_use - leaving, p.backward_grad_bytes), kept);
+  // With groups of g: the fewest MLP tiles with which the step fits (tiles.cpp), and its spills.
+  // Tiles come before larger groups: a tiled MLP runs its forward once more in the backward
+  // pass, a group's blocks run whole forward passes again.
+  const auto grouped_by = [&](uint32_t g, const std::vector<uint32_t>& starts) {
+    const auto at = [&](uint32_t tiles) {
+      const uint64_t working = std::max(block_working(p, tiles), loss);
+      return spills_with(p, *plan, g, starts, base, working, leaving, usable, margin);
+    };
+    const uint32_t tiles = choose_tiles(
+        p, [&](uint32_t t) { return at(t).fits; }, [&](uint32_t t) { return at(t).peak; });
+    return std::pair{tiles, at(tiles)};
+  };
   // The smallest group that fits: one checkpoint per block first (no block runs again), larger
   // groups only where the device and the host together cannot hold one per block. Where none
   // fits, the one with the lowest predicted peak (the step is short; that is the least short).
@@ -181,17 +185,17 @@ void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
   uint32_t k = 1;
   const std::vector<uint32_t> single = group_starts(p, *plan, 1);
   std::vector<uint32_t> starts = single;
-  Spills s = spills_with(p, *plan, 1, starts, base, working, leaving, usable, margin);
+  auto [tiles, s] = grouped_by(1, starts);
   if (p.given_group > 1) {  // the user's group size, whatever fits
     k = p.given_group;
     starts = group_starts(p, *plan, k);
-    s = spills_with(p, *plan, k, starts, base, working, leaving, usable, margin);
+    std::tie(tiles, s) = grouped_by(k, starts);
   }
   for (uint32_t g = 2; p.given_group == 0 && !s.fits && g <= largest; ++g) {
     std::vector<uint32_t> grouped = group_starts(p, *plan, g);
     if (grouped == single) break;  // no run of streamed blocks to group
-    Spills t = spills_with(p, *plan, g, grouped, base, working, leaving, usable, margin);
-    if (t.fits || t.peak < s.peak) k = g, starts = std::move(grouped), s = t;
+    auto [t_tiles, t] = grouped_by(g, grouped);
+    if (t.fits || t.peak < s.peak) k = g, starts = std::move(grouped), s = t, tiles = t_tiles;
   }
   // s.count: the first blocks whose checkpoints spill (those with one of their own).
   uint32_t spilled = 0, own = 0;
@@ -200,6 +204,7 @@ void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
     const bool resident = plan->blocks[i].residency == Residency::kResident;
     const bool has = resident ? plan->blocks[i].keep == Keep::kRecompute : starts[i] == i;
     own += has;
+    plan->blocks[i].mlp_tiles = plan->blocks[i].keep == Keep::kRecompute ? tiles : 1;
     if (has && i < s.count) {
       plan->blocks[i].checkpoint = CheckpointHome::kDram;
       ++spilled;
@@ -214,6 +219,8 @@ void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
   plan->backward_reserve_bytes = sat_add(sat_add(s.working, s.inflight), margin);
   plan->usable_bytes = usable;
   plan->margin_bytes = margin;
+  plan->mlp_tiles = tiles;
+  plan->mlp_tile_tokens = tile_tokens(p.tokens, tiles);
   std::ostringstream o;
   o << std::fixed << std::setprecision(2);
   o << "checkpoints: " << spilled << " of " << own << " (" << size_text(p.checkpoint_bytes)
@@ -228,9 +235,9 @@ void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
     << size_text(p.in_use) << " at the forward pass's start less " << size_text(leaving)
     << " leaving before the loss, " << size_text(p.backward_grad_bytes) << " of grads to come, "
     << size_text(kept) << " kept by blocks), a backward working set of "
-    << size_text(std::max(s.working, leaving)) << " (one block's " << size_text(block_working(p))
-    << (p.block_saved_measured ? "" : ", unmeasured") << ", the loss's "
-    << size_text(loss_working(p, plan->loss_chunk_tokens));
+    << size_text(std::max(s.working, leaving)) << " (one block's "
+    << size_text(block_working(p, tiles)) << (p.block_saved_measured ? "" : ", unmeasured")
+    << ", the loss's " << size_text(loss_working(p, plan->loss_chunk_tokens));
   if (k > 1) o << ", a group's " << k - 1 << " regenerated inputs";
   o << "), and " << size_text(usable) << " usable less a margin of " << size_text(margin)
     << "; predicted peak " << size_text(s.peak);
@@ -239,6 +246,7 @@ void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
       << (p.host_room == UINT64_MAX ? std::string("unbounded") : size_text(p.host_room)) << ")";
   }
   plan->reasons.push_back(o.str());
+  plan->reasons.push_back(tiles_reason(p, tiles, s.fits));
 }
 
 }  // namespace strata::step

@@ -1,6 +1,6 @@
 // The step plan as a whole: the profile checked, each decision the profile carries what it needs
-// for made in order (residency, the loss chunk, checkpoint homes, kept activations), and the
-// dumps.
+// for made in order (residency, the loss chunk, kept activations, checkpoint homes with the MLP's
+// sequence tiles), and the dumps.
 #include "runtime/step/step_plan.h"
 
 #include <iomanip>
@@ -104,12 +104,25 @@ Status check_figures(const StepProfile& p) {
                          {p.host_budget, "host_budget"},
                          {p.arena_bytes, "arena_bytes"},
                          {p.host_available, "host_available"},
-                         {p.beside_bytes, "beside_bytes"}}) {
+                         {p.beside_bytes, "beside_bytes"},
+                         {p.mlp_token_bytes, "mlp_token_bytes"}}) {
     STRATA_RETURN_IF_ERROR(check_bytes(v, name));
   }
   if (p.max_group > kMaxBlocks || p.given_group > kMaxBlocks) {
     return invalid("max_group_blocks ", p.max_group, " or checkpoint_group_blocks ", p.given_group,
                    " is more than ", kMaxBlocks, " blocks");
+  }
+  if (p.mlp_token_bytes != 0 &&
+      (!p.block_saved_measured || sat_mul(p.mlp_token_bytes, p.tokens) > p.block_saved_bytes)) {
+    return invalid("mlp_token_bytes ", p.mlp_token_bytes, " x tokens ", p.tokens,
+                   " is more than block_saved_bytes ", p.block_saved_bytes,
+                   " or that was not measured (STRATA_STEP_BLOCK_SAVED_MEASURED): the MLP's "
+                   "bytes are a part of the block's");
+  }
+  if (p.given_tiles != 0 && (!p.plan_checkpoints || p.given_tiles > p.tokens)) {
+    return invalid("mlp_tiles ", p.given_tiles,
+                   " needs STRATA_STEP_PLAN_CHECKPOINTS and at most the batch's tokens (", p.tokens,
+                   ")");
   }
   if (p.device_free > p.device_total || p.framework_held > p.device_total) {
     return invalid("device_free ", p.device_free, " or framework_held ", p.framework_held,
@@ -295,10 +308,13 @@ std::string dump_text(const StepProfile& p, const StepPlan& plan) {
   if (plan.group_blocks > 1) o << " (one per group of " << plan.group_blocks << " blocks)";
   o << ", " << plan.kept_blocks << " keeping activations";
   if (plan.loss_chunk_tokens) o << ", loss chunk " << plan.loss_chunk_tokens << " tokens";
+  if (plan.mlp_tiles > 1) {
+    o << ", MLP over " << plan.mlp_tiles << " tiles of " << plan.mlp_tile_tokens << " tokens";
+  }
   if (plan.checkpoints_planned && !plan.fits) o << " (PREDICTED SHORT of device memory)";
   o << "\n";
   for (const auto& why : plan.reasons) o << "  " << why << "\n";
-  o << "  block  residency  activations  checkpoint\n";
+  o << "  block  residency  activations  mlp tiles  checkpoint\n";
   const auto checkpoint_text = [&](std::size_t i) {
     const auto& b = plan.blocks[i];
     return b.group_start == i ? std::string(home_name(b.checkpoint))
@@ -307,7 +323,8 @@ std::string dump_text(const StepProfile& p, const StepPlan& plan) {
   for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
     const auto& b = plan.blocks[i];
     o << "  " << std::setw(5) << i << "  " << std::setw(9) << residency_name(b.residency) << "  "
-      << std::setw(11) << keep_name(b.keep) << "  " << checkpoint_text(i) << "\n";
+      << std::setw(11) << keep_name(b.keep) << "  " << std::setw(9) << b.mlp_tiles << "  "
+      << checkpoint_text(i) << "\n";
   }
   (void)p;  // (the profile's figures are in the reasons)
   return o.str();
@@ -334,6 +351,8 @@ std::string dump_json(const StepProfile& p, const StepPlan& plan) {
       {"host_total_bytes", plan.host_total_bytes},
       {"loss_chunk_tokens", plan.loss_chunk_tokens},
       {"tokens", p.tokens},
+      {"mlp_tiles", plan.mlp_tiles},
+      {"mlp_tile_tokens", plan.mlp_tile_tokens},
       {"reasons", plan.reasons},
   };
   nlohmann::json blocks = nlohmann::json::array();
@@ -341,7 +360,8 @@ std::string dump_json(const StepProfile& p, const StepPlan& plan) {
     blocks.push_back({{"residency", residency_name(b.residency)},
                       {"activations", keep_name(b.keep)},
                       {"checkpoint", home_name(b.checkpoint)},
-                      {"group_start", b.group_start}});
+                      {"group_start", b.group_start},
+                      {"mlp_tiles", b.mlp_tiles}});
   }
   root["blocks"] = std::move(blocks);
   // Diagnostics may hold any bytes a caller named: invalid UTF-8 is replaced, never thrown.

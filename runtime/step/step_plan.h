@@ -11,13 +11,16 @@
 //     checkpoint interval);
 //   - the host budget's split: the DRAM arena, and what is left beside it for the binding's
 //     pools (paged optimizer state, spilled checkpoints);
-//   - the loss chunk: how many tokens' logits exist at once.
+//   - the loss chunk: how many tokens' logits exist at once;
+//   - sequence tiles: over how many tiles of the batch's tokens the blocks' MLP runs, where one
+//     block's backward working set at a long sequence does not fit whole (tiles.cpp).
 // Each decision is made when the profile carries what it needs (a binding plans residency at
 // set-up, checkpoint homes at the first forward pass, kept activations once a step's peak is
 // measured) and every choice carries its reason for the dump.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -59,6 +62,11 @@ inline constexpr double kPoolShare = 0.5;
 inline constexpr uint32_t kMaxGroupBlocks = 8;
 // The fp32 logits of one loss chunk.
 inline constexpr uint64_t kLossChunkBytes = uint64_t{1} << 30;
+// The shortest MLP tile the plan chooses (a user may give shorter ones): below it the MLP's
+// matrix products ([tile, hidden] x [hidden, intermediate]) fall under the sizes that keep a GPU
+// busy, and the per-tile overheads (a launch per op, the weight grads' sums) grow; ALST tiles at
+// about the hidden size (4096 for an 8B).
+inline constexpr uint64_t kMinTileTokens = 1024;
 
 enum class Residency : int32_t { kChoose = 0, kResident = 1, kStreamed = 2 };
 enum class Keep : int32_t { kRecompute = 0, kSelective = 1, kWhole = 2 };
@@ -147,6 +155,10 @@ struct StepProfile {
   uint64_t host_room = UINT64_MAX;
   uint32_t max_group = 1;
   uint32_t given_group = 0;  // groups of this many, the user's (0: the plan chooses)
+  // Sequence tiles: of block_saved, what the block's MLP saves per token (0: unknown, never
+  // tiled by the plan), and the user's tile count (0: the plan chooses).
+  uint64_t mlp_token_bytes = 0;
+  uint32_t given_tiles = 0;
 };
 
 struct BlockPlan {
@@ -156,6 +168,7 @@ struct BlockPlan {
   // The block whose checkpoint this block's input is regenerated from (its own index when it
   // keeps one; an earlier one when its group's first blocks are run again for it).
   uint32_t group_start = 0;
+  uint32_t mlp_tiles = 1;  // the sequence tiles its MLP runs over (1: whole)
 };
 
 struct StepPlan {
@@ -181,6 +194,9 @@ struct StepPlan {
   uint64_t margin_bytes = 0;
   uint64_t host_total_bytes = 0;  // the host budget as the plan counts it (0: no host figures)
   uint64_t loss_chunk_tokens = 0;
+  // Sequence tiles of the recomputing blocks' MLP, and each tile's tokens (0: not planned).
+  uint32_t mlp_tiles = 1;
+  uint64_t mlp_tile_tokens = 0;
   std::vector<std::string> reasons;  // one line per decision made, for the dump
 };
 
@@ -218,6 +234,22 @@ uint32_t choose_spills(const std::vector<uint64_t>& checkpoints, uint64_t base, 
 // other block keeps its own checkpoint).
 std::vector<uint32_t> group_starts(const StepProfile& profile, const StepPlan& plan, uint32_t k);
 void plan_checkpoints(const StepProfile& profile, StepPlan* plan);
+// Sequence tiles (tiles.cpp). One block's backward working set with its MLP over `tiles` tiles
+// (what it saves for its backward at kBlockFactor, and its input's and output's grads; its
+// saved bytes unmeasured: kUnmeasuredBlockFactor checkpoints, whatever the tiles).
+uint64_t block_working(const StepProfile& profile, uint32_t tiles);
+// The tokens of each of `tiles` tiles but the last (ceil(tokens / tiles)).
+uint64_t tile_tokens(uint64_t tokens, uint32_t tiles);
+// The most tiles the plan would choose at this batch (1 where the MLP's bytes are unknown or
+// the batch is shorter than two kMinTileTokens tiles), or the user's count.
+uint32_t most_tiles(const StepProfile& profile);
+// The fewest tiles in [1, most_tiles] for which `fits(tiles)`; where none fits, the fewest that
+// do as well as the most (`peak(tiles)` as low): tiling that does not lower the peak (the loss's
+// working set above the block's) is not chosen. The user's count where given.
+uint32_t choose_tiles(const StepProfile& profile, const std::function<bool(uint32_t)>& fits,
+                      const std::function<uint64_t(uint32_t)>& peak);
+// The dump's reason for the tiles chosen.
+std::string tiles_reason(const StepProfile& profile, uint32_t tiles, bool fits);
 // The kept modes, candidates in the order given (their (whole, selective) bytes at kBlockFactor;
 // whole 0: only selectively), each counted in the intervals where it is alive: `intervals` are
 // (the last block alive, peak), `order[i]` candidate i's place in the model.

@@ -50,6 +50,8 @@ TEST_CASE("step plan: inits set struct_size and the documented defaults", "[abi]
   CHECK(p.host_room_bytes == UINT64_MAX);
   CHECK(p.max_group_blocks == 1);
   CHECK(p.checkpoint_group_blocks == 0);
+  CHECK(p.mlp_token_bytes == 0);
+  CHECK(p.mlp_tiles == 0);
   strata_step_block_t b;
   std::memset(&b, 0xab, sizeof b);
   REQUIRE(strata_step_block_init(&b) == STRATA_OK);
@@ -57,6 +59,7 @@ TEST_CASE("step plan: inits set struct_size and the documented defaults", "[abi]
   CHECK(b.residency == STRATA_RESIDENCY_CHOOSE);
   CHECK(b.keep == STRATA_KEEP_RECOMPUTE);
   CHECK(b.checkpoint_tier == STRATA_TIER_HBM);
+  CHECK(b.mlp_tiles == 1);
   strata_step_interval_t t;
   REQUIRE(strata_step_interval_init(&t) == STRATA_OK);
   CHECK(t.struct_size == STRATA_STEP_INTERVAL_STRUCT_SIZE);
@@ -78,6 +81,8 @@ TEST_CASE("step plan: a plan without a runtime, its info, blocks and dumps", "[a
   CHECK(info.fits == 1);
   CHECK(info.restore_depth == 2);
   CHECK(info.predicted_peak_bytes == 0);  // (checkpoints were not planned)
+  CHECK(info.mlp_tiles == 1);
+  CHECK(info.mlp_tile_tokens == 0);
   CHECK(info.usable_bytes == 100000000);
   CHECK(info.margin_bytes == 10000000);
   strata_step_block_t out{};
@@ -339,4 +344,75 @@ TEST_CASE("step plan: checkpoint groups through the ABI", "[abi]") {
   q.profile.max_group_blocks = 16385;
   CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
   CHECK(last_error().find("max_group_blocks") != std::string::npos);
+}
+
+TEST_CASE("step plan: the MLP's sequence tiles through the ABI", "[abi]") {
+  // 32 streamed blocks at 128k tokens, 1 GiB checkpoints, a block's 18 GiB saved of which its
+  // MLP's 14 GiB (112 KiB a token), 20 GiB held, a 48 GiB device: untiled short even with every
+  // checkpoint in host memory, 2 tiles fit (runtime/step/tiles.cpp; the unit cases count it).
+  constexpr uint64_t GB = uint64_t{1} << 30;
+  Profile q(32);
+  for (auto& b : q.blocks) b.residency = STRATA_RESIDENCY_STREAMED;
+  q.blocks[31].keep = STRATA_KEEP_SELECTIVE;  // keeps: not tiled
+  q.blocks[31].keep_selective_bytes = GB;
+  q.profile.flags = STRATA_STEP_PLAN_CHECKPOINTS | STRATA_STEP_BLOCK_SAVED_MEASURED;
+  q.profile.device_total_bytes = q.profile.device_free_bytes = 48 * GB;
+  q.profile.tokens = 131072;
+  q.profile.checkpoint_bytes = GB;
+  q.profile.block_saved_bytes = 18 * GB;
+  q.profile.mlp_token_bytes = 112 * 1024;
+  q.profile.in_use_bytes = 19 * GB;
+  strata_step_plan_t* made = nullptr;
+  REQUIRE(strata_step_plan_create(&q.profile, &made) == STRATA_OK);
+  strata_step_plan_info_t info;
+  info.struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE;
+  REQUIRE(strata_step_plan_get_info(made, &info) == STRATA_OK);
+  CHECK(info.fits == 1);
+  CHECK(info.mlp_tiles == 2);
+  CHECK(info.mlp_tile_tokens == 65536);
+  strata_step_block_t b;
+  b.struct_size = STRATA_STEP_BLOCK_STRUCT_SIZE;
+  REQUIRE(strata_step_plan_get_block(made, 0, &b) == STRATA_OK);
+  CHECK(b.mlp_tiles == 2);
+  REQUIRE(strata_step_plan_get_block(made, 31, &b) == STRATA_OK);
+  CHECK(b.mlp_tiles == 1);
+  // A size that no released header gave (the step plan is new in the unreleased 1.5, so the
+  // struct before its tiles was never released) is refused, as docs/abi.md says.
+  b.struct_size = STRATA_STRUCT_SIZE(strata_step_block_t, group_start);
+  CHECK(strata_step_plan_get_block(made, 0, &b) == STRATA_ERROR_INVALID_ARGUMENT);
+  std::size_t length = 0;
+  REQUIRE(strata_step_plan_dump(made, STRATA_PLAN_FORMAT_TEXT, nullptr, 0, &length) == STRATA_OK);
+  std::string text(length + 1, '\0');
+  REQUIRE(strata_step_plan_dump(made, STRATA_PLAN_FORMAT_TEXT, text.data(), text.size(), nullptr) ==
+          STRATA_OK);
+  CHECK(text.find("MLP over 2 tiles of 65536 tokens") != std::string::npos);
+  CHECK(text.find("mlp: 2 tiles of 65536 tokens") != std::string::npos);
+  strata_step_plan_destroy(made);
+  // The user's count.
+  q.profile.mlp_tiles = 3;
+  REQUIRE(strata_step_plan_create(&q.profile, &made) == STRATA_OK);
+  REQUIRE(strata_step_plan_get_info(made, &info) == STRATA_OK);
+  CHECK(info.mlp_tiles == 3);
+  CHECK(info.mlp_tile_tokens == 43691);
+  strata_step_plan_destroy(made);
+  // Refusals the header lists, nothing written.
+  strata_step_plan_t* none = nullptr;
+  q.profile.mlp_tiles = 131073;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(none == nullptr);
+  CHECK(last_error().find("mlp_tiles 131073") != std::string::npos);
+  q.profile.mlp_tiles = 0;
+  q.profile.mlp_token_bytes = 200 * 1024;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("mlp_token_bytes") != std::string::npos);
+  q.profile.mlp_token_bytes = 112 * 1024;
+  q.profile.flags = STRATA_STEP_PLAN_CHECKPOINTS;  // block_saved_bytes not measured
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("not measured") != std::string::npos);
+  q.profile.mlp_token_bytes = 0;
+  q.profile.mlp_tiles = 2;
+  q.profile.flags = 0;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("needs STRATA_STEP_PLAN_CHECKPOINTS") != std::string::npos);
+  CHECK(none == nullptr);
 }

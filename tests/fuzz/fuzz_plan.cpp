@@ -167,6 +167,10 @@ void fuzz_step_plan(Input& in) {
                           &q.beside_bytes}) {
     *field = in.get<uint8_t>() % 3 == 0 ? 0 : size();
   }
+  // Sequence tiles: the MLP's bytes a token (often small enough to be a part of the block's),
+  // and now and then a count given.
+  q.mlp_token_bytes = in.get<uint8_t>() % 2 == 0 ? 0 : size() % 4096;
+  q.mlp_tiles = in.get<uint8_t>() % 4 == 0 ? in.get<uint32_t>() % 64 : 0;
   strata_step_plan_t* plan = nullptr;
   if (strata_step_plan_create(&q, &plan) != STRATA_OK) return;
   strata_step_plan_info_t info{};

@@ -203,7 +203,7 @@ class StepBlock(Struct):
     _fields_ = [("struct_size", c_size_t), ("elements", c_uint64), ("rank_elements", c_uint64),
                 ("keep_whole_bytes", c_uint64), ("keep_selective_bytes", c_uint64),
                 ("residency", c_int32), ("keep", c_int32), ("checkpoint_tier", c_int32),
-                ("group_start", c_uint32)]
+                ("group_start", c_uint32), ("mlp_tiles", c_uint32)]
 
 
 class StepInterval(Struct):
@@ -228,7 +228,8 @@ class StepProfile(Struct):
                 ("step_reserved_peak_bytes", c_uint64), ("host_budget_bytes", c_uint64),
                 ("arena_bytes", c_uint64), ("host_available_bytes", c_uint64),
                 ("beside_bytes", c_uint64), ("host_room_bytes", c_uint64),
-                ("max_group_blocks", c_uint32), ("checkpoint_group_blocks", c_uint32)]
+                ("max_group_blocks", c_uint32), ("checkpoint_group_blocks", c_uint32),
+                ("mlp_token_bytes", c_uint64), ("mlp_tiles", c_uint32)]
 
 
 class StepPlanInfo(Struct):
@@ -239,7 +240,8 @@ class StepPlanInfo(Struct):
                 ("backward_reserve_bytes", c_uint64), ("usable_bytes", c_uint64),
                 ("margin_bytes", c_uint64), ("judged_peak_bytes", c_uint64),
                 ("host_total_bytes", c_uint64), ("loss_chunk_tokens", c_uint64),
-                ("spilled_checkpoint_bytes", c_uint64), ("checkpoint_group_blocks", c_uint32)]
+                ("spilled_checkpoint_bytes", c_uint64), ("checkpoint_group_blocks", c_uint32),
+                ("mlp_tiles", c_uint32), ("mlp_tile_tokens", c_uint64)]
 
 
 class PlacementInfo(Struct):

@@ -4,7 +4,8 @@ training step inside the device's and the host's memory, decided by libstrata fo
 A binding measures (its allocator, its blocks' saved bytes, its batch) and passes what it knows
 as a profile; the library decides, per block, resident or streamed, recompute / keep
 selectively / keep wholly, and its checkpoint's home (the device or host memory), and for the
-step the loss chunk, the host budget as counted and what a backward block may allocate. Every
+step the loss chunk, the host budget as counted, what a backward block may allocate and the
+sequence tiles the blocks' MLP runs over at a long sequence (mlp_token_bytes, mlp_tiles). Every
 decision and constant is the library's (runtime/step/); nothing here decides.
 
     plan = plan_step([Block(elements=n) for n in counts], device_total_bytes=...,
@@ -56,10 +57,11 @@ class Block:
 
 
 class StepPlan:
-    """A plan: `info` (strata_step_plan_info_t's fields), `blocks` (per block a dict of
-    residency, keep, checkpoint: "hbm" or "dram", and group_start: the block whose checkpoint
-    its input is regenerated from, its own index where it keeps one), `text` and `json` (the dumps, every choice
-    with its reason)."""
+    """A plan: `info` (strata_step_plan_info_t's fields: mlp_tiles and mlp_tile_tokens among
+    them), `blocks` (per block a dict of residency, keep, checkpoint: "hbm" or "dram",
+    group_start: the block whose checkpoint its input is regenerated from, its own index where
+    it keeps one, and mlp_tiles: the sequence tiles its MLP runs over, 1: whole), `text` and
+    `json` (the dumps, every choice with its reason)."""
 
     def __init__(self, handle):
         info = _lib.StepPlanInfo()
@@ -74,7 +76,8 @@ class StepPlan:
             self.blocks.append({"residency": _NAMES["residency"][b.residency],
                                 "keep": _NAMES["keep"][b.keep],
                                 "checkpoint": _TIERS[b.checkpoint_tier],
-                                "group_start": b.group_start})
+                                "group_start": b.group_start,
+                                "mlp_tiles": b.mlp_tiles})
         self.text = core._dump(L.strata_step_plan_dump, handle, 1)
         self.json = core._dump(L.strata_step_plan_dump, handle, 0)
 

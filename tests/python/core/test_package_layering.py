@@ -43,6 +43,7 @@ MODULE_ORDER = [
     "strata.torch._planning",  # sizing: budgets, resident blocks, the NVMe placement check
     "strata.torch._regenerate",  # block inputs dropped and regenerated (checkpoint groups)
     "strata.torch._spill_pool",  # the spilled checkpoints' host buffers
+    "strata.torch._tiled_mlp",  # the blocks' MLP over sequence tiles; its bytes a token
     "strata.torch._spill_plan",  # what strata.torch measures for the checkpoint-homes plan
     "strata.torch._spill_report",  # what the spiller says in placement() and OOM notes
     "strata.torch._spill",  # block checkpoints spilled to host memory when the device is short

@@ -52,6 +52,34 @@ def test_checkpoint_homes_and_kept_activations_in_one_plan():
     assert "in the intervals where it is alive" in kept.text
 
 
+def test_the_mlp_is_tiled_only_when_the_step_is_short():
+    """The MLP's bytes a token split one block's working set: at 128k tokens of an 8B's shape
+    the plan keeps the MLP whole where the step fits (80 GiB), tiles it where it does not
+    (48 GiB: 2 tiles), and a given count comes back as given; every block's tiles and the
+    dump's reason come back through the binding."""
+    figures = dict(plan_checkpoints=True, tokens=131072, checkpoint_bytes=GB,
+                   block_saved_bytes=18 * GB, block_saved_measured=True,
+                   mlp_token_bytes=112 * 1024, in_use_bytes=20 * GB)
+    blocks = [step_plan.Block(1000, residency="streamed")] * 32
+    whole = step_plan.plan_step(blocks, device_total_bytes=80 * GB, device_free_bytes=80 * GB,
+                                **figures)
+    assert whole.mlp_tiles == 1 and whole.mlp_tile_tokens == 131072
+    assert {b["mlp_tiles"] for b in whole.blocks} == {1}
+    assert "fits whole" in whole.text
+    short = step_plan.plan_step(blocks, device_total_bytes=48 * GB, device_free_bytes=48 * GB,
+                                **figures)
+    assert short.fits and short.mlp_tiles == 2 and short.mlp_tile_tokens == 65536
+    assert {b["mlp_tiles"] for b in short.blocks} == {2}
+    assert "MLP over 2 tiles of 65536 tokens" in short.text
+    assert json.loads(short.json)["mlp_tiles"] == 2
+    given = step_plan.plan_step(blocks, device_total_bytes=80 * GB, device_free_bytes=80 * GB,
+                                mlp_tiles=4, **figures)
+    assert given.mlp_tiles == 4 and "(given)" in given.text
+    with pytest.raises(StrataError, match="mlp_tiles 131073"):
+        step_plan.plan_step(blocks, device_total_bytes=80 * GB, device_free_bytes=80 * GB,
+                            mlp_tiles=131073, **figures)
+
+
 def test_the_host_budget_and_the_loss_chunk_need_no_blocks():
     plan = step_plan.plan_step([], arena_bytes=600, host_available_bytes=1000, vocab=128256)
     assert plan.host_total_bytes == 1100 and plan.loss_chunk_tokens == 2088

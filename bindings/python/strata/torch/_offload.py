@@ -48,7 +48,7 @@ class _Plan:
 def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, dtype=None,
             device=None, backend="auto", slot_budget=0, resident_blocks=None,
             state_placement=None, data_parallel=None, weights=None, grads="host",
-            chunked_loss=None, spill_checkpoints=None, grad_dtype=None):
+            chunked_loss=None, spill_checkpoints=None, grad_dtype=None, mlp_tiles=None):
     """Stream `model`'s blocks through Strata; returns the model, changed in place.
 
     gpu_budget: HBM bytes for the executor's slots (None: a few blocks). host_budget: the host
@@ -108,6 +108,13 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
     bit-exact (strata.torch._spill): None (on CUDA when the step predicted from the batch run
     does not fit in device memory, the first blocks'), True (every block's, every step; on
     the CPU into ordinary host tensors), False (never).
+    mlp_tiles: the sequence tiles each block's MLP (its child module `mlp`) runs over, saving
+    only its input and recomputing each tile in the backward pass, so that no intermediate of
+    the whole batch exists at once (strata.torch._tiled_mlp): None (the library's step plan
+    chooses on CUDA, from the batch run: the fewest with which the step fits, 1 where it fits
+    whole; with spill_checkpoints=None, which makes that plan), or a count of at least 1, at
+    most the batch's tokens (then at every step, the blocks that recompute; the same values,
+    the weight grads summed over the tiles).
     On CUDA without data parallelism, torch's caching allocator grows expandable segments from
     here on unless the process configured it (PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF
     non-empty: `expandable_segments:False` keeps the default; strata.torch._allocator says why,
@@ -134,6 +141,11 @@ def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, 
                            grad_dtype)
         request.loss_chunk_tokens = loss_chunk_tokens
         request.spill_checkpoints = spill_checkpoints
+        if mlp_tiles is not None and (isinstance(mlp_tiles, bool) or
+                                      not isinstance(mlp_tiles, int) or mlp_tiles < 1):
+            raise ValueError("strata.torch.offload: mlp_tiles is %r, not None (the plan's) or "
+                             "a count of at least 1" % (mlp_tiles,))
+        request.mlp_tiles = mlp_tiles
     rollback = Rollback()
     if request is not None:
         rollback.push(request.close)
@@ -224,7 +236,7 @@ def _build(model, request, plan, rollback):
         nvme_budget=plan.nvme_budget, slot_budget=request.slot_budget,
         grads_home=request.grads_home, init=getattr(model, "_init_weights", None),
         resident_blocks=plan.kept, weights_source=request.source,
-        spill_checkpoints=request.spill_checkpoints)
+        spill_checkpoints=request.spill_checkpoints, mlp_tiles=request.mlp_tiles)
     layout = None
     if request.mesh is not None:
         # Everything outside the streamed blocks is replicated on every rank, its grads averaged

@@ -63,7 +63,7 @@ import time
 import torch
 
 from .. import step_plan
-from . import _spill_plan, _spill_report
+from . import _spill_plan, _spill_report, _tiled_mlp
 from ._regenerate import Regenerated, Regenerator, signature
 from ._spill_pool import HostPool
 
@@ -125,12 +125,18 @@ class Spiller:
         self.regen = Regenerator()
         self.max_group = REGENERATE_ANY if regenerate else 1
         self.forced_group = None  # spill_checkpoints=True: groups of this many (tests)
+        # The blocks' MLP over sequence tiles (strata.torch._tiled_mlp): offload(mlp_tiles=),
+        # the user's count (None: the plan's), and per block position the last plan's tiles
+        # (None: every MLP whole).
+        self.forced_tiles = None
+        self.mlp_tiles = None
         self.wanted = 0  # the first blocks the decision wanted spilled (count: those it got)
         self.stopped_by = None  # why count < wanted: the pool's refusal ("host", "budget")
         self.fits = True  # whether the step was predicted to fit with them
         self.tokens = 0  # the tokens the decision was made for
         self.base = 0  # what torch held at that forward pass's start
         self.measured = {}  # tokens -> one block's measure()d whole bytes (None: unmeasurable)
+        self.measured_mlp = {}  # tokens -> its MLP's saved bytes a token (0: not tileable)
         self.decisions = 0
         self.spilled_total = 0  # checkpoints copied to host memory so far (tests, benchmarks)
         self.decide_seconds = 0.0
@@ -186,7 +192,20 @@ class Spiller:
 
     def forward_begins(self, run, block, args, kwargs):
         """The first block's forward pass with grad (`run` its forward, `block` the module):
-        a new generation of records, and the decision for this batch."""
+        a new generation of records, and the decision for this batch; the MLP's tiles the
+        user forced, where no decision carried them (strata.torch._tiled_mlp)."""
+        self._decide(run, block, args, kwargs)
+        hidden = hidden_of(args, kwargs)
+        if self.forced_tiles and self.mlp_tiles is None and hidden is not None:
+            self.mlp_tiles = _tiled_mlp.planned(_spill_plan.forced_tiles_plan(
+                self, hidden.numel() // hidden.shape[-1], hidden.numel() * hidden.element_size()))
+
+    def tiles_at(self, position):
+        """The sequence tiles block `position`'s MLP runs over now (1: whole)."""
+        tiles = self.mlp_tiles
+        return 1 if tiles is None or position >= len(tiles) else tiles[position]
+
+    def _decide(self, run, block, args, kwargs):
         self.generation += 1
         self.records = {}
         self.regen.clear()
@@ -223,8 +242,11 @@ class Spiller:
 
     def plan(self, run, block, args, kwargs, tokens, nbytes, base):
         """The library's step plan of checkpoint homes for this batch (strata.torch._spill_plan
-        builds its profile)."""
-        return _spill_plan.checkpoint_plan(self, run, block, args, kwargs, tokens, nbytes, base)
+        builds its profile). The blocks are measured with their MLP whole (the tiles of the
+        last plan set aside: the plan splits the untiled working set itself)."""
+        self.mlp_tiles = None
+        return _spill_plan.checkpoint_plan(self, run, block, args, kwargs, tokens, nbytes, base,
+                                           hidden_of(args, kwargs))
 
     def _take(self, plan, nbytes):
         """The plan's checkpoint homes and groups taken (None: nothing spills, or, with
@@ -240,6 +262,7 @@ class Spiller:
             if any(b["group_start"] != i for i, b in enumerate(blocks)):
                 starts = [b["group_start"] for b in blocks]
         self.regen.starts = starts
+        self.mlp_tiles = _tiled_mlp.planned(plan)
         self.wanted = len(spilled)
         got = self._reserve(spilled, nbytes)
         self.spilled = tuple(spilled[:got])

@@ -8,19 +8,22 @@ rules are the library's (runtime/step/checkpoints.cpp)."""
 import torch
 
 from .. import host_buffers, step_plan
-from . import _step
+from . import _step, _tiled_mlp
 from ._measure import measure
 from ._replay import ForwardState, without_forward_hooks
 
 
-def checkpoint_plan(s, run, block, args, kwargs, tokens, nbytes, base):
+def checkpoint_plan(s, run, block, args, kwargs, tokens, nbytes, base, hidden=None):
     """The library's step plan of checkpoint homes for this batch (strata.step_plan): from
     what torch holds as the forward pass begins (`base`), the grads the backward pass will
     allocate, how the blocks keep now (their measured bytes), one block's saved bytes at
     this batch (measured on fake tensors), the loss's head and chunk, and the optimizer
-    state leaving the device before the loss (strata.torch.paging)."""
+    state leaving the device before the loss (strata.torch.paging); with `hidden` (the
+    block's hidden states), what its MLP saves per token (strata.torch._tiled_mlp), for the
+    plan's sequence tiles."""
     keeper = s.keeper
-    saved = block_saved(s, run, block, args, kwargs, tokens)
+    saved = block_saved(s, run, block, args, kwargs, tokens, hidden)
+    mlp = s.measured_mlp.get(tokens, 0) if saved is not None else 0
     head = getattr(s.head, "weight", None)
     vocab, hidden = (head.shape if torch.is_tensor(head) and head.dim() == 2 else (0, 0))
     loss = s.chunked_loss
@@ -35,6 +38,7 @@ def checkpoint_plan(s, run, block, args, kwargs, tokens, nbytes, base):
         leaving_bytes=s.leaving(), vocab=vocab, hidden=hidden,
         loss_chunked=chunked, loss_chunk_tokens=loss.chunk_tokens if chunked else 0,
         host_room_bytes=host_room(s), max_group_blocks=max_group(s),
+        mlp_token_bytes=mlp, mlp_tiles=s.forced_tiles or 0,
         **_step.device_figures(s.device))
 
 
@@ -67,15 +71,28 @@ def forced_plan(s, tokens, nbytes):
     plan = step_plan.plan_step(
         blocks[:s.positions], plan_checkpoints=True, tokens=tokens, checkpoint_bytes=nbytes,
         device_total_bytes=1 << 30, device_free_bytes=0, in_use_bytes=1 << 30,
-        checkpoint_group_blocks=s.forced_group)
+        checkpoint_group_blocks=s.forced_group, mlp_tiles=s.forced_tiles or 0)
     for b in plan.blocks:
         b["checkpoint"] = "dram"
     return plan
 
 
-def block_saved(s, run, block, args, kwargs, tokens):
+def forced_tiles_plan(s, tokens, nbytes):
+    """offload(mlp_tiles=k) where no checkpoint decision is made (the CPU, spill_checkpoints
+    True or False): the library's plan of k tiles at this batch, nothing else planned from it
+    (which blocks are tiled is its rule: those that recompute)."""
+    blocks = s.keeper.profile_blocks(tokens)
+    blocks += [step_plan.Block(1, residency="streamed")] * max(0, s.positions - len(blocks))
+    return step_plan.plan_step(
+        blocks[:s.positions], plan_checkpoints=True, tokens=tokens, checkpoint_bytes=nbytes,
+        device_total_bytes=1 << 30, device_free_bytes=0, in_use_bytes=1 << 30,
+        mlp_tiles=s.forced_tiles)
+
+
+def block_saved(s, run, block, args, kwargs, tokens, hidden=None):
     """What one block saves for its backward (its recompute) at this batch, measured on
-    fake tensors once per batch size (None: it cannot be measured)."""
+    fake tensors once per batch size (None: it cannot be measured), and of it what its MLP
+    saves per token (s.measured_mlp; strata.torch._tiled_mlp)."""
     if tokens not in s.measured:
         state = ForwardState(block)
         try:
@@ -84,9 +101,11 @@ def block_saved(s, run, block, args, kwargs, tokens):
             with without_forward_hooks(block):
                 measured = measure(run, args, kwargs, s.device,
                                    list(block.parameters()))
+                mlp = _tiled_mlp.token_bytes(block, hidden, s.device)
         finally:
             state.restore_buffers()
         s.measured = {tokens: None if measured is None else measured[0]}
+        s.measured_mlp = {tokens: mlp}
     return s.measured[tokens]
 
 

@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-from .. import _allocator, _chunked_loss, _foreign, _hooks, _params, _planning, _surgery
+from .. import _allocator, _chunked_loss, _foreign, _hooks, _params, _planning, _surgery, \
+    _tiled_mlp
 from .._block import streamed_forward
 from .residents import keep_resident
 from .rollback import remember_attribute, set_attribute
@@ -49,6 +50,14 @@ def install(model, session, request, plan, rollback):
     for index, block in enumerate(plan.kept):
         remember_attribute(block, "forward", rollback)
         keep_resident(session, index, block, session.spill)
+    # Each block's MLP over the sequence tiles the step plan gives its position (resident
+    # blocks first, as the plan orders them).
+    names = {id(m): n for n, m in model.named_modules()}
+    for position, block in enumerate(list(plan.kept) + list(plan.blocks)):
+        undo = _tiled_mlp.install(block, functools.partial(session.spill.tiles_at, position),
+                                  names.get(id(block), "block") + "." + _tiled_mlp.MLP_ATTRIBUTE)
+        if undo is not None:
+            rollback.push(undo)
     streamed = {id(p) for b in plan.blocks for p in b.parameters()}
     for m in model.modules():
         inside = [p for p in m.parameters() if id(p) in streamed]

@@ -31,6 +31,7 @@ class Request:
     # (0: its default for the vocabulary).
     loss_chunk_tokens: int = None
     spill_checkpoints: bool = None  # None (when the device is short), True or False
+    mlp_tiles: int = None  # the blocks' MLP over this many sequence tiles (None: the plan's)
 
     def close(self):
         if self.source is not None:

@@ -35,6 +35,8 @@ class SessionChoices:
     weights_source: tuple = None  # offload(weights=): (SafetensorsWeights, names by tensor)
     # offload(spill_checkpoints=): None (when the device is short), True (always), False (never).
     spill_checkpoints: bool = None
+    # offload(mlp_tiles=): the blocks' MLP over this many sequence tiles (None: the plan's).
+    mlp_tiles: int = None
 
 
 def open_runtime(session, choices):
@@ -52,6 +54,7 @@ def open_runtime(session, choices):
                                     session.activations,
                                     len(session.resident_blocks) + len(session.blocks),
                                     regenerate=session.mesh is None)
+            session.spill.forced_tiles = choices.mlp_tiles
             session.anchor = torch.zeros(0, device=session.device, requires_grad=True)
             session.anchor_node = \
                 session.anchor.view_as(session.anchor).grad_fn.next_functions[0][0]
