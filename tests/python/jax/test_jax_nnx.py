@@ -191,3 +191,38 @@ def test_nnx_offload_refuses_what_it_cannot_stream():
     with trainer:
         with pytest.raises(TypeError, match="already offloaded"):
             sj.offload(model, "layers")
+
+
+def test_nnx_llama_offloaded_matches_the_package_jax_llama_on_the_same_weights():
+    """llama_zoo.nnx_llama (Flax's layers) with jax_llama's weights: the same loss as the
+    package's own JAX Llama, and trained offloaded by an nnx.jit step, the same losses and
+    parameters as strata.jax.Trainer over jax_llama's functions (issue 51's acceptance, on the
+    CPU at the tiny preset)."""
+    from llama_zoo import jax_llama, nnx_llama
+    import jax_parity_models as api
+
+    blocks, residents = api.llama_params()
+    data = api.batches(4)
+    model = nnx_llama.Llama(api.CONFIG, nnx.Rngs(1))
+    nnx_llama.load_jax_llama(model, blocks, residents)
+    ids = data[0]
+    reference = float(jax_llama.loss_fn(api.CONFIG, blocks, residents, ids))
+    assert abs(float(nnx_llama.loss_fn(model, ids)) - reference) <= 1e-6 * reference
+    with api.llama_trainer(blocks, residents, ffi=True) as trainer:
+        expected = [trainer.step(x) for x in data]
+        expected_blocks, expected_res = trainer.get_params()
+
+    model, trainer = sj.offload(model, "layers",
+                                block_optimizer=sj.AdamW(LR, weight_decay=WD))
+    with trainer:
+        assert_losses(expected, train(model, data))  # this file's nnx.jit step
+        got = model.layers.plain()
+        for key in jax_llama.BLOCK_KEYS:
+            layer = getattr(got, key)
+            var = layer.scale if key.endswith("norm") else layer.kernel
+            assert_close([b[key] for b in expected_blocks], list(var[...]), rtol=PARAMS_RTOL,
+                         what=key)
+        assert_close([expected_res["embed"], expected_res["head"]],
+                     [model.embed.embedding[...], model.head.kernel[...]], rtol=PARAMS_RTOL,
+                     what="residents")
+
