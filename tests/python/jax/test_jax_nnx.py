@@ -154,6 +154,24 @@ def test_nnx_model_with_its_own_nnx_jit_step_matches_plain_flax():
         assert trainer.step_count == len(data)
 
 
+def test_nnx_bf16_streamed_blocks_with_param_groups_train():
+    # The streamed weights in bf16 (fp32 masters), the rest fp32; norms without weight decay
+    # by a group over the leaves' names inside one block.
+    data = batches(6)
+    model, trainer = sj.offload(Llama(nnx.Rngs(0)), "layers", dtype=jnp.bfloat16,
+                                block_optimizer=sj.AdamW(LR, weight_decay=WD, groups=[
+                                    {"params": lambda n: n.endswith("norm.scale"),
+                                     "weight_decay": 0.0}]))
+    with trainer:
+        assert trainer.leaf_groups == [1 if n.endswith("norm.scale") else 0
+                                       for n in trainer.names]
+        losses = train(model, data)
+        assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, losses
+        plain = model.layers.plain()
+        assert plain.q.kernel[...].dtype == jnp.bfloat16
+        assert plain.q.kernel[...].shape == (LAYERS, DIM, DIM)
+
+
 class Noisy(nnx.Module):
     """A block with an RNG stream (dropout): state that changes as it runs."""
 
