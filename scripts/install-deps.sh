@@ -30,15 +30,23 @@ fi
 python_missing=()
 # torch, transformers, jax: the main job (strata-train), examples/train.py, strata.torch,
 # strata.jax and their tests; optax: the plain JAX reference of strata.jax's tests (and its residents' optimizers);
+# flax, equinox: strata.jax.offload's parity tests (tests/python/jax/test_jax_nnx.py,
+# test_jax_equinox.py; the package's optional extras jax-flax and jax-equinox);
 # peft: the LoRA case of strata.torch's parity tests; datasets, pyyaml, tqdm, tokenizers and
 # huggingface_hub: strata-train (the main job; pyproject's [train] extra). PyPI's torch wheel
 # brings the CUDA libraries (GBs): installed once into the environment, skipped when present.
 # Each entry is pip's name, with the import name after a colon where they differ.
-for entry in pytest matplotlib numpy safetensors torch transformers jax optax peft datasets \
-    pyyaml:yaml tqdm tokenizers huggingface_hub; do
+for entry in pytest matplotlib numpy safetensors torch transformers jax optax flax equinox peft \
+    datasets pyyaml:yaml tqdm tokenizers huggingface_hub; do
   "$venv/bin/python" -c "import ${entry#*:}" 2>/dev/null || python_missing+=("${entry%%:*}")
 done
 if ((${#python_missing[@]} > 0)); then
   echo "strata: installing Python packages ${python_missing[*]} into $venv"
-  "$venv/bin/python" -m pip install -q "${python_missing[@]}"
+  # An installed jax stays as it is: flax or equinox installed beside it take releases made
+  # for it (a newest flax that wants a newer jax would otherwise upgrade it under torch's
+  # and the other tests' feet).
+  jax_version="$("$venv/bin/python" -c "import jax; print(jax.__version__)" 2>/dev/null || true)"
+  keep=()
+  [[ -n "$jax_version" ]] && keep=("jax==$jax_version")
+  "$venv/bin/python" -m pip install -q "${python_missing[@]}" "${keep[@]}"
 fi

@@ -93,13 +93,21 @@ def _rotate_half(x):
 
 def block_forward(config, p, x, cos, sin):
     """One decoder block: x + attention(norm(x)), then + SwiGLU(norm(x))."""
-    b, t, h = x.shape
+    y = rms_norm(x, p["attn_norm"], config.rms_norm_eps)
+    x = x + attention(config, y @ p["wq"], y @ p["wk"], y @ p["wv"], cos, sin) @ p["wo"]
+    y = rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
+    return x + (jax.nn.silu(y @ p["w_gate"]) * (y @ p["w_up"])) @ p["w_down"]
+
+
+def attention(config, q, k, v, cos, sin):
+    """Causal attention of the projected q (b, t, h), k and v (b, t, kv), rotary applied: the
+    heads' outputs (b, t, h), before the output projection (also llama_zoo.nnx_llama's)."""
+    b, t, h = q.shape
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     d = h // heads
-    y = rms_norm(x, p["attn_norm"], config.rms_norm_eps)
-    q = (y @ p["wq"]).reshape(b, t, heads, d).transpose(0, 2, 1, 3)
-    k = (y @ p["wk"]).reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
-    v = (y @ p["wv"]).reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
+    q = q.reshape(b, t, heads, d).transpose(0, 2, 1, 3)
+    k = k.reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
+    v = v.reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
     if kv_heads != heads:
@@ -108,10 +116,8 @@ def block_forward(config, p, x, cos, sin):
     scores = (q @ k.transpose(0, 1, 3, 2)).astype(jnp.float32) / np.sqrt(d)
     mask = jnp.tril(jnp.ones((t, t), dtype=bool))
     scores = jnp.where(mask, scores, -jnp.inf)
-    attn = jax.nn.softmax(scores, axis=-1).astype(x.dtype) @ v
-    x = x + attn.transpose(0, 2, 1, 3).reshape(b, t, h) @ p["wo"]
-    y = rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
-    return x + (jax.nn.silu(y @ p["w_gate"]) * (y @ p["w_up"])) @ p["w_down"]
+    attn = jax.nn.softmax(scores, axis=-1).astype(q.dtype) @ v
+    return attn.transpose(0, 2, 1, 3).reshape(b, t, h)
 
 
 def head_loss(config, r, x, ids):

@@ -17,5 +17,14 @@ Strata's loads; the weights are copied from the slot into the program) and relea
 its grads are XLA FFI custom calls; where that library cannot be had, a host-synchronised
 loop of per-layer programs over DLPack views. The
 runtime's CPU AdamW updates fp32 masters as soon as a block's grads land. The residents
-(embedding, head, ...) stay on the device, trained by any optax optimizer. See docs/python-guide.md and docs/python-reference.md."""
+(embedding, head, ...) stay on the device, trained by any optax optimizer.
+
+A Flax NNX or Equinox model whose blocks are stacked (nnx.vmap, eqx.filter_vmap):
+
+    model, trainer = strata.jax.offload(model, "layers", block_optimizer=strata.jax.AdamW(3e-4))
+    # its forward applies the stack with strata.jax.scan_blocks(self.layers, x, *extras);
+    # your nnx.jit / eqx.filter_jit step trains the rest with optax, the blocks through Strata
+
+See docs/python-guide.md and docs/python-reference.md."""
+from ._offload import offload, scan_blocks  # noqa: F401
 from .streamed import AdamW, Trainer  # noqa: F401
