@@ -9,26 +9,69 @@ from torch import nn
 from . import _params
 
 
+# Where models keep their repeated blocks, relative to the model or to its decoder.
+_BLOCK_PATHS = ("model.layers", "transformer.h", "gpt_neox.layers", "layers", "blocks", "h")
+
+
 def find_blocks(model):
     """The model's repeated blocks: Hugging Face decoders keep them in model.model.layers (or
-    transformer.h for GPT-2 style models); otherwise the largest nn.ModuleList of one type."""
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "layers", "blocks", "h"):
-        obj = model
+    transformer.h for GPT-2 style models); a model holding a decoder beside other stacks (a
+    vision-language model: its vision tower's blocks and its language model's layers) streams
+    its decoder's, the module its get_decoder() names, whatever their sizes (a small language
+    model beside a larger vision tower too; the vision tower stays resident:
+    docs/python-guide.md, "Vision-language models"); otherwise the largest nn.ModuleList of
+    one type."""
+    decoder = _decoder(model)
+    for root in (model, decoder):
+        found = _at_known_path(root) if root is not None else None
+        if found is not None:
+            return found
+    best = _largest_list(decoder) if decoder is not None else None
+    best = best if best is not None else _largest_list(model)
+    if best is None:
+        raise ValueError("strata.torch.offload: the model has no list of repeated blocks "
+                         "(nn.ModuleList) to stream")
+    return best
+
+
+def _decoder(model):
+    """The module the model names its decoder (transformers' get_decoder(): a
+    vision-language model's language model), where it is a part of the model; else None."""
+    get = getattr(model, "get_decoder", None)
+    if not callable(get):
+        return None
+    try:
+        decoder = get()
+    except (AttributeError, NotImplementedError):  # transformers: "best-effort", may raise
+        return None
+    if not isinstance(decoder, nn.Module) or decoder is model or \
+            not any(decoder is m for m in model.modules()):
+        return None
+    return decoder
+
+
+def _at_known_path(root):
+    """The first non-empty nn.ModuleList at one of _BLOCK_PATHS under `root`, or None."""
+    for path in _BLOCK_PATHS:
+        obj = root
         for part in path.split("."):
             obj = getattr(obj, part, None)
             if obj is None:
                 break
         if isinstance(obj, nn.ModuleList) and len(obj) > 0:
             return obj
-    best = None
-    for m in model.modules():
+    return None
+
+
+def _largest_list(root):
+    """The nn.ModuleList of several modules of one type under `root` with the most parameters,
+    or None."""
+    best, best_size = None, -1
+    for m in root.modules():
         if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1:
-            if best is None or sum(p.numel() for p in m.parameters()) > \
-                    sum(p.numel() for p in best.parameters()):
-                best = m
-    if best is None:
-        raise ValueError("strata.torch.offload: the model has no list of repeated blocks "
-                         "(nn.ModuleList) to stream")
+            size = sum(p.numel() for p in m.parameters())
+            if size > best_size:
+                best, best_size = m, size
     return best
 
 
