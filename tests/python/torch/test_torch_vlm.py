@@ -194,3 +194,30 @@ def test_activation_checkpointing_enable(offload):
     got, got_state = strata_run(offload, deepcopy(base), data)
     assert_losses_close(got, expected)
     assert_vlm_state_close(got_state, expected_state, base)
+
+
+@pytest.mark.parametrize("family", vlm.FAMILIES)
+def test_weights_from_a_saved_checkpoint(family, offload, tmp_path):
+    """offload(weights=) of a model built on the meta device from the directory
+    save_pretrained wrote: transformers writes a vision-language model's keys in its
+    checkpoints' names (`language_model.model.layers.0...` for the module
+    `model.language_model.layers.0...`), which the load renames as from_pretrained does; the
+    buffers no config rebuilds (Gemma 3's embed_scale) come from the model's init. Every
+    value equals the saved model's, and it trains as plain PyTorch on it."""
+    base = vlm.build(family)
+    base.save_pretrained(str(tmp_path))
+    with torch.device("meta"):
+        meta = type(base)(base.config)
+    meta.train()
+    model = offload(meta, weights=str(tmp_path), chunked_loss=False)
+    opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    assert_state_close(snapshot(model), snapshot(base), exact=True)
+    buffers = dict(base.named_buffers())
+    for name, b in model.named_buffers():
+        assert torch.equal(b, buffers[name]), name
+    data = vlm.batches(family, 2)
+    expected, expected_state = plain_run(deepcopy(base), data)
+    got = vlm.train(model, opt, data)
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    assert_vlm_state_close(snapshot(model), expected_state, base)

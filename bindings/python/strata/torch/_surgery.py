@@ -127,10 +127,12 @@ def swap_data(p, data):
     p.__dict__.update(attrs)
 
 
-def rebuild_meta_buffers(module, device):
+def rebuild_meta_buffers(module, device, init=None):
     """Buffers still on the meta device after materializing (non-persistent ones computed in
     __init__, such as rotary inverse frequencies, which neither to_empty nor _init_weights
-    fill): computed again by building the module anew from its config on the CPU."""
+    fill): computed again by building the module anew from its config on the CPU; a module
+    without a config (Gemma 3's scaled embedding and its embed_scale) by the model's init
+    function `init` where it fills them (_init_buffers)."""
     meta = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
     if not meta:
         return
@@ -145,11 +147,40 @@ def rebuild_meta_buffers(module, device):
                 except TypeError:
                     continue
     if fresh is None:
+        if init is not None and _init_buffers(module, meta, device, init):
+            return
         raise ValueError("strata.torch.offload: buffer(s) %s of %s are on the meta device and "
-                         "cannot be recomputed (the module has no config to rebuild it from); "
-                         "build the model with real buffers" % (meta, type(module).__name__))
+                         "cannot be recomputed (the module has no config to rebuild it from, "
+                         "and the model's init does not fill them); build the model with real "
+                         "buffers" % (meta, type(module).__name__))
     for name in meta:
         module._buffers[name] = getattr(fresh, name).to(device)
+
+
+def _init_buffers(module, names, device, init):
+    """The meta buffers `names` of `module` given storage on `device` and filled by the model's
+    init function (transformers 5's _init_weights fills non-persistent buffers: Gemma 3's
+    embed_scale, rotary frequencies). The module's parameters, which hold their values already,
+    are stood in for by meta copies during the call (an init writing them writes nothing).
+    Whether the init wrote a buffer is told by its version counter (in-place writes move it).
+    True where it filled all of them; else the buffers are left on meta."""
+    before = {n: module._buffers[n] for n in names}
+    for n in names:
+        module._buffers[n] = torch.empty(before[n].shape, dtype=before[n].dtype, device=device)
+    versions = {n: module._buffers[n]._version for n in names}
+    params = dict(module._parameters)
+    try:
+        for n, p in params.items():
+            if p is not None:
+                module._parameters[n] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                                     p.requires_grad)
+        init(module)
+    finally:
+        module._parameters.update(params)
+    if all(module._buffers[n]._version != versions[n] for n in names):
+        return True
+    module._buffers.update(before)
+    return False
 
 
 def blocks_around(model, blocks):
@@ -198,4 +229,4 @@ def materialize(module, device, init, recurse=True):
             for m, name, values in loaded_buffers:
                 m._buffers[name] = values.to(m._buffers[name].device)
     for m in modules:
-        rebuild_meta_buffers(m, device)
+        rebuild_meta_buffers(m, device, init)
