@@ -15,7 +15,7 @@ VOCAB = 128
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 IMAGE, VIDEO, BEGIN, END = 3, 4, 5, 6  # the special tokens' ids
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "llava")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "smolvlm", "mistral3")
 
 
 def _qwen_vision(**extra):
@@ -60,16 +60,37 @@ def _build_config(family, vision_hidden=32, vision_depth=2):
                       projection_dim=32)
         cfg = transformers.LlavaConfig(text_config=text, vision_config=vision,
                                        image_token_index=IMAGE, image_seq_length=16)
+    elif family == "smolvlm":
+        # SigLIP-like over 16 x 16 images of 4 x 4 patches, pixel-shuffled by 2: 4 tokens.
+        text = dict(TEXT, model_type="llama")
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=16, patch_size=4)
+        cfg = transformers.SmolVLMConfig(text_config=text, vision_config=vision,
+                                         image_token_id=IMAGE, scale_factor=2)
+    elif family == "mistral3":
+        # Pixtral (2-D rotary) over 16 x 16 images of 4 x 4 patches, merged 2 x 2: 4 tokens.
+        text = dict(TEXT, model_type="mistral", head_dim=16)
+        vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=2, head_dim=16, image_size=16,
+                      patch_size=4)
+        cfg = transformers.Mistral3Config(text_config=text, vision_config=vision,
+                                          image_token_index=IMAGE, spatial_merge_size=2)
     else:
         raise ValueError(family)
     cfg._attn_implementation = "eager"
     return cfg
 
 
+# The families whose projector's _init_weights starts at zero (Gemma 3's
+# mm_input_projection_weight): no grad reaches the vision tower at the first step.
+ZERO_PROJECTOR = ("gemma3",)
+
 MODEL_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                  "qwen3_vl": "Qwen3VLForConditionalGeneration",
                  "gemma3": "Gemma3ForConditionalGeneration",
-                 "llava": "LlavaForConditionalGeneration"}
+                 "llava": "LlavaForConditionalGeneration",
+                 "smolvlm": "SmolVLMForConditionalGeneration",
+                 "mistral3": "Mistral3ForConditionalGeneration"}
 
 
 def build(family, seed=0, **sizes):
@@ -81,17 +102,26 @@ def build(family, seed=0, **sizes):
     return model
 
 
+def family_of(model):
+    """The family name of a model build() made."""
+    return next(f for f, name in MODEL_CLASSES.items() if type(model).__name__ == name)
+
+
 def vision_tower(model):
-    """The model's vision tower (transformers 5 names it visual or vision_tower)."""
+    """The model's vision tower (transformers 5 names it visual, vision_tower or
+    vision_model)."""
     inner = model.model
-    return inner.visual if hasattr(inner, "visual") else inner.vision_tower
+    for name in ("visual", "vision_tower", "vision_model"):
+        if hasattr(inner, name):
+            return getattr(inner, name)
+    raise AttributeError("no vision tower in %s" % type(model).__name__)
 
 
 def image_batch(family, batch=2, seed=1):
     """One image per row, placed after two text tokens; labels only on the text after it."""
     g = torch.Generator().manual_seed(seed)
     tokens = 16 if family == "llava" else 4  # each image's placeholder tokens
-    bracketed = family != "llava"  # between begin- and end-of-image tokens
+    bracketed = family in ("qwen2_5_vl", "qwen3_vl", "gemma3")  # between begin/end tokens
     first = 2 + bracketed  # the first image token's position
     seq = first + tokens + bracketed + 16
     ids = torch.randint(10, VOCAB, (batch, seq), generator=g)
@@ -108,8 +138,12 @@ def image_batch(family, batch=2, seed=1):
         out["pixel_values"] = torch.randn(batch * 16, 3 * 2 * 4 * 4, generator=g)
         out["image_grid_thw"] = torch.tensor([[1, 4, 4]] * batch)
         out["mm_token_type_ids"] = (ids == IMAGE).long()
+    elif family == "smolvlm":  # (batch, images per row, channels, height, width)
+        out["pixel_values"] = torch.randn(batch, 1, 3, 16, 16, generator=g)
     else:
         out["pixel_values"] = torch.randn(batch, 3, 16, 16, generator=g)
+        if family == "mistral3":  # each image's height and width in pixels
+            out["image_sizes"] = torch.tensor([[16, 16]] * batch)
         if family == "gemma3":  # image tokens attend to each other both ways in training
             out["token_type_ids"] = (ids == IMAGE).long()
     return out

@@ -1,21 +1,24 @@
 """Vision-language models through strata.torch against plain PyTorch (issue 52 item 3).
 
-Tiny Qwen2.5-VL, Qwen3-VL, Gemma 3 and LLaVA (torch_vlm_models: random weights, inputs built
-without a processor) train on image+text batches and text-only batches in turn, on the CPU
-through Strata's host backend, against plain PyTorch (torch.optim.AdamW) on the same seed and
-data. What streams is the language model's decoder layers (found by its get_decoder(), not by
-size); the vision tower and the projector are resident (docs/python-guide.md,
-"Vision-language models", says why), trained by st.AdamW's resident path.
+Tiny Qwen2.5-VL, Qwen3-VL, Gemma 3, LLaVA, SmolVLM and Mistral 3 (Pixtral) (torch_vlm_models:
+random weights, inputs built without a processor) train on image+text batches and text-only
+batches in turn, on the CPU through Strata's host backend, against plain PyTorch
+(torch.optim.AdamW) on the same seed and data. What streams is the language model's decoder
+layers (found by its get_decoder(), not by size); the vision tower and the projector are
+resident (docs/python-guide.md, "Vision-language models", says why), trained by st.AdamW's
+resident path.
 
 The tolerances: one backward pass's grads are bit-identical for every parameter (the streamed
 blocks' recompute runs the same ops on the same values); losses within 1e-6 relative step by
 step and parameters within 1e-6 (torch_parity_models' issue 12 tolerances: the optimizers
-round their updates in their own order), but for the attention keys of vision towers without
-rotary embeddings (SigLIP's, CLIP's), whose grads are mostly fp32 noise (softmax ignores a
-constant added to a query's scores) that AdamW divides by its own RMS, and what those keys
-feed: compared to 1e-4, as GPT-2's key bias is (torch_parity_models.KEY_BIAS_ATOL). With the
-chunked loss the order of the loss's sums changes: its own tolerance
-(test_torch_chunked_loss.py)."""
+round their updates in their own order; GPT-2's key-bias exception covers the CLIP key bias
+too), but for Gemma 3's vision tower: Gemma 3 initializes its projector to zero, so the
+tower's first grads are exactly zero and its first update driven by a grad is AdamW's
+second step, where each element moves by about lr x its grad's sign however small the grad is;
+elements whose grads are near fp32 rounding noise move by amounts that noise sets (measured:
+one element in a few of the tower's tensors, up to 3.7e-6); OUTLIERS elements per tensor may
+be off by up to OUTLIER_ATOL. With the chunked loss the order of the loss's sums changes: its
+own tolerance (test_torch_chunked_loss.py)."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -25,12 +28,13 @@ from strata.torch._surgery import find_blocks  # noqa: E402
 
 import torch_vlm_models as vlm  # noqa: E402
 from torch_parity_models import (  # noqa: E402
-    KEY_BIAS_ATOL, LR, WD, assert_grad_close, assert_losses_close, assert_state_close,
+    LR, WD, assert_grad_close, assert_losses_close, assert_state_close,
     deepcopy, snapshot, synchronize)
 
 transformers.logging.set_verbosity_error()
 
 STEPS = 4  # image+text, text, image+text, text
+OUTLIERS, OUTLIER_ATOL = 2, 1e-5  # Gemma 3's vision tower (the module docstring)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -57,16 +61,27 @@ def strata_run(offload, model, data, **kwargs):
 
 
 def assert_vlm_state_close(got, expected, model):
-    """assert_state_close, the vision tower's non-rotary attention keys and what they feed
-    (the tower's own parameters) within KEY_BIAS_ATOL (the module docstring says why)."""
+    """assert_state_close; of a tower whose projector starts at zero (ZERO_PROJECTOR), a few
+    elements of each of the tower's parameters within OUTLIER_ATOL (the module docstring says
+    why)."""
+    if vlm.family_of(model) not in vlm.ZERO_PROJECTOR:
+        assert_state_close(got, expected)
+        return
     tower = {id(p) for p in vlm.vision_tower(model).parameters()}
-    rotary = hasattr(vlm.vision_tower(model), "rotary_pos_emb")  # Qwen's towers rotate
-    loose = {n for n, p in model.named_parameters() if id(p) in tower} if not rotary else set()
+    loose = {n for n, p in model.named_parameters() if id(p) in tower}
     assert_state_close({k: v for k, v in got.items() if k not in loose},
                        {k: v for k, v in expected.items() if k not in loose})
     assert_state_close({k: v for k, v in got.items() if k in loose},
                        {k: v for k, v in expected.items() if k in loose},
-                       atol=KEY_BIAS_ATOL, rtol=0)
+                       outliers=OUTLIERS, outlier_atol=OUTLIER_ATOL)
+
+
+def decoder_layers(model):
+    """The names of the decoder's layers: the language model's, which transformers 5 calls
+    model.language_model (model.text_model in SmolVLM)."""
+    inner = model.model
+    name = "language_model" if hasattr(inner, "language_model") else "text_model"
+    return ["model.%s.layers.%d" % (name, i) for i in range(2)]
 
 
 def stream_names(model):
@@ -83,7 +98,7 @@ def test_image_and_text_batches_train_as_plain_pytorch(family, offload):
     model = deepcopy(base)
     got, got_state = strata_run(offload, model, data)
     assert expected[2] < expected[0]  # the oracle learns
-    assert stream_names(model) == ["model.language_model.layers.%d" % i for i in range(2)]
+    assert stream_names(model) == decoder_layers(base)
     assert_losses_close(got, expected)
     assert_vlm_state_close(got_state, expected_state, base)
 
@@ -99,13 +114,13 @@ def test_first_backward_grads_are_bit_identical(family, offload):
     st.AdamW(model.parameters(), lr=LR)
     model(**batch).loss.backward()
     got = dict(model.named_parameters())
-    tower = 0
+    tower, in_tower = 0, {id(p) for p in vlm.vision_tower(plain).parameters()}
     for name, p in plain.named_parameters():
         if p.grad is None:  # LLaVA: the vision tower's last layer (features from the -2nd)
             assert got[name].grad is None, name
             continue
         assert torch.equal(got[name].grad, p.grad), name
-        tower += name.startswith(("model.visual.", "model.vision_tower."))
+        tower += id(p) in in_tower
     assert tower > 0
 
 
