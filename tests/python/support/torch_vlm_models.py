@@ -7,9 +7,12 @@ the family's begin/end-of-image tokens where it has them), pixel tensors of the 
 vision tower takes (Qwen's flattened patches with image_grid_thw and mm_token_type_ids for the
 3-D multimodal rope; Gemma 3's and LLaVA's images with token_type_ids where Gemma 3 wants
 them), and labels with the prompt and the image tokens masked (-100), as supervised
-fine-tuning masks them. Text ids are drawn from 10 up, above every special token used."""
+fine-tuning masks them. Text ids are drawn from 10 up, above every special token used.
+Models and batches are on torch_parity_models.DEVICE."""
 import torch
 import transformers
+
+from torch_parity_models import DEVICE  # the CPU, or STRATA_PARITY_DEVICE's GPU
 
 VOCAB = 128
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -99,7 +102,7 @@ def build(family, seed=0, **sizes):
     torch.manual_seed(seed)
     model = getattr(transformers, MODEL_CLASSES[family])(_build_config(family, **sizes))
     model.train()
-    return model
+    return model.to(DEVICE)
 
 
 def family_of(model):
@@ -146,13 +149,13 @@ def image_batch(family, batch=2, seed=1):
             out["image_sizes"] = torch.tensor([[16, 16]] * batch)
         if family == "gemma3":  # image tokens attend to each other both ways in training
             out["token_type_ids"] = (ids == IMAGE).long()
-    return out
+    return {k: v.to(DEVICE) for k, v in out.items()}
 
 
 def text_batch(batch=2, seq=20, seed=2):
     """Text only (a VLM's batch without images): labels are the inputs."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(10, VOCAB, (batch, seq), generator=g)
+    ids = torch.randint(10, VOCAB, (batch, seq), generator=g).to(DEVICE)
     return dict(input_ids=ids, labels=ids.clone())
 
 
