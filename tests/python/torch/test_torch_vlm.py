@@ -214,9 +214,10 @@ def test_activation_checkpointing_enable(offload):
 @pytest.mark.parametrize("family", vlm.FAMILIES)
 def test_weights_from_a_saved_checkpoint(family, offload, tmp_path):
     """offload(weights=) of a model built on the meta device from the directory
-    save_pretrained wrote: transformers writes a vision-language model's keys in its
-    checkpoints' names (`language_model.model.layers.0...` for the module
-    `model.language_model.layers.0...`), which the load renames as from_pretrained does; the
+    save_pretrained wrote: transformers writes most vision-language models' keys in their
+    checkpoints' names (Gemma 3's, LLaVA's and Mistral 3's `language_model.model.layers.0...`,
+    Qwen2.5-VL's `model.layers.0...`, for the module `model.language_model.layers.0...`),
+    which the load renames as from_pretrained does; the
     buffers no config rebuilds (Gemma 3's embed_scale) come from the model's init. Every
     value equals the saved model's, and it trains as plain PyTorch on it."""
     base = vlm.build(family)
