@@ -237,3 +237,18 @@ def test_weights_from_a_saved_checkpoint(family, offload, tmp_path):
     synchronize(opt)
     assert_losses_close(got, expected)
     assert_vlm_state_close(snapshot(model), expected_state, base)
+
+
+@pytest.mark.parametrize("family", vlm.FAMILIES)
+def test_generate_with_an_image(family, offload):
+    """generate() on an image and a prompt, greedy, with a KV cache: the streamed blocks run
+    under no_grad on weights copied from DRAM; the tokens are plain PyTorch's."""
+    base = vlm.build(family).eval()
+    batch = {k: v for k, v in vlm.image_batch(family).items() if k != "labels"}
+    for key in ("input_ids", "mm_token_type_ids", "token_type_ids"):  # the prompt: the image
+        if key in batch:                                               # and 6 text tokens
+            batch[key] = batch[key][:, :-10]
+    expected = base.generate(**batch, max_new_tokens=5, do_sample=False)
+    model = offload(deepcopy(base))
+    st.AdamW(model.parameters(), lr=LR)
+    assert torch.equal(model.generate(**batch, max_new_tokens=5, do_sample=False), expected)
