@@ -512,3 +512,58 @@ def test_a_logged_loss_without_backward_does_not_keep_the_optimizer_out(offload)
         for block in m.model.layers:
             block.requires_grad_(True)
     assert_trains_like(plain, model, data)
+
+
+class _Scaled(torch.nn.Embedding):
+    """An embedding with a non-persistent buffer computed at construction and no config to
+    rebuild it from (as Gemma 3's scaled embedding)."""
+
+    def __init__(self):
+        super().__init__(8, 4)
+        self.register_buffer("scale", torch.tensor(2.0), persistent=False)
+
+
+def test_meta_buffers_without_a_config_come_from_the_init():
+    """rebuild_meta_buffers: the model's init fills them (its writes to the module's
+    parameters land on meta stand-ins: the values stay); an init that does not write them is
+    refused, naming the buffer and the module, and leaves them on meta."""
+    from strata.torch._surgery import rebuild_meta_buffers, swap_data
+    with torch.device("meta"):
+        module = _Scaled()
+    weight = torch.randn(8, 4)
+    swap_data(module.weight, weight.clone())  # loaded, as offload(weights=) loads it
+
+    def init(m):
+        torch.nn.init.normal_(m.weight)  # would overwrite a loaded value
+        with torch.no_grad():
+            m.scale.fill_(2.0)
+
+    rebuild_meta_buffers(module, torch.device("cpu"), init)
+    assert torch.equal(module.scale, torch.tensor(2.0))
+    assert torch.equal(module.weight, weight) and not module.weight.is_meta
+    with torch.device("meta"):
+        other = _Scaled()
+    with pytest.raises(ValueError, match=r"buffer\(s\) \['scale'\] of _Scaled are on the meta "
+                                         r"device and cannot be recomputed"):
+        rebuild_meta_buffers(other, torch.device("cpu"), lambda m: None)
+    assert other.scale.is_meta
+
+
+def test_a_meta_gemma3_loads_its_checkpoint(offload, tmp_path):
+    """Gemma 3's embed_scale (a non-persistent buffer of a module without a config) on a
+    model built on the meta device and loaded with weights=: the saved model's values."""
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8)
+    torch.manual_seed(0)
+    base = transformers.Gemma3ForCausalLM(cfg).train().to(DEVICE)
+    base.save_pretrained(str(tmp_path))
+    with torch.device("meta"):
+        meta = transformers.Gemma3ForCausalLM(cfg).train()
+    model = offload(meta, weights=str(tmp_path), chunked_loss=False)
+    st.AdamW(model.parameters(), lr=LR)
+    assert_state_close(snapshot(model), snapshot(base), exact=True)
+    scale = model.model.embed_tokens.embed_scale
+    assert torch.equal(scale, base.model.embed_tokens.embed_scale)
+    ids = batches(1)[0]
+    assert torch.equal(model(ids).logits, base(ids).logits)

@@ -228,6 +228,41 @@ def test_sharegpt_and_alpaca_rows(tokenizer):
     assert "### Response:" in plain.decode(row["input_ids"])
 
 
+def test_image_messages_are_refused(tokenizer):
+    """transformers' and OpenAI's multimodal messages: a content part that is not text is
+    refused by name; a content of text parts only is not."""
+    for part in ({"type": "image", "url": "cat.png"}, {"type": "video", "path": "v.mp4"},
+                 {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}):
+        row = {"messages": [{"role": "user", "content": [part, {"type": "text",
+                                                                "text": "What is it?"}]},
+                            {"role": "assistant", "content": "A cat."}]}
+        with pytest.raises(config.UsageError,
+                           match="text only: a user message has a content part of type '%s'"
+                                 % part["type"]):
+            data.Encoder(tokenizer, "chat")(row)
+    text_parts = [{"role": "user", "content": [{"type": "text", "text": "What is 2 + 3?"}]},
+                  {"role": "assistant", "content": "2 + 3 = 5."}]
+    assert data.messages_of({"messages": text_parts}) == text_parts
+
+
+def test_a_vision_language_checkpoint_is_refused(tmp_path, capsys, checkpoint):
+    """Qwen2.5-VL's config (AutoModelForCausalLM has no class for it): refused by name, before
+    any weight loads."""
+    vlm = tmp_path / "vlm"
+    transformers.Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2),
+        vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2),
+        architectures=["Qwen2_5_VLForConditionalGeneration"]).save_pretrained(str(vlm))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": conversation()}) + "\n")
+    argv = ["--model", vlm, "--tokenizer", checkpoint, "--data", chat,
+            "--output", tmp_path / "out"] + FAST
+    assert run(argv) == 2
+    assert "a qwen2_5_vl model, which transformers' AutoModelForCausalLM does not build " \
+        "(architectures: Qwen2_5_VLForConditionalGeneration)" in capsys.readouterr().err
+
+
 def test_text_rows_are_packed(tmp_path, tokenizer):
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"text": "one two three four %d" % i}) + "\n"
@@ -299,7 +334,11 @@ def test_bad_input_is_named(tmp_path, capsys, checkpoint):
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps({"instruction": "q", "output": "a"}) + "\n" +
                       json.dumps({"instruction": "q", "output": None}) + "\n")
+    images = tmp_path / "images.jsonl"
+    images.write_text(json.dumps({"messages": conversation(), "images": ["cat.png"]}) + "\n")
     cases = [
+        (["--model", checkpoint, "--data", images],
+         "strata-train trains on text only: --data has the column `images`"),
         (["--data", tmp_path / "missing.jsonl"], "--data: no such file: .*missing.jsonl"),
         (["--data", no_fields], r"cannot tell the format from the columns \['answer', "
                                 r"'question'\]"),

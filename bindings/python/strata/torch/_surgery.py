@@ -9,26 +9,69 @@ from torch import nn
 from . import _params
 
 
+# Where models keep their repeated blocks, relative to the model or to its decoder.
+_BLOCK_PATHS = ("model.layers", "transformer.h", "gpt_neox.layers", "layers", "blocks", "h")
+
+
 def find_blocks(model):
     """The model's repeated blocks: Hugging Face decoders keep them in model.model.layers (or
-    transformer.h for GPT-2 style models); otherwise the largest nn.ModuleList of one type."""
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "layers", "blocks", "h"):
-        obj = model
+    transformer.h for GPT-2 style models); a model holding a decoder beside other stacks (a
+    vision-language model: its vision tower's blocks and its language model's layers) streams
+    its decoder's, the module its get_decoder() names, whatever their sizes (a small language
+    model beside a larger vision tower too; the vision tower stays resident:
+    docs/python-guide.md, "Vision-language models"); otherwise the largest nn.ModuleList of
+    one type."""
+    decoder = _decoder(model)
+    for root in (model, decoder):
+        found = _at_known_path(root) if root is not None else None
+        if found is not None:
+            return found
+    best = _largest_list(decoder) if decoder is not None else None
+    best = best if best is not None else _largest_list(model)
+    if best is None:
+        raise ValueError("strata.torch.offload: the model has no list of repeated blocks "
+                         "(nn.ModuleList) to stream")
+    return best
+
+
+def _decoder(model):
+    """The module the model names its decoder (transformers' get_decoder(): a
+    vision-language model's language model), where it is a part of the model; else None."""
+    get = getattr(model, "get_decoder", None)
+    if not callable(get):
+        return None
+    try:
+        decoder = get()
+    except (AttributeError, NotImplementedError):  # transformers: "best-effort", may raise
+        return None
+    if not isinstance(decoder, nn.Module) or decoder is model or \
+            not any(decoder is m for m in model.modules()):
+        return None
+    return decoder
+
+
+def _at_known_path(root):
+    """The first non-empty nn.ModuleList at one of _BLOCK_PATHS under `root`, or None."""
+    for path in _BLOCK_PATHS:
+        obj = root
         for part in path.split("."):
             obj = getattr(obj, part, None)
             if obj is None:
                 break
         if isinstance(obj, nn.ModuleList) and len(obj) > 0:
             return obj
-    best = None
-    for m in model.modules():
+    return None
+
+
+def _largest_list(root):
+    """The nn.ModuleList of several modules of one type under `root` with the most parameters,
+    or None."""
+    best, best_size = None, -1
+    for m in root.modules():
         if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1:
-            if best is None or sum(p.numel() for p in m.parameters()) > \
-                    sum(p.numel() for p in best.parameters()):
-                best = m
-    if best is None:
-        raise ValueError("strata.torch.offload: the model has no list of repeated blocks "
-                         "(nn.ModuleList) to stream")
+            size = sum(p.numel() for p in m.parameters())
+            if size > best_size:
+                best, best_size = m, size
     return best
 
 
@@ -84,10 +127,12 @@ def swap_data(p, data):
     p.__dict__.update(attrs)
 
 
-def rebuild_meta_buffers(module, device):
+def rebuild_meta_buffers(module, device, init=None):
     """Buffers still on the meta device after materializing (non-persistent ones computed in
     __init__, such as rotary inverse frequencies, which neither to_empty nor _init_weights
-    fill): computed again by building the module anew from its config on the CPU."""
+    fill): computed again by building the module anew from its config on the CPU; a module
+    without a config (Gemma 3's scaled embedding and its embed_scale) by the model's init
+    function `init` where it fills them (_init_buffers)."""
     meta = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
     if not meta:
         return
@@ -102,11 +147,40 @@ def rebuild_meta_buffers(module, device):
                 except TypeError:
                     continue
     if fresh is None:
+        if init is not None and _init_buffers(module, meta, device, init):
+            return
         raise ValueError("strata.torch.offload: buffer(s) %s of %s are on the meta device and "
-                         "cannot be recomputed (the module has no config to rebuild it from); "
-                         "build the model with real buffers" % (meta, type(module).__name__))
+                         "cannot be recomputed (the module has no config to rebuild it from, "
+                         "and the model's init does not fill them); build the model with real "
+                         "buffers" % (meta, type(module).__name__))
     for name in meta:
         module._buffers[name] = getattr(fresh, name).to(device)
+
+
+def _init_buffers(module, names, device, init):
+    """The meta buffers `names` of `module` given storage on `device` and filled by the model's
+    init function (transformers 5's _init_weights fills non-persistent buffers: Gemma 3's
+    embed_scale, rotary frequencies). The module's parameters, which hold their values already,
+    are stood in for by meta copies during the call (an init writing them writes nothing).
+    Whether the init wrote a buffer is told by its version counter (in-place writes move it).
+    True where it filled all of them; else the buffers are left on meta."""
+    before = {n: module._buffers[n] for n in names}
+    for n in names:
+        module._buffers[n] = torch.empty(before[n].shape, dtype=before[n].dtype, device=device)
+    versions = {n: module._buffers[n]._version for n in names}
+    params = dict(module._parameters)
+    try:
+        for n, p in params.items():
+            if p is not None:
+                module._parameters[n] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                                     p.requires_grad)
+        init(module)
+    finally:
+        module._parameters.update(params)
+    if all(module._buffers[n]._version != versions[n] for n in names):
+        return True
+    module._buffers.update(before)
+    return False
 
 
 def blocks_around(model, blocks):
@@ -155,4 +229,4 @@ def materialize(module, device, init, recurse=True):
             for m, name, values in loaded_buffers:
                 m._buffers[name] = values.to(m._buffers[name].device)
     for m in modules:
-        rebuild_meta_buffers(m, device)
+        rebuild_meta_buffers(m, device, init)

@@ -7,8 +7,13 @@ at most two groups of tensors, never the model, and nothing is initialized only 
 overwritten.
 
 A Hugging Face checkpoint directory works as it is: model.safetensors, or the shards that
-model.safetensors.index.json lists. Names are the model's state_dict names; a tied parameter
-(an output head sharing the embedding) needs one of its names in the file."""
+model.safetensors.index.json lists. Names are the model's state_dict names, or for a
+transformers model the names its checkpoints use where transformers renames them on loading
+(its conversion mapping's renamings, as from_pretrained applies them: a vision-language
+model's checkpoint says `language_model.model.layers.0...` where the module is
+`model.language_model.layers.0...`); its tensor conversions (fused or split tensors) are not
+renamings and are not applied. A tied parameter (an output head sharing the embedding) needs
+one of its names in the file."""
 
 import json
 import os
@@ -44,6 +49,7 @@ class SafetensorsWeights:
         self.path = path
         self._files = []
         self._where = {}
+        self._file_key = {}  # a model's name -> the file's key, where they differ (renamed)
         try:
             for name in files:
                 handle = safe_open(name, framework="pt", device="cpu")
@@ -61,6 +67,14 @@ class SafetensorsWeights:
                 exit_(None, None, None)
         self._files = []
 
+    def adopt_renamings(self, model):
+        """The model's names for the file's keys that transformers renames on loading
+        (_renamings) find those tensors too."""
+        for name, key in _renamings(model, list(self._where)).items():
+            if name not in self._where:
+                self._where[name] = self._where[key]
+                self._file_key[name] = key
+
     def find(self, names):
         """The first of `names` the checkpoint has, or None."""
         for name in names:
@@ -69,7 +83,7 @@ class SafetensorsWeights:
         return None
 
     def shape(self, name):
-        return tuple(self._where[name].get_slice(name).get_shape())
+        return tuple(self._where[name].get_slice(self._file_key.get(name, name)).get_shape())
 
     def tensor(self, names):
         """The values of the first of `names` the checkpoint has (a CPU tensor over the file's
@@ -77,7 +91,37 @@ class SafetensorsWeights:
         name = self.find(names)
         if name is None:
             raise KeyError("none of %s is in %s" % (list(names), self.path))
-        return self._where[name].get_tensor(name)
+        return self._where[name].get_tensor(self._file_key.get(name, name))
+
+
+def _renamings(model, keys):
+    """{the model's name: the file's key} for the checkpoint `keys` that transformers renames
+    to another of the model's state_dict names when from_pretrained loads them (the model's
+    conversion mapping: its WeightRenamings, the base model's prefix added or dropped); keys a
+    WeightConverter transforms (fused or split tensors) are left out. Empty for a model that
+    is not a transformers one, or a transformers without conversion mappings."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (WeightConverter, WeightRenaming,
+                                                     rename_source_key)
+    except ImportError:
+        return {}
+    if not isinstance(model, PreTrainedModel):
+        return {}
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    names = dict.fromkeys(model.state_dict(), True)
+    found = {}
+    for key in keys:
+        if key in names:
+            continue
+        name, converted = rename_source_key(key, renamings, converters,
+                                            model.base_model_prefix, names)
+        if converted is None and name != key and name in names:
+            found[name] = key
+    return found
 
 
 def check_covers(weights, model):

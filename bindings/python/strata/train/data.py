@@ -8,6 +8,12 @@ Formats, found from the columns when --format is auto:
   the chat template; Alpaca's own prompt where the tokenizer has no template)
 - text: `text`, every token trained, always packed.
 
+Text only: rows with images or videos (an `images`/`image`/`videos`/`video` column, or a message
+whose content holds an image or video entry) are refused, naming what was found
+(refuse_media): a vision-language model's image+text batches need its processor's pixel
+tensors beside the ids, which this command does not build; strata.torch trains them from
+Python (docs/python-guide.md, "Vision-language models").
+
 The completion tokens of a chat are those of the assistant turns. Where the chat template
 marks them ({% generation %}), transformers' apply_chat_template(return_assistant_tokens_mask)
 says which they are; other templates are rendered up to each assistant turn with
@@ -65,9 +71,22 @@ def _extension(path):
     return os.path.splitext(path)[1].lower() if os.path.isfile(path) or "." in path else ""
 
 
+MEDIA_COLUMNS = ("image", "images", "video", "videos")
+MEDIA_REFUSAL = ("strata-train trains on text only: %s; images and videos need the model's "
+                 "processor and pixel tensors beside the ids, which this command does not "
+                 "build. Train a vision-language model on image+text batches through "
+                 "strata.torch in Python (docs/python-guide.md, \"Vision-language models\"), "
+                 "or drop the media for text-only data")
+
+
 def detect_format(columns, requested, what="--data"):
-    """The format of rows with `columns`, checked against --format."""
+    """The format of rows with `columns`, checked against --format; data with images or videos
+    refused (MEDIA_REFUSAL)."""
     columns = set(columns)
+    media = sorted(columns & set(MEDIA_COLUMNS))
+    if media:
+        raise UsageError(MEDIA_REFUSAL % ("%s has the column%s %s" % (
+            what, "s" if len(media) > 1 else "", ", ".join("`%s`" % c for c in media))))
     found = ("chat" if columns & {"messages", "conversations"} else
              "alpaca" if {"instruction", "output"} <= columns else
              "text" if "text" in columns else None)
@@ -91,15 +110,30 @@ def detect_format(columns, requested, what="--data"):
 def messages_of(row):
     """A chat row's messages as [{"role", "content"}] (ShareGPT's from/value mapped)."""
     if row.get("messages") is not None:
-        return [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
-    out = []
-    for m in row["conversations"]:
-        role = SHAREGPT_ROLES.get(m.get("from"))
-        if role is None:
-            raise UsageError("a ShareGPT turn has from=%r; expected one of %s"
-                             % (m.get("from"), ", ".join(sorted(SHAREGPT_ROLES))))
-        out.append({"role": role, "content": m["value"]})
+        out = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    else:
+        out = []
+        for m in row["conversations"]:
+            role = SHAREGPT_ROLES.get(m.get("from"))
+            if role is None:
+                raise UsageError("a ShareGPT turn has from=%r; expected one of %s"
+                                 % (m.get("from"), ", ".join(sorted(SHAREGPT_ROLES))))
+            out.append({"role": role, "content": m["value"]})
+    for m in out:
+        refuse_media(m)
     return out
+
+
+def refuse_media(message):
+    """A message whose content is a list of parts (transformers' and OpenAI's multimodal form)
+    with an image or video part is refused (MEDIA_REFUSAL); text parts pass."""
+    if not isinstance(message["content"], (list, tuple)):
+        return
+    for part in message["content"]:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise UsageError(MEDIA_REFUSAL % ("a %s message has a content part of type %r"
+                                              % (message["role"], kind)))
 
 
 class Encoder:

@@ -134,12 +134,14 @@ def run(options):
     lead = place.rank == 0
     try:
         directory = model_setup.resolve(options.model)
+        model_config = model_setup.load_config(options, directory)  # refused before the data
         tokenizer = model_setup.load_tokenizer(options.tokenizer or directory)
         train_rows, eval_rows, fmt = prepare_data(options, tokenizer, place.world)
         batches = data.Batches(train_rows, options.micro_batch, options.seed, place.rank,
                                place.world, tokenizer.pad_token_id)
         steps = total_steps(options, batches)
-        model = model_setup.build(options, directory, device, place.world > 1)
+        model = model_setup.build(options, directory, model_config, device,
+                                  place.world > 1)
         opt = model_setup.optimizer(options, model)
         sched = model_setup.scheduler(options, opt, steps)
         step = 0

@@ -62,15 +62,24 @@ def dtype_of(options, device):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def build(options, directory, device, data_parallel):
-    """The offloaded model (fp32 masters, the compute dtype on the device)."""
-    import strata.torch as st
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_config(options, directory):
+    """The checkpoint's config, refused where AutoModelForCausalLM has no class for it
+    (refuse_non_causal)."""
+    from transformers import AutoConfig
     try:
         config = AutoConfig.from_pretrained(directory)
     except Exception as e:
         raise UsageError("--model %s: no usable config.json (%s: %s)"
                          % (options.model, type(e).__name__, e)) from None
+    refuse_non_causal(options, config)
+    return config
+
+
+def build(options, directory, config, device, data_parallel):
+    """The offloaded model (fp32 masters, the compute dtype on the device) of `config`
+    (load_config's)."""
+    import strata.torch as st
+    from transformers import AutoModelForCausalLM
     weights = weights_of(directory)
     torch.manual_seed(options.seed)
     if weights is not None and data_parallel:
@@ -88,6 +97,20 @@ def build(options, directory, device, data_parallel):
         host_budget=int(options.host_budget * gib) if options.host_budget else None,
         nvme=options.nvme)
     return model
+
+
+def refuse_non_causal(options, config):
+    """A checkpoint AutoModelForCausalLM does not build (most vision-language models: their
+    classes are image-text-to-text ones) is refused by name before anything loads."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return
+    raise UsageError(
+        "--model %s: a %s model, which transformers' AutoModelForCausalLM does not build "
+        "(architectures: %s); strata-train trains causal LMs on text. A vision-language model "
+        "trains through strata.torch in Python (docs/python-guide.md, \"Vision-language "
+        "models\")" % (options.model, config.model_type,
+                        ", ".join(getattr(config, "architectures", None) or ["?"])))
 
 
 def optimizer(options, model):

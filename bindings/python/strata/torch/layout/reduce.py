@@ -120,8 +120,18 @@ class GradReducer:
         hold an earlier pass's average (accumulation); the average of that plus this pass's
         local grad is still the average of both passes, as with DDP."""
         what = "averaging the resident parameters' grads"
-        works = [self.mesh.average_all(p.grad, what) for p in self.residents
-                 if p.grad is not None]
+        # The ranks agree first on which parameters have a grad: one whose forward skipped a
+        # module (a batch without images never runs a vision tower) has none where another
+        # has, and the averages must pair up (each rank reducing only its own grads would
+        # mismatch the collectives). A rank without one adds zeros, as DDP counts an unused
+        # parameter, so every replica takes the same average and stays in sync.
+        graded = self.mesh.sum_all([float(p.grad is not None) for p in self.residents],
+                                   "agreeing on the resident parameters with grads")
+        for p, count in zip(self.residents, graded):
+            if count and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        works = [self.mesh.average_all(p.grad, what) for p, count in zip(self.residents, graded)
+                 if count]
         for work in works:
             self.mesh.wait(work, what)
 

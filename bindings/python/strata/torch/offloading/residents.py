@@ -43,7 +43,7 @@ def move_residents(model, session, request, plan, rollback):
                 if _params.fp32(p) is not None:
                     _params.note_fp32_version(p)
                     session.kept_fp32.append(p)
-            _surgery.rebuild_meta_buffers(m, device)
+            _surgery.rebuild_meta_buffers(m, device, session.init)
             for name, b in list(m.named_buffers(recurse=False)):
                 m._buffers[name] = b.to(device)
     finally:

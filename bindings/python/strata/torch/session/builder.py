@@ -131,7 +131,7 @@ class Builder:
         else:  # only the buffers: the parameters' values go from the file to the arena
             for m in block.modules():
                 load_buffers(m, s.device, *source)
-                _surgery.rebuild_meta_buffers(m, s.device)
+                _surgery.rebuild_meta_buffers(m, s.device, s.init)
         t = s.timed("init", t)
         read = None
         if reads is not None:
