@@ -86,28 +86,18 @@ def test_a_parked_expert_block_is_measured(name, implementation):
     assert measure(block, args, kwargs, torch.device(DEVICE), params) == parked
 
 
-def router_steps(model, opt, data):
-    """The ordinary loop with the router's loss on: (losses, auxiliary losses) per step."""
-    losses, aux = [], []
+def steps(model, opt, data, aux=None):
+    """The ordinary loop: the losses per step (and each step's auxiliary loss appended to
+    `aux`, a list, where given: the router's loss on)."""
+    losses = []
     for ids in data:
         out = model(ids, labels=ids)
         out.loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(out.loss.item())
-        aux.append(out.aux_loss.item())
-    return losses, aux
-
-
-def plain_steps(model, data):
-    """Plain PyTorch's loop without the router's loss: the losses per step."""
-    opt, losses = plain_adamw(model.parameters()), []
-    for ids in data:
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        if aux is not None:
+            aux.append(out.aux_loss.item())
     return losses
 
 
@@ -128,13 +118,14 @@ def test_router_aux_loss_trains_as_plain_pytorch(name, resident, offload):
     base = moe_model(name, output_router_logits=True, router_aux_loss_coef=0.5)
     data = batches(4)
     plain = deepcopy(base)
-    expected, expected_aux = router_steps(plain, plain_adamw(plain.parameters()), data)
+    expected_aux, got_aux = [], []
+    expected = steps(plain, plain_adamw(plain.parameters()), data, expected_aux)
     model = offload(deepcopy(base), resident_blocks=resident, chunked_loss=8)
     heads = []
     model.get_output_embeddings().register_forward_hook(
         lambda m, a, out: heads.append(out.shape[1]))
     opt = strata_adamw(model)
-    got, got_aux = router_steps(model, opt, data)
+    got = steps(model, opt, data, got_aux)
     synchronize(opt)
     assert heads and set(heads) == {0}  # chunked: no whole logits
     assert_losses_close(got, expected)
@@ -148,7 +139,7 @@ def test_router_aux_loss_trains_as_plain_pytorch(name, resident, offload):
     # The auxiliary loss is in the total: without it the first loss is 0.5 x aux_loss less.
     unrouted = deepcopy(base)
     unrouted.config.output_router_logits = False
-    losses = plain_steps(unrouted, data)
+    losses = steps(unrouted, plain_adamw(unrouted.parameters()), data)
     assert abs(losses[0] + 0.5 * expected_aux[0] - expected[0]) <= 1e-5 * abs(expected[0])
     assert 0.5 * expected_aux[0] > 1e-3
 
@@ -181,17 +172,11 @@ def test_each_experts_implementation_trains_as_plain_pytorch(implementation, off
     base = moe_model("qwen3_moe", experts_implementation=implementation)
     data = batches(3)
     plain = deepcopy(base)
-    expected = plain_steps(plain, data)
+    expected = steps(plain, plain_adamw(plain.parameters()), data)
     model = offload(deepcopy(base))
     assert model.config._experts_implementation == implementation
     opt = strata_adamw(model)
-    got = []
-    for ids in data:
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        got.append(loss.item())
+    got = steps(model, opt, data)
     synchronize(opt)
     assert_losses_close(got, expected)
     assert_state_close(snapshot(model), snapshot(plain))
