@@ -108,19 +108,25 @@ def strata_adamw(model):
                     weight_decay=defaults["weight_decay"])
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["recomputed", "kept"])
 @pytest.mark.parametrize("resident", [0, 1])
 @pytest.mark.parametrize("name", ROUTED)
-def test_router_aux_loss_trains_as_plain_pytorch(name, resident, offload):
+def test_router_aux_loss_trains_as_plain_pytorch(name, resident, kept, offload):
     """output_router_logits=True with router_aux_loss_coef: through strata.torch, its chunked
     loss on (8 tokens a chunk: the head never computes the whole logits), blocks streamed or
-    one resident, the total loss, the auxiliary loss and every parameter after four AdamW
-    steps are plain PyTorch's; the auxiliary loss is in the total."""
+    one resident, recomputed or keeping their costly ops' outputs (the activation keeper's
+    selective mode, forced: on a GPU it is measured), the total loss, the auxiliary loss and
+    every parameter after four AdamW steps are plain PyTorch's; the auxiliary loss is in the
+    total."""
     base = moe_model(name, output_router_logits=True, router_aux_loss_coef=0.5)
     data = batches(4)
     plain = deepcopy(base)
     expected_aux, got_aux = [], []
     expected = steps(plain, plain_adamw(plain.parameters()), data, expected_aux)
     model = offload(deepcopy(base), resident_blocks=resident, chunked_loss=8)
+    if kept:
+        model.strata.activations.forced_streamed = len(model.strata.blocks)  # the streamed
+        model.strata.activations.forced = len(model.strata.resident_blocks)
     heads = []
     model.get_output_embeddings().register_forward_hook(
         lambda m, a, out: heads.append(out.shape[1]))

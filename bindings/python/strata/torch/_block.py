@@ -104,7 +104,8 @@ class StreamedBlockFunction(torch.autograd.Function):
                 out = run(*args, **kwargs)
             else:
                 out = _kept_forward(run, args, kwargs, contexts[0])
-            recorded = captures.taken()
+            # Detached: a kept forward ran with grad, and its graph is not the one used.
+            recorded = [t.detach() for t in captures.taken()]
         except BaseException as e:
             session.abort()
             note_memory(session, e)
