@@ -124,13 +124,20 @@ def fast_init(module):
         if "norm" in type(module).__name__.lower():
             local.fill_(1.0)
         elif isinstance(module, (nn.Linear, nn.Embedding)):
-            key = (local.device, local.dtype)
-            if key not in _TILE:
-                g = torch.Generator().manual_seed(0)
-                _TILE[key] = (torch.randn(1_000_003, generator=g) * 0.02).to(*key)
-            tile, flat, pos = _TILE[key], local.view(-1), 0
-            while pos < flat.numel():
-                k = (start + pos) % tile.numel()
-                n = min(tile.numel() - k, flat.numel() - pos)
-                flat[pos:pos + n].copy_(tile[k:k + n])
-                pos += n
+            fill_tiled(local, start)
+
+
+def fill_tiled(tensor, start=0):
+    """fast_init's values into `tensor` (contiguous, under no_grad): element k is element
+    (start + k) mod 1,000,003 of one seeded tile of normal values (std 0.02)."""
+    import torch
+    key = (tensor.device, tensor.dtype)
+    if key not in _TILE:
+        g = torch.Generator().manual_seed(0)
+        _TILE[key] = (torch.randn(1_000_003, generator=g) * 0.02).to(*key)
+    tile, flat, pos = _TILE[key], tensor.view(-1), 0
+    while pos < flat.numel():
+        k = (start + pos) % tile.numel()
+        n = min(tile.numel() - k, flat.numel() - pos)
+        flat[pos:pos + n].copy_(tile[k:k + n])
+        pos += n

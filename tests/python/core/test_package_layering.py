@@ -31,6 +31,7 @@ MODULE_ORDER = [
     "strata.torch._surgery",  # model surgery: blocks, shared parameters, meta modules, swap
     "strata.torch._weights",  # offload(weights=): a safetensors checkpoint as the source
     "strata.torch._replay",  # a block's forward state replayed for its recompute
+    "strata.torch._captured",  # what Hugging Face records inside a streamed block, with grad
     "strata.torch._agreement",  # DataParallelError; EveryRank: a set-up step's outcome agreed
     "strata.torch._distributed",  # DataParallel, Mesh (collectives), chunk sizes
     "strata.torch._grads",  # StreamedGrad

@@ -37,6 +37,44 @@ class CPUMasterConfig:
 '''
 
 
+# A CPUMasterModel whose training is the Hugging Face model's own on the CPU (forward_and_backward
+# / get_parameters / _sync_params_to_gpu / zero_grad / cleanup, the sdpa mask patch's
+# _layer_attention_mask): what a bench reports of the peer must then be that model's training
+# (test_train_bench.py, test_moe_bench.py).
+PLAIN_TRAINING = """
+        class CPUMasterModel:
+            def __init__(self, hf_model, config):
+                assert config.attn_implementation == "sdpa"
+                self.hf, self.config = hf_model, config
+
+            @staticmethod
+            def _layer_attention_mask(mask, attn_implementation, dtype):
+                return None
+
+            def forward_and_backward(self, input_ids, attention_mask, labels):
+                assert bool(attention_mask.all()) and input_ids.shape == (
+                    self.config.batch_size, self.config.max_seq_len)
+                loss = self.hf(input_ids, labels=labels).loss
+                loss.backward()
+                return loss.item(), input_ids.numel(), {"forward": 0.5, "backward": 1.5,
+                                                        "total": 2.0}
+
+            def get_parameters(self):
+                return list(self.hf.parameters())
+
+            def _sync_params_to_gpu(self):
+                pass
+
+            def zero_grad(self):
+                for p in self.hf.parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
+
+            def cleanup(self):
+                pass
+        """
+
+
 def write(root, model):
     """The package under `root` (a pathlib.Path: root/infinity/...), its CPUMasterModel
     `model` (a class's source, at any indentation: dedented)."""

@@ -20,43 +20,9 @@ import megatrain_stub  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 BENCH = ROOT / "bench" / "train_bench.py"
 
-# MegaTrain's API as bench/megatrain_peer.py drives it (megatrain_stub's package and
-# CPUMasterConfig; here CPUMasterModel with forward_and_backward / get_parameters /
-# _sync_params_to_gpu / zero_grad / cleanup, the sdpa mask patch's _layer_attention_mask), the
-# training itself done by the Hugging Face model on the CPU: what train_bench reports must then
-# be that model's training.
-FAKE_MODEL = """
-        class CPUMasterModel:
-            def __init__(self, hf_model, config):
-                assert config.attn_implementation == "sdpa"
-                self.hf, self.config = hf_model, config
-
-            @staticmethod
-            def _layer_attention_mask(mask, attn_implementation, dtype):
-                return None
-
-            def forward_and_backward(self, input_ids, attention_mask, labels):
-                assert bool(attention_mask.all()) and input_ids.shape == (
-                    self.config.batch_size, self.config.max_seq_len)
-                loss = self.hf(input_ids, labels=labels).loss
-                loss.backward()
-                return loss.item(), input_ids.numel(), {"forward": 0.5, "backward": 1.5,
-                                                        "total": 2.0}
-
-            def get_parameters(self):
-                return list(self.hf.parameters())
-
-            def _sync_params_to_gpu(self):
-                pass
-
-            def zero_grad(self):
-                for p in self.hf.parameters():
-                    if p.grad is not None:
-                        p.grad.zero_()
-
-            def cleanup(self):
-                pass
-        """
+# MegaTrain's API as bench/megatrain_peer.py drives it, its training the Hugging Face model's
+# own on the CPU (megatrain_stub.PLAIN_TRAINING).
+FAKE_MODEL = megatrain_stub.PLAIN_TRAINING
 
 COMMON = ["--models", "tiny", "--device", "cpu", "--batch", "4", "--seq", "32", "--steps", "2",
           "--warmup", "0", "--clip", "1.0"]

@@ -20,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import BACKWARD, FORWARD
+from ._captured import Captures, is_recording_hook
 from ._replay import ForwardState, without_caches
 from ._regenerate import rerun_for
 from ._spill import _inside_checkpoint, hidden_of
@@ -97,10 +98,14 @@ class StreamedBlockFunction(torch.autograd.Function):
                 args, kwargs = tree_unflatten(
                     leaves if contexts is None else [_detached(x) for x in leaves], spec)
             state = ForwardState(session.blocks[index])
+            captures = Captures()  # what Hugging Face records inside the block (_captured)
+            captures.begin()
             if contexts is None:
                 out = run(*args, **kwargs)
             else:
                 out = _kept_forward(run, args, kwargs, contexts[0])
+            # Detached: a kept forward ran with grad, and its graph is not the one used.
+            recorded = [t.detach() for t in captures.taken()]
         except BaseException as e:
             session.abort()
             note_memory(session, e)
@@ -109,8 +114,10 @@ class StreamedBlockFunction(torch.autograd.Function):
         session.end(index, FORWARD)
         out_leaves, out_spec = tree_flatten(out)
         out_positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
-        box.append((out_leaves, out_spec, out_positions))
+        box.append((out_leaves, out_spec, out_positions, captures))
         ctx.session, ctx.index, ctx.run, ctx.state = session, index, run, state
+        ctx.captures = captures
+        ctx.mark_non_differentiable(*[t for t in recorded if not t.is_floating_point()])
         # The tensors are saved (or spilled, or regenerated) through save_for_backward alone:
         # the leaves kept for the recompute hold None in their place, or they would keep every
         # block's input on the device whatever the checkpoint plan sent elsewhere.
@@ -125,7 +132,7 @@ class StreamedBlockFunction(torch.autograd.Function):
                               hidden_of(*tree_unflatten(leaves, spec)), out_leaves, state)
             session.spill.forward_done(at, rerun, None if rerun is None else
                                        out_leaves[rerun.out_at])
-        return tuple(out_leaves[i] for i in out_positions)
+        return tuple(out_leaves[i] for i in out_positions) + tuple(recorded)
 
     @staticmethod
     def backward(ctx, *grad_outs):
@@ -216,12 +223,15 @@ def _recompute_grads(ctx, grad_outs, params, accumulate):
         torch.set_rng_state(ctx.cpu_rng)
         if session.cuda:
             torch.cuda.set_rng_state(ctx.device_rng, session.device)
+        recorded = []  # what Hugging Face records inside the block, again (_captured)
         with torch.enable_grad(), _autocast(session.device.type, ctx.autocast), \
-                cached if cached is not None else contextlib.nullcontext():
+                cached if cached is not None else contextlib.nullcontext(), \
+                ctx.captures.again(recorded):
             out = ctx.run(*args, **kwargs)
     out_tensors = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
     _refuse_grads_left_behind(session, ctx.index, attributes, (args, kwargs),
-                              inputs + out_tensors)
+                              inputs + out_tensors + recorded)
+    out_tensors += recorded  # the function's outputs after the block's own
     pairs = [(o, g) for o, g in zip(out_tensors, grad_outs) if g is not None and o.requires_grad]
     foreign = _foreign_leaves(session, ctx.index, [o for o, _ in pairs], inputs, params) \
         if accumulate else []
@@ -356,21 +366,9 @@ def _foreign_leaves(session, index, outputs, inputs, params):
     return list(found.values())
 
 def _captures(hook):
-    """Whether a forward hook may capture something in the running forward pass: False only for
-    a Hugging Face output-capturing hook its forward did not ask for (transformers installs
-    them on every recordable module the first time any output is recorded, output_hidden_states
-    included, and each captures only the key the running forward collects)."""
-    if getattr(hook, "__name__", "") != "output_capturing_hook" or \
-            not getattr(hook, "__module__", "").startswith("transformers."):
-        return True
-    try:
-        from transformers.utils.output_capturing import _active_collector
-        cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ()))
-        key = cells["key"].cell_contents
-        collected = _active_collector.get()
-    except Exception:  # another transformers: count it as capturing
-        return True
-    return collected is not None and key in collected
+    """Whether a forward hook may capture something that needs the block's gradient: any but
+    Hugging Face's output-capturing hook, whose records carry it (strata.torch._captured)."""
+    return not is_recording_hook(hook)
 
 
 def inner_forward_hooks(block, prefix):
@@ -500,7 +498,8 @@ def streamed_forward(session, index, run):
             outs = StreamedBlockFunction.apply(session, index, run, leaves, spec, positions,
                                                box, session.anchor,
                                                *[leaves[i] for i in positions])
-        out_leaves, out_spec, out_positions = box[0]
+        out_leaves, out_spec, out_positions, captures = box[0]
+        captures.put_back(outs[len(out_positions):])
         out_leaves = list(out_leaves)
         for pos, t in zip(out_positions, outs):
             out_leaves[pos] = t

@@ -85,6 +85,7 @@ def measure(run, args, kwargs, device, params=(), everything=None):
     import torch.utils.checkpoint as checkpointing
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._pytree import tree_leaves
 
     if everything is None:
@@ -93,7 +94,14 @@ def measure(run, args, kwargs, device, params=(), everything=None):
     costly = []  # per costly op: (its position, {storage: (bytes, tensor, version)} if saved)
     last_pack = [0]  # ops dispatched when autograd last saved a tensor
     written = []  # an op wrote into a cached storage
-    seen, total = set(), [0]  # the storages autograd saves (the parameters' known first)
+    params_seen = set()  # the parameters' storages (not counted)
+    # Per storage autograd saved: (a weak reference to it, its bytes). Counted at the end are
+    # those still alive while the block's output is: what a branch of the forward left behind
+    # (a router's scores with grad, dropped for their indices) is freed with its graph, and its
+    # address may then be a later saved storage's (counted by address alone, the figure
+    # depended on the allocator's reuse: one block measured 87,824 or 96,016 bytes).
+    saved = {}
+    outputs = []  # the forward's output, held until the count
 
     def cached():
         return {k: v for _, outs in costly for k, v in outs.items()}
@@ -126,22 +134,24 @@ def measure(run, args, kwargs, device, params=(), everything=None):
     def pack(t):
         last_pack[0] = ops[0]
         if isinstance(t, FakeTensor):  # a real tensor here is a parameter or buffer
-            key = t.untyped_storage()._cdata  # the StorageImpl: the same for every view of it
-            if key not in seen:
-                seen.add(key)
-                total[0] += t.untyped_storage().nbytes()
+            storage = t.untyped_storage()
+            key = storage._cdata  # the StorageImpl: the same for every view of it
+            if key not in params_seen and (key not in saved or saved[key][0].expired()):
+                saved[key] = (StorageWeakRef(storage), storage.nbytes())
         return t
 
     if not _forward_on_fake(run, args, kwargs, device, pack, Saving(), params=params,
-                            known=seen):
+                            known=params_seen, outputs=outputs):
         return None
+    total = sum(size for ref, size in saved.values() if not ref.expired())
+    outputs.clear()
     if written or any(t._version != version for _, t, version in cached().values()):
-        return total[0], None
+        return total, None
     # Autograd saves an op's inputs before the op runs and its outputs after: the recompute
     # stops inside the op that was running at the last save, so the costly ops before it run.
     reached = [outs for position, outs in costly if everything or position < last_pack[0]]
     kept = {k: v for outs in reached for k, v in outs.items()}
-    return total[0], (sum(size for size, _, _ in kept.values()), len(reached))
+    return total, (sum(size for size, _, _ in kept.values()), len(reached))
 
 
 def selective_bytes(run, args, kwargs, device, everything=None):
@@ -157,11 +167,13 @@ def saved_bytes(run, args, kwargs, device, params):
     return None if measured is None else measured[0]
 
 
-def _forward_on_fake(run, args, kwargs, device, pack, dispatch=None, params=(), known=None):
+def _forward_on_fake(run, args, kwargs, device, pack, dispatch=None, params=(), known=None,
+                     outputs=None):
     """run(*args, **kwargs) once on fake tensors (shapes only: no memory, no compute), with
     grad, each tensor autograd saves passed to `pack`, the ops through `dispatch` (a
     TorchDispatchMode) when given, the RNG state restored after. `params` are made fake first
-    and their storages added to `known`. False when it cannot be done (an op without a fake
+    and their storages added to `known`; its output is appended to `outputs` (held: what
+    autograd saved for it stays alive). False when it cannot be done (an op without a fake
     kernel, a custom block)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_map
@@ -172,17 +184,38 @@ def _forward_on_fake(run, args, kwargs, device, pack, dispatch=None, params=(), 
                 # The mode converts a real tensor to the same fake one while that one lives:
                 # held here, the parameters' fake storages (and the views of them autograd
                 # saves) are known, and no storage address is reused meanwhile.
-                fake_params = [mode.from_tensor(p) for p in params]
+                fake_params = [_fake_parameter(mode, p) for p in params]
                 if known is not None:
                     known.update(f.untyped_storage()._cdata for f in fake_params)
                 fake = tree_map(lambda x: mode.from_tensor(x) if torch.is_tensor(x) else x,
                                 (args, kwargs))
                 hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
                 with torch.enable_grad(), hooks, dispatch or contextlib.nullcontext():
-                    run(*fake[0], **fake[1])
+                    out = run(*fake[0], **fake[1])
+                if outputs is not None:
+                    outputs.append(out)
     except Exception:
         return False
     return True
+
+
+def _fake_parameter(mode, p):
+    """`p` as the fake tensor its block's forward sees: a parameter whose storage cannot hold
+    its elements is a placeholder (a streamed parameter parked between its block's passes: one
+    element expanded to its shape, every stride 0), and its block runs on it at the contiguous
+    layout of its slot, so its fake is that layout. Faked as it is, a product that checks its
+    operands' strides refuses it (torch's grouped_mm, which Hugging Face runs a
+    mixture-of-experts block's 3-D expert weights through: "Invalid strides/sizes, got (0, 0,
+    0)"), and the block could not be measured. The mode's memo maps `p` to this fake, so the
+    forward's reads of `p` get it."""
+    needed = p.numel() * p.element_size()
+    if p.numel() <= 1 or p.untyped_storage().nbytes() >= needed:
+        return mode.from_tensor(p)
+    with mode:
+        fake = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+    fake.requires_grad_(p.requires_grad)
+    mode.fake_tensor_converter.set_tensor_memo(p, fake)
+    return fake
 
 
 def tokens_of(args):

@@ -1,0 +1,197 @@
+"""Mixture-of-experts models through strata.torch (issue 53 item 3), on the CPU: every family
+users fine-tune (Mixtral, Qwen3-MoE, OLMoE, GPT-OSS, DeepSeek-V3; tiny configs from
+moe_models), against plain PyTorch on the same seed.
+
+- The activation keeper's and the spill's measurement (a forward on fake tensors) of a block
+  whose expert weights are streamed, i.e. parked on their zero-stride placeholders: the same
+  figure as with the weights' values, under each of Hugging Face's experts implementations
+  (its grouped_mm checks its operands' strides and refused the placeholders: measured on an
+  H100, "Invalid strides/sizes, got (0, 0, 0) ... [128, 2048, 1536]").
+- The router's auxiliary loss (output_router_logits=True) trains through strata.torch, with
+  its chunked loss, as plain PyTorch does.
+- Hugging Face's experts implementations agree with one another, and strata.torch leaves the
+  model's choice as it is."""
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+import strata.torch as st  # noqa: E402
+from strata.torch._measure import measure  # noqa: E402
+from strata.torch._streamed import StreamedParam  # noqa: E402
+
+from moe_models import FAMILIES, ROUTED, experts_implementations, moe_model  # noqa: E402
+from torch_parity_models import (  # noqa: E402
+    DEVICE, assert_losses_close, assert_state_close, batches, deepcopy, plain_adamw, snapshot,
+    synchronize)
+
+transformers.logging.set_verbosity_error()
+IMPLEMENTATIONS = experts_implementations()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    """Tiny models: one intra-op thread (conftest's one_torch_thread)."""
+
+
+def block_inputs(model, tokens=16, rows=2):
+    """A decoder block's inputs: hidden states and the model's rotary embeddings."""
+    hidden = torch.randn(rows, tokens, model.config.hidden_size, device=DEVICE)
+    positions = torch.arange(tokens, device=DEVICE)[None].expand(rows, -1)
+    return (hidden,), dict(position_embeddings=model.model.rotary_emb(hidden, positions),
+                           attention_mask=None)
+
+
+class MetaFailures(logging.Handler):
+    """What torch's fake tensors log when an op's shape function refuses its inputs."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+
+@pytest.mark.parametrize("implementation", [i for i in IMPLEMENTATIONS if i != "eager"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_parked_expert_block_is_measured(name, implementation):
+    """The last block (the routed experts' in every family) measured with its parameters
+    parked as strata.torch parks a streamed block's (StreamedParam.park: one NaN element
+    expanded to the shape) gives what it gives with their values, the same figure each time,
+    and torch logs no refused op. (Hugging Face's eager loop over the experts a batch hits
+    has a data-dependent shape, which fake tensors cannot follow: such a block is not
+    measured, and stays checkpointed.)"""
+    model = moe_model(name, experts_implementation=implementation)
+    assert model.config._experts_implementation == implementation
+    block = model.model.layers[-1]
+    args, kwargs = block_inputs(model)
+    params = list(block.parameters())
+    assert any(p.dim() == 3 for p in params)  # the experts' weights: one 3-D tensor each
+    with_values = measure(block, args, kwargs, torch.device(DEVICE), params)
+    assert with_values is not None and with_values[0] > 0
+    for i, (local, p) in enumerate(block.named_parameters()):
+        StreamedParam(p, local, local, None, i).park(p.dtype, p.device)
+    assert all(p.untyped_storage().nbytes() == p.element_size() for p in params)
+    failures = MetaFailures()
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log.addHandler(failures)
+    try:
+        parked = measure(block, args, kwargs, torch.device(DEVICE), params)
+    finally:
+        fake_log.removeHandler(failures)
+    assert failures.records == []
+    assert parked == with_values
+    assert measure(block, args, kwargs, torch.device(DEVICE), params) == parked
+
+
+def steps(model, opt, data, aux=None):
+    """The ordinary loop: the losses per step (and each step's auxiliary loss appended to
+    `aux`, a list, where given: the router's loss on)."""
+    losses = []
+    for ids in data:
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+        if aux is not None:
+            aux.append(out.aux_loss.item())
+    return losses
+
+
+def strata_adamw(model):
+    """st.AdamW with plain_adamw's hyperparameters."""
+    defaults = plain_adamw([torch.zeros(1)]).defaults
+    return st.AdamW(model.parameters(), lr=defaults["lr"],
+                    weight_decay=defaults["weight_decay"])
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["recomputed", "kept"])
+@pytest.mark.parametrize("resident", [0, 1])
+@pytest.mark.parametrize("name", ROUTED)
+def test_router_aux_loss_trains_as_plain_pytorch(name, resident, kept, offload):
+    """output_router_logits=True with router_aux_loss_coef: through strata.torch, its chunked
+    loss on (8 tokens a chunk: the head never computes the whole logits), blocks streamed or
+    one resident, recomputed or keeping their costly ops' outputs (the activation keeper's
+    selective mode, forced: on a GPU it is measured), the total loss, the auxiliary loss and
+    every parameter after four AdamW steps are plain PyTorch's; the auxiliary loss is in the
+    total."""
+    base = moe_model(name, output_router_logits=True, router_aux_loss_coef=0.5)
+    data = batches(4)
+    plain = deepcopy(base)
+    expected_aux, got_aux = [], []
+    expected = steps(plain, plain_adamw(plain.parameters()), data, expected_aux)
+    model = offload(deepcopy(base), resident_blocks=resident, chunked_loss=8)
+    if kept:
+        model.strata.activations.forced_streamed = len(model.strata.blocks)  # the streamed
+        model.strata.activations.forced = len(model.strata.resident_blocks)
+    heads = []
+    model.get_output_embeddings().register_forward_hook(
+        lambda m, a, out: heads.append(out.shape[1]))
+    opt = strata_adamw(model)
+    got = steps(model, opt, data, got_aux)
+    synchronize(opt)
+    assert heads and set(heads) == {0}  # chunked: no whole logits
+    assert_losses_close(got, expected)
+    assert_losses_close(got_aux, expected_aux)
+    # The chunked loss sums its cross-entropy in another order than the whole logits' (one
+    # fp32 rounding of the grads); AdamW divides a grad by its running RMS, so where an
+    # element's grads are a few eps that rounding moves it by up to lr x noise / eps: one
+    # element of a tensor here, by at most ~7e-6 after four steps (torch_parity_models' key
+    # bias case). Every other element is within 1e-6.
+    assert_state_close(snapshot(model), snapshot(plain), outliers=1, outlier_atol=2e-5)
+    # The auxiliary loss is in the total: without it the first loss is 0.5 x aux_loss less.
+    unrouted = deepcopy(base)
+    unrouted.config.output_router_logits = False
+    losses = steps(unrouted, plain_adamw(unrouted.parameters()), data)
+    assert abs(losses[0] + 0.5 * expected_aux[0] - expected[0]) <= 1e-5 * abs(expected[0])
+    assert 0.5 * expected_aux[0] > 1e-3
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_experts_implementations_agree(name):
+    """Hugging Face's experts implementations (its eager loop, batched_mm, grouped_mm) give the
+    same loss and grads on the same weights (fp32: within a few roundings)."""
+    results = {}
+    for implementation in IMPLEMENTATIONS:
+        model = moe_model(name, experts_implementation=implementation)
+        ids = batches(1)[0]
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        results[implementation] = (loss.item(), {n: p.grad.clone() for n, p in
+                                                 model.named_parameters() if p.grad is not None})
+    loss, grads = results["eager"]
+    for implementation, (other_loss, other_grads) in results.items():
+        assert abs(other_loss - loss) <= 1e-6 * abs(loss), implementation
+        assert other_grads.keys() == grads.keys()
+        for n, g in grads.items():
+            assert torch.allclose(other_grads[n], g, rtol=1e-5, atol=1e-7), (implementation, n)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_each_experts_implementation_trains_as_plain_pytorch(implementation, offload):
+    """strata.torch runs the experts through the implementation the model chose (Hugging
+    Face's default, grouped_mm, or the user's), left as it was, and trains as plain PyTorch
+    does with the same one."""
+    base = moe_model("qwen3_moe", experts_implementation=implementation)
+    data = batches(3)
+    plain = deepcopy(base)
+    expected = steps(plain, plain_adamw(plain.parameters()), data)
+    model = offload(deepcopy(base))
+    assert model.config._experts_implementation == implementation
+    opt = strata_adamw(model)
+    got = steps(model, opt, data)
+    synchronize(opt)
+    assert_losses_close(got, expected)
+    assert_state_close(snapshot(model), snapshot(plain))
+
+
+def test_grouped_mm_is_hugging_faces_default():
+    """A model built without experts_implementation runs its experts through grouped_mm (which
+    uses torch's grouped matrix product where the device has one): strata.torch need not set
+    it."""
+    if "grouped_mm" not in IMPLEMENTATIONS:
+        pytest.skip("transformers %s has no grouped_mm experts" % transformers.__version__)
+    assert moe_model("qwen3_moe").config._experts_implementation == "grouped_mm"
