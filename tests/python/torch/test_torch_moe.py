@@ -195,3 +195,36 @@ def test_grouped_mm_is_hugging_faces_default():
     if "grouped_mm" not in IMPLEMENTATIONS:
         pytest.skip("transformers %s has no grouped_mm experts" % transformers.__version__)
     assert moe_model("qwen3_moe").config._experts_implementation == "grouped_mm"
+
+
+def test_a_router_recorded_for_its_loss_is_never_run_in_mlp_tiles(offload):
+    """The sequence tiles of a block's MLP (strata.torch._tiled_mlp) and the router's loss:
+    run in tiles inside the tiled function, without grad, the routers' logits would be recorded
+    once per tile and carry no gradient. With output_router_logits=True the user's forced
+    tiles refuse, naming the MLP; without it the same MoE MLP runs in tiles and trains as plain
+    PyTorch; once Hugging Face's recording hooks sit on the MLP the plan is told it cannot tile
+    it (its bytes a token measure 0)."""
+    from strata.torch import _tiled_mlp
+    routed = offload(moe_model("qwen3_moe", output_router_logits=True,
+                               router_aux_loss_coef=0.5), mlp_tiles=2)
+    opt = strata_adamw(routed)
+    ids = batches(1)[0]
+    with pytest.raises(TypeError, match=r"cannot tile the MLP model\.layers\.0\.mlp"):
+        routed(ids, labels=ids)
+    del opt
+    # The hooks are on the MLP now: the plan's measure says it cannot be tiled.
+    block = routed.model.layers[0]
+    (hidden,), _ = block_inputs(routed)
+    assert _tiled_mlp.token_bytes(block, hidden, torch.device(DEVICE)) == 0
+
+    base = moe_model("qwen3_moe")
+    data = batches(3)
+    plain = deepcopy(base)
+    expected = steps(plain, plain_adamw(plain.parameters()), data)
+    tiled = offload(deepcopy(base), mlp_tiles=2)
+    calls = []
+    tiled.strata.allow_inner_hooks = True  # the hook below only observes
+    tiled.model.layers[0].mlp.register_forward_hook(lambda m, a, out: calls.append(a[0].shape))
+    got = steps(tiled, strata_adamw(tiled), data)
+    assert_losses_close(got, expected)
+    assert calls and all(shape[0] < data[0].numel() for shape in calls)  # ran in tiles

@@ -73,7 +73,7 @@ def strata_run(monkeypatch, arch, tiles, resident=0, data=None):
 
     def recording(x, count):
         parts = split(x, count)
-        sizes.append(tuple(p.shape[0] for p in parts))
+        sizes.append(tuple(p.numel() // p.shape[-1] for p in parts))  # tokens a tile
         return parts
 
     monkeypatch.setattr(_tiled_mlp, "_tiles_of", recording)

@@ -29,12 +29,17 @@ products, a different order of the same sum: equal within the dtype's rounding o
 
 The MLP must take the hidden states alone and return one tensor of the same tokens (a
 mixture-of-experts block returning router logits is never tiled by the plan: token_bytes
-measures 0 for it; forced tiles raise)."""
+measures 0 for it; forced tiles raise). Nor is one whose inner modules Hugging Face records
+from (output_router_logits=True: the routers' logits, collected by transformers' forward hooks
+for the auxiliary loss): run in tiles inside the function, without grad, they would be
+recorded once per tile and carry no gradient. token_bytes measures 0 for an MLP with such
+hooks, and one recording for the running forward runs whole (forced tiles raise)."""
 
 import contextlib
 
 import torch
 
+from . import _captured
 from ._measure import measure
 
 # The attribute naming a decoder layer's MLP (Hugging Face's models, every family).
@@ -54,13 +59,27 @@ def untiled(mlp):
     return mlp.__dict__.get(_ORIGINAL, mlp.forward)
 
 
+def _recording_hooks(mlp):
+    """Whether transformers' output-capturing hooks sit on the MLP or its inner modules (a
+    mixture-of-experts router's, for output_router_logits)."""
+    return any(_captured.is_recording_hook(hook) for module in mlp.modules()
+               for hook in module._forward_hooks.values())
+
+
+def records_now(mlp):
+    """Whether the running forward records from the MLP's inner modules: transformers'
+    collector is active and the MLP holds its hooks."""
+    variable = _captured._collector_variable()
+    return variable is not None and bool(variable.get()) and _recording_hooks(mlp)
+
+
 def token_bytes(block, hidden, device):
     """What the block's MLP saves for its backward per token of `hidden` (the block's input,
     whose shape and dtype the MLP's input has), beside its input (a tiled MLP keeps that
     whole): measured on fake tensors. 0 where it cannot be tiled or measured (no `mlp`, an
     output that is not one tensor of the same tokens, an op without a fake kernel)."""
     mlp = find_mlp(block)
-    if mlp is None or hidden is None or hidden.dim() < 2:
+    if mlp is None or hidden is None or hidden.dim() < 2 or _recording_hooks(mlp):
         return 0
     run = untiled(mlp)
     shaped = []
@@ -80,9 +99,17 @@ def token_bytes(block, hidden, device):
 
 def _tiles_of(x, tiles):
     """x [..., features] as views of at most `tiles` tiles of its tokens (the library's
-    ceil(tokens / tiles) each, the last shorter)."""
+    ceil(tokens / tiles) each, the last shorter), each of x's rank: [1, n, features] for a
+    batch of sequences (a mixture-of-experts block reads batch, sequence and features from
+    its input's shape), [n, features] for rows."""
     flat = x.reshape(-1, x.shape[-1])
-    return flat.split(-(-flat.shape[0] // tiles))
+    parts = flat.split(-(-flat.shape[0] // tiles))
+    return [p.unsqueeze(0) for p in parts] if x.dim() >= 3 else list(parts)
+
+
+def _rows(t):
+    """A tile's (or its output's) tokens as rows: [n, features]."""
+    return t.reshape(-1, t.shape[-1])
 
 
 def _rng_state(device):
@@ -109,7 +136,7 @@ def _checked(mlp_name, out, tile):
         raise TypeError(
             "strata.torch: the MLP %s returned %s, not one tensor of its input's %d tokens: it "
             "cannot run over sequence tiles (offload(mlp_tiles=) forced it)"
-            % (mlp_name, type(out).__name__, tile.shape[0]))
+            % (mlp_name, type(out).__name__, tile.numel() // tile.shape[-1]))
     return out
 
 
@@ -126,7 +153,7 @@ class TiledMLPFunction(torch.autograd.Function):
         outs = []
         for tile in _tiles_of(x, tiles):
             ctx.states.append(_rng_state(x.device))
-            outs.append(_checked(name, run(tile), tile))
+            outs.append(_rows(_checked(name, run(tile), tile)))
         ctx.save_for_backward(x)
         return torch.cat(outs).view(*x.shape[:-1], outs[0].shape[-1])
 
@@ -141,17 +168,19 @@ class TiledMLPFunction(torch.autograd.Function):
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
         start = 0
         for tile, state in zip(_tiles_of(x.detach(), ctx.tiles), ctx.states):
-            rows = slice(start, start + tile.shape[0])
-            start += tile.shape[0]
+            n = tile.numel() // tile.shape[-1]
+            rows = slice(start, start + n)
+            start += n
             t = tile.detach().requires_grad_(needs_x)
             with _replaying(x.device, state, ctx.autocast):
                 out = ctx.run(t)
             inputs = ([t] if needs_x else []) + params
             if not out.requires_grad or not inputs:
                 continue
-            grads = torch.autograd.grad(out, inputs, grad_rows[rows], allow_unused=True)
+            grads = torch.autograd.grad(out, inputs, grad_rows[rows].view_as(out),
+                                        allow_unused=True)
             if needs_x and grads[0] is not None:
-                grad_x[rows] = grads[0]
+                grad_x[rows] = _rows(grads[0])
             for j, g in enumerate(grads[int(needs_x):]):
                 if g is not None:
                     # Lower-precision weights' grads summed in fp32 and rounded once.
@@ -171,13 +200,15 @@ def run_tiled(mlp, run, x, tiles, name="mlp"):
     if torch.is_grad_enabled():
         params = [p for p in mlp.parameters()]
         return TiledMLPFunction.apply(run, tiles, name, x, *params)
-    outs = [_checked(name, run(tile), tile) for tile in _tiles_of(x, tiles)]
+    outs = [_rows(_checked(name, run(tile), tile)) for tile in _tiles_of(x, tiles)]
     return torch.cat(outs).view(*x.shape[:-1], outs[0].shape[-1])
 
 
-def install(block, tiles_at, name):
+def install(block, tiles_at, name, forced=lambda: False):
     """The block's MLP forward replaced by one that runs over `tiles_at()` tiles (an int, 1:
-    the original forward); returns an undo, or None where the block has no MLP."""
+    the original forward); returns an undo, or None where the block has no MLP. An MLP that
+    the running forward records from (records_now) runs whole; where `forced()` (the
+    user's offload(mlp_tiles=)) it raises instead."""
     mlp = find_mlp(block)
     if mlp is None or _ORIGINAL in mlp.__dict__:
         return None
@@ -188,6 +219,15 @@ def install(block, tiles_at, name):
         tiles = tiles_at()
         if tiles <= 1 or kwargs or len(args) != 1 or not torch.is_tensor(args[0]) or \
                 args[0].dim() < 2:
+            return run(*args, **kwargs)
+        if records_now(mlp):
+            if forced():
+                raise TypeError(
+                    "strata.torch: offload(mlp_tiles=%d) cannot tile the MLP %s: Hugging Face "
+                    "records from its inner modules in this forward (output_router_logits: the "
+                    "routers' logits for the auxiliary loss), which run in tiles would be "
+                    "recorded once per tile without their gradient; pass mlp_tiles=None (the "
+                    "plan never tiles such an MLP)" % (tiles, name))
             return run(*args, **kwargs)
         return run_tiled(mlp, run, args[0], tiles, name)
 

@@ -55,7 +55,8 @@ def install(model, session, request, plan, rollback):
     names = {id(m): n for n, m in model.named_modules()}
     for position, block in enumerate(list(plan.kept) + list(plan.blocks)):
         undo = _tiled_mlp.install(block, functools.partial(session.spill.tiles_at, position),
-                                  names.get(id(block), "block") + "." + _tiled_mlp.MLP_ATTRIBUTE)
+                                  names.get(id(block), "block") + "." + _tiled_mlp.MLP_ATTRIBUTE,
+                                  forced=lambda: bool(session.spill.forced_tiles))
         if undo is not None:
             rollback.push(undo)
     streamed = {id(p) for b in plan.blocks for p in b.parameters()}
