@@ -34,6 +34,8 @@ MODULE_ORDER = [
     "strata.torch._captured",  # what Hugging Face records inside a streamed block, with grad
     "strata.torch._agreement",  # DataParallelError; EveryRank: a set-up step's outcome agreed
     "strata.torch._distributed",  # DataParallel, Mesh (collectives), chunk sizes
+    "strata.torch._ulysses",  # Ulysses attention (all-to-all over the context-parallel group)
+    "strata.torch._context_parallel",  # context_parallel(): groups, batch shards, the loss
     "strata.torch._grads",  # StreamedGrad
     "strata.torch._measure",  # what a block saves, measured on fake tensors; selective contexts
     # Which blocks keep their activations (strata/torch/activations/): the plan's, executed.

@@ -28,6 +28,7 @@ The names above are the package's surface; its modules are private (a leading un
 in a folder of one layer: session/, optim/), layered bottom to top as
 tests/python/core/test_package_layering.py declares."""
 from ._checkpoint import load_checkpoint, save_checkpoint
+from ._context_parallel import ContextParallel, ContextParallelError, context_parallel
 from ._distributed import DataParallel, DataParallelError
 from ._gathered import gathered
 from ._grads import StreamedGrad
@@ -35,7 +36,8 @@ from ._offload import offload
 from .optim.kinds import Adagrad, Adam, AdamW, Lion, SGD
 
 __all__ = ["offload", "AdamW", "Adam", "SGD", "Lion", "Adagrad", "StreamedGrad",
-           "save_checkpoint", "load_checkpoint", "DataParallel", "DataParallelError", "gathered"]
+           "save_checkpoint", "load_checkpoint", "DataParallel", "DataParallelError", "gathered",
+           "context_parallel", "ContextParallel", "ContextParallelError"]
 
 
 def __getattr__(name):
