@@ -14,7 +14,8 @@ SDPA attention.
 - shard(): the labels shifted once over the whole sequence (a shard's last label is the next
   shard's first token), global position ids, padding with ignored labels.
 - Refused with a clear error: heads that do not divide by the size, layers other than full
-  attention, a size that is not a positive integer, no torch.distributed group."""
+  attention, a size that is not a positive integer, no torch.distributed group; at run time an
+  attention mask, a sliding window shorter than the sequence, soft-capping."""
 import multiprocessing
 import socket
 import time
@@ -125,3 +126,21 @@ def test_bad_configurations_are_refused():
     with pytest.raises(st.ContextParallelError, match="no label"):
         st.ContextParallel(2, None, 0, 0, 1).shard(torch.ones(1, 4, dtype=torch.long),
                                                    labels=torch.full((1, 4), -100))
+
+
+def test_attention_refuses_what_it_cannot_shard():
+    # At run time, before any collective: a padding mask, a sliding window shorter than the
+    # sequence, soft-capping; and a module context_parallel() did not set up.
+    from strata.torch._ulysses import ulysses_attention
+    module = torch.nn.Module()
+    module.strata_context_parallel = st.ContextParallel(2, None, 0, 0, 1)
+    q = torch.zeros(1, 4, 8, 16)
+    kv = torch.zeros(1, 2, 8, 16)
+    with pytest.raises(st.ContextParallelError, match="attention masks are not supported"):
+        ulysses_attention(module, q, kv, kv, torch.zeros(1, 1, 8, 8))
+    with pytest.raises(st.ContextParallelError, match="window 8 of a 16-token sequence"):
+        ulysses_attention(module, q, kv, kv, None, sliding_window=8)
+    with pytest.raises(st.ContextParallelError, match="softcap"):
+        ulysses_attention(module, q, kv, kv, None, softcap=30.0)
+    with pytest.raises(st.ContextParallelError, match="did not set up"):
+        ulysses_attention(torch.nn.Module(), q, kv, kv, None)
