@@ -16,7 +16,6 @@ The forward on fake tensors that strata.torch runs to measure a block's activati
 copy of the same shape (an all-to-all's output has its input's shape), so the measured sizes
 are those of the real step."""
 
-import torch
 
 try:
     from torch.distributed import _functional_collectives as funcol

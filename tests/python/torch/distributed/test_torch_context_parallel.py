@@ -144,3 +144,18 @@ def test_attention_refuses_what_it_cannot_shard():
         ulysses_attention(module, q, kv, kv, None, softcap=30.0)
     with pytest.raises(st.ContextParallelError, match="did not set up"):
         ulysses_attention(torch.nn.Module(), q, kv, kv, None)
+
+
+def test_attention_on_fake_tensors_joins_no_collective():
+    # strata.torch measures a block's activations by a forward on fake tensors
+    # (strata.torch._measure): there the attention must give the real step's shapes without a
+    # collective (no group exists here: one would raise).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from strata.torch._ulysses import ulysses_attention
+    module = torch.nn.Module()
+    module.strata_context_parallel = st.ContextParallel(2, None, 0, 0, 1)
+    with FakeTensorMode() as mode:
+        q = mode.from_tensor(torch.zeros(1, 4, 8, 16))
+        kv = mode.from_tensor(torch.zeros(1, 2, 8, 16))
+        out, weights = ulysses_attention(module, q, kv, kv, None)
+    assert tuple(out.shape) == (1, 8, 4, 16) and weights is None
