@@ -61,6 +61,9 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--clip", type=float, default=0.05)
+    p.add_argument("--own-loss", type=int, default=0,
+                   help="1: the model's own loss (offload(chunked_loss=False)), not Strata's "
+                        "chunked loss")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -70,7 +73,9 @@ def main(argv=None):
                                 rank=args.rank, world_size=args.world)
     model = build(args.arch, seed=args.rank, heads=args.heads, kv_heads=args.kv_heads)
     cp = st.context_parallel(model, args.cp) if args.cp else None
-    model = st.offload(model, device="cpu", resident_blocks=0)  # broadcasts rank 0's weights
+    # Rank 0's weights are broadcast to every rank.
+    model = st.offload(model, device="cpu", resident_blocks=0,
+                       chunked_loss=False if args.own_loss else None)
     opt = st.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses = []
     for ids, labels in batches(args.steps, args.rows, args.seq):

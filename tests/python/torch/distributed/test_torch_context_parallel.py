@@ -3,7 +3,8 @@ running tests/python/support/torch_cp_worker.py (st.context_parallel + st.offloa
 the clip binding every step), against one process training the whole batch with the model's own
 SDPA attention.
 
-- 2 ranks sharing each sequence (Llama; Qwen3 with a sequence that does not divide, padded),
+- 2 ranks sharing each sequence (Llama, through strata.torch's chunked loss and through the
+  model's own; Qwen3 with a sequence that does not divide, padded),
   4 ranks as 2 data-parallel groups x 2 context-parallel ranks, and 4 ranks sharing each
   sequence with 2 key/value heads (repeated to one per query head): losses within 1e-6
   relative and every parameter within 1e-6 of one process (measured: 6.6e-7, the head sums of
@@ -75,11 +76,12 @@ def run(tmp_path, name, world, limit=120, **options):
 
 
 @pytest.mark.parametrize("world,cp,options", [
-    (2, 2, {"arch": "llama"}),
+    (2, 2, {"arch": "llama"}),  # through Strata's chunked loss (offload's default)
+    (2, 2, {"arch": "llama", "own_loss": 1}),  # through the model's own ForCausalLMLoss
     (2, 2, {"arch": "qwen3", "seq": 15}),  # 15 tokens: padded to 2 x 8
     (4, 2, {"arch": "llama"}),  # 2 data-parallel groups x 2 context-parallel ranks
     (4, 4, {"arch": "qwen3"}),  # 2 key/value heads over 4 ranks: repeated per query head
-], ids=["llama-cp2", "qwen3-cp2-padded", "llama-dp2xcp2", "qwen3-cp4-gqa-repeat"])
+], ids=["llama-cp2", "llama-cp2-own-loss", "qwen3-cp2-padded", "llama-dp2xcp2", "qwen3-cp4-gqa-repeat"])
 def test_context_parallel_trains_like_one_process_on_the_whole_sequence(tmp_path, world, cp,
                                                                         options):
     got = run(tmp_path, "cp.pt", world, cp=cp, **options)
