@@ -53,6 +53,7 @@ class ContextParallel:
         self.rank = rank
         self.data_rank = data_rank
         self.data_world = data_world
+        self.attention_calls = 0  # in the model's current forward pass (_ulysses counts)
 
     def shard(self, input_ids, labels=None, position_ids=None, ignore_index=IGNORE_INDEX):
         """This rank's shard of a batch of whole sequences ([batch, seq]), as model(**shard)
@@ -156,7 +157,8 @@ def context_parallel(model, size):
     model, and returns a ContextParallel (its shard() cuts each batch). Call it on every rank,
     after torch.distributed.init_process_group, before or after st.offload(model). Refused:
     heads that do not divide by size, layers other than full causal attention (linear,
-    sliding-window, hybrids), a world that is not a multiple of size."""
+    sliding-window, hybrids), a world that is not a multiple of size, and (at its first
+    forward pass) a model whose attention does not go through the registry."""
     if not isinstance(size, int) or size < 1:
         raise ContextParallelError(
             "strata.torch.context_parallel: size must be a positive integer (got %r)" % (size,))
@@ -171,4 +173,22 @@ def context_parallel(model, size):
         config = getattr(sub, "config", None)
         if config is not None:
             config._attn_implementation = ATTENTION
+    model.register_forward_pre_hook(_reset_calls)
+    model.register_forward_hook(_check_calls)
     return state
+
+
+def _reset_calls(model, args):
+    model.strata_context_parallel.attention_calls = 0
+
+
+def _check_calls(model, args, output):
+    """A model whose attention does not go through transformers' registry (a class of its own,
+    a layer that reads no config) computes attention over its shard alone, silently wrong:
+    refused after its first forward pass, before any backward."""
+    if model.strata_context_parallel.attention_calls == 0:
+        raise ContextParallelError(
+            "strata.torch.context_parallel: the model's forward pass never called the %r "
+            "attention: its attention does not go through transformers' attention registry "
+            "(config._attn_implementation), so each rank would attend to its own shard only"
+            % ATTENTION)

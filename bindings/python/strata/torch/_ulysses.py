@@ -82,6 +82,7 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
         raise ContextParallelError(
             "strata.torch.context_parallel: attention masks are not supported (the attention is "
             "causal over the whole sequence; pass no attention_mask)")
+    state.attention_calls += 1
     size, group = state.size, state.group
     heads, kv = query.shape[1], key.shape[1]
     _refuse_unsupported(module, kwargs, query.shape[2] * size)

@@ -16,7 +16,8 @@ SDPA attention.
   shard's first token), global position ids, padding with ignored labels.
 - Refused with a clear error: heads that do not divide by the size, layers other than full
   attention, a size that is not a positive integer, no torch.distributed group; at run time an
-  attention mask, a sliding window shorter than the sequence, soft-capping."""
+  attention mask, a sliding window shorter than the sequence, soft-capping; a model whose
+  attention does not go through transformers' registry, at its first forward pass."""
 import multiprocessing
 import socket
 import time
@@ -161,3 +162,24 @@ def test_attention_on_fake_tensors_joins_no_collective():
         kv = mode.from_tensor(torch.zeros(1, 2, 8, 16))
         out, weights = ulysses_attention(module, q, kv, kv, None)
     assert tuple(out.shape) == (1, 8, 4, 16) and weights is None
+
+
+def test_a_model_whose_attention_bypasses_the_registry_is_refused_at_its_forward(tmp_path):
+    # One rank, size 1, in this process: a model that does not read
+    # config._attn_implementation (here: set back to "sdpa" after context_parallel) would
+    # attend within each shard only; its first forward pass raises instead.
+    dist.init_process_group("gloo", init_method="file://%s" % (tmp_path / "rendezvous"),
+                            rank=0, world_size=1)
+    try:
+        model = worker.build("llama")
+        cp = st.context_parallel(model, 1)
+        ids = torch.randint(3, worker.VOCAB, (1, 8))
+        model(**cp.shard(ids))  # through the registry: counted
+        assert cp.attention_calls == model.config.num_hidden_layers
+        for sub in model.modules():
+            if getattr(sub, "config", None) is not None:
+                sub.config._attn_implementation = "sdpa"
+        with pytest.raises(st.ContextParallelError, match="never called"):
+            model(**cp.shard(ids))
+    finally:
+        dist.destroy_process_group()
