@@ -72,7 +72,8 @@ class ContextParallel:
                 % (tuple(labels.shape), tuple(input_ids.shape)))
         rows, seq = input_ids.shape
         if position_ids is None:
-            position_ids = torch.arange(seq, device=input_ids.device).expand(rows, seq)
+            position_ids = torch.arange(seq, device=input_ids.device)
+        position_ids = position_ids.expand(rows, seq)  # [seq] and [1, seq] serve every row
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
         count = int((shifted != ignore_index).sum())
         if count == 0:

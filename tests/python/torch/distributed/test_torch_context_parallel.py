@@ -82,7 +82,8 @@ def run(tmp_path, name, world, limit=120, **options):
     (2, 2, {"arch": "qwen3", "seq": 15}),  # 15 tokens: padded to 2 x 8
     (4, 2, {"arch": "llama"}),  # 2 data-parallel groups x 2 context-parallel ranks
     (4, 4, {"arch": "qwen3"}),  # 2 key/value heads over 4 ranks: repeated per query head
-], ids=["llama-cp2", "llama-cp2-own-loss", "qwen3-cp2-padded", "llama-dp2xcp2", "qwen3-cp4-gqa-repeat"])
+], ids=["llama-cp2", "llama-cp2-own-loss", "qwen3-cp2-padded", "llama-dp2xcp2",
+        "qwen3-cp4-gqa-repeat"])
 def test_context_parallel_trains_like_one_process_on_the_whole_sequence(tmp_path, world, cp,
                                                                         options):
     got = run(tmp_path, "cp.pt", world, cp=cp, **options)
@@ -110,6 +111,9 @@ def test_shard_shifts_labels_across_the_shards_and_pads():
     assert shards[1]["shift_labels"].tolist() == [[15, 16, -100, -100]]
     assert shards[0]["position_ids"].tolist() == [[0, 1, 2, 3]]
     assert shards[1]["position_ids"].tolist() == [[4, 5, 6, 7]]
+    # Position ids of the user's (offset here) are cut the same way, the pad continuing them.
+    offset = st.ContextParallel(2, None, 1, 0, 1).shard(ids, position_ids=torch.arange(7) + 100)
+    assert offset["position_ids"].tolist() == [[104, 105, 106, 107]]
     # 5 labels in the sequence; each rank divides its sum by 5 / 2 (the group's grads sum to
     # 2 x the sequence's, which the mean over all ranks divides back).
     assert all(s["num_items_in_batch"].item() == 2.5 for s in shards)
