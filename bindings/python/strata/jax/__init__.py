@@ -18,4 +18,5 @@ its grads are XLA FFI custom calls; where that library cannot be had, a host-syn
 loop of per-layer programs over DLPack views. The
 runtime's CPU AdamW updates fp32 masters as soon as a block's grads land. The residents
 (embedding, head, ...) stay on the device, trained by any optax optimizer. See docs/python-guide.md and docs/python-reference.md."""
+from ._loss import chunked_cross_entropy  # noqa: F401
 from .streamed import AdamW, Trainer  # noqa: F401
