@@ -4,6 +4,7 @@ so a block can run with its weights taken from Strata's slots."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from .shapes import LlamaConfig, PRESETS, flops_per_token  # noqa: F401
 
@@ -91,15 +92,21 @@ def _rotate_half(x):
     return jnp.concatenate([-b, a], axis=-1)
 
 
+# The names block_forward tags its matrix products' and attention's outputs with: a
+# jax.checkpoint policy (strata.jax.Trainer's saved_names) keeps them and recomputes the rest.
+SAVED_NAMES = ("proj", "attn")
+
+
 def block_forward(config, p, x, cos, sin):
-    """One decoder block: x + attention(norm(x)), then + SwiGLU(norm(x))."""
+    """One decoder block: x + attention(norm(x)), then + SwiGLU(norm(x)); the products' and
+    attention's outputs tagged (SAVED_NAMES) for selective checkpointing."""
     b, t, h = x.shape
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     d = h // heads
     y = rms_norm(x, p["attn_norm"], config.rms_norm_eps)
-    q = (y @ p["wq"]).reshape(b, t, heads, d).transpose(0, 2, 1, 3)
-    k = (y @ p["wk"]).reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
-    v = (y @ p["wv"]).reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
+    q = checkpoint_name(y @ p["wq"], "proj").reshape(b, t, heads, d).transpose(0, 2, 1, 3)
+    k = checkpoint_name(y @ p["wk"], "proj").reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
+    v = checkpoint_name(y @ p["wv"], "proj").reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
     if kv_heads != heads:
@@ -108,10 +115,11 @@ def block_forward(config, p, x, cos, sin):
     scores = (q @ k.transpose(0, 1, 3, 2)).astype(jnp.float32) / np.sqrt(d)
     mask = jnp.tril(jnp.ones((t, t), dtype=bool))
     scores = jnp.where(mask, scores, -jnp.inf)
-    attn = jax.nn.softmax(scores, axis=-1).astype(x.dtype) @ v
-    x = x + attn.transpose(0, 2, 1, 3).reshape(b, t, h) @ p["wo"]
+    attn = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(x.dtype) @ v, "attn")
+    x = x + checkpoint_name(attn.transpose(0, 2, 1, 3).reshape(b, t, h) @ p["wo"], "proj")
     y = rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
-    return x + (jax.nn.silu(y @ p["w_gate"]) * (y @ p["w_up"])) @ p["w_down"]
+    gate, up = checkpoint_name(y @ p["w_gate"], "proj"), checkpoint_name(y @ p["w_up"], "proj")
+    return x + checkpoint_name((jax.nn.silu(gate) * up) @ p["w_down"], "proj")
 
 
 def head_loss(config, r, x, ids):

@@ -47,7 +47,7 @@ def ffi_apply(trainer, call_block):
     the plan says), and whose backward runs them in reverse (acquire op, the block's vjp from
     its residuals and the weights acquired again, release op with the grads) and ends the step
     (end op). Called without differentiation: a forward-only step, abandoned at its end."""
-    session, layers, scan, names = trainer._ffi, trainer.layers, trainer.scan, trainer.saved_names
+    session, scan, names = trainer._ffi, trainer.scan, trainer.saved_names
     on = {kind: SingleDeviceSharding(trainer.device, memory_kind=kind) for kind in (HOST, DEVICE)}
 
     def shapes(layer):
@@ -77,12 +77,13 @@ def ffi_apply(trainer, call_block):
         def block_grads(w, saved, diff, const, g, acc, run):
             tree, slots, host = layouts[run[0]]
             if any(host):
-                # Brought back only once the backward pass reaches the block: the barrier
-                # ties the copy to the incoming grad, so XLA cannot hoist it (and hold every
-                # offloaded checkpoint on the device at once).
-                saved, g = jax.lax.optimization_barrier((saved, g))
+                # Back on the device for the block's backward pass. The barrier orders its use
+                # after the incoming grad (it is not on the host value: XLA's host offloader
+                # accepts only copies and slices of one). Inside a scan the copy is of one
+                # iteration's slice, so it cannot be hoisted out of the loop either.
                 saved = [jax.device_put(s, on[DEVICE]) if h else s
                          for s, h in zip(saved, host)]
+                saved, g = jax.lax.optimization_barrier((saved, g))
             it, known = iter(saved), list(w) + list(diff) + list(const)
             vjp = jax.tree_util.tree_unflatten(
                 tree, [known[s] if s is not None else next(it) for s in slots])

@@ -100,15 +100,23 @@ class _Programs:
         program executing the plan's choices; self.plan is the batch's plan."""
         key = signature(batch)
         if key not in self._programs:
+            chunk = self.loss_chunk_tokens  # None: the library's default, the plan's too
+            measured = {}
+
             def peak(schedule):
-                stats = jax.jit(self._ffi_program(schedule, None)).lower(
-                    self.residents, self.opt_state, batch).compile().memory_analysis()
+                measured[schedule] = jax.jit(self._ffi_program(schedule, chunk))
+                stats = measured[schedule].lower(self.residents, self.opt_state,
+                                                 batch).compile().memory_analysis()
                 return (stats.argument_size_in_bytes + stats.output_size_in_bytes +
                         stats.temp_size_in_bytes - stats.alias_size_in_bytes)
 
             plan = self._step_plan(batch, peak)
-            self._programs[key] = (plan, jax.jit(self._ffi_program(self.schedule(plan),
-                                                                   plan.loss_chunk_tokens)))
+            schedule = self.schedule(plan)
+            # The measured program where the plan chose what it does (its chunk is the plan's:
+            # the one given, else the library's default for the head), so jax.jit's caches
+            # serve its trace and compile again.
+            self._programs[key] = (plan, measured.get(schedule) or jax.jit(
+                self._ffi_program(schedule, plan.loss_chunk_tokens)))
         self.plan, program = self._programs[key]
         return program
 

@@ -155,7 +155,9 @@ class _StepPlanning:
         hidden, extras = jax.eval_shape(embed, self.residents, batch)
         heads = []
         with _loss.planned(None, heads):
-            jax.eval_shape(loss_fn, self.residents, hidden, batch)
+            # A new function each time: eval_shape caches its traces by function, and a trace
+            # served from that cache would record no head.
+            jax.eval_shape(lambda r, x, b: loss_fn(r, x, b), self.residents, hidden, batch)
         in_use = _nbytes((self.residents, self.opt_state, batch))
         grads = _nbytes(self.residents) if self.resident_optimizer is not None else 0
         peak = None
