@@ -153,6 +153,8 @@ def run_one(mode, preset, batch, seq, steps, warmup, init="device"):
         losses.append(step(data[i % 2]))
         times.append(time.perf_counter() - t0)
     t = statistics.median(times[warmup:])
+    if mode != "resident":
+        extra["step_plan"] = trainer.plan.text  # what the library chose for this batch, why
     six_p, _ = models.flops_per_token(config, seq)
     device = jax.devices()[0]
     try:

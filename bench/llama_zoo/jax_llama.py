@@ -4,6 +4,7 @@ so a block can run with its weights taken from Strata's slots."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from .shapes import LlamaConfig, PRESETS, flops_per_token  # noqa: F401
 
@@ -91,17 +92,26 @@ def _rotate_half(x):
     return jnp.concatenate([-b, a], axis=-1)
 
 
+# The names block_forward tags its matrix products' and attention's outputs with: a
+# jax.checkpoint policy (strata.jax.Trainer's saved_names) keeps them and recomputes the rest.
+SAVED_NAMES = ("proj", "attn")
+
+
 def block_forward(config, p, x, cos, sin):
-    """One decoder block: x + attention(norm(x)), then + SwiGLU(norm(x))."""
+    """One decoder block: x + attention(norm(x)), then + SwiGLU(norm(x)); the products' and
+    attention's outputs tagged (SAVED_NAMES) for selective checkpointing."""
     y = rms_norm(x, p["attn_norm"], config.rms_norm_eps)
-    x = x + attention(config, y @ p["wq"], y @ p["wk"], y @ p["wv"], cos, sin) @ p["wo"]
+    q, k, v = (checkpoint_name(y @ p[w], "proj") for w in ("wq", "wk", "wv"))
+    x = x + checkpoint_name(attention(config, q, k, v, cos, sin) @ p["wo"], "proj")
     y = rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
-    return x + (jax.nn.silu(y @ p["w_gate"]) * (y @ p["w_up"])) @ p["w_down"]
+    gate, up = checkpoint_name(y @ p["w_gate"], "proj"), checkpoint_name(y @ p["w_up"], "proj")
+    return x + checkpoint_name((jax.nn.silu(gate) * up) @ p["w_down"], "proj")
 
 
 def attention(config, q, k, v, cos, sin):
     """Causal attention of the projected q (b, t, h), k and v (b, t, kv), rotary applied: the
-    heads' outputs (b, t, h), before the output projection (also llama_zoo.nnx_llama's)."""
+    heads' outputs (b, t, h), before the output projection (also llama_zoo.nnx_llama's); the
+    attention's output tagged "attn" (SAVED_NAMES)."""
     b, t, h = q.shape
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     d = h // heads
@@ -116,7 +126,7 @@ def attention(config, q, k, v, cos, sin):
     scores = (q @ k.transpose(0, 1, 3, 2)).astype(jnp.float32) / np.sqrt(d)
     mask = jnp.tril(jnp.ones((t, t), dtype=bool))
     scores = jnp.where(mask, scores, -jnp.inf)
-    attn = jax.nn.softmax(scores, axis=-1).astype(q.dtype) @ v
+    attn = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(q.dtype) @ v, "attn")
     return attn.transpose(0, 2, 1, 3).reshape(b, t, h)
 
 

@@ -3,7 +3,7 @@ the residents' fp32 masters trained by PyTorch's AdamW arithmetic in JAX (no opt
 import jax
 import jax.numpy as jnp
 import numpy as np
-from strata.jax import AdamW, Trainer
+from strata.jax import AdamW, Trainer, chunked_cross_entropy
 
 from . import jax_llama as models
 
@@ -40,12 +40,15 @@ class StreamedTrainer(Trainer):
     blocks are copied into Strata and the host copies may be dropped). dtype: the compute dtype
     of the streamed weights and of the residents' working copies (fp32 masters either way).
     lr, weight_decay: floats or schedules (callables of the step). backend: "cuda" or "host"
-    (default: cuda when JAX's default device is a GPU). ffi, scan: as strata.jax.Trainer's.
+    (default: cuda when JAX's default device is a GPU). ffi, scan, step_memory: as
+    strata.jax.Trainer's. The head's loss is strata.jax.chunked_cross_entropy over the step
+    plan's chunk (models.head_loss's value, never the whole fp32 logits), and the blocks keep
+    their tagged products and attention (models.SAVED_NAMES) where the plan says so.
     step(ids) takes token ids (batch, seq)."""
 
     def __init__(self, config, blocks, residents, lr=1e-3, weight_decay=0.0, dtype=jnp.float32,
                  gpu_budget=None, host_budget=None, nvme=None, backend=None, threads=0,
-                 slot_budget=0, ffi=None, scan=None):
+                 slot_budget=0, ffi=None, scan=None, step_memory=None):
         self.config = config
         dtype = jnp.dtype(dtype)
 
@@ -56,8 +59,8 @@ class StreamedTrainer(Trainer):
             return models.block_forward(config, p, x, cos, sin)
 
         def loss_fn(r, x, ids):
-            return models.head_loss(config, {k: r[k].astype(dtype) for k in ("norm", "head")},
-                                    x, ids)
+            y = models.rms_norm(x, r["norm"].astype(dtype), config.rms_norm_eps)
+            return chunked_cross_entropy(y[:, :-1], r["head"].astype(dtype), ids[:, 1:])
 
         block_optimizer = AdamW(lr, weight_decay=weight_decay, threads=threads)
         block_optimizer.hyper(0, 0)  # a clear error for a rate that is neither float nor schedule
@@ -72,7 +75,8 @@ class StreamedTrainer(Trainer):
                          block_optimizer=block_optimizer,
                          dtype=dtype, gpu_budget=gpu_budget, host_budget=host_budget, nvme=nvme,
                          backend=backend, slot_budget=slot_budget, ffi=ffi, scan=scan,
-                         stacked=False)
+                         stacked=False, step_memory=step_memory,
+                         saved_names=models.SAVED_NAMES)
 
     def step(self, ids):
         """One training step on token ids (batch, seq); returns the loss (a float)."""

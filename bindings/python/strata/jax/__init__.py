@@ -17,7 +17,8 @@ Strata's loads; the weights are copied from the slot into the program) and relea
 its grads are XLA FFI custom calls; where that library cannot be had, a host-synchronised
 loop of per-layer programs over DLPack views. The
 runtime's CPU AdamW updates fp32 masters as soon as a block's grads land. The residents
-(embedding, head, ...) stay on the device, trained by any optax optimizer.
+(embedding, head, ...) stay on the device, trained by any optax optimizer; the loss over chunks
+of tokens (strata.jax.chunked_cross_entropy) never holds the whole logits.
 
 A Flax NNX or Equinox model whose blocks are stacked (nnx.vmap, eqx.filter_vmap):
 
@@ -26,5 +27,6 @@ A Flax NNX or Equinox model whose blocks are stacked (nnx.vmap, eqx.filter_vmap)
     # your nnx.jit / eqx.filter_jit step trains the rest with optax, the blocks through Strata
 
 See docs/python-guide.md and docs/python-reference.md."""
+from ._loss import chunked_cross_entropy  # noqa: F401
 from ._offload import offload, scan_blocks  # noqa: F401
 from .streamed import AdamW, Trainer  # noqa: F401

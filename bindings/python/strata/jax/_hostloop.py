@@ -44,6 +44,10 @@ class _HostLoop:
         """The step as a loop of per-layer programs, each layer acquired and released by the
         host around its program."""
         hidden, diff, const, mask, extras_def = self._prepare(batch, "step")
+        # Planned like the FFI path's step (self.plan says what the library chose), but the
+        # loop executes only its loss chunk: each block recomputes from its input, kept on
+        # the device.
+        self.plan = self._step_plan(batch, lambda schedule: None)
         held = self.block_optimizer.holds_grads
         if not held:  # held updates set them when they update (_HeldUpdates)
             self._set_hyperparameters(self.step_count)

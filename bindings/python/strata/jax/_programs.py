@@ -4,8 +4,8 @@ residents' update; on the FFI path the streamed blocks as one differentiable JAX
 import jax
 import jax.numpy as jnp
 
-from . import _ffi
-from ..core import BACKWARD, FORWARD
+from . import _ffi_blocks, _loss
+from ._stepplan import signature
 from ._tree import _normalize_embed
 
 
@@ -48,9 +48,16 @@ class _Programs:
             return hidden, extras
 
         if embed_fn is not None:
+            def chunked_loss(r, x, batch):
+                # The host loop's loss: the chunk given, else the library's default for the
+                # head (the plan's own choice: it depends on the head only).
+                with _loss.planned(self.loss_chunk_tokens):
+                    return loss_fn(r, x, batch)
+
             self._embed = jax.jit(embed)
-            self._head = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
-            self._loss = jax.jit(loss_fn)
+            self._embed_traced = embed
+            self._head = jax.jit(jax.value_and_grad(chunked_loss, argnums=(0, 1)))
+            self._loss = jax.jit(chunked_loss)
         opt = self.resident_optimizer
 
         def resident_grads(r, batch, g_head, g_x, g_diff, mask):
@@ -81,99 +88,47 @@ class _Programs:
             self._finish = jax.jit(finish, static_argnums=(6,))
         self._probe = jax.jit(lambda: jnp.zeros((), jnp.int32))
         if self._ffi is not None:
-            self._apply_blocks = self._ffi_apply(call_block, backward)
-            if embed_fn is not None:
-                self._program = jax.jit(self._ffi_program(embed, opt, held))
+            apply = _ffi_blocks.ffi_apply(self, call_block)
+            self._apply_scheduled = apply
+            self._apply_blocks = lambda hidden, *extras: apply(None, hidden, *extras)
+            self._programs = {}  # batch signature -> the jitted step for its plan
+            self._program_parts = (embed, opt, held)
 
-    def _ffi_apply(self, call_block, backward):
-        """The streamed blocks as a differentiable JAX function f(x, diff, const) -> x for one
-        (mask, extras_def): a jax.custom_vjp whose forward begins the executor's step (begin op)
-        and runs the blocks (acquire op, block), and whose backward runs them in reverse
-        (acquire op, recomputed vjp, release op with the grads) and ends the step (end op).
-        Called without differentiation: a forward-only step, abandoned at its end."""
-        session, layers, scan = self._ffi, self.layers, self.scan
+    def _program_for(self, batch):
+        """The jitted step for this batch's shape: its plan made on its first step (measured
+        on the program that recomputes every block where the device is known), then the
+        program executing the plan's choices; self.plan is the batch's plan."""
+        key = signature(batch)
+        if key not in self._programs:
+            chunk = self.loss_chunk_tokens  # None: the library's default, the plan's too
+            measured = {}
 
-        def shapes(layer):
-            return [jax.ShapeDtypeStruct(s, d) for s, d in zip(self.shapes[layer],
-                                                               self.leaf_dtypes)]
+            def peak(schedule):
+                measured[schedule] = jax.jit(self._ffi_program(schedule, chunk))
+                stats = measured[schedule].lower(self.residents, self.opt_state,
+                                                 batch).compile().memory_analysis()
+                return (stats.argument_size_in_bytes + stats.output_size_in_bytes +
+                        stats.temp_size_in_bytes - stats.alias_size_in_bytes)
 
-        def build(mask, extras_def):
-            def forward(x, diff, const, mode):
-                token = session.begin(jnp.zeros((), jnp.uint32), mode)
-                # Each acquire takes the hidden state (its grad in the backward pass) as an
-                # operand: XLA cannot issue it before the previous block, so at most one
-                # block's weights (and the slots Strata prefetches into) are in HBM at a time.
-                if scan:
-                    def body(carry, _):
-                        x_, tok = carry
-                        tok, w = session.acquire(tok, x_, FORWARD, shapes(0))
-                        return (call_block(w, x_, diff, const, mask, extras_def), tok), x_
+            plan = self._step_plan(batch, peak)
+            schedule = self.schedule(plan)
+            # The measured program where the plan chose what it does (its chunk is the plan's:
+            # the one given, else the library's default for the head), so jax.jit's caches
+            # serve its trace and compile again.
+            self._programs[key] = (plan, measured.get(schedule) or jax.jit(
+                self._ffi_program(schedule, plan.loss_chunk_tokens)))
+        self.plan, program = self._programs[key]
+        return program
 
-                    (x, token), inputs = jax.lax.scan(body, (x, token), None, length=layers)
-                else:
-                    inputs = []
-                    for layer in range(layers):
-                        token, w = session.acquire(token, x, FORWARD, shapes(layer), layer)
-                        inputs.append(x)
-                        x = call_block(w, x, diff, const, mask, extras_def)
-                return x, inputs, token
-
-            @jax.custom_vjp
-            def apply(x, diff, const):
-                x, _, token = forward(x, diff, const, _ffi.EVAL)
-                session.end(token, _ffi.EVAL)
-                return x
-
-            def apply_fwd(x, diff, const):
-                x, inputs, token = forward(x, diff, const, _ffi.TRAIN)
-                return x, (inputs, diff, const, token)
-
-            def apply_bwd(res, g_x):
-                inputs, diff, const, token = res
-                acc = [jnp.zeros_like(d) for d in diff]
-                if scan:
-                    def body(carry, x_in):
-                        g, acc_, tok = carry
-                        tok, w = session.acquire(tok, g, BACKWARD, shapes(0))
-                        g_w, g, acc_ = backward(w, x_in, diff, const, g, acc_, mask, extras_def)
-                        return (g, acc_, session.release(tok, g_w)), None
-
-                    (g_x, acc, token), _ = jax.lax.scan(body, (g_x, acc, token), inputs,
-                                                        reverse=True)
-                else:
-                    for layer in reversed(range(layers)):
-                        token, w = session.acquire(token, g_x, BACKWARD, shapes(layer), layer)
-                        g_w, g_x, acc = backward(w, inputs[layer], diff, const, g_x, acc, mask,
-                                                 extras_def)
-                        token = session.release(token, g_w)
-                session.end(token, _ffi.TRAIN)
-                return g_x, list(acc), [None] * len(const)
-
-            apply.defvjp(apply_fwd, apply_bwd)
-            return apply
-
-        cache = {}
-
-        def apply_blocks(hidden, *extras):
-            leaves, extras_def = jax.tree_util.tree_flatten(tuple(extras))
-            mask = tuple(bool(jnp.issubdtype(jnp.asarray(e).dtype, jnp.inexact))
-                         for e in leaves)
-            diff = [e for e, m in zip(leaves, mask) if m]
-            const = [e for e, m in zip(leaves, mask) if not m]
-            key = (mask, extras_def)
-            if key not in cache:
-                cache[key] = build(mask, extras_def)
-            return cache[key](hidden, diff, const)
-
-        return apply_blocks
-
-    def _ffi_program(self, embed, opt, held):
+    def _ffi_program(self, schedule, chunk):
         """Trainer.step as one function for jax.jit: embed, the streamed blocks
-        (apply_blocks: the executor's whole step as ops), the head's loss; the grads of the
+        (apply_blocks: the executor's whole step as ops, per block as `schedule` says), the
+        head's loss (chunked_cross_entropy in it over `chunk` tokens); the grads of the
         head, the blocks' input and the extras, the embedding's vjp, the residents' optax
         update (held: (loss, the residents' grads) instead, for _HeldUpdates). The blocks are
         differentiated through their input, so they train even with frozen residents."""
-        apply_blocks, loss_fn = self._apply_blocks, self.loss_fn
+        apply, loss_fn = self._apply_scheduled, self.loss_fn
+        embed, opt, held = self._program_parts
 
         def program(r, opt_state, batch):
             def split(r_):
@@ -191,7 +146,8 @@ class _Programs:
                 it = iter(d)
                 merged = [next(it) if m else e for e, m in zip(leaves, mask)]
                 extras = jax.tree_util.tree_unflatten(extras_def, merged)
-                return loss_fn(r_, apply_blocks(x, *extras), batch)
+                with _loss.planned(chunk):
+                    return loss_fn(r_, apply(schedule, x, *extras), batch)
 
             loss, (g_head, g_x, g_diff) = jax.value_and_grad(head, argnums=(0, 1, 2))(
                 r, hidden, diff)

@@ -28,10 +28,11 @@ from ._optim import AdamW
 from ._params import _Params
 from ._programs import _Programs
 from ._setup import _Setup
+from ._stepplan import _StepPlanning
 from ._tree import _DTYPE_NAMES, _SUPPORTED
 
 
-class Trainer(_Setup, _Programs, _HostLoop, _HeldUpdates, _Params, _Checkpoints):
+class Trainer(_Setup, _Programs, _StepPlanning, _HostLoop, _HeldUpdates, _Params, _Checkpoints):
     """Train a JAX model whose blocks stream through Strata (see the module's docstring).
 
     block_fn(block_params, hidden, *extras) -> hidden; blocks: stacked or listed block params
@@ -71,14 +72,29 @@ class Trainer(_Setup, _Programs, _HostLoop, _HeldUpdates, _Params, _Checkpoints)
     Clipping and accumulation (strata.jax.AdamW's max_grad_norm, accumulation): optax's
     MultiSteps over clip_by_global_norm and the optimizers, over blocks and residents together;
     step() is then one micro-batch, micro_step counts those towards the next update, and
-    last_grad_norm is the last update's global norm (of the mean grads, before clipping)."""
+    last_grad_norm is the last update's global norm (of the mean grads, before clipping).
+
+    Any batch (the step plan, strata.step_plan: libstrata decides, this class measures and
+    executes): on each batch shape's first step the trainer measures the step (one block's
+    checkpoint and saved bytes, the loss head, the device; docs/python-guide.md) and the
+    library plans it; `plan` is the current batch shape's StepPlan (`plans` every shape's).
+    On the FFI path each block then keeps what the plan says (a jax.checkpoint policy:
+    recompute from its input, or keep the outputs its block_fn names with
+    jax.ad_checkpoint.checkpoint_name, saved_names) and its checkpoint waits in device or
+    pinned host memory (XLA's host offload); a loss_fn calling
+    strata.jax.chunked_cross_entropy runs over the plan's chunk of tokens (loss_chunk_tokens:
+    the user's chunk, else the library's). step_memory: the device bytes the plan plans
+    within (None: XLA's pool from the device's memory_stats; the CPU has none, so there every
+    block recomputes with its checkpoint on the device unless step_memory is given)."""
 
     def __init__(self, block_fn, blocks, residents=None, *, embed_fn=None, loss_fn=None,
                  optimizer=None, block_optimizer=None, stacked=None, dtype=None,
                  gpu_budget=None, host_budget=None, nvme=None, backend=None, slot_budget=0,
-                 ffi=None, scan=None):
+                 ffi=None, scan=None, step_memory=None, saved_names=None,
+                 loss_chunk_tokens=None):
         self.setup_seconds = {}
         started = time.perf_counter()
+        self._init_plan(step_memory, saved_names, loss_chunk_tokens)
         if (embed_fn is None) != (loss_fn is None):
             raise TypeError("strata.jax: give both embed_fn and loss_fn (for step()), or neither "
                             "(your own jitted step calls trainer.apply_blocks)")
@@ -235,7 +251,8 @@ class Trainer(_Setup, _Programs, _HostLoop, _HeldUpdates, _Params, _Checkpoints)
         self._settle()
         out = None
         try:
-            out = self._program(self.residents, self.opt_state, batch)
+            program = self._program_for(batch)  # planned on the batch shape's first step
+            out = program(self.residents, self.opt_state, batch)
             jax.block_until_ready(out)
         except BaseException:
             # Traced but failed while running: some blocks may have released their grads.
