@@ -20,8 +20,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Copies are done in slices so a bandwidth limit is smooth and a slow copy can be seen
-// progressing; 4 MiB is also the size at which real links reach their peak (docs/benchmarks/native.md,
-// strata-bench io).
+// progressing; 4 MiB is also the size at which real links reach their peak
+// (docs/benchmarks/native.md, strata-bench io).
 constexpr uint64_t kSliceBytes = 4ull << 20;
 
 // Completion flag of one copy, shared by the fence and the queue.
