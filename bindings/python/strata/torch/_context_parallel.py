@@ -24,6 +24,8 @@ ranks is exactly the mean over the data-parallel groups of their sequences' grad
 one-process grad of the whole batch. full_loss() gives the sequence's loss for reporting.
 """
 
+import copy
+
 import torch
 
 try:
@@ -133,17 +135,23 @@ def _check_model(model, size):
             "strata.torch.context_parallel: the model's attention is not causal")
 
 
-def _groups(size):
-    """(this rank's context-parallel group, its index in it, data rank, data world)."""
+def _check_world(size):
+    """The process group this needs, and a world that size divides (checked before the
+    model's shape: the world is what a wrong size most often misses)."""
     if dist is None or not dist.is_available() or not dist.is_initialized():
         raise ContextParallelError(
             "strata.torch.context_parallel: torch.distributed is not initialized (run under "
             "torchrun and call torch.distributed.init_process_group first)")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if world % size:
         raise ContextParallelError(
             "strata.torch.context_parallel: a world of %d ranks is not a multiple of "
             "size=%d" % (world, size))
+
+
+def _groups(size):
+    """(this rank's context-parallel group, its index in it, data rank, data world)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
     mine = None
     for first in range(0, world, size):  # every rank creates every group, as torch requires
         group = dist.new_group(list(range(first, first + size)))
@@ -163,10 +171,12 @@ def context_parallel(model, size):
     if not isinstance(size, int) or size < 1:
         raise ContextParallelError(
             "strata.torch.context_parallel: size must be a positive integer (got %r)" % (size,))
+    _check_world(size)
     _check_model(model, size)
     group, rank, data_rank, data_world = _groups(size)
     register()
     state = ContextParallel(size, group, rank, data_rank, data_world)
+    _own_configs(model)
     for sub in model.modules():
         # The attention function finds its group through the module it is called for; a
         # sub-model's config (a VLM's text model) selects its own implementation.
@@ -174,13 +184,49 @@ def context_parallel(model, size):
         config = getattr(sub, "config", None)
         if config is not None:
             config._attn_implementation = ATTENTION
-    model.register_forward_pre_hook(_reset_calls)
+    model.register_forward_pre_hook(_check_inputs, with_kwargs=True)
     model.register_forward_hook(_check_calls)
     return state
 
 
-def _reset_calls(model, args):
+def _own_configs(model):
+    """The model's configs copied before the attention is selected in them: a config the user
+    built the model from may build others (a reference model, the next run's), which must not
+    find the context-parallel attention chosen for modules it never set up. Modules sharing a
+    config share its copy, and a copied config's sub-configs (a VLM's text_config) are the
+    copies too."""
+    copies = {}
+    for sub in model.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and id(config) not in copies:
+            copies[id(config)] = copy.copy(config)
+    for config in copies.values():
+        for name, value in list(vars(config).items()):
+            if id(value) in copies:
+                setattr(config, name, copies[id(value)])
+    for sub in model.modules():
+        config = getattr(sub, "config", None)
+        if config is not None:
+            sub.config = copies[id(config)]
+
+
+def _check_inputs(model, args, kwargs):
+    """A forward pass of whole sequences or with a padding mask, refused before it runs: labels
+    without shift_labels are not cp.shard()'s (each rank would shift its own shard and score its
+    last token against nothing), and a mask is not applied (the attention is causal over the
+    whole sequence, Hugging Face builds no mask for it)."""
     model.strata_context_parallel.attention_calls = 0
+    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise ContextParallelError(
+            "strata.torch.context_parallel: labels without shift_labels: feed each rank its "
+            "shard, model(**cp.shard(input_ids, labels)), which shifts the labels over the "
+            "whole sequence")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(torch.all(mask != 0)):
+        raise ContextParallelError(
+            "strata.torch.context_parallel: an attention_mask with padding is not applied (the "
+            "attention is causal over the whole sequence): pack the sequences, or pad them at "
+            "the end with ignored labels, and pass no attention_mask")
 
 
 def _check_calls(model, args, output):

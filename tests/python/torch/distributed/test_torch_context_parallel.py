@@ -120,12 +120,14 @@ def test_shard_shifts_labels_across_the_shards_and_pads():
 
 
 def test_bad_configurations_are_refused():
+    # The model's shape (checked after the process group and the world: _check_model).
+    from strata.torch._context_parallel import _check_model
     with pytest.raises(st.ContextParallelError, match="3 attention heads do not divide among 2"):
-        st.context_parallel(worker.build("llama", heads=3, kv_heads=1), 2)
+        _check_model(worker.build("llama", heads=3, kv_heads=1), 2)
     model = worker.build("llama")
     model.config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(st.ContextParallelError, match="linear_attention layers"):
-        st.context_parallel(model, 2)
+        _check_model(model, 2)
     with pytest.raises(st.ContextParallelError, match="size must be a positive integer"):
         st.context_parallel(worker.build("llama"), 0)
     with pytest.raises(st.ContextParallelError, match="torch.distributed is not initialized"):
@@ -185,5 +187,36 @@ def test_a_model_whose_attention_bypasses_the_registry_is_refused_at_its_forward
                 sub.config._attn_implementation = "sdpa"
         with pytest.raises(st.ContextParallelError, match="never called"):
             model(**cp.shard(ids))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_users_mistakes_are_refused_and_its_config_left_alone(tmp_path):
+    # One rank, size 1, in this process (a world of 1): whole sequences with labels but no
+    # shard(), a padding mask, a size the world does not take (before the heads' check), and
+    # the config the model was built from, which must still build a model of plain attention.
+    dist.init_process_group("gloo", init_method="file://%s" % (tmp_path / "rendezvous"),
+                            rank=0, world_size=1)
+    try:
+        cfg = worker.config("llama")
+        before = cfg._attn_implementation
+        from transformers import LlamaForCausalLM
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        with pytest.raises(st.ContextParallelError, match="not a multiple of size=3"):
+            st.context_parallel(model, 3)  # 4 heads do not divide by 3 either: the world first
+        cp = st.context_parallel(model, 1)
+        assert cfg._attn_implementation == before  # the model's configs are its own copies
+        assert model.config._attn_implementation == "strata_ulysses"
+        ids = torch.randint(3, worker.VOCAB, (1, 8))
+        with pytest.raises(st.ContextParallelError, match="labels without shift_labels"):
+            model(ids, labels=ids)
+        padded = torch.ones(1, 8, dtype=torch.long)
+        padded[0, 6:] = 0
+        with pytest.raises(st.ContextParallelError, match="attention_mask with padding"):
+            model(**cp.shard(ids), attention_mask=padded)
+        model(**cp.shard(ids), attention_mask=torch.ones(1, 8, dtype=torch.long))  # no padding
+        reference = LlamaForCausalLM(cfg)  # built from the user's config: plain attention
+        reference(ids, labels=ids).loss.backward()
     finally:
         dist.destroy_process_group()
