@@ -69,6 +69,26 @@ def test_losses_match_plain_pytorch_in_fp32(device):
     model.strata.close()
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_offload_inside_no_grad_trains_as_outside(mode):
+    # A user's setup code under torch.no_grad() (weight surgery, a loader) or inference_mode:
+    # offload makes its graph anchor with grad regardless, and training after it is the same.
+    torch.manual_seed(0)
+    config = PRESETS["tiny"]
+    base = LlamaForCausalLM(config)
+    data = batches(config, 2)
+    _, expected = strata_losses(copy.deepcopy(base), data, 3e-3, 0.1)
+    model = copy.deepcopy(base)  # (a model made in inference mode cannot train anywhere)
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with context:
+        model = st.offload(model, device="cpu")
+    opt = st.AdamW(model, lr=3e-3, weight_decay=0.1)
+    got = train(model, opt, data, "cpu")
+    opt.synchronize()
+    model.strata.close()
+    assert got == expected
+
+
 def test_streaming_through_two_slots_changes_nothing():
     torch.manual_seed(1)
     config = PRESETS["tiny"]

@@ -21,7 +21,10 @@ measurement, the placement, the install and the move) ends in an EveryRank
 undoing what it did, and names the rank and its error."""
 
 import dataclasses
+import functools
 import time
+
+import torch
 
 from . import _distributed, _planning, _surgery
 from ._agreement import EveryRank
@@ -45,6 +48,19 @@ class _Plan:
     place_nvme: int = 0  # with nvme: what the placement may put there
 
 
+def _outside_no_grad(function):
+    """`function` run with grad and outside inference mode whatever the caller's: a user's
+    setup code under torch.no_grad() or torch.inference_mode() (weight surgery, a loader)
+    would otherwise give the session's tensors no graph (its anchor found no grad_fn) or make
+    them inference tensors that training cannot use."""
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        with torch.inference_mode(False), torch.enable_grad():
+            return function(*args, **kwargs)
+    return wrapped
+
+
+@_outside_no_grad
 def offload(model, gpu_budget=None, host_budget=None, nvme=None, nvme_budget=0, dtype=None,
             device=None, backend="auto", slot_budget=0, resident_blocks=None,
             state_placement=None, data_parallel=None, weights=None, grads="host",
