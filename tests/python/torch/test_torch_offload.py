@@ -105,6 +105,13 @@ def test_streaming_through_two_slots_changes_nothing():
     model.strata.close()
 
 
+def test_a_gpu_budget_given_in_gib_is_refused_naming_its_unit():
+    model = LlamaForCausalLM(PRESETS["tiny"])
+    with pytest.raises(ValueError, match=r"gpu_budget=8 bytes .* in bytes \(8 << 30 for 8 GiB\)"):
+        st.offload(model, device="cpu", gpu_budget=8)
+    assert getattr(model, "strata", None) is None  # nothing was changed
+
+
 def test_nvme_budget_none_is_no_nvme_tier():
     """nvme_budget=None, documented as 0 and what examples/train.py passes without --nvme,
     offloads without an NVMe tier instead of failing in the runtime's config."""

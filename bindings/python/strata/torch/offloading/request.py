@@ -111,6 +111,13 @@ def validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, b
     if isinstance(nvme, (str, bytes, os.PathLike)):
         nvme = [nvme]  # one path, not its characters
     nvme = list(nvme) if nvme else []
+    if gpu_budget is not None and not isinstance(gpu_budget, bool) and \
+            isinstance(gpu_budget, (int, float)) and 0 < gpu_budget < _SMALLEST_GPU_BUDGET:
+        # A budget given in GiB (gpu_budget=8) failed later in the planner as "only 256 bytes
+        # are left for slots", naming neither the argument nor its unit.
+        raise ValueError("strata.torch.offload: gpu_budget=%r bytes cannot hold one block's "
+                         "slots: budgets are in bytes (8 << 30 for 8 GiB); nothing was changed"
+                         % (gpu_budget,))
     nvme_budget = nvme_budget or 0  # None, as documented, is 0 (examples/train.py passes it)
     if nvme_budget and not nvme:
         raise ValueError("strata.torch.offload: nvme_budget=%d without nvme= (the NVMe tier's "
@@ -172,6 +179,9 @@ def _validate_model(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, de
     return Request(list(all_blocks), device, dtype, backend, grads_home, nvme, nvme_budget,
                     state_placement, gpu_budget, host_budget, slot_budget, None, source)
 
+
+# Below this a gpu_budget is a unit mistake, not a budget (1 MiB: no block's slots fit in it).
+_SMALLEST_GPU_BUDGET = 1 << 20
 
 # How offload's arguments spell each grads home, for messages.
 GRAD_HOME_TEXT = {"dram": "grads='host'", "hbm": "grads='device' in the compute dtype",
