@@ -184,6 +184,27 @@ def test_mlp_tiles_is_checked():
         st.offload(tiny("llama"), device="cpu", mlp_tiles=True)
 
 
+def test_placement_names_the_tiles_and_too_many_are_refused():
+    model = st.offload(tiny("llama"), device="cpu", resident_blocks=0, mlp_tiles=2)
+    try:
+        opt = st.AdamW(model.parameters(), lr=tpm.LR)
+        ids = batches()[0]
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        assert "over 2 sequence tiles" in model.strata.placement()
+    finally:
+        model.strata.close()
+    model = st.offload(tiny("llama"), device="cpu", resident_blocks=0, mlp_tiles=1000)
+    try:
+        opt = st.AdamW(model.parameters(), lr=tpm.LR)
+        ids = batches()[0]
+        with pytest.raises(ValueError, match="mlp_tiles=1000 is more than this batch's %d tokens"
+                           % ids.numel()):
+            model(ids, labels=ids)
+    finally:
+        model.strata.close()
+
+
 def test_forced_tiles_on_an_mlp_returning_a_tuple_raise_naming_it():
     model = tiny("llama", layers=1)
     mlp = model.model.layers[0].mlp

@@ -194,8 +194,14 @@ class Spiller:
         """The first block's forward pass with grad (`run` its forward, `block` the module):
         a new generation of records, and the decision for this batch; the MLP's tiles the
         user forced, where no decision carried them (strata.torch._tiled_mlp)."""
-        self._decide(run, block, args, kwargs)
         hidden = hidden_of(args, kwargs)
+        if self.forced_tiles and hidden is not None and \
+                hidden.numel() // hidden.shape[-1] < self.forced_tiles:
+            raise ValueError(
+                "strata.torch.offload: mlp_tiles=%d is more than this batch's %d tokens (a tile "
+                "holds at least one): pass fewer tiles, or mlp_tiles=None for the plan's"
+                % (self.forced_tiles, hidden.numel() // hidden.shape[-1]))
+        self._decide(run, block, args, kwargs)
         if self.forced_tiles and self.mlp_tiles is None and hidden is not None:
             self.mlp_tiles = _tiled_mlp.planned(_spill_plan.forced_tiles_plan(
                 self, hidden.numel() // hidden.shape[-1], hidden.numel() * hidden.element_size()))

@@ -9,7 +9,15 @@ def budget_short(s):
 
 def describe(s):
     """'N of M block checkpoints spilled to host memory (X GiB)', what host_budget kept
-    from spilling, or ''."""
+    from spilling, and the blocks whose MLP runs over sequence tiles, or ''."""
+    tiled = [t for t in (s.mlp_tiles or ()) if t > 1]
+    tiles = ("the MLP of %d blocks over %d sequence tiles" % (len(tiled), max(tiled))
+             if tiled else "")
+    said = _checkpoints(s)
+    return "; ".join(part for part in (said, tiles) if part)
+
+
+def _checkpoints(s):
     if s.count <= 0 and not budget_short(s) and s.regen.starts is None:
         return ""
     if s.inside_checkpoint:
