@@ -23,11 +23,12 @@ transformers.logging.set_verbosity_error()
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
-def saved(name, directory, fused=False):
-    """A tiny model of family `name` saved in `directory` by save_pretrained (the Hub's
-    layout), or with its state_dict as it is (fused=True): the saved model's config."""
+def saved(name, directory, fused=False, **extra):
+    """A tiny model of family `name` (`extra`: its config's overrides) saved in `directory` by
+    save_pretrained (the Hub's layout), or with its state_dict as it is (fused=True): the saved
+    model's config."""
     from safetensors.torch import save_file
-    base = moe_model(name)
+    base = moe_model(name, **extra)
     base.save_pretrained(str(directory))
     if fused:
         save_file({k: v.contiguous() for k, v in base.state_dict().items()},
@@ -93,3 +94,14 @@ def test_a_checkpoint_missing_an_expert_is_refused_by_name(offload, tmp_path):
                                            r"(gate_up_proj|down_proj): \[3, "):
         offload(meta, weights=str(tmp_path))
     assert all(p.is_meta for p in meta.parameters())
+
+
+def test_experts_fuse_in_their_numeric_order(offload, tmp_path):
+    """12 experts: expert 10 goes after expert 9 (from_pretrained's natural order of the keys),
+    not after expert 1 as the file's sorted keys list it."""
+    config = saved("qwen3_moe", tmp_path, num_experts=12)
+    assert "model.layers.0.mlp.experts.10.down_proj.weight" in file_keys(tmp_path)
+    reference = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path)).to(DEVICE)
+    model = offload(on_meta(config), weights=str(tmp_path), chunked_loss=False)
+    st.AdamW(model.parameters(), lr=1e-3)
+    assert_state_close(snapshot(model), snapshot(reference), exact=True)

@@ -91,9 +91,10 @@ class SafetensorsWeights:
             try:
                 made = conversion.shapes(self._file_shape)
             except Exception as e:
-                raise WeightsError("strata.torch.offload: weights=%r: transformers' conversion of "
-                                 "%s into %s fails: %s" % (self.path, conversion.first_key(),
-                                                           conversion.first_name(), e)) from None
+                raise WeightsError(
+                    "strata.torch.offload: weights=%r: transformers' conversion of %s into %s "
+                    "fails: %s" % (self.path, conversion.first_key(), conversion.first_name(),
+                                   e)) from None
             for name in made:
                 if name not in self._where:
                     self._converted[name] = conversion
@@ -149,7 +150,9 @@ class _Conversion:
 
     def run(self, read):
         """{the model's name: tensor} for this group, converted by transformers' operations
-        from the file's tensors that read(key) gives."""
+        from the file's tensors that read(key) gives. (A converter that splits one tensor into
+        several parameters runs once for each of them: only the MoE fusions, many to one, are
+        in the mappings of the families tested.)"""
         converter = copy.deepcopy(self._converter)
         for key, pattern in self._sources:
             converter.add_tensor(self._first_name, key, pattern, functools.partial(read, key))
