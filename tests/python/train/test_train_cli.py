@@ -378,3 +378,30 @@ def test_sharded_export_reloads(tmp_path, checkpoint, one_torch_thread):
     assert set(index["weight_map"]) == set(model.state_dict())
     assert [r["export_max_logit_diff"] for r in read_metrics(out / "metrics.jsonl")
             if "export_max_logit_diff" in r] == [0.0]
+
+
+def test_an_moe_checkpoint_trains_and_a_broken_one_is_named(tmp_path, capsys, checkpoint,
+                                                            one_torch_thread):
+    """A tiny Qwen3-MoE saved by save_pretrained (one tensor per expert, as the Hub's MoE
+    checkpoints): strata-train streams it in (converted as from_pretrained converts it) and
+    trains; with one expert's tensors gone it ends in its error line naming the parameter,
+    not a traceback."""
+    from safetensors.torch import load_file, save_file
+    moe = tmp_path / "moe"
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=640, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(7)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(str(moe))
+    transformers.AutoTokenizer.from_pretrained(str(DEFAULT)).save_pretrained(str(moe))
+    argv = ["--model", moe, "--max-steps", 1, "--micro-batch", 2, "--save-every", 0]
+    assert run(argv + ["--output", tmp_path / "out"] + FAST) == 0
+    assert len(losses(tmp_path / "out")) == 1
+    tensors = load_file(str(moe / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if ".layers.0.mlp.experts.3." not in k},
+              str(moe / "model.safetensors"), metadata={"format": "pt"})
+    assert run(argv + ["--output", tmp_path / "out2"] + FAST) == 2
+    err = capsys.readouterr().err
+    assert "strata-train: error: --model %s: strata.torch.offload: weights=" % moe in err
+    assert "shapes differ: model.layers.0.mlp.experts." in err and "Traceback" not in err

@@ -8,13 +8,18 @@ overwritten.
 
 A Hugging Face checkpoint directory works as it is: model.safetensors, or the shards that
 model.safetensors.index.json lists. Names are the model's state_dict names, or for a
-transformers model the names its checkpoints use where transformers renames them on loading
-(its conversion mapping's renamings, as from_pretrained applies them: a vision-language
-model's checkpoint says `language_model.model.layers.0...` where the module is
-`model.language_model.layers.0...`); its tensor conversions (fused or split tensors) are not
-renamings and are not applied. A tied parameter (an output head sharing the embedding) needs
-one of its names in the file."""
+transformers model the names and layouts its checkpoints use, converted as from_pretrained
+converts them (its conversion mapping, applied through transformers' own classes): renamings
+(a vision-language model's checkpoint says `language_model.model.layers.0...` where the
+module is `model.language_model.layers.0...`) and tensor conversions (a mixture of experts'
+checkpoint stores one tensor per expert, `mlp.experts.0.gate_proj.weight`, where the model
+has one fused 3-D `mlp.experts.gate_up_proj`: the converter stacks and concatenates a
+block's experts when that parameter is read, so host memory holds one parameter's sources,
+never the model's). A tied parameter (an output head sharing the embedding) needs one of its
+names in the file."""
 
+import copy
+import functools
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ._surgery import swap_data
+
+
+class WeightsError(ValueError):
+    """A weights= checkpoint that cannot give the model its values (missing, unreadable, of
+    other shapes, or a conversion of transformers' that fails on it): the message names it
+    (strata-train prints it as its error line)."""
 
 
 class SafetensorsWeights:
@@ -40,16 +51,17 @@ class SafetensorsWeights:
             elif os.path.exists(single):
                 files = [single]
             else:
-                raise ValueError("strata.torch.offload: weights=%r is a directory without "
+                raise WeightsError("strata.torch.offload: weights=%r is a directory without "
                                  "model.safetensors or model.safetensors.index.json" % path)
         elif os.path.exists(path):
             files = [path]
         else:
-            raise ValueError("strata.torch.offload: weights=%r does not exist" % path)
+            raise WeightsError("strata.torch.offload: weights=%r does not exist" % path)
         self.path = path
         self._files = []
         self._where = {}
         self._file_key = {}  # a model's name -> the file's key, where they differ (renamed)
+        self._converted = {}  # a model's name -> the _Conversion that makes it from the file
         try:
             for name in files:
                 handle = safe_open(name, framework="pt", device="cpu")
@@ -58,7 +70,7 @@ class SafetensorsWeights:
                     self._where[key] = handle
         except Exception as e:
             self.close()
-            raise ValueError("strata.torch.offload: weights=%r: %s" % (path, e)) from None
+            raise WeightsError("strata.torch.offload: weights=%r: %s" % (path, e)) from None
 
     def close(self):
         for handle in self._files:
@@ -67,61 +79,131 @@ class SafetensorsWeights:
                 exit_(None, None, None)
         self._files = []
 
-    def adopt_renamings(self, model):
-        """The model's names for the file's keys that transformers renames on loading
-        (_renamings) find those tensors too."""
-        for name, key in _renamings(model, list(self._where)).items():
+    def adopt_conversions(self, model):
+        """The model's names for the file's keys that transformers renames or converts on
+        loading (_mapping) find those tensors too."""
+        renamed, conversions = _mapping(model, list(self._where))
+        for name, key in renamed.items():
             if name not in self._where:
                 self._where[name] = self._where[key]
                 self._file_key[name] = key
+        for conversion in conversions:
+            try:
+                made = conversion.shapes(self._file_shape)
+            except Exception as e:
+                raise WeightsError(
+                    "strata.torch.offload: weights=%r: transformers' conversion of %s into %s "
+                    "fails: %s" % (self.path, conversion.first_key(), conversion.first_name(),
+                                   e)) from None
+            for name in made:
+                if name not in self._where:
+                    self._converted[name] = conversion
 
     def find(self, names):
-        """The first of `names` the checkpoint has, or None."""
+        """The first of `names` the checkpoint has (as it is, renamed or converted), or None."""
         for name in names:
-            if name in self._where:
+            if name in self._where or name in self._converted:
                 return name
         return None
 
+    def _file_shape(self, key):
+        return tuple(self._where[key].get_slice(self._file_key.get(key, key)).get_shape())
+
     def shape(self, name):
-        return tuple(self._where[name].get_slice(self._file_key.get(name, name)).get_shape())
+        if name in self._converted:
+            return self._converted[name].shapes(self._file_shape)[name]
+        return self._file_shape(name)
+
+    def _file_tensor(self, key):
+        return self._where[key].get_tensor(self._file_key.get(key, key))
 
     def tensor(self, names):
         """The values of the first of `names` the checkpoint has (a CPU tensor over the file's
-        memory map where the dtype allows)."""
+        memory map where the dtype allows and no conversion made a new one)."""
         name = self.find(names)
         if name is None:
             raise KeyError("none of %s is in %s" % (list(names), self.path))
-        return self._where[name].get_tensor(self._file_key.get(name, name))
+        if name in self._converted:
+            return self._converted[name].run(self._file_tensor)[name]
+        return self._file_tensor(name)
 
 
-def _renamings(model, keys):
-    """{the model's name: the file's key} for the checkpoint `keys` that transformers renames
-    to another of the model's state_dict names when from_pretrained loads them (the model's
-    conversion mapping: its WeightRenamings, the base model's prefix added or dropped); keys a
-    WeightConverter transforms (fused or split tensors) are left out. Empty for a model that
-    is not a transformers one, or a transformers without conversion mappings."""
+class _Conversion:
+    """One of transformers' WeightConverters for one group of the model's parameters (a
+    block's fused experts) with the file's keys it gathers, in the order from_pretrained
+    gathers them (its dot_natural_key order: expert 2 before expert 10)."""
+
+    def __init__(self, converter, first_name, model):
+        self._converter = copy.deepcopy(converter)  # a clean one: it collects tensors
+        self._first_name, self._model = first_name, model
+        self._sources = []  # (the file's key, the converter's source pattern it matched)
+        self._shapes = None
+
+    def first_name(self):
+        return self._first_name
+
+    def first_key(self):
+        return self._sources[0][0]
+
+    def add(self, key, pattern):
+        self._sources.append((key, pattern))
+
+    def run(self, read):
+        """{the model's name: tensor} for this group, converted by transformers' operations
+        from the file's tensors that read(key) gives. (A converter that splits one tensor into
+        several parameters runs once for each of them: only the MoE fusions, many to one, are
+        in the mappings of the families tested.)"""
+        converter = copy.deepcopy(self._converter)
+        for key, pattern in self._sources:
+            converter.add_tensor(self._first_name, key, pattern, functools.partial(read, key))
+        # No loading_info: transformers then raises a conversion's error instead of only
+        # logging it and skipping the parameter.
+        return converter.convert(self._first_name, model=self._model, config=self._model.config)
+
+    def shapes(self, file_shape):
+        """{the model's name: shape} this group makes, from the file's shapes alone (the
+        conversion run on meta tensors: nothing is read)."""
+        if self._shapes is None:
+            made = self.run(lambda key: torch.empty(file_shape(key), device="meta"))
+            self._shapes = {name: tuple(t.shape) for name, t in made.items()}
+        return self._shapes
+
+
+def _mapping(model, keys):
+    """For the checkpoint `keys` that transformers renames or converts when from_pretrained
+    loads them into `model` (the model's conversion mapping: its WeightRenamings, the base
+    model's prefix added or dropped, its WeightConverters): ({the model's name: the file's key}
+    for the renamed ones, [_Conversion] for the converted ones). Nothing for a model that is
+    not a transformers one, or a transformers without conversion mappings."""
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (WeightConverter, WeightRenaming,
-                                                     rename_source_key)
+                                                     dot_natural_key, rename_source_key)
     except ImportError:
-        return {}
+        return {}, []
     if not isinstance(model, PreTrainedModel):
-        return {}
+        return {}, []
     mapping = get_model_conversion_mapping(model)
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
     names = dict.fromkeys(model.state_dict(), True)
-    found = {}
-    for key in keys:
+    renamed, conversions = {}, {}
+    for key in sorted(keys, key=dot_natural_key):
         if key in names:
             continue
-        name, converted = rename_source_key(key, renamings, converters,
-                                            model.base_model_prefix, names)
-        if converted is None and name != key and name in names:
-            found[name] = key
-    return found
+        name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix,
+                                          names)
+        if name not in names:
+            continue
+        if pattern is None:
+            if name != key:
+                renamed[name] = key
+        else:
+            conversions.setdefault(name, _Conversion(by_pattern[pattern], name, model)).add(
+                key, pattern)
+    return renamed, list(conversions.values())
 
 
 def check_covers(weights, model):
@@ -144,7 +226,7 @@ def check_covers(weights, model):
                 if weights.find([full]) is None:
                     missing.append(full)
     if missing or mismatched:
-        raise ValueError(
+        raise WeightsError(
             "strata.torch.offload: weights=%r does not fit the model: %s%s; nothing was changed"
             % (weights.path,
                "missing %d: %s" % (len(missing), ", ".join(missing[:8]) +

@@ -79,6 +79,7 @@ def build(options, directory, config, device, data_parallel):
     """The offloaded model (fp32 masters, the compute dtype on the device) of `config`
     (load_config's)."""
     import strata.torch as st
+    from strata.torch._weights import WeightsError
     from transformers import AutoModelForCausalLM
     weights = weights_of(directory)
     torch.manual_seed(options.seed)
@@ -91,11 +92,14 @@ def build(options, directory, config, device, data_parallel):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gib = 1 << 30
-    model = st.offload(
-        model, device=device, dtype=dtype_of(options, device), weights=weights,
-        gpu_budget=int(options.gpu_budget * gib) if options.gpu_budget else None,
-        host_budget=int(options.host_budget * gib) if options.host_budget else None,
-        nvme=options.nvme)
+    try:
+        model = st.offload(
+            model, device=device, dtype=dtype_of(options, device), weights=weights,
+            gpu_budget=int(options.gpu_budget * gib) if options.gpu_budget else None,
+            host_budget=int(options.host_budget * gib) if options.host_budget else None,
+            nvme=options.nvme)
+    except WeightsError as e:  # a checkpoint that does not fit the model: named, no traceback
+        raise UsageError("--model %s: %s" % (options.model, e)) from None
     return model
 
 

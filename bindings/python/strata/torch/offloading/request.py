@@ -132,7 +132,7 @@ def validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, b
     if weights is not None:
         source = _weights.SafetensorsWeights(weights)
         try:
-            source.adopt_renamings(model)
+            source.adopt_conversions(model)
             _weights.check_covers(source, model)
         except BaseException:
             source.close()
