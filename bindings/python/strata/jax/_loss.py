@@ -40,7 +40,8 @@ def _checked(hidden, weight, labels, where, chunk_tokens):
     if jnp.ndim(hidden) < 1 or jnp.shape(hidden)[-1] != jnp.shape(weight)[0]:
         raise ValueError("strata.jax.chunked_cross_entropy: hidden's last axis (%s) must equal "
                          "the head weight's first ([hidden, vocab] = %s)"
-                         % (jnp.shape(hidden)[-1:], jnp.shape(weight)))
+                         % (jnp.shape(hidden)[-1] if jnp.ndim(hidden) else "none",
+                            jnp.shape(weight)))
     if jnp.shape(labels) != jnp.shape(hidden)[:-1]:
         raise ValueError("strata.jax.chunked_cross_entropy: labels' shape %s must be hidden's "
                          "without its last axis, %s" % (jnp.shape(labels),
