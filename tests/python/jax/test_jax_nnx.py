@@ -170,6 +170,8 @@ def test_nnx_bf16_streamed_blocks_with_param_groups_train():
         plain = model.layers.plain()
         assert plain.q.kernel[...].dtype == jnp.bfloat16
         assert plain.q.kernel[...].shape == (LAYERS, DIM, DIM)
+    with pytest.raises(RuntimeError, match="the trainer is closed"):
+        model.layers.plain()  # after the with block: named, not an AttributeError
 
 
 class Noisy(nnx.Module):

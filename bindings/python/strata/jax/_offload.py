@@ -18,6 +18,11 @@ class _Streamed:
     def plain(self):
         """The stacked blocks as the framework's own module, with the trained weights (the
         compute dtype, as JAX arrays): for evaluation without Strata, saving, comparing."""
+        if self.trainer.runtime._handle is None:
+            raise RuntimeError(
+                "strata.jax.offload: the trainer is closed (its `with trainer:` block ended), "
+                "and the trained blocks went with its runtime: call plain() (or "
+                "trainer.save(dir)) before it closes")
         blocks, _ = self.trainer.get_params()
         return self._rebuild(blocks)
 
