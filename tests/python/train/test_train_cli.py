@@ -141,7 +141,7 @@ def test_one_run_equals_plain_pytorch(tmp_path, checkpoint, one_torch_thread):
         assert torch.allclose(value, reference[name], atol=1e-6, rtol=1e-6), name
 
 
-def test_stop_and_resume_is_bit_for_bit(tmp_path, checkpoint, one_torch_thread):
+def test_stop_and_resume_is_bit_for_bit(tmp_path, checkpoint, one_torch_thread, capsys):
     """4 steps at once against 2 steps (--stop-after 2, a checkpoint), then --resume latest for
     the rest: the same losses and the same exported weights, to the bit (the data's position,
     the schedule and the RNG come back with the checkpoint)."""
@@ -151,6 +151,9 @@ def test_stop_and_resume_is_bit_for_bit(tmp_path, checkpoint, one_torch_thread):
     split = tmp_path / "split"
     assert run(common + ["--output", split, "--save-every", 2, "--stop-after", 2]) == 0
     assert not (split / "model").exists()  # stopped early: nothing exported yet
+    said = capsys.readouterr().err
+    assert "stopped at step 2 of 4 (--stop-after 2), nothing exported" in said
+    assert "continue with --resume latest" in said and "no checkpoint" not in said
     assert run(common + ["--output", split, "--save-every", 2, "--resume", "latest"]) == 0
     assert losses(split) == losses(tmp_path / "whole")
     a, b = exported(tmp_path / "whole"), exported(split)
@@ -308,7 +311,7 @@ def test_config_file_and_flags(tmp_path):
     assert (o.max_steps, o.optimizer) == (5, "lion")
     for text, message in [("micro_bach: 3\n", "unknown option 'micro_bach'; did you mean "
                                                "'micro_batch'"),
-                          ("micro_batch: many\n", "micro_batch must be a int, not 'many'"),
+                          ("micro_batch: many\n", "micro_batch must be an integer, not 'many'"),
                           ("optimizer: adamax\n", "optimizer is 'adamax'; one of adamw"),
                           ("packing: 3\n", "packing must be true or false"),
                           ("- 1\n", "expected a mapping")]:
@@ -336,7 +339,11 @@ def test_bad_input_is_named(tmp_path, capsys, checkpoint):
                       json.dumps({"instruction": "q", "output": None}) + "\n")
     images = tmp_path / "images.jsonl"
     images.write_text(json.dumps({"messages": conversation(), "images": ["cat.png"]}) + "\n")
+    unparsable = tmp_path / "unparsable.jsonl"
+    unparsable.write_text(json.dumps({"messages": conversation()}) + "\n{\"messages\": [ oops\n")
     cases = [
+        (["--model", checkpoint, "--data", unparsable],
+         "unparsable.jsonl: cannot be read: .*JSON parse error"),  # the parser's own words
         (["--model", checkpoint, "--data", images],
          "strata-train trains on text only: --data has the column `images`"),
         (["--data", tmp_path / "missing.jsonl"], "--data: no such file: .*missing.jsonl"),

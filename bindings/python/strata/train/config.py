@@ -165,8 +165,9 @@ def _coerce(option, value, where):
             raise ValueError(value)
         out = option.type(value)
     except (TypeError, ValueError):
-        raise UsageError("%s: %s must be a %s, not %r"
-                         % (where, option.name, option.type.__name__, value)) from None
+        kind = {"int": "an integer", "float": "a number", "str": "a string"}.get(
+            option.type.__name__, "a " + option.type.__name__)
+        raise UsageError("%s: %s must be %s, not %r" % (where, option.name, kind, value)) from None
     return out
 
 

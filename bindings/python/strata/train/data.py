@@ -40,6 +40,19 @@ IGNORE = -100
 GENERATION_MARK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
+def _root_cause(error):
+    """The error and what caused it, innermost last: datasets wraps a file's parse error (the
+    JSON line at fault) in "An error occurred while generating the dataset"."""
+    said, seen = [str(error)], {id(error)}
+    cause = error.__cause__ or error.__context__
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if str(cause) and str(cause) not in said:
+            said.append(str(cause))
+        cause = cause.__cause__ or cause.__context__
+    return ": ".join(said)
+
+
 def load(specs, split="train", what="--data"):
     """A datasets.Dataset of `specs`: local files (of one kind, by extension) or one Hub name."""
     import datasets
@@ -55,7 +68,8 @@ def load(specs, split="train", what="--data"):
         try:
             return datasets.load_dataset(kinds.pop(), data_files=files, split="train")
         except Exception as e:
-            raise UsageError("%s %s: cannot be read: %s" % (what, " ".join(specs), e)) from None
+            raise UsageError("%s %s: cannot be read: %s"
+                             % (what, " ".join(specs), _root_cause(e))) from None
     missing = [s for s in specs if not os.path.exists(s)]
     if len(specs) > 1 or any(_extension(s) in FILE_BUILDERS or s.startswith((".", "/", "~"))
                              for s in missing):

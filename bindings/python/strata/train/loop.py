@@ -155,14 +155,22 @@ def run(options):
             if lead else None
         if lead:
             print("strata-train: %s (%.2fM parameters, %d streamed blocks, %s on %s), %d %s "
-                  "rows of %d tokens at most, %d steps of %d x %d x %d rows%s"
+                  "rows of %d tokens at most, %d steps of %d rows (micro-batch %d x "
+                  "accumulation %d x ranks %d)%s"
                   % (options.model, sum(p.numel() for p in model.parameters()) / 1e6,
                      len(model.strata.blocks), str(model.strata.dtype).replace("torch.", ""),
-                     device, len(train_rows), fmt, options.seq_len, steps, options.micro_batch,
+                     device, len(train_rows), fmt, options.seq_len, steps,
+                     options.micro_batch * options.accumulation * place.world, options.micro_batch,
                      options.accumulation, place.world,
                      ", resumed at step %d" % step if step else ""), file=sys.stderr)
         step = loop(model, opt, sched, batches, eval_rows, options, place, device, tokenizer,
                     metrics, step, steps)
+        if step < steps and lead:
+            print("strata-train: stopped at step %d of %d (--stop-after %d), nothing exported; "
+                  "continue with --resume latest%s"
+                  % (step, steps, options.stop_after,
+                     "" if options.save_every else " (no checkpoint was saved: give "
+                     "--save-every to resume from one)"), file=sys.stderr)
         if options.export and step == steps:
             out = os.path.join(options.output, "model")
             export.export(model, out, tokenizer, options.export_shard_size, write=lead)
