@@ -69,7 +69,9 @@ def chunked_cross_entropy(hidden, weight, labels, *, where=None, chunk_tokens=No
     operands' dtype and widened to fp32 before the softmax, as `(hidden @ weight).astype(f32)`
     would be. Differentiable in hidden and weight: the backward pass recomputes each chunk's
     logits (jax.checkpoint), so it never holds more than one chunk's [chunk, V] either; the
-    head's grad is summed over the chunks in its own dtype."""
+    head's grad is summed over the chunks in its own dtype. A label outside [0, vocab) that
+    `where` does not mask gives NaN, as optax's does (values cannot be checked inside a jitted
+    step): mask ignored positions (an ignore index such as -100) with `where`."""
     _checked(hidden, weight, labels, where, chunk_tokens)
     h, vocab = jnp.shape(weight)
     heads = getattr(_context, "heads", None)
