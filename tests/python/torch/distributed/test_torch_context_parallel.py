@@ -18,9 +18,6 @@ SDPA attention.
   attention, a size that is not a positive integer, no torch.distributed group; at run time an
   attention mask, a sliding window shorter than the sequence, soft-capping; a model whose
   attention does not go through transformers' registry, at its first forward pass."""
-import multiprocessing
-import socket
-import time
 
 import pytest
 
@@ -30,47 +27,20 @@ pytest.importorskip("transformers")
 if not dist.is_available():
     pytest.skip("torch without distributed support", allow_module_level=True)
 import torch_cp_worker as worker  # noqa: E402
+import rank_launch  # noqa: E402
 import strata.torch as st  # noqa: E402
 from torch_parity_models import assert_losses_close, assert_state_close  # noqa: E402
-
-_CONTEXT = []
-
-
-def context():
-    """A forkserver that imported torch, transformers and strata.torch once: each rank is a
-    fork of it."""
-    if not _CONTEXT:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
-                                    "transformers", "strata.torch", "torch_cp_worker"])
-        _CONTEXT.append(ctx)
-    return _CONTEXT[0]
-
 
 def run(tmp_path, name, world, limit=120, **options):
     """`world` ranks of the worker; rank 0's output. A rank still running at `limit` s is a
     hang: killed, and the test fails."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / name)
-    argv = ["--world", str(world), "--port", str(port), "--out", out]
+    argv = ["--world", str(world), "--port", str(rank_launch.free_port()), "--out", out]
     for k, v in options.items():
         argv += ["--" + k.replace("_", "-"), str(v)]
-    procs, logs = [], []
-    for rank in range(world):
-        logs.append("%s.rank%d" % (out, rank))
-        procs.append(context().Process(target=worker.entry,
-                                       args=(["--rank", str(rank)] + argv, logs[-1])))
-        procs[-1].start()
-    deadline = time.monotonic() + limit
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-        if p.exitcode is None:
-            p.kill()
-            p.join()
-    texts = [open(log).read() for log in logs]
-    codes = [p.exitcode for p in procs]
+    ctx = rank_launch.forkserver("torch", "torch.distributed", "torch._dynamo", "transformers",
+                                 "strata.torch", "torch_cp_worker")
+    codes, texts, _ = rank_launch.launch(ctx, worker.entry, argv, world, out, limit)
     assert codes == [0] * world, "ranks failed: %s\n%s" % (codes, "\n".join(
         t[-2000:] for t in texts))
     return torch.load(out, weights_only=True)

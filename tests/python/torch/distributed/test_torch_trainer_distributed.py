@@ -17,9 +17,6 @@ Llama, the Trainer's shuffled sampler, a cosine warm-up and max_grad_norm (it bi
 - The plain transformers.Trainer over an offloaded model under 2 ranks is refused on every rank
   with strata.torch's DDP message, which names StrataTrainer; StrataTrainer over a model that
   is not data parallel over the Trainer's processes is refused, saying why."""
-import multiprocessing
-import socket
-import time
 
 import pytest
 
@@ -30,49 +27,24 @@ pytest.importorskip("accelerate")  # the Trainer needs it
 if not dist.is_available():
     pytest.skip("torch without distributed support", allow_module_level=True)
 import torch_trainer_dist_worker as worker  # noqa: E402
+import rank_launch  # noqa: E402
 from torch_parity_models import assert_losses_close, assert_state_close  # noqa: E402
 
 BATCH, STEPS, CLIP = 2, 3, 0.05  # the clip binds: every step scales the grads
-_CONTEXT = []
-
-
-def context():
-    """A forkserver that imported torch, transformers and strata.torch once: each rank is a fork
-    of it (a rank importing transformers itself takes seconds)."""
-    if not _CONTEXT:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "transformers",
-                                    "strata.torch", "torch_trainer_dist_worker"])
-        _CONTEXT.append(ctx)
-    return _CONTEXT[0]
 
 
 def run(tmp_path, name, world, limit=180, **options):
     """`world` ranks of the worker; (exit codes, output texts). A rank still running at
     `limit` s is a hang: killed, and the test fails."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / name)
-    argv = ["--world", str(world), "--port", str(port), "--out", out, "--batch", str(BATCH),
-            "--steps", str(STEPS), "--clip", str(CLIP)]
+    argv = ["--world", str(world), "--port", str(rank_launch.free_port()), "--out", out,
+            "--batch", str(BATCH), "--steps", str(STEPS), "--clip", str(CLIP)]
     for k, v in options.items():
         argv += ["--" + k.replace("_", "-")] + ([] if v is True else [str(v)])
-    procs, logs = [], []
-    for rank in range(world):
-        logs.append("%s.rank%d" % (out, rank))
-        procs.append(context().Process(target=worker.entry,
-                                       args=(["--rank", str(rank)] + argv, logs[-1])))
-        procs[-1].start()
-    deadline = time.monotonic() + limit
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-        if p.exitcode is None:
-            p.kill()
-            p.join()
-    texts = [open(log).read() for log in logs]
-    codes = [p.exitcode for p in procs]
-    assert time.monotonic() < deadline, "a rank hung:\n%s" % "\n".join(t[-2000:] for t in texts)
+    ctx = rank_launch.forkserver("torch", "torch.distributed", "torch._dynamo", "transformers",
+                                 "strata.torch", "torch_trainer_dist_worker")
+    codes, texts, late = rank_launch.launch(ctx, worker.entry, argv, world, out, limit)
+    assert not late, "a rank hung:\n%s" % "\n".join(t[-2000:] for t in texts)
     return codes, texts, out
 
 
