@@ -31,7 +31,7 @@ CONFIGS = {
                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                rope_theta=500000.0),
     # Issue 39 item 2a: the largest Llama a 4 x H200 host's DRAM and disk hold under data
-    # parallelism (41.4B: Llama-3-70B's block shape, 46 of them; docs/benchmarks/data-parallel.md, "The
+    # parallelism (41.4B: Llama-3-70B's block shape, 46 of them; docs/benchmarks/nvme.md, "The
     # largest models on one GPU", for the arithmetic).
     "40b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                 num_hidden_layers=46, num_attention_heads=64, num_key_value_heads=8,
