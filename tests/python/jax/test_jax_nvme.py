@@ -158,3 +158,46 @@ def test_budgets_that_cannot_hold_the_model_are_refused(tmp_path):
         api.llama_trainer(blocks, residents, nvme_budget=4096)
     with pytest.raises(ValueError, match=r"state_placement is 'disk', not 'planned' or 'nvme'"):
         api.llama_trainer(blocks, residents, nvme=tier, state_placement="disk")
+
+
+def test_offloaded_equinox_model_with_nvme_trains_as_in_dram(tmp_path):
+    """strata.jax.offload passes nvme= and host_budget= to its Trainer: an Equinox Llama
+    (test_jax_equinox's) trained by its own eqx.filter_jit step with every block's weights and
+    state on NVMe (the smallest host budget) equals the same offload in DRAM bit for bit."""
+    pytest.importorskip("equinox")
+    import equinox as eqx
+    from strata.jax import _ffi
+    try:
+        _ffi.load()
+    except _ffi.FfiUnavailable as e:  # offload needs the FFI ops
+        pytest.skip("the FFI library cannot be built here: %s" % e)
+    import importlib.util
+    import pathlib
+    import strata.jax as sj
+    where_eq = pathlib.Path(__file__).with_name("test_jax_equinox.py")  # its model and step
+    spec = importlib.util.spec_from_file_location("_jax_nvme_equinox", where_eq)
+    eq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(eq)
+
+    data = eq.batches(3)
+    runs = []
+    for kw in ({}, {"nvme": str(tmp_path / "tier")}):
+        model = eq.Llama(jax.random.key(0))
+        if kw:
+            counts = [[int(np.prod(leaf.shape[1:])) for leaf in
+                       jax.tree_util.tree_leaves(eqx.filter(model.layers, eqx.is_array))]
+                      ] * eq.LAYERS
+            kw["host_budget"] = smallest_host_budget(strata.core.placement_layers(counts, 4))
+        model, trainer = sj.offload(model, "layers", block_optimizer=sj.AdamW(eq.LR,
+                                                                            weight_decay=eq.WD),
+                                    **kw)
+        with trainer:
+            where = trainer.placement_info()
+            model, losses = eq.train(model, data)
+            blocks = eqx.filter(model.layers.plain(), eqx.is_array)
+        runs.append((losses, blocks, where))
+    (expected, plain_blocks, _), (got, nvme_blocks, where) = runs
+    assert got == expected and expected[-1] < expected[0]
+    assert_bitwise(plain_blocks, nvme_blocks, "blocks")
+    assert all(t == "nvme" for layer in where["weights"] for t in layer), where
+    assert where["nvme_state_layers"] == eq.LAYERS, where
