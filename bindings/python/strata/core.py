@@ -3,7 +3,8 @@ Each frees its handle on close() (or garbage collection) in the order the header
 
 The public face of the ctypes layer: its names live in the modules below it, one job each
 (strata._abi: strata.h's constant tables; strata._sizes: what streaming takes of each tier;
-strata._placement: place(); strata._runtime: Runtime, Tensor; strata._streaming: Executor,
+strata._placement: place(); strata._tiering: the NVMe tier's budgets checked and its placement
+chosen for a binding; strata._runtime: Runtime, Tensor; strata._streaming: Executor,
 Optimizer), and are imported here, where users and the bindings find them; this module itself
 says which library was loaded and where its header and CMake package are."""
 import pathlib
@@ -19,6 +20,8 @@ from ._sizes import (NVME_DRAM_MARGIN, accum_bytes, full_dram, grad_fetch_bytes,
                      grads_hbm_bytes, layout_sizes, layout_totals, pinned_dram,
                      placement_layers, state_bytes_per_param, streaming_budgets)
 from ._streaming import Executor, Optimizer  # noqa: F401
+from ._tiering import (HOST_SHARE, TierPlan, plan_budgets, tier_arguments,  # noqa: F401
+                       choose as choose_placement)
 
 L = _lib.lib
 

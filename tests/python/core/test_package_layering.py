@@ -17,6 +17,7 @@ MODULE_ORDER = [
     "strata.errors",
     "strata.host_buffers",  # the runtime's host buffers under its one host budget
     "strata.atomic_dir",  # the runtime's atomic checkpoint directory
+    "strata._host",  # host probes any binding reads: MemAvailable, free disk, file systems
     "strata.core",
     "strata.step_plan",  # the library's step-memory plan (strata_step_plan_*), any framework
     "strata.atomic_dir",  # the library's atomic checkpoint directories, any framework
@@ -108,7 +109,9 @@ CORE_ORDER = [
     "strata.dlpack",
     "strata._abi",  # strata.h's constant tables and its dump convention
     "strata._sizes",  # what streaming takes of each tier (strata_layout_query)
+    "strata._host",  # host probes any binding reads: MemAvailable, free disk, file systems
     "strata._placement",  # place(): where weights and optimizer state live
+    "strata._tiering",  # the NVMe tier's budgets and placement, for every binding
     "strata._runtime",  # Runtime, Tensor
     "strata._streaming",  # Executor, Optimizer
     "strata.host_buffers",  # the runtime's host buffers under its one host budget

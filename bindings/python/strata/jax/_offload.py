@@ -59,7 +59,9 @@ def offload(model, blocks="layers", *, block_optimizer=None, **trainer_kw):
     an attribute path ("layers", "decoder.layers") or, for Equinox, a function model -> blocks
     as eqx.tree_at takes. Calling one block must be `block(hidden, *extras) -> hidden`.
     block_optimizer: a strata.jax.AdamW (the blocks' optimizer); trainer_kw: the Trainer's
-    dtype, gpu_budget, host_budget, nvme, backend, slot_budget, scan.
+    dtype, gpu_budget, host_budget, nvme, nvme_budget, state_placement (the NVMe tier: the
+    library places the blocks' weights and optimizer state, as for the Trainer), backend,
+    slot_budget, scan.
 
     Returns (model, trainer). The model's stack is replaced by a streamed one (an NNX model is
     changed in place and returned; an Equinox model is returned anew) that holds no arrays:

@@ -1,5 +1,6 @@
 """Building a Trainer: the FFI choice, the blocks checked and read per layer, their tensors
-registered with the runtime and filled, the optimizer, the executor, the residents."""
+registered with the runtime (where the placement says: strata.jax._tiers) and filled, the
+optimizer, the executor, the residents."""
 import os
 import time
 import warnings
@@ -136,23 +137,32 @@ class _Setup:
         self.optimizer = core.Optimizer(self.runtime, "adamw", lr=_lookup(opt.learning_rate, 0),
                                         weight_decay=_lookup(opt.weight_decay, 0), beta1=opt.b1,
                                         beta2=opt.b2, eps=opt.eps, threads=opt.threads,
-                                        update_mode="explicit" if opt.holds_grads else "auto")
+                                        update_mode="explicit" if opt.holds_grads else "auto",
+                                        **self._state_options)
         self.leaf_groups = [opt.group_of(n) for n in self.names]
         self.weights, self.grads = [], []
         t = time.perf_counter()
+        # Every layer's weights and grads are registered (shapes only) before any optimizer
+        # state, as strata.torch does: the state the optimizer places in DRAM first then sees
+        # what DRAM has left for it, and with NVMe the staging slots the placement counted
+        # stay free (a layer's state made before the next layer's grads took their room).
+        for i in range(self.layers):
+            ws, gs = [], []
+            # The weights' home: the placement's for this layer (NVMe: streamed from there,
+            # written back by the updates), else DRAM.
+            home = self.placement.homes[i][0] if self.placement is not None else "dram"
+            for name, shape, d in zip(self.names, self.shapes[i], self.leaf_dtypes):
+                full = "layers.%d.%s" % (i, name)
+                ws.append(self.runtime.register(full, shape, _DTYPE_NAMES[d], "weight", home))
+                gs.append(self.runtime.register(full + ".grad", shape, _DTYPE_NAMES[d],
+                                                "grad"))
+            self.weights.append(ws)
+            self.grads.append(gs)
+        t = self._timed("register", t)
         with self._writer() as writer:
             for i in range(self.layers):
                 leaves = per_layer[i]
                 t = self._timed("read", t)  # a lazy sequence builds the block here
-                ws, gs = [], []
-                for name, shape, d in zip(self.names, self.shapes[i], self.leaf_dtypes):
-                    full = "layers.%d.%s" % (i, name)
-                    ws.append(self.runtime.register(full, shape, _DTYPE_NAMES[d], "weight"))
-                    gs.append(self.runtime.register(full + ".grad", shape, _DTYPE_NAMES[d],
-                                                    "grad"))
-                self.weights.append(ws)
-                self.grads.append(gs)
-                t = self._timed("register", t)
                 self._write_layer(writer, i, leaves, new=True)
                 t = time.perf_counter()
         self._slot_budget = slot_budget

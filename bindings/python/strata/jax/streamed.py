@@ -17,7 +17,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .. import core
 from . import _ffi
@@ -29,10 +28,12 @@ from ._params import _Params
 from ._programs import _Programs
 from ._setup import _Setup
 from ._stepplan import _StepPlanning
+from ._tiers import _Tiers
 from ._tree import _DTYPE_NAMES, _SUPPORTED
 
 
-class Trainer(_Setup, _Programs, _StepPlanning, _HostLoop, _HeldUpdates, _Params, _Checkpoints):
+class Trainer(_Setup, _Tiers, _Programs, _StepPlanning, _HostLoop, _HeldUpdates, _Params,
+              _Checkpoints):
     """Train a JAX model whose blocks stream through Strata (see the module's docstring).
 
     block_fn(block_params, hidden, *extras) -> hidden; blocks: stacked or listed block params
@@ -45,7 +46,20 @@ class Trainer(_Setup, _Programs, _StepPlanning, _HostLoop, _HeldUpdates, _Params
     compute dtype of the streamed weights (None: each leaf's own; float32, bfloat16 or float16;
     fp32 masters either way, initialized from fp32 values where given). backend: "cuda" or
     "host" (None: cuda when JAX's default device is a GPU). Budgets in bytes (None: from the
-    model's size); nvme: paths for the NVMe tier.
+    model's size).
+
+    nvme: the NVMe tier, a path or a list of paths (files, striped), as strata.torch.offload
+    takes it: the library's placement (strata_placement_*, the rates measured on this
+    runtime) chooses which blocks' optimizer state and, when host_budget cannot even hold
+    every weight beside the grads and staging, which blocks' weights live there (staged
+    through DRAM for each update; the weights streamed from NVMe); `placement` is its choice
+    and placement_info() reads back where everything is. host_budget with nvme: the DRAM
+    arena (None: what everything needs or 85% of the available memory, whichever is less);
+    nvme_budget: the tier's bytes (None or 0: room for everything that could spill);
+    state_placement: "planned" (the default with nvme: DRAM first, the rest on NVMe) or
+    "nvme" (every block's state on NVMe). Budgets that cannot hold the model even with NVMe
+    are refused with a ValueError naming the short one. The training is bit for bit that of
+    the same trainer in DRAM.
 
     ffi: run each step as one XLA program whose begin and end of the executor's step and
     acquire and release of the blocks are XLA FFI custom calls (no host call inside a step;
@@ -89,11 +103,13 @@ class Trainer(_Setup, _Programs, _StepPlanning, _HostLoop, _HeldUpdates, _Params
 
     def __init__(self, block_fn, blocks, residents=None, *, embed_fn=None, loss_fn=None,
                  optimizer=None, block_optimizer=None, stacked=None, dtype=None,
-                 gpu_budget=None, host_budget=None, nvme=None, backend=None, slot_budget=0,
-                 ffi=None, scan=None, step_memory=None, saved_names=None,
-                 loss_chunk_tokens=None):
+                 gpu_budget=None, host_budget=None, nvme=None, nvme_budget=None,
+                 state_placement=None, backend=None, slot_budget=0, ffi=None, scan=None,
+                 step_memory=None, saved_names=None, loss_chunk_tokens=None):
         self.setup_seconds = {}
         started = time.perf_counter()
+        nvme, nvme_budget = core.tier_arguments("strata.jax.Trainer", nvme, nvme_budget,
+                                                state_placement)
         self._init_plan(step_memory, saved_names, loss_chunk_tokens)
         if (embed_fn is None) != (loss_fn is None):
             raise TypeError("strata.jax: give both embed_fn and loss_fn (for step()), or neither "
@@ -123,26 +139,18 @@ class Trainer(_Setup, _Programs, _StepPlanning, _HostLoop, _HeldUpdates, _Params
         per_layer = self._split_blocks(blocks)  # per layer, its leaves (numpy or JAX arrays)
         self.layers = len(per_layer)
         started = self._timed("check", started)
-        itemsize = max(d.itemsize for d in self.leaf_dtypes)
-        hbm, dram = core.streaming_budgets([sum(int(np.prod(s)) for s in shapes)
-                                            for shapes in self.shapes], itemsize)
         self.scan = scan if scan is not None else all(s == self.shapes[0] for s in self.shapes)
         if self.scan and any(s != self.shapes[0] for s in self.shapes):
             raise ValueError("strata.jax: scan=True needs every block of one shape")
-        if host_budget is None and self.block_optimizer.accumulation > 1:
-            # Micro-batches' grads are summed in the optimizer's fp32 accumulators, in DRAM.
-            dram += core.accum_bytes([[int(np.prod(s)) for s in shapes]
-                                      for shapes in self.shapes], itemsize)
-        dram = dram if host_budget is None else host_budget
-        # Only what the GPU's copies touch of the arena is pinned (core.pinned_dram): each
-        # leaf's weight and grad, not the optimizer's state.
-        pinned = core.pinned_dram([[int(np.prod(s)) for s in shapes] for shapes in self.shapes],
-                                  itemsize, dram)
-        self.runtime = core.Runtime(backend=backend,
-                                    hbm_budget=hbm if gpu_budget is None else gpu_budget,
-                                    dram_budget=dram, nvme=nvme, dram_pinned=pinned)
+        hbm, dram, pinned, nvme_budget = self._budgets(gpu_budget, host_budget, nvme,
+                                                       nvme_budget, state_placement)
+        self.runtime = core.Runtime(backend=backend, hbm_budget=hbm, dram_budget=dram,
+                                    nvme=nvme or None, nvme_budget=nvme_budget,
+                                    dram_pinned=pinned)
         started = self._timed("runtime", started)
         try:
+            self._place(state_placement)  # with nvme: the library's choice, rates measured
+            started = self._timed("placement", started)
             self._ffi = self._open_ffi(ffi)  # waits for the library's compile, if still running
         except BaseException:
             self.runtime.close()

@@ -76,8 +76,9 @@ def replica_bytes(blocks, dtype, mesh=None):
 
 
 # The share of the host's available memory a default host budget may take to make room for
-# the gradient accumulators (the same share plan_nvme leaves the OS, torch and the user).
-HOST_SHARE = 0.85
+# the gradient accumulators (the same share plan_nvme leaves the OS, torch and the user): the
+# library bindings' one figure (strata._tiering).
+HOST_SHARE = core.HOST_SHARE
 
 
 def with_accumulators(dram, counts, element, ranks=1, beside=0, grads="dram"):
@@ -292,43 +293,19 @@ def plan_nvme(blocks, dtype, grads_home, state_placement, host_budget, nvme, nvm
                                    master_layout=master_layout(dtype), **layout_grads(grads_home))
     for i, layer in enumerate(layers):
         layer["name"] = "blocks.%d" % i
-    # Grads on the device: the placement counts the DRAM buffer they are read through.
-    sizes = core.layout_totals(layers)
-    # Every tensor in DRAM, the staging slots and the accumulators: the most the arena can
-    # use; of a given host_budget the rest is left to strata.torch's own host memory
-    # (HostBudget).
-    full = sizes["dram_bytes"] + sizes["accum_bytes"]
-    if host_budget is None:
-        available = _host.mem_available()
-        host_budget = full
-        if available is not None:
-            ranks = 1 if mesh is None else mesh.ranks_on_host()
-            host_budget = min(host_budget, int(available * HOST_SHARE) // ranks)
-    else:
-        host_budget = min(host_budget, full)
-    # The NVMe tier holds what the placement puts there and the tier's margins (the library's
-    # rule, strata_layout_totals_t: 64 MiB a block and 5%): the placement may use
-    # nvme_placeable_bytes of it, the same figure in the check here and in the session's choice.
-    if not nvme_budget:
-        sharing = 1 if mesh is None else disk_sharing(mesh, nvme)
-        nvme_budget = min(sizes["nvme_bytes"], _host.disk_free(nvme) // sharing)
-    if mesh is not None:  # one placement: every rank's within the same budgets
-        every = mesh.gather_objects((host_budget, nvme_budget))
-        host_budget, nvme_budget = min(b[0] for b in every), min(b[1] for b in every)
-    place_nvme = core.layout_totals(layers, nvme_budget=nvme_budget)["nvme_placeable_bytes"]
-    if place_nvme <= 0:
-        raise ValueError("strata.torch.offload: nvme_budget %d bytes leaves no room for "
-                         "training state after the tier's margins (64 MiB a block and 5%%); "
-                         "nothing was changed" % nvme_budget)
-    try:
-        core.place(layers, dram_budget=host_budget, nvme_budget=place_nvme)
-    except MemoryError as e:
-        short = ("host_budget %d bytes is below what DRAM needs" % host_budget
-                 if "DRAM needs" in str(e) else
-                 "nvme_budget %d bytes is below what NVMe needs" % nvme_budget)
-        raise ValueError("strata.torch.offload: %s with training state and weights on NVMe "
-                         "(%s); nothing was changed" % (short, e)) from None
-    return layers, host_budget, nvme_budget, place_nvme
+    # The budgets' rules and the check are every binding's (strata._tiering); what is
+    # strata.torch's here is the probes (read through _host, which tests replace) and the ranks.
+    def agree(host, disk):  # one placement: every rank's within the same budgets
+        every = mesh.gather_objects((host, disk))
+        return min(b[0] for b in every), min(b[1] for b in every)
+
+    plan = core.plan_budgets(
+        "strata.torch.offload", layers, host_budget, nvme_budget,
+        free_disk=lambda: _host.disk_free(nvme) // (1 if mesh is None else
+                                                    disk_sharing(mesh, nvme)),
+        available=_host.mem_available, ranks=1 if mesh is None else mesh.ranks_on_host(),
+        agree=agree if mesh is not None else None)
+    return layers, plan.host_budget, plan.nvme_budget, plan.place_nvme
 
 
 class HostBudget:

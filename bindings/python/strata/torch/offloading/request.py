@@ -3,11 +3,11 @@ device, the backend, the blocks, the dtype, where the grads live, the NVMe tier'
 weights file, the chunked loss."""
 
 import dataclasses
-import os
 import warnings
 
 import torch
 
+from ... import core
 from .. import _chunked_loss, _planning, _surgery, _weights
 
 
@@ -108,9 +108,6 @@ def validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, b
             raise ValueError("strata.torch.offload: grad_dtype is %r, not torch.float32 (the "
                              "grads' fp32 sums on the device) or the compute dtype (bfloat16 or "
                              "float16)" % (grad_dtype,))
-    if isinstance(nvme, (str, bytes, os.PathLike)):
-        nvme = [nvme]  # one path, not its characters
-    nvme = list(nvme) if nvme else []
     if gpu_budget is not None and not isinstance(gpu_budget, bool) and \
             isinstance(gpu_budget, (int, float)) and 0 < gpu_budget < _SMALLEST_GPU_BUDGET:
         # A budget given in GiB (gpu_budget=8) failed later in the planner as "only 256 bytes
@@ -118,16 +115,8 @@ def validate(model, gpu_budget, host_budget, nvme, nvme_budget, dtype, device, b
         raise ValueError("strata.torch.offload: gpu_budget=%r bytes cannot hold one block's "
                          "slots: budgets are in bytes (8 << 30 for 8 GiB); nothing was changed"
                          % (gpu_budget,))
-    nvme_budget = nvme_budget or 0  # None, as documented, is 0 (examples/train.py passes it)
-    if nvme_budget and not nvme:
-        raise ValueError("strata.torch.offload: nvme_budget=%d without nvme= (the NVMe tier's "
-                         "file paths)" % nvme_budget)
-    if state_placement not in (None, "planned", "nvme"):
-        raise ValueError("strata.torch.offload: state_placement is %r, not 'planned' or 'nvme'"
-                         % (state_placement,))
-    if state_placement is not None and not nvme:
-        raise ValueError("strata.torch.offload: state_placement=%r needs nvme= (the NVMe "
-                         "tier's file paths)" % state_placement)
+    nvme, nvme_budget = core.tier_arguments("strata.torch.offload", nvme, nvme_budget,
+                                            state_placement)
     source = None
     if weights is not None:
         source = _weights.SafetensorsWeights(weights)

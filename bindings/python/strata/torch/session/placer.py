@@ -40,15 +40,11 @@ class Placer:
         if s.mesh is not None and not all(rates.get(k) for k in self.DISK_RATES):
             rates.update(self.disk_rates(layers, dram_budget, nvme_budget))
         with EveryRank(s.mesh, "choosing the placement of the training state"):
-            choice = core.place(layers, runtime=s.runtime, dram_budget=dram_budget,
-                                nvme_budget=nvme_budget, rates=rates)
+            # The choice and the optimizer options that realize it: every binding's
+            # (strata._tiering.choose).
+            choice, s.state_options = core.choose_placement(
+                layers, s.runtime, dram_budget, nvme_budget, state_placement, rates)
         s.placement_choice, self.placement_layers = choice, layers
-        # The optimizer fills DRAM param by param with the margin placement_layers counts,
-        # so the block at the boundary may keep part of its state in DRAM. Nothing spilled: a
-        # page kept free (0 would mean 1/8 of DRAM).
-        staging = choice.info["staging_slots"] * choice.info["slot_bytes"] or 4096
-        s.state_options = {"state_placement": state_placement or "planned",
-                           "nvme_staging_bytes": staging + choice.info["grad_fetch_bytes"]}
         s.nvme_weight_blocks = choice.info["weight_nvme_layers"]
 
     # The NVMe tier's rates (core.place's names), and the others given as placeholders so that
