@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._sharding import chunk_elements, ranks_per_host
+from .._sharding import chunk_elements, fault_threads, optimizer_threads, ranks_per_host
 
 AXES = ("replica", "shard")
 # What a program that failed while running raises (a collective whose peer is gone among them).
@@ -99,6 +99,12 @@ class Whole:
     def own_chunk(self, value):
         return value
 
+    def runtime_options(self, device, backend):
+        return {}
+
+    def optimizer_threads(self, runtime, threads):
+        return threads
+
     def assemble(self, chunks, shapes):
         return chunks
 
@@ -147,6 +153,23 @@ class Ranks(Whole):
     def describe(self):
         return ("%d replica(s) x %d shard(s); rank %d is shard %d of replica %d"
                 % (self.replicas, self.shard_size, self.rank, self.shard_rank, self.replica))
+
+    # --- this rank's share of its host ---------------------------------------------------------
+
+    def runtime_options(self, device, backend):
+        """This rank's runtime on its own GPU (jax.distributed may give a process any of the
+        host's: its local_hardware_id), faulting its arena in with its share of the cores."""
+        ordinal = device.local_hardware_id if backend == "cuda" else 0
+        return {"device": ordinal or 0, "dram_fault_threads": fault_threads(self.ranks_on_host())}
+
+    def optimizer_threads(self, runtime, threads):
+        """`threads` where given, else this rank's share of its GPU's NUMA node's CPUs among
+        the ranks of its host on that node (collective: every rank calls)."""
+        node = int(runtime.capabilities().device_numa_node)
+        every = np.asarray(multihost_utils.process_allgather(np.asarray(node, np.int32)))
+        here = (self.hosts[self.rank], node)
+        sharing = sum(1 for r in range(self.world) if (self.hosts[r], int(every[r])) == here)
+        return threads or optimizer_threads(node, sharing)
 
     # --- registration: this rank's chunk of every leaf ----------------------------------------
 

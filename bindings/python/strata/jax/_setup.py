@@ -150,7 +150,9 @@ class _Setup:
         opt = self.block_optimizer
         self.optimizer = core.Optimizer(self.runtime, "adamw", lr=_lookup(opt.learning_rate, 0),
                                         weight_decay=_lookup(opt.weight_decay, 0), beta1=opt.b1,
-                                        beta2=opt.b2, eps=opt.eps, threads=opt.threads,
+                                        beta2=opt.b2, eps=opt.eps,
+                                        threads=self._layout.optimizer_threads(self.runtime,
+                                                                               opt.threads),
                                         update_mode="explicit" if opt.holds_grads else "auto")
         self.leaf_groups = [opt.group_of(n) for n in self.names]
         self.weights, self.grads = [], []

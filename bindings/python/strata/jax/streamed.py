@@ -157,7 +157,8 @@ class Trainer(_Setup, _Programs, _StepPlanning, _HostLoop, _HeldUpdates, _Params
         pinned = core.pinned_dram(kept, itemsize, dram)
         self.runtime = core.Runtime(backend=backend,
                                     hbm_budget=hbm if gpu_budget is None else gpu_budget,
-                                    dram_budget=dram, nvme=nvme, dram_pinned=pinned)
+                                    dram_budget=dram, nvme=nvme, dram_pinned=pinned,
+                                    **self._layout.runtime_options(self.device, backend))
         started = self._timed("runtime", started)
         try:
             self._ffi = self._open_ffi(ffi)  # waits for the library's compile, if still running

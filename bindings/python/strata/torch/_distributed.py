@@ -24,6 +24,7 @@ import socket
 import torch
 
 from .._sharding import ALIGN, chunk_elements, ranks_per_host  # noqa: F401
+from .._sharding import optimizer_threads as _optimizer_threads
 from . import _host
 from ._agreement import DataParallelError  # (public: strata.torch.DataParallelError)
 
@@ -345,13 +346,10 @@ def _refuse_disagreement(every):
 
 
 def optimizer_threads(mesh, numa_node):
-    """Threads for this rank's CPU AdamW: the CPUs of its GPU's NUMA node, shared by the ranks
-    of this host whose GPUs sit on the same node, less one each for the thread feeding the GPU
-    (one rank alone gets Strata's own default: the node's CPUs less one)."""
+    """Threads for this rank's CPU AdamW (strata._sharding.optimizer_threads): its NUMA node's
+    CPUs shared by the ranks of this host whose GPUs sit on the same node (collective)."""
     here = (socket.gethostname(), numa_node)
-    sharing = mesh.gather_objects(here).count(here)
-    cpus = _host.node_cpus(numa_node)
-    return max(1, cpus // sharing - 1)
+    return _optimizer_threads(numa_node, mesh.gather_objects(here).count(here))
 
 
 def rank_files(mesh, nvme, options):
