@@ -34,8 +34,9 @@ def launch(tmp_path, *extra, limit=LIMIT):
 
 
 def one_process(clip=None, k=1):
-    """strata.jax in this process on every row, and plain JAX + optax: (losses, params, the
-    bytes of block weights its runtime holds)."""
+    """strata.jax in this process on every row, and plain JAX + optax: (losses and then the
+    first batch's evaluate() after training, params, the bytes of block weights its runtime
+    holds)."""
     import strata.jax as sj
     blocks, residents = api.llama_params()
     data = api.batches(STEPS, shape=(ROWS * WORLD, 32))
@@ -49,11 +50,13 @@ def one_process(clip=None, k=1):
                     optimizer=optax.adamw(api.LR, weight_decay=api.WD),
                     block_optimizer=adamw) as trainer:
         losses = [trainer.step(ids) for ids in data]
+        evaluated = trainer.evaluate(data[0])
         got_blocks, got_res = trainer.get_params()
         held = sum(int(w.info().nbytes) for ws in trainer.weights for w in ws)
     api.assert_losses(plain, losses)
+    assert evaluated < losses[0]
     api.assert_close(final["blocks"], got_blocks, what="blocks")
-    return losses, jax.tree_util.tree_leaves((got_blocks, got_res)), held
+    return losses + [evaluated], jax.tree_util.tree_leaves((got_blocks, got_res)), held
 
 
 @pytest.mark.parametrize("shard_size,step_memory", [(0, 0), (1, 0), (0, 1_000_000)],
@@ -65,12 +68,12 @@ def test_two_processes_train_as_one_with_the_rows_of_both(tmp_path, shard_size, 
     losses, leaves, held_one = one_process()
     ranks = [np.load("%s.rank%d.npz" % (out, r)) for r in range(WORLD)]
     for r, got in enumerate(ranks):
-        api.assert_losses(losses, list(got["losses"]))
+        api.assert_losses(losses, list(got["losses"]) + [float(got["evaluated"])])
         for i, expected in enumerate(leaves):
             e, g = np.asarray(expected, np.float64), got["leaf%d" % i].astype(np.float64)
             err = np.linalg.norm(e - g) / max(np.linalg.norm(e), 1e-30)
             assert err <= 1e-5, (r, i, err)
-    assert losses[-1] < losses[0]  # it trains
+    assert losses[-2] < losses[0]  # it trains
     for got in ranks:
         # 1 MB for the tiny Llama's step: the plan sends every checkpoint to host memory (the
         # transfer inside the shard_map names the memory space; a no-op on the CPU, whose
@@ -93,7 +96,7 @@ def test_clipping_and_accumulation_over_the_ranks(tmp_path):
     losses, leaves, _ = one_process(clip=0.25, k=3)
     for r in range(WORLD):
         got = np.load("%s.rank%d.npz" % (out, r))
-        api.assert_losses(losses, list(got["losses"]))
+        api.assert_losses(losses, list(got["losses"]) + [float(got["evaluated"])])
         for i, expected in enumerate(leaves):
             e, g = np.asarray(expected, np.float64), got["leaf%d" % i].astype(np.float64)
             assert np.linalg.norm(e - g) <= 1e-5 * max(np.linalg.norm(e), 1e-30), (r, i)

@@ -1,7 +1,7 @@
 """One rank of strata.jax's data-parallel tests (tests/python/jax/test_jax_data_parallel.py): a
 process of a jax.distributed job on the CPU (gloo collectives) that trains the tiny Llama of
 jax_parity_models through strata.jax.Trainer on its rows of every step's batch (the rows of all
-ranks: jax_parity_models.batches at --rows x --world), and writes its losses, the final
+ranks: jax_parity_models.batches at --rows x --world), and writes its losses, its evaluate() of the first batch after training, the final
 parameters (gathered: every rank calls get_params) and the bytes of block state its runtime
 holds to OUT.rankR.npz (--clip, --accumulation: strata.jax.AdamW's max_grad_norm and
 accumulation; --step-memory: the device bytes the step plan plans within, so that it sends
@@ -57,10 +57,12 @@ def main(argv=None):
         losses.append(trainer.step(ids[mine]))
         print("step %d loss %.6f" % (step, losses[-1]), flush=True)
     print("plan: %s" % ([b["checkpoint"] for b in trainer.plan.blocks],), flush=True)
+    evaluated = trainer.evaluate(data[0][mine])  # collective: the mean of the ranks' losses
     got_blocks, got_res = trainer.get_params()
     held = sum(int(w.info().nbytes) for ws in trainer.weights for w in ws)
     leaves = jax.tree_util.tree_leaves((got_blocks, got_res))
     np.savez("%s.rank%d.npz" % (args.out, args.rank), losses=np.asarray(losses),
+             evaluated=evaluated,
              held=held, describe=trainer.data_parallel.describe(),
              homes=np.asarray([b["checkpoint"] for b in trainer.plan.blocks]),
              **{"leaf%d" % i: np.asarray(a, np.float32) for i, a in enumerate(leaves)})
