@@ -1,12 +1,12 @@
 """One rank of strata.jax's data-parallel tests (tests/python/jax/test_jax_data_parallel.py): a
 process of a jax.distributed job on the CPU (gloo collectives) that trains the tiny Llama of
 jax_parity_models through strata.jax.Trainer on its rows of every step's batch (the rows of all
-ranks: jax_parity_models.batches at --rows x --world), and writes its losses, its evaluate() of the first batch after training, the final
-parameters (gathered: every rank calls get_params) and the bytes of block state its runtime
-holds to OUT.rankR.npz (--clip, --accumulation: strata.jax.AdamW's max_grad_norm and
-accumulation; --step-memory: the device bytes the step plan plans within, so that it sends
-the checkpoints to host memory). --fail-at N: the last rank exits (status 3) before step N, as a rank
-that dies mid-job."""
+ranks: jax_parity_models.batches at --rows x --world), and writes its losses, its evaluate() of
+the first batch after training, the final parameters (gathered: every rank calls get_params),
+the bytes of block state its runtime holds and the plan's checkpoint homes to OUT.rankR.npz.
+--clip, --accumulation: strata.jax.AdamW's max_grad_norm and accumulation; --step-memory: the
+device bytes the step plan plans within, so that it sends the checkpoints to host memory;
+--fail-at N: the last rank exits (status 3) before step N, as a rank that dies mid-job."""
 import argparse
 import os
 import sys
