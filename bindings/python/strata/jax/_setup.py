@@ -54,9 +54,12 @@ class _Setup:
                              "the FFI ops (their collectives inside it): ffi=False (or "
                              "$STRATA_JAX_FFI=0) is not supported with it")
         if self.embed_fn is None:
-            raise TypeError("strata.jax: data parallel trains through step() (its program "
-                            "reduces the grads over the ranks): give embed_fn and loss_fn; "
-                            "apply_blocks in your own jitted step is not supported with it")
+            raise TypeError("strata.jax: data parallel (on by default under jax.distributed "
+                            "with several processes) trains through step(), whose program "
+                            "reduces the grads over the ranks: give embed_fn and loss_fn; "
+                            "apply_blocks in your own jitted step (strata.jax.offload) is not "
+                            "supported with it yet (data_parallel=False trains each process "
+                            "alone)")
 
     def _open_ffi(self, ffi):
         """The FFI session for this trainer (ffi: _ffi_choice's), or None for the
