@@ -44,11 +44,12 @@ class StreamedTrainer(Trainer):
     strata.jax.Trainer's. The head's loss is strata.jax.chunked_cross_entropy over the step
     plan's chunk (models.head_loss's value, never the whole fp32 logits), and the blocks keep
     their tagged products and attention (models.SAVED_NAMES) where the plan says so.
+    data_parallel: as strata.jax.Trainer's (under jax.distributed, each process's rows).
     step(ids) takes token ids (batch, seq)."""
 
     def __init__(self, config, blocks, residents, lr=1e-3, weight_decay=0.0, dtype=jnp.float32,
                  gpu_budget=None, host_budget=None, nvme=None, backend=None, threads=0,
-                 slot_budget=0, ffi=None, scan=None, step_memory=None):
+                 slot_budget=0, ffi=None, scan=None, step_memory=None, data_parallel=None):
         self.config = config
         dtype = jnp.dtype(dtype)
 
@@ -76,7 +77,7 @@ class StreamedTrainer(Trainer):
                          dtype=dtype, gpu_budget=gpu_budget, host_budget=host_budget, nvme=nvme,
                          backend=backend, slot_budget=slot_budget, ffi=ffi, scan=scan,
                          stacked=False, step_memory=step_memory,
-                         saved_names=models.SAVED_NAMES)
+                         saved_names=models.SAVED_NAMES, data_parallel=data_parallel)
 
     def step(self, ids):
         """One training step on token ids (batch, seq); returns the loss (a float)."""

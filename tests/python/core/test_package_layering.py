@@ -20,6 +20,7 @@ MODULE_ORDER = [
     "strata._host",  # host probes any binding reads: MemAvailable, free disk, file systems
     "strata.core",
     "strata.step_plan",  # the library's step-memory plan (strata_step_plan_*), any framework
+    "strata._sharding",  # the data-parallel chunk sizes and shard size, any framework
     "strata.atomic_dir",  # the library's atomic checkpoint directories, any framework
     "strata.torch._host",  # host probes: MemAvailable, free disk, a NUMA node's CPUs
     "strata.torch._logit_trace",  # a forward's logits followed from its head to its loss (torch)
@@ -118,6 +119,7 @@ CORE_ORDER = [
     "strata.atomic_dir",  # the runtime's atomic checkpoint directory
     "strata.core",
     "strata.step_plan",
+    "strata._sharding",  # the data-parallel chunk sizes and shard size (no imports)
     "strata",
 ]
 

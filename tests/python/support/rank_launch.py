@@ -1,7 +1,9 @@
 """The ranks of a distributed test's worker as processes of this machine (gloo on the CPU): a
 forkserver that imported the heavy modules once, a free port, and the launch with a deadline
-(test_torch_context_parallel, test_torch_trainer_distributed)."""
+(test_torch_context_parallel, test_torch_trainer_distributed, test_jax_data_parallel); a
+rank's output redirected to its log."""
 import multiprocessing
+import os
 import socket
 import time
 
@@ -16,6 +18,14 @@ def forkserver(*preload):
         ctx.set_forkserver_preload(list(preload))
         _SERVERS[preload] = ctx
     return _SERVERS[preload]
+
+
+def redirect_output(log):
+    """This process's stdout and stderr to the file `log` (truncated)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def free_port():

@@ -107,7 +107,7 @@ def main(argv=None):
 
 def entry(argv, log):
     """A rank started by multiprocessing: its output goes to the file `log`."""
-    from torch_dist_worker import redirect_output
+    from rank_launch import redirect_output
     redirect_output(log)
     main(argv)
 

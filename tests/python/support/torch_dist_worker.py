@@ -14,6 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from rank_launch import redirect_output
+
 
 
 def batches(config, steps, rows, seq, seed=0):
@@ -406,14 +408,6 @@ def main(argv=None):
     if args.mode == "strata":
         model.strata.close()
     dist.destroy_process_group()
-
-
-def redirect_output(log):
-    """This process's stdout and stderr to the file `log` (truncated)."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
 
 
 def entry(argv, log):

@@ -126,8 +126,8 @@ def main(argv=None):
 
 def entry(argv, log):
     """A rank started by multiprocessing: its output goes to the file `log`."""
-    import torch_dist_worker
-    torch_dist_worker.redirect_output(log)
+    import rank_launch
+    rank_launch.redirect_output(log)
     main(argv)
 
 

@@ -27,6 +27,7 @@ A Flax NNX or Equinox model whose blocks are stacked (nnx.vmap, eqx.filter_vmap)
     # your nnx.jit / eqx.filter_jit step trains the rest with optax, the blocks through Strata
 
 See docs/python-guide.md and docs/python-reference.md."""
+from ._data_parallel import DataParallel, DataParallelError  # noqa: F401
 from ._loss import chunked_cross_entropy  # noqa: F401
 from ._offload import offload, scan_blocks  # noqa: F401
 from .streamed import AdamW, Trainer  # noqa: F401

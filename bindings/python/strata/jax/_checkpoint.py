@@ -15,6 +15,11 @@ _FORMAT = "strata.jax/1"
 class _Checkpoints:
     """Trainer's save and load (a mixin of Trainer)."""
 
+    def _no_data_parallel(self, what):
+        if self.data_parallel is not None:
+            raise NotImplementedError("strata.jax.%s: checkpoints of a data-parallel Trainer "
+                                      "(each rank's chunks) are not supported yet" % what)
+
     def _jax_leaves(self):
         return jax.tree_util.tree_leaves((self.residents, self.opt_state))
 
@@ -24,6 +29,7 @@ class _Checkpoints:
         residents, the optax state and the step count (path/jax.npz). Written in the runtime's
         atomic directory (strata.atomic_dir), so a crash leaves the previous one whole."""
         path = os.fspath(path)
+        self._no_data_parallel("save")
         self._settle()
         if self.micro_step:
             raise ValueError("strata.jax.save: the trainer is inside an accumulation (%d of %d "
@@ -46,6 +52,7 @@ class _Checkpoints:
         """Load a checkpoint that save() wrote, from a trainer of the same model and
         optimizers: resumes bit for bit. Everything is checked before anything is written.
         Where a save was interrupted mid-commit, the previous checkpoint ("<path>.old") loads."""
+        self._no_data_parallel("load")
         path = atomic_dir.resolve(path)
         with np.load(os.path.join(path, "jax.npz")) as z:
             meta = json.loads(bytes(z["meta"]).decode())

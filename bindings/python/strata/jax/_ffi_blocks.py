@@ -48,11 +48,27 @@ def ffi_apply(trainer, call_block):
     its residuals and the weights acquired again, release op with the grads) and ends the step
     (end op). Called without differentiation: a forward-only step, abandoned at its end."""
     session, scan, names = trainer._ffi, trainer.scan, trainer.saved_names
+    layout = trainer._layout  # under data parallel: chunks gathered, grads reduce-scattered
     on = {kind: SingleDeviceSharding(trainer.device, memory_kind=kind) for kind in (HOST, DEVICE)}
+    if trainer.data_parallel is not None:
+        # Inside the shard_map over every rank's device a value has no one device: the
+        # transfer names the memory space only (each rank's own pinned host memory).
+        on = {HOST: jax.memory.Space.Host, DEVICE: jax.memory.Space.Device}
 
     def shapes(layer):
-        return [jax.ShapeDtypeStruct(s, d) for s, d in zip(trainer.shapes[layer],
-                                                           trainer.leaf_dtypes)]
+        """What the acquire op gives: the registered tensors (this rank's chunks)."""
+        return [jax.ShapeDtypeStruct(layout.registered_shape(s), d)
+                for s, d in zip(trainer.shapes[layer], trainer.leaf_dtypes)]
+
+    def acquire(token, dep, phase, layer, index=-1):
+        """(token, the layer's weights): acquired, and under data parallel all-gathered."""
+        token, w = session.acquire(token, dep, phase, shapes(layer), index)
+        return token, layout.assemble(w, trainer.shapes[layer])
+
+    def release(token, grads):
+        """The grads (under data parallel this rank's chunk of their mean over the ranks) to
+        the release op."""
+        return session.release(token, layout.reduce(grads))
 
     def build(mask, extras_def, schedule):
         layouts = {}  # per run: how its vjp's residuals are rebuilt (set while tracing)
@@ -102,7 +118,7 @@ def ffi_apply(trainer, call_block):
                 if scan:
                     def body(carry, _, run=run):
                         x_, tok = carry
-                        tok, w = session.acquire(tok, x_, FORWARD, shapes(run[0]))
+                        tok, w = acquire(tok, x_, FORWARD, run[0])
                         if not train:
                             return (call_block(w, x_, diff, const, mask, extras_def), tok), []
                         y, res = block_vjp(w, x_, diff, const, run)
@@ -110,7 +126,7 @@ def ffi_apply(trainer, call_block):
 
                     (x, token), res = jax.lax.scan(body, (x, token), None, length=stop - start)
                 else:
-                    token, w = session.acquire(token, x, FORWARD, shapes(start), start)
+                    token, w = acquire(token, x, FORWARD, start, start)
                     if train:
                         x, res = block_vjp(w, x, diff, const, run)
                     else:
@@ -125,16 +141,16 @@ def ffi_apply(trainer, call_block):
                 if scan:
                     def body(carry, res_, run=run):
                         g, acc_, tok = carry
-                        tok, w = session.acquire(tok, g, BACKWARD, shapes(run[0]))
+                        tok, w = acquire(tok, g, BACKWARD, run[0])
                         g_w, g, acc_ = block_grads(w, res_, diff, const, g, acc_, run)
-                        return (g, acc_, session.release(tok, g_w)), None
+                        return (g, acc_, release(tok, g_w)), None
 
                     (g_x, acc, token), _ = jax.lax.scan(body, (g_x, acc, token), res,
                                                         reverse=True)
                 else:
-                    token, w = session.acquire(token, g_x, BACKWARD, shapes(start), start)
+                    token, w = acquire(token, g_x, BACKWARD, start, start)
                     g_w, g_x, acc = block_grads(w, res, diff, const, g_x, acc, run)
-                    token = session.release(token, g_w)
+                    token = release(token, g_w)
             session.end(token, _ffi.TRAIN)
             return g_x, list(acc)
 

@@ -14,6 +14,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._programs import apply_optax
 
@@ -52,8 +53,11 @@ class _HeldUpdates:
         adamw, k = self.block_optimizer, self.block_optimizer.accumulation
         params = self._params()
         squares = sum(self.optimizer.grad_info(w)[1] for w in params)
-        if self._grad_sum is not None:
-            squares += float(self._sum_squares(self._grad_sum))
+        ranks = self.data_parallel
+        if ranks is not None:  # this rank's chunks: the blocks' sum is over its shard group's
+            squares = ranks.shard_group_sum(squares)
+        if self._grad_sum is not None:  # (under data parallel averaged already: replicas)
+            squares += float(np.asarray(self._sum_squares(self._grad_sum).addressable_data(0)))
         norm = math.sqrt(squares) / k  # of the mean grads, as MultiSteps hands them on
         clip = 1.0
         if adamw.max_grad_norm is not None and not norm < adamw.max_grad_norm:

@@ -16,11 +16,12 @@ class _HostLoop:
         return [jax.dlpack.from_dlpack(self.executor.view(layer, phase, VIEW_WEIGHT, k))
                 for k in range(len(self.names))]
 
-    def _prepare(self, batch, what):
+    def _prepare(self, batch, what, residents=None):
+        residents = self.residents if residents is None else residents
         for leaf in jax.tree_util.tree_leaves(batch):
             if isinstance(leaf, jax.core.Tracer):
                 raise TypeError(self._in_trace_message(what))
-        hidden, extras = self._embed(self.residents, batch)
+        hidden, extras = self._embed(residents, batch)
         if any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(hidden)):
             raise TypeError(self._in_trace_message(what))
         leaves, extras_def = jax.tree_util.tree_flatten(extras)

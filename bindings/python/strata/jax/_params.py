@@ -8,29 +8,43 @@ class _Params:
     """Trainer's evaluation and parameter access (a mixin of Trainer)."""
 
     def _read_layer(self, layer, masters=False):
+        """Layer `layer`'s leaves (under data parallel gathered from every shard's chunk:
+        collective)."""
         out = []
+        ranks = self.data_parallel
         for w, shape, d in zip(self.weights[layer], self.shapes[layer], self.leaf_dtypes):
             t = self.optimizer.state(w, "master") if masters else w
-            host = np.empty(shape, np.float32 if masters else d)
+            host = np.empty(self._layout.registered_shape(shape), np.float32 if masters else d)
             t.read_pointer(host.ctypes.data, host.nbytes)
-            out.append(host)
+            out.append(host if ranks is None else ranks.gather(host, shape))
         return out
+
+    def _local_residents(self):
+        """The residents on this process's device (under data parallel the replicas)."""
+        ranks = self.data_parallel
+        return self.residents if ranks is None else ranks.local(self.residents)
 
     def evaluate(self, batch):
         """The loss on `batch` without grads or updates: each block's weights are read from
-        DRAM (after running updates finish), not streamed by the executor."""
-        hidden, diff, const, mask, extras_def = self._prepare(batch, "evaluate")
+        DRAM (after running updates finish), not streamed by the executor. Under data parallel
+        collective: each process passes its rows, and gets the mean of the ranks' losses."""
+        residents = self._local_residents()
+        hidden, diff, const, mask, extras_def = self._prepare(batch, "evaluate", residents)
         self._settle()
         self.optimizer.synchronize()
         x = hidden
         for layer in range(self.layers):
             p = [jax.device_put(a, self.device) for a in self._read_layer(layer)]
             x = self._forward(p, x, diff, const, mask, extras_def)
-        return float(self._loss(self.residents, x, batch))
+        loss = float(self._loss(residents, x, batch))
+        if self.data_parallel is not None:
+            loss = self.data_parallel.mean_of(loss)
+        return loss
 
     def get_params(self, masters=False):
         """(blocks, residents): the blocks as numpy arrays in the form they were given (stacked
-        or listed), in the compute dtype (masters=True: the fp32 masters), and the residents."""
+        or listed), in the compute dtype (masters=True: the fp32 masters), and the residents.
+        Under data parallel collective (every process calls it: the chunks are gathered)."""
         self._settle()
         self.optimizer.synchronize()
         layers = [self._read_layer(i, masters) for i in range(self.layers)]
@@ -40,7 +54,7 @@ class _Params:
                                for k in range(len(self.names))])
         else:
             blocks = [jax.tree_util.tree_unflatten(self.treedef, leaves) for leaves in layers]
-        return blocks, self.residents
+        return blocks, self._local_residents()
 
     def set_params(self, blocks=None, residents=None):
         """Replace the blocks' weights (and fp32 masters) and/or the residents, keeping the
@@ -63,6 +77,10 @@ class _Params:
                 if tuple(a.shape) != tuple(b.shape):
                     raise ValueError("strata.jax.set_params: a resident's shape %s differs from "
                                      "%s" % (a.shape, b.shape))
+            if self.data_parallel is not None:  # replicas, from rank 0's values
+                self.residents = self.data_parallel.replicate(jax.tree_util.tree_map(
+                    lambda a, b: np.asarray(a, b.dtype), residents, self.residents))
+                return
             self.residents = jax.device_put(
                 jax.tree_util.tree_map(lambda a, b: jnp.asarray(a, b.dtype), residents,
                                        self.residents), self.device)

@@ -94,10 +94,13 @@ class _Programs:
             self._programs = {}  # batch signature -> the jitted step for its plan
             self._program_parts = (embed, opt, held)
 
-    def _program_for(self, batch):
+    def _program_for(self, batch, given=None):
         """The jitted step for this batch's shape: its plan made on its first step (measured
         on the program that recomputes every block where the device is known), then the
-        program executing the plan's choices; self.plan is the batch's plan."""
+        program executing the plan's choices; self.plan is the batch's plan. given: the batch
+        the program takes where it is not `batch` (under data parallel the rows of all, while
+        the plan is made for this process's rows, what its device computes)."""
+        given = batch if given is None else given
         key = signature(batch)
         if key not in self._programs:
             chunk = self.loss_chunk_tokens  # None: the library's default, the plan's too
@@ -106,7 +109,7 @@ class _Programs:
             def peak(schedule):
                 measured[schedule] = jax.jit(self._ffi_program(schedule, chunk))
                 stats = measured[schedule].lower(self.residents, self.opt_state,
-                                                 batch).compile().memory_analysis()
+                                                 given).compile().memory_analysis()
                 return (stats.argument_size_in_bytes + stats.output_size_in_bytes +
                         stats.temp_size_in_bytes - stats.alias_size_in_bytes)
 
@@ -126,9 +129,13 @@ class _Programs:
         head's loss (chunked_cross_entropy in it over `chunk` tokens); the grads of the
         head, the blocks' input and the extras, the embedding's vjp, the residents' optax
         update (held: (loss, the residents' grads) instead, for _HeldUpdates). The blocks are
-        differentiated through their input, so they train even with frozen residents."""
+        differentiated through their input, so they train even with frozen residents. Under
+        data parallel one program over every rank's device (strata.jax._data_parallel): the
+        loss and the residents' grads averaged over the ranks, the blocks' inside
+        apply_blocks."""
         apply, loss_fn = self._apply_scheduled, self.loss_fn
         embed, opt, held = self._program_parts
+        ranks = self.data_parallel
 
         def program(r, opt_state, batch):
             def split(r_):
@@ -153,10 +160,12 @@ class _Programs:
                 r, hidden, diff)
             (g_embed,) = embed_vjp((g_x, g_diff))
             grads = jax.tree_util.tree_map(jnp.add, g_head, g_embed)
+            if ranks is not None:
+                loss, grads = ranks.mean((loss, grads))
             if held:
                 return loss, grads
             if opt is None:
                 return loss, r, opt_state
             return (loss,) + apply_optax(opt, r, opt_state, grads)
 
-        return program
+        return program if ranks is None else ranks.wrap(program)

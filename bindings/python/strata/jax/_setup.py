@@ -44,6 +44,24 @@ class _Setup:
             return False
         return ffi
 
+    def _refuse_data_parallel(self, ffi, nvme):
+        """What data parallel does not run (yet), refused on every rank alike before anything
+        is made (every rank builds the Trainer with the same arguments)."""
+        if nvme:
+            raise NotImplementedError("strata.jax: nvme= with data parallel is not supported "
+                                      "yet (each rank would need NVMe files of its own)")
+        if ffi is False:
+            raise ValueError("strata.jax: data parallel runs the step as one XLA program with "
+                             "the FFI ops (their collectives inside it): ffi=False (or "
+                             "$STRATA_JAX_FFI=0) is not supported with it")
+        if self.embed_fn is None:
+            raise TypeError("strata.jax: data parallel (on by default under jax.distributed "
+                            "with several processes) trains through step(), whose program "
+                            "reduces the grads over the ranks: give embed_fn and loss_fn; "
+                            "apply_blocks in your own jitted step (strata.jax.offload) is not "
+                            "supported with it yet (data_parallel=False trains each process "
+                            "alone)")
+
     def _open_ffi(self, ffi):
         """The FFI session for this trainer (ffi: _ffi_choice's), or None for the
         host-synchronised loop."""
@@ -136,7 +154,9 @@ class _Setup:
         opt = self.block_optimizer
         self.optimizer = core.Optimizer(self.runtime, "adamw", lr=_lookup(opt.learning_rate, 0),
                                         weight_decay=_lookup(opt.weight_decay, 0), beta1=opt.b1,
-                                        beta2=opt.b2, eps=opt.eps, threads=opt.threads,
+                                        beta2=opt.b2, eps=opt.eps,
+                                        threads=self._layout.optimizer_threads(self.runtime,
+                                                                               opt.threads),
                                         update_mode="explicit" if opt.holds_grads else "auto",
                                         **self._state_options)
         self.leaf_groups = [opt.group_of(n) for n in self.names]
@@ -152,7 +172,9 @@ class _Setup:
             # written back by the updates), else DRAM.
             home = self.placement.homes[i][0] if self.placement is not None else "dram"
             for name, shape, d in zip(self.names, self.shapes[i], self.leaf_dtypes):
-                full = "layers.%d.%s" % (i, name)
+                # Under data parallel this rank's chunk of the leaf (its flat elements).
+                full = self._layout.registered_name("layers.%d.%s" % (i, name))
+                shape = self._layout.registered_shape(shape)
                 ws.append(self.runtime.register(full, shape, _DTYPE_NAMES[d], "weight", home))
                 gs.append(self.runtime.register(full + ".grad", shape, _DTYPE_NAMES[d],
                                                 "grad"))
@@ -181,6 +203,7 @@ class _Setup:
         optimizer between the two (its state is made there, the master widened from the
         weight)."""
         t = time.perf_counter()
+        leaves = [self._layout.own_chunk(v) for v in leaves]  # under data parallel, its chunk
         staged = [writer.stage(v, d) for v, d in zip(leaves, self.leaf_dtypes)]
         for w, value, d in zip(self.weights[i], staged, self.leaf_dtypes):
             writer.write(w, value, d)
@@ -209,15 +232,21 @@ class _Setup:
         self.optimizer.attach(ex)
         self.executor = ex
         if self._ffi is not None:
-            self._ffi.bind(ex, [[int(np.prod(shape)) * d.itemsize for shape, d in
-                                 zip(shapes, self.leaf_dtypes)] for shapes in self.shapes])
+            self._ffi.bind(ex, [[self._layout.kept(int(np.prod(shape))) * d.itemsize
+                                 for shape, d in zip(shapes, self.leaf_dtypes)]
+                                for shapes in self.shapes])
 
     def _init_residents(self, residents, optimizer):
         residents = {} if residents is None else residents
         for path, leaf in jax.tree_util.tree_flatten_with_path(residents)[0]:
             _check_leaf("resident", _path_name(path), leaf, inexact=optimizer is not None)
-        self.residents = jax.device_put(residents, self.device)
         self.resident_optimizer = optimizer
+        if self.data_parallel is not None:  # replicas on every rank, from rank 0's values
+            self.residents = self.data_parallel.replicate(residents)
+            self.opt_state = self.data_parallel.replicate(optimizer.init(residents)) \
+                if optimizer is not None else None
+            return
+        self.residents = jax.device_put(residents, self.device)
         # Committed to the device like the residents (and like what the step returns), so the
         # second step reuses the first one's compiled program instead of compiling again.
         self.opt_state = jax.device_put(optimizer.init(self.residents), self.device) \

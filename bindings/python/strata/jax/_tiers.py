@@ -33,8 +33,10 @@ class _Tiers:
         NVMe is refused here, before the runtime exists. self._tiers keeps that plan for the
         placement chosen on the runtime (_place)."""
         itemsize = max(d.itemsize for d in self.leaf_dtypes)
-        hbm, dram = core.streaming_budgets([sum(int(np.prod(s)) for s in shapes)
-                                            for shapes in self.shapes], itemsize)
+        # Per layer, the elements this process's runtime holds (its chunks under data
+        # parallel; data parallelism refuses nvme, so the NVMe plan below sees whole leaves).
+        kept = [[self._layout.kept(int(np.prod(s))) for s in shapes] for shapes in self.shapes]
+        hbm, dram = core.streaming_budgets([sum(k) for k in kept], itemsize)
         hbm = hbm if gpu_budget is None else gpu_budget
         self._tiers = None
         if nvme:
@@ -50,13 +52,11 @@ class _Tiers:
             return hbm, dram, core.pinned_dram(counts, element, dram), self._tiers.nvme_budget
         if host_budget is None and self.block_optimizer.accumulation > 1:
             # Micro-batches' grads are summed in the optimizer's fp32 accumulators, in DRAM.
-            dram += core.accum_bytes([[int(np.prod(s)) for s in shapes]
-                                      for shapes in self.shapes], itemsize)
+            dram += core.accum_bytes(kept, itemsize)
         dram = dram if host_budget is None else host_budget
         # Only what the GPU's copies touch of the arena is pinned (core.pinned_dram): each
         # leaf's weight and grad, not the optimizer's state.
-        pinned = core.pinned_dram([[int(np.prod(s)) for s in shapes] for shapes in self.shapes],
-                                  itemsize, dram)
+        pinned = core.pinned_dram(kept, itemsize, dram)
         return hbm, dram, pinned, 0
 
     def _place(self, state_placement):

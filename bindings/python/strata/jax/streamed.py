@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import core
-from . import _ffi
+from . import _data_parallel, _ffi
 from ._checkpoint import _Checkpoints
 from ._held import _HeldUpdates
 from ._hostloop import _HostLoop
@@ -99,13 +99,26 @@ class Trainer(_Setup, _Tiers, _Programs, _StepPlanning, _HostLoop, _HeldUpdates,
     strata.jax.chunked_cross_entropy runs over the plan's chunk of tokens (loss_chunk_tokens:
     the user's chunk, else the library's). step_memory: the device bytes the plan plans
     within (None: XLA's pool from the device's memory_stats; the CPU has none, so there every
-    block recomputes with its checkpoint on the device unless step_memory is given)."""
+    block recomputes with its checkpoint on the device unless step_memory is given).
+
+    Several devices (data_parallel; strata.jax._data_parallel, docs/python-guide.md): one
+    process per device under jax.distributed (initialize it before building the Trainer; None:
+    on when there are several processes, False: off, or a strata.jax.DataParallel). Every
+    process builds the Trainer alike and passes its own rows to step() (every batch leaf has
+    its rows first); the step is one XLA program over every process's device (jax.shard_map):
+    each block all-gathered from the ranks' chunks, its grads reduce-scattered (averaged over
+    every rank) inside the program before Strata's optimizer updates them, the residents'
+    grads averaged, the loss the ranks' mean. The processes of a host share one copy of the
+    blocks' training state (each holds 1/shard_size of every leaf's weight, grad, master and
+    moments); the residents start from rank 0's values and stay replicas. Needs the FFI path
+    and step(); get_params is collective (every process calls it)."""
 
     def __init__(self, block_fn, blocks, residents=None, *, embed_fn=None, loss_fn=None,
                  optimizer=None, block_optimizer=None, stacked=None, dtype=None,
                  gpu_budget=None, host_budget=None, nvme=None, nvme_budget=None,
                  state_placement=None, backend=None, slot_budget=0, ffi=None, scan=None,
-                 step_memory=None, saved_names=None, loss_chunk_tokens=None):
+                 step_memory=None, saved_names=None, loss_chunk_tokens=None,
+                 data_parallel=None):
         self.setup_seconds = {}
         started = time.perf_counter()
         nvme, nvme_budget = core.tier_arguments("strata.jax.Trainer", nvme, nvme_budget,
@@ -129,11 +142,16 @@ class Trainer(_Setup, _Tiers, _Programs, _StepPlanning, _HostLoop, _HeldUpdates,
         if self.dtype is not None and self.dtype not in _DTYPE_NAMES:
             raise TypeError("strata.jax: dtype %s is not supported: streamed weights are %s"
                             % (self.dtype, _SUPPORTED))
-        self.device = jax.devices()[0]
+        # This process's device (under jax.distributed, jax.devices() lists every process's).
+        self.device = jax.local_devices()[0]
+        self._layout = _data_parallel.resolve(data_parallel) or _data_parallel.Whole()
+        self.data_parallel = self._layout if self._layout.world > 1 else None
         if backend is None:
             backend = "cuda" if self.device.platform == "gpu" else "host"
         self.stacked = not isinstance(blocks, (list, tuple)) if stacked is None else stacked
         ffi = self._ffi_choice(ffi, backend)
+        if self.data_parallel is not None:
+            self._refuse_data_parallel(ffi, nvme)
         if ffi is not False:
             _ffi.start_build()  # compiled (first use) while the blocks are read, runtime made
         per_layer = self._split_blocks(blocks)  # per layer, its leaves (numpy or JAX arrays)
@@ -146,12 +164,17 @@ class Trainer(_Setup, _Tiers, _Programs, _StepPlanning, _HostLoop, _HeldUpdates,
                                                        nvme_budget, state_placement)
         self.runtime = core.Runtime(backend=backend, hbm_budget=hbm, dram_budget=dram,
                                     nvme=nvme or None, nvme_budget=nvme_budget,
-                                    dram_pinned=pinned)
+                                    dram_pinned=pinned,
+                                    **self._layout.runtime_options(self.device, backend))
         started = self._timed("runtime", started)
         try:
             self._place(state_placement)  # with nvme: the library's choice, rates measured
             started = self._timed("placement", started)
             self._ffi = self._open_ffi(ffi)  # waits for the library's compile, if still running
+            if self._ffi is None and self.data_parallel is not None:
+                raise RuntimeError("strata.jax: data parallel runs the step as one XLA program "
+                                   "with the FFI ops, which are unavailable here (see the "
+                                   "warning above)")
         except BaseException:
             self.runtime.close()
             raise
@@ -257,21 +280,28 @@ class Trainer(_Setup, _Tiers, _Programs, _StepPlanning, _HostLoop, _HeldUpdates,
         executor (see _ffi_program); the host waits once, for the loss."""
         self._check_not_traced(batch, "step")
         self._settle()
+        ranks = self.data_parallel
+        given = None
+        if ranks is not None:
+            ranks.check()
+            given = ranks.global_batch(batch)  # this process's rows, its part of all of them
         out = None
         try:
-            program = self._program_for(batch)  # planned on the batch shape's first step
-            out = program(self.residents, self.opt_state, batch)
+            program = self._program_for(batch, given)  # planned on the batch shape's first step
+            out = program(self.residents, self.opt_state, batch if given is None else given)
             jax.block_until_ready(out)
-        except BaseException:
+        except BaseException as e:
             # Traced but failed while running: some blocks may have released their grads.
             self._abort(out, 1 if out is not None else 0, exact=False)
+            if ranks is not None and isinstance(e, _data_parallel.RUNTIME_ERRORS):
+                raise ranks.failure("step %d" % (self.step_count + 1), e) from e
             raise
         if self.block_optimizer.holds_grads:
             loss, grads = out
             self._held_step(grads)
         else:
             loss, self.residents, self.opt_state = out
-        return float(loss)
+        return float(loss if ranks is None else loss.addressable_data(0))
 
     def synchronize(self):
         """Wait for the blocks' running updates."""

@@ -23,6 +23,8 @@ import socket
 
 import torch
 
+from .._sharding import ALIGN, chunk_elements, ranks_per_host  # noqa: F401
+from .._sharding import optimizer_threads as _optimizer_threads
 from . import _host
 from ._agreement import DataParallelError  # (public: strata.torch.DataParallelError)
 
@@ -30,20 +32,6 @@ try:
     import torch.distributed as dist
 except ImportError:  # a torch built without distributed support
     dist = None
-
-
-# Elements: every rank's chunk of a streamed parameter, so every parameter in a gathered block,
-# starts aligned (strata.torch.layout lays the chunks out; offload's sizing counts them).
-ALIGN = 64
-
-
-def chunk_elements(numel, shards, pieces=1):
-    """Elements of each rank's chunk of a parameter of `numel` elements; with `pieces` (hosts
-    splitting the chunk's state, DataParallel(state_across_hosts=True)) a multiple of that many
-    aligned pieces, so every piece starts aligned too."""
-    per = -(-numel // shards)
-    align = ALIGN * pieces
-    return max(align, -(-per // align) * align)
 
 
 class DataParallel:
@@ -196,14 +184,8 @@ class Mesh:
         return group if self.global_rank in ranks else None
 
     def _ranks_per_host(self):
-        """Ranks per host, when every host has the same number and holds consecutive ranks
-        (what torchrun assigns); else 1 (every rank a replica), which is always correct."""
-        counts = {}
-        for h in self.hosts:
-            counts[h] = counts.get(h, 0) + 1
-        size = self.hosts.count(self.hosts[0])
-        consecutive = all(self.hosts[i] == self.hosts[i - i % size] for i in range(self.world))
-        return size if len(set(counts.values())) == 1 and consecutive else 1
+        """Ranks per host (strata._sharding.ranks_per_host over the ranks' host names)."""
+        return ranks_per_host(self.hosts)
 
     def ranks_on_host(self):
         """How many ranks of the data-parallel group run on this rank's host: they share its
@@ -364,13 +346,10 @@ def _refuse_disagreement(every):
 
 
 def optimizer_threads(mesh, numa_node):
-    """Threads for this rank's CPU AdamW: the CPUs of its GPU's NUMA node, shared by the ranks
-    of this host whose GPUs sit on the same node, less one each for the thread feeding the GPU
-    (one rank alone gets Strata's own default: the node's CPUs less one)."""
+    """Threads for this rank's CPU AdamW (strata._sharding.optimizer_threads): its NUMA node's
+    CPUs shared by the ranks of this host whose GPUs sit on the same node (collective)."""
     here = (socket.gethostname(), numa_node)
-    sharing = mesh.gather_objects(here).count(here)
-    cpus = _host.node_cpus(numa_node)
-    return max(1, cpus // sharing - 1)
+    return _optimizer_threads(numa_node, mesh.gather_objects(here).count(here))
 
 
 def rank_files(mesh, nvme, options):

@@ -50,7 +50,7 @@ def layout_grads(grads):
 def kept_elements(numel, mesh=None):
     """Elements of a streamed parameter of `numel` elements that this process's runtime holds
     (its weight, grad and optimizer state): all of them; under data parallelism (`mesh`) this
-    rank's chunk (strata.torch._distributed.chunk_elements); with the state across hosts
+    rank's chunk (strata._sharding.chunk_elements); with the state across hosts
     (DataParallel(state_across_hosts=True), mesh.pieces > 1) this rank's piece of that chunk,
     what strata.torch.layout registers (the chunk itself is in the host replica:
     replica_bytes)."""
