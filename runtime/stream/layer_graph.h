@@ -15,6 +15,10 @@
 namespace strata {
 
 enum class Phase : int32_t { kForward = 0, kBackward = 1 };
+// "forward" or "backward", as the executor's errors name a pass.
+inline const char* phase_name(Phase p) {
+  return p == Phase::kForward ? "forward" : "backward";
+}
 
 struct LayerSpec {
   std::string name;

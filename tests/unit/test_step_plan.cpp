@@ -6,17 +6,13 @@
 #include <random>
 
 #include "runtime/step/step_plan.h"
+#include "support/step_profiles.h"
 
 using namespace strata;
 using namespace strata::step;
+using namespace strata::step::testing;
 
 namespace {
-
-constexpr uint64_t GB = uint64_t{1} << 30;
-
-uint64_t gb(double n) {
-  return static_cast<uint64_t>(n * static_cast<double>(GB));
-}
 
 std::pair<uint32_t, bool> spills(const std::vector<uint64_t>& ckpts, uint64_t base,
                                  uint64_t working, uint64_t usable, uint64_t margin,
@@ -414,16 +410,9 @@ TEST_CASE("step plan: kept activations are decided first, the checkpoints counte
 }
 
 TEST_CASE("step plan: checkpoints grouped where neither the device nor the host holds one each") {
-  StepProfile p;
-  p.blocks.assign(16, BlockProfile{1000, 0, 0, 0, Residency::kStreamed, Keep::kRecompute});
-  p.plan_checkpoints = true;
-  p.device_total = 40 * GB;
-  p.device_free = 40 * GB;
-  p.tokens = 1024;
-  p.checkpoint_bytes = GB;
-  p.block_saved_bytes = 4 * GB;  // a working set of 5 + 2 = 7
-  p.block_saved_measured = true;
-  p.in_use = 24 * GB;  // 40 - 4 of margin - 24 - 7: 5 for checkpoints and 3 restores in flight
+  // Blocks saving 4 GB: a working set of 5 + 2 = 7. 24 GB held: 40 - 4 of margin - 24 - 7
+  // leaves 5 for checkpoints and 3 restores in flight.
+  StepProfile p = streamed_checkpoints(16, 40 * GB, 1024, GB, 4 * GB, 24 * GB);
   StepPlan plan;
   // Without a cap on the host's room: one checkpoint per block, 14 spilled (2 + 3 <= 5).
   REQUIRE(plan_step(p, &plan).is_ok());

@@ -6,31 +6,19 @@
 #include <random>
 
 #include "runtime/step/step_plan.h"
+#include "support/step_profiles.h"
 
 using namespace strata;
 using namespace strata::step;
+using namespace strata::step::testing;
 
 namespace {
-
-constexpr uint64_t GB = uint64_t{1} << 30;
-
-uint64_t gb(double n) {
-  return static_cast<uint64_t>(n * static_cast<double>(GB));
-}
 
 // An 8B Llama's shape at 128k tokens of one sequence: 32 streamed blocks, 1 GiB checkpoints,
 // the MLP's 14 GiB of intermediates (112 KiB a token) of a block's 18 GiB saved, 20 GiB held.
 StepProfile long_sequence(uint64_t device) {
-  StepProfile p;
-  p.blocks.assign(32, BlockProfile{1000, 0, 0, 0, Residency::kStreamed, Keep::kRecompute});
-  p.plan_checkpoints = true;
-  p.device_total = p.device_free = device;
-  p.tokens = 131072;
-  p.checkpoint_bytes = GB;
-  p.block_saved_measured = true;
+  StepProfile p = streamed_checkpoints(32, device, 131072, GB, 18 * GB, 20 * GB);
   p.mlp_token_bytes = 112 * 1024;  // x 128k tokens = 14 GiB
-  p.block_saved_bytes = 18 * GB;
-  p.in_use = 20 * GB;
   return p;
 }
 

@@ -2,6 +2,7 @@
 (torch_vlm_models) trained data parallel through strata.torch under a gloo process group, this
 rank's batches its own (rank 0 image+text, rank 1 text only, then the other way round: the
 vision tower gets grads on one rank only). Rank 0 writes its losses and final state_dict."""
+import argparse
 import os
 import sys
 import traceback
@@ -38,15 +39,22 @@ def rank_batches(family, rank, steps):
     return [image if (i + rank) % 2 == 0 else text for i in range(steps)]
 
 
-def entry(rank, world, port, family, steps, out, log):
-    """The process's target: its output, and a failure's traceback, to `log` (the test shows
+def entry(argv, log):
+    """The process's target (rank_launch.launch: argv is --rank R --world W --port P --family F
+    --steps S --out PATH): its output, and a failure's traceback, to `log` (the test shows
     it); a failure exits with status 1."""
     f = open(log, "w", buffering=1)
     os.dup2(f.fileno(), 1)
     os.dup2(f.fileno(), 2)
     sys.stdout = sys.stderr = f
     try:
-        main(rank, world, port, family, steps, out)
+        parser = argparse.ArgumentParser()
+        for name in ("--rank", "--world", "--port", "--steps"):
+            parser.add_argument(name, type=int, required=True)
+        for name in ("--family", "--out"):
+            parser.add_argument(name, required=True)
+        a = parser.parse_args(argv)
+        main(a.rank, a.world, a.port, a.family, a.steps, a.out)
     except BaseException:
         traceback.print_exc()
         f.flush()

@@ -7,7 +7,6 @@ refusal comes before the wrapper changed anything, the model then trains exactly
 never met the wrapper. On the CPU, over gloo with one rank (offload is then not data parallel
 itself); accelerate's single-process prepare() keeps working."""
 import importlib.util
-import socket
 
 import pytest
 
@@ -16,6 +15,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch without distributed support", allow_module_level=True)
 
+import rank_launch  # noqa: E402
 import strata.torch as st  # noqa: E402
 from torch_parity_models import DEVICE, LR, WD, batches, build  # noqa: E402
 from torch_parity_models import train as parity_train  # noqa: E402
@@ -33,9 +33,7 @@ STEPS = 3
 @pytest.fixture
 def group():
     """torch.distributed's default group: gloo, one rank, on a free local port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = rank_launch.free_port()
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=0,
                             world_size=1)
     yield

@@ -6,28 +6,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._offload import _make_trainer, _Streamed
+from ._offload import _make_trainer, _Streamed, _StreamedCalls
 from ._tree import _path_name
 
 
-class StreamedBlocks(eqx.Module):
-    """The stack strata.jax.offload streams: calling it applies every block in order
-    (trainer.apply_blocks: differentiated, one training step of the blocks). Its one field is
-    static, so eqx.filter, eqx.filter_value_and_grad and optax see only the rest of the
-    model."""
+class StreamedBlocks(_StreamedCalls, eqx.Module):
+    """The stack strata.jax.offload streams (its call, `trainer` and `plain()`: _StreamedCalls).
+    Its one field is static, so eqx.filter, eqx.filter_value_and_grad and optax see only the
+    rest of the model."""
 
     streamed: _Streamed = eqx.field(static=True)
-
-    def __call__(self, hidden, *extras):
-        return self.streamed.trainer.apply_blocks(hidden, *extras)
-
-    @property
-    def trainer(self):
-        return self.streamed.trainer
-
-    def plain(self):
-        """The stack as the eqx.Module it was, with the trained weights."""
-        return self.streamed.plain()
 
 
 def _where(blocks):

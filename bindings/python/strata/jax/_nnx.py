@@ -5,29 +5,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._offload import _make_trainer, _Streamed
+from ._offload import _make_trainer, _Streamed, _StreamedCalls
 from ._tree import _path_name
 
 
-class StreamedBlocks(nnx.Module):
-    """The stack strata.jax.offload streams: calling it applies every block in order
-    (trainer.apply_blocks: differentiated, one training step of the blocks). It holds no
-    nnx.Variable, so nnx.state, nnx.Optimizer and nnx.value_and_grad see only the rest of the
-    model; `streamed` (static) holds the trainer and the stack's graph."""
+class StreamedBlocks(_StreamedCalls, nnx.Module):
+    """The stack strata.jax.offload streams (its call, `trainer` and `plain()`: _StreamedCalls).
+    It holds no nnx.Variable, so nnx.state, nnx.Optimizer and nnx.value_and_grad see only the
+    rest of the model; `streamed` (static) holds the trainer and the stack's graph."""
 
     def __init__(self, streamed):
         self.streamed = streamed
-
-    def __call__(self, hidden, *extras):
-        return self.streamed.trainer.apply_blocks(hidden, *extras)
-
-    @property
-    def trainer(self):
-        return self.streamed.trainer
-
-    def plain(self):
-        """The stack as the nnx.Module it was, with the trained weights."""
-        return self.streamed.plain()
 
 
 def _names(flat):

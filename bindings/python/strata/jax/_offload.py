@@ -27,6 +27,24 @@ class _Streamed:
         return self._rebuild(blocks)
 
 
+class _StreamedCalls:
+    """The members both frameworks' StreamedBlocks share (_nnx.py, _equinox.py): each is its
+    framework's module whose one attribute, `streamed` (static), is a _Streamed; calling it
+    applies every block in order (trainer.apply_blocks: differentiated, one training step of
+    the blocks)."""
+
+    def __call__(self, hidden, *extras):
+        return self.streamed.trainer.apply_blocks(hidden, *extras)
+
+    @property
+    def trainer(self):
+        return self.streamed.trainer
+
+    def plain(self):
+        """The stack as the framework's module it was, with the trained weights."""
+        return self.streamed.plain()
+
+
 def _make_trainer(block_fn, blocks, block_optimizer, trainer_kw):
     """The Trainer of an offloaded model: no embed_fn, loss_fn or resident optimizer (the
     user's jitted step owns the embedding, the loss and the rest's optax update), the XLA FFI

@@ -20,10 +20,7 @@ tests/python/support/torch_dist_worker.py.
   CUDA streams modelled by vector clocks, every access of the same memory from two streams
   ordered (hosts of one and of two GPUs, with and without the state across hosts)."""
 import contextlib
-import multiprocessing
 import os
-import socket
-import time
 import types
 
 import pytest
@@ -32,6 +29,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch without distributed support", allow_module_level=True)
+import rank_launch  # noqa: E402
 import torch_dist_worker as worker  # noqa: E402
 import strata.core  # noqa: E402
 from strata.core import BACKWARD, FORWARD, VIEW_WEIGHT  # noqa: E402
@@ -39,55 +37,23 @@ from strata.core import BACKWARD, FORWARD, VIEW_WEIGHT  # noqa: E402
 ROWS, STEPS, CLIP = 4, 4, 0.05  # the clip binds: every step scales the grads
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_CONTEXT = []
-
-
-def context():
-    """A forkserver that imported torch and strata.torch once: each rank is a fork of it, so a
-    job starts in a fraction of a second instead of importing torch per rank."""
-    if not _CONTEXT:
-        ctx = multiprocessing.get_context("forkserver")
-        # torch._dynamo: torch.optim.Optimizer imports it at first use, 10 s on a slow host.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
-                                    "strata.torch", "torch_dist_worker"])
-        _CONTEXT.append(ctx)
-    return _CONTEXT[0]
-
-
 def launch(world, args, limit=120, grace=5.0):
-    """Start `world` ranks; wait (at most `limit` s) for rank 0 to exit, then up to `grace` s
-    for the rest, which are killed after that (as torchrun ends a job whose rank failed).
-    Returns (exit codes, output texts, seconds until rank 0 exited); a rank 0 still running at
-    `limit` is a hang and fails the test."""
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(world):
-        argv = ["--rank", str(rank), "--world", str(world), "--port", str(port)]
-        for k, v in args.items():
-            argv += [k] if v is True else [k, str(v)]
-        logs.append("%s.rank%d" % (args["--out"], rank))
-        procs.append(context().Process(target=worker.entry, args=(argv, logs[-1])))
-        procs[-1].start()
-    start = time.monotonic()
-    procs[0].join(limit)
-    elapsed = time.monotonic() - start
-    for p in procs:
-        p.join(max(0.1, grace - (time.monotonic() - start - elapsed)))
-        if p.exitcode is None:
-            p.kill()
-            p.join()
-    texts = []
-    for log in logs:
-        with open(log) as f:
-            texts.append(f.read())
+    """Start `world` ranks (each forked from a forkserver that imported torch and strata.torch
+    once, so a job starts in a fraction of a second instead of importing torch per rank); wait
+    (at most `limit` s) for rank 0 to exit, then up to `grace` s for the rest, which are killed
+    after that (as torchrun ends a job whose rank failed). Returns (exit codes, output texts,
+    seconds until rank 0 exited); a rank 0 still running at `limit` is a hang and fails the
+    test."""
+    argv = ["--world", str(world), "--port", str(rank_launch.free_port())]
+    for k, v in args.items():
+        argv += [k] if v is True else [k, str(v)]
+    # torch._dynamo: torch.optim.Optimizer imports it at first use, 10 s on a slow host.
+    ctx = rank_launch.forkserver("torch", "torch.distributed", "torch._dynamo", "strata.torch",
+                                 "torch_dist_worker")
+    codes, texts, elapsed = rank_launch.launch_led_by_rank0(
+        ctx, worker.entry, argv, world, args["--out"], limit, grace)
     assert elapsed < limit, "rank 0 hung for %d s:\n%s" % (limit, texts[0][-3000:])
-    return [p.exitcode for p in procs], texts, elapsed
+    return codes, texts, elapsed
 
 
 def assert_bf16_close(got, expected):

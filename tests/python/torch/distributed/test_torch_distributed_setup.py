@@ -16,9 +16,6 @@ process group running tests/python/support/torch_dist_setup_worker.py.
 - Under DataParallel(state_across_hosts=True) the arena is sized for the rank's pieces, with
   the host replica of the weights beside it in the host budget, not as for HSDP."""
 import json
-import multiprocessing
-import socket
-import time
 
 import pytest
 
@@ -26,56 +23,31 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch without distributed support", allow_module_level=True)
+import rank_launch  # noqa: E402
 import torch_dist_setup_worker as worker  # noqa: E402
 
 # DataParallel's timeout in the worker, deliberately long: a rank left waiting in a collective
 # would take this long, far past launch's limit (a hang fails the test instead).
 TIMEOUT = 300
-_CONTEXT = []
-
-
-def context():
-    """A forkserver that imported torch and strata.torch once (as test_torch_distributed.py)."""
-    if not _CONTEXT:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
-                                    "strata.torch", "torch_dist_worker",
-                                    "torch_dist_setup_worker"])
-        _CONTEXT.append(ctx)
-    return _CONTEXT[0]
 
 
 def launch(tmp_path, world, limit=90, **args):
     """Run `world` ranks to their end (each killed past `limit` s: a hang fails the test);
     returns every rank's output (the worker's JSON)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "out")
-    procs = []
-    for rank in range(world):
-        argv = ["--rank", str(rank), "--world", str(world), "--port", str(port), "--out", out,
-                "--timeout", str(TIMEOUT)]
-        for k, v in args.items():
-            argv += ["--" + k.replace("_", "-")] + ([] if v is True else [str(v)])
-        procs.append(context().Process(target=worker.entry,
-                                       args=(argv, "%s.log%d" % (out, rank))))
-        procs[-1].start()
-    deadline = time.monotonic() + limit
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.exitcode is None]
-    for p in procs:
-        if p.exitcode is None:
-            p.kill()
-            p.join()
-    logs = []
-    for rank in range(world):
-        with open("%s.log%d" % (out, rank)) as f:
-            logs.append(f.read()[-3000:])
-    assert not hung and all(p.exitcode == 0 for p in procs), (
-        "ranks %s hung, exit codes %s:\n%s" % (hung, [p.exitcode for p in procs],
-                                               "\n".join(logs)))
+    argv = ["--world", str(world), "--port", str(rank_launch.free_port()), "--out", out,
+            "--timeout", str(TIMEOUT)]
+    for k, v in args.items():
+        argv += ["--" + k.replace("_", "-")] + ([] if v is True else [str(v)])
+    # A forkserver that imported torch and strata.torch once (as test_torch_distributed.py).
+    ctx = rank_launch.forkserver("torch", "torch.distributed", "torch._dynamo", "strata.torch",
+                                 "torch_dist_worker", "torch_dist_setup_worker")
+    # The logs beside the outputs: "log.rankR" (the worker writes its JSON to "out.rankR").
+    codes, texts, late = rank_launch.launch(ctx, worker.entry, argv, world,
+                                            str(tmp_path / "log"), limit)
+    assert not late and codes == [0] * world, (
+        "ranks hung (past %d s: %s), exit codes %s:\n%s" % (
+            limit, late, codes, "\n".join(t[-3000:] for t in texts)))
     results = []
     for rank in range(world):
         with open("%s.rank%d" % (out, rank)) as f:

@@ -8,9 +8,6 @@ collectives mismatched (gloo: "Received data size doesn't match expected size").
 The oracle is plain PyTorch in one process on the mean of the two ranks' losses (DDP's
 average of the ranks' grads): rank 0's losses within 1e-6 relative, every parameter within
 1e-6, but for the attention key bias (torch_parity_models.KEY_BIAS_ATOL, its reason)."""
-import multiprocessing
-import socket
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,18 +15,13 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch without distributed support", allow_module_level=True)
 pytest.importorskip("transformers")
+import rank_launch  # noqa: E402
 import torch_vlm_dist_worker as worker  # noqa: E402
 import torch_vlm_models as vlm  # noqa: E402
 from torch_parity_models import (  # noqa: E402
     LR, WD, assert_losses_close, assert_state_close, snapshot)
 
 STEPS = 2
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plain_ddp(family):
@@ -50,22 +42,15 @@ def plain_ddp(family):
 
 def test_ranks_with_and_without_images_train_as_ddp(tmp_path):
     family = "qwen2_5_vl"
-    out, port = tmp_path / "rank0.pt", free_port()
-    logs = [tmp_path / ("rank%d.log" % r) for r in range(2)]
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=worker.entry,
-                         args=(r, 2, port, family, STEPS, str(out), str(logs[r])))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-        if p.exitcode is None:
-            p.kill()
-    codes = [p.exitcode for p in procs]
+    out = tmp_path / "rank0.pt"
+    argv = ["--world", "2", "--port", str(rank_launch.free_port()), "--family", family,
+            "--steps", str(STEPS), "--out", str(out)]
+    ctx = rank_launch.forkserver("torch", "torch.distributed", "torch._dynamo", "transformers",
+                                 "strata.torch", "torch_vlm_models", "torch_vlm_dist_worker")
+    codes, texts, _ = rank_launch.launch(ctx, worker.entry, argv, 2, str(tmp_path / "log"),
+                                         240)
     assert codes == [0, 0], "exit codes %s\n%s" % (codes, "\n".join(
-        "--- rank %d\n%s" % (r, log.read_text()[-3000:]) for r, log in enumerate(logs)
-        if log.exists()))
+        "--- rank %d\n%s" % (r, text[-3000:]) for r, text in enumerate(texts)))
     got = torch.load(out)
     expected, expected_state = plain_ddp(family)
     assert_losses_close(got["losses"], expected)

@@ -6,7 +6,6 @@ the one-process run's within the data-parallel suite's tolerances (a batch's gra
 two halves rounds differently)."""
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -18,16 +17,11 @@ pytest.importorskip("datasets")
 if not torch.distributed.is_available():
     pytest.skip("torch without distributed support", allow_module_level=True)
 
+import rank_launch  # noqa: E402
 from strata.train import config, loop  # noqa: E402
 from strata.train.metrics import read as read_metrics  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[4]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def losses(output):
@@ -52,7 +46,7 @@ def test_two_ranks_train_like_one_process(tmp_path, one_torch_thread):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "bindings" / "python"), OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), "-m", "strata.train"] +
+         "--master-port", str(rank_launch.free_port()), "-m", "strata.train"] +
         [str(a) for a in common + ["--micro-batch", 2, "--output", two]],
         env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
