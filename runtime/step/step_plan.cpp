@@ -1,6 +1,6 @@
 // The step plan as a whole: the profile checked, each decision the profile carries what it needs
 // for made in order (residency, the loss chunk, kept activations, checkpoint homes with the MLP's
-// sequence tiles), and the dumps.
+// sequence tiles and the optimizer state's tier), and the dumps.
 #include "runtime/step/step_plan.h"
 
 #include <iomanip>
@@ -105,7 +105,9 @@ Status check_figures(const StepProfile& p) {
                          {p.arena_bytes, "arena_bytes"},
                          {p.host_available, "host_available"},
                          {p.beside_bytes, "beside_bytes"},
-                         {p.mlp_token_bytes, "mlp_token_bytes"}}) {
+                         {p.mlp_token_bytes, "mlp_token_bytes"},
+                         {p.state_dram, "state_dram_bytes"},
+                         {p.nvme_free, "nvme_free_bytes"}}) {
     STRATA_RETURN_IF_ERROR(check_bytes(v, name));
   }
   if (p.max_group > kMaxBlocks || p.given_group > kMaxBlocks) {
@@ -297,6 +299,25 @@ const char* keep_name(Keep k) {
 const char* home_name(CheckpointHome h) {
   return h == CheckpointHome::kDram ? "dram" : "hbm";
 }
+const char* state_reason_name(StateReason r) {
+  switch (r) {
+    case StateReason::kRoom:
+      return "room";
+    case StateReason::kMove:
+      return "move";
+    case StateReason::kDeviceShort:
+      return "device_short";
+    case StateReason::kNoNvme:
+      return "no_nvme";
+    case StateReason::kNoState:
+      return "no_state";
+    case StateReason::kTooLittle:
+      return "too_little";
+    case StateReason::kNotPlanned:
+      break;
+  }
+  return "not_planned";
+}
 
 }  // namespace
 
@@ -310,6 +331,9 @@ std::string dump_text(const StepProfile& p, const StepPlan& plan) {
   if (plan.loss_chunk_tokens) o << ", loss chunk " << plan.loss_chunk_tokens << " tokens";
   if (plan.mlp_tiles > 1) {
     o << ", MLP over " << plan.mlp_tiles << " tiles of " << plan.mlp_tile_tokens << " tokens";
+  }
+  if (plan.state_nvme_bytes) {
+    o << ", advised: " << size_text(plan.state_nvme_bytes) << " of optimizer state to NVMe";
   }
   if (plan.checkpoints_planned && !plan.fits) o << " (PREDICTED SHORT of device memory)";
   o << "\n";
@@ -353,6 +377,9 @@ std::string dump_json(const StepProfile& p, const StepPlan& plan) {
       {"tokens", p.tokens},
       {"mlp_tiles", plan.mlp_tiles},
       {"mlp_tile_tokens", plan.mlp_tile_tokens},
+      {"state_nvme_bytes", plan.state_nvme_bytes},
+      {"state_nvme_group_blocks", plan.state_group_blocks},
+      {"state_tier_reason", state_reason_name(plan.state_reason)},
       {"reasons", plan.reasons},
   };
   nlohmann::json blocks = nlohmann::json::array();

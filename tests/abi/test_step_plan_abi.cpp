@@ -52,6 +52,8 @@ TEST_CASE("step plan: inits set struct_size and the documented defaults", "[abi]
   CHECK(p.checkpoint_group_blocks == 0);
   CHECK(p.mlp_token_bytes == 0);
   CHECK(p.mlp_tiles == 0);
+  CHECK(p.state_dram_bytes == 0);
+  CHECK(p.nvme_free_bytes == 0);
   strata_step_block_t b;
   std::memset(&b, 0xab, sizeof b);
   REQUIRE(strata_step_block_init(&b) == STRATA_OK);
@@ -83,6 +85,9 @@ TEST_CASE("step plan: a plan without a runtime, its info, blocks and dumps", "[a
   CHECK(info.predicted_peak_bytes == 0);  // (checkpoints were not planned)
   CHECK(info.mlp_tiles == 1);
   CHECK(info.mlp_tile_tokens == 0);
+  CHECK(info.state_nvme_bytes == 0);  // (checkpoints were not planned)
+  CHECK(info.state_nvme_group_blocks == 1);
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_NOT_PLANNED);
   CHECK(info.usable_bytes == 100000000);
   CHECK(info.margin_bytes == 10000000);
   strata_step_block_t out{};
@@ -415,4 +420,76 @@ TEST_CASE("step plan: the MLP's sequence tiles through the ABI", "[abi]") {
   CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
   CHECK(last_error().find("needs STRATA_STEP_PLAN_CHECKPOINTS") != std::string::npos);
   CHECK(none == nullptr);
+}
+
+TEST_CASE("step plan: the optimizer state's tier through the ABI", "[abi]") {
+  // 16 streamed blocks of 1 GiB checkpoints, a block's 4 GiB saved, 24 GiB held of 40: one
+  // checkpoint per block spills 14, the host has room for 6, groups of 3 fit it
+  // (tests/unit/test_step_plan_state.cpp counts it).
+  constexpr uint64_t GB = uint64_t{1} << 30;
+  Profile q(16);
+  for (auto& b : q.blocks) b.residency = STRATA_RESIDENCY_STREAMED;
+  q.profile.flags = STRATA_STEP_PLAN_CHECKPOINTS | STRATA_STEP_BLOCK_SAVED_MEASURED;
+  q.profile.device_total_bytes = q.profile.device_free_bytes = 40 * GB;
+  q.profile.tokens = 1024;
+  q.profile.checkpoint_bytes = GB;
+  q.profile.block_saved_bytes = 4 * GB;
+  q.profile.in_use_bytes = 24 * GB;
+  q.profile.host_room_bytes = 6 * GB;
+  q.profile.max_group_blocks = 4;
+  q.profile.state_dram_bytes = 20 * GB;
+  q.profile.nvme_free_bytes = 100 * GB;
+  const auto info_of = [&](strata_step_plan_info_t* info, std::string* text) {
+    strata_step_plan_t* made = nullptr;
+    REQUIRE(strata_step_plan_create(&q.profile, &made) == STRATA_OK);
+    info->struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE;
+    REQUIRE(strata_step_plan_get_info(made, info) == STRATA_OK);
+    std::size_t length = 0;
+    REQUIRE(strata_step_plan_dump(made, STRATA_PLAN_FORMAT_TEXT, nullptr, 0, &length) == STRATA_OK);
+    text->assign(length + 1, '\0');
+    REQUIRE(strata_step_plan_dump(made, STRATA_PLAN_FORMAT_TEXT, text->data(), text->size(),
+                                  nullptr) == STRATA_OK);
+    strata_step_plan_destroy(made);
+  };
+  strata_step_plan_info_t info;
+  std::string text;
+  info_of(&info, &text);
+  CHECK(info.checkpoint_group_blocks == 3);  // this plan: the room as given
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_MOVE);
+  CHECK(info.state_nvme_bytes == 8 * GB);
+  CHECK(info.state_nvme_group_blocks == 1);
+  CHECK(text.find("advised: 8.00 GiB of optimizer state to NVMe") != std::string::npos);
+  // Moved and planned again, as the header says: that plan takes the group, with ROOM.
+  q.profile.host_room_bytes += info.state_nvme_bytes;
+  q.profile.state_dram_bytes -= info.state_nvme_bytes;
+  q.profile.nvme_free_bytes -= info.state_nvme_bytes;
+  info_of(&info, &text);
+  CHECK(info.checkpoint_group_blocks == 1);
+  CHECK(info.fits == 1);
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_ROOM);
+  CHECK(info.state_nvme_bytes == 0);
+  CHECK(info.state_nvme_group_blocks == 1);
+  // Each reason the header lists.
+  q.profile.host_room_bytes = 6 * GB;
+  q.profile.nvme_free_bytes = 0;
+  info_of(&info, &text);
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_NO_NVME);
+  CHECK(info.state_nvme_group_blocks == 3);
+  q.profile.nvme_free_bytes = 100 * GB;
+  q.profile.state_dram_bytes = 0;
+  info_of(&info, &text);
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_NO_STATE);
+  q.profile.state_dram_bytes = GB / 2;
+  info_of(&info, &text);
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_TOO_LITTLE);
+  CHECK(info.state_nvme_bytes == 0);
+  q.profile.in_use_bytes = 33 * GB;
+  info_of(&info, &text);
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_DEVICE_SHORT);
+  // Sizes above 2^56 are refused like the profile's others.
+  q.profile.nvme_free_bytes = (uint64_t{1} << 56) + 1;
+  strata_step_plan_t* none = nullptr;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(none == nullptr);
+  CHECK(last_error().find("nvme_free_bytes") != std::string::npos);
 }

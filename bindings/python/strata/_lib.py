@@ -229,7 +229,8 @@ class StepProfile(Struct):
                 ("arena_bytes", c_uint64), ("host_available_bytes", c_uint64),
                 ("beside_bytes", c_uint64), ("host_room_bytes", c_uint64),
                 ("max_group_blocks", c_uint32), ("checkpoint_group_blocks", c_uint32),
-                ("mlp_token_bytes", c_uint64), ("mlp_tiles", c_uint32)]
+                ("mlp_token_bytes", c_uint64), ("mlp_tiles", c_uint32),
+                ("state_dram_bytes", c_uint64), ("nvme_free_bytes", c_uint64)]
 
 
 class StepPlanInfo(Struct):
@@ -241,7 +242,9 @@ class StepPlanInfo(Struct):
                 ("margin_bytes", c_uint64), ("judged_peak_bytes", c_uint64),
                 ("host_total_bytes", c_uint64), ("loss_chunk_tokens", c_uint64),
                 ("spilled_checkpoint_bytes", c_uint64), ("checkpoint_group_blocks", c_uint32),
-                ("mlp_tiles", c_uint32), ("mlp_tile_tokens", c_uint64)]
+                ("mlp_tiles", c_uint32), ("mlp_tile_tokens", c_uint64),
+                ("state_nvme_bytes", c_uint64), ("state_nvme_group_blocks", c_uint32),
+                ("state_tier_reason", c_uint32)]
 
 
 class PlacementInfo(Struct):

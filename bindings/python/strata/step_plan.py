@@ -5,7 +5,9 @@ A binding measures (its allocator, its blocks' saved bytes, its batch) and passe
 as a profile; the library decides, per block, resident or streamed, recompute / keep
 selectively / keep wholly, and its checkpoint's home (the device or host memory), and for the
 step the loss chunk, the host budget as counted, what a backward block may allocate and the
-sequence tiles the blocks' MLP runs over at a long sequence (mlp_token_bytes, mlp_tiles). Every
+sequence tiles the blocks' MLP runs over at a long sequence (mlp_token_bytes, mlp_tiles), and how
+much optimizer state an NVMe tier should take so that host memory holds the spilled checkpoints
+(state_dram_bytes, nvme_free_bytes in; state_nvme_bytes, state_tier out). Every
 decision and constant is the library's (runtime/step/); nothing here decides.
 
     plan = plan_step([Block(elements=n) for n in counts], device_total_bytes=...,
@@ -30,6 +32,10 @@ FLAGS = {"plan_checkpoints": 1 << 0, "plan_kept": 1 << 1, "allocator_returns_cac
          "block_saved_measured": 1 << 9, "loss_chunked": 1 << 10}
 # strata_step_plan_info_t.planned, by the attribute StepPlan gives each as.
 PLANNED = {"residency_planned": 1 << 0, "checkpoints_planned": 1 << 1, "keep_planned": 1 << 2}
+# strata_step_plan_info_t.state_tier_reason (STRATA_STEP_STATE_*), by the name StepPlan gives it
+# as info["state_tier"].
+STATE_REASONS = {"not_planned": 0, "room": 1, "move": 2, "device_short": 3, "no_nvme": 4,
+                 "no_state": 5, "too_little": 6}
 _TIERS = {0: "hbm", 1: "dram"}
 _NAMES = {"residency": {v: k for k, v in RESIDENCY.items()},
           "keep": {v: k for k, v in KEEP.items()}}
@@ -58,7 +64,8 @@ class Block:
 
 class StepPlan:
     """A plan: `info` (strata_step_plan_info_t's fields: mlp_tiles and mlp_tile_tokens among
-    them), `blocks` (per block a dict of residency, keep, checkpoint: "hbm" or "dram",
+    them; state_nvme_bytes, the optimizer state it advises on NVMe, with state_tier its reason's
+    STATE_REASONS name), `blocks` (per block a dict of residency, keep, checkpoint: "hbm" or "dram",
     group_start: the block whose checkpoint its input is regenerated from, its own index where
     it keeps one, and mlp_tiles: the sequence tiles its MLP runs over, 1: whole), `text` and
     `json` (the dumps, every choice with its reason)."""
@@ -69,6 +76,7 @@ class StepPlan:
         self.info = {name: getattr(info, name) for name, _ in _lib.StepPlanInfo._fields_
                      if name != "struct_size"}
         self.info.update({name: bool(info.planned & bit) for name, bit in PLANNED.items()})
+        self.info["state_tier"] = {v: k for k, v in STATE_REASONS.items()}[info.state_tier_reason]
         self.blocks = []
         for i in range(info.blocks):
             b = _lib.StepBlock()
