@@ -62,8 +62,8 @@ Status read_profile(const strata_step_profile_t* user, step::StepProfile* out) {
     (void)strata_step_block_init(&b);
     STRATA_RETURN_IF_ERROR(read_struct(q.blocks[i], &b));
     p.blocks.push_back({b.elements, b.rank_elements, b.keep_whole_bytes, b.keep_selective_bytes,
-                        static_cast<step::Residency>(b.residency),
-                        static_cast<step::Keep>(b.keep)});
+                        static_cast<step::Residency>(b.residency), static_cast<step::Keep>(b.keep),
+                        b.active_flops});
   }
   for (uint32_t i = 0; i < q.interval_count; ++i) {
     if (q.intervals[i] == nullptr) {
@@ -119,6 +119,9 @@ Status read_profile(const strata_step_profile_t* user, step::StepProfile* out) {
   p.given_tiles = q.mlp_tiles;
   p.state_dram = q.state_dram_bytes;
   p.nvme_free = q.nvme_free_bytes;
+  p.h2d_bytes_per_second = q.h2d_bytes_per_second;
+  p.device_flops_per_second = q.device_flops_per_second;
+  p.weight_bytes_per_param = q.weight_bytes_per_param;
   *out = std::move(p);
   return Status::ok();
 }
@@ -210,6 +213,7 @@ STRATA_API strata_status_t strata_step_plan_get_info(strata_step_plan_t* plan,
     info.state_nvme_bytes = p.state_nvme_bytes;
     info.state_nvme_group_blocks = p.state_group_blocks;
     info.state_tier_reason = static_cast<uint32_t>(p.state_reason);
+    info.transfer_bound_blocks = p.transfer_bound_blocks;
     write_struct(out, info);
     return Status::ok();
   });
@@ -237,6 +241,8 @@ STRATA_API strata_status_t strata_step_plan_get_block(strata_step_plan_t* plan, 
     b.checkpoint_tier = static_cast<strata_tier_t>(chosen.checkpoint);
     b.group_start = chosen.group_start;
     b.mlp_tiles = chosen.mlp_tiles;
+    b.active_flops = given.active_flops;
+    b.transfer_bound = chosen.transfer_bound ? 1 : 0;
     write_struct(out, b);
     return Status::ok();
   });

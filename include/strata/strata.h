@@ -2055,8 +2055,23 @@ typedef struct strata_step_block {
    * Only a block that recomputes (keep RECOMPUTE) is tiled, streamed or resident; 1 where
    * checkpoints were not planned. */
   uint32_t mlp_tiles;
+  /* Input: the FLOPs of the block's forward pass a token through its weights (2 x the
+   * parameters one token's products use: a dense block's 2 x elements; a mixture-of-experts
+   * block's routed experts at top_k / num_experts of theirs and the rest whole; attention's
+   * products with the sequence not counted). 0 (the default): a dense block's. */
+  uint64_t active_flops;
+  /* Output only: 1 where the block streams and, at the profile's tokens and rates, loading its
+   * weights (for its forward and again for its backward pass) takes longer than its compute
+   * (forward, backward at twice the forward, and the forward again recomputing): an MoE block at
+   * a small batch. Such a block keeps no activations where the plan decides them (its recompute
+   * runs while its weights load). 0 otherwise and where transfers were not judged (the
+   * profile's tokens, h2d_bytes_per_second, device_flops_per_second or weight_bytes_per_param
+   * 0). Resident blocks are the first ones whatever their FLOPs (a resident block after a
+   * streamed one is refused): the plan cannot choose the transfer-bound ones resident, and its
+   * dump says so. */
+  uint32_t transfer_bound;
 } strata_step_block_t;
-#define STRATA_STEP_BLOCK_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_block_t, mlp_tiles)
+#define STRATA_STEP_BLOCK_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_block_t, transfer_bound)
 
 typedef struct strata_step_interval {
   size_t struct_size;            /* STRATA_STEP_INTERVAL_STRUCT_SIZE */
@@ -2154,8 +2169,15 @@ typedef struct strata_step_profile {
    * tier). See strata_step_plan_info_t.state_nvme_bytes. */
   uint64_t state_dram_bytes;
   uint64_t nvme_free_bytes;
+  /* Transfers against compute (with tokens; see strata_step_block_t.transfer_bound): the
+   * host-to-device link's rate in bytes a second, the device's achieved FLOP/s, and the bytes a
+   * streamed weight moves a parameter (2 for bf16). Any 0 (the default): not judged. */
+  double h2d_bytes_per_second;
+  double device_flops_per_second;
+  uint32_t weight_bytes_per_param;
 } strata_step_profile_t;
-#define STRATA_STEP_PROFILE_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_profile_t, nvme_free_bytes)
+#define STRATA_STEP_PROFILE_STRUCT_SIZE \
+  STRATA_STRUCT_SIZE(strata_step_profile_t, weight_bytes_per_param)
 
 /* Zeroes, and struct_size set (a block CHOOSE, RECOMPUTE, checkpoint in HBM, 1 MLP tile; a
  * profile with one rank on its host, no flags, host_room_bytes UINT64_MAX, max_group_blocks 1,
@@ -2175,7 +2197,9 @@ strata_status_t strata_step_interval_init(strata_step_interval_t* interval);
  * rank_elements above elements, free or held above the device's total, max_group_blocks or
  * checkpoint_group_blocks above 16384, mlp_token_bytes without STRATA_STEP_BLOCK_SAVED_MEASURED
  * or times tokens above block_saved_bytes, state_dram_bytes or nvme_free_bytes above 2^56,
- * mlp_tiles above tokens or without STRATA_STEP_PLAN_CHECKPOINTS, choosing residency with
+ * mlp_tiles above tokens or without STRATA_STEP_PLAN_CHECKPOINTS, h2d_bytes_per_second or
+ * device_flops_per_second negative, NaN or above 1e18, weight_bytes_per_param above 64, an
+ * active_flops above 2^56, choosing residency with
  * resident_bytes_per_param 0 or above 64 or a grad size above it or not matching the grads'
  * total, STRATA_STEP_PLAN_CHECKPOINTS without a device, blocks, tokens or checkpoint_bytes,
  * STRATA_STEP_PLAN_KEPT without a device or blocks or with a block's keep not RECOMPUTE,
@@ -2253,16 +2277,19 @@ typedef struct strata_step_plan_info {
   uint64_t state_nvme_bytes;
   uint32_t state_nvme_group_blocks;
   uint32_t state_tier_reason;
+  /* The streamed blocks judged transfer-bound (strata_step_block_t.transfer_bound). */
+  uint32_t transfer_bound_blocks;
 } strata_step_plan_info_t;
 #define STRATA_STEP_PLAN_INFO_STRUCT_SIZE \
-  STRATA_STRUCT_SIZE(strata_step_plan_info_t, state_tier_reason)
+  STRATA_STRUCT_SIZE(strata_step_plan_info_t, transfer_bound_blocks)
 
 /* The plan's numbers. Errors: INVALID_ARGUMENT (NULL, bad struct_size). Thread-safe. */
 STRATA_API_SINCE(1, 5)
 strata_status_t strata_step_plan_get_info(strata_step_plan_t* plan, strata_step_plan_info_t* out);
 
-/* Block `index`'s plan into `out` (the caller sets its struct_size): residency, keep and
- * checkpoint_tier; elements and the measured bytes as the profile gave them. Errors:
+/* Block `index`'s plan into `out` (the caller sets its struct_size): residency, keep,
+ * checkpoint_tier, group_start, mlp_tiles and transfer_bound; elements, the measured bytes and
+ * active_flops as the profile gave them. Errors:
  * INVALID_ARGUMENT (NULL, bad struct_size, index out of range). Thread-safe. */
 STRATA_API_SINCE(1, 5)
 strata_status_t strata_step_plan_get_block(strata_step_plan_t* plan, uint32_t index,

@@ -54,6 +54,9 @@ TEST_CASE("step plan: inits set struct_size and the documented defaults", "[abi]
   CHECK(p.mlp_tiles == 0);
   CHECK(p.state_dram_bytes == 0);
   CHECK(p.nvme_free_bytes == 0);
+  CHECK(p.h2d_bytes_per_second == 0);
+  CHECK(p.device_flops_per_second == 0);
+  CHECK(p.weight_bytes_per_param == 0);
   strata_step_block_t b;
   std::memset(&b, 0xab, sizeof b);
   REQUIRE(strata_step_block_init(&b) == STRATA_OK);
@@ -62,6 +65,8 @@ TEST_CASE("step plan: inits set struct_size and the documented defaults", "[abi]
   CHECK(b.keep == STRATA_KEEP_RECOMPUTE);
   CHECK(b.checkpoint_tier == STRATA_TIER_HBM);
   CHECK(b.mlp_tiles == 1);
+  CHECK(b.active_flops == 0);
+  CHECK(b.transfer_bound == 0);
   strata_step_interval_t t;
   REQUIRE(strata_step_interval_init(&t) == STRATA_OK);
   CHECK(t.struct_size == STRATA_STEP_INTERVAL_STRUCT_SIZE);
@@ -492,4 +497,61 @@ TEST_CASE("step plan: the optimizer state's tier through the ABI", "[abi]") {
   CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
   CHECK(none == nullptr);
   CHECK(last_error().find("nvme_free_bytes") != std::string::npos);
+}
+
+TEST_CASE("step plan: transfers against compute through the ABI", "[abi]") {
+  // 4 streamed blocks of 100M parameters at 16k tokens, 25 GB/s, 400 TFLOP/s, bf16: a dense
+  // block computes 32.8 ms against 16 ms of loads; one whose forward is 31.25 MFLOP a token (an
+  // MoE block's routed share) 5.1 ms (tests/unit/test_step_plan_transfers.cpp counts it).
+  Profile q(4);
+  for (auto& b : q.blocks) {
+    b.residency = STRATA_RESIDENCY_STREAMED;
+    b.elements = 100000000;
+  }
+  q.blocks[3].active_flops = 31250000;
+  q.profile.tokens = 16384;
+  q.profile.h2d_bytes_per_second = 25e9;
+  q.profile.device_flops_per_second = 400e12;
+  q.profile.weight_bytes_per_param = 2;
+  strata_step_plan_t* made = nullptr;
+  REQUIRE(strata_step_plan_create(&q.profile, &made) == STRATA_OK);
+  strata_step_plan_info_t info;
+  info.struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE;
+  REQUIRE(strata_step_plan_get_info(made, &info) == STRATA_OK);
+  CHECK(info.transfer_bound_blocks == 1);
+  strata_step_block_t b;
+  b.struct_size = STRATA_STEP_BLOCK_STRUCT_SIZE;
+  REQUIRE(strata_step_plan_get_block(made, 3, &b) == STRATA_OK);
+  CHECK(b.transfer_bound == 1);
+  CHECK(b.active_flops == 31250000);
+  REQUIRE(strata_step_plan_get_block(made, 2, &b) == STRATA_OK);
+  CHECK(b.transfer_bound == 0);
+  CHECK(b.active_flops == 0);  // as given: a dense block's counted
+  strata_step_plan_destroy(made);
+  // Without a rate, not judged.
+  q.profile.device_flops_per_second = 0;
+  REQUIRE(strata_step_plan_create(&q.profile, &made) == STRATA_OK);
+  REQUIRE(strata_step_plan_get_info(made, &info) == STRATA_OK);
+  CHECK(info.transfer_bound_blocks == 0);
+  REQUIRE(strata_step_plan_get_block(made, 3, &b) == STRATA_OK);
+  CHECK(b.transfer_bound == 0);
+  strata_step_plan_destroy(made);
+  // The refusals the header lists, nothing written.
+  strata_step_plan_t* none = nullptr;
+  q.profile.device_flops_per_second = -1;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("device_flops_per_second") != std::string::npos);
+  q.profile.device_flops_per_second = 400e12;
+  q.profile.h2d_bytes_per_second = 2e18;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("h2d_bytes_per_second") != std::string::npos);
+  q.profile.h2d_bytes_per_second = 25e9;
+  q.profile.weight_bytes_per_param = 65;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("weight_bytes_per_param") != std::string::npos);
+  q.profile.weight_bytes_per_param = 2;
+  q.blocks[3].active_flops = (uint64_t{1} << 56) + 1;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("active_flops") != std::string::npos);
+  CHECK(none == nullptr);
 }

@@ -49,17 +49,20 @@ class Block:
     """One block of the profile (strata_step_block_t): its parameters, of them this process's
     (data parallel; 0 = all), what it saves for its backward when not recomputing, wholly and
     selectively (0: unmeasured / cannot), its residency ("choose", or fixed: "resident",
-    "streamed") and how it keeps now ("recompute", "selective", "whole")."""
+    "streamed"), how it keeps now ("recompute", "selective", "whole") and its forward's FLOPs a
+    token through its weights (0: a dense block's 2 x elements; strata.torch._planning.
+    active_flops measures a mixture-of-experts block's)."""
 
     __slots__ = ("elements", "rank_elements", "keep_whole_bytes", "keep_selective_bytes",
-                 "residency", "keep")
+                 "residency", "keep", "active_flops")
 
     def __init__(self, elements, rank_elements=0, keep_whole_bytes=0, keep_selective_bytes=0,
-                 residency="choose", keep="recompute"):
+                 residency="choose", keep="recompute", active_flops=0):
         self.elements, self.rank_elements = int(elements), int(rank_elements)
         self.keep_whole_bytes = int(keep_whole_bytes or 0)
         self.keep_selective_bytes = int(keep_selective_bytes or 0)
         self.residency, self.keep = residency, keep
+        self.active_flops = int(active_flops or 0)
 
 
 class StepPlan:
@@ -67,7 +70,8 @@ class StepPlan:
     them; state_nvme_bytes, the optimizer state it advises on NVMe, with state_tier its reason's
     STATE_REASONS name), `blocks` (per block a dict of residency, keep, checkpoint: "hbm" or "dram",
     group_start: the block whose checkpoint its input is regenerated from, its own index where
-    it keeps one, and mlp_tiles: the sequence tiles its MLP runs over, 1: whole), `text` and
+    it keeps one, mlp_tiles: the sequence tiles its MLP runs over, 1: whole, and
+    transfer_bound: its weights load slower than it computes at the profile's batch), `text` and
     `json` (the dumps, every choice with its reason)."""
 
     def __init__(self, handle):
@@ -85,7 +89,8 @@ class StepPlan:
                                 "keep": _NAMES["keep"][b.keep],
                                 "checkpoint": _TIERS[b.checkpoint_tier],
                                 "group_start": b.group_start,
-                                "mlp_tiles": b.mlp_tiles})
+                                "mlp_tiles": b.mlp_tiles,
+                                "transfer_bound": bool(b.transfer_bound)})
         self.text = core._dump(L.strata_step_plan_dump, handle, 1)
         self.json = core._dump(L.strata_step_plan_dump, handle, 0)
 
@@ -127,7 +132,8 @@ def plan_step(blocks, intervals=(), **fields):
     for i, block in enumerate(blocks):
         d = _lib.StepBlock()
         check(L.strata_step_block_init(ctypes.byref(d)))
-        for key in ("elements", "rank_elements", "keep_whole_bytes", "keep_selective_bytes"):
+        for key in ("elements", "rank_elements", "keep_whole_bytes", "keep_selective_bytes",
+                    "active_flops"):
             setattr(d, key, _fitting("block %d's %s" % (i, key), getattr(block, key),
                                      ctypes.c_uint64))
         for key, table in (("residency", RESIDENCY), ("keep", KEEP)):
@@ -161,7 +167,9 @@ def plan_step(blocks, intervals=(), **fields):
     q.intervals, q.interval_count = interval_array, len(points)
     q.flags = flags
     for key, value in fields.items():
-        setattr(q, key, _fitting(key, value, dict(_lib.StepProfile._fields_)[key]))
+        ctype = dict(_lib.StepProfile._fields_)[key]
+        # (a rate: the library refuses a negative or non-finite one, naming it)
+        setattr(q, key, float(value) if ctype is ctypes.c_double else _fitting(key, value, ctype))
     handle = ctypes.c_void_p()
     check(L.strata_step_plan_create(ctypes.byref(q), ctypes.byref(handle)))
     try:

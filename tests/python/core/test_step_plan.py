@@ -105,6 +105,24 @@ def test_the_optimizer_state_tier_comes_back():
     assert none.state_tier == "no_nvme" and "no NVMe tier" in none.text
 
 
+def test_transfers_against_compute_come_back():
+    """A block's forward FLOPs a token and the rates reach the library (the rates as C
+    doubles); each streamed block's judgement comes back (the unit cases count them: 100M
+    parameters at 16k tokens, 25 GB/s, 400 TFLOP/s: dense computes longer than it loads, an MoE
+    block's routed share of 31.25 MFLOP a token not), and a negative rate is the library's
+    error naming it."""
+    blocks = [step_plan.Block(100_000_000, residency="streamed"),
+              step_plan.Block(100_000_000, residency="streamed", active_flops=31_250_000)]
+    rates = dict(tokens=16384, h2d_bytes_per_second=25e9, device_flops_per_second=400e12,
+                 weight_bytes_per_param=2)
+    plan = step_plan.plan_step(blocks, **rates)
+    assert [b["transfer_bound"] for b in plan.blocks] == [False, True]
+    assert plan.transfer_bound_blocks == 1
+    assert "transfers: 1 of 2 streamed blocks" in plan.text
+    with pytest.raises(StrataError, match="h2d_bytes_per_second"):
+        step_plan.plan_step(blocks, **dict(rates, h2d_bytes_per_second=-1.0))
+
+
 def test_the_host_budget_and_the_loss_chunk_need_no_blocks():
     plan = step_plan.plan_step([], arena_bytes=600, host_available_bytes=1000, vocab=128256)
     assert plan.host_total_bytes == 1100 and plan.loss_chunk_tokens == 2088
