@@ -15,6 +15,13 @@ static_assert(STRATA_RESIDENCY_CHOOSE == static_cast<int>(step::Residency::kChoo
 static_assert(STRATA_KEEP_RECOMPUTE == static_cast<int>(step::Keep::kRecompute) &&
               STRATA_KEEP_SELECTIVE == static_cast<int>(step::Keep::kSelective) &&
               STRATA_KEEP_WHOLE == static_cast<int>(step::Keep::kWhole));
+static_assert(STRATA_STEP_STATE_NOT_PLANNED == static_cast<int>(step::StateReason::kNotPlanned) &&
+              STRATA_STEP_STATE_ROOM == static_cast<int>(step::StateReason::kRoom) &&
+              STRATA_STEP_STATE_MOVE == static_cast<int>(step::StateReason::kMove) &&
+              STRATA_STEP_STATE_DEVICE_SHORT == static_cast<int>(step::StateReason::kDeviceShort) &&
+              STRATA_STEP_STATE_NO_NVME == static_cast<int>(step::StateReason::kNoNvme) &&
+              STRATA_STEP_STATE_NO_STATE == static_cast<int>(step::StateReason::kNoState) &&
+              STRATA_STEP_STATE_TOO_LITTLE == static_cast<int>(step::StateReason::kTooLittle));
 static_assert(STRATA_STEP_POINT_FORWARD == static_cast<int>(step::PointKind::kForward) &&
               STRATA_STEP_POINT_BACKWARD == static_cast<int>(step::PointKind::kBackward) &&
               STRATA_STEP_POINT_END == static_cast<int>(step::PointKind::kEnd));
@@ -55,8 +62,8 @@ Status read_profile(const strata_step_profile_t* user, step::StepProfile* out) {
     (void)strata_step_block_init(&b);
     STRATA_RETURN_IF_ERROR(read_struct(q.blocks[i], &b));
     p.blocks.push_back({b.elements, b.rank_elements, b.keep_whole_bytes, b.keep_selective_bytes,
-                        static_cast<step::Residency>(b.residency),
-                        static_cast<step::Keep>(b.keep)});
+                        static_cast<step::Residency>(b.residency), static_cast<step::Keep>(b.keep),
+                        b.active_flops});
   }
   for (uint32_t i = 0; i < q.interval_count; ++i) {
     if (q.intervals[i] == nullptr) {
@@ -110,6 +117,11 @@ Status read_profile(const strata_step_profile_t* user, step::StepProfile* out) {
   p.given_group = q.checkpoint_group_blocks;
   p.mlp_token_bytes = q.mlp_token_bytes;
   p.given_tiles = q.mlp_tiles;
+  p.state_dram = q.state_dram_bytes;
+  p.nvme_free = q.nvme_free_bytes;
+  p.h2d_bytes_per_second = q.h2d_bytes_per_second;
+  p.device_flops_per_second = q.device_flops_per_second;
+  p.weight_bytes_per_param = q.weight_bytes_per_param;
   *out = std::move(p);
   return Status::ok();
 }
@@ -198,6 +210,10 @@ STRATA_API strata_status_t strata_step_plan_get_info(strata_step_plan_t* plan,
     info.checkpoint_group_blocks = p.group_blocks;
     info.mlp_tiles = p.mlp_tiles;
     info.mlp_tile_tokens = p.mlp_tile_tokens;
+    info.state_nvme_bytes = p.state_nvme_bytes;
+    info.state_nvme_group_blocks = p.state_group_blocks;
+    info.state_tier_reason = static_cast<uint32_t>(p.state_reason);
+    info.transfer_bound_blocks = p.transfer_bound_blocks;
     write_struct(out, info);
     return Status::ok();
   });
@@ -225,6 +241,8 @@ STRATA_API strata_status_t strata_step_plan_get_block(strata_step_plan_t* plan, 
     b.checkpoint_tier = static_cast<strata_tier_t>(chosen.checkpoint);
     b.group_start = chosen.group_start;
     b.mlp_tiles = chosen.mlp_tiles;
+    b.active_flops = given.active_flops;
+    b.transfer_bound = chosen.transfer_bound ? 1 : 0;
     write_struct(out, b);
     return Status::ok();
   });

@@ -62,7 +62,8 @@ STRATA_ABI_STRUCT_SIZES(strata_placement_request_t, STRATA_PLACEMENT_REQUEST_STR
 STRATA_ABI_STRUCT_SIZES(strata_layout_request_t, STRATA_LAYOUT_REQUEST_STRUCT_SIZE,
                         kLayoutRequestV1_3Size);
 // The step plan's structs are new in the unreleased 1.5: appended to in place (the sequence
-// tiles' fields), they have no older size to accept.
+// tiles', the optimizer state's tier's and the transfers' fields), they have no older size to
+// accept.
 STRATA_ABI_STRUCT_SIZES(strata_step_profile_t, STRATA_STEP_PROFILE_STRUCT_SIZE);
 // Read in a profile, written by strata_step_plan_get_block.
 STRATA_ABI_STRUCT_SIZES(strata_step_block_t, STRATA_STEP_BLOCK_STRUCT_SIZE);

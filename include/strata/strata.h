@@ -1971,7 +1971,8 @@ strata_status_t strata_layout_query(const strata_layout_request_t* request,
  * recompute, keep selectively (only the outputs of its matrix products and attention) or keep
  * wholly; its checkpoint (its input, kept from its forward to its backward pass) on the device or
  * in host memory; and for the step: the loss's chunk of tokens, the host budget as counted, the
- * predicted peak and what a backward block may allocate. The profile says which decisions to
+ * predicted peak, what a backward block may allocate, and how much optimizer state an NVMe tier
+ * should take so that the host holds the checkpoints. The profile says which decisions to
  * make: residency when every block is STRATA_RESIDENCY_CHOOSE, checkpoint homes with
  * STRATA_STEP_PLAN_CHECKPOINTS, kept activations with STRATA_STEP_PLAN_KEPT; the host budget
  * and the loss chunk whenever their figures are given. A binding plans at each moment it learns
@@ -2054,8 +2055,23 @@ typedef struct strata_step_block {
    * Only a block that recomputes (keep RECOMPUTE) is tiled, streamed or resident; 1 where
    * checkpoints were not planned. */
   uint32_t mlp_tiles;
+  /* Input: the FLOPs of the block's forward pass a token through its weights (2 x the
+   * parameters one token's products use: a dense block's 2 x elements; a mixture-of-experts
+   * block's routed experts at top_k / num_experts of theirs and the rest whole; attention's
+   * products with the sequence not counted). 0 (the default): a dense block's. */
+  uint64_t active_flops;
+  /* Output only: 1 where the block streams and, at the profile's tokens and rates, loading its
+   * weights (for its forward and again for its backward pass) takes longer than its compute
+   * (forward, backward at twice the forward, and the forward again recomputing): an MoE block at
+   * a small batch. Such a block keeps no activations where the plan decides them (its recompute
+   * runs while its weights load). 0 otherwise and where transfers were not judged (the
+   * profile's tokens, h2d_bytes_per_second, device_flops_per_second or weight_bytes_per_param
+   * 0). Resident blocks are the first ones whatever their FLOPs (a resident block after a
+   * streamed one is refused): the plan cannot choose the transfer-bound ones resident, and its
+   * dump says so. */
+  uint32_t transfer_bound;
 } strata_step_block_t;
-#define STRATA_STEP_BLOCK_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_block_t, mlp_tiles)
+#define STRATA_STEP_BLOCK_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_block_t, transfer_bound)
 
 typedef struct strata_step_interval {
   size_t struct_size;            /* STRATA_STEP_INTERVAL_STRUCT_SIZE */
@@ -2147,8 +2163,21 @@ typedef struct strata_step_profile {
   /* The user's tile count (0, the default: the plan chooses as above), whatever fits; at most
    * tokens, and only with STRATA_STEP_PLAN_CHECKPOINTS. */
   uint32_t mlp_tiles;
+  /* The optimizer state's tier (with STRATA_STEP_PLAN_CHECKPOINTS): the streamed blocks'
+   * optimizer state the host holds in DRAM, counted in the budget host_room_bytes is left of
+   * (0, the default: none), and what the NVMe tier can still take (0, the default: no NVMe
+   * tier). See strata_step_plan_info_t.state_nvme_bytes. */
+  uint64_t state_dram_bytes;
+  uint64_t nvme_free_bytes;
+  /* Transfers against compute (with tokens; see strata_step_block_t.transfer_bound): the
+   * host-to-device link's rate in bytes a second, the device's achieved FLOP/s, and the bytes a
+   * streamed weight moves a parameter (2 for bf16). Any 0 (the default): not judged. */
+  double h2d_bytes_per_second;
+  double device_flops_per_second;
+  uint32_t weight_bytes_per_param;
 } strata_step_profile_t;
-#define STRATA_STEP_PROFILE_STRUCT_SIZE STRATA_STRUCT_SIZE(strata_step_profile_t, mlp_tiles)
+#define STRATA_STEP_PROFILE_STRUCT_SIZE \
+  STRATA_STRUCT_SIZE(strata_step_profile_t, weight_bytes_per_param)
 
 /* Zeroes, and struct_size set (a block CHOOSE, RECOMPUTE, checkpoint in HBM, 1 MLP tile; a
  * profile with one rank on its host, no flags, host_room_bytes UINT64_MAX, max_group_blocks 1,
@@ -2167,8 +2196,10 @@ strata_status_t strata_step_interval_init(strata_step_interval_t* interval);
  * kept WHOLE, an interval's block out of range or an END interval's not 0, a size above 2^56,
  * rank_elements above elements, free or held above the device's total, max_group_blocks or
  * checkpoint_group_blocks above 16384, mlp_token_bytes without STRATA_STEP_BLOCK_SAVED_MEASURED
- * or times tokens above block_saved_bytes, mlp_tiles above tokens or without
- * STRATA_STEP_PLAN_CHECKPOINTS, choosing residency with
+ * or times tokens above block_saved_bytes, state_dram_bytes or nvme_free_bytes above 2^56,
+ * mlp_tiles above tokens or without STRATA_STEP_PLAN_CHECKPOINTS, h2d_bytes_per_second or
+ * device_flops_per_second negative, NaN or above 1e18, weight_bytes_per_param above 64, an
+ * active_flops above 2^56, choosing residency with
  * resident_bytes_per_param 0 or above 64 or a grad size above it or not matching the grads'
  * total, STRATA_STEP_PLAN_CHECKPOINTS without a device, blocks, tokens or checkpoint_bytes,
  * STRATA_STEP_PLAN_KEPT without a device or blocks or with a block's keep not RECOMPUTE,
@@ -2186,6 +2217,15 @@ STRATA_API_SINCE(1, 5) strata_status_t strata_step_plan_destroy(strata_step_plan
 #define STRATA_STEP_PLANNED_RESIDENCY 0x1u
 #define STRATA_STEP_PLANNED_CHECKPOINTS 0x2u
 #define STRATA_STEP_PLANNED_KEPT 0x4u
+
+/* strata_step_plan_info_t.state_tier_reason: why the plan advises the optimizer state it does. */
+#define STRATA_STEP_STATE_NOT_PLANNED 0  /* checkpoints were not planned */
+#define STRATA_STEP_STATE_ROOM 1         /* the host's room holds the checkpoints: none moves */
+#define STRATA_STEP_STATE_MOVE 2         /* state_nvme_bytes to NVMe, its room to checkpoints */
+#define STRATA_STEP_STATE_DEVICE_SHORT 3 /* the device short even with all spilled */
+#define STRATA_STEP_STATE_NO_NVME 4      /* no NVMe tier (nvme_free_bytes 0) */
+#define STRATA_STEP_STATE_NO_STATE 5     /* no optimizer state in DRAM (state_dram_bytes 0) */
+#define STRATA_STEP_STATE_TOO_LITTLE 6   /* what NVMe could take would not lower the group */
 
 typedef struct strata_step_plan_info {
   size_t struct_size; /* caller sets STRATA_STEP_PLAN_INFO_STRUCT_SIZE */
@@ -2222,16 +2262,34 @@ typedef struct strata_step_plan_info {
    * tokens when untiled). 1 and 0 otherwise. */
   uint32_t mlp_tiles;
   uint64_t mlp_tile_tokens;
+  /* The optimizer state's tier, with checkpoints planned (else 0, 1 and
+   * STRATA_STEP_STATE_NOT_PLANNED): where the host's room (host_room_bytes) cannot hold the
+   * checkpoints the step wants spilled (one per block, or the smallest group the device allows)
+   * and an NVMe tier can take the streamed blocks' optimizer state, the bytes of that state
+   * (of state_dram_bytes, at most nvme_free_bytes) whose room the checkpoints would get, the
+   * checkpoint group with it, and why (STRATA_STEP_STATE_*). Advice to the binding's placement:
+   * the state lives where it was placed when the DRAM tier was made, before any batch, so this
+   * plan's checkpoint homes are the step's with the room as given; a binding that moves
+   * state_nvme_bytes plans again with host_room_bytes grown and state_dram_bytes and
+   * nvme_free_bytes shrunk by as much: that plan's checkpoint group is state_nvme_group_blocks,
+   * and where state_nvme_bytes was all the step wanted (not the most NVMe or the state could
+   * give), its reason STRATA_STEP_STATE_ROOM. */
+  uint64_t state_nvme_bytes;
+  uint32_t state_nvme_group_blocks;
+  uint32_t state_tier_reason;
+  /* The streamed blocks judged transfer-bound (strata_step_block_t.transfer_bound). */
+  uint32_t transfer_bound_blocks;
 } strata_step_plan_info_t;
 #define STRATA_STEP_PLAN_INFO_STRUCT_SIZE \
-  STRATA_STRUCT_SIZE(strata_step_plan_info_t, mlp_tile_tokens)
+  STRATA_STRUCT_SIZE(strata_step_plan_info_t, transfer_bound_blocks)
 
 /* The plan's numbers. Errors: INVALID_ARGUMENT (NULL, bad struct_size). Thread-safe. */
 STRATA_API_SINCE(1, 5)
 strata_status_t strata_step_plan_get_info(strata_step_plan_t* plan, strata_step_plan_info_t* out);
 
-/* Block `index`'s plan into `out` (the caller sets its struct_size): residency, keep and
- * checkpoint_tier; elements and the measured bytes as the profile gave them. Errors:
+/* Block `index`'s plan into `out` (the caller sets its struct_size): residency, keep,
+ * checkpoint_tier, group_start, mlp_tiles and transfer_bound; elements, the measured bytes and
+ * active_flops as the profile gave them. Errors:
  * INVALID_ARGUMENT (NULL, bad struct_size, index out of range). Thread-safe. */
 STRATA_API_SINCE(1, 5)
 strata_status_t strata_step_plan_get_block(strata_step_plan_t* plan, uint32_t index,

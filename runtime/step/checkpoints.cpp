@@ -103,17 +103,6 @@ std::vector<uint32_t> group_starts(const StepProfile& p, const StepPlan& plan, u
 
 namespace {
 
-// One grouping's outcome: how many of the first checkpoints spill, their bytes, whether the
-// step then fits (device and host), its peak, and the restores in flight.
-struct Spills {
-  uint32_t count = 0;
-  uint64_t bytes = 0;
-  bool fits = true;
-  uint64_t peak = 0;
-  uint64_t inflight = 0;
-  uint64_t working = 0;
-};
-
 // The first `count` present checkpoints' bytes.
 uint64_t first_bytes(const std::vector<uint64_t>& checkpoints, uint32_t count) {
   uint64_t bytes = 0;
@@ -128,7 +117,7 @@ uint64_t first_bytes(const std::vector<uint64_t>& checkpoints, uint32_t count) {
 // beside one block's working set (the re-run forward passes, without grad, hold less).
 Spills spills_with(const StepProfile& p, const StepPlan& plan, uint32_t k,
                    const std::vector<uint32_t>& starts, uint64_t base, uint64_t working,
-                   uint64_t leaving, uint64_t usable, uint64_t margin) {
+                   uint64_t leaving, uint64_t usable, uint64_t margin, uint64_t room) {
   std::vector<uint64_t> checkpoints;
   for (std::size_t i = 0; i < p.blocks.size(); ++i) {
     const bool resident = plan.blocks[i].residency == Residency::kResident;
@@ -142,10 +131,10 @@ Spills spills_with(const StepProfile& p, const StepPlan& plan, uint32_t k,
   s.count = choose_spills(checkpoints, base, peak_working, usable, margin, &s.fits, kRestoreDepth,
                           &s.peak, &s.inflight);
   s.bytes = first_bytes(checkpoints, s.count);
-  if (s.bytes > p.host_room) {
+  if (s.bytes > room) {
     // The host holds fewer: as many as its room takes stay spilled, the step short.
     s.fits = false;
-    while (s.count > 0 && first_bytes(checkpoints, s.count) > p.host_room) --s.count;
+    while (s.count > 0 && first_bytes(checkpoints, s.count) > room) --s.count;
     s.bytes = first_bytes(checkpoints, s.count);
     const uint64_t kept = first_bytes(checkpoints, static_cast<uint32_t>(checkpoints.size()));
     s.peak = sat_add(sat_add(base, peak_working), kept - s.bytes);
@@ -155,24 +144,30 @@ Spills spills_with(const StepProfile& p, const StepPlan& plan, uint32_t k,
 
 }  // namespace
 
-void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
-  const uint64_t usable = sat_add(p.device_free, p.framework_held);
-  const uint64_t margin = margin_bytes(p);
-  const uint64_t loss = loss_working(p, plan->loss_chunk_tokens);
+StepFigures step_figures(const StepProfile& p, const StepPlan& plan) {
+  StepFigures f;
+  f.usable = sat_add(p.device_free, p.framework_held);
+  f.margin = margin_bytes(p);
+  f.loss = loss_working(p, plan.loss_chunk_tokens);
   // Paged optimizer state held now leaves at the forward pass's last block, before the loss, and
   // its copies back wait for room in the backward pass: it takes the working set's place, not a
   // share beside it (counted in full, an 8B's 31 GB at 148 x 1024 made every block spill and
   // still predicted no fit).
-  const uint64_t leaving = std::min(p.leaving_bytes, p.in_use);
-  const uint64_t kept = kept_bytes(p, *plan);
-  const uint64_t base = sat_add(sat_add(p.in_use - leaving, p.backward_grad_bytes), kept);
+  f.leaving = std::min(p.leaving_bytes, p.in_use);
+  f.kept = kept_bytes(p, plan);
+  f.base = sat_add(sat_add(p.in_use - f.leaving, p.backward_grad_bytes), f.kept);
+  return f;
+}
+
+Grouping choose_grouping(const StepProfile& p, const StepPlan& plan, const StepFigures& f,
+                         uint64_t room) {
   // With groups of g: the fewest MLP tiles with which the step fits (tiles.cpp), and its spills.
   // Tiles come before larger groups: a tiled MLP runs its forward once more in the backward
   // pass, a group's blocks run whole forward passes again.
   const auto grouped_by = [&](uint32_t g, const std::vector<uint32_t>& starts) {
     const auto at = [&](uint32_t tiles) {
-      const uint64_t working = std::max(block_working(p, tiles), loss);
-      return spills_with(p, *plan, g, starts, base, working, leaving, usable, margin);
+      const uint64_t working = std::max(block_working(p, tiles), f.loss);
+      return spills_with(p, plan, g, starts, f.base, working, f.leaving, f.usable, f.margin, room);
     };
     const uint32_t tiles = choose_tiles(
         p, [&](uint32_t t) { return at(t).fits; }, [&](uint32_t t) { return at(t).peak; });
@@ -182,21 +177,34 @@ void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
   // groups only where the device and the host together cannot hold one per block. Where none
   // fits, the one with the lowest predicted peak (the step is short; that is the least short).
   const uint32_t largest = std::max<uint32_t>(1, std::min(p.max_group, kMaxGroupBlocks));
-  uint32_t k = 1;
-  const std::vector<uint32_t> single = group_starts(p, *plan, 1);
-  std::vector<uint32_t> starts = single;
-  auto [tiles, s] = grouped_by(1, starts);
+  Grouping c;
+  const std::vector<uint32_t> single = group_starts(p, plan, 1);
+  c.starts = single;
+  std::tie(c.tiles, c.spills) = grouped_by(1, c.starts);
   if (p.given_group > 1) {  // the user's group size, whatever fits
-    k = p.given_group;
-    starts = group_starts(p, *plan, k);
-    std::tie(tiles, s) = grouped_by(k, starts);
+    c.k = p.given_group;
+    c.starts = group_starts(p, plan, c.k);
+    std::tie(c.tiles, c.spills) = grouped_by(c.k, c.starts);
   }
-  for (uint32_t g = 2; p.given_group == 0 && !s.fits && g <= largest; ++g) {
-    std::vector<uint32_t> grouped = group_starts(p, *plan, g);
+  for (uint32_t g = 2; p.given_group == 0 && !c.spills.fits && g <= largest; ++g) {
+    std::vector<uint32_t> grouped = group_starts(p, plan, g);
     if (grouped == single) break;  // no run of streamed blocks to group
     auto [t_tiles, t] = grouped_by(g, grouped);
-    if (t.fits || t.peak < s.peak) k = g, starts = std::move(grouped), s = t, tiles = t_tiles;
+    if (t.fits || t.peak < c.spills.peak) {
+      c.k = g, c.starts = std::move(grouped), c.spills = t, c.tiles = t_tiles;
+    }
   }
+  return c;
+}
+
+void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
+  const StepFigures f = step_figures(p, *plan);
+  const uint64_t usable = f.usable, margin = f.margin, leaving = f.leaving, kept = f.kept,
+                 base = f.base;
+  Grouping chosen = choose_grouping(p, *plan, f, p.host_room);
+  const uint32_t k = chosen.k, tiles = chosen.tiles;
+  const std::vector<uint32_t>& starts = chosen.starts;
+  const Spills& s = chosen.spills;
   // s.count: the first blocks whose checkpoints spill (those with one of their own).
   uint32_t spilled = 0, own = 0;
   for (std::size_t i = 0; i < p.blocks.size(); ++i) {
@@ -247,6 +255,7 @@ void plan_checkpoints(const StepProfile& p, StepPlan* plan) {
   }
   plan->reasons.push_back(o.str());
   plan->reasons.push_back(tiles_reason(p, tiles, s.fits));
+  plan_state_tier(p, f, chosen, plan);
 }
 
 }  // namespace strata::step

@@ -93,8 +93,10 @@ uint64_t judged(const StepProfile& p, uint64_t allocated, uint64_t reserved) {
 
 // From the last resident block back while each was measured, then from the last streamed block
 // back while each can keep selectively (wholly would keep its weights; its backward comes first,
-// so what it holds is freed soonest). With every block's two points measured each kept block
-// counts in the intervals where it is alive, else at the step's peak.
+// so what it holds is freed soonest), passing over the transfer-bound ones (transfers.cpp: their
+// recompute runs while their weights load, so keeping saves no time and takes the memory
+// another block's keeping would save time with). With every block's two points measured each kept
+// block counts in the intervals where it is alive, else at the step's peak.
 void plan_kept(const StepProfile& p, StepPlan* plan) {
   const int64_t count = static_cast<int64_t>(p.blocks.size());
   std::vector<std::pair<uint64_t, uint64_t>> candidates;
@@ -113,7 +115,12 @@ void plan_kept(const StepProfile& p, StepPlan* plan) {
     order.push_back(i);
   }
   const std::size_t resident_candidates = candidates.size();
+  uint32_t passed = 0;  // transfer-bound streamed blocks passed over
   for (int64_t i = count - 1; i >= residents; --i) {
+    if (plan->blocks[i].transfer_bound) {
+      ++passed;
+      continue;
+    }
     if (p.blocks[i].keep_selective_bytes == 0) break;
     candidates.emplace_back(0, factor(p.blocks[i].keep_selective_bytes));
     order.push_back(i);
@@ -152,9 +159,11 @@ void plan_kept(const StepProfile& p, StepPlan* plan) {
   o << std::fixed << std::setprecision(2);
   o << "activations: " << modes.size() << " blocks keep them (" << whole
     << " wholly, the rest only their products' and attention's outputs) of " << candidates.size()
-    << " candidates (" << resident_candidates << " resident): the measured step peaked at "
-    << size_text(peak) << " of " << size_text(usable) << " usable, a margin of "
-    << size_text(margin) << " kept free, each block at " << kBlockFactor << "x its measured bytes, "
+    << " candidates (" << resident_candidates << " resident";
+  if (passed != 0) o << "; " << passed << " transfer-bound streamed blocks passed over";
+  o << "): the measured step peaked at " << size_text(peak) << " of " << size_text(usable)
+    << " usable, a margin of " << size_text(margin) << " kept free, each block at " << kBlockFactor
+    << "x its measured bytes, "
     << (complete ? "counted in the intervals where it is alive"
                  : "counted at the step's peak (not every block's interval was measured)");
   plan->reasons.push_back(o.str());

@@ -1,6 +1,7 @@
 // The step plan as a whole: the profile checked, each decision the profile carries what it needs
 // for made in order (residency, the loss chunk, kept activations, checkpoint homes with the MLP's
-// sequence tiles), and the dumps.
+// sequence tiles and the optimizer state's tier; transfers against compute before kept
+// activations), and the dumps.
 #include "runtime/step/step_plan.h"
 
 #include <iomanip>
@@ -34,7 +35,8 @@ Status check_blocks(const StepProfile& p, bool* choose) {
     for (auto [v, name] : {std::pair{b.elements, "elements"},
                            {b.rank_elements, "rank_elements"},
                            {b.keep_whole_bytes, "keep_whole_bytes"},
-                           {b.keep_selective_bytes, "keep_selective_bytes"}}) {
+                           {b.keep_selective_bytes, "keep_selective_bytes"},
+                           {b.active_flops, "active_flops"}}) {
       if (v > kMaxBytes) return invalid("block ", i, "'s ", name, " is ", v, ", above 2^56");
     }
     if (b.rank_elements > b.elements) {
@@ -105,7 +107,9 @@ Status check_figures(const StepProfile& p) {
                          {p.arena_bytes, "arena_bytes"},
                          {p.host_available, "host_available"},
                          {p.beside_bytes, "beside_bytes"},
-                         {p.mlp_token_bytes, "mlp_token_bytes"}}) {
+                         {p.mlp_token_bytes, "mlp_token_bytes"},
+                         {p.state_dram, "state_dram_bytes"},
+                         {p.nvme_free, "nvme_free_bytes"}}) {
     STRATA_RETURN_IF_ERROR(check_bytes(v, name));
   }
   if (p.max_group > kMaxBlocks || p.given_group > kMaxBlocks) {
@@ -123,6 +127,16 @@ Status check_figures(const StepProfile& p) {
     return invalid("mlp_tiles ", p.given_tiles,
                    " needs STRATA_STEP_PLAN_CHECKPOINTS and at most the batch's tokens (", p.tokens,
                    ")");
+  }
+  for (auto [v, name] : {std::pair{p.h2d_bytes_per_second, "h2d_bytes_per_second"},
+                         {p.device_flops_per_second, "device_flops_per_second"}}) {
+    if (!(v >= 0) || v > 1e18) {  // (NaN fails the first)
+      return invalid(name, " is ", v, ", not a rate from 0 (unknown) to 1e18 a second");
+    }
+  }
+  if (p.weight_bytes_per_param > 64) {
+    return invalid("weight_bytes_per_param ", p.weight_bytes_per_param,
+                   " is above 64 (the bytes a streamed weight moves a parameter)");
   }
   if (p.device_free > p.device_total || p.framework_held > p.device_total) {
     return invalid("device_free ", p.device_free, " or framework_held ", p.framework_held,
@@ -272,6 +286,7 @@ Status plan_step(const StepProfile& p, StepPlan* out) {
     plan.usable_bytes = sat_add(p.device_free, p.framework_held);
     plan.margin_bytes = margin_bytes(p);
   }
+  judge_transfers(p, &plan);
   if (p.plan_kept) plan_kept(p, &plan);
   if (p.plan_checkpoints) plan_checkpoints(p, &plan);
   for (const auto& b : plan.blocks) {
@@ -297,6 +312,25 @@ const char* keep_name(Keep k) {
 const char* home_name(CheckpointHome h) {
   return h == CheckpointHome::kDram ? "dram" : "hbm";
 }
+const char* state_reason_name(StateReason r) {
+  switch (r) {
+    case StateReason::kRoom:
+      return "room";
+    case StateReason::kMove:
+      return "move";
+    case StateReason::kDeviceShort:
+      return "device_short";
+    case StateReason::kNoNvme:
+      return "no_nvme";
+    case StateReason::kNoState:
+      return "no_state";
+    case StateReason::kTooLittle:
+      return "too_little";
+    case StateReason::kNotPlanned:
+      break;
+  }
+  return "not_planned";
+}
 
 }  // namespace
 
@@ -311,10 +345,14 @@ std::string dump_text(const StepProfile& p, const StepPlan& plan) {
   if (plan.mlp_tiles > 1) {
     o << ", MLP over " << plan.mlp_tiles << " tiles of " << plan.mlp_tile_tokens << " tokens";
   }
+  if (plan.state_nvme_bytes) {
+    o << ", advised: " << size_text(plan.state_nvme_bytes) << " of optimizer state to NVMe";
+  }
   if (plan.checkpoints_planned && !plan.fits) o << " (PREDICTED SHORT of device memory)";
   o << "\n";
   for (const auto& why : plan.reasons) o << "  " << why << "\n";
-  o << "  block  residency  activations  mlp tiles  checkpoint\n";
+  o << "  block  residency  activations  mlp tiles  checkpoint"
+    << (plan.transfers_judged ? "  (transfer-bound)" : "") << "\n";
   const auto checkpoint_text = [&](std::size_t i) {
     const auto& b = plan.blocks[i];
     return b.group_start == i ? std::string(home_name(b.checkpoint))
@@ -324,7 +362,7 @@ std::string dump_text(const StepProfile& p, const StepPlan& plan) {
     const auto& b = plan.blocks[i];
     o << "  " << std::setw(5) << i << "  " << std::setw(9) << residency_name(b.residency) << "  "
       << std::setw(11) << keep_name(b.keep) << "  " << std::setw(9) << b.mlp_tiles << "  "
-      << checkpoint_text(i) << "\n";
+      << checkpoint_text(i) << (b.transfer_bound ? "  transfer-bound" : "") << "\n";
   }
   (void)p;  // (the profile's figures are in the reasons)
   return o.str();
@@ -353,6 +391,11 @@ std::string dump_json(const StepProfile& p, const StepPlan& plan) {
       {"tokens", p.tokens},
       {"mlp_tiles", plan.mlp_tiles},
       {"mlp_tile_tokens", plan.mlp_tile_tokens},
+      {"state_nvme_bytes", plan.state_nvme_bytes},
+      {"state_nvme_group_blocks", plan.state_group_blocks},
+      {"state_tier_reason", state_reason_name(plan.state_reason)},
+      {"transfers_judged", plan.transfers_judged},
+      {"transfer_bound_blocks", plan.transfer_bound_blocks},
       {"reasons", plan.reasons},
   };
   nlohmann::json blocks = nlohmann::json::array();
@@ -361,7 +404,8 @@ std::string dump_json(const StepProfile& p, const StepPlan& plan) {
                       {"activations", keep_name(b.keep)},
                       {"checkpoint", home_name(b.checkpoint)},
                       {"group_start", b.group_start},
-                      {"mlp_tiles", b.mlp_tiles}});
+                      {"mlp_tiles", b.mlp_tiles},
+                      {"transfer_bound", b.transfer_bound}});
   }
   root["blocks"] = std::move(blocks);
   // Diagnostics may hold any bytes a caller named: invalid UTF-8 is replaced, never thrown.

@@ -13,7 +13,12 @@
 //     pools (paged optimizer state, spilled checkpoints);
 //   - the loss chunk: how many tokens' logits exist at once;
 //   - sequence tiles: over how many tiles of the batch's tokens the blocks' MLP runs, where one
-//     block's backward working set at a long sequence does not fit whole (tiles.cpp).
+//     block's backward working set at a long sequence does not fit whole (tiles.cpp);
+//   - the optimizer state's tier: how much of the streamed blocks' state in DRAM an NVMe tier
+//     should take so that the host's room holds the checkpoints the step needs (state_tier.cpp);
+//   - transfers against compute: which streamed blocks load their weights slower than they
+//     compute (a mixture-of-experts block's compute is its routed experts' share), and keep no
+//     activations for that (transfers.cpp).
 // Each decision is made when the profile carries what it needs (a binding plans residency at
 // set-up, checkpoint homes at the first forward pass, kept activations once a step's peak is
 // measured) and every choice carries its reason for the dump.
@@ -67,10 +72,26 @@ inline constexpr uint64_t kLossChunkBytes = uint64_t{1} << 30;
 // busy, and the per-tile overheads (a launch per op, the weight grads' sums) grow; ALST tiles at
 // about the hidden size (4096 for an 8B).
 inline constexpr uint64_t kMinTileTokens = 1024;
+// A streamed block's weights are loaded for its forward pass and again for its backward pass.
+inline constexpr double kPassesLoaded = 2;
+// A block's compute in its forward pass's worth: the forward, the backward (the weight grads and
+// the input grads: twice the forward's products) and, where it recomputes, the forward again.
+inline constexpr double kPassesKept = 3;
+inline constexpr double kPassesRecomputing = 4;
 
 enum class Residency : int32_t { kChoose = 0, kResident = 1, kStreamed = 2 };
 enum class Keep : int32_t { kRecompute = 0, kSelective = 1, kWhole = 2 };
 enum class CheckpointHome : int32_t { kHbm = 0, kDram = 1 };
+// Why the plan puts (or does not put) optimizer state on NVMe (strata.h STRATA_STEP_STATE_*).
+enum class StateReason : uint32_t {
+  kNotPlanned = 0,   // checkpoints were not planned
+  kRoom = 1,         // the host's room holds the checkpoints the step needs: nothing moves
+  kMove = 2,         // state to NVMe: its room goes to the checkpoints
+  kDeviceShort = 3,  // short of device memory even with every checkpoint in host memory
+  kNoNvme = 4,       // no NVMe tier (or it has no room)
+  kNoState = 5,      // no optimizer state in DRAM to move
+  kTooLittle = 6,    // all the state NVMe could take would not lower the checkpoint group
+};
 
 struct BlockProfile {
   uint64_t elements = 0;       // parameters of the block
@@ -82,6 +103,9 @@ struct BlockProfile {
   uint64_t keep_selective_bytes = 0;
   Residency residency = Residency::kChoose;  // fixed by an earlier plan, or to choose
   Keep keep = Keep::kRecompute;              // how it keeps now (what the checkpoint plan counts)
+  // FLOPs of its forward pass a token through its weights (0: a dense block's 2 x elements; a
+  // mixture-of-experts block's: its routed experts' top_k / n share and all the rest).
+  uint64_t active_flops = 0;
 };
 
 // A point of a measured step where a block begins its forward or backward pass with grad (or
@@ -159,6 +183,15 @@ struct StepProfile {
   // tiled by the plan), and the user's tile count (0: the plan chooses).
   uint64_t mlp_token_bytes = 0;
   uint32_t given_tiles = 0;
+  // The optimizer state's tier: the streamed blocks' state in DRAM (counted in the host's
+  // budget), and what the NVMe tier can still take (0: no NVMe tier).
+  uint64_t state_dram = 0;
+  uint64_t nvme_free = 0;
+  // Transfers against compute (with tokens): the host-to-device link's rate, the device's
+  // achieved FLOP/s and the bytes a streamed weight moves a parameter (any 0: not judged).
+  double h2d_bytes_per_second = 0;
+  double device_flops_per_second = 0;
+  uint32_t weight_bytes_per_param = 0;
 };
 
 struct BlockPlan {
@@ -168,7 +201,8 @@ struct BlockPlan {
   // The block whose checkpoint this block's input is regenerated from (its own index when it
   // keeps one; an earlier one when its group's first blocks are run again for it).
   uint32_t group_start = 0;
-  uint32_t mlp_tiles = 1;  // the sequence tiles its MLP runs over (1: whole)
+  uint32_t mlp_tiles = 1;       // the sequence tiles its MLP runs over (1: whole)
+  bool transfer_bound = false;  // streamed, its loads longer than its compute (transfers.cpp)
 };
 
 struct StepPlan {
@@ -197,6 +231,14 @@ struct StepPlan {
   // Sequence tiles of the recomputing blocks' MLP, and each tile's tokens (0: not planned).
   uint32_t mlp_tiles = 1;
   uint64_t mlp_tile_tokens = 0;
+  // The optimizer state's tier: of the profile's state_dram, what the plan puts on NVMe so the
+  // host's room holds the checkpoints, the checkpoint group with it, and why.
+  uint64_t state_nvme_bytes = 0;
+  uint32_t state_group_blocks = 1;
+  StateReason state_reason = StateReason::kNotPlanned;
+  // Transfers against compute: whether judged, and how many streamed blocks are transfer-bound.
+  bool transfers_judged = false;
+  uint32_t transfer_bound_blocks = 0;
   std::vector<std::string> reasons;  // one line per decision made, for the dump
 };
 
@@ -234,6 +276,38 @@ uint32_t choose_spills(const std::vector<uint64_t>& checkpoints, uint64_t base, 
 // other block keeps its own checkpoint).
 std::vector<uint32_t> group_starts(const StepProfile& profile, const StepPlan& plan, uint32_t k);
 void plan_checkpoints(const StepProfile& profile, StepPlan* plan);
+// The figures every checkpoint grouping of one profile shares: the device's usable bytes and
+// margin, the loss's working set, the paged state leaving before it, what kept blocks hold,
+// and what the step holds beside its checkpoints (base).
+struct StepFigures {
+  uint64_t usable = 0, margin = 0, loss = 0, leaving = 0, kept = 0, base = 0;
+};
+StepFigures step_figures(const StepProfile& profile, const StepPlan& plan);
+// One grouping's outcome: how many of the first checkpoints spill, their bytes, whether the
+// step then fits (device and host), its peak, the restores in flight and one backward block's
+// working set.
+struct Spills {
+  uint32_t count = 0;
+  uint64_t bytes = 0;
+  bool fits = true;
+  uint64_t peak = 0;
+  uint64_t inflight = 0;
+  uint64_t working = 0;
+};
+// The checkpoint group, each block's group start, the MLP tiles and the spills the plan takes
+// when the host's room for spilled checkpoints is `room` (plan_checkpoints passes the
+// profile's; the optimizer state's tier asks what a larger room would give).
+struct Grouping {
+  uint32_t k = 1;
+  std::vector<uint32_t> starts;
+  uint32_t tiles = 1;
+  Spills spills;
+};
+Grouping choose_grouping(const StepProfile& profile, const StepPlan& plan, const StepFigures& f,
+                         uint64_t room);
+// The optimizer state's tier (state_tier.cpp), once the checkpoints are planned (`chosen`).
+void plan_state_tier(const StepProfile& profile, const StepFigures& f, const Grouping& chosen,
+                     StepPlan* plan);
 // Sequence tiles (tiles.cpp). One block's backward working set with its MLP over `tiles` tiles
 // (what it saves for its backward at kBlockFactor, and its input's and output's grads; its
 // saved bytes unmeasured: kUnmeasuredBlockFactor checkpoints, whatever the tiles).
@@ -259,6 +333,15 @@ std::vector<Keep> choose_kept(uint64_t usable, uint64_t margin,
                               const std::vector<int64_t>& order);
 void plan_kept(const StepProfile& profile, StepPlan* plan);
 uint64_t host_total(const StepProfile& profile);
+// Transfers against compute (transfers.cpp): a block's forward FLOPs a token (active_flops, or a
+// dense block's 2 x elements), whether the profile has what judging needs, a streamed block's
+// loads and its compute in seconds at the profile's batch, and the judgement of every streamed
+// block (before kept activations, which skip the transfer-bound ones).
+uint64_t block_flops(const BlockProfile& block);
+bool transfers_judged(const StepProfile& profile);
+double load_seconds(const StepProfile& profile, const BlockProfile& block);
+double compute_seconds(const StepProfile& profile, const BlockProfile& block, Keep keep);
+void judge_transfers(const StepProfile& profile, StepPlan* plan);
 uint64_t default_loss_chunk(uint64_t vocab);
 
 std::string dump_text(const StepProfile& profile, const StepPlan& plan);

@@ -52,6 +52,11 @@ TEST_CASE("step plan: inits set struct_size and the documented defaults", "[abi]
   CHECK(p.checkpoint_group_blocks == 0);
   CHECK(p.mlp_token_bytes == 0);
   CHECK(p.mlp_tiles == 0);
+  CHECK(p.state_dram_bytes == 0);
+  CHECK(p.nvme_free_bytes == 0);
+  CHECK(p.h2d_bytes_per_second == 0);
+  CHECK(p.device_flops_per_second == 0);
+  CHECK(p.weight_bytes_per_param == 0);
   strata_step_block_t b;
   std::memset(&b, 0xab, sizeof b);
   REQUIRE(strata_step_block_init(&b) == STRATA_OK);
@@ -60,6 +65,8 @@ TEST_CASE("step plan: inits set struct_size and the documented defaults", "[abi]
   CHECK(b.keep == STRATA_KEEP_RECOMPUTE);
   CHECK(b.checkpoint_tier == STRATA_TIER_HBM);
   CHECK(b.mlp_tiles == 1);
+  CHECK(b.active_flops == 0);
+  CHECK(b.transfer_bound == 0);
   strata_step_interval_t t;
   REQUIRE(strata_step_interval_init(&t) == STRATA_OK);
   CHECK(t.struct_size == STRATA_STEP_INTERVAL_STRUCT_SIZE);
@@ -83,6 +90,9 @@ TEST_CASE("step plan: a plan without a runtime, its info, blocks and dumps", "[a
   CHECK(info.predicted_peak_bytes == 0);  // (checkpoints were not planned)
   CHECK(info.mlp_tiles == 1);
   CHECK(info.mlp_tile_tokens == 0);
+  CHECK(info.state_nvme_bytes == 0);  // (checkpoints were not planned)
+  CHECK(info.state_nvme_group_blocks == 1);
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_NOT_PLANNED);
   CHECK(info.usable_bytes == 100000000);
   CHECK(info.margin_bytes == 10000000);
   strata_step_block_t out{};
@@ -414,5 +424,134 @@ TEST_CASE("step plan: the MLP's sequence tiles through the ABI", "[abi]") {
   q.profile.flags = 0;
   CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
   CHECK(last_error().find("needs STRATA_STEP_PLAN_CHECKPOINTS") != std::string::npos);
+  CHECK(none == nullptr);
+}
+
+TEST_CASE("step plan: the optimizer state's tier through the ABI", "[abi]") {
+  // 16 streamed blocks of 1 GiB checkpoints, a block's 4 GiB saved, 24 GiB held of 40: one
+  // checkpoint per block spills 14, the host has room for 6, groups of 3 fit it
+  // (tests/unit/test_step_plan_state.cpp counts it).
+  constexpr uint64_t GB = uint64_t{1} << 30;
+  Profile q(16);
+  for (auto& b : q.blocks) b.residency = STRATA_RESIDENCY_STREAMED;
+  q.profile.flags = STRATA_STEP_PLAN_CHECKPOINTS | STRATA_STEP_BLOCK_SAVED_MEASURED;
+  q.profile.device_total_bytes = q.profile.device_free_bytes = 40 * GB;
+  q.profile.tokens = 1024;
+  q.profile.checkpoint_bytes = GB;
+  q.profile.block_saved_bytes = 4 * GB;
+  q.profile.in_use_bytes = 24 * GB;
+  q.profile.host_room_bytes = 6 * GB;
+  q.profile.max_group_blocks = 4;
+  q.profile.state_dram_bytes = 20 * GB;
+  q.profile.nvme_free_bytes = 100 * GB;
+  const auto info_of = [&](strata_step_plan_info_t* info, std::string* text) {
+    strata_step_plan_t* made = nullptr;
+    REQUIRE(strata_step_plan_create(&q.profile, &made) == STRATA_OK);
+    info->struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE;
+    REQUIRE(strata_step_plan_get_info(made, info) == STRATA_OK);
+    std::size_t length = 0;
+    REQUIRE(strata_step_plan_dump(made, STRATA_PLAN_FORMAT_TEXT, nullptr, 0, &length) == STRATA_OK);
+    text->assign(length + 1, '\0');
+    REQUIRE(strata_step_plan_dump(made, STRATA_PLAN_FORMAT_TEXT, text->data(), text->size(),
+                                  nullptr) == STRATA_OK);
+    strata_step_plan_destroy(made);
+  };
+  strata_step_plan_info_t info;
+  std::string text;
+  info_of(&info, &text);
+  CHECK(info.checkpoint_group_blocks == 3);  // this plan: the room as given
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_MOVE);
+  CHECK(info.state_nvme_bytes == 8 * GB);
+  CHECK(info.state_nvme_group_blocks == 1);
+  CHECK(text.find("advised: 8.00 GiB of optimizer state to NVMe") != std::string::npos);
+  // Moved and planned again, as the header says: that plan takes the group, with ROOM.
+  q.profile.host_room_bytes += info.state_nvme_bytes;
+  q.profile.state_dram_bytes -= info.state_nvme_bytes;
+  q.profile.nvme_free_bytes -= info.state_nvme_bytes;
+  info_of(&info, &text);
+  CHECK(info.checkpoint_group_blocks == 1);
+  CHECK(info.fits == 1);
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_ROOM);
+  CHECK(info.state_nvme_bytes == 0);
+  CHECK(info.state_nvme_group_blocks == 1);
+  // Each reason the header lists.
+  q.profile.host_room_bytes = 6 * GB;
+  q.profile.nvme_free_bytes = 0;
+  info_of(&info, &text);
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_NO_NVME);
+  CHECK(info.state_nvme_group_blocks == 3);
+  q.profile.nvme_free_bytes = 100 * GB;
+  q.profile.state_dram_bytes = 0;
+  info_of(&info, &text);
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_NO_STATE);
+  q.profile.state_dram_bytes = GB / 2;
+  info_of(&info, &text);
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_TOO_LITTLE);
+  CHECK(info.state_nvme_bytes == 0);
+  q.profile.in_use_bytes = 33 * GB;
+  info_of(&info, &text);
+  CHECK(info.state_tier_reason == STRATA_STEP_STATE_DEVICE_SHORT);
+  // Sizes above 2^56 are refused like the profile's others.
+  q.profile.nvme_free_bytes = (uint64_t{1} << 56) + 1;
+  strata_step_plan_t* none = nullptr;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(none == nullptr);
+  CHECK(last_error().find("nvme_free_bytes") != std::string::npos);
+}
+
+TEST_CASE("step plan: transfers against compute through the ABI", "[abi]") {
+  // 4 streamed blocks of 100M parameters at 16k tokens, 25 GB/s, 400 TFLOP/s, bf16: a dense
+  // block computes 32.8 ms against 16 ms of loads; one whose forward is 31.25 MFLOP a token (an
+  // MoE block's routed share) 5.1 ms (tests/unit/test_step_plan_transfers.cpp counts it).
+  Profile q(4);
+  for (auto& b : q.blocks) {
+    b.residency = STRATA_RESIDENCY_STREAMED;
+    b.elements = 100000000;
+  }
+  q.blocks[3].active_flops = 31250000;
+  q.profile.tokens = 16384;
+  q.profile.h2d_bytes_per_second = 25e9;
+  q.profile.device_flops_per_second = 400e12;
+  q.profile.weight_bytes_per_param = 2;
+  strata_step_plan_t* made = nullptr;
+  REQUIRE(strata_step_plan_create(&q.profile, &made) == STRATA_OK);
+  strata_step_plan_info_t info;
+  info.struct_size = STRATA_STEP_PLAN_INFO_STRUCT_SIZE;
+  REQUIRE(strata_step_plan_get_info(made, &info) == STRATA_OK);
+  CHECK(info.transfer_bound_blocks == 1);
+  strata_step_block_t b;
+  b.struct_size = STRATA_STEP_BLOCK_STRUCT_SIZE;
+  REQUIRE(strata_step_plan_get_block(made, 3, &b) == STRATA_OK);
+  CHECK(b.transfer_bound == 1);
+  CHECK(b.active_flops == 31250000);
+  REQUIRE(strata_step_plan_get_block(made, 2, &b) == STRATA_OK);
+  CHECK(b.transfer_bound == 0);
+  CHECK(b.active_flops == 0);  // as given: a dense block's counted
+  strata_step_plan_destroy(made);
+  // Without a rate, not judged.
+  q.profile.device_flops_per_second = 0;
+  REQUIRE(strata_step_plan_create(&q.profile, &made) == STRATA_OK);
+  REQUIRE(strata_step_plan_get_info(made, &info) == STRATA_OK);
+  CHECK(info.transfer_bound_blocks == 0);
+  REQUIRE(strata_step_plan_get_block(made, 3, &b) == STRATA_OK);
+  CHECK(b.transfer_bound == 0);
+  strata_step_plan_destroy(made);
+  // The refusals the header lists, nothing written.
+  strata_step_plan_t* none = nullptr;
+  q.profile.device_flops_per_second = -1;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("device_flops_per_second") != std::string::npos);
+  q.profile.device_flops_per_second = 400e12;
+  q.profile.h2d_bytes_per_second = 2e18;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("h2d_bytes_per_second") != std::string::npos);
+  q.profile.h2d_bytes_per_second = 25e9;
+  q.profile.weight_bytes_per_param = 65;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("weight_bytes_per_param") != std::string::npos);
+  q.profile.weight_bytes_per_param = 2;
+  q.blocks[3].active_flops = (uint64_t{1} << 56) + 1;
+  CHECK(strata_step_plan_create(&q.profile, &none) == STRATA_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("active_flops") != std::string::npos);
   CHECK(none == nullptr);
 }

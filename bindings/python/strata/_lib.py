@@ -203,7 +203,8 @@ class StepBlock(Struct):
     _fields_ = [("struct_size", c_size_t), ("elements", c_uint64), ("rank_elements", c_uint64),
                 ("keep_whole_bytes", c_uint64), ("keep_selective_bytes", c_uint64),
                 ("residency", c_int32), ("keep", c_int32), ("checkpoint_tier", c_int32),
-                ("group_start", c_uint32), ("mlp_tiles", c_uint32)]
+                ("group_start", c_uint32), ("mlp_tiles", c_uint32),
+                ("active_flops", c_uint64), ("transfer_bound", c_uint32)]
 
 
 class StepInterval(Struct):
@@ -229,7 +230,11 @@ class StepProfile(Struct):
                 ("arena_bytes", c_uint64), ("host_available_bytes", c_uint64),
                 ("beside_bytes", c_uint64), ("host_room_bytes", c_uint64),
                 ("max_group_blocks", c_uint32), ("checkpoint_group_blocks", c_uint32),
-                ("mlp_token_bytes", c_uint64), ("mlp_tiles", c_uint32)]
+                ("mlp_token_bytes", c_uint64), ("mlp_tiles", c_uint32),
+                ("state_dram_bytes", c_uint64), ("nvme_free_bytes", c_uint64),
+                ("h2d_bytes_per_second", ctypes.c_double),
+                ("device_flops_per_second", ctypes.c_double),
+                ("weight_bytes_per_param", c_uint32)]
 
 
 class StepPlanInfo(Struct):
@@ -241,7 +246,9 @@ class StepPlanInfo(Struct):
                 ("margin_bytes", c_uint64), ("judged_peak_bytes", c_uint64),
                 ("host_total_bytes", c_uint64), ("loss_chunk_tokens", c_uint64),
                 ("spilled_checkpoint_bytes", c_uint64), ("checkpoint_group_blocks", c_uint32),
-                ("mlp_tiles", c_uint32), ("mlp_tile_tokens", c_uint64)]
+                ("mlp_tiles", c_uint32), ("mlp_tile_tokens", c_uint64),
+                ("state_nvme_bytes", c_uint64), ("state_nvme_group_blocks", c_uint32),
+                ("state_tier_reason", c_uint32), ("transfer_bound_blocks", c_uint32)]
 
 
 class PlacementInfo(Struct):

@@ -5,7 +5,9 @@ A binding measures (its allocator, its blocks' saved bytes, its batch) and passe
 as a profile; the library decides, per block, resident or streamed, recompute / keep
 selectively / keep wholly, and its checkpoint's home (the device or host memory), and for the
 step the loss chunk, the host budget as counted, what a backward block may allocate and the
-sequence tiles the blocks' MLP runs over at a long sequence (mlp_token_bytes, mlp_tiles). Every
+sequence tiles the blocks' MLP runs over at a long sequence (mlp_token_bytes, mlp_tiles), and how
+much optimizer state an NVMe tier should take so that host memory holds the spilled checkpoints
+(state_dram_bytes, nvme_free_bytes in; state_nvme_bytes, state_tier out). Every
 decision and constant is the library's (runtime/step/); nothing here decides.
 
     plan = plan_step([Block(elements=n) for n in counts], device_total_bytes=...,
@@ -30,6 +32,10 @@ FLAGS = {"plan_checkpoints": 1 << 0, "plan_kept": 1 << 1, "allocator_returns_cac
          "block_saved_measured": 1 << 9, "loss_chunked": 1 << 10}
 # strata_step_plan_info_t.planned, by the attribute StepPlan gives each as.
 PLANNED = {"residency_planned": 1 << 0, "checkpoints_planned": 1 << 1, "keep_planned": 1 << 2}
+# strata_step_plan_info_t.state_tier_reason (STRATA_STEP_STATE_*), by the name StepPlan gives it
+# as info["state_tier"].
+STATE_REASONS = {"not_planned": 0, "room": 1, "move": 2, "device_short": 3, "no_nvme": 4,
+                 "no_state": 5, "too_little": 6}
 _TIERS = {0: "hbm", 1: "dram"}
 _NAMES = {"residency": {v: k for k, v in RESIDENCY.items()},
           "keep": {v: k for k, v in KEEP.items()}}
@@ -43,24 +49,29 @@ class Block:
     """One block of the profile (strata_step_block_t): its parameters, of them this process's
     (data parallel; 0 = all), what it saves for its backward when not recomputing, wholly and
     selectively (0: unmeasured / cannot), its residency ("choose", or fixed: "resident",
-    "streamed") and how it keeps now ("recompute", "selective", "whole")."""
+    "streamed"), how it keeps now ("recompute", "selective", "whole") and its forward's FLOPs a
+    token through its weights (0: a dense block's 2 x elements; strata.torch._planning.
+    active_flops measures a mixture-of-experts block's)."""
 
     __slots__ = ("elements", "rank_elements", "keep_whole_bytes", "keep_selective_bytes",
-                 "residency", "keep")
+                 "residency", "keep", "active_flops")
 
     def __init__(self, elements, rank_elements=0, keep_whole_bytes=0, keep_selective_bytes=0,
-                 residency="choose", keep="recompute"):
+                 residency="choose", keep="recompute", active_flops=0):
         self.elements, self.rank_elements = int(elements), int(rank_elements)
         self.keep_whole_bytes = int(keep_whole_bytes or 0)
         self.keep_selective_bytes = int(keep_selective_bytes or 0)
         self.residency, self.keep = residency, keep
+        self.active_flops = int(active_flops or 0)
 
 
 class StepPlan:
     """A plan: `info` (strata_step_plan_info_t's fields: mlp_tiles and mlp_tile_tokens among
-    them), `blocks` (per block a dict of residency, keep, checkpoint: "hbm" or "dram",
+    them; state_nvme_bytes, the optimizer state it advises on NVMe, with state_tier its reason's
+    STATE_REASONS name), `blocks` (per block a dict of residency, keep, checkpoint: "hbm" or "dram",
     group_start: the block whose checkpoint its input is regenerated from, its own index where
-    it keeps one, and mlp_tiles: the sequence tiles its MLP runs over, 1: whole), `text` and
+    it keeps one, mlp_tiles: the sequence tiles its MLP runs over, 1: whole, and
+    transfer_bound: its weights load slower than it computes at the profile's batch), `text` and
     `json` (the dumps, every choice with its reason)."""
 
     def __init__(self, handle):
@@ -69,6 +80,7 @@ class StepPlan:
         self.info = {name: getattr(info, name) for name, _ in _lib.StepPlanInfo._fields_
                      if name != "struct_size"}
         self.info.update({name: bool(info.planned & bit) for name, bit in PLANNED.items()})
+        self.info["state_tier"] = {v: k for k, v in STATE_REASONS.items()}[info.state_tier_reason]
         self.blocks = []
         for i in range(info.blocks):
             b = _lib.StepBlock()
@@ -77,7 +89,8 @@ class StepPlan:
                                 "keep": _NAMES["keep"][b.keep],
                                 "checkpoint": _TIERS[b.checkpoint_tier],
                                 "group_start": b.group_start,
-                                "mlp_tiles": b.mlp_tiles})
+                                "mlp_tiles": b.mlp_tiles,
+                                "transfer_bound": bool(b.transfer_bound)})
         self.text = core._dump(L.strata_step_plan_dump, handle, 1)
         self.json = core._dump(L.strata_step_plan_dump, handle, 0)
 
@@ -119,7 +132,8 @@ def plan_step(blocks, intervals=(), **fields):
     for i, block in enumerate(blocks):
         d = _lib.StepBlock()
         check(L.strata_step_block_init(ctypes.byref(d)))
-        for key in ("elements", "rank_elements", "keep_whole_bytes", "keep_selective_bytes"):
+        for key in ("elements", "rank_elements", "keep_whole_bytes", "keep_selective_bytes",
+                    "active_flops"):
             setattr(d, key, _fitting("block %d's %s" % (i, key), getattr(block, key),
                                      ctypes.c_uint64))
         for key, table in (("residency", RESIDENCY), ("keep", KEEP)):
@@ -153,7 +167,9 @@ def plan_step(blocks, intervals=(), **fields):
     q.intervals, q.interval_count = interval_array, len(points)
     q.flags = flags
     for key, value in fields.items():
-        setattr(q, key, _fitting(key, value, dict(_lib.StepProfile._fields_)[key]))
+        ctype = dict(_lib.StepProfile._fields_)[key]
+        # (a rate: the library refuses a negative or non-finite one, naming it)
+        setattr(q, key, float(value) if ctype is ctypes.c_double else _fitting(key, value, ctype))
     handle = ctypes.c_void_p()
     check(L.strata_step_plan_create(ctypes.byref(q), ctypes.byref(handle)))
     try:

@@ -149,6 +149,7 @@ def _check_table(header, table, prefix):
     ({"FORWARD": step_plan.POINTS["f"], "BACKWARD": step_plan.POINTS["b"],
       "END": step_plan.POINTS["end"]}, "STRATA_STEP_POINT_"),
     ({k.upper(): v for k, v in step_plan.FLAGS.items()}, "STRATA_STEP_"),
+    ({k.upper(): v for k, v in step_plan.STATE_REASONS.items()}, "STRATA_STEP_STATE_"),
     ({k.upper().replace("_PLANNED", "").replace("KEEP", "KEPT"): v
       for k, v in step_plan.PLANNED.items()}, "STRATA_STEP_PLANNED_"),
 ])

@@ -80,6 +80,49 @@ def test_the_mlp_is_tiled_only_when_the_step_is_short():
                             mlp_tiles=131073, **figures)
 
 
+def test_the_optimizer_state_tier_comes_back():
+    """Where the host's room holds fewer checkpoints than the step wants, the plan advises how
+    much of the streamed blocks' optimizer state an NVMe tier should take (the unit cases count
+    it: 14 wanted, 6 of room, 8 to move), its reason's name and the group it gives; planned
+    again with the state moved, nothing more moves."""
+    figures = dict(plan_checkpoints=True, tokens=1024, checkpoint_bytes=GB,
+                   block_saved_bytes=4 * GB, block_saved_measured=True, in_use_bytes=24 * GB,
+                   device_total_bytes=40 * GB, device_free_bytes=40 * GB, max_group_blocks=4)
+    blocks = [step_plan.Block(1000, residency="streamed")] * 16
+    plan = step_plan.plan_step(blocks, host_room_bytes=6 * GB, state_dram_bytes=20 * GB,
+                               nvme_free_bytes=100 * GB, **figures)
+    assert plan.checkpoint_group_blocks == 3
+    assert plan.state_tier == "move" and plan.state_nvme_bytes == 8 * GB
+    assert plan.state_nvme_group_blocks == 1
+    assert json.loads(plan.json)["state_tier_reason"] == "move"
+    assert "advised: 8.00 GiB of optimizer state to NVMe" in plan.text
+    again = step_plan.plan_step(blocks, host_room_bytes=14 * GB, state_dram_bytes=12 * GB,
+                                nvme_free_bytes=92 * GB, **figures)
+    assert again.checkpoint_group_blocks == 1 and again.state_tier == "room"
+    assert again.state_nvme_bytes == 0
+    none = step_plan.plan_step(blocks, host_room_bytes=6 * GB, state_dram_bytes=20 * GB,
+                               **figures)
+    assert none.state_tier == "no_nvme" and "no NVMe tier" in none.text
+
+
+def test_transfers_against_compute_come_back():
+    """A block's forward FLOPs a token and the rates reach the library (the rates as C
+    doubles); each streamed block's judgement comes back (the unit cases count them: 100M
+    parameters at 16k tokens, 25 GB/s, 400 TFLOP/s: dense computes longer than it loads, an MoE
+    block's routed share of 31.25 MFLOP a token not), and a negative rate is the library's
+    error naming it."""
+    blocks = [step_plan.Block(100_000_000, residency="streamed"),
+              step_plan.Block(100_000_000, residency="streamed", active_flops=31_250_000)]
+    rates = dict(tokens=16384, h2d_bytes_per_second=25e9, device_flops_per_second=400e12,
+                 weight_bytes_per_param=2)
+    plan = step_plan.plan_step(blocks, **rates)
+    assert [b["transfer_bound"] for b in plan.blocks] == [False, True]
+    assert plan.transfer_bound_blocks == 1
+    assert "transfers: 1 of 2 streamed blocks" in plan.text
+    with pytest.raises(StrataError, match="h2d_bytes_per_second"):
+        step_plan.plan_step(blocks, **dict(rates, h2d_bytes_per_second=-1.0))
+
+
 def test_the_host_budget_and_the_loss_chunk_need_no_blocks():
     plan = step_plan.plan_step([], arena_bytes=600, host_available_bytes=1000, vocab=128256)
     assert plan.host_total_bytes == 1100 and plan.loss_chunk_tokens == 2088

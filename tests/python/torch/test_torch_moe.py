@@ -269,3 +269,42 @@ def test_an_expert_no_token_routes_to_updates_as_plain_pytorch(offload):
     synchronize(opt)
     assert_losses_close(got, expected)
     assert_state_close(snapshot(model), snapshot(plain))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_step_plan_gets_each_blocks_active_flops(name):
+    """strata.torch's measurement of a block for the step plan (strata_step_block_t
+    .active_flops): a routed-experts block counts top_k of its experts (2 of 4 here) and the
+    rest whole, a dense block (DeepSeek-V3's first) and a model whose config names no routing
+    all their parameters; from them and the rates the plan judges which streamed blocks load
+    slower than they compute (here: the MoE ones, with the rates set between the two)."""
+    from strata import step_plan
+    from strata.torch import _planning
+    model = moe_model(name)
+    blocks = list(model.model.layers)
+    flops, totals = [], []
+    for block in blocks:
+        total = sum(p.numel() for p in block.parameters())
+        routed = sum(p.numel() for n, p in block.named_parameters()
+                     if "experts" in n.split(".")[:-1])
+        flops.append(_planning.active_flops(block, model.config))
+        totals.append(total)
+        assert flops[-1] == 2 * (total - routed) + routed  # 2 * routed * 2 / 4
+        assert _planning.active_flops(block, None) == 2 * total
+    moe = [f < 2 * t for f, t in zip(flops, totals)]
+    assert moe == ([False, True] if name == "deepseek_v3" else [True, True])
+    assert _planning.routing(model.config) == (2, 4)
+    # A device on which a block computes as long as it loads (4 passes of its FLOPs a token
+    # against 2 loads of 2 bytes a parameter) at FLOPs a parameter halfway between the last
+    # block's routed share and a dense block's 2: the MoE blocks are transfer-bound, a dense
+    # one not.
+    threshold = (flops[-1] + 2 * totals[-1]) / 2
+    tokens, h2d = 1024, 1e9
+    plan = step_plan.plan_step(
+        [step_plan.Block(t, residency="streamed", active_flops=f)
+         for t, f in zip(totals, flops)], tokens=tokens, h2d_bytes_per_second=h2d,
+        device_flops_per_second=threshold * tokens * h2d / totals[-1],
+        weight_bytes_per_param=2)
+    assert [b["transfer_bound"] for b in plan.blocks] == moe
+    assert plan.transfer_bound_blocks == sum(moe)
+    assert "streamed blocks load their weights" in plan.text

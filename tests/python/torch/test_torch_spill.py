@@ -647,3 +647,66 @@ def test_a_decision_made_again_frees_the_buffers_it_no_longer_spills():
     assert sorted(spiller.pool.buffers) == [0, 2, 4, 6]
     assert spiller.regen.starts == [0, 0, 2, 2, 4, 4, 6, 6]
     spiller.close()
+
+
+def test_the_plans_state_tier_advice_reaches_the_report(device_memory, monkeypatch):
+    """The session's optimizer state in DRAM (its staging slots aside) and the NVMe tier's room
+    reach the step profile; where the plan advises state on NVMe (the host's room short of the
+    checkpoints the step wants), placement()'s line and an out-of-memory note say how much and
+    why strata.torch did not move it (placed at offload, before the batch). The step made
+    short as in test_the_plan_says_it_grouped: 16 blocks of 1 GiB checkpoints, 6 GiB of room."""
+    import weakref
+
+    from strata import step_plan
+    from strata.torch import _spill_plan
+
+    class Optimizer:
+        def stats(self):
+            return {"state_bytes": 21 * GB, "staging_bytes": GB}
+
+    class Runtime:
+        def capabilities(self):
+            return type("Caps", (), {"tiers_available": [1, 1, 1]})
+
+        def tier_usage(self, tier):
+            assert tier == "nvme"
+            return {"budget": 120 * GB, "used": 20 * GB}
+
+    class Session:
+        optimizer, runtime = Optimizer(), Runtime()
+
+    session = Session()
+    real, calls = step_plan.plan_step, []
+
+    def short_of_room(blocks, intervals=(), **fields):
+        if not fields.get("plan_checkpoints"):  # (the spiller's defaults)
+            return real(blocks, intervals, **fields)
+        calls.append(dict(fields))
+        fields.update(tokens=1024, checkpoint_bytes=GB, block_saved_bytes=4 * GB,
+                      block_saved_measured=True, device_total_bytes=40 * GB,
+                      device_free_bytes=40 * GB, framework_held_bytes=0, in_use_bytes=24 * GB,
+                      host_room_bytes=6 * GB, max_group_blocks=1, backward_grad_bytes=0,
+                      leaving_bytes=0, mlp_token_bytes=0, vocab=0, hidden=0)
+        return real(blocks, intervals, **fields)
+
+    monkeypatch.setattr(step_plan, "plan_step", short_of_room)
+    spiller = automatic_spiller(blocks=16)
+    spiller.session = weakref.ref(session)
+    block = _Block()
+    spiller.forward_begins(block.forward, block, (torch.zeros(2, 16, 64),), {})
+    fields, = calls
+    assert fields["state_dram_bytes"] == 20 * GB and fields["nvme_free_bytes"] == 100 * GB
+    assert spiller.state_advice == (8 * GB, 1)
+    said = spiller.describe()
+    assert "advises 8.00 GiB of the streamed blocks' optimizer state on NVMe" in said
+    assert "one checkpoint per block" in said and "state_placement='nvme'" in said
+    assert "advises 8.00 GiB" in spiller.note()
+    # Without a session (a spiller alone) nothing is counted and nothing advised.
+    assert _spill_plan.state_figures(None) == {}
+    spiller.session = lambda: None
+    calls.clear()
+    spiller.decisions = 0
+    spiller.forward_begins(block.forward, block, (torch.zeros(2, 16, 64),), {})
+    assert "state_dram_bytes" not in calls[0] and spiller.state_advice is None
+    assert "optimizer state" not in spiller.describe()
+    spiller.close()

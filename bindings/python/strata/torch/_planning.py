@@ -230,6 +230,46 @@ def check_host_budget(blocks, dtype, mesh, grads_home, host_budget):
                                       "one block's grads, ", beside, hint))
 
 
+# Where a model's config says how many of its routed experts a token uses, and of how many,
+# under Hugging Face's names: the first of each tuple the config has (Mixtral, GPT-OSS:
+# num_local_experts; Qwen3-MoE, OLMoE: num_experts; DeepSeek-V3: n_routed_experts).
+_TOP_K = ("num_experts_per_tok", "experts_per_token")
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def routing(config):
+    """(top_k, experts) of a model's routed experts from its config (a vision-language
+    model's text config), or None where it names none."""
+    text = getattr(config, "get_text_config", None)
+    config = text() if callable(text) else config
+
+    def first(names):
+        values = [getattr(config, n, None) for n in names]
+        return next((v for v in values if isinstance(v, int) and v > 0), None)
+
+    top_k, experts = first(_TOP_K), first(_EXPERTS)
+    return (min(top_k, experts), experts) if top_k and experts else None
+
+
+def active_flops(block, config):
+    """The FLOPs of `block`'s forward pass a token through its weights, for the step plan
+    (strata_step_block_t.active_flops): 2 x the parameters one token's products use. Routed
+    experts (parameters under a submodule named `experts`; a shared expert is not one) count
+    at top_k / experts (`config`'s routing: a Qwen3-30B-A3B block computes 8 of its 128
+    experts a token), the rest of the block whole; a block without them, or a model whose
+    config names no routing, all of its parameters."""
+    total = routed = 0
+    for name, p in block.named_parameters():
+        total += p.numel()
+        if "experts" in name.split(".")[:-1]:
+            routed += p.numel()
+    share = routing(config) if routed else None
+    if share is None:
+        return 2 * total
+    top_k, experts = share
+    return 2 * (total - routed) + 2 * routed * top_k // experts
+
+
 def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram", mesh=None):
     """How many of the first blocks to keep resident in HBM: the library's step plan
     (strata.step_plan; runtime/step/residency.cpp has the rule: a share of the device memory
@@ -238,7 +278,10 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"
     and grad, an fp32 master unless the weights are fp32, AdamW's m and v; resident blocks are
     trained by torch's AdamW with whole fp32 masters, never split), the parameters outside the
     blocks not yet on the device (a meta model's embedding and head), and with grads in HBM
-    their bytes (under data parallelism, `mesh`, this rank's chunks'). 0 on the CPU."""
+    their bytes (under data parallelism, `mesh`, this rank's chunks'), and each block's forward
+    FLOPs a token (active_flops: a mixture-of-experts block's routed share; with no batch or
+    rates here the plan does not judge transfers, and residency is the first blocks whatever
+    their FLOPs). 0 on the CPU."""
     if device.type != "cuda":
         return 0
     element = element_bytes(dtype)
@@ -253,7 +296,9 @@ def _auto_resident_blocks(model, blocks, dtype, device, gpu_budget, grads="dram"
         grad_bytes = (4 if grads == "hbm_sums" else element) if hbm_grads else 0
     figures = _step.device_figures(device)
     plan = step_plan.plan_step(
-        [step_plan.Block(n, rank_elements=mine) for n, mine in zip(counts, kept)],
+        [step_plan.Block(n, rank_elements=mine,
+                         active_flops=active_flops(b, getattr(model, "config", None)))
+         for b, n, mine in zip(blocks, counts, kept)],
         resident_bytes_per_param=2 * element + core.state_bytes_per_param(element),
         hbm_tier_bytes=gpu_budget or 0, outside_elements=coming,
         streamed_grad_bytes_per_param=grad_bytes, streamed_grads_hbm_bytes=hbm_grads,

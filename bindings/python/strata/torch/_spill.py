@@ -158,6 +158,11 @@ class Spiller:
         # plan's (it counts them in flight).
         self.restore_depth = step_plan.plan_step([]).restore_depth
         self.plan_text = None  # the last decision's step plan, as the library dumps it
+        # The session whose optimizer state the plan's state tier counts (a weak reference the
+        # session sets; no session: none counted), and the last plan's advice: (bytes of the
+        # streamed blocks' optimizer state on NVMe, the checkpoint group with it) or None.
+        self.session = lambda: None
+        self.state_advice = None
 
     def backward_reserve(self):
         """What the backward pass may allocate beyond what it holds at a block's start: one
@@ -243,6 +248,8 @@ class Spiller:
         self.working = plan.backward_reserve_bytes
         self.restore_depth = plan.restore_depth
         self.plan_text = plan.text  # the library's reasons, for benchmarks and diagnostics
+        self.state_advice = ((plan.state_nvme_bytes, plan.state_nvme_group_blocks)
+                             if plan.state_tier == "move" else None)
         self.decisions += 1
         self.decide_seconds += time.perf_counter() - started
 

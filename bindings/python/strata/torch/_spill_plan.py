@@ -1,7 +1,8 @@
 """The checkpoint-homes decision's profile (strata.torch._spill's Spiller decides through these):
 what strata.torch measures for the library's step plan at a forward pass's start (what torch
 holds, the grads to come, how the blocks keep, one block's saved bytes on fake tensors, the
-loss's head and chunk, the paged state leaving, the host's room, the groups it can regenerate),
+loss's head and chunk, the paged state leaving, the host's room, the groups it can regenerate,
+the streamed blocks' optimizer state in DRAM and the NVMe tier's room for it),
 and the plan of spill_checkpoints=True with a forced group size. Nothing is decided here: the
 rules are the library's (runtime/step/checkpoints.cpp)."""
 
@@ -39,7 +40,26 @@ def checkpoint_plan(s, run, block, args, kwargs, tokens, nbytes, base, hidden=No
         loss_chunked=chunked, loss_chunk_tokens=loss.chunk_tokens if chunked else 0,
         host_room_bytes=host_room(s), max_group_blocks=max_group(s),
         mlp_token_bytes=mlp, mlp_tiles=s.forced_tiles or 0,
-        **_step.device_figures(s.device))
+        **state_figures(s.session()), **_step.device_figures(s.device))
+
+
+def state_figures(session):
+    """The optimizer state's tier figures of the step profile: the streamed blocks' optimizer
+    state in DRAM (what the optimizer holds there, its staging slots aside) and what the NVMe
+    tier can still take (0 without one). The plan advises from them how much of the state NVMe
+    should take so that host memory holds the checkpoints (strata.h state_nvme_bytes); the
+    state was placed at offload, before any batch, so strata.torch reports the advice
+    (strata.torch._spill_report) rather than moving it."""
+    opt = getattr(session, "optimizer", None)
+    if opt is None or session.runtime is None:
+        return {}
+    stats = opt.stats()
+    state = max(0, stats["state_bytes"] - stats["staging_bytes"])
+    nvme = 0
+    if session.runtime.capabilities().tiers_available[2]:
+        usage = session.runtime.tier_usage("nvme")
+        nvme = max(0, usage["budget"] - usage["used"])
+    return {"state_dram_bytes": state, "nvme_free_bytes": nvme}
 
 
 def max_group(s):

@@ -31,12 +31,29 @@ def _checkpoints(s):
         said += (", one per group of up to %d blocks (%d inputs regenerated in the backward "
                  "pass)" % (largest, sum(1 for i, g in enumerate(starts) if g != i)))
     if budget_short(s):
-        return said + ("; %d more kept on the device: host_budget has no room for them "
-                       "(%.2f GiB left of it, %.2f GiB a checkpoint)%s"
-                       % (s.wanted - s.count, s.pool.budget.room() / (1 << 30),
-                          s.pool.wanted / (1 << 30),
-                          "" if s.fits else ", the step predicted short"))
-    return said + ("" if s.fits else ", the step predicted short even so")
+        said += ("; %d more kept on the device: host_budget has no room for them "
+                 "(%.2f GiB left of it, %.2f GiB a checkpoint)%s"
+                 % (s.wanted - s.count, s.pool.budget.room() / (1 << 30),
+                    s.pool.wanted / (1 << 30),
+                    "" if s.fits else ", the step predicted short"))
+    elif not s.fits:
+        said += ", the step predicted short even so"
+    return said + state_advice(s, "; ")
+
+
+def state_advice(s, lead):
+    """The step plan's advice on the optimizer state's tier, after `lead`, or '': how much of
+    the streamed blocks' state NVMe should hold for host memory to hold the checkpoints, and
+    the checkpoint group that gives. The state was placed at offload, before the batch was
+    known: strata.torch says so rather than moving it."""
+    if s.state_advice is None:
+        return ""
+    nbytes, group = s.state_advice
+    return ("%sthe step plan advises %.2f GiB of the streamed blocks' optimizer state on NVMe "
+            "(host memory then holds %s): offload placed the state before this batch was "
+            "known; offload(nvme=..., state_placement='nvme') puts all of it there"
+            % (lead, nbytes / (1 << 30), "one checkpoint per block" if group <= 1 else
+               "one checkpoint per group of %d blocks" % group))
 
 
 def note(s):
@@ -45,9 +62,9 @@ def note(s):
         return ("strata.torch: host_budget had room for %d of the %d block checkpoints "
                 "the step needed spilled to host memory (%.2f GiB of it left, %.2f GiB a "
                 "checkpoint): the others stayed on the device; raise host_budget (or pass "
-                "a smaller resident_blocks, or a smaller batch)"
+                "a smaller resident_blocks, or a smaller batch)%s"
                 % (s.count, s.wanted, s.pool.budget.room() / (1 << 30),
-                   s.pool.wanted / (1 << 30)))
+                   s.pool.wanted / (1 << 30), state_advice(s, "; ")))
     if s.pool.refused:
         return ("strata.torch: %d block checkpoint buffer(s) of host memory were refused "
                 "(%s): those checkpoints stayed on the device"
@@ -61,5 +78,5 @@ def note(s):
     if s.count and not s.fits:
         return ("strata.torch: %d block checkpoints were spilled to host memory and the "
                 "step was predicted short even so: pass a smaller resident_blocks, or a "
-                "smaller batch" % s.count)
+                "smaller batch%s" % (s.count, state_advice(s, "; ")))
     return None

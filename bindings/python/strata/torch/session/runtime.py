@@ -3,6 +3,7 @@ from it (the budgets under data parallelism, the arena's pinned part, the device
 the parts made beside it on this rank."""
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -55,6 +56,7 @@ def open_runtime(session, choices):
                                     len(session.resident_blocks) + len(session.blocks),
                                     regenerate=session.mesh is None)
             session.spill.forced_tiles = choices.mlp_tiles
+            session.spill.session = weakref.ref(session)  # (its optimizer state's figures)
             session.anchor = torch.zeros(0, device=session.device, requires_grad=True)
             session.anchor_node = \
                 session.anchor.view_as(session.anchor).grad_fn.next_functions[0][0]
