@@ -138,10 +138,13 @@ def test_router_aux_loss_trains_as_plain_pytorch(name, resident, kept, offload):
     assert_losses_close(got_aux, expected_aux)
     # The chunked loss sums its cross-entropy in another order than the whole logits' (one
     # fp32 rounding of the grads); AdamW divides a grad by its running RMS, so where an
-    # element's grads are a few eps that rounding moves it by up to lr x noise / eps: one
-    # element of a tensor here, by at most ~7e-6 after four steps (torch_parity_models' key
-    # bias case). Every other element is within 1e-6.
-    assert_state_close(snapshot(model), snapshot(plain), outliers=1, outlier_atol=2e-5)
+    # element's grads are a few eps that rounding moves it by up to lr x noise / eps: one or
+    # two elements of a tensor here (torch 2.15, transformers 5.25: two of Mixtral's and
+    # Qwen3-MoE's expert gate_up_proj, by at most 9e-6 after four steps; torch_parity_models'
+    # key bias case). Every other element is within 1e-6. (Without the chunked loss Mixtral's
+    # every element is; Qwen3-MoE's embedding still has one such element, 7.5e-6 off: the
+    # streamed blocks' backward sums in its own order too.)
+    assert_state_close(snapshot(model), snapshot(plain), outliers=2, outlier_atol=2e-5)
     # The auxiliary loss is in the total: without it the first loss is 0.5 x aux_loss less.
     unrouted = deepcopy(base)
     unrouted.config.output_router_logits = False
