@@ -5,9 +5,9 @@ runs it, so that train_bench's loop times it as it times every other mode.
 MegaTrain is not part of this repository: --megatrain-dir names its source tree (the directory
 holding its `infinity` package). Its decoder layers are called directly with the batch's 2-D
 padding mask, which only flash-attn accepts; with sdpa (no flash-attn here) the tree must carry
-the patch docs/benchmarks.md describes (CPUMasterModel._layer_attention_mask: no mask when
-nothing is padded, so sdpa runs causal; the 4-D mask otherwise). setup() refuses a tree
-without it.
+the patch docs/benchmarks.md describes (bench/megatrain_sdpa_mask.patch, which
+bench/stage_gpu.sh applies: CPUMasterModel._layer_attention_mask, no mask when nothing is
+padded, so sdpa runs causal; the 4-D mask otherwise). setup() refuses a tree without it.
 
 Its step: forward_and_backward(input_ids, attention_mask, labels) (its loss: the mean over the
 shifted labels, 128 positions of logits at a time), clip_grad_norm_(get_parameters(), clip),
